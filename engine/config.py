@@ -1,0 +1,237 @@
+"""Configuration dataclasses: the model's shape and the engine's run settings.
+
+Every knob a preset, a manifest or a CLI flag can set lives in :class:`EngineConfig`;
+:func:`EngineConfig.validate` raises :class:`ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A setting is out of range or inconsistent; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling.
+
+    kind: ``llama3`` (Llama 3.1 ``rope_scaling``), ``linear`` (position interpolation),
+    ``dynamic`` (dynamic NTK, Reddit/LocalLLaMA 2023; as in transformers'
+    ``_compute_dynamic_ntk_parameters``) or ``yarn`` (Peng et al. 2023, "YaRN: Efficient
+    Context Window Extension of Large Language Models", arXiv:2309.00071).
+    """
+
+    kind: str
+    factor: float = 1.0
+    original_max_position: int = 8192
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2/2.5, SmolLM).
+
+    ``max_position`` is the context the model was trained for (tokens).
+    """
+
+    arch: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position: int = 4096
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    name: str = ""
+
+    @property
+    def group_size(self) -> int:
+        """G = Hq / Hkv, query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` if the shape is not one this engine runs."""
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model {self.name!r}: num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"model {self.name!r}: head_dim={self.head_dim} must be even for RoPE")
+
+
+ATTENTION_MODES = ("dense", "sparse")
+INDEXERS = ("quest", "dense", "oracle")
+PAGE_SIZES = (16, 32, 64)
+CONTEXT_POLICIES = ("refuse", "extend", "truncate")
+EXTEND_METHODS = ("yarn", "dynamic", "linear")
+TRUNCATE_KEEP = ("head", "tail", "middle")
+WEIGHT_FORMATS = ("auto", "int4", "float")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Resolved run settings (defaults < preset < manifest defaults < CLI flags).
+
+    Units: token counts in tokens, memory in GiB (``*_gb``).
+
+    attention: ``dense`` reads every page; ``sparse`` reads the pages the indexer selects.
+    hierarchical: with ``sparse``, keep all KV in the host pool and only a hot buffer of
+        ``device_buffer`` tokens per (request, layer, KV head) on the compute device; when
+        False every record stays resident in the KV pool (no host tier).
+    top_k: sparse budget in tokens per (request, layer, KV head), turned into pages.
+    device_buffer: hot-buffer capacity in tokens per (request, layer, KV head);
+        ``None`` means 2 x top_k.
+    sink_tokens / local_window: always-selected tokens at the start / end of the context.
+    context_policy: what to do with a prompt longer than the model's trained context:
+        ``refuse``, ``extend`` (RoPE scaling ``extend_method`` up to ``max_context``) or
+        ``truncate`` (keep ``truncate_keep`` part of the document).
+    """
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_dtype: str = "float32"
+    weight_format: str = "auto"
+    attention: str = "sparse"
+    hierarchical: bool = True
+    indexer: str = "quest"
+    page_size: int = 16
+    top_k: int = 2048
+    device_buffer: int | None = None
+    sink_tokens: int = 16
+    local_window: int = 64
+    max_batch: int = 8
+    prefill_chunk: int = 1024
+    host_pool_gb: float = 8.0
+    memory_budget_gb: float | None = None
+    context_policy: str = "refuse"
+    extend_method: str = "yarn"
+    max_context: int | None = None
+    truncate_keep: str = "head"
+    use_triton: bool | None = None
+    num_threads: int | None = None
+    skip_host_io: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def device_buffer_tokens(self) -> int:
+        """Hot-buffer tokens per (request, layer, KV head); 2 x top_k when unset."""
+        return self.device_buffer if self.device_buffer is not None else 2 * self.top_k
+
+    @property
+    def top_k_pages(self) -> int:
+        """Budget in pages, rounded up so no page is lost to rounding."""
+        return -(-self.top_k // self.page_size)
+
+    @property
+    def buffer_pages(self) -> int:
+        """Hot-buffer slots per (request, layer, KV head)."""
+        return self.device_buffer_tokens // self.page_size
+
+    @property
+    def sink_pages(self) -> int:
+        return -(-self.sink_tokens // self.page_size) if self.sink_tokens > 0 else 0
+
+    @property
+    def window_pages(self) -> int:
+        """Pages of the local window, counting the (possibly partial) tail page."""
+        return max(1, -(-self.local_window // self.page_size))
+
+    @property
+    def max_selected_pages(self) -> int:
+        """Upper bound on pages selected per (request, layer, KV head) in one step."""
+        return max(self.top_k_pages, self.sink_pages + self.window_pages)
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with ``changes`` applied (unknown names raise :class:`ConfigError`)."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        """Check ranges and consistency; raise :class:`ConfigError` naming the field."""
+        _choice("attention", self.attention, ATTENTION_MODES)
+        _choice("indexer", self.indexer, INDEXERS)
+        _choice("page_size", self.page_size, PAGE_SIZES)
+        _choice("context_policy", self.context_policy, CONTEXT_POLICIES)
+        _choice("extend_method", self.extend_method, EXTEND_METHODS)
+        _choice("truncate_keep", self.truncate_keep, TRUNCATE_KEEP)
+        _choice("weight_format", self.weight_format, WEIGHT_FORMATS)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("kv_dtype", self.kv_dtype, DTYPES)
+        _positive("top_k", self.top_k)
+        _positive("max_batch", self.max_batch)
+        _positive("prefill_chunk", self.prefill_chunk)
+        if self.host_pool_gb <= 0:
+            raise ConfigError(f"host_pool_gb must be > 0, got {self.host_pool_gb}")
+        if self.sink_tokens < 0 or self.local_window < 0:
+            raise ConfigError("sink_tokens and local_window must be >= 0")
+        if self.device_buffer is not None and self.device_buffer % self.page_size:
+            raise ConfigError(
+                f"device_buffer={self.device_buffer} tokens is not a multiple of "
+                f"page_size={self.page_size}"
+            )
+        if self.attention == "sparse" and self.buffer_pages < self.max_selected_pages:
+            raise ConfigError(
+                f"device_buffer={self.device_buffer_tokens} tokens holds {self.buffer_pages} pages "
+                f"but one step may select {self.max_selected_pages} pages (top_k={self.top_k}, "
+                f"sink_tokens={self.sink_tokens}, local_window={self.local_window}, "
+                f"page_size={self.page_size}); device_buffer must be >= top_k"
+            )
+        if self.max_context is not None:
+            _positive("max_context", self.max_context)
+        if self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
+            raise ConfigError(f"memory_budget_gb must be > 0, got {self.memory_budget_gb}")
+
+
+def _choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-job sampling, named as in vLLM's ``SamplingParams``.
+
+    temperature 0 means greedy. top_k 0 (or -1) disables top-k filtering. ``max_tokens``
+    is the number of new tokens. ``stop`` strings end generation (not included in text).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    max_tokens: int = 256
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens <= 0:
+            raise ConfigError(f"max_tokens must be > 0, got {self.max_tokens}")

@@ -1,0 +1,144 @@
+"""Jobs in, events out: the contract between the engine and any front end.
+
+The engine never imports the CLI or Rich. A front end builds :class:`Job` objects, calls
+``Engine.run(jobs)`` and renders the :class:`Event` objects it yields. Every event is a
+frozen dataclass; ``dataclasses.asdict`` turns one into JSON-ready data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import SamplingParams
+
+
+@dataclass(frozen=True)
+class Job:
+    """One unit of work: a prompt (already rendered with the chat template) to complete.
+
+    prompt_ids: token ids of the full rendered prompt, ``[T]`` ints.
+    key: opaque string identifying input content + settings (used for resume).
+    """
+
+    id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    input_path: str = ""
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Hot-buffer traffic of one job (sums over layers, KV heads and steps).
+
+    hits / misses count records (one page of one layer and KV head);
+    ``h2d_bytes`` is bytes copied host pool -> hot buffer by gathers.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    h2d_bytes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 1.0
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """Outcome of a finished job.
+
+    finish_reason: ``stop`` (end-of-turn / EOS token or stop string), ``length``
+    (max_tokens reached), ``error`` (see ``error``) or ``cancelled``.
+    ttft_s: seconds from admission to the first generated token.
+    decode_tok_s: generated tokens after the first / decode seconds.
+    """
+
+    job_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    finish_reason: str
+    ttft_s: float = 0.0
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    cache: CacheStats = field(default_factory=CacheStats)
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base class of everything ``Engine.run`` yields. ``t`` is ``time.monotonic()``."""
+
+    t: float
+
+
+@dataclass(frozen=True)
+class JobQueued(Event):
+    job_id: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class JobAdmitted(Event):
+    job_id: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefillProgress(Event):
+    """Prefill of ``job_id`` has done ``done`` of ``total`` units (layer x chunk work)."""
+
+    job_id: str
+    done: int
+    total: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class FirstToken(Event):
+    job_id: str
+    ttft_s: float
+
+
+@dataclass(frozen=True)
+class DecodeStep(Event):
+    """One decode step of the whole batch.
+
+    generated: per running job, tokens generated so far (after this step).
+    """
+
+    step: int
+    batch_size: int
+    step_s: float
+    generated: dict[str, int]
+    max_tokens: dict[str, int]
+    hits: int = 0
+    misses: int = 0
+    h2d_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class JobFinished(Event):
+    result: JobResult
+
+
+@dataclass(frozen=True)
+class JobFailed(Event):
+    job_id: str
+    error: str
+
+
+@dataclass(frozen=True)
+class MemorySnapshot(Event):
+    """Memory in bytes by part, per device (``device`` is e.g. ``cpu`` or ``cuda:0``)."""
+
+    device: str
+    weights: int
+    hot_buffer: int
+    metadata: int
+    activations: int
+    total: int
+    host_pool_used: int
+    host_pool_total: int
