@@ -1,21 +1,322 @@
-"""``hisparse presets`` and ``hisparse plan`` commands (stub; filled in shortly)."""
+"""``hisparse presets`` (list / show) and ``hisparse plan`` (capacity planner).
+
+The main app calls :func:`register`; the commands stay thin: parse flags, call
+:mod:`engine.presets` / :mod:`engine.planner`, render.
+"""
 
 from __future__ import annotations
 
+import json
+from typing import Annotated, Any
+
 import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from engine.config import DTYPES, ConfigError
+from engine.model_shapes import get_model_shape
+from engine.planner import (
+    GIB,
+    LRU_MISS_RATE,
+    Plan,
+    format_context,
+    parse_context,
+    plan,
+)
+from engine.presets import (
+    list_presets,
+    load_preset_full,
+    resolve_config,
+    resolved_preset_dict,
+)
+
+EXIT_REFUSED = 2
+
+PresetOpt = Annotated[
+    str, typer.Option("--preset", "-p", help="Preset name or YAML file.")
+]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model", "-m", help="Model shape name or config.json [default: the preset's]."
+    ),
+]
+JobsOpt = Annotated[int, typer.Option("--jobs", "-n", min=1, help="Concurrent jobs.")]
+ContextOpt = Annotated[
+    str,
+    typer.Option(
+        "--context", "-c", help="Positions per job, prompt + output: 256K, 128k, 32768."
+    ),
+]
+MemoryBudgetOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--memory-budget", help="Cap per-device memory, GiB (emulate a smaller card)."
+    ),
+]
+TopKOpt = Annotated[int | None, typer.Option("--top-k", help="Sparse budget, tokens.")]
+DeviceBufferOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--device-buffer", help="Hot-buffer tokens per (job, layer, KV head)."
+    ),
+]
+PageSizeOpt = Annotated[
+    int | None, typer.Option("--page-size", help="Tokens per page: 16, 32, 64.")
+]
+KvDtypeOpt = Annotated[
+    str | None, typer.Option("--kv-dtype", help=f"KV dtype: {', '.join(DTYPES)}.")
+]
+MaxBatchOpt = Annotated[int | None, typer.Option("--max-batch", help="Decode batch.")]
+PrefillChunkOpt = Annotated[
+    int | None, typer.Option("--prefill-chunk", help="Prefill chunk.")
+]
+AttentionOpt = Annotated[
+    str | None, typer.Option("--attention", help="sparse or dense.")
+]
+HostPoolOpt = Annotated[
+    float | None, typer.Option("--host-pool", help="Pinned host pool, GiB.")
+]
+HostMemoryOpt = Annotated[
+    float | None,
+    typer.Option("--host-memory", help="Host RAM, GiB [default: the preset's]."),
+]
+ParallelOpt = Annotated[
+    str | None,
+    typer.Option("--parallel", help="data or pipeline [default: the preset's]."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")]
 
 
 def register(app: typer.Typer) -> None:
-    """Add the ``presets`` sub-app and the ``plan`` command to ``app``."""
-    presets_app = typer.Typer(help="List and show presets.", invoke_without_command=True)
+    """Add ``presets`` (a sub-app: list, ``show NAME``) and ``plan`` to ``app``."""
+    presets_app = typer.Typer(
+        help="List the hardware presets, or show one resolved.", no_args_is_help=False
+    )
 
-    @presets_app.callback()
-    def _presets(ctx: typer.Context) -> None:
-        """List the presets."""
+    @presets_app.callback(invoke_without_command=True)
+    def presets(ctx: typer.Context) -> None:
+        """List the hardware presets (``presets show NAME`` for one)."""
+        if ctx.invoked_subcommand is None:
+            Console().print(_presets_table())
+
+    @presets_app.command("show")
+    def show(
+        name: Annotated[str, typer.Argument(help="Preset name or YAML file.")],
+    ) -> None:
+        """Print the preset with its engine settings resolved over the defaults, as YAML."""
+        try:
+            resolved = resolved_preset_dict(name)
+        except ConfigError as exc:
+            _refuse(str(exc))
+        typer.echo(yaml.safe_dump(resolved, sort_keys=False), nl=False)
 
     app.add_typer(presets_app, name="presets")
+    app.command("plan")(plan_command)
 
-    @app.command("plan")
-    def _plan() -> None:
-        """Capacity plan (not yet implemented)."""
-        raise typer.Exit(2)
+
+def plan_command(
+    preset: PresetOpt,
+    jobs: JobsOpt,
+    context: ContextOpt,
+    model: ModelOpt = None,
+    memory_budget: MemoryBudgetOpt = None,
+    top_k: TopKOpt = None,
+    device_buffer: DeviceBufferOpt = None,
+    page_size: PageSizeOpt = None,
+    kv_dtype: KvDtypeOpt = None,
+    max_batch: MaxBatchOpt = None,
+    prefill_chunk: PrefillChunkOpt = None,
+    attention: AttentionOpt = None,
+    host_pool: HostPoolOpt = None,
+    host_memory: HostMemoryOpt = None,
+    parallel: ParallelOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Plan device and host memory for JOBS concurrent jobs of CONTEXT tokens.
+
+    Exits 2, with the reason and the nearest feasible setting, when they do not fit.
+    """
+    overrides = {
+        "memory_budget_gb": memory_budget,
+        "top_k": top_k,
+        "device_buffer": device_buffer,
+        "page_size": page_size,
+        "kv_dtype": kv_dtype,
+        "max_batch": max_batch,
+        "prefill_chunk": prefill_chunk,
+        "attention": attention,
+        "host_pool_gb": host_pool,
+    }
+    try:
+        loaded = load_preset_full(preset)
+        config = resolve_config(loaded, {}, overrides)
+        hardware = loaded.hardware.replace(
+            **{
+                k: v
+                for k, v in {
+                    "host_memory_gb": host_memory,
+                    "parallel": parallel,
+                }.items()
+                if v is not None
+            }
+        )
+        shape = get_model_shape(model or loaded.model or "smollm2-135m")
+        result = plan(shape, config, hardware, jobs, parse_context(context))
+    except ConfigError as exc:
+        _refuse(str(exc))
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        _render_plan(result, loaded.name)
+    if not result.feasible:
+        if not as_json:
+            _render_refusal(result)
+        raise typer.Exit(EXIT_REFUSED)
+
+
+# ----------------------------------------------------------------------------- render
+
+
+def _presets_table() -> Table:
+    table = Table(title="presets", title_justify="left")
+    for column in (
+        "name",
+        "devices",
+        "memory / device",
+        "host RAM",
+        "model",
+        "description",
+    ):
+        table.add_column(column)
+    for name in list_presets():
+        try:
+            p = load_preset_full(name)
+        except ConfigError as exc:
+            table.add_row(name, "", "", "", "", f"[red]{exc}[/]")
+            continue
+        hw = p.hardware
+        table.add_row(
+            name,
+            f"{hw.num_devices} x {hw.device_name or hw.devices[0]}",
+            f"{hw.memory_gb:g} GiB",
+            f"{hw.host_memory_gb:g} GiB",
+            p.model or "",
+            p.description,
+        )
+    return table
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:,.2f}"
+
+
+def _device_table(result: Plan) -> Table:
+    pipeline = result.hardware.parallel == "pipeline" and len(result.devices) > 1
+    table = Table(title="device memory (GiB)", title_justify="left")
+    table.add_column("")
+    for d in result.devices:
+        layers = f" L{d.layers[0]}-{d.layers[1] - 1}" if pipeline else ""
+        table.add_column(f"{d.device}{layers}\n{d.num_jobs} job(s)", justify="right")
+    table.add_column("what")
+    cfg, m = result.config, result.model
+    rows: list[tuple[str, str, Any]] = [
+        ("weights", "weights_bytes", f"{cfg.dtype} / {cfg.weight_format} weights"),
+        (
+            "hot KV slab pool",
+            "kv_slab_bytes",
+            f"jobs x L x {m.num_kv_heads} x {cfg.device_buffer_tokens} tok x {m.head_dim} x 2",
+        ),
+        ("page metadata", "metadata_bytes", f"min+max per page (KV / {cfg.page_size})"),
+        (
+            "activations + scratch",
+            "activation_bytes",
+            "decode, chunk, one layer's prefill",
+        ),
+        (
+            "communication",
+            "comm_bytes",
+            "pipeline hand-off" if pipeline else "none (data)",
+        ),
+        ("reserve", "reserve_bytes", "max(5 %, 1 GiB)"),
+        ("used", "used_bytes", ""),
+        ("capacity", "capacity_bytes", "device or --memory-budget"),
+        ("free", "free_bytes", ""),
+    ]
+    for label, attr, what in rows:
+        values = [_gib(getattr(d, attr)) for d in result.devices]
+        style = "bold" if label in ("used", "free") else None
+        table.add_row(label, *values, what, style=style)
+    return table
+
+
+def _host_table(result: Plan) -> Table:
+    table = Table(title="host memory (GiB)", title_justify="left")
+    table.add_column("")
+    table.add_column("GiB", justify="right")
+    table.add_column("what")
+    ctx = format_context(result.context)
+    table.add_row(
+        "KV per job", _gib(result.job_kv_bytes), f"{ctx} x L x Hkv x D x 2, paged"
+    )
+    table.add_row(
+        "pinned KV needed", _gib(result.host_needed_bytes), f"{result.num_jobs} job(s)"
+    )
+    table.add_row(
+        "host pool", _gib(result.host_pool_bytes), "host_pool_gb, within usable RAM"
+    )
+    table.add_row(
+        "usable host RAM", _gib(result.host_usable_bytes), "RAM less max(10 %, 4 GiB)"
+    )
+    return table
+
+
+def _render_plan(result: Plan, preset_name: str) -> None:
+    console = Console()
+    hw, ctx = result.hardware, format_context(result.context)
+    console.print(
+        f"[bold]{result.num_jobs} x {ctx} jobs[/] of [bold]{result.model.name}[/] on "
+        f"[bold]{preset_name}[/]: {hw.num_devices} x {hw.device_name or hw.devices[0]}, "
+        f"{hw.parallel} parallel, attention {result.config.attention}"
+    )
+    console.print(_device_table(result))
+    console.print(_host_table(result))
+    cap, dense = result.capacity, result.dense
+    host = (
+        "no host tier"
+        if cap.host_limit is None
+        else f"host memory allows {cap.host_limit}"
+    )
+    console.print(
+        f"max concurrent {ctx} jobs: [bold]{cap.max_jobs}[/] (device memory allows "
+        f"{cap.device_limit}, {host}; [bold]{cap.binding}[/] memory binds)"
+    )
+    console.print(
+        f"dense all-resident baseline: [bold]{dense.max_jobs}[/] job(s) "
+        f"({_gib(result.dense_job_device_bytes)} GiB of KV per job on the device)"
+    )
+    if result.gather_bytes_per_step:
+        console.print(
+            f"decode IO estimate: {result.gather_bytes_per_step / 1e6:,.0f} MB per step from "
+            f"host at {LRU_MISS_RATE:.1%} LRU misses = {result.gather_ms_per_step:.1f} ms at "
+            f"{hw.host_link_gbps:g} GB/s"
+        )
+    for note in result.notes:
+        console.print(f"[yellow]note:[/] {note}")
+
+
+def _render_refusal(result: Plan) -> None:
+    err = Console(stderr=True)
+    err.print("[red bold]refused:[/] this does not fit")
+    for reason in result.reasons:
+        err.print(f"  - {reason}")
+    if result.suggestions:
+        err.print("nearest feasible:")
+        for suggestion in result.suggestions:
+            err.print(f"  - {suggestion}")
+
+
+def _refuse(message: str) -> None:
+    Console(stderr=True).print(f"[red bold]error:[/] {message}", highlight=False)
+    raise typer.Exit(EXIT_REFUSED)

@@ -1,0 +1,155 @@
+"""Known model shapes for planning, as :class:`~engine.config.ModelConfig`.
+
+The planner needs only a model's shape (no weights, no torch), so the shapes of the models
+the presets are sized for live here. Each entry is taken from the model's published
+``config.json`` (Hugging Face hub), except where noted.
+
+Shape symbols: ``L`` layers, ``H`` hidden size, ``Hq`` query heads, ``Hkv`` KV heads,
+``D`` head dim, ``F`` FFN (intermediate) size, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.config import ConfigError, ModelConfig, RopeScaling
+
+MODEL_SHAPES: dict[str, ModelConfig] = {
+    # HuggingFaceTB/SmolLM2-135M-Instruct; the embedded default model (DESIGN.md).
+    "smollm2-135m": ModelConfig(
+        arch="llama",
+        num_layers=30,
+        hidden_size=576,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        max_position=8192,
+        tie_word_embeddings=True,
+        name="smollm2-135m",
+    ),
+    # Llama-2-13B with grouped KV: the real model has 40 KV heads (MHA); the dual-4090
+    # article sizes its 13B example with 8 KV heads, and so does this shape.
+    "llama2-13b": ModelConfig(
+        arch="llama",
+        num_layers=40,
+        hidden_size=5120,
+        num_heads=40,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=13824,
+        vocab_size=32000,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position=4096,
+        name="llama2-13b",
+    ),
+    # meta-llama/Llama-3.1-8B-Instruct.
+    "llama3.1-8b": ModelConfig(
+        arch="llama",
+        num_layers=32,
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        max_position=131072,
+        rope_scaling=RopeScaling(
+            kind="llama3",
+            factor=8.0,
+            original_max_position=8192,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+        ),
+        name="llama3.1-8b",
+    ),
+    # Qwen/Qwen2.5-7B-Instruct (32K native; Qwen2.5-7B-Instruct-1M has the same shape).
+    "qwen2.5-7b": ModelConfig(
+        arch="qwen2",
+        num_layers=28,
+        hidden_size=3584,
+        num_heads=28,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=18944,
+        vocab_size=152064,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        max_position=32768,
+        qkv_bias=True,
+        name="qwen2.5-7b",
+    ),
+}
+
+
+def list_models() -> list[str]:
+    """Names of the known shapes, sorted."""
+    return sorted(MODEL_SHAPES)
+
+
+def get_model_shape(name_or_path: str) -> ModelConfig:
+    """The shape called ``name_or_path``, or read from a Hugging Face ``config.json``.
+
+    Parameters
+    ----------
+    name_or_path
+        A key of :data:`MODEL_SHAPES` (case-insensitive), a ``config.json`` file, or a
+        directory holding one.
+
+    Raises
+    ------
+    ConfigError
+        Unknown name, or a file without the fields a Llama-family shape needs.
+    """
+    key = name_or_path.lower()
+    if key in MODEL_SHAPES:
+        return MODEL_SHAPES[key]
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" and path.is_file():
+        return shape_from_hf_config(path)
+    raise ConfigError(
+        f"unknown model {name_or_path!r}: known shapes are {', '.join(list_models())} "
+        "(or pass a Hugging Face config.json)"
+    )
+
+
+def shape_from_hf_config(path: str | Path) -> ModelConfig:
+    """Build a :class:`ModelConfig` from a Hugging Face ``config.json`` (pure JSON, no torch).
+
+    ``head_dim`` defaults to ``hidden_size // num_attention_heads`` and
+    ``num_key_value_heads`` to ``num_attention_heads`` (MHA), as in transformers.
+    """
+    path = Path(path)
+    cfg = json.loads(path.read_text())
+    try:
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        shape = ModelConfig(
+            arch=str(cfg.get("model_type", "llama")),
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=hidden,
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            max_position=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+            name=path.parent.name or path.stem,
+        )
+    except KeyError as exc:
+        raise ConfigError(f"{path}: missing field {exc.args[0]!r}") from None
+    shape.validate()
+    return shape

@@ -1,0 +1,901 @@
+"""Capacity planner: what fits on the devices and in the host pool, by arithmetic alone.
+
+No torch is needed: every figure comes from the model's shape (:class:`ModelConfig`),
+the run settings (:class:`EngineConfig`) and the box (:class:`Hardware`). The engine's
+scheduler uses the same functions for admission (:func:`job_host_bytes`,
+:func:`job_device_bytes`, :func:`admit`, :func:`max_concurrent_jobs`), so ``hisparse
+plan`` and ``hisparse run`` agree.
+
+Shape symbols: ``L`` layers (``L_d`` on one pipeline stage), ``H`` hidden, ``Hq``/``Hkv``
+query/KV heads, ``D`` head dim, ``F`` FFN size, ``V`` vocabulary, ``T`` context tokens,
+``S`` page size, ``P = ceil(T / S)`` pages, ``B`` decode batch, ``C`` prefill chunk,
+``b`` bytes per element. Memory is in bytes internally and GiB (2**30 bytes) on
+interfaces, matching ``EngineConfig.*_gb``; link speeds are decimal GB/s.
+
+Per-device memory table (the rows of the dual-4090 article's budget table):
+
+==================  ============================================================
+weights             int4: linear layers at 0.5 B/param plus a bf16 scale and a
+                    bf16 zero per group of 128 (``_weight_int4pack_mm`` layout),
+                    i.e. 0.53125 B/param; embeddings, lm_head, norms and biases stay
+                    in ``dtype``. float: every parameter in ``dtype``.
+hot KV slab pool    jobs x L_d x Hkv x min(device_buffer, P*S) x D x 2 (K,V) x b_kv
+page metadata       jobs x P x L_d x Hkv x 2 (min,max) x D x b_kv  (= full KV / S)
+activations         decode: B x (4H + (Hq+2Hkv)D + 2F) x b, logits B x V x 4;
+  and scratch       prefill chunk: C x (4H + (Hq+2Hkv)D + 2F) x b; layer-by-layer
+                    prefill of one job: that layer's K/V 2 x Hkv x T x D x b_kv plus
+                    hidden states T x H x b (all-resident mode writes K/V straight
+                    into its pages, so only the hidden states count there)
+communication       pipeline only: double-buffered stage hand-off of one decode
+                    micro-batch and one prefill chunk, 2 x (B + C) x H x b
+reserve             max(5 % of the device, 1 GiB): CUDA context, cuBLAS/Triton
+                    workspaces, allocator slack
+==================  ============================================================
+
+Host: every job's full KV, paged: P x S x L x Hkv x D x 2 x b_kv, from the pinned host
+pool (``host_pool_gb``), which must itself fit in the host's RAM less a reserve of
+max(10 %, 4 GiB) for the OS, the process and the weight file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import DTYPES, ConfigError, EngineConfig, ModelConfig
+
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+INT4_GROUP_SIZE = 128
+INT4_GROUP_OVERHEAD_BYTES = 4  # one bf16 scale + one bf16 zero point per group
+LOGITS_BYTES = 4  # logits are computed in float32
+DEVICE_RESERVE_FRACTION = 0.05
+DEVICE_RESERVE_MIN_BYTES = 1 * GIB
+HOST_RESERVE_FRACTION = 0.10
+HOST_RESERVE_MIN_BYTES = 4 * GIB
+# LRU misses at device_buffer = 2 x top_k on real traces (HiSparse paper, via DESIGN.md);
+# used only for the decode IO estimate, never for admission.
+LRU_MISS_RATE = 0.134
+PARALLEL_MODES = ("data", "pipeline")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The box a preset describes: identical devices and one host.
+
+    devices: device names (``cuda:0``, ``cpu``), one entry per device used.
+    memory_gb: memory per device in GiB.
+    host_link_gbps: effective host-to-device bandwidth per device, decimal GB/s.
+    host_memory_gb: host RAM in GiB. On ``cpu`` devices the device working set is
+        carved from the same RAM, so it is subtracted from what the host pool may use.
+    parallel: ``data`` (each device runs whole jobs, jobs spread round-robin) or
+        ``pipeline`` (layers split into contiguous stages, every job on every device).
+    """
+
+    devices: tuple[str, ...] = ("cpu",)
+    memory_gb: float = 8.0
+    host_link_gbps: float = 10.0
+    host_memory_gb: float = 32.0
+    parallel: str = "data"
+    device_name: str = ""
+    compute_capability: str | None = None
+    host_link: str = ""
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def shares_host_memory(self) -> bool:
+        """True when the devices are CPUs, whose memory is the host's RAM."""
+        return all(d.split(":")[0] == "cpu" for d in self.devices)
+
+    def replace(self, **changes: Any) -> Hardware:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["devices"] = list(self.devices)
+        return out
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the field."""
+        if not self.devices:
+            raise ConfigError("hardware.devices must list at least one device")
+        if self.parallel not in PARALLEL_MODES:
+            raise ConfigError(
+                f"hardware.parallel={self.parallel!r} is not one of {', '.join(PARALLEL_MODES)}"
+            )
+        for name in ("memory_gb", "host_link_gbps", "host_memory_gb"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(
+                    f"hardware.{name} must be a positive number, got {value!r}"
+                )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "hardware") -> Hardware:
+        """Build from a preset's ``hardware`` block; unknown keys raise, naming ``source``."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown hardware key(s) {', '.join(unknown)} "
+                f"(known: {', '.join(sorted(names))})"
+            )
+        data = dict(data)
+        if "devices" in data:
+            if isinstance(data["devices"], str) or not isinstance(
+                data["devices"], list
+            ):
+                raise ConfigError(
+                    f"{source}: hardware.devices must be a list of device names"
+                )
+            data["devices"] = tuple(str(d) for d in data["devices"])
+        if data.get("compute_capability") is not None:
+            data["compute_capability"] = str(data["compute_capability"])
+        hw = cls(**data)
+        try:
+            hw.validate()
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+        return hw
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def parse_context(text: str | int) -> int:
+    """Tokens from ``256K``, ``128k``, ``1M``, ``32768`` (K = 1024, M = 1024**2).
+
+    Raises
+    ------
+    ConfigError
+        Not a positive token count.
+    """
+    if isinstance(text, int):
+        tokens = text
+    else:
+        match = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
+        if not match:
+            raise ConfigError(
+                f"context {text!r} is not a token count like 256K, 128k or 32768"
+            )
+        scale = {"": 1, "k": 1024, "m": 1024 * 1024}[match.group(2).lower()]
+        tokens = int(match.group(1)) * scale
+    if tokens <= 0:
+        raise ConfigError(f"context must be > 0 tokens, got {text!r}")
+    return tokens
+
+
+def format_context(tokens: int) -> str:
+    """``262144`` -> ``256K``; other counts unchanged."""
+    if tokens % (1024 * 1024) == 0:
+        return f"{tokens // (1024 * 1024)}M"
+    if tokens % 1024 == 0:
+        return f"{tokens // 1024}K"
+    return str(tokens)
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (one of :data:`engine.config.DTYPES`)."""
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def weight_format(config: EngineConfig) -> str:
+    """``int4`` or ``float``; ``auto`` plans as int4 on accelerators and float on CPU."""
+    if config.weight_format != "auto":
+        return config.weight_format
+    return "float" if config.device.split(":")[0] == "cpu" else "int4"
+
+
+def all_resident(config: EngineConfig) -> bool:
+    """True when every record stays on the device (dense attention or no host tier)."""
+    return config.attention == "dense" or not config.hierarchical
+
+
+def context_pages(config: EngineConfig, context: int) -> int:
+    """P = ceil(T / S): pages holding ``context`` positions."""
+    return -(-context // config.page_size)
+
+
+def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` layer ranges, the first stages taking any remainder."""
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for i in range(num_stages):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def _linear_params_per_layer(model: ModelConfig) -> int:
+    """q, k, v, o projections plus gate/up/down of the MLP."""
+    h, d = model.hidden_size, model.head_dim
+    attn = h * model.num_heads * d * 2 + h * model.num_kv_heads * d * 2
+    return attn + 3 * h * model.intermediate_size
+
+
+def _small_params_per_layer(model: ModelConfig) -> int:
+    """Two RMSNorm weights, plus the q/k/v biases of Qwen2-style models."""
+    bias = (
+        (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+        if model.qkv_bias
+        else 0
+    )
+    return 2 * model.hidden_size + bias
+
+
+def weight_bytes(
+    model: ModelConfig,
+    config: EngineConfig,
+    layers: tuple[int, int] | None = None,
+    *,
+    embed: bool = True,
+    head: bool = True,
+) -> int:
+    """Bytes of the weights one device holds.
+
+    Parameters
+    ----------
+    layers
+        ``[start, end)`` decoder layers on this device; all layers when ``None``.
+    embed, head
+        Whether the token embedding ``[V, H]`` / final norm and lm_head ``[V, H]`` live
+        here. With tied embeddings a device holding only the head still needs the
+        shared matrix, so it is counted once per device that holds either.
+
+    Notes
+    -----
+    int4 linears cost 0.5 B/param + 4 B per group of :data:`INT4_GROUP_SIZE`; the
+    embedding, lm_head, norms and biases stay in ``config.dtype``.
+    """
+    start, end = layers if layers is not None else (0, model.num_layers)
+    num_layers = end - start
+    b = dtype_bytes(config.dtype)
+    linear = _linear_params_per_layer(model) * num_layers
+    if weight_format(config) == "int4":
+        linear_bytes = (
+            linear // 2 + -(-linear // INT4_GROUP_SIZE) * INT4_GROUP_OVERHEAD_BYTES
+        )
+    else:
+        linear_bytes = linear * b
+    vocab_matrix = model.vocab_size * model.hidden_size
+    if model.tie_word_embeddings:
+        vocab_params = vocab_matrix if (embed or head) else 0
+    else:
+        vocab_params = vocab_matrix * (int(embed) + int(head))
+    small = _small_params_per_layer(model) * num_layers + (
+        model.hidden_size if head else 0
+    )
+    return linear_bytes + (vocab_params + small) * b
+
+
+# ----------------------------------------------------------------------------- KV
+
+
+def kv_bytes_per_token(
+    model: ModelConfig, config: EngineConfig, num_layers: int | None = None
+) -> int:
+    """K and V of one position over ``num_layers`` layers: L x Hkv x D x 2 x b_kv."""
+    num_layers = model.num_layers if num_layers is None else num_layers
+    return (
+        num_layers
+        * model.num_kv_heads
+        * model.head_dim
+        * 2
+        * dtype_bytes(config.kv_dtype)
+    )
+
+
+def job_kv_bytes(model: ModelConfig, config: EngineConfig, context: int) -> int:
+    """Full KV of one job, rounded up to whole pages: P x S x L x Hkv x D x 2 x b_kv."""
+    return (
+        context_pages(config, context)
+        * config.page_size
+        * kv_bytes_per_token(model, config)
+    )
+
+
+def job_host_bytes(model: ModelConfig, config: EngineConfig, context: int) -> int:
+    """Pinned host-pool bytes one job of ``context`` positions needs.
+
+    The host pool holds every record of every admitted job (the authoritative copy), so
+    this is :func:`job_kv_bytes`; it is 0 when the config keeps every record on the
+    device (``attention='dense'`` or ``hierarchical=False``). ``context`` counts every
+    position the job will hold: prompt plus generated tokens.
+    """
+    return 0 if all_resident(config) else job_kv_bytes(model, config, context)
+
+
+def job_device_bytes(
+    model: ModelConfig,
+    config: EngineConfig,
+    context: int,
+    num_layers: int | None = None,
+) -> int:
+    """Device bytes one job needs: hot KV slabs plus page metadata.
+
+    Parameters
+    ----------
+    context
+        Positions the job will hold (prompt + generated tokens).
+    num_layers
+        Layers on this device (a pipeline stage); all layers when ``None``.
+
+    Returns
+    -------
+    int
+        Hierarchical sparse: L_d x Hkv x min(device_buffer, P x S) x D x 2 x b_kv slabs
+        plus P x L_d x Hkv x 2 x D x b_kv metadata. All-resident: the full paged KV of
+        those layers, plus the metadata when the attention is sparse.
+    """
+    num_layers = model.num_layers if num_layers is None else num_layers
+    pages = context_pages(config, context)
+    per_token = kv_bytes_per_token(model, config, num_layers)
+    if all_resident(config):
+        resident_tokens = pages * config.page_size
+    else:
+        resident_tokens = min(config.buffer_pages, pages) * config.page_size
+    metadata = (
+        0 if config.attention == "dense" else pages * per_token
+    )  # [2, D] per page
+    return resident_tokens * per_token + metadata
+
+
+def _slab_and_metadata(model, config, context, num_layers) -> tuple[int, int]:
+    total = job_device_bytes(model, config, context, num_layers)
+    pages = context_pages(config, context)
+    metadata = (
+        0
+        if config.attention == "dense"
+        else pages * kv_bytes_per_token(model, config, num_layers)
+    )
+    return total - metadata, metadata
+
+
+# ----------------------------------------------------------------------------- scratch
+
+
+def _activation_width(model: ModelConfig) -> int:
+    """Elements per token live in one layer: hidden, residual, norm out, attn out (4H),
+    q/k/v ((Hq + 2Hkv) D) and the MLP's gate and up (2F)."""
+    qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    return 4 * model.hidden_size + qkv + 2 * model.intermediate_size
+
+
+def activation_bytes(
+    model: ModelConfig,
+    config: EngineConfig,
+    context: int,
+    batch: int,
+    *,
+    head: bool = True,
+) -> int:
+    """Activations and scratch on one device, in bytes.
+
+    decode B x width x b + logits B x V x 4 (``head`` only), prefill chunk C x width x b,
+    and the layer-by-layer prefill of one job: K/V 2 x Hkv x T x D x b_kv (hierarchical
+    only) plus hidden states T x H x b.
+    """
+    b = dtype_bytes(config.dtype)
+    width = _activation_width(model)
+    decode = batch * width * b + (
+        batch * model.vocab_size * LOGITS_BYTES if head else 0
+    )
+    chunk = min(config.prefill_chunk, context) * width * b
+    hidden = context * model.hidden_size * b
+    layer_kv = (
+        0 if all_resident(config) else kv_bytes_per_token(model, config, 1) * context
+    )
+    return decode + chunk + hidden + layer_kv
+
+
+def comm_bytes(
+    model: ModelConfig, config: EngineConfig, batch: int, hardware: Hardware
+) -> int:
+    """Pipeline hand-off buffers: 2 x (B + C) x H x b; 0 in data mode or on one device."""
+    if hardware.parallel != "pipeline" or hardware.num_devices == 1:
+        return 0
+    return (
+        2
+        * (batch + config.prefill_chunk)
+        * model.hidden_size
+        * dtype_bytes(config.dtype)
+    )
+
+
+def device_reserve_bytes(capacity_bytes: int) -> int:
+    """max(5 % of the device, 1 GiB), capped at the capacity."""
+    return min(
+        capacity_bytes,
+        max(int(capacity_bytes * DEVICE_RESERVE_FRACTION), DEVICE_RESERVE_MIN_BYTES),
+    )
+
+
+def host_reserve_bytes(host_bytes: int) -> int:
+    """max(10 % of host RAM, 4 GiB), capped at host RAM."""
+    return min(
+        host_bytes, max(int(host_bytes * HOST_RESERVE_FRACTION), HOST_RESERVE_MIN_BYTES)
+    )
+
+
+def device_capacity_bytes(config: EngineConfig, hardware: Hardware) -> int:
+    """Per-device memory: the device's, capped by ``memory_budget_gb`` when set."""
+    gb = hardware.memory_gb
+    if config.memory_budget_gb is not None:
+        gb = min(gb, config.memory_budget_gb)
+    return int(gb * GIB)
+
+
+def host_usable_bytes(config: EngineConfig, hardware: Hardware) -> int:
+    """Host RAM the pinned pool may take: RAM less the host reserve (less the device
+    working sets when the devices are CPUs sharing that RAM)."""
+    host = int(hardware.host_memory_gb * GIB)
+    usable = host - host_reserve_bytes(host)
+    if hardware.shares_host_memory:
+        usable -= hardware.num_devices * device_capacity_bytes(config, hardware)
+    return max(0, usable)
+
+
+def host_memory_needed_bytes(
+    pool_bytes: int, config: EngineConfig, hardware: Hardware
+) -> int:
+    """Host RAM R whose usable part (R less its reserve, less CPU device working sets)
+    holds a pool of ``pool_bytes``: R = max((pool + shared) / 0.9, pool + shared + 4 GiB)."""
+    shared = hardware.num_devices * device_capacity_bytes(config, hardware)
+    need = pool_bytes + (shared if hardware.shares_host_memory else 0)
+    return max(
+        math.ceil(need / (1 - HOST_RESERVE_FRACTION)), need + HOST_RESERVE_MIN_BYTES
+    )
+
+
+def host_pool_bytes(config: EngineConfig, hardware: Hardware) -> int:
+    """Pinned pool the jobs may fill: ``host_pool_gb``, capped by usable host RAM."""
+    return min(int(config.host_pool_gb * GIB), host_usable_bytes(config, hardware))
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One device's memory table, in bytes.
+
+    ``per_job_bytes`` is :func:`job_device_bytes` for this device's layers;
+    ``kv_slab_bytes + metadata_bytes == num_jobs * per_job_bytes``.
+    """
+
+    device: str
+    layers: tuple[int, int]
+    num_jobs: int
+    capacity_bytes: int
+    weights_bytes: int
+    kv_slab_bytes: int
+    metadata_bytes: int
+    activation_bytes: int
+    comm_bytes: int
+    reserve_bytes: int
+    per_job_bytes: int
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Everything that does not grow with the number of jobs."""
+        return (
+            self.weights_bytes
+            + self.activation_bytes
+            + self.comm_bytes
+            + self.reserve_bytes
+        )
+
+    @property
+    def used_bytes(self) -> int:
+        return self.fixed_bytes + self.kv_slab_bytes + self.metadata_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        """Capacity left (negative when over)."""
+        return self.capacity_bytes - self.used_bytes
+
+    @property
+    def max_jobs(self) -> int:
+        """Jobs whose slabs and metadata fit next to the fixed parts."""
+        room = self.capacity_bytes - self.fixed_bytes
+        return max(0, room // self.per_job_bytes) if self.per_job_bytes else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["layers"] = list(self.layers)
+        out.update(
+            fixed_bytes=self.fixed_bytes,
+            used_bytes=self.used_bytes,
+            free_bytes=self.free_bytes,
+            max_jobs=self.max_jobs,
+        )
+        return out
+
+
+def device_tables(
+    model: ModelConfig,
+    config: EngineConfig,
+    hardware: Hardware,
+    jobs: int,
+    context: int,
+) -> list[DeviceMemory]:
+    """The memory table of every device with ``jobs`` jobs of ``context`` positions.
+
+    data: device i runs jobs i, i+n, ... (all layers); pipeline: every device runs every
+    job for its stage's layers, the first stage holding the embedding, the last the head.
+    """
+    n = hardware.num_devices
+    capacity = device_capacity_bytes(config, hardware)
+    pipeline = hardware.parallel == "pipeline" and n > 1
+    ranges = (
+        stage_layers(model.num_layers, n) if pipeline else [(0, model.num_layers)] * n
+    )
+    batch = config.max_batch if pipeline else -(-config.max_batch // n)
+    tables = []
+    for i, (device, layers) in enumerate(zip(hardware.devices, ranges)):
+        first, last = (i == 0, i == n - 1) if pipeline else (True, True)
+        jobs_here = jobs if pipeline else jobs // n + (1 if i < jobs % n else 0)
+        slab, meta = _slab_and_metadata(model, config, context, layers[1] - layers[0])
+        tables.append(
+            DeviceMemory(
+                device=device,
+                layers=layers,
+                num_jobs=jobs_here,
+                capacity_bytes=capacity,
+                weights_bytes=weight_bytes(
+                    model, config, layers, embed=first, head=last
+                ),
+                kv_slab_bytes=jobs_here * slab,
+                metadata_bytes=jobs_here * meta,
+                activation_bytes=activation_bytes(
+                    model, config, context, batch, head=last
+                ),
+                comm_bytes=comm_bytes(model, config, batch, hardware),
+                reserve_bytes=device_reserve_bytes(capacity),
+                per_job_bytes=slab + meta,
+            )
+        )
+    return tables
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Largest number of concurrent jobs of one context, and which bound binds.
+
+    ``host_limit`` is ``None`` when the config keeps no host tier (all-resident).
+    ``binding`` is ``device``, ``host`` or ``device+host`` (equal limits).
+    """
+
+    max_jobs: int
+    device_limit: int
+    host_limit: int | None
+    binding: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def max_concurrent_jobs(
+    model: ModelConfig, config: EngineConfig, hardware: Hardware, context: int
+) -> Capacity:
+    """How many jobs of ``context`` positions fit at once on ``hardware``.
+
+    Device limit: data mode sums each device's :attr:`DeviceMemory.max_jobs`; pipeline
+    mode takes the smallest stage's. Host limit: :func:`host_pool_bytes` //
+    :func:`job_host_bytes`.
+    """
+    tables = device_tables(model, config, hardware, 0, context)
+    if hardware.parallel == "pipeline" and hardware.num_devices > 1:
+        device_limit = min(t.max_jobs for t in tables)
+    else:
+        device_limit = sum(t.max_jobs for t in tables)
+    per_job_host = job_host_bytes(model, config, context)
+    host_limit = (
+        host_pool_bytes(config, hardware) // per_job_host if per_job_host else None
+    )
+    if host_limit is None or device_limit < host_limit:
+        return Capacity(device_limit, device_limit, host_limit, "device")
+    binding = "host" if host_limit < device_limit else "device+host"
+    return Capacity(host_limit, device_limit, host_limit, binding)
+
+
+def admit(
+    model: ModelConfig,
+    config: EngineConfig,
+    context: int,
+    *,
+    device_free_bytes: int,
+    host_free_bytes: int,
+) -> str | None:
+    """Scheduler admission check for one more job; ``None`` if it fits, else the reason.
+
+    Parameters
+    ----------
+    context
+        Prompt tokens plus ``max_tokens`` to generate.
+    device_free_bytes
+        Slab-pool and metadata bytes still unclaimed on the job's device.
+    host_free_bytes
+        Free bytes of the pinned host pool.
+    """
+    need_dev = job_device_bytes(model, config, context)
+    need_host = job_host_bytes(model, config, context)
+    if need_host > host_free_bytes:
+        return f"needs {need_host / GIB:.2f} GiB of host pool, {host_free_bytes / GIB:.2f} GiB free"
+    if need_dev > device_free_bytes:
+        return f"needs {need_dev / GIB:.2f} GiB on device, {device_free_bytes / GIB:.2f} GiB free"
+    return None
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The answer of :func:`plan`: tables, limits, and whether the request fits.
+
+    ``reasons`` says why an infeasible request is refused; ``suggestions`` gives the
+    nearest feasible settings (CLI flags); ``notes`` are warnings that do not refuse.
+    """
+
+    model: ModelConfig
+    config: EngineConfig
+    hardware: Hardware
+    num_jobs: int
+    context: int
+    devices: tuple[DeviceMemory, ...]
+    job_kv_bytes: int
+    host_needed_bytes: int
+    host_pool_bytes: int
+    host_usable_bytes: int
+    capacity: Capacity
+    dense: Capacity
+    dense_job_device_bytes: int
+    gather_bytes_per_step: int
+    gather_ms_per_step: float
+    reasons: tuple[str, ...] = ()
+    suggestions: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def feasible(self) -> bool:
+        return not self.reasons
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: bytes as ints, the model and config as plain dicts."""
+        return {
+            "feasible": self.feasible,
+            "model": dataclasses.asdict(self.model),
+            "config": self.config.to_dict(),
+            "hardware": self.hardware.to_dict(),
+            "num_jobs": self.num_jobs,
+            "context": self.context,
+            "devices": [d.to_dict() for d in self.devices],
+            "job_kv_bytes": self.job_kv_bytes,
+            "host": {
+                "needed_bytes": self.host_needed_bytes,
+                "pool_bytes": self.host_pool_bytes,
+                "usable_bytes": self.host_usable_bytes,
+            },
+            "capacity": self.capacity.to_dict(),
+            "dense_baseline": {
+                **self.dense.to_dict(),
+                "job_device_bytes": self.dense_job_device_bytes,
+            },
+            "decode_io_estimate": {
+                "gather_bytes_per_step": self.gather_bytes_per_step,
+                "gather_ms_per_step": self.gather_ms_per_step,
+                "lru_miss_rate": LRU_MISS_RATE,
+            },
+            "reasons": list(self.reasons),
+            "suggestions": list(self.suggestions),
+            "notes": list(self.notes),
+        }
+
+
+def dense_baseline(config: EngineConfig) -> EngineConfig:
+    """The same run with dense attention and every record resident on the device."""
+    return config.replace(attention="dense", hierarchical=False)
+
+
+def plan(
+    model: ModelConfig,
+    config: EngineConfig,
+    hardware: Hardware,
+    jobs: int,
+    context: int,
+) -> Plan:
+    """Plan ``jobs`` concurrent jobs of ``context`` positions each.
+
+    Parameters
+    ----------
+    model, config, hardware
+        Shape, resolved run settings (validated here) and box.
+    jobs
+        Concurrent jobs (>= 1).
+    context
+        Positions per job: prompt plus generated tokens.
+
+    Raises
+    ------
+    ConfigError
+        Invalid model, config, hardware or arguments (not an infeasible request: that
+        comes back as a :class:`Plan` with ``reasons``).
+    """
+    model.validate()
+    config.validate()
+    hardware.validate()
+    if jobs < 1:
+        raise ConfigError(f"jobs must be >= 1, got {jobs}")
+    if context < 1:
+        raise ConfigError(f"context must be >= 1 token, got {context}")
+    tables = tuple(device_tables(model, config, hardware, jobs, context))
+    capacity = max_concurrent_jobs(model, config, hardware, context)
+    dense_cfg = dense_baseline(config)
+    per_job_host = job_host_bytes(model, config, context)
+    reasons = _refusals(tables, capacity, jobs, per_job_host, config, hardware)
+    suggestions = (
+        _suggestions(model, config, hardware, jobs, context, capacity)
+        if reasons
+        else []
+    )
+    gather = _gather_bytes_per_step(model, config, jobs, context)
+    return Plan(
+        model=model,
+        config=config,
+        hardware=hardware,
+        num_jobs=jobs,
+        context=context,
+        devices=tables,
+        job_kv_bytes=job_kv_bytes(model, config, context),
+        host_needed_bytes=jobs * per_job_host,
+        host_pool_bytes=host_pool_bytes(config, hardware),
+        host_usable_bytes=host_usable_bytes(config, hardware),
+        capacity=capacity,
+        dense=max_concurrent_jobs(model, dense_cfg, hardware, context),
+        dense_job_device_bytes=job_device_bytes(model, dense_cfg, context),
+        gather_bytes_per_step=gather,
+        gather_ms_per_step=gather / (hardware.host_link_gbps * 1e9) * 1e3,
+        reasons=tuple(reasons),
+        suggestions=tuple(suggestions),
+        notes=tuple(_notes(model, config, hardware, jobs, context)),
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _refusals(tables, capacity, jobs, per_job_host, config, hardware) -> list[str]:
+    reasons = []
+    for t in tables:
+        if t.fixed_bytes > t.capacity_bytes:
+            reasons.append(
+                f"{t.device}: weights {_gib(t.weights_bytes)} + activations/scratch "
+                f"{_gib(t.activation_bytes)} + communication {_gib(t.comm_bytes)} + reserve "
+                f"{_gib(t.reserve_bytes)} exceed its {_gib(t.capacity_bytes)} before any KV"
+            )
+        elif t.free_bytes < 0:
+            reasons.append(
+                f"{t.device}: {t.num_jobs} job(s) need {_gib(t.kv_slab_bytes + t.metadata_bytes)} "
+                f"of hot KV slabs + page metadata but only "
+                f"{_gib(t.capacity_bytes - t.fixed_bytes)} is left after weights, scratch and "
+                f"reserve (device memory allows {capacity.device_limit} job(s))"
+            )
+    if capacity.host_limit is not None and jobs > capacity.host_limit:
+        reasons.append(
+            f"host: {jobs} job(s) need {_gib(jobs * per_job_host)} of pinned KV but the host pool "
+            f"holds {_gib(host_pool_bytes(config, hardware))} (host_pool_gb={config.host_pool_gb}, "
+            f"usable host RAM {_gib(host_usable_bytes(config, hardware))}); host memory allows "
+            f"{capacity.host_limit} job(s)"
+        )
+    return reasons
+
+
+def _suggestions(model, config, hardware, jobs, context, capacity) -> list[str]:
+    out = []
+    if 1 <= capacity.max_jobs < jobs:
+        out.append(f"fewer jobs: --jobs {capacity.max_jobs}")
+    if capacity.device_limit < jobs:
+        smaller = _smaller_buffer(model, config, hardware, jobs, context)
+        if smaller is not None:
+            page_flag = (
+                f" --page-size {smaller.page_size}"
+                if smaller.page_size != config.page_size
+                else ""
+            )
+            out.append(
+                f"smaller hot buffer: --device-buffer {smaller.device_buffer_tokens} "
+                f"--top-k {smaller.top_k}{page_flag}"
+            )
+    if capacity.host_limit is not None and capacity.host_limit < jobs:
+        needed = jobs * job_host_bytes(model, config, context)
+        pool_gb = math.ceil(needed / GIB)
+        if needed <= host_usable_bytes(config, hardware):
+            out.append(
+                f"larger host pool: --host-pool {pool_gb} (fits in the host's RAM)"
+            )
+        else:
+            ram_gb = math.ceil(host_memory_needed_bytes(needed, config, hardware) / GIB)
+            out.append(
+                f"more host memory: --host-memory {ram_gb} --host-pool {pool_gb}"
+            )
+        if config.kv_dtype == "float32":
+            out.append("half the KV bytes: --kv-dtype bfloat16")
+    return out
+
+
+def _smaller_buffer(model, config, hardware, jobs, context) -> EngineConfig | None:
+    """The largest device_buffer (and top_k <= buffer / 2) that lets ``jobs`` fit on the
+    devices, trying the current page size first and then larger ones."""
+    sizes = [s for s in (16, 32, 64) if s >= config.page_size]
+    for page_size in sizes:
+        buffer = config.device_buffer_tokens // page_size * page_size
+        while buffer >= page_size:
+            top_k = min(
+                config.top_k, max(page_size, buffer // 2 // page_size * page_size)
+            )
+            try:
+                candidate = config.replace(
+                    page_size=page_size, device_buffer=buffer, top_k=top_k
+                )
+                candidate.validate()
+            except ConfigError:
+                break
+            if (
+                max_concurrent_jobs(model, candidate, hardware, context).device_limit
+                >= jobs
+            ):
+                return candidate
+            buffer -= page_size
+    return None
+
+
+def _gather_bytes_per_step(model, config, jobs, context) -> int:
+    """Estimated host->device bytes of one decode step: each (job, layer, KV head) misses
+    :data:`LRU_MISS_RATE` of its selected pages."""
+    if all_resident(config):
+        return 0
+    pages = min(config.max_selected_pages, context_pages(config, context))
+    selected = jobs * pages * config.page_size * kv_bytes_per_token(model, config)
+    return int(selected * LRU_MISS_RATE)
+
+
+def _notes(model, config, hardware, jobs, context) -> list[str]:
+    notes = []
+    if jobs > config.max_batch:
+        notes.append(
+            f"jobs={jobs} > max_batch={config.max_batch}: only {config.max_batch} decode at once"
+        )
+    if context > model.max_position and config.context_policy == "refuse":
+        notes.append(
+            f"context {context} exceeds {model.name or 'the model'}'s trained "
+            f"{model.max_position} tokens: the engine refuses unless context_policy is "
+            "extend or truncate"
+        )
+    if (
+        config.memory_budget_gb is not None
+        and config.memory_budget_gb > hardware.memory_gb
+    ):
+        notes.append(
+            f"memory_budget_gb={config.memory_budget_gb} is above the device's "
+            f"{hardware.memory_gb} GiB; the device's memory is used"
+        )
+    if int(config.host_pool_gb * GIB) > host_usable_bytes(config, hardware):
+        notes.append(
+            f"host_pool_gb={config.host_pool_gb} is more than the usable host RAM "
+            f"({_gib(host_usable_bytes(config, hardware))}); the pool cannot be pinned in full"
+        )
+    return notes

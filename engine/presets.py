@@ -1,0 +1,314 @@
+"""Hardware presets: YAML files in ``presets/`` and the config precedence chain.
+
+A preset file has four blocks::
+
+    description: one line
+    model: llama2-13b          # optional: shape ``hisparse plan`` uses by default
+    hardware: {devices: [...], memory_gb: ..., host_link_gbps: ..., host_memory_gb: ...,
+               parallel: data|pipeline, device_name: ..., compute_capability: ...}
+    engine:   {<EngineConfig field>: value, ...}
+    sampling: {temperature: ..., top_p: ..., max_tokens: ...}
+
+Precedence (lowest first): ``EngineConfig`` defaults < preset ``engine`` block <
+manifest defaults < CLI flags (:func:`resolve_config`). Unknown keys raise
+:class:`PresetError` naming the file and the key.
+
+The presets directory is ``Path(__file__).parents[1] / "presets"`` (the repository root
+in a checkout, ``site-packages/presets`` in a wheel built with the package-data noted in
+the README); ``HISPARSE_PRESETS_DIR`` overrides it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import ConfigError, EngineConfig, SamplingParams
+from engine.planner import Hardware
+
+TOP_LEVEL_KEYS = ("description", "model", "hardware", "engine", "sampling")
+ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineConfig))
+SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+# Declared field types (annotation strings, see ``from __future__ import annotations``)
+# -> accepted Python types of a YAML value.
+_ACCEPTED_TYPES: dict[str, tuple[type, ...]] = {
+    "str": (str,),
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "int | None": (int, type(None)),
+    "float | None": (int, float, type(None)),
+    "bool | None": (bool, type(None)),
+    "dict[str, Any]": (dict,),
+    "tuple[str, ...]": (list, tuple),
+}
+
+
+class PresetError(ConfigError):
+    """A preset file is missing, malformed, or holds an unknown key or bad value."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One parsed preset file.
+
+    engine: EngineConfig overrides (field name -> value), not yet applied.
+    sampling: SamplingParams overrides.
+    model: shape name ``hisparse plan`` uses when no ``--model`` is given.
+    """
+
+    name: str
+    path: Path
+    description: str
+    hardware: Hardware
+    engine: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "model": self.model,
+            "hardware": self.hardware.to_dict(),
+            "engine": dict(self.engine),
+            "sampling": dict(self.sampling),
+        }
+
+
+def presets_dir() -> Path:
+    """The directory the named presets are read from."""
+    override = os.environ.get("HISPARSE_PRESETS_DIR")
+    return (
+        Path(override) if override else Path(__file__).resolve().parents[1] / "presets"
+    )
+
+
+def list_presets() -> list[str]:
+    """Names of the presets in :func:`presets_dir`, sorted."""
+    directory = presets_dir()
+    if not directory.is_dir():
+        return []
+    return sorted(p.stem for p in directory.glob("*.yaml"))
+
+
+def preset_path(name_or_path: str | Path) -> Path:
+    """The file for a preset name (``h200``) or a path to a YAML file.
+
+    Raises
+    ------
+    PresetError
+        No such preset; the message lists the known ones.
+    """
+    text = str(name_or_path)
+    candidate = Path(text).expanduser()
+    if candidate.suffix in (".yaml", ".yml") or os.sep in text or "/" in text:
+        if candidate.is_file():
+            return candidate
+        raise PresetError(f"preset file {text!r} does not exist")
+    path = presets_dir() / f"{text}.yaml"
+    if path.is_file():
+        return path
+    known = ", ".join(list_presets()) or "none"
+    raise PresetError(f"unknown preset {text!r}; known presets: {known}")
+
+
+def load_preset_full(name_or_path: str | Path) -> Preset:
+    """Read and check one preset file.
+
+    Raises
+    ------
+    PresetError
+        Unreadable YAML, an unknown key in any block (named with the file), a value of
+        the wrong type, or engine/sampling settings that fail validation.
+    """
+    path = preset_path(name_or_path)
+    data = _read_yaml(path)
+    _check_keys(path, "", data, TOP_LEVEL_KEYS)
+    engine = _block(path, data, "engine")
+    sampling = _block(path, data, "sampling")
+    _check_keys(path, "engine.", engine, ENGINE_KEYS)
+    _check_keys(path, "sampling.", sampling, SAMPLING_KEYS)
+    _check_types(path, "engine.", engine, EngineConfig)
+    _check_types(path, "sampling.", sampling, SamplingParams)
+    try:
+        hardware = Hardware.from_dict(_block(path, data, "hardware"), source=str(path))
+        EngineConfig().replace(**engine).validate()
+        _sampling(sampling).validate()
+    except PresetError:
+        raise
+    except ConfigError as exc:
+        raise PresetError(f"{path}: {exc}") from None
+    model = data.get("model")
+    return Preset(
+        name=path.stem,
+        path=path,
+        description=str(data.get("description", "")),
+        hardware=hardware,
+        engine=engine,
+        sampling=sampling,
+        model=None if model is None else str(model),
+    )
+
+
+def load_preset(name_or_path: str | Path) -> dict[str, Any]:
+    """The preset's ``engine`` block: EngineConfig overrides (field name -> value)."""
+    return dict(load_preset_full(name_or_path).engine)
+
+
+def resolve_config(
+    preset: str | Path | Preset | dict[str, Any] | None,
+    manifest_defaults: dict[str, Any] | None = None,
+    cli_overrides: dict[str, Any] | None = None,
+) -> EngineConfig:
+    """Apply defaults < preset < manifest defaults < CLI flags and validate.
+
+    Parameters
+    ----------
+    preset
+        A preset name or file, a loaded :class:`Preset`, an ``engine`` overrides dict,
+        or ``None`` for the built-in defaults.
+    manifest_defaults
+        EngineConfig field -> value from the job manifest's defaults.
+    cli_overrides
+        EngineConfig field -> value from flags; ``None`` values (flags not given) are
+        skipped, so a Typer option defaulting to ``None`` never masks a lower layer.
+
+    Raises
+    ------
+    ConfigError
+        An unknown field (naming the layer it came from) or a setting that fails
+        :meth:`EngineConfig.validate`.
+    """
+    config = EngineConfig()
+    for source, overrides in (
+        ("preset", _preset_engine(preset)),
+        ("manifest defaults", manifest_defaults or {}),
+        ("command-line flags", _given(cli_overrides)),
+    ):
+        try:
+            config = config.replace(**overrides)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+    config.validate()
+    return config
+
+
+def resolve_sampling(
+    preset: str | Path | Preset | None,
+    manifest_defaults: dict[str, Any] | None = None,
+    cli_overrides: dict[str, Any] | None = None,
+) -> SamplingParams:
+    """Sampling with the same precedence: defaults < preset ``sampling`` < manifest < CLI."""
+    values: dict[str, Any] = {}
+    if preset is not None:
+        loaded = preset if isinstance(preset, Preset) else load_preset_full(preset)
+        values.update(loaded.sampling)
+    values.update(manifest_defaults or {})
+    values.update(_given(cli_overrides))
+    unknown = sorted(set(values) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown sampling setting(s): {', '.join(unknown)}")
+    params = _sampling(values)
+    params.validate()
+    return params
+
+
+def resolved_preset_dict(name_or_path: str | Path) -> dict[str, Any]:
+    """What ``hisparse presets show`` prints: the preset with its engine block resolved
+    over the defaults and its sampling block over :class:`SamplingParams`' defaults."""
+    preset = load_preset_full(name_or_path)
+    sampling = dataclasses.asdict(resolve_sampling(preset))
+    sampling["stop"] = list(sampling["stop"])
+    return {
+        "name": preset.name,
+        "description": preset.description,
+        "file": str(preset.path),
+        "model": preset.model,
+        "hardware": preset.hardware.to_dict(),
+        "engine": resolve_config(preset).to_dict(),
+        "sampling": sampling,
+    }
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise PresetError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise PresetError(
+            f"{path}: a preset is a YAML mapping with description/hardware/engine"
+        )
+    return data
+
+
+def _block(path: Path, data: dict[str, Any], name: str) -> dict[str, Any]:
+    block = data.get(name) or {}
+    if not isinstance(block, dict):
+        raise PresetError(
+            f"{path}: {name} must be a mapping, got {type(block).__name__}"
+        )
+    return dict(block)
+
+
+def _check_keys(
+    path: Path, prefix: str, block: dict[str, Any], known: tuple[str, ...]
+) -> None:
+    unknown = sorted(set(block) - set(known))
+    if unknown:
+        raise PresetError(
+            f"{path}: unknown key {prefix}{unknown[0]}"
+            + (
+                f" (and {', '.join(prefix + k for k in unknown[1:])})"
+                if unknown[1:]
+                else ""
+            )
+            + f"; known {prefix or 'top-level '}keys: {', '.join(known)}"
+        )
+
+
+def _check_types(path: Path, prefix: str, block: dict[str, Any], cls: type) -> None:
+    declared = {f.name: f.type for f in dataclasses.fields(cls)}
+    for key, value in block.items():
+        accepted = _ACCEPTED_TYPES.get(str(declared[key]))
+        if accepted is None:
+            continue
+        wrong_bool = isinstance(value, bool) and bool not in accepted
+        if wrong_bool or not isinstance(value, accepted):
+            raise PresetError(
+                f"{path}: {prefix}{key} must be {declared[key]}, "
+                f"got {type(value).__name__} {value!r}"
+            )
+
+
+def _preset_engine(
+    preset: str | Path | Preset | dict[str, Any] | None,
+) -> dict[str, Any]:
+    if preset is None:
+        return {}
+    if isinstance(preset, Preset):
+        return dict(preset.engine)
+    if isinstance(preset, dict):
+        return dict(preset)
+    return load_preset(preset)
+
+
+def _given(overrides: dict[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in (overrides or {}).items() if v is not None}
+
+
+def _sampling(values: dict[str, Any]) -> SamplingParams:
+    values = dict(values)
+    if "stop" in values:
+        values["stop"] = tuple(values["stop"])
+    return SamplingParams(**values)
