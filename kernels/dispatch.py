@@ -1,0 +1,69 @@
+"""Pick the kernel set for a device: Triton on CUDA, the PyTorch references elsewhere.
+
+The engine calls only :func:`get_ops`; every field of :class:`Ops` has the signature of
+the matching ``*_ref`` function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels.append_kv import append_kv_ref
+from kernels.gather import gather_ref
+from kernels.quest_select import dense_selection, oracle_scores_ref, quest_scores_ref, select_topk_ref
+from kernels.resolve import resident_slot_list, resolve_ref
+from kernels.sparse_attention import dense_decode_attention_ref, sparse_decode_attention_ref
+
+
+@dataclass(frozen=True)
+class Ops:
+    """One implementation of each decode hot-path op (see the ``*_ref`` docstrings)."""
+
+    name: str
+    quest_scores: Callable
+    oracle_scores: Callable
+    select_topk: Callable
+    dense_selection: Callable
+    resolve: Callable
+    resident_slot_list: Callable
+    gather: Callable
+    sparse_decode_attention: Callable
+    dense_decode_attention: Callable
+    append_kv: Callable
+
+
+REFERENCE_OPS = Ops(
+    name="reference",
+    quest_scores=quest_scores_ref,
+    oracle_scores=oracle_scores_ref,
+    select_topk=select_topk_ref,
+    dense_selection=dense_selection,
+    resolve=resolve_ref,
+    resident_slot_list=resident_slot_list,
+    gather=gather_ref,
+    sparse_decode_attention=sparse_decode_attention_ref,
+    dense_decode_attention=dense_decode_attention_ref,
+    append_kv=append_kv_ref,
+)
+
+
+def get_ops(device: torch.device | str, use_triton: bool | None = None) -> Ops:
+    """Kernel set for ``device``.
+
+    Parameters
+    ----------
+    device : compute device
+    use_triton : ``None`` picks Triton exactly when ``device`` is CUDA; ``True`` forces it
+        (e.g. under ``TRITON_INTERPRET=1`` in tests); ``False`` forces the references.
+    """
+    device = torch.device(device)
+    if use_triton is None:
+        use_triton = device.type == "cuda"
+    if not use_triton:
+        return REFERENCE_OPS
+    from kernels.triton_ops import TRITON_OPS
+
+    return TRITON_OPS
