@@ -544,7 +544,7 @@ def device_tables(
     )
     batch = config.max_batch if pipeline else -(-config.max_batch // n)
     tables = []
-    for i, (device, layers) in enumerate(zip(hardware.devices, ranges)):
+    for i, (device, layers) in enumerate(zip(hardware.devices, ranges, strict=True)):
         first, last = (i == 0, i == n - 1) if pipeline else (True, True)
         jobs_here = jobs if pipeline else jobs // n + (1 if i < jobs % n else 0)
         slab, meta = _slab_and_metadata(model, config, context, layers[1] - layers[0])
@@ -806,6 +806,9 @@ def _refusals(tables, capacity, jobs, per_job_host, config, hardware) -> list[st
 
 def _suggestions(model, config, hardware, jobs, context, capacity) -> list[str]:
     out = []
+    tables = device_tables(model, config, hardware, 0, context)
+    if any(t.fixed_bytes > t.capacity_bytes for t in tables):
+        out.extend(_fixed_part_hints(model, config, hardware, context))
     if 1 <= capacity.max_jobs < jobs:
         out.append(f"fewer jobs: --jobs {capacity.max_jobs}")
     if capacity.device_limit < jobs:
@@ -837,6 +840,27 @@ def _suggestions(model, config, hardware, jobs, context, capacity) -> list[str]:
     return out
 
 
+def _fixed_part_hints(model, config, hardware, context) -> list[str]:
+    """Ways to shrink what a device holds before any KV: int4 weights, a pipeline split,
+    a shorter context (prefill keeps T x H hidden states and one layer's K/V)."""
+    hints = []
+    if weight_format(config) == "float":
+        int4 = config.replace(weight_format="int4")
+        if max_concurrent_jobs(model, int4, hardware, context).device_limit >= 1:
+            hints.append("int4 weights: weight_format int4")
+    if hardware.num_devices > 1 and hardware.parallel == "data":
+        piped = hardware.replace(parallel="pipeline")
+        if max_concurrent_jobs(model, config, piped, context).device_limit >= 1:
+            hints.append("split the layers across the devices: --parallel pipeline")
+    shorter = context // 2
+    while shorter >= config.page_size:
+        if max_concurrent_jobs(model, config, hardware, shorter).device_limit >= 1:
+            hints.append(f"a shorter context: --context {format_context(shorter)}")
+            break
+        shorter //= 2
+    return hints
+
+
 def _smaller_buffer(model, config, hardware, jobs, context) -> EngineConfig | None:
     """The largest device_buffer (and top_k <= buffer / 2) that lets ``jobs`` fit on the
     devices, trying the current page size first and then larger ones."""
@@ -865,10 +889,10 @@ def _smaller_buffer(model, config, hardware, jobs, context) -> EngineConfig | No
 
 def _gather_bytes_per_step(model, config, jobs, context) -> int:
     """Estimated host->device bytes of one decode step: each (job, layer, KV head) misses
-    :data:`LRU_MISS_RATE` of its selected pages."""
-    if all_resident(config):
-        return 0
-    pages = min(config.max_selected_pages, context_pages(config, context))
+    :data:`LRU_MISS_RATE` of its selected pages (0 when the hot buffer holds every page)."""
+    if all_resident(config) or context_pages(config, context) <= config.buffer_pages:
+        return 0  # every page stays resident after its first load
+    pages = config.max_selected_pages
     selected = jobs * pages * config.page_size * kv_bytes_per_token(model, config)
     return int(selected * LRU_MISS_RATE)
 

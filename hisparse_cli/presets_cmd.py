@@ -7,7 +7,7 @@ The main app calls :func:`register`; the commands stay thin: parse flags, call
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 import yaml
@@ -317,6 +317,6 @@ def _render_refusal(result: Plan) -> None:
             err.print(f"  - {suggestion}")
 
 
-def _refuse(message: str) -> None:
+def _refuse(message: str) -> NoReturn:
     Console(stderr=True).print(f"[red bold]error:[/] {message}", highlight=False)
     raise typer.Exit(EXIT_REFUSED)

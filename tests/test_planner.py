@@ -1,0 +1,282 @@
+"""Capacity planner: the brief's sanity figures, bounds, refusals and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from engine.config import ConfigError, EngineConfig
+from engine.model_shapes import MODEL_SHAPES, get_model_shape
+from engine.planner import (
+    GIB,
+    Hardware,
+    admit,
+    job_device_bytes,
+    job_host_bytes,
+    max_concurrent_jobs,
+    parse_context,
+    plan,
+    weight_bytes,
+)
+from engine.presets import load_preset_full, resolve_config
+from hisparse_cli.presets_cmd import register
+
+K256 = 256 * 1024
+LLAMA13 = MODEL_SHAPES["llama2-13b"]
+
+
+def _preset(name: str, **overrides):
+    p = load_preset_full(name)
+    return resolve_config(p, {}, overrides), p.hardware
+
+
+def test_256k_kv_of_llama2_13b_shape_is_40_gib():
+    config = EngineConfig(kv_dtype="bfloat16", page_size=64)
+    assert job_host_bytes(LLAMA13, config, K256) == 40 * 8 * 128 * 2 * 2 * K256
+    assert job_host_bytes(LLAMA13, config, K256) == 42_949_672_960 == 40 * GIB
+
+
+def test_256k_kv_of_qwen25_7b_is_14_gib():
+    config = EngineConfig(kv_dtype="bfloat16", page_size=64)
+    assert job_host_bytes(MODEL_SHAPES["qwen2.5-7b"], config, K256) == 14 * GIB
+
+
+def test_host_kv_rounds_up_to_whole_pages():
+    config = EngineConfig(kv_dtype="bfloat16", page_size=64)
+    per_token = 40 * 8 * 128 * 2 * 2
+    assert job_host_bytes(LLAMA13, config, 65) == 128 * per_token
+
+
+def test_float_weights_match_published_parameter_counts():
+    config = EngineConfig(weight_format="float", dtype="float32")
+    assert weight_bytes(MODEL_SHAPES["smollm2-135m"], config) == 134_515_008 * 4
+    assert weight_bytes(MODEL_SHAPES["llama3.1-8b"], config) == 8_030_261_248 * 4
+    assert weight_bytes(MODEL_SHAPES["qwen2.5-7b"], config) == 7_615_616_512 * 4
+
+
+def test_int4_weights_keep_embeddings_and_head_in_bf16():
+    config = EngineConfig(weight_format="int4", dtype="bfloat16")
+    vocab_bytes = 2 * 32000 * 5120 * 2  # embedding + lm_head, untied, bf16
+    linear = 40 * (5120 * 5120 * 2 + 5120 * 1024 * 2 + 3 * 5120 * 13824)
+    norms = (40 * 2 + 1) * 5120 * 2
+    expected = linear // 2 + linear // 128 * 4 + vocab_bytes + norms
+    assert weight_bytes(LLAMA13, config) == expected
+    assert 5.5 * GIB < expected < 6.5 * GIB
+
+
+def test_job_device_bytes_is_hot_slabs_plus_metadata():
+    config, _ = _preset("dual4090")
+    slabs = 40 * 8 * config.device_buffer_tokens * 128 * 2 * 2
+    metadata = (K256 // 64) * 40 * 8 * 2 * 128 * 2
+    assert metadata == 40 * GIB // 64
+    assert job_device_bytes(LLAMA13, config, K256) == slabs + metadata
+
+
+def test_short_job_claims_only_its_pages_of_hot_buffer():
+    config, _ = _preset("dual4090")
+    per_token = 40 * 8 * 128 * 2 * 2
+    assert job_device_bytes(LLAMA13, config, 1000) == 16 * 64 * per_token * (1 + 1 / 64)
+
+
+def test_dual4090_8x256k_13b_fits_and_host_memory_binds():
+    config, hardware = _preset("dual4090")
+    result = plan(LLAMA13, config, hardware, 8, K256)
+    assert result.feasible, result.reasons
+    assert result.capacity.binding == "host"
+    assert result.capacity.max_jobs == result.capacity.host_limit == 8
+    assert result.capacity.device_limit > 8
+    assert [d.num_jobs for d in result.devices] == [4, 4]
+    assert result.host_needed_bytes == 320 * GIB
+    assert all(d.free_bytes > 0 for d in result.devices)
+
+
+def test_dense_baseline_cannot_hold_one_256k_13b_job_in_48gb():
+    config, hardware = _preset("dual4090")
+    result = plan(LLAMA13, config, hardware, 8, K256)
+    assert result.dense.max_jobs == 0
+    assert result.dense_job_device_bytes == 40 * GIB
+    # the same on an H200 capped to 48 GiB
+    config, hardware = _preset("h200", memory_budget_gb=48.0)
+    assert plan(LLAMA13, config, hardware, 1, K256).dense.max_jobs == 0
+
+
+def test_nine_jobs_on_dual4090_are_refused_with_nearest_setting():
+    config, hardware = _preset("dual4090")
+    result = plan(LLAMA13, config, hardware, 9, K256)
+    assert not result.feasible
+    assert any(r.startswith("host:") for r in result.reasons)
+    assert "fewer jobs: --jobs 8" in result.suggestions
+    assert any("--host-pool 360" in s for s in result.suggestions)
+
+
+def test_memory_budget_caps_each_device():
+    config, hardware = _preset("h200", memory_budget_gb=48.0)
+    result = plan(LLAMA13, config, hardware, 1, K256)
+    assert all(d.capacity_bytes == 48 * GIB for d in result.devices)
+    assert result.config.memory_budget_gb == 48.0
+
+
+def test_device_bound_suggests_a_smaller_buffer_that_fits():
+    config, hardware = _preset("h200", memory_budget_gb=16.0, host_pool_gb=100.0)
+    hardware = hardware.replace(host_memory_gb=1024)
+    shape = MODEL_SHAPES["qwen2.5-7b"]
+    capacity = max_concurrent_jobs(shape, config, hardware, 32 * 1024)
+    jobs = capacity.device_limit + 2
+    result = plan(shape, config, hardware, jobs, 32 * 1024)
+    assert result.capacity.binding == "device"
+    assert not result.feasible
+    [hint] = [s for s in result.suggestions if s.startswith("smaller hot buffer")]
+    buffer = int(hint.split("--device-buffer ")[1].split()[0])
+    top_k = int(hint.split("--top-k ")[1].split()[0])
+    smaller = config.replace(device_buffer=buffer, top_k=top_k)
+    assert plan(shape, smaller, hardware, jobs, 32 * 1024).feasible
+
+
+def test_pipeline_splits_layers_and_adds_comm_buffers():
+    config, hardware = _preset("dual4090")
+    data = plan(LLAMA13, config, hardware, 8, K256)
+    pipe = plan(LLAMA13, config, hardware.replace(parallel="pipeline"), 8, K256)
+    assert [d.layers for d in pipe.devices] == [(0, 20), (20, 40)]
+    assert [d.num_jobs for d in pipe.devices] == [8, 8]
+    assert all(d.comm_bytes > 0 for d in pipe.devices)
+    assert all(d.comm_bytes == 0 for d in data.devices)
+    split = sum(d.weights_bytes for d in pipe.devices)
+    assert split == data.devices[0].weights_bytes
+    assert (
+        pipe.devices[0].kv_slab_bytes == data.devices[0].kv_slab_bytes
+    )  # 8 x 20 = 4 x 40
+
+
+def test_all_resident_config_has_no_host_tier():
+    config = EngineConfig(attention="dense", kv_dtype="bfloat16")
+    assert job_host_bytes(LLAMA13, config, K256) == 0
+    assert job_device_bytes(LLAMA13, config, K256) == 40 * GIB
+    hardware = Hardware(devices=("cuda:0",), memory_gb=48)
+    assert max_concurrent_jobs(LLAMA13, config, hardware, K256).host_limit is None
+
+
+def test_admit_reports_which_pool_is_short():
+    config, _ = _preset("dual4090")
+    need_dev = job_device_bytes(LLAMA13, config, K256)
+    assert (
+        admit(
+            LLAMA13, config, K256, device_free_bytes=need_dev, host_free_bytes=40 * GIB
+        )
+        is None
+    )
+    assert "host pool" in admit(
+        LLAMA13, config, K256, device_free_bytes=need_dev, host_free_bytes=39 * GIB
+    )
+    assert "on device" in admit(
+        LLAMA13, config, K256, device_free_bytes=need_dev - 1, host_free_bytes=40 * GIB
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "tokens"),
+    [
+        ("256K", 262144),
+        ("128k", 131072),
+        ("32768", 32768),
+        ("1M", 1048576),
+        (" 8K ", 8192),
+    ],
+)
+def test_parse_context(text, tokens):
+    assert parse_context(text) == tokens
+
+
+@pytest.mark.parametrize("text", ["", "0", "12G", "-5", "1.5K", "abc"])
+def test_parse_context_rejects(text):
+    with pytest.raises(ConfigError):
+        parse_context(text)
+
+
+def test_unknown_model_lists_known_shapes():
+    with pytest.raises(ConfigError, match="llama2-13b"):
+        get_model_shape("gpt-5")
+
+
+def test_model_from_hf_config_json(tmp_path):
+    cfg = {
+        "model_type": "llama",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shape = get_model_shape(str(tmp_path))
+    assert (shape.head_dim, shape.num_kv_heads) == (128, 8)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+
+    @app.callback()
+    def main() -> None:
+        """hisparse"""
+
+    register(app)
+    return app
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(_app(), list(args), env={"COLUMNS": "160"})
+
+
+def test_cli_plan_dual4090_8x256k():
+    result = _invoke("plan", "--preset", "dual4090", "--jobs", "8", "--context", "256K")
+    assert result.exit_code == 0, result.output
+    assert "host memory binds" in result.output
+    assert "dense all-resident baseline: 0 job(s)" in result.output
+
+
+def test_cli_plan_refuses_with_exit_2_and_nearest_setting():
+    result = _invoke("plan", "-p", "dual4090", "-n", "9", "-c", "256K")
+    assert result.exit_code == 2
+    assert "refused" in result.output
+    assert "--jobs 8" in result.output
+
+
+def test_cli_plan_json_with_memory_budget():
+    result = _invoke(
+        "plan", "-p", "h200", "-m", "llama2-13b", "-n", "2", "-c", "256k",
+        "--memory-budget", "48", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["feasible"] is True
+    assert data["devices"][0]["capacity_bytes"] == 48 * GIB
+    assert data["capacity"]["binding"] == "host"
+
+
+def test_cli_plan_bad_context_exits_2():
+    result = _invoke("plan", "-p", "cpu", "-n", "1", "-c", "lots")
+    assert result.exit_code == 2
+    assert "256K" in result.output
+
+
+def test_weights_that_do_not_fit_are_refused_with_hints():
+    config, hardware = _preset("dual4090", memory_budget_gb=20.0)
+    config = config.replace(weight_format="float")
+    result = plan(LLAMA13, config, hardware, 1, K256)
+    assert not result.feasible
+    assert "before any KV" in result.reasons[0]
+    assert "int4 weights: weight_format int4" in result.suggestions
+    assert any("--parallel pipeline" in s for s in result.suggestions)
+
+
+def test_no_gather_when_the_hot_buffer_holds_every_page():
+    config, hardware = _preset("dual4090")
+    assert plan(LLAMA13, config, hardware, 8, 8192).gather_bytes_per_step == 0
+    assert plan(LLAMA13, config, hardware, 8, K256).gather_bytes_per_step > 0

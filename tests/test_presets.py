@@ -1,0 +1,252 @@
+"""Presets: files, loading errors, config precedence and the presets commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+import engine.presets as presets_module
+from engine.config import ConfigError, EngineConfig
+from engine.presets import (
+    ENGINE_KEYS,
+    PresetError,
+    list_presets,
+    load_preset,
+    load_preset_full,
+    presets_dir,
+    resolve_config,
+    resolve_sampling,
+)
+from hisparse_cli.presets_cmd import register
+
+REQUIRED_ENGINE_KEYS = [
+    "device",
+    "dtype",
+    "kv_dtype",
+    "weight_format",
+    "attention",
+    "hierarchical",
+    "indexer",
+    "page_size",
+    "top_k",
+    "device_buffer",
+    "sink_tokens",
+    "local_window",
+    "max_batch",
+    "prefill_chunk",
+    "host_pool_gb",
+    "memory_budget_gb",
+]
+SHIPPED = ("cpu", "h200", "h200x2", "dual4090")
+
+
+def test_presets_dir_is_next_to_the_engine_package():
+    assert (
+        presets_dir() == Path(presets_module.__file__).resolve().parents[1] / "presets"
+    )
+    assert set(SHIPPED) <= set(list_presets())
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_preset_is_complete_and_valid(name):
+    preset = load_preset_full(name)
+    assert preset.description
+    assert set(REQUIRED_ENGINE_KEYS) <= set(preset.engine)
+    assert {"temperature", "top_p", "max_tokens"} <= set(preset.sampling)
+    assert preset.hardware.memory_gb > 0 and preset.hardware.host_link_gbps > 0
+    assert preset.hardware.parallel in ("data", "pipeline")
+    resolve_config(name).validate()
+
+
+def test_cpu_preset_values():
+    engine = load_preset("cpu")
+    assert engine["device"] == "cpu"
+    assert (engine["dtype"], engine["kv_dtype"], engine["weight_format"]) == (
+        "float32",
+        "float32",
+        "float",
+    )
+    assert (
+        engine["attention"],
+        engine["page_size"],
+        engine["top_k"],
+        engine["max_batch"],
+    ) == (
+        "sparse",
+        16,
+        2048,
+        4,
+    )
+    assert load_preset_full("cpu").model == "smollm2-135m"
+
+
+def test_dual4090_preset_hardware():
+    hw = load_preset_full("dual4090").hardware
+    assert hw.devices == ("cuda:0", "cuda:1")
+    assert (hw.memory_gb, hw.compute_capability, hw.host_link_gbps) == (48, "8.9", 25)
+
+
+def test_precedence_defaults_preset_manifest_cli():
+    config = resolve_config("h200", {}, {})
+    assert config.page_size == 64 and config.top_k == 2048
+    assert config.context_policy == EngineConfig().context_policy  # default survives
+    config = resolve_config("h200", {"top_k": 1024, "max_batch": 3}, {})
+    assert (config.top_k, config.max_batch, config.page_size) == (1024, 3, 64)
+    config = resolve_config("h200", {"top_k": 1024, "max_batch": 3}, {"top_k": 512})
+    assert (config.top_k, config.max_batch) == (512, 3)
+
+
+def test_cli_none_does_not_mask_lower_layers():
+    config = resolve_config("h200", {"top_k": 1024}, {"top_k": None, "max_batch": None})
+    assert config.top_k == 1024 and config.max_batch == 16
+
+
+def test_resolve_accepts_none_dict_and_loaded_preset():
+    assert resolve_config(None) == EngineConfig()
+    assert resolve_config({"top_k": 256, "device_buffer": 512}).top_k == 256
+    assert resolve_config(load_preset_full("cpu")).device == "cpu"
+
+
+def test_resolve_names_the_layer_with_an_unknown_key():
+    with pytest.raises(ConfigError, match="manifest defaults: unknown setting"):
+        resolve_config("cpu", {"topk": 5}, {})
+    with pytest.raises(ConfigError, match="command-line flags"):
+        resolve_config("cpu", {}, {"bogus": 1})
+
+
+def test_resolve_validates_the_result():
+    with pytest.raises(ConfigError, match="device_buffer"):
+        resolve_config("cpu", {}, {"top_k": 8192})
+
+
+def test_sampling_precedence():
+    assert resolve_sampling("h200").max_tokens == 512
+    assert (
+        resolve_sampling("h200", {"max_tokens": 64}, {"temperature": 0.7}).max_tokens
+        == 64
+    )
+    assert (
+        resolve_sampling("h200", {"max_tokens": 64}, {"max_tokens": 8}).max_tokens == 8
+    )
+
+
+def _write(tmp_path: Path, text: str, name: str = "mine.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+GOOD = """
+description: test box
+hardware: {devices: [cuda:0], memory_gb: 24, host_link_gbps: 20, host_memory_gb: 64}
+engine: {device: cuda, dtype: bfloat16, kv_dtype: bfloat16, page_size: 32, top_k: 1024}
+sampling: {temperature: 0.0, top_p: 1.0, max_tokens: 64}
+"""
+
+
+def test_load_by_path(tmp_path):
+    path = _write(tmp_path, GOOD)
+    assert load_preset(str(path))["page_size"] == 32
+    assert load_preset_full(path).hardware.memory_gb == 24
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "key"),
+    [
+        ("description:", "descriptoin:", "descriptoin"),
+        ("page_size: 32", "page_sise: 32", "engine.page_sise"),
+        ("memory_gb: 24", "memory_gib: 24", "memory_gib"),
+        ("max_tokens: 64", "max_token: 64", "sampling.max_token"),
+    ],
+)
+def test_unknown_key_names_file_and_key(tmp_path, old, new, key):
+    path = _write(tmp_path, GOOD.replace(old, new))
+    with pytest.raises(PresetError) as info:
+        load_preset(str(path))
+    assert str(path) in str(info.value) and key in str(info.value)
+
+
+def test_wrong_type_names_file_and_key(tmp_path):
+    path = _write(tmp_path, GOOD.replace("page_size: 32", "page_size: '32'"))
+    with pytest.raises(PresetError, match=r"mine\.yaml: engine\.page_size must be int"):
+        load_preset(str(path))
+
+
+def test_invalid_value_names_file(tmp_path):
+    path = _write(tmp_path, GOOD.replace("page_size: 32", "page_size: 48"))
+    with pytest.raises(PresetError, match=r"mine\.yaml: page_size=48"):
+        load_preset(str(path))
+
+
+def test_bad_hardware_value(tmp_path):
+    path = _write(tmp_path, GOOD.replace("host_memory_gb: 64", "parallel: tensor"))
+    with pytest.raises(PresetError, match="hardware.parallel"):
+        load_preset_full(path)
+
+
+def test_malformed_yaml(tmp_path):
+    path = _write(tmp_path, "engine: [unclosed\n")
+    with pytest.raises(PresetError, match="not valid YAML"):
+        load_preset(str(path))
+    path = _write(tmp_path, "- a list\n", "list.yaml")
+    with pytest.raises(PresetError, match="mapping"):
+        load_preset(str(path))
+
+
+def test_unknown_name_lists_known_presets():
+    with pytest.raises(PresetError, match="dual4090"):
+        load_preset("h100")
+    with pytest.raises(PresetError, match="does not exist"):
+        load_preset("no/such/file.yaml")
+
+
+def test_presets_dir_override(tmp_path, monkeypatch):
+    _write(tmp_path, GOOD, "lab.yaml")
+    monkeypatch.setenv("HISPARSE_PRESETS_DIR", str(tmp_path))
+    assert list_presets() == ["lab"]
+    assert load_preset("lab")["top_k"] == 1024
+
+
+def test_engine_keys_are_engine_config_fields():
+    assert set(REQUIRED_ENGINE_KEYS) <= set(ENGINE_KEYS)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _invoke(*args: str):
+    app = typer.Typer()
+
+    @app.callback()
+    def main() -> None:
+        """hisparse"""
+
+    register(app)
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+
+
+def test_cli_presets_lists_all():
+    result = _invoke("presets")
+    assert result.exit_code == 0, result.output
+    for name in SHIPPED:
+        assert name in result.output
+
+
+def test_cli_presets_show_prints_resolved_yaml():
+    result = _invoke("presets", "show", "dual4090")
+    assert result.exit_code == 0, result.output
+    data = yaml.safe_load(result.output)
+    assert data["engine"]["page_size"] == 64
+    assert data["engine"]["context_policy"] == "refuse"  # filled from the defaults
+    assert data["hardware"]["compute_capability"] == "8.9"
+    assert data["sampling"]["max_tokens"] == 512
+
+
+def test_cli_presets_show_unknown_exits_2():
+    result = _invoke("presets", "show", "nope")
+    assert result.exit_code == 2
+    assert "unknown preset" in result.output
