@@ -39,7 +39,7 @@ PresetOpt = Annotated[
 ModelOpt = Annotated[
     str | None,
     typer.Option(
-        "--model", "-m", help="Model shape name or config.json [default: the preset's]."
+        "--model", "-m", help="Model shape name or config.json (default: the preset's)."
     ),
 ]
 JobsOpt = Annotated[int, typer.Option("--jobs", "-n", min=1, help="Concurrent jobs.")]
@@ -80,11 +80,11 @@ HostPoolOpt = Annotated[
 ]
 HostMemoryOpt = Annotated[
     float | None,
-    typer.Option("--host-memory", help="Host RAM, GiB [default: the preset's]."),
+    typer.Option("--host-memory", help="Host RAM, GiB (default: the preset's)."),
 ]
 ParallelOpt = Annotated[
     str | None,
-    typer.Option("--parallel", help="data or pipeline [default: the preset's]."),
+    typer.Option("--parallel", help="data or pipeline (default: the preset's)."),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")]
 
