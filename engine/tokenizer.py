@@ -1,0 +1,651 @@
+"""Text <-> token ids, chat templates and streaming detokenisation.
+
+:class:`TextTokenizer` wraps a Hugging Face ``tokenizers.Tokenizer`` (the library does the
+BPE) plus what the engine needs around it: the BOS flag, every end-of-generation id and
+the chat template. It is built either from a GGUF file's metadata (GGUF spec:
+https://github.com/ggml-org/ggml/blob/master/docs/gguf.md, key names as written by
+llama.cpp's ``convert_hf_to_gguf.py``) or from a Hugging Face model folder.
+
+Rebuilding a byte-level BPE from GGUF follows transformers' GGUF conversion
+(``transformers/integrations/gguf/gguf_tokenizer_mapping.py``), which the tests compare
+against token for token. Where llama.cpp (and the model's original ``tokenizer.json``)
+split text differently, ``reference="llama.cpp"`` selects their behaviour instead; see
+:meth:`TextTokenizer.from_gguf`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+# Strings of end-of-turn / end-of-text tokens across model families; those present in a
+# vocabulary as added (special) tokens all end generation, besides the declared EOS.
+END_TOKEN_NAMES = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|return|>",
+    "<|call|>",
+)
+
+REFERENCES = ("transformers", "llama.cpp")
+
+# Pre-tokenizer split patterns, keyed by tokenizer.ggml.pre (same strings as transformers'
+# GGUF_PRE_TOKENIZER_SPLITS and llama.cpp's llama-vocab.cpp).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_FAMILY = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral")
+_LLAMA3_FAMILY += ("midm-2.0", "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe")
+_SPLITS = dict.fromkeys(_LLAMA3_FAMILY, _LLAMA3_SPLIT)
+_SPLITS |= dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT)
+_SPLITS |= {"tekken": _TEKKEN_SPLIT}
+_SPLITS |= dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), _GPT4O_SPLIT)
+# GPT-2's own regex (tokenizers' ByteLevel). llama.cpp isolates every digit first for the
+# StarCoder-style vocabularies, as their tokenizer.json does with Digits(individual).
+_DIGIT_FAMILY = (
+    "smollm",
+    "starcoder",
+    "refact",
+    "command-r",
+    "codeshell",
+    "exaone",
+    "minerva",
+)
+_GPT2_FAMILY = ("default", "gpt2", "mpt", "olmo", "jais", *_DIGIT_FAMILY)
+SUPPORTED_PRE = tuple(sorted((*_SPLITS, *_GPT2_FAMILY)))
+# llama.cpp takes a whole pre-token that is in the vocabulary before merging (tiktoken).
+_IGNORE_MERGES_FAMILY = (
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "falcon-h1",
+    "pixtral",
+)
+_IGNORE_MERGES_FAMILY += ("midm-2.0", "lfm2", "jina-v5-nano", "tekken")
+
+
+class TextTokenizer:
+    """Byte-level BPE tokenizer of one model, with its BOS/EOS ids and chat template.
+
+    Build with :meth:`from_gguf` or :meth:`from_folder`. Token ids are Python ints in
+    ``[0, vocab_size)``. Special-token strings such as ``<|im_start|>`` inside text are
+    matched as single special tokens (as transformers does).
+
+    Parameters
+    ----------
+    backend : tokenizers.Tokenizer
+        Does the splitting and BPE; no post-processor is used (BOS is added here).
+    bos_id : int or None
+        Beginning-of-sequence id, if the model has one.
+    eos_ids : Iterable[int]
+        Every id that ends generation.
+    add_bos : bool
+        Whether the model expects BOS in front of a prompt.
+    chat_template : str or None
+        Jinja chat template as shipped with the model.
+    special_tokens : Mapping[str, str], optional
+        Template variables such as ``bos_token`` / ``eos_token`` (strings).
+    vocab_size : int, optional
+        Rows of the model's embedding; defaults to the backend's size with added tokens.
+    """
+
+    def __init__(
+        self,
+        backend: Tokenizer,
+        *,
+        bos_id: int | None,
+        eos_ids: Iterable[int],
+        add_bos: bool,
+        chat_template: str | None,
+        special_tokens: Mapping[str, str] | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        self.backend = backend
+        self.bos_id = bos_id
+        self.eos_ids = frozenset(int(i) for i in eos_ids)
+        self.add_bos = bool(add_bos)
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+        self.vocab_size = vocab_size or backend.get_vocab_size(with_added_tokens=True)
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def from_gguf(
+        cls, path_or_reader: Any, *, reference: str = "transformers"
+    ) -> TextTokenizer:
+        """Rebuild the tokenizer described by a GGUF file's ``tokenizer.*`` metadata.
+
+        Reads ``tokenizer.ggml.{model, pre, tokens, token_type, merges, bos_token_id,
+        eos_token_id, eot_token_id, eom_token_id, unknown_token_id, padding_token_id,
+        add_bos_token, add_space_prefix}`` and ``tokenizer.chat_template`` (GGUF spec,
+        "Tokenizer" section). Tokens typed control (3) become special tokens, user-defined
+        (4) plain added tokens; both are matched whole in text. ``add_space_prefix`` only
+        concerns sentencepiece vocabularies: llama.cpp and transformers ignore it for
+        byte-level BPE, and so does this.
+
+        Parameters
+        ----------
+        path_or_reader : str, os.PathLike or gguf.GGUFReader
+            The ``.gguf`` file, or a reader already open on it (constructing a reader
+            parses every array and takes seconds on a 49K vocabulary; share one).
+        reference : {"transformers", "llama.cpp"}
+            Whose conversion to reproduce where they differ. ``"transformers"`` (default)
+            gives the ids of ``AutoTokenizer.from_pretrained(folder, gguf_file=...)``.
+            ``"llama.cpp"`` matches llama.cpp and the models' original ``tokenizer.json``:
+            it isolates each digit before the GPT-2 split for ``smollm`` and the other
+            StarCoder-style vocabularies (transformers does not, so runs of spaces before
+            a digit tokenize differently), and takes whole in-vocabulary pre-tokens before
+            merging (``ignore_merges``) for Llama 3 and Tekken vocabularies.
+
+        Returns
+        -------
+        TextTokenizer
+
+        Raises
+        ------
+        ValueError
+            ``tokenizer.ggml.model`` is not ``gpt2`` (byte-level BPE; e.g. ``llama``
+            sentencepiece vocabularies are not supported here: load them with
+            :meth:`from_folder`), ``tokenizer.ggml.pre`` is unknown, required keys are
+            missing, or ``reference`` is not one of ``REFERENCES``.
+        """
+        if reference not in REFERENCES:
+            raise ValueError(f"reference={reference!r}; expected one of {REFERENCES}")
+        meta = _GGUFMetadata(path_or_reader)
+        model_type = meta.get("tokenizer.ggml.model")
+        if model_type != "gpt2":
+            raise ValueError(
+                f"{meta.source}: tokenizer.ggml.model={model_type!r} is not supported; only "
+                "'gpt2' (byte-level BPE) GGUF vocabularies can be rebuilt. Sentencepiece "
+                "('llama') and other models: use TextTokenizer.from_folder with the model's "
+                "tokenizer.json."
+            )
+        pre = meta.get("tokenizer.ggml.pre") or "default"
+        tokens = meta.require("tokenizer.ggml.tokens")
+        token_types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = meta.get("tokenizer.ggml.merges") or []
+        backend = _byte_level_bpe(tokens, merges, pre, reference)
+        _add_gguf_added_tokens(backend, tokens, token_types)
+        return cls(**_gguf_settings(meta, tokens, backend, pre), vocab_size=len(tokens))
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> TextTokenizer:
+        """Load a Hugging Face model folder's tokenizer.
+
+        Reads ``tokenizer.json`` (required), ``tokenizer_config.json`` (``chat_template``,
+        ``bos_token``, ``eos_token``, ``add_bos_token``), ``chat_template.jinja`` if present
+        (newer transformers save the template there) and ``generation_config.json``
+        (``eos_token_id``: an int or a list). When ``add_bos_token`` is absent it is read
+        off the tokenizer's post-processor (does it put BOS in front).
+
+        Parameters
+        ----------
+        path : str or pathlib.Path
+            The model folder.
+
+        Returns
+        -------
+        TextTokenizer
+
+        Raises
+        ------
+        FileNotFoundError
+            No ``tokenizer.json`` in the folder.
+        """
+        folder = Path(path)
+        if not (folder / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{folder}: no tokenizer.json in this model folder")
+        backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        config = _read_json(folder / "tokenizer_config.json")
+        generation = _read_json(folder / "generation_config.json")
+        names = {key: _token_content(config.get(key)) for key in _SPECIAL_KEYS}
+        specials = {key: value for key, value in names.items() if value is not None}
+        bos_id = _token_id(
+            backend, specials.get("bos_token"), generation.get("bos_token_id")
+        )
+        add_bos = config.get("add_bos_token")
+        if add_bos is None:
+            add_bos = bos_id is not None and backend.encode("").ids[:1] == [bos_id]
+        eos = [_token_id(backend, specials.get("eos_token"), None)]
+        eos += _as_list(generation.get("eos_token_id"))
+        return cls(
+            backend,
+            bos_id=bos_id,
+            eos_ids=_end_ids(backend, eos),
+            add_bos=bool(add_bos),
+            chat_template=_folder_chat_template(folder, config),
+            special_tokens=specials,
+        )
+
+    # ------------------------------------------------------------------ text <-> ids
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """Token ids of ``text`` (``[T]`` ints); special-token strings map to their ids.
+
+        Parameters
+        ----------
+        text : str
+        add_bos : bool
+            Put :attr:`bos_id` in front. Pass ``tok.add_bos`` to follow the model.
+
+        Raises
+        ------
+        ValueError
+            ``add_bos`` is set but the model has no BOS token.
+        """
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        return self._bos_prefix(add_bos) + ids
+
+    def encode_batch(
+        self, texts: Sequence[str], add_bos: bool = False
+    ) -> list[list[int]]:
+        """:meth:`encode` of many texts, run in parallel by the ``tokenizers`` library."""
+        prefix = self._bos_prefix(add_bos)
+        encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
+        return [prefix + e.ids for e in encodings]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; bytes that do not form valid UTF-8 become U+FFFD."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a token string as spelled in the vocabulary (``<|im_end|>``), or None."""
+        return self.backend.token_to_id(token)
+
+    def incremental_decoder(
+        self, skip_special_tokens: bool = True
+    ) -> IncrementalDecoder:
+        """A fresh :class:`IncrementalDecoder` for one generated sequence."""
+        return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
+
+    def _bos_prefix(self, add_bos: bool) -> list[int]:
+        if not add_bos:
+            return []
+        if self.bos_id is None:
+            raise ValueError("add_bos=True but this model has no BOS token")
+        return [self.bos_id]
+
+    # ------------------------------------------------------------------ chat
+
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text of a conversation, through the model's chat template.
+
+        Rendered in a sandboxed Jinja environment like transformers'
+        ``apply_chat_template(..., tokenize=False)``: ``trim_blocks`` and
+        ``lstrip_blocks`` on, ``raise_exception`` / ``strftime_now`` globals, a ``tojson``
+        that keeps non-ASCII, and ``bos_token`` / ``eos_token`` (and ``unk_token`` /
+        ``pad_token`` when known) as variables.
+
+        Without a template the fallback is plain text: each message as
+        ``"<Role>: <content>"`` (role capitalised), messages joined by a blank line, and
+        with ``add_generation_prompt`` a final ``"\\n\\nAssistant:"``.
+
+        Parameters
+        ----------
+        messages : list of dict
+            ``{"role": "system" | "user" | "assistant", "content": str}`` items.
+        add_generation_prompt : bool
+            Append the header that opens the assistant's turn.
+
+        Raises
+        ------
+        jinja2.TemplateError
+            The template raised (``raise_exception``) or is invalid.
+        jinja2.sandbox.SecurityError
+            The template tried something the sandbox forbids.
+        """
+        if self.chat_template is None:
+            return _plain_chat(messages, add_generation_prompt)
+        return self._compiled_template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens,
+        )
+
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of :meth:`render_chat`; BOS in front only if the model's
+        :attr:`add_bos` flag asks for it and the rendered text does not already begin
+        with the BOS token (never two BOS)."""
+        text = self.render_chat(messages, add_generation_prompt)
+        bos_text = self.special_tokens.get("bos_token")
+        already = bos_text is not None and text.startswith(bos_text)
+        return self.encode(text, add_bos=self.add_bos and not already)
+
+    @cached_property
+    def _compiled_template(self):
+        return _sandboxed_template(self.chat_template)
+
+
+class IncrementalDecoder:
+    """Streaming detokenisation: feed ids one at a time, get the newly completed text.
+
+    Text is held back while the ids so far end inside a multi-byte UTF-8 character (the
+    decoded tail is U+FFFD), so no replacement character is emitted for a character whose
+    bytes span several tokens. The concatenation of every :meth:`push` result and the
+    final :meth:`flush` equals ``tokenizer.decode(all_ids)``.
+
+    Works with any ``tokenizers`` decoder: each step decodes a short window of ids
+    starting at the last point where the text was complete (the prefix/read-offset
+    scheme of Hugging Face TGI and vLLM), so leading-space rules of the decoder apply
+    the same way as in a whole decode.
+    """
+
+    def __init__(
+        self, tokenizer: TextTokenizer, skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # ids before this are already emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the text it completes ("" while a character is partial)."""
+        self._ids.append(int(token_id))
+        done = self._decode(self._prefix, self._read)
+        text = self._decode(self._prefix, len(self._ids))
+        if len(text) <= len(done) or text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(done) :]
+
+    def flush(self) -> str:
+        """Text still held back at the end of the sequence (invalid bytes as U+FFFD)."""
+        done = self._decode(self._prefix, self._read)
+        text = self._decode(self._prefix, len(self._ids))
+        self._prefix = self._read = len(self._ids)
+        return text[len(done) :]
+
+    def _decode(self, start: int, stop: int) -> str:
+        return self._tokenizer.decode(
+            self._ids[start:stop], skip_special_tokens=self._skip
+        )
+
+
+def find_stop(text: str, stops: Iterable[str], start: int = 0) -> int | None:
+    """Index of the earliest stop string in ``text[start:]``, as an index into ``text``.
+
+    Parameters
+    ----------
+    text : str
+        Generated text so far.
+    stops : Iterable[str]
+        Stop strings; empty ones are ignored.
+    start : int
+        Where to begin searching. When streaming, pass
+        ``max(0, old_len - max(len(s) for s in stops) + 1)`` so that a stop string split
+        across two chunks is still found.
+
+    Returns
+    -------
+    int or None
+        Position of the first character of the earliest match, or None.
+    """
+    hits = [i for s in stops if s and (i := text.find(s, start)) >= 0]
+    return min(hits) if hits else None
+
+
+# ---------------------------------------------------------------------- GGUF helpers
+
+
+class _GGUFMetadata:
+    """Metadata values of one GGUF file, read with ``gguf.GGUFReader``."""
+
+    def __init__(self, path_or_reader: Any) -> None:
+        import gguf
+
+        if isinstance(path_or_reader, gguf.GGUFReader):
+            self.reader = path_or_reader
+            self.source = str(getattr(path_or_reader.data, "filename", "GGUF"))
+        else:
+            self.reader = gguf.GGUFReader(path_or_reader)
+            self.source = str(path_or_reader)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"{self.source}: missing GGUF metadata key {key}")
+        return value
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table used to spell byte-level BPE tokens."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    table = {b: chr(b) for b in printable}
+    extra = [b for b in range(256) if b not in table]
+    table |= {b: chr(256 + n) for n, b in enumerate(extra)}
+    return dict(sorted(table.items()))
+
+
+def _byte_level_bpe(
+    tokens: list[str], merges: list[str], pre: str, reference: str
+) -> Tokenizer:
+    """BPE model + pre-tokenizer + ByteLevel decoder, as transformers' GPT2Tokenizer."""
+    if pre not in SUPPORTED_PRE:
+        raise ValueError(
+            f"tokenizer.ggml.pre={pre!r} is not a known pre-tokenizer; supported: "
+            f"{', '.join(SUPPORTED_PRE)}"
+        )
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {_spell(t, alphabet, spelling): i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ")) for m in merges]
+    ignore = reference == "llama.cpp" and pre in _IGNORE_MERGES_FAMILY
+    model = BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=ignore)
+    backend = Tokenizer(model)
+    backend.pre_tokenizer = _pre_tokenizer(pre, reference)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _spell(token: str, alphabet: set[str], spelling: dict[int, str]) -> str:
+    """Tokens already in the byte alphabet stay; others are respelled byte by byte."""
+    if set(token) <= alphabet:
+        return token
+    return "".join(spelling[b] for b in token.encode("utf-8"))
+
+
+def _pre_tokenizer(pre: str, reference: str):
+    split = _SPLITS.get(pre)
+    if split is not None:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if reference == "llama.cpp" and pre in _DIGIT_FAMILY:
+        digits = pre_tokenizers.Digits(individual_digits=True)
+        return pre_tokenizers.Sequence([digits, byte_level])
+    return byte_level
+
+
+def _add_gguf_added_tokens(
+    backend: Tokenizer, tokens: list[str], types: list[int]
+) -> None:
+    """Control tokens -> special added tokens; user-defined -> plain added tokens.
+
+    A control token spelled outside the byte alphabet is a llama.cpp mislabel and is
+    skipped, as transformers does (it could not be a real byte-level token).
+    """
+    alphabet = set(bytes_to_unicode().values())
+    pairs = list(zip(tokens, types))
+    control = [t for t, k in pairs if k == TOKEN_TYPE_CONTROL and set(t) <= alphabet]
+    backend.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t in control]
+    )
+    vocab = backend.get_vocab(with_added_tokens=True)
+    user = [t for t, k in pairs if k == TOKEN_TYPE_USER_DEFINED and t in vocab]
+    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+
+
+def _gguf_settings(
+    meta: _GGUFMetadata, tokens: list[str], backend: Tokenizer, pre: str
+) -> dict:
+    """Constructor arguments besides the backend: ids, flags, template, template variables."""
+
+    def token_id(name: str) -> int | None:
+        value = meta.get(f"tokenizer.ggml.{name}")
+        return (
+            int(value) if value is not None and 0 <= int(value) < len(tokens) else None
+        )
+
+    ids = {key: token_id(name) for key, name in _GGUF_SPECIAL_IDS.items()}
+    specials = {key: tokens[i] for key, i in ids.items() if i is not None}
+    # llama.cpp adds BOS to Llama 3 vocabularies when the file does not say.
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_FAMILY)
+    ends = [ids["eos_token"], token_id("eot_token_id"), token_id("eom_token_id")]
+    return {
+        "backend": backend,
+        "bos_id": ids["bos_token"],
+        "eos_ids": _end_ids(backend, ends),
+        "add_bos": bool(add_bos),
+        "chat_template": meta.get("tokenizer.chat_template"),
+        "special_tokens": specials,
+    }
+
+
+_GGUF_SPECIAL_IDS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
+_SPECIAL_KEYS = tuple(_GGUF_SPECIAL_IDS)
+
+
+def _end_ids(backend: Tokenizer, declared: Iterable[int | None]) -> frozenset[int]:
+    """Declared end ids plus every known end-of-turn token that is an added token."""
+    added = set(backend.get_added_tokens_decoder())
+    named = {backend.token_to_id(name) for name in END_TOKEN_NAMES} & added
+    return frozenset(i for i in declared if i is not None) | named
+
+
+# ---------------------------------------------------------------------- folder helpers
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_content(value: Any) -> str | None:
+    """``"<s>"`` or ``{"content": "<s>", ...}`` (AddedToken serialisation) -> ``"<s>"``."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _token_id(backend: Tokenizer, token: str | None, fallback: Any) -> int | None:
+    """Id of ``token`` in the vocabulary, else the first of ``fallback`` (int or list)."""
+    token_id = backend.token_to_id(token) if token is not None else None
+    return token_id if token_id is not None else next(iter(_as_list(fallback)), None)
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _folder_chat_template(folder: Path, config: dict) -> str | None:
+    """``chat_template.jinja``, else ``tokenizer_config.json``'s (a string or named list)."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default", next(iter(named.values()), None))
+    return template
+
+
+# ---------------------------------------------------------------------- chat helpers
+
+
+def _plain_chat(messages: list[dict], add_generation_prompt: bool) -> str:
+    turns = [f"{str(m['role']).capitalize()}: {m['content']}" for m in messages]
+    if add_generation_prompt:
+        turns.append("Assistant:")
+    return "\n\n".join(turns)
+
+
+def _sandboxed_template(source: str):
+    """Compile a chat template in an immutable sandbox, set up as transformers does."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """Accept ``{% generation %}...{% endgeneration %}`` and render its body as is."""
+
+        tags = frozenset({"generation"})
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(
+            x,
+            ensure_ascii=ensure_ascii,
+            indent=indent,
+            separators=separators,
+            sort_keys=sort_keys,
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)

@@ -1,0 +1,54 @@
+"""Shared pytest fixtures: the embedded model file, its tokenizer and the text corpus.
+
+The corpus lives in ``shared/corpus`` beside the repository checkout (``../shared``);
+set ``HISPARSE_CORPUS`` to use another folder. A test that takes a ``corpus_file``
+argument runs once per ``*.txt`` file there.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+CORPUS_ENV = "HISPARSE_CORPUS"
+
+
+def find_corpus_dir() -> Path:
+    """``$HISPARSE_CORPUS``, else ``<checkout>/../shared/corpus``."""
+    override = os.environ.get(CORPUS_ENV)
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parents[2] / "shared" / "corpus"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "corpus_file" in metafunc.fixturenames:
+        files = sorted(find_corpus_dir().glob("*.txt"))
+        metafunc.parametrize("corpus_file", files, ids=[f.name for f in files])
+
+
+@pytest.fixture(scope="session")
+def corpus_dir() -> Path:
+    """Folder of the ``*.txt`` test documents (may be missing or empty)."""
+    return find_corpus_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    """Path of the embedded SmolLM2-135M-Instruct Q4_1 GGUF (skips if not installed)."""
+    from engine.embedded import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf_path: Path):
+    """:class:`engine.tokenizer.TextTokenizer` of the embedded model (takes ~3 s once)."""
+    from engine.tokenizer import TextTokenizer
+
+    return TextTokenizer.from_gguf(smollm2_gguf_path)

@@ -1,0 +1,439 @@
+"""Tokenizer layer: ids equal transformers' GGUF conversion; chat, BOS/EOS, streaming.
+
+The reference is ``AutoTokenizer.from_pretrained(folder, gguf_file=name)`` on the same
+GGUF file (slow to build, so one per module). Other pre-tokenizers (Llama 3, Qwen2, ...)
+are checked on small GGUF files written here from SmolLM2's vocabulary, against
+transformers' own GGUF conversion functions.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.embedded import EMBEDDED_INSTALL_COMMAND, default_model_path
+from engine.tokenizer import (
+    IncrementalDecoder,
+    TextTokenizer,
+    bytes_to_unicode,
+    find_stop,
+)
+
+VARIED = {
+    "ascii": "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "contractions": "I'm sure they'll say it's what we'd've DONE, isn't it?",
+    "digits": "In 2024, 3.14159 * 1e-10 = 0.000314159; call 555-0100 or 1,234,567.",
+    "digits_after_spaces": "x  1\n    42\ty\t\t7   890",
+    "whitespace_run": "a" + " " * 37 + "b" + "\n" * 9 + "c" + " \t " * 11 + "\n",
+    "leading_trailing_space": "   leading and trailing   ",
+    "crlf": "line one\r\nline two\r\n\r\nline four\rcarriage",
+    "tabs": "\tdef f(x):\n\t\treturn x\t# tab\t\tcomment",
+    "cjk": "日本語のテキスト、中文文本和한국어 텍스트。",
+    "emoji": "Emoji: 😀👍🏽👨‍👩‍👧‍👦 🇫🇷 ❤️‍🔥 and text",
+    "rare_bytes": "nul\x00del\x7fnbsp\u00a0zwsp\u200bbom\ufeffend\x01\x1b[0m",
+    "combining": "e\u0301 a\u0308 n\u0303 \u1e9b\u0323 Z\u0351\u0364\u0300",
+    "mixed_scripts": "Ελληνικά, русский, עברית, العربية, हिन्दी, ไทย",
+    "chat_tokens": "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "special_inside_word": "abc<|im_end|>def <|endoftext|>ghi<|im_start|>",
+    "code": "for i in range(10):\n    print(f'{i:>3}: {i**2}')  # squares\n",
+    "empty": "",
+    "single_space": " ",
+}
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smollm2_gguf_path: Path):
+    """transformers' tokenizer converted from the same GGUF file (~5 s)."""
+    transformers = pytest.importorskip("transformers")
+    folder, name = str(smollm2_gguf_path.parent), smollm2_gguf_path.name
+    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture
+def tok(smollm2_tokenizer: TextTokenizer) -> TextTokenizer:
+    return smollm2_tokenizer
+
+
+# ---------------------------------------------------------------- ids vs transformers
+
+
+@pytest.mark.parametrize("text", VARIED.values(), ids=VARIED.keys())
+def test_ids_match_transformers(tok, hf_tokenizer, text):
+    assert tok.encode(text) == hf_tokenizer(text)["input_ids"]
+
+
+def test_ids_match_transformers_on_corpus(tok, hf_tokenizer, corpus_file):
+    text = corpus_file.read_text(encoding="utf-8")
+    ours, theirs = tok.encode(text), hf_tokenizer(text)["input_ids"]
+    assert len(ours) == len(theirs), (
+        f"{corpus_file.name}: {len(ours)} vs {len(theirs)} ids"
+    )
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    assert first is None, f"{corpus_file.name}: first different id at {first}"
+    assert tok.decode(ours) == text
+
+
+def test_encode_batch_equals_encode(tok):
+    texts = list(VARIED.values())
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+
+
+def test_byte_alphabet_matches_transformers():
+    convert = pytest.importorskip("transformers.convert_slow_tokenizer")
+    assert bytes_to_unicode() == convert.bytes_to_unicode()
+
+
+def test_special_tokens_are_single_ids(tok):
+    ids = tok.encode("a<|im_start|>b<|im_end|>")
+    assert tok.token_to_id("<|im_start|>") in ids
+    assert tok.token_to_id("<|im_end|>") == ids[-1]
+
+
+# ---------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("text", VARIED.values(), ids=VARIED.keys())
+def test_round_trip(tok, text):
+    assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+
+
+def test_decode_skips_special_tokens(tok):
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert tok.decode(ids) == "user\nhi"
+
+
+# ---------------------------------------------------------------- model facts
+
+
+def test_smollm2_ids_and_flags(tok):
+    im_end = tok.token_to_id("<|im_end|>")
+    assert im_end in tok.eos_ids
+    assert tok.token_to_id("<|endoftext|>") in tok.eos_ids
+    assert tok.token_to_id("<|im_start|>") not in tok.eos_ids
+    assert tok.vocab_size == 49152
+    assert tok.add_bos is False
+    assert tok.bos_id == tok.token_to_id("<|im_start|>")
+    assert "<|im_start|>" in tok.chat_template
+
+
+def test_encode_with_bos(tok):
+    assert tok.encode("hi", add_bos=True) == [tok.bos_id, *tok.encode("hi")]
+    assert tok.encode_batch(["hi"], add_bos=True) == [tok.encode("hi", add_bos=True)]
+
+
+# ---------------------------------------------------------------- chat
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        MESSAGES,
+        [{"role": "system", "content": "Be terse."}, *MESSAGES],
+        [
+            *MESSAGES,
+            {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "ü?"},
+        ],
+    ],
+    ids=["one_user", "system", "multi_turn"],
+)
+def test_render_chat_matches_transformers(tok, hf_tokenizer, messages):
+    expected = hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert tok.render_chat(messages, add_generation_prompt=True) == expected
+
+
+def test_encode_chat_matches_transformers(tok, hf_tokenizer):
+    expected = hf_tokenizer.apply_chat_template(
+        MESSAGES, tokenize=True, add_generation_prompt=True
+    )["input_ids"]
+    assert tok.encode_chat(MESSAGES) == expected
+
+
+def test_render_without_generation_prompt(tok):
+    text = tok.render_chat(MESSAGES, add_generation_prompt=False)
+    assert text.endswith("<|im_end|>\n") and "<|im_start|>assistant" not in text
+
+
+def _with_template(
+    tok: TextTokenizer, template: str | None, add_bos: bool
+) -> TextTokenizer:
+    """SmolLM2's vocabulary with ``<|endoftext|>`` as a BOS and the given template."""
+    bos = "<|endoftext|>"
+    return TextTokenizer(
+        tok.backend,
+        bos_id=tok.token_to_id(bos),
+        eos_ids=tok.eos_ids,
+        add_bos=add_bos,
+        chat_template=template,
+        special_tokens={"bos_token": bos, "eos_token": "<|im_end|>"},
+    )
+
+
+@pytest.mark.parametrize("template_has_bos", [True, False])
+def test_encode_chat_has_exactly_one_bos(tok, template_has_bos):
+    body = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    template = ("{{ bos_token }}" if template_has_bos else "") + body
+    ids = _with_template(tok, template, add_bos=True).encode_chat(MESSAGES)
+    bos = tok.token_to_id("<|endoftext|>")
+    assert ids[0] == bos and ids.count(bos) == 1
+
+
+def test_encode_chat_no_bos_when_model_says_so(tok):
+    ids = _with_template(
+        tok, "{{ messages[0]['content'] }}", add_bos=False
+    ).encode_chat(MESSAGES)
+    assert tok.token_to_id("<|endoftext|>") not in ids
+
+
+def test_plain_chat_fallback(tok):
+    plain = _with_template(tok, None, add_bos=False)
+    text = plain.render_chat([{"role": "system", "content": "S"}, *MESSAGES])
+    assert text == "System: S\n\nUser: What is the capital of France?\n\nAssistant:"
+
+
+def test_template_sandbox_and_helpers(tok):
+    import jinja2
+
+    raising = _with_template(
+        tok, "{{ raise_exception('no system role') }}", add_bos=False
+    )
+    with pytest.raises(jinja2.TemplateError, match="no system role"):
+        raising.render_chat(MESSAGES)
+    escape = _with_template(tok, "{{ messages.__class__.__mro__ }}", add_bos=False)
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        escape.render_chat(MESSAGES)
+    mutate = _with_template(tok, "{{ messages.append(1) }}", add_bos=False)
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        mutate.render_chat(MESSAGES)
+    helpers = "{{ strftime_now('%Y') | length }} {{ {'k': 'é'} | tojson }}{% generation %}x{% endgeneration %}"
+    assert (
+        _with_template(tok, helpers, add_bos=False).render_chat([]) == '4 {"k": "é"}x'
+    )
+
+
+# ---------------------------------------------------------------- streaming
+
+
+def _stream(tok: TextTokenizer, ids: list[int], **kwargs) -> list[str]:
+    decoder = IncrementalDecoder(tok, **kwargs)
+    return [decoder.push(i) for i in ids] + [decoder.flush()]
+
+
+@pytest.mark.parametrize(
+    "key", ["cjk", "emoji", "mixed_scripts", "combining", "chat_tokens"]
+)
+def test_incremental_decoder_equals_decode(tok, key):
+    ids = tok.encode(VARIED[key])
+    chunks = _stream(tok, ids)
+    assert "".join(chunks) == tok.decode(ids)
+    assert not any("\ufffd" in c for c in chunks), "emitted a partial character"
+    kept = _stream(tok, ids, skip_special_tokens=False)
+    assert "".join(kept) == tok.decode(ids, skip_special_tokens=False)
+
+
+def test_incremental_decoder_holds_back_split_characters(tok):
+    ids = tok.encode("😀")
+    assert len(ids) > 1, "the emoji should span several byte tokens"
+    decoder = tok.incremental_decoder()
+    out = [decoder.push(i) for i in ids]
+    assert out[:-1] == [""] * (len(ids) - 1) and out[-1] == "😀"
+
+
+def test_incremental_decoder_flushes_invalid_bytes(tok):
+    lone_lead_byte = tok.token_to_id("\u00e3")  # byte 0xE3 alone: a 3-byte lead
+    ids = [*tok.encode("ok "), lone_lead_byte]
+    chunks = _stream(tok, ids)
+    assert chunks[-1] == "\ufffd" and "".join(chunks) == tok.decode(ids)
+
+
+def test_find_stop():
+    assert find_stop("Answer: Paris.\nUser: more", ["\nUser:", "Paris"]) == 8
+    assert find_stop("no stop here", ["STOP", ""]) is None
+    assert find_stop("abcabc", ["abc"], start=1) == 3
+    assert find_stop("", ["x"]) is None
+    assert find_stop("x", []) is None
+
+
+# ---------------------------------------------------------------- other pre-tokenizers
+
+
+def _small_vocab(
+    tok: TextTokenizer, size: int = 6000
+) -> tuple[list[str], list[str], list[int]]:
+    """SmolLM2's first ``size`` tokens, the merges among them, and their GGUF types."""
+    inverse = {i: t for t, i in tok.backend.get_vocab(with_added_tokens=True).items()}
+    tokens = [inverse[i] for i in range(size)]
+    kept = set(tokens)
+    pairs = json.loads(tok.backend.to_str())["model"]["merges"]
+    merges = [f"{a} {b}" for a, b in pairs if {a, b, a + b} <= kept]
+    special = set(tok.backend.get_added_tokens_decoder())
+    return tokens, merges, [3 if i in special else 1 for i in range(size)]
+
+
+def _write_gguf(
+    path: Path, tokens, merges, types, model: str = "gpt2", pre: str = "gpt2"
+):
+    import gguf
+
+    writer = gguf.GGUFWriter(path, arch="llama")
+    writer.add_tokenizer_model(model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_vocab(smollm2_tokenizer):
+    return _small_vocab(smollm2_tokenizer)
+
+
+@pytest.mark.parametrize(
+    "pre", ["llama-bpe", "qwen2", "smollm", "default", "tekken", "gpt-4o"]
+)
+def test_pre_tokenizers_match_transformers(
+    tmp_path, small_vocab, corpus_file_text, pre
+):
+    gguf_module = pytest.importorskip("transformers.integrations.gguf")
+    path = _write_gguf(tmp_path / f"{pre}.gguf", *small_vocab, pre=pre)
+    ours = TextTokenizer.from_gguf(path)
+    arch, tokenizer_dict, _ = gguf_module.get_gguf_tokenizer(str(path))
+    theirs, _ = gguf_module.convert_gguf_tokenizer(arch, tokenizer_dict)
+    for text in [*VARIED.values(), corpus_file_text]:
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False).ids, (
+            text[:80]
+        )
+
+
+@pytest.fixture(scope="module")
+def corpus_file_text(corpus_dir: Path) -> str:
+    """About 20 KB of the first corpus file ("" if there is no corpus)."""
+    files = sorted(corpus_dir.glob("*.txt"))
+    return files[0].read_text(encoding="utf-8")[:20_000] if files else ""
+
+
+def test_sentencepiece_gguf_is_refused(tmp_path, small_vocab):
+    path = _write_gguf(
+        tmp_path / "spm.gguf", *small_vocab, model="llama", pre="default"
+    )
+    with pytest.raises(ValueError, match="tokenizer.ggml.model='llama'"):
+        TextTokenizer.from_gguf(path)
+
+
+def test_unknown_pre_tokenizer_is_refused(tmp_path, small_vocab):
+    path = _write_gguf(tmp_path / "odd.gguf", *small_vocab, pre="no-such-pre")
+    with pytest.raises(ValueError, match="no-such-pre"):
+        TextTokenizer.from_gguf(path)
+
+
+def test_llama_cpp_reference_isolates_digits(tmp_path, small_vocab):
+    import gguf
+
+    reader = gguf.GGUFReader(
+        _write_gguf(tmp_path / "smollm.gguf", *small_vocab, pre="smollm")
+    )
+    hf_like = TextTokenizer.from_gguf(reader)
+    llama_cpp = TextTokenizer.from_gguf(reader, reference="llama.cpp")
+    spaces = hf_like.token_to_id("ĠĠ")
+    # llama.cpp splits "\p{N}" first, so the two spaces stay one pre-token.
+    assert llama_cpp.encode("a  2") == [
+        *hf_like.encode("a"),
+        spaces,
+        *hf_like.encode("2"),
+    ]
+    assert hf_like.encode("a  2") != llama_cpp.encode("a  2")
+    text = VARIED["contractions"] + VARIED["cjk"] + VARIED["whitespace_run"]
+    assert llama_cpp.encode(text) == hf_like.encode(text)  # no digits: no difference
+    with pytest.raises(ValueError, match="reference"):
+        TextTokenizer.from_gguf(reader, reference="vllm")
+
+
+# ---------------------------------------------------------------- folder loading
+
+
+def test_from_folder(tmp_path, tok):
+    from tokenizers import Tokenizer, processors
+
+    bos = "<|endoftext|>"
+    backend = Tokenizer.from_str(tok.backend.to_str())
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
+    )
+    backend.save(str(tmp_path / "tokenizer.json"))
+    config = {
+        "bos_token": {"content": bos},
+        "eos_token": "<|im_end|>",
+        "chat_template": "x",
+    }
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(config), encoding="utf-8"
+    )
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [2, 5]})
+    )
+    (tmp_path / "chat_template.jinja").write_text(tok.chat_template, encoding="utf-8")
+    loaded = TextTokenizer.from_folder(tmp_path)
+    assert loaded.add_bos is True  # read off the post-processor
+    assert loaded.bos_id == tok.token_to_id(bos)
+    assert {2, 5, tok.token_to_id(bos)} <= loaded.eos_ids
+    assert loaded.chat_template == tok.chat_template
+    text = VARIED["emoji"] + VARIED["chat_tokens"]
+    assert loaded.encode(text) == tok.encode(text)
+    assert loaded.encode_chat(MESSAGES) == [loaded.bos_id, *tok.encode_chat(MESSAGES)]
+
+
+def test_from_folder_without_tokenizer_json(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        TextTokenizer.from_folder(tmp_path)
+
+
+# ---------------------------------------------------------------- embedded model, speed
+
+
+def test_default_model_path(smollm2_gguf_path):
+    assert smollm2_gguf_path == default_model_path()
+    assert smollm2_gguf_path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert smollm2_gguf_path.stat().st_size > 50_000_000
+
+
+def test_default_model_path_missing(monkeypatch):
+    import importlib.metadata
+    import importlib.util
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(
+        FileNotFoundError, match=EMBEDDED_INSTALL_COMMAND.replace(".", r"\.")
+    ):
+        default_model_path()
+
+
+def test_encode_speed_on_largest_corpus_file(tok, corpus_dir):
+    files = sorted(corpus_dir.glob("*.txt"), key=lambda f: f.stat().st_size)
+    if not files:
+        pytest.skip(f"no corpus in {corpus_dir}")
+    text = files[-1].read_text(encoding="utf-8")
+    start = time.perf_counter()
+    ids = tok.encode(text)
+    elapsed_s = time.perf_counter() - start
+    print(
+        f"{files[-1].name}: {len(text.encode())} bytes -> {len(ids)} ids in {elapsed_s:.3f} s"
+    )
+    assert elapsed_s < 2.0
