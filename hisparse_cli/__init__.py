@@ -1,0 +1,1 @@
+"""hisparse_cli: the ``hisparse`` command, job manifests, the dashboard and output files."""

@@ -1,0 +1,104 @@
+"""Resume keys: what a job's output depends on, hashed.
+
+``settings_hash`` covers the task and prompt, sampling, model, text decoding options
+and the engine settings that can change the generated text. ``job_key`` adds the
+SHA-256 of every input file. A job whose last successful line in ``results.jsonl``
+carries the same id and key is skipped on the next run.
+
+Engine settings left out of the key (:data:`OUTPUT_NEUTRAL_SETTINGS`) only move work
+between devices or memories, change speed, or are exact by design (the hierarchical
+hot buffer equals all-resident sparse attention bit for bit), so changing them does
+not redo finished jobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig, SamplingParams
+from hisparse_cli.tasks import TaskSpec
+
+KEY_VERSION = 1
+DEFAULT_MODEL_ID = "embedded-default"
+OUTPUT_NEUTRAL_SETTINGS = frozenset(
+    {
+        "device",
+        "hierarchical",
+        "device_buffer",
+        "max_batch",
+        "prefill_chunk",
+        "host_pool_gb",
+        "memory_budget_gb",
+        "use_triton",
+        "num_threads",
+        "extra",
+    }
+)
+
+
+def output_settings(config: EngineConfig) -> dict[str, Any]:
+    """The engine settings that can change generated text (all but the neutral ones)."""
+    return {k: v for k, v in config.to_dict().items() if k not in OUTPUT_NEUTRAL_SETTINGS}
+
+
+def model_fingerprint(model: str | None) -> str:
+    """Identity of a model for the key: file name, size and modification time.
+
+    Name/size/mtime rather than a content hash, because weights are gigabytes; moving
+    the file keeps the identity, rewriting it changes it. A directory uses the same of
+    each file directly inside it. ``None`` (the embedded default) is a fixed string.
+    """
+    if model is None:
+        return DEFAULT_MODEL_ID
+    path = Path(model)
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    parts = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files if p.exists()]
+    return f"{path.name}|{'|'.join(parts)}"
+
+
+def settings_hash(
+    task: TaskSpec,
+    sampling: SamplingParams,
+    model_id: str,
+    config: EngineConfig,
+    text_options: dict[str, str],
+) -> str:
+    """SHA-256 (hex) of everything but the inputs that determines a job's output.
+
+    Parameters
+    ----------
+    task
+        Task, prompt template, question and fields.
+    sampling
+        Sampling parameters (seed included).
+    model_id
+        :func:`model_fingerprint` of the model.
+    config
+        Resolved engine config; only :func:`output_settings` enter the hash.
+    text_options
+        How documents are decoded (``encoding``, ``errors``).
+    """
+    payload = {
+        "version": KEY_VERSION,
+        "task": task.to_dict(),
+        "sampling": dataclasses.asdict(sampling),
+        "model": model_id,
+        "engine": output_settings(config),
+        "text": text_options,
+    }
+    return _sha256_json(payload)
+
+
+def job_key(input_sha256: Sequence[str], settings: str) -> str:
+    """Resume key: SHA-256 of the input content hashes (in order) and ``settings``."""
+    return _sha256_json({"inputs": list(input_sha256), "settings": settings})
+
+
+def _sha256_json(payload: Any) -> str:
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -1,0 +1,110 @@
+"""The ``hisparse`` command (console script ``hisparse = "hisparse_cli.main:app"``).
+
+Commands are thin: they turn flags into a request and hand it over. Heavy modules
+(the engine, torch, the runner) are imported inside the command, so ``--help`` is fast.
+"""
+
+from pathlib import Path
+
+import typer
+
+from hisparse_cli import options as opt
+from hisparse_cli import presets_cmd
+
+app = typer.Typer(
+    name="hisparse",
+    help="Offline long-document LLM batch processor with sparse hierarchical KV decoding.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+@app.command()
+def run(
+    docs: opt.Docs = None,
+    manifest: opt.ManifestFile = None,
+    model: opt.Model = None,
+    prompt: opt.Prompt = None,
+    task: opt.Task = None,
+    question: opt.Question = None,
+    max_new_tokens: opt.MaxNewTokens = None,
+    temperature: opt.Temperature = None,
+    top_p: opt.TopP = None,
+    top_k: opt.TopK = None,
+    seed: opt.Seed = None,
+    stop: opt.Stop = None,
+    output_dir: opt.OutputDir = Path("hisparse-out"),
+    preset: opt.Preset = "cpu",
+    attention: opt.Attention = None,
+    indexer: opt.Indexer = None,
+    page_size: opt.PageSize = None,
+    top_k_tokens: opt.TopKTokens = None,
+    device_buffer: opt.DeviceBuffer = None,
+    sink_tokens: opt.SinkTokens = None,
+    local_window: opt.LocalWindow = None,
+    max_batch: opt.MaxBatch = None,
+    context_policy: opt.ContextPolicy = None,
+    max_context: opt.MaxContext = None,
+    memory_budget: opt.MemoryBudget = None,
+    device: opt.Device = None,
+    json_progress: opt.JsonProgress = False,
+    trace: opt.Trace = None,
+    encoding: opt.Encoding = "utf-8",
+    errors: opt.Errors = "strict",
+    print_config: opt.PrintConfig = False,
+    force: opt.Force = False,
+) -> None:
+    """Run a task over documents and write one result per job.
+
+    Examples: `hisparse run docs/*.txt` · `hisparse run report.txt --task answer --question "What was the revenue?"` · `hisparse run --manifest jobs.yaml`
+
+    Results go to OUTPUT_DIR/results.jsonl and OUTPUT_DIR/<job>.txt; jobs already done with the same inputs and settings are skipped (--force redoes them).
+
+    Exit code: 0 all jobs ok, 1 a job failed, 2 bad arguments or jobs, 130 interrupted.
+    """
+    from hisparse_cli.runner import RunRequest, execute
+
+    job_overrides = {
+        "task": task,
+        "prompt": prompt,
+        "question": question,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "seed": seed,
+        "stop": list(stop) if stop else None,
+    }
+    engine_overrides = {
+        "attention": attention,
+        "indexer": indexer,
+        "page_size": page_size,
+        "top_k": top_k_tokens,
+        "device_buffer": device_buffer,
+        "sink_tokens": sink_tokens,
+        "local_window": local_window,
+        "max_batch": max_batch,
+        "context_policy": context_policy,
+        "max_context": max_context,
+        "memory_budget_gb": memory_budget,
+        "device": device,
+        "extra": {"trace_path": str(trace)} if trace is not None else None,
+    }
+    request = RunRequest(
+        docs=tuple(docs or ()),
+        manifest=manifest,
+        model=model,
+        job_overrides=job_overrides,
+        engine_overrides=engine_overrides,
+        preset=preset,
+        output_dir=output_dir,
+        json_progress=json_progress,
+        encoding=encoding,
+        errors=errors,
+        print_config=print_config,
+        force=force,
+    )
+    raise typer.Exit(execute(request))
+
+
+presets_cmd.register(app)

@@ -1,0 +1,268 @@
+"""Parsing a manifest file into entries that remember the line of every field.
+
+YAML (``.yaml``/``.yml``)::
+
+    defaults:                 # optional; applies to every job
+      task: answer
+      max_new_tokens: 200
+      engine: {attention: sparse, top_k: 1024}   # EngineConfig fields
+    jobs:
+      - id: q1
+        input: reports/2023.txt
+        question: What was the revenue?
+
+A top-level list is accepted as ``jobs`` without defaults.
+
+JSONL (``.jsonl``/``.ndjson``): one JSON object per line; a line whose only key is
+``defaults`` holds the defaults (``{"defaults": {"task": "summarize", "engine": {...}}}``).
+Blank lines are skipped.
+
+Values are built with PyYAML's safe constructor (``yaml.safe_load`` semantics) but
+from the composed node tree, so each key keeps its line number; duplicate keys,
+which ``safe_load`` silently overwrites, are reported.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+COMMAND_LINE = "command line"
+YAML_SUFFIXES = (".yaml", ".yml", ".json")
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+TOP_LEVEL_KEYS = ("defaults", "jobs")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One validation finding: where (file, line, field) and what."""
+
+    file: str
+    line: int | None
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}" if self.line else self.file
+        return (
+            f"{where}: {self.field}: {self.message}" if self.field else f"{where}: {self.message}"
+        )
+
+
+@dataclass
+class Entry:
+    """One mapping of fields (a job, the defaults, or the command-line flags).
+
+    lines: field -> line of its key; fields without one report ``line``.
+    invalid: fields dropped by validation (already reported).
+    """
+
+    file: str
+    label: str
+    line: int | None
+    values: dict[str, Any]
+    lines: dict[str, int] = field(default_factory=dict)
+    invalid: set[str] = field(default_factory=set)
+
+    def where(self, name: str) -> int | None:
+        """Line to report for field ``name``."""
+        return self.lines.get(name, self.line)
+
+
+@dataclass
+class RawManifest:
+    """Entries read from one source, plus the problems met while reading it."""
+
+    jobs: list[Entry] = field(default_factory=list)
+    defaults: Entry | None = None
+    engine: Entry | None = None
+    problems: list[Problem] = field(default_factory=list)
+
+
+def read_manifest_file(path: Path) -> RawManifest:
+    """Parse ``path`` (YAML or JSONL by suffix) into entries; never raises on bad content.
+
+    Returns
+    -------
+    RawManifest
+        With ``problems`` filled for syntax errors, non-mapping entries, duplicate keys
+        and unknown top-level keys; field values are not checked here.
+    """
+    raw = RawManifest()
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as exc:
+        raw.problems.append(Problem(str(path), None, "", f"cannot read manifest: {exc}"))
+        return raw
+    suffix = path.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        _read_jsonl(str(path), text, raw)
+    elif suffix in YAML_SUFFIXES:
+        _read_yaml(str(path), text, raw)
+    else:
+        raw.problems.append(
+            Problem(str(path), None, "", "manifest must end in .yaml, .yml, .json or .jsonl")
+        )
+    return raw
+
+
+# ----------------------------------------------------------------------------- YAML
+
+
+def _read_yaml(file: str, text: str, raw: RawManifest) -> None:
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            raw.problems.append(Problem(file, None, "", "manifest is empty"))
+        elif isinstance(root, yaml.SequenceNode):
+            _yaml_jobs(file, root, loader, raw)
+        elif isinstance(root, yaml.MappingNode):
+            _yaml_top(file, root, loader, raw)
+        else:
+            raw.problems.append(
+                Problem(file, _line(root), "", "must be a mapping with jobs: (and defaults:)")
+            )
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark else None
+        raw.problems.append(Problem(file, line, "", f"not valid YAML: {_yaml_message(exc)}"))
+    finally:
+        loader.dispose()
+
+
+def _yaml_top(file: str, root: yaml.MappingNode, loader: yaml.SafeLoader, raw: RawManifest) -> None:
+    top = _yaml_entry(file, "", root, loader, raw, construct=False)
+    if top is None:
+        return
+    entry, nodes = top
+    for key in entry.values:
+        if key not in TOP_LEVEL_KEYS:
+            raw.problems.append(
+                Problem(
+                    file, entry.where(key), key, "unknown top-level key (expected defaults, jobs)"
+                )
+            )
+    if "jobs" not in nodes:
+        raw.problems.append(Problem(file, entry.line, "jobs", "is required (a list of jobs)"))
+    elif not isinstance(nodes["jobs"], yaml.SequenceNode):
+        raw.problems.append(Problem(file, entry.where("jobs"), "jobs", "must be a list of jobs"))
+    else:
+        _yaml_jobs(file, nodes["jobs"], loader, raw)
+    if "defaults" in nodes:
+        _yaml_defaults(file, nodes["defaults"], loader, raw)
+
+
+def _yaml_jobs(
+    file: str, node: yaml.SequenceNode, loader: yaml.SafeLoader, raw: RawManifest
+) -> None:
+    if not node.value:
+        raw.problems.append(Problem(file, _line(node), "jobs", "is empty"))
+    for i, item in enumerate(node.value):
+        parsed = _yaml_entry(file, f"jobs[{i}]", item, loader, raw)
+        if parsed:
+            raw.jobs.append(parsed[0])
+
+
+def _yaml_defaults(file: str, node: yaml.Node, loader: yaml.SafeLoader, raw: RawManifest) -> None:
+    parsed = _yaml_entry(file, "defaults", node, loader, raw)
+    if parsed is None:
+        return
+    raw.defaults, nodes = parsed
+    if "engine" in nodes:
+        engine = _yaml_entry(file, "defaults.engine", nodes["engine"], loader, raw)
+        raw.engine = engine[0] if engine else None
+        del raw.defaults.values["engine"]
+
+
+def _yaml_entry(
+    file: str,
+    label: str,
+    node: yaml.Node,
+    loader: yaml.SafeLoader,
+    raw: RawManifest,
+    construct: bool = True,
+) -> tuple[Entry, dict[str, yaml.Node]] | None:
+    """A mapping node -> Entry (values constructed safely) and the value nodes by key."""
+    if not isinstance(node, yaml.MappingNode):
+        raw.problems.append(Problem(file, _line(node), label, "must be a mapping of field: value"))
+        return None
+    loader.flatten_mapping(node)
+    entry, nodes = Entry(file, label, _line(node), {}), {}
+    for key_node, value_node in node.value:
+        key, line = key_node.value, _line(key_node)
+        if not isinstance(key_node, yaml.ScalarNode) or not key:
+            raw.problems.append(Problem(file, line, label, "field names must be plain strings"))
+        elif key in entry.values:
+            where = f"{label}.{key}" if label else key
+            raw.problems.append(
+                Problem(
+                    file, line, where, f"duplicate key (first given on line {entry.lines[key]})"
+                )
+            )
+        else:
+            entry.values[key] = _construct(value_node, loader) if construct else None
+            entry.lines[key], nodes[key] = line, value_node
+    return entry, nodes
+
+
+def _construct(node: yaml.Node, loader: yaml.SafeLoader) -> Any:
+    return loader.construct_object(node, deep=True)
+
+
+def _line(node: yaml.Node) -> int:
+    return node.start_mark.line + 1
+
+
+def _yaml_message(exc: yaml.YAMLError) -> str:
+    problem = getattr(exc, "problem", None)
+    return str(problem) if problem else str(exc).splitlines()[0]
+
+
+# ----------------------------------------------------------------------------- JSONL
+
+
+def _read_jsonl(file: str, text: str, raw: RawManifest) -> None:
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raw.problems.append(
+                Problem(file, number, "", f"not valid JSON: {exc.msg} (column {exc.colno})")
+            )
+            continue
+        if not isinstance(obj, dict):
+            raw.problems.append(Problem(file, number, "", "each line must be a JSON object"))
+        elif set(obj) == {"defaults"}:
+            _jsonl_defaults(file, number, obj["defaults"], raw)
+        else:
+            raw.jobs.append(_json_entry(file, "job", number, obj))
+    if not raw.jobs and not raw.problems:
+        raw.problems.append(Problem(file, None, "jobs", "the manifest holds no jobs"))
+
+
+def _jsonl_defaults(file: str, number: int, value: Any, raw: RawManifest) -> None:
+    if raw.defaults is not None:
+        first = raw.defaults.line
+        raw.problems.append(
+            Problem(file, number, "defaults", f"given twice (first on line {first})")
+        )
+    elif not isinstance(value, dict):
+        raw.problems.append(Problem(file, number, "defaults", "must be a JSON object"))
+    else:
+        raw.defaults = _json_entry(file, "defaults", number, value)
+        engine = raw.defaults.values.pop("engine", None)
+        if isinstance(engine, dict):
+            raw.engine = _json_entry(file, "defaults.engine", number, engine)
+        elif engine is not None:
+            raw.problems.append(Problem(file, number, "defaults.engine", "must be a JSON object"))
+
+
+def _json_entry(file: str, label: str, number: int, obj: dict) -> Entry:
+    return Entry(file, label, number, dict(obj), {key: number for key in obj})

@@ -1,0 +1,131 @@
+"""Job ids and output names that can never write outside the output directory.
+
+A user-given id or output name must be a plain file name: ASCII letters, digits,
+``.``, ``_`` and ``-``, starting with a letter or digit, at most 128 characters, no
+path separators, no ``..`` and not a reserved device name. Ids derived from document
+paths are slugs of the file stem; when two documents in different folders give the
+same slug, parent folder names are prepended one at a time until they differ; ids
+that still collide (same folder, e.g. ``a.txt`` and ``a.md``) get a short hash of the
+resolved path appended.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+MAX_NAME_CHARS = 128
+SLUG_MAX_CHARS = 80
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_RESERVED = {"con", "prn", "aux", "nul"} | {f"{p}{i}" for p in ("com", "lpt") for i in range(10)}
+
+
+def name_problem(name: object) -> str | None:
+    """Why ``name`` is not a safe id / output name, or ``None`` if it is.
+
+    Parameters
+    ----------
+    name
+        The candidate value, as read from a manifest or the command line.
+
+    Returns
+    -------
+    str or None
+        A reason phrased to follow the field name ("must be ..."), or ``None``.
+    """
+    if not isinstance(name, str):
+        return f"must be a string, got {type(name).__name__}"
+    if not name:
+        return "must not be empty"
+    if name.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", name):
+        return f"must be a plain name, not an absolute path: {name!r}"
+    if "/" in name or "\\" in name:
+        return f"must be a plain name without path separators: {name!r}"
+    if ".." in name:
+        return f"must not contain '..': {name!r}"
+    if len(name) > MAX_NAME_CHARS:
+        return f"must be at most {MAX_NAME_CHARS} characters, got {len(name)}"
+    if not _SAFE_NAME.fullmatch(name):
+        return (
+            f"may only use letters, digits, '.', '_' and '-' and must start with a "
+            f"letter or digit: {name!r}"
+        )
+    if name.split(".")[0].lower() in _RESERVED:
+        return f"is a reserved device name on Windows: {name!r}"
+    return None
+
+
+def output_filename(name: str) -> str:
+    """File name of a job's text output: ``name`` plus ``.txt`` (not doubled)."""
+    return name if name.lower().endswith(".txt") else f"{name}.txt"
+
+
+def slugify(text: str) -> str:
+    """Lower-case ASCII slug of ``text`` (``"How To: Sorting"`` -> ``"how-to-sorting"``)."""
+    ascii_text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
+    slug = re.sub(r"[^a-z0-9]+", "-", ascii_text.lower()).strip("-")
+    return slug[:SLUG_MAX_CHARS].strip("-") or "doc"
+
+
+def derive_ids(paths: Sequence[Path], taken: Iterable[str] = ()) -> list[str]:
+    """Unique ids for documents, one per path, stable for the same set of paths.
+
+    Parameters
+    ----------
+    paths
+        Document paths (distinct files).
+    taken
+        Ids already in use (explicit ids from a manifest); derived ids avoid them.
+
+    Returns
+    -------
+    list of str
+        ``ids[i]`` for ``paths[i]``; all distinct (case-insensitively) and safe.
+    """
+    resolved = [Path(p).resolve() for p in paths]
+    taken_set = {t.casefold() for t in taken}
+    depths = [0] * len(resolved)
+    while True:
+        ids = [_candidate(p, d) for p, d in zip(resolved, depths, strict=True)]
+        groups = _clash_groups(ids, taken_set)
+        deepened = False
+        for key, group in groups.items():
+            if key in taken_set or len({resolved[i].parent for i in group}) > 1:
+                deepened |= _deepen(group, resolved, depths)
+        if not deepened:
+            break
+    clashing = {i for group in groups.values() for i in group}
+    return [
+        f"{ident}-{_short_hash(p)}" if i in clashing else ident
+        for i, (ident, p) in enumerate(zip(ids, resolved, strict=True))
+    ]
+
+
+def _candidate(path: Path, depth: int) -> str:
+    parents = list(path.parent.parts[1:])[-depth:] if depth else []
+    return slugify("-".join([*parents, path.stem or path.name]))
+
+
+def _clash_groups(ids: list[str], taken: set[str]) -> dict[str, list[int]]:
+    """Casefolded id -> indices, for ids used twice or already taken."""
+    groups: dict[str, list[int]] = {}
+    for n, ident in enumerate(ids):
+        groups.setdefault(ident.casefold(), []).append(n)
+    return {k: g for k, g in groups.items() if len(g) > 1 or k in taken}
+
+
+def _deepen(group: list[int], resolved: list[Path], depths: list[int]) -> bool:
+    """Prepend one more parent folder to each id in ``group`` that has one left."""
+    deepened = False
+    for i in group:
+        if depths[i] < len(resolved[i].parent.parts) - 1:
+            depths[i] += 1
+            deepened = True
+    return deepened
+
+
+def _short_hash(path: Path) -> str:
+    return hashlib.sha256(str(path).encode()).hexdigest()[:8]

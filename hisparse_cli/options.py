@@ -1,0 +1,154 @@
+"""Command-line options of ``hisparse run``, each declared once as an ``Annotated`` type.
+
+Options that set a job field or an engine setting default to ``None`` ("not given"),
+so they only override lower layers (preset, manifest) when the user passes them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+
+JOBS, SAMPLING, ENGINE, OUTPUT, TEXT = "Jobs", "Sampling", "Engine", "Output", "Input text"
+
+Docs = Annotated[
+    list[str] | None,
+    typer.Argument(
+        help="Documents (paths or globs); one job per file.", show_default=False, metavar="DOCS"
+    ),
+]
+ManifestFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--manifest",
+        "-m",
+        help="Job manifest (.yaml or .jsonl) instead of DOCS.",
+        rich_help_panel=JOBS,
+    ),
+]
+Model = Annotated[
+    str | None,
+    typer.Option(
+        help="Model file (GGUF) or folder; default: the embedded SmolLM2-135M-Instruct.",
+        rich_help_panel=JOBS,
+    ),
+]
+Task = Annotated[
+    Literal["summarize", "answer", "extract", "custom"] | None,
+    typer.Option(
+        help="Built-in task (default summarize; custom with --prompt).", rich_help_panel=JOBS
+    ),
+]
+Prompt = Annotated[
+    str | None,
+    typer.Option(help="Custom prompt template; must contain ${document}.", rich_help_panel=JOBS),
+]
+Question = Annotated[
+    str | None, typer.Option(help="Question for --task answer.", rich_help_panel=JOBS)
+]
+
+MaxNewTokens = Annotated[
+    int | None,
+    typer.Option(help="New tokens per job.", show_default="256", rich_help_panel=SAMPLING),
+]
+Temperature = Annotated[
+    float | None, typer.Option(help="0 = greedy.", show_default="0", rich_help_panel=SAMPLING)
+]
+TopP = Annotated[
+    float | None,
+    typer.Option(help="Nucleus sampling mass.", show_default="1", rich_help_panel=SAMPLING),
+]
+TopK = Annotated[
+    int | None,
+    typer.Option(
+        "--top-k",
+        help="Sample from the K most likely tokens (0 = off). Not the sparse budget.",
+        rich_help_panel=SAMPLING,
+    ),
+]
+Seed = Annotated[int | None, typer.Option(help="Sampling seed.", rich_help_panel=SAMPLING)]
+Stop = Annotated[
+    list[str] | None, typer.Option(help="Stop string (repeatable).", rich_help_panel=SAMPLING)
+]
+
+Preset = Annotated[
+    str, typer.Option(help="Hardware preset (see `hisparse presets`).", rich_help_panel=ENGINE)
+]
+Attention = Annotated[
+    Literal["dense", "sparse"] | None, typer.Option(help="Attention mode.", rich_help_panel=ENGINE)
+]
+Indexer = Annotated[
+    Literal["quest", "dense", "oracle"] | None,
+    typer.Option(help="Page selector for sparse attention.", rich_help_panel=ENGINE),
+]
+PageSize = Annotated[
+    int | None, typer.Option(help="Tokens per page (16, 32 or 64).", rich_help_panel=ENGINE)
+]
+TopKTokens = Annotated[
+    int | None,
+    typer.Option(
+        "--top-k-tokens",
+        help="Sparse budget: tokens selected per layer and KV head.",
+        rich_help_panel=ENGINE,
+    ),
+]
+DeviceBuffer = Annotated[
+    int | None,
+    typer.Option(
+        help="Hot-buffer tokens per layer and KV head [default: 2 x budget].",
+        rich_help_panel=ENGINE,
+    ),
+]
+SinkTokens = Annotated[
+    int | None, typer.Option(help="Always-selected tokens at the start.", rich_help_panel=ENGINE)
+]
+LocalWindow = Annotated[
+    int | None, typer.Option(help="Always-selected most recent tokens.", rich_help_panel=ENGINE)
+]
+MaxBatch = Annotated[
+    int | None, typer.Option(help="Jobs decoded together.", rich_help_panel=ENGINE)
+]
+ContextPolicy = Annotated[
+    Literal["refuse", "extend", "truncate"] | None,
+    typer.Option(help="Prompts longer than the model's trained context.", rich_help_panel=ENGINE),
+]
+MaxContext = Annotated[
+    int | None,
+    typer.Option(
+        help="Context limit for --context-policy extend/truncate.", rich_help_panel=ENGINE
+    ),
+]
+MemoryBudget = Annotated[
+    float | None,
+    typer.Option("--memory-budget", help="Device memory to use, GiB.", rich_help_panel=ENGINE),
+]
+Device = Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N.", rich_help_panel=ENGINE)]
+Trace = Annotated[
+    Path | None, typer.Option(help="Write an engine trace to FILE.", rich_help_panel=ENGINE)
+]
+
+OutputDir = Annotated[
+    Path,
+    typer.Option(help="Where results.jsonl, config.json and <job>.txt go.", rich_help_panel=OUTPUT),
+]
+JsonProgress = Annotated[
+    bool, typer.Option(help="Progress as JSON lines on stdout.", rich_help_panel=OUTPUT)
+]
+PrintConfig = Annotated[
+    bool, typer.Option(help="Print the resolved config and exit.", rich_help_panel=OUTPUT)
+]
+Force = Annotated[
+    bool, typer.Option(help="Redo jobs already done in results.jsonl.", rich_help_panel=OUTPUT)
+]
+
+Encoding = Annotated[
+    str, typer.Option(help="Text encoding of the documents.", rich_help_panel=TEXT)
+]
+Errors = Annotated[
+    Literal["strict", "replace"],
+    typer.Option(
+        help="Invalid bytes: strict = refuse the document, replace = U+FFFD.", rich_help_panel=TEXT
+    ),
+]

@@ -1,0 +1,353 @@
+"""Run state built from engine events, and the figures derived from it.
+
+:class:`ProgressTracker` is the only writer: it folds each event into a
+:class:`RunState` (plain dataclasses). Everything that displays progress (the Rich
+dashboard, plain log lines, JSON lines) reads the state through the pure functions
+here, given the current time ``now`` (``time.monotonic()`` seconds, like ``Event.t``).
+
+Rates over "the last 5 s" use the samples whose event time lies in
+``[now - window_s, now]``, divided by the window (or by the run's age when younger).
+Prefill tokens are estimated from ``PrefillProgress.done / total`` times the job's
+prompt tokens, so they do not depend on the unit of ``done``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.events import (
+    DecodeStep,
+    Event,
+    FirstToken,
+    JobAdmitted,
+    JobFailed,
+    JobFinished,
+    JobQueued,
+    MemorySnapshot,
+    PrefillProgress,
+)
+
+PHASES = ("queued", "prefill", "decode", "done", "failed", "cancelled", "skipped")
+FINISHED_PHASES = ("done", "failed", "cancelled", "skipped")
+WINDOW_S = 5.0
+
+
+@dataclass
+class JobRow:
+    """One job as the dashboard shows it; times are monotonic seconds."""
+
+    id: str
+    prompt_tokens: int = 0
+    phase: str = "queued"
+    prefill_fraction: float = 0.0
+    generated: int = 0
+    max_tokens: int = 0
+    admitted_t: float | None = None
+    first_token_t: float | None = None
+    finished_t: float | None = None
+    ttft_s: float | None = None
+    decode_tok_s: float | None = None
+    finish_reason: str = ""
+    error: str = ""
+
+
+@dataclass
+class DeviceMemory:
+    """Last :class:`MemorySnapshot` of one device, in bytes."""
+
+    device: str
+    weights: int = 0
+    hot_buffer: int = 0
+    metadata: int = 0
+    activations: int = 0
+    total: int = 0
+
+    @property
+    def used(self) -> int:
+        return self.weights + self.hot_buffer + self.metadata + self.activations
+
+    @property
+    def free(self) -> int:
+        return max(0, self.total - self.used)
+
+
+@dataclass
+class Sample:
+    """Work seen at time ``t`` (one decode step or one prefill progress event)."""
+
+    t: float
+    decode_tokens: int = 0
+    prefill_tokens: float = 0.0
+    h2d_bytes: int = 0
+    step_s: float = 0.0
+
+
+@dataclass
+class RunState:
+    """Everything the progress displays need."""
+
+    started_t: float
+    jobs: dict[str, JobRow] = field(default_factory=dict)
+    memory: dict[str, DeviceMemory] = field(default_factory=dict)
+    host_pool_used: int = 0
+    host_pool_total: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: float = 0.0
+    decode_steps: int = 0
+    hits: int = 0
+    misses: int = 0
+    h2d_bytes: int = 0
+    step_s: float = 0.0
+    first_decode_t: float | None = None
+    last_t: float = 0.0
+    samples: deque[Sample] = field(default_factory=deque)
+    cancelling: bool = False
+
+
+class ProgressTracker:
+    """Folds events into a :class:`RunState`.
+
+    Parameters
+    ----------
+    started_t
+        Monotonic time the run started.
+    window_s
+        How much history the rate windows keep.
+    """
+
+    def __init__(self, started_t: float, window_s: float = WINDOW_S) -> None:
+        self.state = RunState(started_t=started_t, last_t=started_t)
+        self.window_s = window_s
+
+    def add_job(self, job_id: str, phase: str = "queued", prompt_tokens: int = 0) -> JobRow:
+        """Register a job before the engine reports it (``skipped`` ones never are)."""
+        row = self.state.jobs.setdefault(job_id, JobRow(job_id))
+        row.phase, row.prompt_tokens = phase, prompt_tokens or row.prompt_tokens
+        return row
+
+    def set_phase(self, job_id: str, phase: str) -> None:
+        """Force a job's phase (e.g. ``cancelled`` for one never admitted)."""
+        self._row(job_id).phase = phase
+
+    def update(self, event: Event) -> None:
+        """Apply one engine event."""
+        self.state.last_t = max(self.state.last_t, event.t)
+        handler = _HANDLERS.get(type(event))
+        if handler is not None:
+            handler(self, event)
+        self._trim(event.t)
+
+    def _row(self, job_id: str) -> JobRow:
+        return self.state.jobs.setdefault(job_id, JobRow(job_id))
+
+    def _trim(self, now: float) -> None:
+        samples = self.state.samples
+        while samples and samples[0].t < now - self.window_s:
+            samples.popleft()
+
+    def _queued(self, event: JobQueued) -> None:
+        row = self._row(event.job_id)
+        row.prompt_tokens, row.phase = event.prompt_tokens, "queued"
+
+    def _admitted(self, event: JobAdmitted) -> None:
+        row = self._row(event.job_id)
+        row.prompt_tokens, row.phase, row.admitted_t = event.prompt_tokens, "prefill", event.t
+
+    def _prefill(self, event: PrefillProgress) -> None:
+        row = self._row(event.job_id)
+        fraction = event.done / event.total if event.total else 1.0
+        tokens = max(0.0, fraction - row.prefill_fraction) * row.prompt_tokens
+        row.prefill_fraction, row.phase = fraction, "prefill"
+        self.state.prefill_tokens += tokens
+        self.state.samples.append(Sample(event.t, prefill_tokens=tokens))
+
+    def _first_token(self, event: FirstToken) -> None:
+        row = self._row(event.job_id)
+        row.phase, row.ttft_s, row.first_token_t = "decode", event.ttft_s, event.t
+        row.prefill_fraction, row.generated = 1.0, max(row.generated, 1)
+
+    def _decode(self, event: DecodeStep) -> None:
+        new_tokens = sum(
+            self._decode_row(job_id, n, event) for job_id, n in event.generated.items()
+        )
+        state = self.state
+        state.decode_tokens += new_tokens
+        state.decode_steps += 1
+        state.hits += event.hits
+        state.misses += event.misses
+        state.h2d_bytes += event.h2d_bytes
+        state.step_s += event.step_s
+        if state.first_decode_t is None:
+            state.first_decode_t = event.t - event.step_s
+        state.samples.append(Sample(event.t, new_tokens, 0.0, event.h2d_bytes, event.step_s))
+
+    def _decode_row(self, job_id: str, generated: int, event: DecodeStep) -> int:
+        row = self._row(job_id)
+        new_tokens = max(0, generated - row.generated)
+        row.generated, row.phase = generated, "decode"
+        row.max_tokens = event.max_tokens.get(job_id, row.max_tokens)
+        if row.first_token_t is None:
+            row.first_token_t = event.t
+        return new_tokens
+
+    def _finished(self, event: JobFinished) -> None:
+        result = event.result
+        row = self._row(result.job_id)
+        row.finished_t, row.finish_reason, row.error = event.t, result.finish_reason, result.error
+        row.generated, row.prompt_tokens = len(result.token_ids), result.prompt_tokens
+        row.ttft_s, row.decode_tok_s = result.ttft_s, result.decode_tok_s
+        row.phase = _finished_phase(result.finish_reason, result.error)
+
+    def _failed(self, event: JobFailed) -> None:
+        row = self._row(event.job_id)
+        row.phase, row.error, row.finished_t = "failed", event.error, event.t
+
+    def _memory(self, event: MemorySnapshot) -> None:
+        self.state.memory[event.device] = DeviceMemory(
+            event.device,
+            event.weights,
+            event.hot_buffer,
+            event.metadata,
+            event.activations,
+            event.total,
+        )
+        self.state.host_pool_used = event.host_pool_used
+        self.state.host_pool_total = event.host_pool_total
+
+
+_HANDLERS = {
+    JobQueued: ProgressTracker._queued,
+    JobAdmitted: ProgressTracker._admitted,
+    PrefillProgress: ProgressTracker._prefill,
+    FirstToken: ProgressTracker._first_token,
+    DecodeStep: ProgressTracker._decode,
+    JobFinished: ProgressTracker._finished,
+    JobFailed: ProgressTracker._failed,
+    MemorySnapshot: ProgressTracker._memory,
+}
+
+
+def _finished_phase(finish_reason: str, error: str) -> str:
+    if finish_reason == "cancelled":
+        return "cancelled"
+    return "failed" if error or finish_reason == "error" else "done"
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def window_span(state: RunState, now: float, window_s: float = WINDOW_S) -> float:
+    """Seconds the rate window covers: ``window_s``, or the run's age when younger."""
+    return max(1e-9, min(window_s, now - state.started_t))
+
+
+def recent(state: RunState, now: float, window_s: float = WINDOW_S) -> list[Sample]:
+    """Samples of the last ``window_s`` seconds."""
+    return [s for s in state.samples if now - window_s <= s.t <= now]
+
+
+def decode_tok_s_recent(state: RunState, now: float, window_s: float = WINDOW_S) -> float:
+    """Decode tokens/s of all jobs over the last ``window_s`` seconds."""
+    tokens = sum(s.decode_tokens for s in recent(state, now, window_s))
+    return tokens / window_span(state, now, window_s)
+
+
+def decode_tok_s_run(state: RunState, now: float) -> float:
+    """Decode tokens/s of all jobs since the first decode step."""
+    if state.first_decode_t is None:
+        return 0.0
+    return state.decode_tokens / max(1e-9, now - state.first_decode_t)
+
+
+def prefill_tok_s_recent(state: RunState, now: float, window_s: float = WINDOW_S) -> float:
+    """Prefill tokens/s over the last ``window_s`` seconds."""
+    tokens = sum(s.prefill_tokens for s in recent(state, now, window_s))
+    return tokens / window_span(state, now, window_s)
+
+
+def h2d_gbps_recent(state: RunState, now: float, window_s: float = WINDOW_S) -> float:
+    """Host -> device GB/s during the decode steps of the last ``window_s`` seconds."""
+    samples = recent(state, now, window_s)
+    seconds = sum(s.step_s for s in samples)
+    return sum(s.h2d_bytes for s in samples) / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def hit_rate(state: RunState) -> float | None:
+    """Hot-buffer hit rate of the run so far (``None`` before any lookup)."""
+    total = state.hits + state.misses
+    return state.hits / total if total else None
+
+
+def job_tok_s(row: JobRow, now: float) -> float | None:
+    """Decode tokens/s of one job (the engine's figure once it has finished)."""
+    if row.decode_tok_s:
+        return row.decode_tok_s
+    if row.first_token_t is None or row.generated < 2:
+        return None
+    end = row.finished_t if row.finished_t is not None else now
+    return (row.generated - 1) / max(1e-9, end - row.first_token_t)
+
+
+def job_eta_s(row: JobRow, now: float) -> float | None:
+    """Seconds until ``row`` reaches its token limit at its current pace (upper bound)."""
+    if row.phase == "prefill" and row.admitted_t is not None and row.prefill_fraction > 0:
+        elapsed = now - row.admitted_t
+        return elapsed * (1 - row.prefill_fraction) / row.prefill_fraction
+    rate = job_tok_s(row, now)
+    if row.phase != "decode" or not rate or not row.max_tokens:
+        return None
+    return max(0, row.max_tokens - row.generated) / rate
+
+
+def phase_counts(state: RunState) -> dict[str, int]:
+    """Number of jobs in each phase (all of :data:`PHASES`, zeros included)."""
+    counts = dict.fromkeys(PHASES, 0)
+    for row in state.jobs.values():
+        counts[row.phase] = counts.get(row.phase, 0) + 1
+    return counts
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """Outcome of a run: job counts, tokens and wall time.
+
+    not_run: jobs handed to the engine that never finished (cancelled before admission,
+    or the engine stopped early).
+    """
+
+    ok: int
+    failed: int
+    skipped: int
+    cancelled: int
+    not_run: int
+    prompt_tokens: int
+    generated_tokens: int
+    wall_s: float
+    decode_tok_s: float
+    output_dir: str
+    interrupted: bool = False
+
+
+def summarize(
+    state: RunState, now: float, output_dir: str, interrupted: bool = False
+) -> RunSummary:
+    """Summary of ``state`` at time ``now``."""
+    counts = phase_counts(state)
+    ran = [r for r in state.jobs.values() if r.phase in ("done", "failed", "cancelled")]
+    return RunSummary(
+        ok=counts["done"],
+        failed=counts["failed"],
+        skipped=counts["skipped"],
+        cancelled=counts["cancelled"],
+        not_run=counts["queued"] + counts["prefill"] + counts["decode"],
+        prompt_tokens=sum(r.prompt_tokens for r in ran),
+        generated_tokens=sum(r.generated for r in ran),
+        wall_s=max(0.0, now - state.started_t),
+        decode_tok_s=decode_tok_s_run(state, now),
+        output_dir=output_dir,
+        interrupted=interrupted,
+    )

@@ -1,0 +1,237 @@
+"""Output files: ``results.jsonl`` (one line per finished job) and ``<output>.txt``.
+
+Durability:
+
+- ``<output>.txt`` is written to a temporary file in the same folder, fsynced, then
+  moved over the target with ``os.replace``: a reader sees the old file or the new
+  one, never half of one.
+- Each ``results.jsonl`` line is one ``os.write`` on a descriptor opened with
+  ``O_APPEND``, followed by ``fsync``. A kill can at worst leave the *last* line
+  truncated; :func:`read_results` ignores it with a warning and the next append
+  starts with a newline so the damage never spreads.
+- Lines are never rewritten: a redone job appends a new line and readers take the
+  last line per id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Self
+
+from engine.events import JobResult
+
+RESULTS_FILE = "results.jsonl"
+LOCK_FILE = ".hisparse.lock"
+SUCCESS_REASONS = ("stop", "length")
+
+
+class OutputDirBusy(Exception):
+    """Another process holds the output directory's lock."""
+
+
+def utc_now() -> str:
+    """Current time as an ISO 8601 UTC string with milliseconds."""
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` (UTF-8) atomically and durably.
+
+    Hidden temp file in the same folder -> write -> fsync -> ``os.replace`` -> fsync the folder.
+    """
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # mode as umask allows
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def lock_output_dir(output_dir: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``output_dir`` (``flock`` on a lock file).
+
+    Two runs appending to one ``results.jsonl`` would redo each other's jobs; the second
+    one gets :class:`OutputDirBusy` instead. Where ``fcntl`` is missing, no lock is taken.
+
+    Raises
+    ------
+    OutputDirBusy
+        The lock is held by another process.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on POSIX
+        yield
+        return
+    fd = os.open(Path(output_dir) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputDirBusy(f"another hisparse run is using {output_dir}") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def is_success(record: dict[str, Any]) -> bool:
+    """A results line counts as done: finish_reason ``stop``/``length`` and no error."""
+    return record.get("finish_reason") in SUCCESS_REASONS and not record.get("error")
+
+
+@dataclass(frozen=True)
+class ExistingResults:
+    """What an earlier run left in ``results.jsonl``.
+
+    latest: id -> last valid line for that id.
+    warnings: human-readable notes on ignored lines.
+    needs_newline: the file does not end in ``\\n`` (a truncated last line).
+    """
+
+    latest: dict[str, dict[str, Any]] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+    needs_newline: bool = False
+
+
+def read_results(path: Path) -> ExistingResults:
+    """Read ``results.jsonl``; a missing file is empty, bad lines are skipped with a warning."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return ExistingResults()
+    latest: dict[str, dict[str, Any]] = {}
+    warnings: list[str] = []
+    lines = data.split(b"\n")
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        record = _parse_line(line)
+        if record is not None:
+            latest[record["id"]] = record
+        elif number == len(lines):
+            warnings.append(f"{path}: ignoring truncated last line {number} (interrupted write)")
+        else:
+            warnings.append(f"{path}: ignoring line {number}: not a JSON object with an id")
+    return ExistingResults(latest, tuple(warnings), bool(data) and not data.endswith(b"\n"))
+
+
+def _parse_line(line: bytes) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("id"), str) else None
+
+
+class ResultsLog:
+    """Append-only ``results.jsonl`` of one output directory.
+
+    Use as a context manager; :meth:`append` is durable when it returns.
+    """
+
+    def __init__(self, output_dir: Path) -> None:
+        self.path = Path(output_dir) / RESULTS_FILE
+        self.existing = read_results(self.path)
+        self._needs_newline = self.existing.needs_newline
+        self._fd: int | None = None
+
+    def is_done(self, job_id: str, key: str) -> bool:
+        """Whether the last line for ``job_id`` succeeded with resume key ``key``."""
+        record = self.existing.latest.get(job_id)
+        return record is not None and record.get("key") == key and is_success(record)
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Append ``record`` as one line: a single ``write`` then ``fsync``."""
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        line = json.dumps(record, ensure_ascii=False, default=str) + "\n"
+        data = (("\n" if self._needs_newline else "") + line).encode("utf-8")
+        written = os.write(self._fd, data)
+        while written < len(data):  # only on exotic filesystems
+            written += os.write(self._fd, data[written:])
+        os.fsync(self._fd)
+        self._needs_newline = False
+
+    def close(self) -> None:
+        """Close the file (appending again reopens it)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def result_record(base: dict[str, Any], result: JobResult) -> dict[str, Any]:
+    """A results line for a job the engine finished.
+
+    Parameters
+    ----------
+    base
+        Job facts known before it ran (id, output, input, input_sha256, key,
+        settings_hash, model, started_at).
+    result
+        The engine's result.
+    """
+    cache = result.cache
+    return {
+        **base,
+        "ok": result.finish_reason in SUCCESS_REASONS and not result.error,
+        "prompt_tokens": result.prompt_tokens,
+        "generated_tokens": len(result.token_ids),
+        "text": result.text,
+        "finish_reason": result.finish_reason,
+        "ttft_s": result.ttft_s,
+        "prefill_tok_s": result.prefill_tok_s,
+        "decode_tok_s": result.decode_tok_s,
+        "cache": {
+            "hits": cache.hits,
+            "misses": cache.misses,
+            "hit_rate": cache.hit_rate,
+            "h2d_bytes": cache.h2d_bytes,
+        },
+        "error": result.error,
+        "finished_at": utc_now(),
+    }
+
+
+def failure_record(base: dict[str, Any], error: str) -> dict[str, Any]:
+    """A results line for a job that failed before or during the engine run."""
+    return {
+        **base,
+        "ok": False,
+        "prompt_tokens": base.get("prompt_tokens", 0),
+        "generated_tokens": 0,
+        "text": "",
+        "finish_reason": "error",
+        "error": error,
+        "finished_at": utc_now(),
+    }
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

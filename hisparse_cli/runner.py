@@ -1,0 +1,381 @@
+"""``hisparse run``: validate, plan, drive the engine, record results.
+
+Lifecycle of one run:
+
+1. Check the request and build the jobs (manifest or document paths) and the engine
+   config; any problem -> messages on stderr, exit 2, nothing written.
+2. Create the output dir, lock it, write ``config.json``, read ``results.jsonl``.
+3. Plan: read every input, compute resume keys; skip jobs already done; record jobs
+   whose documents are unusable as failed.
+4. Load the engine (:func:`load_engine`, a hook tests replace) and feed it
+   :class:`~engine.events.Job` objects lazily (document -> chat messages ->
+   ``engine.tokenizer.encode_chat``).
+5. Fold every event into the progress state, show it, and write each result as its
+   job ends (``.txt`` first, then the ``results.jsonl`` line).
+6. Ctrl-C once: ``engine.cancel()``; running jobs end as ``cancelled``. Twice: stop now.
+7. Print the summary; exit 0 (all ok), 1 (a job failed or did not run), 130 (interrupted).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+from rich.console import Console
+
+from engine.config import ConfigError, EngineConfig
+from engine.events import Event, Job, JobAdmitted, JobFailed, JobFinished, JobResult
+from hisparse_cli.keys import DEFAULT_MODEL_ID, model_fingerprint
+from hisparse_cli.manifest import Manifest, ManifestError, jobs_from_paths, load_manifest
+from hisparse_cli.plan import INVALID, RUN, SKIP, PlannedJob, plan_jobs
+from hisparse_cli.progress import ProgressTracker, RunSummary, summarize
+from hisparse_cli.reporters import Reporter, make_reporter
+from hisparse_cli.results import (
+    OutputDirBusy,
+    ResultsLog,
+    failure_record,
+    lock_output_dir,
+    result_record,
+    utc_now,
+    write_text_atomic,
+)
+from hisparse_cli.settings import config_document, resolve_engine_config, save_config
+from hisparse_cli.tasks import build_messages
+from hisparse_cli.textio import ERROR_MODES, join_documents, read_documents
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class UsageError(Exception):
+    """The command line cannot work as given (exit 2)."""
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """Everything ``hisparse run`` was asked to do.
+
+    job_overrides: job fields from flags (``None`` = not given).
+    engine_overrides: EngineConfig fields from flags (``None`` = not given).
+    """
+
+    docs: tuple[str, ...] = ()
+    manifest: Path | None = None
+    model: str | None = None
+    job_overrides: dict[str, Any] = field(default_factory=dict)
+    engine_overrides: dict[str, Any] = field(default_factory=dict)
+    preset: str = "cpu"
+    output_dir: Path = Path("hisparse-out")
+    json_progress: bool = False
+    encoding: str = "utf-8"
+    errors: str = "strict"
+    print_config: bool = False
+    force: bool = False
+
+    @property
+    def text_options(self) -> dict[str, str]:
+        return {"encoding": self.encoding, "errors": self.errors}
+
+
+def load_engine(config: EngineConfig, model: str | None) -> Any:
+    """``engine.api.load_engine``, imported on first use (tests replace this hook)."""
+    from engine.api import load_engine as _load_engine
+
+    return _load_engine(config, model)
+
+
+def execute(
+    request: RunRequest, console: Console | None = None, err_console: Console | None = None
+) -> int:
+    """Run ``request`` and return the exit code.
+
+    Parameters
+    ----------
+    request
+        The parsed command line.
+    console
+        Where progress and the summary go (default: stdout).
+    err_console
+        Where usage and validation errors go (default: stderr).
+    """
+    console = console or Console()
+    err_console = err_console or Console(stderr=True)
+    try:
+        manifest, config = prepare(request)
+    except ManifestError as exc:
+        return _usage_failure(
+            err_console,
+            f"{len(exc.problems)} problem(s) in the jobs; nothing was run:",
+            exc.problems,
+        )
+    except (UsageError, ConfigError) as exc:
+        return _usage_failure(err_console, f"error: {exc}", [])
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    document = config_document(config, request.preset, request.model)
+    if request.print_config:
+        console.file.write(json.dumps(document, indent=2, sort_keys=True, default=str) + "\n")
+        return EXIT_OK
+    return BatchRun(request, manifest, config, console, err_console).run(document)
+
+
+def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
+    """Check the request, then build and validate the jobs and the engine config.
+
+    Raises
+    ------
+    UsageError, ManifestError, ConfigError
+        Everything that makes the run impossible, before anything is written.
+    """
+    check_request(request)
+    if request.manifest is not None:
+        manifest = load_manifest(request.manifest, request.job_overrides)
+    elif request.docs:
+        manifest = jobs_from_paths(request.docs, request.job_overrides)
+    else:
+        manifest = Manifest((), {})
+    config = resolve_engine_config(request.preset, manifest.engine, request.engine_overrides)
+    return manifest, config
+
+
+def check_request(request: RunRequest) -> None:
+    """Raise :class:`UsageError` for contradictory or impossible arguments."""
+    if request.manifest is not None and request.docs:
+        raise UsageError("give documents or --manifest, not both")
+    if request.manifest is None and not request.docs and not request.print_config:
+        raise UsageError(
+            "nothing to run: give documents (hisparse run docs/*.txt) or --manifest FILE"
+        )
+    if request.manifest is not None and not request.manifest.is_file():
+        raise UsageError(f"manifest not found: {request.manifest}")
+    if request.model is not None and not Path(request.model).exists():
+        raise UsageError(f"model not found: {request.model}")
+    if request.errors not in ERROR_MODES:
+        raise UsageError(f"--errors must be one of {', '.join(ERROR_MODES)}")
+    try:
+        codecs.lookup(request.encoding)
+    except LookupError:
+        raise UsageError(f"unknown --encoding {request.encoding!r}") from None
+    if request.output_dir.exists() and not request.output_dir.is_dir():
+        raise UsageError(f"--output-dir {request.output_dir} exists and is not a directory")
+
+
+def _usage_failure(err_console: Console, headline: str, problems: list) -> int:
+    err_console.print(headline, style="bold red", markup=False, highlight=False, soft_wrap=True)
+    for problem in problems:
+        err_console.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
+    return EXIT_USAGE
+
+
+class _SigintCanceller:
+    """While active, the first SIGINT calls ``engine.cancel()``; the second raises
+    ``KeyboardInterrupt``. The handler only sets state: the run loop announces it."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.count, self._previous = engine, 0, None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.count += 1
+        if self.count > 1:
+            raise KeyboardInterrupt
+        self.engine.cancel()
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+class BatchRun:
+    """Steps 2-7 of the module docstring for one prepared request."""
+
+    def __init__(
+        self,
+        request: RunRequest,
+        manifest: Manifest,
+        config: EngineConfig,
+        console: Console,
+        err_console: Console,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.request, self.manifest, self.config = request, manifest, config
+        self.console, self.err_console, self.clock = console, err_console, clock
+        self.output_dir = request.output_dir
+        self.model_name = request.model or DEFAULT_MODEL_ID
+        self.tracker = ProgressTracker(clock())
+        self.records: dict[str, dict[str, Any]] = {}
+        self.cancel: _SigintCanceller | None = None
+        self._announced = False
+        self.log: ResultsLog
+        self.reporter: Reporter
+
+    def run(self, config_doc: dict[str, Any]) -> int:
+        """Execute the batch; return the exit code."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            with lock_output_dir(self.output_dir):
+                save_config(self.output_dir, config_doc)
+                with ResultsLog(self.output_dir) as self.log:
+                    return self._run_locked()
+        except OutputDirBusy as exc:
+            return _usage_failure(self.err_console, f"error: {exc}", [])
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+
+    def _run_locked(self) -> int:
+        planned = plan_jobs(
+            self.manifest.jobs,
+            self.config,
+            model_fingerprint(self.request.model),
+            self.request.text_options,
+            self.log,
+            self.request.force,
+        )
+        self.reporter = make_reporter(
+            self.console, self.tracker, self.request.json_progress, self.clock
+        )
+        interrupted = False
+        with self.reporter:
+            for warning in self.log.existing.warnings:
+                self.reporter.note(warning, "warning")
+            pending = self._register(planned)
+            try:
+                if pending:
+                    interrupted = self._run_engine(pending)
+            except KeyboardInterrupt:
+                interrupted = True
+        summary = summarize(self.tracker.state, self.clock(), str(self.output_dir), interrupted)
+        self.reporter.summary(summary)
+        return exit_code(summary)
+
+    def _register(self, planned: list[PlannedJob]) -> list[PlannedJob]:
+        """Show every job; record invalid ones as failed; return those to run."""
+        for job in planned:
+            self.tracker.add_job(job.spec.id, "skipped" if job.status == SKIP else "queued")
+            self.records[job.spec.id] = job.base_record(self.model_name)
+        self.reporter.skipped([j.spec.id for j in planned if j.status == SKIP])
+        for job in planned:
+            if job.status == INVALID:
+                self._handle(JobFailed(self.clock(), job.spec.id, job.error))
+            elif job.status == RUN and job.removed_controls:
+                self.reporter.note(
+                    f"{job.spec.id}: removed {job.removed_controls} control character(s) from the input",
+                    "warning",
+                )
+        return [j for j in planned if j.status == RUN]
+
+    def _run_engine(self, pending: list[PlannedJob]) -> bool:
+        """Load the engine and consume its events; return whether Ctrl-C was pressed."""
+        self.reporter.note(f"loading model {self.model_name} ({len(pending)} job(s) to run)")
+        started = self.clock()
+        try:
+            engine = load_engine(self.config, self.request.model)
+        except Exception as exc:  # noqa: BLE001 - any load failure ends the run cleanly
+            self.reporter.note(f"cannot load the model: {exc}", "error")
+            return False
+        self.reporter.note(f"model loaded in {self.clock() - started:.1f}s")
+        with _SigintCanceller(engine) as self.cancel:
+            try:
+                for event in engine.run(self._jobs(engine, pending)):
+                    self._announce_cancel()
+                    self._handle(event)
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:  # noqa: BLE001 - report, keep finished results
+                self.err_console.print_exception()
+                self.reporter.note(f"the engine stopped with an error: {exc}", "error")
+            return self.cancel.count > 0
+
+    def _jobs(self, engine: Any, pending: list[PlannedJob]) -> Iterator[Job]:
+        """Jobs for ``engine.run``, built one at a time; stops feeding after Ctrl-C."""
+        for planned in pending:
+            if self.cancel is not None and self.cancel.count:
+                return
+            job = self._make_job(engine, planned)
+            if job is not None:
+                yield job
+
+    def _make_job(self, engine: Any, planned: PlannedJob) -> Job | None:
+        spec = planned.spec
+        try:
+            documents = read_documents(spec.inputs, **self.request.text_options)
+            planned = planned.with_documents(documents)
+            self.records[spec.id] = planned.base_record(self.model_name)
+            messages = build_messages(
+                spec.task, join_documents(documents), spec.id, spec.inputs[0].name
+            )
+            prompt_ids = tuple(engine.tokenizer.encode_chat(messages))
+        except Exception as exc:  # noqa: BLE001 - one bad job must not stop the batch
+            self._handle(JobFailed(self.clock(), spec.id, f"cannot prepare the prompt: {exc}"))
+            return None
+        meta = {"key": planned.key, "output": spec.output}
+        return Job(spec.id, prompt_ids, spec.sampling, str(spec.inputs[0]), meta)
+
+    def _handle(self, event: Event) -> None:
+        """Fold ``event`` into the state, write results, and show it.
+
+        After Ctrl-C, a failure of a job never admitted means "not run": it is shown as
+        cancelled and gets no results line (the next run does it).
+        """
+        if isinstance(event, JobFailed) and self._unadmitted_after_cancel(event.job_id):
+            self.tracker.set_phase(event.job_id, "cancelled")
+            self.reporter.on_event(event)
+            return
+        self.tracker.update(event)
+        if isinstance(event, JobAdmitted) and event.job_id in self.records:
+            self.records[event.job_id]["started_at"] = utc_now()
+        elif isinstance(event, JobFinished):
+            self._write_result(event.result)
+        elif isinstance(event, JobFailed):
+            self._write_failure(event.job_id, event.error)
+        self.reporter.on_event(event)
+
+    def _write_result(self, result: JobResult) -> None:
+        base = self.records.get(result.job_id)
+        if base is None:
+            return
+        record = result_record(base, result)
+        if record["ok"]:
+            write_text_atomic(self.output_dir / base["output"], result.text)
+        self.log.append(record)
+
+    def _write_failure(self, job_id: str, error: str) -> None:
+        base = self.records.get(job_id)
+        if base is not None:
+            row = self.tracker.state.jobs.get(job_id)
+            self.log.append(
+                failure_record({**base, "prompt_tokens": row.prompt_tokens if row else 0}, error)
+            )
+
+    def _unadmitted_after_cancel(self, job_id: str) -> bool:
+        row = self.tracker.state.jobs.get(job_id)
+        cancelling = self.cancel is not None and self.cancel.count > 0
+        return cancelling and row is not None and row.phase == "queued"
+
+    def _announce_cancel(self) -> None:
+        if self.cancel is not None and self.cancel.count and not self._announced:
+            self._announced = True
+            self.tracker.state.cancelling = True
+            self.reporter.note(
+                "Ctrl-C: cancelling; running jobs finish as 'cancelled' (Ctrl-C again to stop now)",
+                "warning",
+            )
+
+
+def exit_code(summary: RunSummary) -> int:
+    """130 if interrupted, 1 if any job failed, was cancelled or did not run, else 0."""
+    if summary.interrupted:
+        return EXIT_INTERRUPTED
+    if summary.failed or summary.cancelled or summary.not_run:
+        return EXIT_FAILED
+    return EXIT_OK

@@ -1,0 +1,210 @@
+"""A scripted stand-in for ``engine.api.Engine``: no model, same events.
+
+Used by the CLI tests and handy for trying the dashboard::
+
+    from hisparse_cli import runner, testing
+    runner.load_engine = testing.fake_engine_factory(step_delay_s=0.05)
+
+It follows the engine contract: ``run(jobs)`` yields ``JobQueued`` for each job, then
+admits up to ``max_batch`` at a time (``JobAdmitted``, ``PrefillProgress``,
+``FirstToken``), decodes them together (``DecodeStep``, ``MemorySnapshot``) and ends
+each with ``JobFinished`` or ``JobFailed``; ``cancel()`` stops admission, ends the
+running jobs with ``finish_reason='cancelled'`` and fails the queued ones with
+``"cancelled before admission"`` (as ``engine.engine.Engine`` does).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.events import (
+    CacheStats,
+    DecodeStep,
+    Event,
+    FirstToken,
+    Job,
+    JobAdmitted,
+    JobFailed,
+    JobFinished,
+    JobQueued,
+    JobResult,
+    MemorySnapshot,
+    PrefillProgress,
+)
+
+GiB = 2**30
+
+
+class FakeTokenizer:
+    """Whitespace "tokenizer": one id per word (ids are word lengths)."""
+
+    eos_ids = (0,)
+
+    def encode(self, text: str) -> list[int]:
+        """One id per whitespace-separated word."""
+        return [len(word) for word in text.split()]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """``w<id>`` words joined by spaces."""
+        return " ".join(f"w{i}" for i in ids)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """ChatML-like rendering."""
+        turns = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>" for m in messages]
+        return "\n".join([*turns, "<|im_start|>assistant\n"])
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of :meth:`render_chat`."""
+        return self.encode(self.render_chat(messages))
+
+
+@dataclass
+class _Running:
+    job: Job
+    generated: int = 0
+    admitted_t: float = 0.0
+
+
+@dataclass
+class FakeEngine:
+    """Scripted engine.
+
+    fail: job id -> error (the job yields ``JobFailed`` at admission).
+    tokens: job id -> tokens to generate (default: the job's ``max_tokens``).
+    on_step: called with the step number before each decode step (tests send
+        SIGINT from here).
+    """
+
+    config: EngineConfig = field(default_factory=EngineConfig)
+    fail: dict[str, str] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    limit: int = 100_000
+    step_delay_s: float = 0.0
+    on_step: Callable[[int], None] | None = None
+    clock: Callable[[], float] = time.monotonic
+    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    model_config: Any = None
+    cancelled: bool = False
+    seen: list[Job] = field(default_factory=list)
+
+    def cancel(self) -> None:
+        """Stop admitting; running jobs end as ``cancelled``."""
+        self.cancelled = True
+
+    def prompt_limit(self) -> int:
+        """Longest prompt accepted."""
+        return self.limit
+
+    def run(self, jobs: Iterable[Job]) -> Iterator[Event]:
+        """Yield the events of processing ``jobs`` (see module docstring)."""
+        queue = []
+        for job in jobs:
+            self.seen.append(job)
+            queue.append(job)
+            yield JobQueued(self.clock(), job.id, len(job.prompt_ids))
+        yield self._memory(0)
+        step = 0
+        while queue and not self.cancelled:
+            batch, queue = queue[: self.config.max_batch], queue[self.config.max_batch :]
+            running = yield from self._admit(batch)
+            step = yield from self._decode(running, step)
+        for job in queue:
+            yield JobFailed(self.clock(), job.id, "cancelled before admission")
+
+    def _admit(self, batch: list[Job]) -> Iterator[Event]:
+        running = []
+        for job in batch:
+            now = self.clock()
+            if job.id in self.fail or len(job.prompt_ids) > self.limit:
+                reason = self.fail.get(
+                    job.id, f"prompt of {len(job.prompt_ids)} tokens is too long"
+                )
+                yield JobFailed(now, job.id, reason)
+                continue
+            yield JobAdmitted(now, job.id, len(job.prompt_ids))
+            for done in (1, 2):
+                yield PrefillProgress(
+                    self.clock(), job.id, done, 2, len(job.prompt_ids) * done // 2
+                )
+            yield FirstToken(self.clock(), job.id, self.clock() - now)
+            running.append(_Running(job, 1, now))
+        return running
+
+    def _decode(self, running: list[_Running], step: int) -> Iterator[Event]:
+        while running:
+            if self.on_step is not None:
+                self.on_step(step)
+            if self.cancelled:
+                for r in running:
+                    yield JobFinished(self.clock(), self._result(r, "cancelled"))
+                return step
+            time.sleep(self.step_delay_s)
+            for r in running:
+                r.generated += 1
+            step += 1
+            yield self._step_event(running, step)
+            yield self._memory(len(running))
+            for r in [r for r in running if r.generated >= self._target(r.job)]:
+                running.remove(r)
+                yield JobFinished(self.clock(), self._result(r, "length"))
+        return step
+
+    def _target(self, job: Job) -> int:
+        return self.tokens.get(job.id, job.sampling.max_tokens)
+
+    def _step_event(self, running: list[_Running], step: int) -> DecodeStep:
+        generated = {r.job.id: r.generated for r in running}
+        limits = {r.job.id: self._target(r.job) for r in running}
+        return DecodeStep(self.clock(), step, len(running), 0.01, generated, limits, 3, 1, 16384)
+
+    def _memory(self, batch: int) -> MemorySnapshot:
+        return MemorySnapshot(
+            self.clock(),
+            "cpu",
+            GiB,
+            batch * GiB // 4,
+            GiB // 8,
+            GiB // 16,
+            8 * GiB,
+            batch * GiB,
+            4 * GiB,
+        )
+
+    def _result(self, running: _Running, reason: str) -> JobResult:
+        ids = tuple(range(running.generated))
+        text = f"output of {running.job.id}: {running.generated} tokens"
+        stats = CacheStats(
+            hits=3 * running.generated,
+            misses=running.generated,
+            h2d_bytes=16384 * running.generated,
+        )
+        return JobResult(
+            running.job.id,
+            text,
+            ids,
+            len(running.job.prompt_ids),
+            reason,
+            0.01,
+            1000.0,
+            100.0,
+            stats,
+        )
+
+
+def fake_engine_factory(**kwargs: Any) -> Callable[[EngineConfig, str | None], FakeEngine]:
+    """A ``load_engine`` replacement building a :class:`FakeEngine` with ``kwargs``.
+
+    The engines it made are appended to the factory's ``engines`` list.
+    """
+
+    def load(config: EngineConfig, model: str | None) -> FakeEngine:
+        engine = FakeEngine(config=config, **kwargs)
+        load.engines.append(engine)
+        return engine
+
+    load.engines = []
+    return load

@@ -1,0 +1,211 @@
+"""Reading documents: decoding, normalising and refusing what is not text.
+
+Policy (applied in this order):
+
+1. The file is read as bytes; its SHA-256 is the content hash used for resume.
+2. Refused as binary: a known binary signature (PDF, ZIP/Office, PNG, JPEG, GIF,
+   gzip, ELF), or, for ASCII-compatible encodings, more than 1% NUL bytes or more than
+   5% other control bytes in the first 64 KiB. A UTF-16/32 byte-order mark while
+   decoding as UTF-8 is refused with a hint to pass ``--encoding utf-16``.
+3. Decoded with ``encoding`` (default UTF-8; a UTF-8 BOM is stripped). Invalid bytes
+   raise an error naming the byte offset and line, unless ``errors="replace"``.
+4. CRLF and lone CR become ``\\n``. Tabs and long lines are kept as they are.
+5. Remaining C0 control characters other than ``\\t`` and ``\\n`` (a stray NUL, an ANSI
+   escape byte, form feed ...) and DEL are **removed**; the count is reported so the
+   caller can warn.
+6. A document that is empty or only whitespace after this is refused.
+
+Every failure is a :class:`DocumentError` carrying the path and the reason.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+SAMPLE_BYTES = 64 * 1024
+MAX_NUL_SHARE = 0.01
+MAX_CONTROL_SHARE = 0.05
+ERROR_MODES = ("strict", "replace")
+
+_SIGNATURES = {
+    b"%PDF-": "a PDF file",
+    b"PK\x03\x04": "a ZIP archive (or .docx/.xlsx/.epub)",
+    b"\x89PNG": "a PNG image",
+    b"\xff\xd8\xff": "a JPEG image",
+    b"GIF8": "a GIF image",
+    b"\x1f\x8b": "a gzip archive",
+    b"\x7fELF": "an executable",
+}
+_UTF16_32_BOMS = (b"\xff\xfe", b"\xfe\xff")
+_UTF8_BOM = codecs.BOM_UTF8
+_CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\r\f\v\x1b\x00")
+_CONTROL_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f]")
+
+
+class DocumentError(Exception):
+    """A document that cannot be used as text.
+
+    Attributes
+    ----------
+    path : Path
+        The offending file.
+    reason : str
+        What is wrong with it, and what to do about it when there is a fix.
+    """
+
+    def __init__(self, path: Path | str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = Path(path)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Document:
+    """A decoded, normalised document.
+
+    sha256: hex digest of the file's bytes as stored on disk.
+    removed_controls: how many control characters step 5 of the policy removed.
+    """
+
+    path: Path
+    text: str
+    sha256: str
+    removed_controls: int = 0
+
+
+def read_document(path: Path | str, encoding: str = "utf-8", errors: str = "strict") -> Document:
+    """Read one document following the module's policy.
+
+    Parameters
+    ----------
+    path
+        File to read.
+    encoding
+        A Python codec name (``utf-8``, ``latin-1``, ``utf-16``, ...).
+    errors
+        ``strict`` (invalid bytes are an error) or ``replace`` (U+FFFD).
+
+    Raises
+    ------
+    DocumentError
+        Unreadable, binary, undecodable, or empty/whitespace-only.
+    """
+    path = Path(path)
+    data = _read_bytes(path)
+    codec = codecs.lookup(encoding).name
+    binary = binary_reason(data, codec)
+    if binary:
+        raise DocumentError(path, binary)
+    try:
+        text = decode_bytes(data, codec, errors)
+    except ValueError as exc:
+        raise DocumentError(path, str(exc)) from None
+    text, removed = normalise_text(text)
+    if not text.strip():
+        raise DocumentError(path, "is empty or only whitespace")
+    return Document(path, text, hashlib.sha256(data).hexdigest(), removed)
+
+
+def read_documents(
+    paths: Sequence[Path], encoding: str = "utf-8", errors: str = "strict"
+) -> list[Document]:
+    """Read several documents (one job's inputs); the first failure raises."""
+    return [read_document(p, encoding, errors) for p in paths]
+
+
+def join_documents(documents: Sequence[Document]) -> str:
+    """One text for a job: a single document as is; several each under a
+    ``--- <file name> ---`` header, separated by blank lines."""
+    if len(documents) == 1:
+        return documents[0].text
+    return "\n\n".join(f"--- {d.path.name} ---\n{d.text.rstrip()}" for d in documents)
+
+
+def binary_reason(data: bytes, codec: str) -> str | None:
+    """Why ``data`` looks binary (or in the wrong encoding), or ``None`` if it looks like text.
+
+    Parameters
+    ----------
+    data
+        The file's bytes.
+    codec
+        Normalised codec name (``codecs.lookup(...).name``).
+    """
+    for signature, kind in _SIGNATURES.items():
+        if data.startswith(signature):
+            return f"looks like {kind}, not text; convert it to plain text first"
+    if codec == "utf-8" and data.startswith(_UTF16_32_BOMS):
+        return "starts with a UTF-16/UTF-32 byte-order mark; pass --encoding utf-16 (or utf-32)"
+    if not _ascii_compatible(codec):
+        return None
+    sample = data[:SAMPLE_BYTES]
+    if not sample:
+        return None
+    if sample.count(0) / len(sample) > MAX_NUL_SHARE:
+        return f"looks binary: {sample.count(0)} NUL bytes in the first {len(sample)} bytes"
+    controls = sum(sample.count(b) for b in _CONTROL_BYTES)
+    if controls / len(sample) > MAX_CONTROL_SHARE:
+        return f"looks binary: {controls} control bytes in the first {len(sample)} bytes"
+    return None
+
+
+def decode_bytes(data: bytes, codec: str, errors: str = "strict") -> str:
+    """Decode ``data``; a UTF-8 BOM is skipped.
+
+    Raises
+    ------
+    ValueError
+        Invalid input under ``errors="strict"``; the message names the byte offset
+        (counted in the file, BOM included) and the line.
+    """
+    offset = 0
+    if codec == "utf-8" and data.startswith(_UTF8_BOM):
+        offset = len(_UTF8_BOM)
+    try:
+        text = data[offset:].decode(codec, errors)
+    except UnicodeDecodeError as exc:
+        at = offset + exc.start
+        line = data[:at].count(b"\n") + 1
+        raise ValueError(
+            f"invalid {codec} at byte offset {at} (line {line}, byte 0x{data[at]:02x}); "
+            "pass --errors replace to substitute U+FFFD, or --encoding to read it as "
+            "another encoding (e.g. latin-1, cp1252)"
+        ) from None
+    return text.removeprefix("\ufeff")
+
+
+def normalise_text(text: str) -> tuple[str, int]:
+    """Newlines to ``\\n`` and control characters removed (policy steps 4-5).
+
+    Returns
+    -------
+    text : str
+        The cleaned text.
+    removed : int
+        Number of control characters removed.
+    """
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return _CONTROL_CHARS.subn("", text)
+
+
+def _read_bytes(path: Path) -> bytes:
+    if path.is_dir():
+        raise DocumentError(path, "is a directory")
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise DocumentError(path, "file not found") from None
+    except OSError as exc:
+        raise DocumentError(path, f"cannot be read: {exc.strerror or exc}") from None
+
+
+def _ascii_compatible(codec: str) -> bool:
+    try:
+        return "aZ09\n".encode(codec) == b"aZ09\n"
+    except (UnicodeEncodeError, LookupError):
+        return False

@@ -1,0 +1,83 @@
+"""Safe names and derived ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hisparse_cli.naming import derive_ids, name_problem, output_filename, slugify
+
+
+@pytest.mark.parametrize("name", ["report", "job-1", "a.b_c", "X" * 128])
+def test_safe_names_pass(name):
+    assert name_problem(name) is None
+
+
+@pytest.mark.parametrize(
+    "name, phrase",
+    [
+        ("../up", "separator"),
+        ("..", "'..'"),
+        ("a..b", "'..'"),
+        ("/abs", "absolute"),
+        ("C:evil", "absolute"),
+        ("dir/file", "separator"),
+        ("dir\\file", "separator"),
+        (".hidden", "start with a letter"),
+        ("", "empty"),
+        ("nul.txt", "reserved"),
+        ("new\nline", "letters, digits"),
+        ("x" * 129, "at most 128"),
+        (5, "string"),
+    ],
+)
+def test_unsafe_names_are_refused(name, phrase):
+    assert phrase in name_problem(name)
+
+
+def test_output_filename_adds_txt_once():
+    assert output_filename("a") == "a.txt"
+    assert output_filename("a.txt") == "a.txt"
+
+
+def test_slugify():
+    assert slugify("How To: Sorting!") == "how-to-sorting"
+    assert slugify("Ünïcödé") == "unicode"
+    assert slugify("***") == "doc"
+
+
+def test_same_name_in_different_folders_gets_parent(tmp_path):
+    paths = [
+        tmp_path / "x" / "howto" / "sorting.txt",
+        tmp_path / "y" / "howto" / "sorting.txt",
+        tmp_path / "notes.txt",
+    ]
+    assert derive_ids(paths) == ["x-howto-sorting", "y-howto-sorting", "notes"]
+
+
+def test_same_stem_same_folder_falls_back_to_hash(tmp_path):
+    ids = derive_ids([tmp_path / "a.txt", tmp_path / "a.md", tmp_path / "A.txt"])
+    assert len(set(ids)) == 3 and all(i.startswith("a") for i in ids)
+
+
+def test_derived_ids_avoid_taken(tmp_path):
+    (derived,) = derive_ids([tmp_path / "sub" / "intro.txt"], taken=["intro"])
+    assert derived == "sub-intro"
+
+
+@given(
+    st.lists(
+        st.lists(st.sampled_from(["a", "b", "A", "a b", "é", "x.y"]), min_size=1, max_size=4),
+        min_size=1,
+        max_size=12,
+        unique_by=tuple,
+    )
+)
+def test_derived_ids_are_unique_and_safe(parts):
+    paths = [Path("/root", *p[:-1], p[-1] + ".txt") for p in parts]
+    ids = derive_ids(paths)
+    assert len({i.casefold() for i in ids}) == len(ids)
+    assert all(name_problem(i) is None for i in ids)

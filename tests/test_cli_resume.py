@@ -1,0 +1,101 @@
+"""Resume: skip jobs done with the same key, redo changed or failed ones, survive kill -9."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from hisparse_cli import runner as runner_module
+from hisparse_cli import settings, testing
+from hisparse_cli.main import app
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch):
+    """``run(*args) -> (result, ids the engine was given)``."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(settings, "preset_overrides", lambda name: {})
+    (tmp_path / "docs").mkdir()
+    for name in ("a", "b", "c"):
+        (tmp_path / "docs" / f"{name}.txt").write_text(f"document {name}\n")
+
+    def invoke(*args, engine_kwargs=None):
+        factory = testing.fake_engine_factory(**(engine_kwargs or {}))
+        monkeypatch.setattr(runner_module, "load_engine", factory)
+        result = CliRunner().invoke(app, ["run", "docs/*.txt", "--max-new-tokens", "3", *args])
+        seen = [job.id for engine in factory.engines for job in engine.seen]
+        return result, seen
+
+    return invoke
+
+
+def lines(tmp_path):
+    return [
+        json.loads(x)
+        for x in (tmp_path / "hisparse-out" / "results.jsonl").read_text().splitlines()
+    ]
+
+
+def test_second_run_skips_everything_and_loads_no_engine(run, tmp_path):
+    assert run()[1] == ["a", "b", "c"]
+    result, seen = run()
+    assert result.exit_code == 0 and seen == []
+    assert "skipping 3 job(s) already done" in result.stdout
+    assert len(lines(tmp_path)) == 3
+
+
+def test_changed_input_redoes_only_that_job(run, tmp_path):
+    run()
+    (tmp_path / "docs" / "b.txt").write_text("document b, edited\n")
+    assert run()[1] == ["b"]
+    assert [r["id"] for r in lines(tmp_path)] == ["a", "b", "c", "b"]
+
+
+def test_changed_settings_redo_all(run):
+    run()
+    assert run("--temperature", "0.3")[1] == ["a", "b", "c"]
+    assert run("--temperature", "0.3", "--top-k-tokens", "1024")[1] == ["a", "b", "c"]
+    assert run("--temperature", "0.3", "--top-k-tokens", "1024", "--max-batch", "2")[1] == []
+
+
+def test_failed_jobs_are_redone(run):
+    result, _ = run(engine_kwargs={"fail": {"b": "boom"}})
+    assert result.exit_code == 1
+    result, seen = run()
+    assert result.exit_code == 0 and seen == ["b"]
+
+
+def test_force_redoes_everything(run):
+    run()
+    assert run("--force")[1] == ["a", "b", "c"]
+
+
+def test_truncated_last_line_is_ignored_with_warning(run, tmp_path):
+    run()
+    path = tmp_path / "hisparse-out" / "results.jsonl"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 40])  # kill -9 in the middle of writing c's line
+    result, seen = run()
+    assert seen == ["c"]
+    assert "truncated last line 3" in result.stdout
+    records = lines_tolerant(path)
+    assert [r["id"] for r in records] == ["a", "b", "c"]
+    assert path.read_bytes().endswith(b"\n")
+
+
+def lines_tolerant(path):
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def test_results_txt_written_before_line(run, tmp_path):
+    run()
+    for record in lines(tmp_path):
+        assert (tmp_path / "hisparse-out" / record["output"]).read_text() == record["text"]

@@ -1,0 +1,309 @@
+"""``hisparse run`` end to end through Typer's CliRunner, with a scripted fake engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+
+import pytest
+from typer.testing import CliRunner
+
+from hisparse_cli import runner as runner_module
+from hisparse_cli import settings, testing
+from hisparse_cli.main import app
+from hisparse_cli.tasks import SUMMARIZE_INSTRUCTION, SYSTEM_PROMPT
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch):
+    """Run ``hisparse`` in ``tmp_path`` with a fake engine and an empty preset."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(settings, "preset_overrides", lambda name: {})
+    factory = testing.fake_engine_factory()
+    monkeypatch.setattr(runner_module, "load_engine", factory)
+
+    def invoke(*args, engine=None, **kwargs):
+        if engine is not None:
+            monkeypatch.setattr(runner_module, "load_engine", engine)
+        return CliRunner().invoke(app, ["run", *args], catch_exceptions=False, **kwargs)
+
+    invoke.factory = factory
+    return invoke
+
+
+@pytest.fixture
+def docs(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "alpha.txt").write_text("The alpha document talks about sorting.\n")
+    (tmp_path / "docs" / "beta.txt").write_text("Beta is about graphs and trees.\n")
+    return tmp_path / "docs"
+
+
+def read_results(folder):
+    return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+
+
+def test_help_lists_commands_and_is_typer_only():
+    result = CliRunner().invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("run", "presets", "plan"):
+        assert command in result.stdout
+    run_help = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "200"})
+    assert "--top-k-tokens" in run_help.stdout and "--top-k " in run_help.stdout
+    assert "--manifest" in run_help.stdout and "--json-progress" in run_help.stdout
+
+
+def test_help_does_not_import_the_engine_runtime():
+    code = (
+        "import sys, hisparse_cli.main; print('engine.api' in sys.modules, 'torch' in sys.modules)"
+    )
+    out = os.popen(f'cd {os.getcwd()} && python -c "{code}"').read()
+    assert out.strip() == "False False"
+
+
+def test_run_writes_results_texts_and_config(cli, docs, tmp_path):
+    result = cli(
+        "docs/alpha.txt", "docs/beta.txt", "--max-new-tokens", "4", "--top-k-tokens", "512"
+    )
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "hisparse-out"
+    records = read_results(out)
+    assert [r["id"] for r in records] == ["alpha", "beta"]
+    assert all(
+        r["ok"] and r["generated_tokens"] == 4 and r["finish_reason"] == "length" for r in records
+    )
+    assert (out / "alpha.txt").read_text() == "output of alpha: 4 tokens"
+    config = json.loads((out / "config.json").read_text())
+    assert config["engine"]["top_k"] == 512 and config["preset"] == "cpu"
+    assert "done alpha" in result.stdout and "jobs ok" in result.stdout
+
+
+def test_engine_receives_rendered_prompt_and_sampling(cli, docs):
+    result = cli(
+        "docs/alpha.txt", "--temperature", "0.5", "--seed", "3", "--stop", "END", "--stop", "###"
+    )
+    assert result.exit_code == 0, result.output
+    (engine,) = cli.factory.engines
+    (job,) = engine.seen
+    tokenizer = testing.FakeTokenizer()
+    document = (docs / "alpha.txt").read_text()
+    expected = tokenizer.encode_chat(
+        [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {
+                "role": "user",
+                "content": f"<document>\n{document}\n</document>\n\n{SUMMARIZE_INSTRUCTION}",
+            },
+        ]
+    )
+    assert list(job.prompt_ids) == expected
+    assert (
+        job.sampling.temperature == 0.5
+        and job.sampling.seed == 3
+        and job.sampling.stop == ("END", "###")
+    )
+    assert job.meta["key"] and job.input_path.endswith("alpha.txt")
+
+
+def test_failed_job_gives_exit_1_and_batch_continues(cli, docs, tmp_path):
+    engine = testing.fake_engine_factory(fail={"alpha": "prompt of 9999 tokens is too long"})
+    result = cli("docs/alpha.txt", "docs/beta.txt", engine=engine)
+    assert result.exit_code == 1
+    records = {r["id"]: r for r in read_results(tmp_path / "hisparse-out")}
+    assert (
+        records["alpha"]["error"] == "prompt of 9999 tokens is too long"
+        and not records["alpha"]["ok"]
+    )
+    assert records["beta"]["ok"]
+    assert not (tmp_path / "hisparse-out" / "alpha.txt").exists()
+    assert "FAILED alpha" in result.stdout
+
+
+def test_bad_document_fails_its_job_only(cli, docs, tmp_path):
+    (docs / "blob.txt").write_bytes(b"\x00\x01\x02\x00" * 64)
+    (docs / "bad-utf8.txt").write_bytes(b"fine\n\xff")
+    result = cli("docs/blob.txt", "docs/bad-utf8.txt", "docs/beta.txt")
+    assert result.exit_code == 1
+    records = {r["id"]: r for r in read_results(tmp_path / "hisparse-out")}
+    assert "looks binary" in records["blob"]["error"]
+    assert "byte offset 5" in records["bad-utf8"]["error"]
+    assert records["beta"]["ok"]
+
+
+def test_errors_replace_lets_invalid_utf8_through(cli, docs, tmp_path):
+    (docs / "bad-utf8.txt").write_bytes(b"fine\n\xff")
+    assert cli("docs/bad-utf8.txt", "--errors", "replace").exit_code == 0
+
+
+def test_manifest_problems_exit_2_and_nothing_runs(cli, docs, tmp_path):
+    (tmp_path / "jobs.yaml").write_text(
+        textwrap.dedent(
+            """
+            jobs:
+              - id: a
+                input: docs/alpha.txt
+                temperature: -1
+              - id: a
+                input: docs/nope.txt
+            """
+        ).lstrip()
+    )
+    result = cli("--manifest", "jobs.yaml")
+    assert result.exit_code == 2
+    assert "jobs.yaml:4: jobs[0].temperature" in result.stderr
+    assert "jobs.yaml:6: jobs[1].input: file not found" in result.stderr
+    assert not (tmp_path / "hisparse-out").exists()
+    assert cli.factory.engines == []
+
+
+def test_manifest_run_uses_its_settings(cli, docs, tmp_path):
+    (tmp_path / "jobs.yaml").write_text(
+        textwrap.dedent(
+            """
+            defaults:
+              task: answer
+              max_new_tokens: 3
+              engine: {top_k: 1024}
+            jobs:
+              - {id: q1, input: docs/alpha.txt, question: "What is it about?", output: answer-one}
+            """
+        ).lstrip()
+    )
+    result = cli("--manifest", "jobs.yaml", "--output-dir", "out")
+    assert result.exit_code == 0, result.output
+    (record,) = read_results(tmp_path / "out")
+    assert record["output"] == "answer-one.txt" and record["generated_tokens"] == 3
+    assert (tmp_path / "out" / "answer-one.txt").exists()
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["engine"]["top_k"] == 1024
+
+
+@pytest.mark.parametrize(
+    "args, phrase",
+    [
+        ([], "nothing to run"),
+        (["docs/alpha.txt", "--manifest", "jobs.yaml"], "not both"),
+        (["docs/alpha.txt", "--page-size", "7"], "page_size"),
+        (["docs/alpha.txt", "--top-k-tokens", "4096", "--device-buffer", "1024"], "device_buffer"),
+        (["docs/alpha.txt", "--encoding", "klingon"], "unknown --encoding"),
+        (["docs/alpha.txt", "--model", "missing.gguf"], "model not found"),
+        (["docs/missing.txt"], "file not found"),
+        (["docs/alpha.txt", "--task", "answer"], "--question"),
+    ],
+)
+def test_usage_errors_exit_2(cli, docs, args, phrase):
+    result = cli(*args)
+    assert result.exit_code == 2
+    assert phrase in result.stderr
+
+
+def test_typer_rejects_bad_choice_with_exit_2(cli, docs):
+    result = cli("docs/alpha.txt", "--attention", "fuzzy")
+    assert result.exit_code == 2
+
+
+def test_print_config_precedence(cli, docs, tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        settings, "preset_overrides", lambda name: {"top_k": 512, "page_size": 32, "max_batch": 2}
+    )
+    (tmp_path / "jobs.yaml").write_text(
+        "defaults:\n  engine: {top_k: 1024, max_batch: 4}\njobs:\n  - {input: docs/alpha.txt}\n"
+    )
+    result = cli(
+        "--manifest", "jobs.yaml", "--max-batch", "16", "--trace", "t.json", "--print-config"
+    )
+    assert result.exit_code == 0, result.output
+    engine = json.loads(result.stdout)["engine"]
+    assert engine["page_size"] == 32  # preset
+    assert engine["top_k"] == 1024  # manifest beats preset
+    assert engine["max_batch"] == 16  # flag beats manifest
+    assert engine["extra"] == {"trace_path": "t.json"}
+    assert not (tmp_path / "hisparse-out").exists()
+
+
+def test_unknown_preset_is_a_usage_error(cli, docs, monkeypatch):
+    from engine.config import ConfigError
+
+    def unknown(name):
+        raise ConfigError(f"preset {name!r}: unknown preset")
+
+    monkeypatch.setattr(settings, "preset_overrides", unknown)
+    result = cli("docs/alpha.txt", "--preset", "moon")
+    assert result.exit_code == 2 and "unknown preset" in result.stderr
+
+
+def test_json_progress_stdout_is_only_json(cli, docs):
+    result = cli("docs/alpha.txt", "docs/beta.txt", "--json-progress")
+    assert result.exit_code == 0
+    objects = [json.loads(line) for line in result.stdout.splitlines()]
+    kinds = [o["event"] for o in objects]
+    assert kinds.count("job_finished") == 2 and kinds[-1] == "summary"
+    assert objects[-1]["ok"] == 2
+
+
+def test_non_tty_output_is_plain_lines(cli, docs):
+    result = cli("docs/alpha.txt")
+    assert "\x1b[" not in result.stdout and "\r" not in result.stdout
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("loading model") and lines[2].startswith("done alpha:")
+
+
+def test_engine_load_failure_exits_1(cli, docs):
+    def broken(config, model):
+        raise RuntimeError("weights are corrupt")
+
+    result = cli("docs/alpha.txt", engine=broken)
+    assert result.exit_code == 1
+    assert "cannot load the model: weights are corrupt" in result.stdout
+
+
+def test_busy_output_dir_exits_2(cli, docs, tmp_path):
+    import fcntl
+
+    out = tmp_path / "hisparse-out"
+    out.mkdir()
+    fd = os.open(out / ".hisparse.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        result = cli("docs/alpha.txt")
+    finally:
+        os.close(fd)
+    assert result.exit_code == 2 and "another hisparse run" in result.stderr
+
+
+def test_ctrl_c_cancels_running_jobs_and_exits_130(cli, docs, tmp_path):
+    def interrupt(step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    engine = testing.fake_engine_factory(on_step=interrupt)
+    try:
+        result = cli("docs/alpha.txt", "docs/beta.txt", "--max-batch", "1", engine=engine)
+    except KeyboardInterrupt:
+        pytest.fail("SIGINT was not handled by the run command")
+    assert result.exit_code == 130
+    (fake,) = engine.engines
+    assert fake.cancelled
+    records = read_results(tmp_path / "hisparse-out")
+    assert [(r["id"], r["finish_reason"]) for r in records] == [("alpha", "cancelled")]
+    assert "cancelling" in result.stdout and "interrupted" in result.stdout
+    assert "cancelled beta after 0 tokens" in result.stdout  # never admitted: no results line
+    assert "│ 2 / 0" in result.stdout  # cancelled / not run
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    again = testing.fake_engine_factory()
+    assert cli("docs/alpha.txt", "docs/beta.txt", "--max-batch", "1", engine=again).exit_code == 0
+    assert [job.id for job in again.engines[0].seen] == ["alpha", "beta"]  # both redone
+
+
+def test_second_ctrl_c_stops_at_once(cli, docs):
+    def interrupt_twice(step):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    try:
+        result = cli("docs/alpha.txt", engine=testing.fake_engine_factory(on_step=interrupt_twice))
+    except KeyboardInterrupt:
+        pytest.fail("second SIGINT escaped the run command")
+    assert result.exit_code == 130

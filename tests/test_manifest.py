@@ -1,0 +1,291 @@
+"""Manifest parsing and validation: every problem, with file, line and field, at once."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from hisparse_cli.manifest import ManifestError, jobs_from_paths, load_manifest
+
+
+@pytest.fixture
+def docs(tmp_path):
+    (tmp_path / "docs" / "a").mkdir(parents=True)
+    (tmp_path / "docs" / "b").mkdir(parents=True)
+    for name in ("docs/a/report.txt", "docs/b/report.txt", "docs/one.txt", "docs/two.txt"):
+        (tmp_path / name).write_text(f"text of {name}\n")
+    return tmp_path
+
+
+def write_yaml(folder, text):
+    path = folder / "jobs.yaml"
+    path.write_text(textwrap.dedent(text).lstrip())
+    return path
+
+
+def problems_of(path, overrides=None):
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path, overrides)
+    return info.value.problems
+
+
+def find(problems, field):
+    found = [p for p in problems if p.field == field]
+    assert found, f"no problem for {field!r} in {[str(p) for p in problems]}"
+    return found[0]
+
+
+def test_valid_yaml_with_defaults(docs):
+    path = write_yaml(
+        docs,
+        """
+        defaults:
+          task: answer
+          question: What happened?
+          max_new_tokens: 64
+          stop: ["\\n\\n"]
+          engine: {attention: dense, page_size: 32}
+        jobs:
+          - id: first
+            input: docs/one.txt
+          - input: [docs/two.txt, docs/a/report.txt]
+            task: extract
+            question: null
+            fields: [name, date]
+            temperature: 0.7
+            output: second-result
+        """,
+    )
+    manifest = load_manifest(path)
+    first, second = manifest.jobs
+    assert manifest.engine == {"attention": "dense", "page_size": 32}
+    assert (
+        first.id == "first"
+        and first.task.task == "answer"
+        and first.task.question == "What happened?"
+    )
+    assert first.sampling.max_tokens == 64 and first.sampling.stop == ("\n\n",)
+    assert first.inputs == ((docs / "docs/one.txt").resolve(),)
+    assert second.id == "two" and second.output == "second-result.txt"
+    assert second.task.fields == ("name", "date") and second.task.question is None
+    assert len(second.inputs) == 2 and second.sampling.temperature == 0.7
+
+
+def test_yaml_reports_every_problem_with_line_and_field(docs):
+    path = write_yaml(
+        docs,
+        """
+        defaults:
+          temprature: 0.5
+          engine:
+            page_sise: 16
+            top_k: "many"
+        jobs:
+          - id: ok
+            input: docs/one.txt
+          - id: bad
+            input: docs/missing.txt
+            max_new_tokens: -3
+            top_p: 2
+          - id: ok
+            input: "docs/*.md"
+          - id: ../escape
+            input: docs/two.txt
+            task: answer
+          - id: other
+            input: docs/two.txt
+            output: ok
+        """,
+    )
+    problems = problems_of(path)
+    assert all(p.file == str(path) for p in problems)
+    assert find(problems, "defaults.temprature").line == 2
+    assert "did you mean 'temperature'" in find(problems, "defaults.temprature").message
+    assert find(problems, "defaults.engine.page_sise").line == 4
+    assert find(problems, "defaults.engine.top_k").line == 5
+    assert find(problems, "jobs[1].input").line == 10
+    assert "file not found" in find(problems, "jobs[1].input").message
+    assert find(problems, "jobs[1].max_new_tokens").line == 11
+    assert find(problems, "jobs[1].top_p").line == 12
+    assert "matches no files" in find(problems, "jobs[2].input").message
+    assert find(problems, "jobs[3].id").line == 15
+    assert (
+        "'..'" in find(problems, "jobs[3].id").message
+        or "separator" in find(problems, "jobs[3].id").message
+    )
+    assert find(problems, "jobs[3].question").line == 15
+    assert "output file 'ok.txt'" in find(problems, "jobs[4].output").message
+    assert find(problems, "jobs[4].output").line == 20
+
+
+def test_duplicate_ids_reported_with_both_lines(docs):
+    path = write_yaml(
+        docs,
+        """
+        jobs:
+          - id: same
+            input: docs/one.txt
+          - id: SAME
+            input: docs/two.txt
+        """,
+    )
+    problem = find(problems_of(path), "jobs[1].id")
+    assert problem.line == 4
+    assert "duplicate id 'SAME'" in problem.message and "line 2" in problem.message
+
+
+def test_wrong_types_and_unknown_fields(docs):
+    path = write_yaml(
+        docs,
+        """
+        jobs:
+          - id: 12
+            input: {path: docs/one.txt}
+            task: translate
+            seed: 1.5
+            stop: [1, 2]
+            colour: blue
+            engine: {top_k: 5}
+        """,
+    )
+    problems = problems_of(path)
+    assert "must be a string" in find(problems, "jobs[0].id").message
+    assert find(problems, "jobs[0].input").line == 3
+    assert "one of summarize" in find(problems, "jobs[0].task").message
+    assert "integer" in find(problems, "jobs[0].seed").message
+    assert "bad item" in find(problems, "jobs[0].stop").message
+    assert "unknown field" in find(problems, "jobs[0].colour").message
+    assert "defaults.engine" in find(problems, "jobs[0].engine").message
+
+
+def test_yaml_syntax_error_has_line(docs):
+    path = docs / "jobs.yaml"
+    path.write_text("jobs:\n  - id: a\n    input: [unclosed\n")
+    (problem,) = problems_of(path)
+    assert problem.line is not None and "not valid YAML" in problem.message
+
+
+def test_yaml_duplicate_key_is_reported(docs):
+    path = write_yaml(docs, "jobs:\n  - id: a\n    input: docs/one.txt\n    id: b\n")
+    problem = find(problems_of(path), "jobs[0].id")
+    assert problem.line == 4 and "duplicate key" in problem.message
+
+
+def test_paths_are_relative_to_the_manifest(docs, monkeypatch, tmp_path_factory):
+    monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
+    path = write_yaml(docs, "jobs:\n  - input: docs/one.txt\n")
+    (job,) = load_manifest(path).jobs
+    assert job.inputs == ((docs / "docs/one.txt").resolve(),)
+
+
+def test_jsonl_manifest_lines_and_defaults(docs):
+    lines = [
+        json.dumps({"defaults": {"task": "summarize", "engine": {"top_k": 512}}}),
+        json.dumps({"id": "a", "input": "docs/one.txt"}),
+        "",
+        json.dumps({"id": "b", "input": "docs/two.txt", "temperature": "hot"}),
+        "{not json",
+        json.dumps(["a", "list"]),
+    ]
+    path = docs / "jobs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    problems = problems_of(path)
+    assert find(problems, "job.temperature").line == 4
+    assert {p.line for p in problems if "not valid JSON" in p.message} == {5}
+    assert {p.line for p in problems if "JSON object" in p.message} == {6}
+
+
+def test_jsonl_valid(docs):
+    path = docs / "jobs.jsonl"
+    path.write_text(
+        json.dumps({"defaults": {"max_new_tokens": 9, "engine": {"top_k": 512}}})
+        + "\n"
+        + json.dumps({"id": "a", "input": "docs/one.txt", "prompt": "Title of: ${document}"})
+        + "\n"
+    )
+    manifest = load_manifest(path)
+    assert manifest.engine == {"top_k": 512}
+    assert manifest.jobs[0].task.task == "custom" and manifest.jobs[0].sampling.max_tokens == 9
+
+
+def test_cli_overrides_beat_the_manifest(docs):
+    path = write_yaml(
+        docs, "defaults: {temperature: 0.2}\njobs:\n  - {input: docs/one.txt, temperature: 0.9}\n"
+    )
+    (job,) = load_manifest(path, {"temperature": 0.0, "max_new_tokens": 7, "seed": None}).jobs
+    assert job.sampling.temperature == 0.0 and job.sampling.max_tokens == 7
+
+
+def test_bad_cli_value_is_named_by_flag(docs):
+    with pytest.raises(ManifestError) as info:
+        jobs_from_paths([str(docs / "docs/one.txt")], {"top_p": 0.0, "task": "answer"})
+    fields = {p.field for p in info.value.problems}
+    assert fields == {"--top-p", "--question"}
+    assert all(p.file == "command line" for p in info.value.problems)
+    assert len(info.value.problems) == 2  # the missing question is reported once, not per document
+
+
+def test_custom_template_problems(docs):
+    path = write_yaml(
+        docs,
+        """
+        jobs:
+          - {id: a, input: docs/one.txt, task: custom, prompt: "Summarize {document}"}
+          - {id: b, input: docs/one.txt, template: "Use $undefined with ${document}"}
+          - {id: c, input: docs/one.txt, task: custom}
+        """,
+    )
+    problems = problems_of(path)
+    assert "${document}" in find(problems, "jobs[0].prompt").message
+    assert "$undefined" in find(problems, "jobs[1].template").message
+    assert "required for task 'custom'" in find(problems, "jobs[2].prompt").message
+
+
+@pytest.mark.parametrize(
+    "bad", ["../x", "/etc/passwd", "a/b", "a\\b", ".hidden", "", "con", "x" * 200, "sp ace"]
+)
+def test_path_traversal_in_id_and_output_is_refused(docs, bad):
+    path = write_yaml(
+        docs, f"jobs:\n  - id: ok\n    input: docs/one.txt\n    output: {json.dumps(bad)}\n"
+    )
+    assert find(problems_of(path), "jobs[0].output").line == 4
+    path = write_yaml(docs, f"jobs:\n  - id: {json.dumps(bad)}\n    input: docs/one.txt\n")
+    assert find(problems_of(path), "jobs[0].id").line == 2
+
+
+def test_short_form_ids_never_collide(docs, monkeypatch):
+    monkeypatch.chdir(docs)
+    manifest = jobs_from_paths(
+        ["docs/a/report.txt", "docs/b/report.txt", "docs/*.txt", "docs/one.txt"]
+    )
+    ids = [job.id for job in manifest.jobs]
+    assert ids == ["a-report", "b-report", "one", "two"]
+
+
+def test_short_form_missing_files_reported_together(docs, monkeypatch):
+    monkeypatch.chdir(docs)
+    with pytest.raises(ManifestError) as info:
+        jobs_from_paths(["nope.txt", "docs/*.pdf", "docs"])
+    messages = [p.message for p in info.value.problems]
+    assert len(messages) == 3
+    assert (
+        "file not found" in messages[0]
+        and "matches no files" in messages[1]
+        and "directory" in messages[2]
+    )
+    assert {p.field for p in info.value.problems} == {"DOCS"}
+
+
+def test_missing_or_null_input_is_required(docs):
+    path = write_yaml(docs, "jobs:\n  - id: a\n  - id: b\n    input: null\n")
+    problems = problems_of(path)
+    assert find(problems, "jobs[0].input").line == 2
+    assert find(problems, "jobs[1].input").line == 4
+    assert "required" in find(problems, "jobs[1].input").message
+
+
+def test_defaults_cannot_hold_per_job_fields(docs):
+    path = write_yaml(docs, "defaults: {output: x}\njobs:\n  - {input: docs/one.txt}\n")
+    assert "per job" in find(problems_of(path), "defaults.output").message

@@ -1,0 +1,204 @@
+"""results.jsonl and .txt outputs: atomic writes, appends, truncated lines, resume keys."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from engine.config import EngineConfig, SamplingParams
+from engine.events import CacheStats, JobResult
+from hisparse_cli import results
+from hisparse_cli.keys import job_key, model_fingerprint, settings_hash
+from hisparse_cli.results import (
+    OutputDirBusy,
+    ResultsLog,
+    failure_record,
+    lock_output_dir,
+    read_results,
+    result_record,
+    write_text_atomic,
+)
+from hisparse_cli.tasks import TaskSpec
+
+
+def ok_line(job_id, key="k", text="t"):
+    return {"id": job_id, "key": key, "finish_reason": "stop", "error": "", "text": text}
+
+
+def test_write_text_atomic_replaces_and_leaves_no_temp(tmp_path):
+    target = tmp_path / "out.txt"
+    target.write_text("old")
+    write_text_atomic(target, "new ünïcode\n")
+    assert target.read_text(encoding="utf-8") == "new ünïcode\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]
+
+
+def test_write_text_atomic_keeps_old_file_when_write_fails(tmp_path, monkeypatch):
+    target = tmp_path / "out.txt"
+    target.write_text("old")
+
+    def broken_fsync(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(results.os, "fsync", broken_fsync)
+    with pytest.raises(OSError, match="disk full"):
+        write_text_atomic(target, "new")
+    assert target.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]
+
+
+def test_append_is_one_write_per_line_with_fsync(tmp_path, monkeypatch):
+    writes, syncs = [], []
+    real_write, real_fsync = os.write, os.fsync
+    monkeypatch.setattr(
+        results.os, "write", lambda fd, data: writes.append(data) or real_write(fd, data)
+    )
+    monkeypatch.setattr(results.os, "fsync", lambda fd: syncs.append(fd) or real_fsync(fd))
+    with ResultsLog(tmp_path) as log:
+        log.append(ok_line("a"))
+        log.append(ok_line("b"))
+    assert len(writes) == 2 and len(syncs) == 2
+    assert all(w.endswith(b"\n") and w.count(b"\n") == 1 for w in writes)
+    flags, real_open = [], os.open
+    monkeypatch.setattr(
+        results.os, "open", lambda path, f, mode=0o777: flags.append(f) or real_open(path, f, mode)
+    )
+    with ResultsLog(tmp_path) as log:
+        log.append(ok_line("c"))
+    assert flags[0] & os.O_APPEND
+
+
+def test_truncated_last_line_is_ignored_and_next_append_starts_a_new_line(tmp_path):
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps(ok_line("a")) + "\n" + '{"id": "b", "key": "k", "fini')
+    existing = read_results(path)
+    assert list(existing.latest) == ["a"]
+    assert any("truncated last line 2" in w for w in existing.warnings)
+    with ResultsLog(tmp_path) as log:
+        log.append(ok_line("b"))
+    lines = path.read_text().split("\n")
+    assert json.loads(lines[2])["id"] == "b"
+    assert list(read_results(path).latest) == ["a", "b"]
+    assert read_results(path).warnings[0].endswith("ignoring line 2: not a JSON object with an id")
+
+
+def test_last_line_per_id_wins_and_done_needs_success_and_key(tmp_path):
+    path = tmp_path / "results.jsonl"
+    lines = [
+        ok_line("a", key="old"),
+        ok_line("a", key="new"),
+        ok_line("b"),
+        {**ok_line("b"), "finish_reason": "error", "error": "boom"},
+        {**ok_line("c"), "finish_reason": "cancelled"},
+        {**ok_line("d"), "finish_reason": "length"},
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    log = ResultsLog(tmp_path)
+    assert log.is_done("a", "new") and not log.is_done("a", "old")
+    assert not log.is_done("b", "k")
+    assert not log.is_done("c", "k")
+    assert log.is_done("d", "k")
+    assert not log.is_done("missing", "k")
+
+
+def test_result_and_failure_records_have_all_fields():
+    base = {
+        "id": "j",
+        "output": "j.txt",
+        "input": ["/d/j.txt"],
+        "input_sha256": ["ab"],
+        "key": "k",
+        "settings_hash": "s",
+        "model": "m",
+    }
+    result = JobResult("j", "hi", (5, 6, 7), 40, "stop", 0.5, 80.0, 12.0, CacheStats(3, 1, 4096))
+    record = result_record(base, result)
+    expected = {
+        "id",
+        "input",
+        "input_sha256",
+        "settings_hash",
+        "prompt_tokens",
+        "generated_tokens",
+        "text",
+        "finish_reason",
+        "ttft_s",
+        "prefill_tok_s",
+        "decode_tok_s",
+        "cache",
+        "error",
+        "model",
+        "finished_at",
+        "ok",
+        "key",
+        "output",
+    }
+    assert expected <= set(record)
+    assert record["generated_tokens"] == 3 and record["ok"] is True
+    assert record["cache"] == {"hits": 3, "misses": 1, "hit_rate": 0.75, "h2d_bytes": 4096}
+    failed = failure_record(base, "too long")
+    assert (
+        failed["ok"] is False
+        and failed["error"] == "too long"
+        and failed["finish_reason"] == "error"
+    )
+    json.dumps(record), json.dumps(failed)
+
+
+def test_lock_refuses_a_second_holder(tmp_path):
+    with lock_output_dir(tmp_path):
+        other = os.open(tmp_path / results.LOCK_FILE, os.O_RDWR)
+        import fcntl
+
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(other)
+
+
+def test_lock_reports_busy(tmp_path, monkeypatch):
+    import fcntl
+
+    def busy(fd, op):
+        raise BlockingIOError
+
+    monkeypatch.setattr(fcntl, "flock", busy)
+    with pytest.raises(OutputDirBusy), lock_output_dir(tmp_path):
+        pass
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+def test_settings_hash_tracks_what_changes_output():
+    task, sampling, config = TaskSpec(), SamplingParams(), EngineConfig()
+    base = settings_hash(task, sampling, "m", config, {"encoding": "utf-8", "errors": "strict"})
+    opts = {"encoding": "utf-8", "errors": "strict"}
+    changed = [
+        settings_hash(TaskSpec("answer", question="q"), sampling, "m", config, opts),
+        settings_hash(task, SamplingParams(temperature=0.5), "m", config, opts),
+        settings_hash(task, SamplingParams(seed=1), "m", config, opts),
+        settings_hash(task, sampling, "other", config, opts),
+        settings_hash(task, sampling, "m", config.replace(top_k=1024), opts),
+        settings_hash(task, sampling, "m", config.replace(attention="dense"), opts),
+        settings_hash(task, sampling, "m", config, {"encoding": "latin-1", "errors": "strict"}),
+    ]
+    assert base not in changed and len(set(changed)) == len(changed)
+    neutral = config.replace(max_batch=2, device_buffer=8192, extra={"trace_path": "t"})
+    assert settings_hash(task, sampling, "m", neutral, opts) == base
+
+
+def test_job_key_depends_on_inputs_in_order():
+    assert job_key(["a", "b"], "s") != job_key(["b", "a"], "s")
+    assert job_key(["a"], "s") != job_key(["a"], "t")
+    assert job_key(["a"], "s") == job_key(["a"], "s")
+
+
+def test_model_fingerprint_changes_when_file_changes(tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"1234")
+    first = model_fingerprint(str(model))
+    model.write_bytes(b"123456")
+    assert model_fingerprint(str(model)) != first
+    assert model_fingerprint(None) == "embedded-default"

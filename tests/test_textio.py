@@ -1,0 +1,131 @@
+"""Document reading: BOM, newlines, control characters, bad bytes, binary, empty."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hisparse_cli.textio import (
+    DocumentError,
+    join_documents,
+    normalise_text,
+    read_document,
+    read_documents,
+)
+
+
+def write(tmp_path, name, data: bytes):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+def test_utf8_bom_is_stripped(tmp_path):
+    doc = read_document(write(tmp_path, "a.txt", b"\xef\xbb\xbfHello"))
+    assert doc.text == "Hello"
+
+
+def test_crlf_and_lone_cr_become_lf(tmp_path):
+    doc = read_document(write(tmp_path, "a.txt", b"one\r\ntwo\rthree\n"))
+    assert doc.text == "one\ntwo\nthree\n"
+
+
+def test_tabs_and_very_long_lines_are_kept(tmp_path):
+    line = "\t".join(["word"] * 200_000)  # ~1 MB on one line
+    doc = read_document(write(tmp_path, "long.txt", line.encode()))
+    assert doc.text == line
+    assert "\n" not in doc.text
+
+
+def test_stray_nul_and_controls_are_removed_and_counted(tmp_path):
+    text = b"a" * 500 + b"\x00" + b"b\x1b[31mred\x07\x7f" + b"\x0c" + b"end"
+    doc = read_document(write(tmp_path, "ctl.txt", text))
+    assert doc.text == "a" * 500 + "b[31mredend"
+    assert doc.removed_controls == 5
+
+
+def test_invalid_utf8_names_byte_offset_and_line(tmp_path):
+    path = write(tmp_path, "bad.txt", b"ok line\nsecond \xff here")
+    with pytest.raises(DocumentError) as info:
+        read_document(path)
+    assert "byte offset 15" in info.value.reason
+    assert "line 2" in info.value.reason
+    assert "0xff" in info.value.reason
+    assert info.value.path == path
+
+
+def test_invalid_utf8_offset_counts_the_bom(tmp_path):
+    path = write(tmp_path, "bad.txt", b"\xef\xbb\xbfab\xc3")
+    with pytest.raises(DocumentError, match="byte offset 5"):
+        read_document(path)
+
+
+def test_errors_replace_substitutes(tmp_path):
+    doc = read_document(write(tmp_path, "bad.txt", b"caf\xe9 au lait"), errors="replace")
+    assert doc.text == "caf\ufffd au lait"
+
+
+def test_other_encoding_decodes(tmp_path):
+    doc = read_document(write(tmp_path, "latin.txt", "café".encode("latin-1")), encoding="latin-1")
+    assert doc.text == "café"
+
+
+def test_utf16_needs_encoding_flag(tmp_path):
+    path = write(tmp_path, "u16.txt", "hello".encode("utf-16"))
+    with pytest.raises(DocumentError, match="--encoding utf-16"):
+        read_document(path)
+    assert read_document(path, encoding="utf-16").text == "hello"
+
+
+@pytest.mark.parametrize(
+    "data, phrase",
+    [
+        (b"%PDF-1.7\n...", "PDF"),
+        (b"PK\x03\x04rest", "ZIP"),
+        (b"\x00\x01\x02\x00" * 100, "NUL bytes"),
+        (bytes(range(1, 9)) * 100 + b"text", "control bytes"),
+    ],
+)
+def test_binary_files_are_refused(tmp_path, data, phrase):
+    with pytest.raises(DocumentError, match=phrase):
+        read_document(write(tmp_path, "blob.bin", data))
+
+
+@pytest.mark.parametrize("data", [b"", b"   \n\t\r\n  ", b"\xef\xbb\xbf\n"])
+def test_empty_or_whitespace_is_refused(tmp_path, data):
+    with pytest.raises(DocumentError, match="empty"):
+        read_document(write(tmp_path, "empty.txt", data))
+
+
+def test_missing_file_and_directory(tmp_path):
+    with pytest.raises(DocumentError, match="not found"):
+        read_document(tmp_path / "nope.txt")
+    with pytest.raises(DocumentError, match="directory"):
+        read_document(tmp_path)
+
+
+def test_sha256_is_of_raw_bytes(tmp_path):
+    a = read_document(write(tmp_path, "a.txt", b"same\r\n"))
+    b = read_document(write(tmp_path, "b.txt", b"same\n"))
+    assert a.text == b.text
+    assert a.sha256 != b.sha256
+
+
+def test_join_documents_headers_only_for_several(tmp_path):
+    one, two = (
+        read_document(write(tmp_path, n, t)) for n, t in (("1.txt", b"A\n"), ("2.txt", b"B"))
+    )
+    assert join_documents([one]) == "A\n"
+    assert (
+        join_documents(read_documents([one.path, two.path]))
+        == "--- 1.txt ---\nA\n\n--- 2.txt ---\nB"
+    )
+
+
+@given(st.text())
+def test_normalise_leaves_only_tab_and_newline_controls(text):
+    cleaned, removed = normalise_text(text)
+    assert "\r" not in cleaned
+    assert all(c in "\t\n" or ord(c) >= 32 and ord(c) != 127 for c in cleaned)
+    assert removed >= 0
