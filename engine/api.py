@@ -1,0 +1,115 @@
+"""Build an :class:`engine.engine.Engine` from a model path (or the embedded default) and a
+resolved :class:`EngineConfig`. This is the one entry point front ends use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.config import ConfigError, EngineConfig, ModelConfig, RopeScaling
+from engine.engine import Engine
+from engine.rope import Rope
+from engine.weights import ModelWeights
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    """The compute device; ``cuda`` without a GPU is a :class:`ConfigError`."""
+    dev = torch.device(config.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={config.device!r} but CUDA is not available on this machine")
+    return dev
+
+
+def load_weights(model: str | None) -> tuple[ModelWeights, object, str]:
+    """Read weights and tokenizer.
+
+    Parameters
+    ----------
+    model : path to a ``.gguf`` file or a Hugging Face model folder; ``None`` for the
+        embedded SmolLM2-135M-Instruct Q4_1, ``synthetic:NAME`` for random weights of a
+        published shape.
+
+    Returns
+    -------
+    (weights, tokenizer, model_name)
+
+    Raises
+    ------
+    FileNotFoundError
+        Missing file, or the embedded model is not installed (message says how).
+    """
+    from engine.tokenizer import TextTokenizer
+
+    if model is None:
+        from engine.embedded import default_model_path
+
+        model = str(default_model_path())
+    if model.startswith("synthetic:"):
+        from engine.synthetic import load_synthetic
+
+        return load_synthetic(model.split(":", 1)[1])
+    path = Path(model)
+    if path.is_dir():
+        from engine.hf_loader import load_hf_folder
+
+        return load_hf_folder(path), TextTokenizer.from_folder(path), path.name
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path}")
+    from engine.gguf_loader import load_gguf
+
+    return load_gguf(path), TextTokenizer.from_gguf(path), path.stem
+
+
+def context_limit_and_rope(cfg: ModelConfig, config: EngineConfig) -> tuple[int, Rope]:
+    """Tokens per request and the RoPE table under the context policy.
+
+    ``refuse`` and ``truncate`` keep the trained context (``max_context`` may lower it);
+    ``extend`` raises it to ``max_context`` (default 4x trained) with ``extend_method``
+    scaling of factor ``max_context / trained`` (quality not guaranteed past training).
+    """
+    trained = cfg.max_position
+    scaling = cfg.rope_scaling
+    limit = trained
+    if config.context_policy == "extend":
+        limit = config.max_context or 4 * trained
+        factor = limit / trained
+        if factor > 1 and scaling is None:
+            scaling = RopeScaling(kind=config.extend_method, factor=factor, original_max_position=trained)
+    elif config.max_context:
+        limit = min(config.max_context, trained)
+    return limit, Rope(cfg.head_dim, cfg.rope_theta, scaling)
+
+
+def pick_weight_format(config: EngineConfig, device: torch.device) -> str:
+    """``auto``: int4 (torch's int4 kernel) on CUDA, float on CPU, where torch's CPU int4
+    GEMM is slower than fp32 GEMM for these shapes (see docs/performance.md)."""
+    if config.weight_format != "auto":
+        return config.weight_format
+    return "int4" if device.type == "cuda" else "float"
+
+
+def load_engine(config: EngineConfig, model: str | None = None, tracer=None) -> Engine:
+    """Load a model and build the engine.
+
+    Raises
+    ------
+    ConfigError, FileNotFoundError, ValueError (unsupported model files)
+    """
+    from engine.model import LlamaModel
+    from kernels.dispatch import get_ops
+
+    config.validate()
+    device = resolve_device(config)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    weights, tokenizer, name = load_weights(model)
+    limit, rope = context_limit_and_rope(weights.config, config)
+    dtype = getattr(torch, config.dtype)
+    fmt = pick_weight_format(config, device)
+    llm = LlamaModel(weights, device, dtype, fmt, rope)
+    ops = get_ops(device, config.use_triton)
+    engine = Engine(llm, tokenizer, config, ops, limit, tracer)
+    engine.model_name = name
+    engine.weight_format = fmt
+    return engine

@@ -1,0 +1,151 @@
+"""Decode attention through the KV hierarchy: plan once per step, run once per layer.
+
+Per layer, for the whole batch (DESIGN.md data path):
+append K/V (write-through, metadata) -> indexer scores -> top-k selection bitmask ->
+resolve -> gather misses -> sparse attention over slots.
+
+Modes (``EngineConfig``): ``attention=dense`` reads every page from the KV pool with an
+independent SDPA implementation; ``attention=sparse`` with ``hierarchical=False`` reads
+the selected records straight from a device-resident pool; with ``hierarchical=True``
+(the default) it reads them from the hot buffer after resolve and gather. The two sparse
+modes run the same attention op in the same page order, so they are bit-identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache
+from kernels.dispatch import Ops
+
+
+@dataclass
+class StepPlan:
+    """Per-step tensors shared by every layer (all on the compute device).
+
+    block_table int32 ``[B, P_max]``; seq_lens int32 ``[B]`` (after this step's token);
+    num_pages int32 ``[B]``; positions int64 ``[B]`` (the new token's position);
+    slab_ids int32 ``[B, Hkv]`` (hierarchical only).
+    """
+
+    seq_ids: list[int]
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    num_pages: torch.Tensor
+    positions: torch.Tensor
+    slab_ids: torch.Tensor | None
+    step: int
+
+
+@dataclass
+class LayerStats:
+    """Device-side counters for one step: per request hits and misses (records)."""
+
+    hits: torch.Tensor
+    misses: torch.Tensor
+
+
+class DecodeAttention:
+    """Runs decode attention for a batch; owns no state beyond the :class:`KVCache`.
+
+    Parameters
+    ----------
+    cache : the KV hierarchy; config : engine settings; ops : kernel set
+    (:func:`kernels.dispatch.get_ops`); scale : softmax scale; tracer : optional callable
+    ``(plan, layer, selection)`` recording selections.
+    """
+
+    def __init__(self, cache: KVCache, config: EngineConfig, ops: Ops, scale: float, tracer=None):
+        self.cache = cache
+        self.config = config
+        self.ops = ops
+        self.scale = scale
+        self.tracer = tracer
+        self.k_max = config.max_selected_pages
+        self.hits: torch.Tensor | None = None
+        self.misses: torch.Tensor | None = None
+
+    def plan(self, seq_ids: list[int], seq_lens: list[int], step: int) -> StepPlan:
+        """Build the step's tables. ``seq_lens`` count tokens including the new one."""
+        dev = self.cache.device
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        num_pages = (lens + self.cache.page_size - 1) // self.cache.page_size
+        width = int(num_pages.max())
+        slabs = self.cache.slab_table(seq_ids) if self.cache.hierarchical else None
+        b = len(seq_ids)
+        self.hits = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.misses = torch.zeros(b, dtype=torch.int64, device=dev)
+        return StepPlan(
+            seq_ids=seq_ids,
+            block_table=self.cache.block_table(seq_ids, width),
+            seq_lens=lens.to(dev),
+            num_pages=num_pages.to(dev),
+            positions=(lens - 1).to(torch.int64).to(dev),
+            slab_ids=slabs,
+            step=step,
+        )
+
+    def run(self, plan: StepPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[B, Hq, D]`` for queries ``q [B, Hq, D]``; ``k, v [B, Hkv, D]``
+        are the new token's key (after RoPE) and value, appended first."""
+        c = self.cache
+        hier = c.hierarchical
+        self.ops.append_kv(
+            k,
+            v,
+            plan.positions,
+            plan.block_table,
+            c.pool[layer],
+            c.meta[layer],
+            c.slots[layer] if hier else None,
+            c.page_table[layer] if hier else None,
+            plan.slab_ids if hier else None,
+        )
+        if self.config.attention == "dense":
+            return self.ops.dense_decode_attention(
+                q, c.pool[layer], plan.block_table, plan.seq_lens, self.scale
+            )
+        selection = self.select(plan, layer, q)
+        if self.tracer is not None:
+            self.tracer(plan, layer, selection)
+        if not hier:
+            pool = c.pool[layer]
+            slot_list = self.ops.resident_slot_list(selection, plan.block_table, self.k_max)
+            records = pool.view(-1, *pool.shape[2:])
+            return self.ops.sparse_decode_attention(
+                q, records, selection, slot_list, plan.seq_lens, self.scale
+            )
+        slot_list, load_pages, load_slots, hits = self.ops.resolve(
+            selection,
+            plan.slab_ids,
+            c.page_table[layer],
+            c.slot_page[layer],
+            c.slot_last_use[layer],
+            plan.step,
+            c.slots_per_slab,
+            self.k_max,
+        )
+        self.hits += hits.sum(-1)
+        self.misses += (load_slots >= 0).sum((-1, -2))
+        if not self.config.skip_host_io:
+            self.ops.gather(c.pool[layer], c.slots[layer], plan.block_table, load_pages, load_slots)
+        return self.ops.sparse_decode_attention(
+            q, c.slots[layer], selection, slot_list, plan.seq_lens, self.scale
+        )
+
+    def select(self, plan: StepPlan, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Selection bitmask int32 ``[B, Hkv, W]`` from the configured indexer."""
+        cfg = self.config
+        c = self.cache
+        if cfg.indexer == "dense":
+            return self.ops.dense_selection(plan.num_pages, c.model.num_kv_heads, plan.block_table.shape[1])
+        if cfg.indexer == "oracle":
+            scores = self.ops.oracle_scores(q, c.pool[layer], plan.block_table, plan.seq_lens, self.scale)
+        else:
+            scores = self.ops.quest_scores(q, c.meta[layer], plan.block_table, plan.num_pages)
+        return self.ops.select_topk(
+            scores, plan.num_pages, cfg.top_k_pages, cfg.sink_pages, cfg.window_pages
+        )

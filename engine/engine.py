@@ -1,0 +1,333 @@
+"""The engine: admission, layer-major chunked prefill interleaved with batched decode
+steps, sampling and stop checks. It yields :mod:`engine.events` and never imports a UI.
+
+Request lifecycle:
+1. queued — ``Engine.run`` receives the job; a prompt over the context limit fails now.
+2. admitted — when the KV pool has pages for prompt + max_tokens and the hot buffer a
+   slab per KV head (no over-commit: pages are reserved up front).
+3. prefill — one layer of the whole prompt per scheduler turn (chunked causal attention),
+   K/V written to the KV pool page by page with page metadata; decode steps of the
+   running batch go on between turns.
+4. decode — every running request advances one token per step through
+   :class:`engine.attention.DecodeAttention`.
+5. finished — stop token / stop string / max_tokens (or cancelled / failed); pages and
+   slabs are released and the next job is admitted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from engine import events as ev
+from engine.attention import DecodeAttention
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache
+from engine.model import LlamaModel, prefill_attention
+from engine.sampling import make_generator, sample
+
+
+@dataclass
+class Request:
+    """Mutable state of one admitted job."""
+
+    job: ev.Job
+    seq_id: int
+    t_admit: float
+    generator: torch.Generator
+    phase: str = "prefill"
+    hidden: torch.Tensor | None = None
+    next_layer: int = 0
+    generated: list[int] = field(default_factory=list)
+    t_first: float = 0.0
+    t_prefill_s: float = 0.0
+    hits: int = 0
+    misses: int = 0
+    finish_reason: str = ""
+    text: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose K/V are in the cache (prompt + generated tokens already fed)."""
+        return len(self.job.prompt_ids) + max(len(self.generated) - 1, 0)
+
+
+class Engine:
+    """Batch generation over a KV hierarchy.
+
+    Parameters
+    ----------
+    model : placed model; tokenizer : ``engine.tokenizer.TextTokenizer``;
+    config : validated :class:`EngineConfig`; ops : kernel set; context_limit : max
+    tokens (prompt + generated) per request under the context policy.
+    """
+
+    def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig, ops, context_limit: int, tracer=None):
+        self.model = model
+        self.model_config = model.config
+        self.tokenizer = tokenizer
+        self.config = config
+        self.ops = ops
+        self.context_limit = context_limit
+        max_pages = -(-context_limit // config.page_size)
+        self.cache = KVCache(model.config, config, model.device, max_pages)
+        self.attn = DecodeAttention(self.cache, config, ops, model.scale, tracer)
+        self.tracer = tracer
+        self.step = 0
+        self._cancel = False
+        self._next_seq = 0
+        self.eos_ids = frozenset(getattr(tokenizer, "eos_ids", ()) or ())
+
+    # ----- public API --------------------------------------------------------------
+    def prompt_limit(self) -> int:
+        """Most tokens (prompt + max_tokens) a request may hold."""
+        return self.context_limit
+
+    def cancel(self) -> None:
+        """Stop admitting; running requests end with finish_reason ``cancelled``."""
+        self._cancel = True
+
+    def run(self, jobs: Iterable[ev.Job]) -> Iterator[ev.Event]:
+        """Process ``jobs`` (continuous batching) and yield events as they happen."""
+        queue: deque[ev.Job] = deque()
+        for job in jobs:
+            err = self._check_job(job)
+            if err:
+                yield ev.JobFailed(time.monotonic(), job.id, err)
+                continue
+            queue.append(job)
+            yield ev.JobQueued(time.monotonic(), job.id, len(job.prompt_ids))
+        running: list[Request] = []
+        last_mem = 0.0
+        while (queue and not self._cancel) or running:
+            if not self._cancel:
+                yield from self._admit(queue, running)
+            if time.monotonic() - last_mem > 1.0:
+                last_mem = time.monotonic()
+                yield self.memory_snapshot()
+            if self._cancel:
+                yield from self._finish_all(running, "cancelled")
+                break
+            yield from self._prefill_turn(running)
+            yield from self._decode_turn(running)
+        for job in queue:
+            yield ev.JobFailed(time.monotonic(), job.id, "cancelled before admission")
+
+    # ----- scheduling --------------------------------------------------------------
+    def _check_job(self, job: ev.Job) -> str:
+        need = len(job.prompt_ids) + job.sampling.max_tokens
+        if not job.prompt_ids:
+            return "empty prompt"
+        if need > self.context_limit:
+            return (
+                f"prompt of {len(job.prompt_ids)} tokens + max_tokens {job.sampling.max_tokens} "
+                f"exceeds the context limit of {self.context_limit} tokens; use "
+                "--context-policy extend (RoPE scaling) or --context-policy truncate"
+            )
+        if not self.cache.fits_ever(need):
+            return (
+                f"needs {self.cache.pages_for(need)} KV pool pages but the pool has "
+                f"{self.cache.num_pool_pages} (host_pool_gb={self.config.host_pool_gb})"
+            )
+        return ""
+
+    def _admit(self, queue: deque, running: list[Request]) -> Iterator[ev.Event]:
+        while queue and len(running) < self.config.max_batch:
+            job = queue[0]
+            need = len(job.prompt_ids) + job.sampling.max_tokens
+            if not self.cache.can_admit(need):
+                return
+            queue.popleft()
+            seq_id = self._next_seq
+            self._next_seq += 1
+            self.cache.allocate(seq_id, need)
+            seed = int(hashlib.sha256(job.id.encode()).hexdigest()[:8], 16)
+            req = Request(job, seq_id, time.monotonic(), make_generator(job.sampling, seed))
+            running.append(req)
+            yield ev.JobAdmitted(req.t_admit, job.id, len(job.prompt_ids))
+
+    def _prefill_turn(self, running: list[Request]) -> Iterator[ev.Event]:
+        req = next((r for r in running if r.phase == "prefill"), None)
+        if req is None:
+            return
+        try:
+            t0 = time.monotonic()
+            self.prefill_layer(req)
+            req.t_prefill_s += time.monotonic() - t0
+        except (RuntimeError, MemoryError) as e:  # e.g. out of memory for this job
+            yield from self._fail(req, running, f"prefill failed: {e}")
+            return
+        n = len(req.job.prompt_ids)
+        yield ev.PrefillProgress(time.monotonic(), req.job.id, req.next_layer, self.model_config.num_layers, n)
+        if req.phase == "decode":
+            yield ev.FirstToken(req.t_first, req.job.id, req.t_first - req.t_admit)
+            yield from self._check_finished(req, running)
+
+    def _decode_turn(self, running: list[Request]) -> Iterator[ev.Event]:
+        batch = [r for r in running if r.phase == "decode"]
+        if not batch:
+            return
+        t0 = time.monotonic()
+        try:
+            tokens = self.decode_step(batch)
+        except (RuntimeError, MemoryError) as e:
+            for r in batch:
+                yield from self._fail(r, running, f"decode failed: {e}")
+            return
+        step_s = time.monotonic() - t0
+        hits = self.attn.hits.tolist() if self.attn.hits is not None else [0] * len(batch)
+        misses = self.attn.misses.tolist() if self.attn.misses is not None else [0] * len(batch)
+        for r, tok, h, m in zip(batch, tokens, hits, misses):
+            r.generated.append(tok)
+            r.hits += h
+            r.misses += m
+        rb = self.cache.record_bytes
+        yield ev.DecodeStep(
+            time.monotonic(),
+            self.step,
+            len(batch),
+            step_s,
+            {r.job.id: len(r.generated) for r in batch},
+            {r.job.id: r.job.sampling.max_tokens for r in batch},
+            int(sum(hits)),
+            int(sum(misses)),
+            int(sum(misses)) * rb,
+        )
+        for r in batch:
+            yield from self._check_finished(r, running)
+
+    def _check_finished(self, req: Request, running: list[Request]) -> Iterator[ev.Event]:
+        sp = req.job.sampling
+        last = req.generated[-1]
+        if last in self.eos_ids:
+            req.generated.pop()
+            req.finish_reason = "stop"
+        text = self.tokenizer.decode(req.generated)
+        cut = _find_stop(text, sp.stop)
+        if cut is not None:
+            text = text[:cut]
+            req.finish_reason = "stop"
+        elif not req.finish_reason and len(req.generated) >= sp.max_tokens:
+            req.finish_reason = "length"
+        if req.finish_reason:
+            req.text = text
+            yield self._finish(req, running)
+
+    def _finish(self, req: Request, running: list[Request]) -> ev.JobFinished:
+        now = time.monotonic()
+        self.cache.release(req.seq_id)
+        running.remove(req)
+        decode_s = now - req.t_first if req.t_first else 0.0
+        n_dec = max(len(req.generated) - 1, 0)
+        n_prompt = len(req.job.prompt_ids)
+        text = req.text if req.finish_reason != "cancelled" else self.tokenizer.decode(req.generated)
+        result = ev.JobResult(
+            job_id=req.job.id,
+            text=text,
+            token_ids=tuple(req.generated),
+            prompt_tokens=n_prompt,
+            finish_reason=req.finish_reason,
+            ttft_s=(req.t_first - req.t_admit) if req.t_first else 0.0,
+            prefill_tok_s=n_prompt / req.t_prefill_s if req.t_prefill_s else 0.0,
+            decode_tok_s=n_dec / decode_s if decode_s > 0 else 0.0,
+            cache=ev.CacheStats(req.hits, req.misses, req.misses * self.cache.record_bytes),
+        )
+        return ev.JobFinished(now, result)
+
+    def _finish_all(self, running: list[Request], reason: str) -> Iterator[ev.Event]:
+        for r in list(running):
+            r.finish_reason = reason
+            yield self._finish(r, running)
+
+    def _fail(self, req: Request, running: list[Request], error: str) -> Iterator[ev.Event]:
+        self.cache.release(req.seq_id)
+        running.remove(req)
+        yield ev.JobFailed(time.monotonic(), req.job.id, error)
+
+    # ----- model execution ---------------------------------------------------------
+    @torch.inference_mode()
+    def prefill_layer(self, req: Request) -> None:
+        """Run layer ``req.next_layer`` over the whole prompt in chunks; after the last
+        layer sample the first token and switch the request to decode."""
+        m, cfg = self.model, self.model_config
+        ids = torch.tensor(req.job.prompt_ids, dtype=torch.long)
+        t = ids.numel()
+        if req.hidden is None:
+            req.hidden = m.embed_tokens(ids)
+        layer = req.next_layer
+        h = req.hidden
+        pos = torch.arange(t, device=m.device)
+        kbuf = torch.empty(t, cfg.num_kv_heads, cfg.head_dim, dtype=m.dtype, device=m.device)
+        vbuf = torch.empty_like(kbuf)
+        last = layer == cfg.num_layers - 1
+        chunk = self.config.prefill_chunk
+        for s in range(0, t, chunk):
+            e = min(s + chunk, t)
+            q, k, v = m.qkv(layer, h[s:e], pos[s:e])
+            kbuf[s:e], vbuf[s:e] = k, v
+            if last and e < t:
+                continue  # only the final position's output is needed after the last layer
+            a = prefill_attention(q, kbuf[:e], vbuf[:e], s)
+            if last:
+                h = m.finish_layer(layer, h[t - 1 :], a[-1:])
+            else:
+                h[s:e] = m.finish_layer(layer, h[s:e], a)
+        self.cache.write_prefill(req.seq_id, layer, kbuf, vbuf, 0)
+        req.next_layer += 1
+        if last:
+            logits = m.logits(h[-1:])[0]
+            req.hidden = None
+            req.generated.append(sample(logits, req.job.sampling, req.generator))
+            req.t_first = time.monotonic()
+            req.phase = "decode"
+            self.cache.seqs[req.seq_id].num_tokens = t
+        else:
+            req.hidden = h
+
+    @torch.inference_mode()
+    def decode_step(self, batch: list[Request]) -> list[int]:
+        """Feed each request's last token, return the next token of each."""
+        m = self.model
+        self.step += 1
+        lens = [r.num_tokens + 1 for r in batch]
+        plan = self.attn.plan([r.seq_id for r in batch], lens, self.step)
+        if self.tracer is not None:
+            self.tracer.bind({r.seq_id: r.job.id for r in batch})
+        tokens = torch.tensor([r.generated[-1] for r in batch], dtype=torch.long)
+        h = m.embed_tokens(tokens)
+        for layer in range(self.model_config.num_layers):
+            q, k, v = m.qkv(layer, h, plan.positions)
+            a = self.attn.run(plan, layer, q, k, v)
+            h = m.finish_layer(layer, h, a)
+        logits = m.logits(h)
+        for r in batch:
+            self.cache.seqs[r.seq_id].num_tokens += 1
+        return [sample(logits[i], r.job.sampling, r.generator) for i, r in enumerate(batch)]
+
+    def memory_snapshot(self) -> ev.MemorySnapshot:
+        """Bytes by part on the compute device and of the KV pool."""
+        c, dev = self.cache, self.model.device
+        total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 0
+        act = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        parts = self.model.weight_bytes + c.hot_buffer_bytes + c.metadata_bytes
+        return ev.MemorySnapshot(
+            time.monotonic(),
+            str(dev),
+            self.model.weight_bytes,
+            c.hot_buffer_bytes,
+            c.metadata_bytes,
+            max(act - parts, 0),
+            total,
+            c.pool_bytes_used,
+            c.pool_bytes_total,
+        )
+
+
+def _find_stop(text: str, stops) -> int | None:
+    idx = [text.find(s) for s in stops if s and s in text]
+    return min(idx) if idx else None

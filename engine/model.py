@@ -1,0 +1,172 @@
+"""The Llama-family decoder as per-layer steps, so prefill and decode can drive attention
+through the KV hierarchy (``engine.attention``) between the projections.
+
+Shapes: T tokens, H hidden, Hq/Hkv heads, D head dim, F FFN width, V vocab.
+Math as in Hugging Face ``LlamaForCausalLM`` (RMSNorm, SwiGLU MLP, rotate-half RoPE);
+Qwen2 adds q/k/v biases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.quant import Linear, make_linear
+from engine.rope import Rope, apply_rope
+from engine.weights import ModelWeights
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    wqkv: Linear
+    wo: Linear
+    w_gate_up: Linear
+    w_down: Linear
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019) computed in float32, returned in ``x.dtype``."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf).to(x.dtype)
+
+
+def _cat_weights(ws, dtype_like):
+    """Concatenate linear weights along N (fused qkv / gate-up). Int4 kept as Int4."""
+    from engine.quant import Int4Weight
+
+    if all(isinstance(w, Int4Weight) for w in ws) and len({w.group_size for w in ws}) == 1:
+        return Int4Weight(
+            torch.cat([w.q for w in ws]),
+            torch.cat([w.scale for w in ws]),
+            torch.cat([w.offset for w in ws]),
+            ws[0].group_size,
+        )
+    return torch.cat([w.dequantize() if isinstance(w, Int4Weight) else w.float() for w in ws])
+
+
+class LlamaModel:
+    """Weights placed on ``device`` in compute ``dtype`` and the per-layer math.
+
+    Parameters
+    ----------
+    weights : source weights (consumed)
+    device : compute device; dtype : activation dtype (float32 on CPU, bfloat16 on CUDA)
+    weight_format : ``float`` or ``int4`` (see :func:`engine.quant.make_linear`)
+    rope : the RoPE table (carries any context-extension scaling)
+    """
+
+    def __init__(
+        self,
+        weights: ModelWeights,
+        device: torch.device,
+        dtype: torch.dtype,
+        weight_format: str,
+        rope: Rope,
+    ):
+        self.config: ModelConfig = weights.config
+        self.device = device
+        self.dtype = dtype
+        self.rope = rope
+        cfg = self.config
+        self.embed = weights.embed.to(device, dtype)
+        self.norm = weights.norm.to(device, torch.float32)
+        head = weights.lm_head if weights.lm_head is not None else weights.embed
+        self.lm_head = make_linear(head, None, "float", device, dtype)
+        self.layers: list[Layer] = []
+        for lw in weights.layers:
+            bias = None
+            if lw.bq is not None:
+                bias = torch.cat([lw.bq, lw.bk, lw.bv]).float()
+            self.layers.append(
+                Layer(
+                    attn_norm=lw.attn_norm.to(device, torch.float32),
+                    ffn_norm=lw.ffn_norm.to(device, torch.float32),
+                    wqkv=make_linear(
+                        _cat_weights([lw.wq, lw.wk, lw.wv], dtype), bias, weight_format, device, dtype
+                    ),
+                    wo=make_linear(lw.wo, None, weight_format, device, dtype),
+                    w_gate_up=make_linear(
+                        _cat_weights([lw.w_gate, lw.w_up], dtype), None, weight_format, device, dtype
+                    ),
+                    w_down=make_linear(lw.w_down, None, weight_format, device, dtype),
+                )
+            )
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights on the compute device."""
+        total = self.embed.nbytes + self.norm.nbytes
+        if self.lm_head.weight.data_ptr() != self.embed.data_ptr():
+            total += self.lm_head.nbytes
+        for layer in self.layers:
+            total += layer.attn_norm.nbytes + layer.ffn_norm.nbytes
+            total += sum(x.nbytes for x in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+        return total
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """int64 ``[T]`` -> ``[T, H]``."""
+        return self.embed[ids.to(self.device)]
+
+    def qkv(
+        self, i: int, h: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s attention inputs for hidden ``h [T, H]`` at ``positions [T]``.
+
+        Returns q ``[T, Hq, D]``, k ``[T, Hkv, D]`` (both after RoPE), v ``[T, Hkv, D]``.
+        """
+        cfg = self.config
+        layer = self.layers[i]
+        x = rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
+        qkv = layer.wqkv(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = h.shape[0]
+        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        cos, sin = self.rope.cos_sin(positions.to(self.device), h.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def finish_layer(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual and MLP: ``h [T, H]``, ``attn [T, Hq, D]`` -> ``[T, H]``."""
+        layer = self.layers[i]
+        h = h + layer.wo(attn.reshape(h.shape[0], -1).to(h.dtype))
+        x = rms_norm(h, layer.ffn_norm, self.config.rms_norm_eps)
+        gate, up = layer.w_gate_up(x).chunk(2, dim=-1)
+        return h + layer.w_down(F.silu(gate) * up)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: ``[B, H]`` -> float32 ``[B, V]``."""
+        return self.lm_head(rms_norm(h, self.norm, self.config.rms_norm_eps)).float()
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal attention of a chunk over its prefix (torch SDPA; flash backend on CUDA).
+
+    Parameters
+    ----------
+    q : ``[Tc, Hq, D]`` queries at positions ``start .. start + Tc - 1``
+    k, v : ``[start + Tc, Hkv, D]`` keys/values of positions ``0 .. start + Tc - 1``
+
+    Returns
+    -------
+    ``[Tc, Hq, D]``
+    """
+    tc = q.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if start == 0:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    else:
+        pos_q = torch.arange(start, start + tc, device=q.device)
+        pos_k = torch.arange(start + tc, device=q.device)
+        mask = pos_k[None, :] <= pos_q[:, None]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    return out.transpose(0, 1)

@@ -1,0 +1,225 @@
+"""4-bit weights and the linear layers that use them.
+
+One representation covers every 4-bit source: :class:`Int4Weight` holds, for a weight
+``W [N, K]``, nibbles ``q`` in 0..15 and per-group ``scale`` and ``offset`` such that
+
+    W[n, k] = scale[n, k // g] * q[n, k] + offset[n, k // g]
+
+* GGUF Q4_1 (blocks of 32: fp16 ``d``, fp16 ``m``, 16 bytes of nibbles): scale = d, offset = m.
+* GGUF Q4_0 (blocks of 32: fp16 ``d``, 16 bytes): scale = d, offset = -8 d.
+* Float checkpoints: asymmetric min/max group quantisation, scale = (max - min) / 15,
+  offset = min, q = round((W - min) / scale) (group 128 by default, as gpt-fast does).
+
+Block layouts: ggml ``ggml-common.h`` (``block_q4_0``, ``block_q4_1``): element ``j`` of a
+block is the low nibble of byte ``j`` for j < 16 and the high nibble of byte ``j - 16``.
+
+Compute formats (:func:`make_linear`):
+* ``float``: dequantise once to the compute dtype (exact values of the 4-bit blocks;
+  fastest on CPUs without a fast int4 GEMM).
+* ``int4``: torch's own int4 kernels (``aten._weight_int4pack_mm`` on CUDA,
+  ``aten._weight_int4pack_mm_for_cpu`` on CPU) with ``scales_and_zeros[K/g, N, 2]`` where
+  ``W = (q - 8) * scale + zero``, i.e. ``zero = offset + 8 * scale``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """A group-quantised 4-bit weight.
+
+    q : uint8 ``[N, K // 2]``, two nibbles per byte: element ``2i`` low, ``2i + 1`` high
+    scale, offset : float32 ``[N, K // g]``
+    group_size : g (32 for GGUF blocks)
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1] * 2
+
+    def nibbles(self) -> torch.Tensor:
+        """int32 ``[N, K]`` values 0..15."""
+        lo = (self.q & 0x0F).to(torch.int32)
+        hi = (self.q >> 4).to(torch.int32)
+        return torch.stack([lo, hi], dim=-1).reshape(self.q.shape[0], -1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[N, K]`` float weight, computed in float32 then cast."""
+        n, k = self.shape
+        g = self.group_size
+        w = self.nibbles().float().view(n, k // g, g)
+        w = w * self.scale[:, :, None] + self.offset[:, :, None]
+        return w.view(n, k).to(dtype)
+
+    def permute_rows(self, index: torch.Tensor) -> Int4Weight:
+        """Reorder output rows (exact: rows are whole groups)."""
+        return Int4Weight(self.q[index], self.scale[index], self.offset[index], self.group_size)
+
+
+def _nibbles_to_bytes(values: torch.Tensor) -> torch.Tensor:
+    """int ``[N, K]`` in 0..15 -> uint8 ``[N, K // 2]`` (element 2i low nibble)."""
+    v = values.to(torch.uint8).view(values.shape[0], -1, 2)
+    return v[..., 0] | (v[..., 1] << 4)
+
+
+def int4_from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4Weight:
+    """Read GGUF Q4_0 / Q4_1 blocks without re-quantising.
+
+    Parameters
+    ----------
+    raw : uint8 ``[N, (K/32) * block_bytes]`` as ``gguf.GGUFReader`` returns it
+    type_name : ``"Q4_0"`` (18-byte blocks) or ``"Q4_1"`` (20-byte blocks)
+    shape : ``(N, K)``
+
+    Raises
+    ------
+    ValueError
+        For another type or a shape that is not whole blocks.
+    """
+    n, k = shape
+    if k % 32:
+        raise ValueError(f"{type_name} tensor with K={k} is not a multiple of 32")
+    head = {"Q4_0": 2, "Q4_1": 4}.get(type_name)
+    if head is None:
+        raise ValueError(f"not a 4-bit GGUF type: {type_name}")
+    blocks = np.ascontiguousarray(raw).reshape(n, k // 32, head + 16)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if type_name == "Q4_1":
+        m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    else:
+        m = -8.0 * d
+    qs = torch.from_numpy(blocks[:, :, head:].copy())  # [N, K/32, 16]
+    vals = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, k)  # element order j, j+16
+    return Int4Weight(
+        _nibbles_to_bytes(vals), torch.from_numpy(d), torch.from_numpy(m), group_size=32
+    )
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 128) -> Int4Weight:
+    """Asymmetric min/max group quantisation of a float weight ``[N, K]`` to 4 bits.
+
+    Raises
+    ------
+    ValueError
+        If K is not a multiple of ``group_size``.
+    """
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
+    w = weight.float().view(n, k // group_size, group_size)
+    lo = w.amin(-1)
+    hi = w.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-10)
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).view(n, k)
+    return Int4Weight(_nibbles_to_bytes(q), scale, lo, group_size)
+
+
+class Linear:
+    """``y = x @ W.T (+ b)`` for ``x [M, K]`` -> ``[M, N]``; subclasses choose the format."""
+
+    out_features: int
+    in_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+
+class DenseLinear(Linear):
+    """Float weight ``[N, K]`` (and bias ``[N]``) in the compute dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.bias.nbytes if self.bias is not None else 0
+        return self.weight.nbytes + extra
+
+
+class Int4Linear(Linear):
+    """4-bit weight run by torch's int4 kernels (``_weight_int4pack_mm[_for_cpu]``).
+
+    Supported group sizes: 32, 64, 128, 256. Activations: bf16 on CUDA; bf16 or fp32 on
+    CPU. Output has the dtype of ``x``.
+    """
+
+    def __init__(self, w: Int4Weight, bias: torch.Tensor | None, device: torch.device, dtype):
+        self.out_features, self.in_features = w.shape
+        self.group_size = w.group_size
+        self.device = device
+        self.dtype = dtype
+        nib = w.nibbles().to(device)
+        zero = w.offset + 8 * w.scale
+        sz = torch.stack([w.scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+        if device.type == "cuda":
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(_nibbles_to_bytes(nib), 8)
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nib, 1)
+        self.scales_and_zeros = sz.to(device, dtype)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(self.dtype)
+        if self.device.type == "cuda":
+            y = torch.ops.aten._weight_int4pack_mm(
+                x2, self.packed, self.group_size, self.scales_and_zeros
+            )
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2, self.packed, self.group_size, self.scales_and_zeros
+            )
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+
+def make_linear(
+    weight: torch.Tensor | Int4Weight,
+    bias: torch.Tensor | None,
+    weight_format: str,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Linear:
+    """Build the compute-side linear layer.
+
+    Parameters
+    ----------
+    weight : float ``[N, K]`` or :class:`Int4Weight`
+    weight_format : ``float`` (dequantise to ``dtype``) or ``int4`` (torch int4 kernel;
+        a float weight is quantised with :func:`quantize_int4` first)
+    """
+    b = bias.to(device, dtype) if bias is not None else None
+    if weight_format == "float":
+        w = weight.dequantize(dtype) if isinstance(weight, Int4Weight) else weight.to(dtype)
+        return DenseLinear(w.to(device), b)
+    if weight_format != "int4":
+        raise ValueError(f"unknown weight_format {weight_format!r}")
+    if not isinstance(weight, Int4Weight):
+        weight = quantize_int4(weight, 128 if weight.shape[1] % 128 == 0 else 32)
+    int4_dtype = torch.bfloat16 if device.type == "cuda" else dtype
+    return Int4Linear(weight, b, device, int4_dtype)
