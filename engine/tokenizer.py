@@ -67,35 +67,28 @@ _GPT4O_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_LLAMA3_FAMILY = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral")
-_LLAMA3_FAMILY += ("midm-2.0", "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe")
-_SPLITS = dict.fromkeys(_LLAMA3_FAMILY, _LLAMA3_SPLIT)
-_SPLITS |= dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT)
-_SPLITS |= {"tekken": _TEKKEN_SPLIT}
-_SPLITS |= dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), _GPT4O_SPLIT)
+_LLAMA3_FAMILY = frozenset(
+    {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"}
+    | {"jina-v5-nano", "dbrx", "smaug-bpe"}
+)
+_QWEN2_FAMILY = frozenset({"qwen2", "deepseek-r1-qwen", "megrez"})
+_GPT4O_FAMILY = frozenset({"gpt-4o", "llama4", "minimax-m2"})
+_SPLITS = {
+    **dict.fromkeys(_LLAMA3_FAMILY, _LLAMA3_SPLIT),
+    **dict.fromkeys(_QWEN2_FAMILY, _QWEN2_SPLIT),
+    **dict.fromkeys(_GPT4O_FAMILY, _GPT4O_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
+}
 # GPT-2's own regex (tokenizers' ByteLevel). llama.cpp isolates every digit first for the
 # StarCoder-style vocabularies, as their tokenizer.json does with Digits(individual).
-_DIGIT_FAMILY = (
-    "smollm",
-    "starcoder",
-    "refact",
-    "command-r",
-    "codeshell",
-    "exaone",
-    "minerva",
+_DIGIT_FAMILY = frozenset(
+    {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 )
-_GPT2_FAMILY = ("default", "gpt2", "mpt", "olmo", "jais", *_DIGIT_FAMILY)
-SUPPORTED_PRE = tuple(sorted((*_SPLITS, *_GPT2_FAMILY)))
-# llama.cpp takes a whole pre-token that is in the vocabulary before merging (tiktoken).
-_IGNORE_MERGES_FAMILY = (
-    "llama3",
-    "llama-v3",
-    "llama-bpe",
-    "falcon3",
-    "falcon-h1",
-    "pixtral",
-)
-_IGNORE_MERGES_FAMILY += ("midm-2.0", "lfm2", "jina-v5-nano", "tekken")
+_GPT2_FAMILY = frozenset({"default", "gpt2", "mpt", "olmo", "jais"}) | _DIGIT_FAMILY
+SUPPORTED_PRE = tuple(sorted({*_SPLITS, *_GPT2_FAMILY}))
+# Converted tiktoken vocabularies: llama.cpp takes a pre-token that is in the vocabulary
+# whole before merging (ignore_merges) and adds BOS when the file does not say.
+_TIKTOKEN_FAMILY = (_LLAMA3_FAMILY - {"dbrx", "smaug-bpe"}) | {"tekken"}
 
 
 class TextTokenizer:
@@ -145,9 +138,7 @@ class TextTokenizer:
     # ------------------------------------------------------------------ building
 
     @classmethod
-    def from_gguf(
-        cls, path_or_reader: Any, *, reference: str = "transformers"
-    ) -> TextTokenizer:
+    def from_gguf(cls, path_or_reader: Any, *, reference: str = "transformers") -> TextTokenizer:
         """Rebuild the tokenizer described by a GGUF file's ``tokenizer.*`` metadata.
 
         Reads ``tokenizer.ggml.{model, pre, tokens, token_type, merges, bos_token_id,
@@ -166,8 +157,9 @@ class TextTokenizer:
         reference : {"transformers", "llama.cpp"}
             Whose conversion to reproduce where they differ. ``"transformers"`` (default)
             gives the ids of ``AutoTokenizer.from_pretrained(folder, gguf_file=...)``.
-            ``"llama.cpp"`` matches llama.cpp and the models' original ``tokenizer.json``:
-            it isolates each digit before the GPT-2 split for ``smollm`` and the other
+            ``"llama.cpp"`` matches llama.cpp (whose per-vocabulary splits mirror each
+            model's original ``tokenizer.json``; checked against llama-cpp-python 0.3.36
+            on the test corpus): it isolates each digit before the GPT-2 split for ``smollm`` and the other
             StarCoder-style vocabularies (transformers does not, so runs of spaces before
             a digit tokenize differently), and takes whole in-vocabulary pre-tokens before
             merging (``ignore_merges``) for Llama 3 and Tekken vocabularies.
@@ -235,9 +227,7 @@ class TextTokenizer:
         generation = _read_json(folder / "generation_config.json")
         names = {key: _token_content(config.get(key)) for key in _SPECIAL_KEYS}
         specials = {key: value for key, value in names.items() if value is not None}
-        bos_id = _token_id(
-            backend, specials.get("bos_token"), generation.get("bos_token_id")
-        )
+        bos_id = _token_id(backend, specials.get("bos_token"), generation.get("bos_token_id"))
         add_bos = config.get("add_bos_token")
         if add_bos is None:
             add_bos = bos_id is not None and backend.encode("").ids[:1] == [bos_id]
@@ -271,9 +261,7 @@ class TextTokenizer:
         ids = self.backend.encode(text, add_special_tokens=False).ids
         return self._bos_prefix(add_bos) + ids
 
-    def encode_batch(
-        self, texts: Sequence[str], add_bos: bool = False
-    ) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], add_bos: bool = False) -> list[list[int]]:
         """:meth:`encode` of many texts, run in parallel by the ``tokenizers`` library."""
         prefix = self._bos_prefix(add_bos)
         encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
@@ -287,9 +275,7 @@ class TextTokenizer:
         """Id of a token string as spelled in the vocabulary (``<|im_end|>``), or None."""
         return self.backend.token_to_id(token)
 
-    def incremental_decoder(
-        self, skip_special_tokens: bool = True
-    ) -> IncrementalDecoder:
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         """A fresh :class:`IncrementalDecoder` for one generated sequence."""
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
 
@@ -302,9 +288,7 @@ class TextTokenizer:
 
     # ------------------------------------------------------------------ chat
 
-    def render_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True
-    ) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text of a conversation, through the model's chat template.
 
         Rendered in a sandboxed Jinja environment like transformers'
@@ -339,9 +323,7 @@ class TextTokenizer:
             **self.special_tokens,
         )
 
-    def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True
-    ) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of :meth:`render_chat`; BOS in front only if the model's
         :attr:`add_bos` flag asks for it and the rendered text does not already begin
         with the BOS token (never two BOS)."""
@@ -369,9 +351,7 @@ class IncrementalDecoder:
     the same way as in a whole decode.
     """
 
-    def __init__(
-        self, tokenizer: TextTokenizer, skip_special_tokens: bool = True
-    ) -> None:
+    def __init__(self, tokenizer: TextTokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = []
@@ -396,9 +376,7 @@ class IncrementalDecoder:
         return text[len(done) :]
 
     def _decode(self, start: int, stop: int) -> str:
-        return self._tokenizer.decode(
-            self._ids[start:stop], skip_special_tokens=self._skip
-        )
+        return self._tokenizer.decode(self._ids[start:stop], skip_special_tokens=self._skip)
 
 
 def find_stop(text: str, stops: Iterable[str], start: int = 0) -> int | None:
@@ -461,9 +439,7 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(sorted(table.items()))
 
 
-def _byte_level_bpe(
-    tokens: list[str], merges: list[str], pre: str, reference: str
-) -> Tokenizer:
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str, reference: str) -> Tokenizer:
     """BPE model + pre-tokenizer + ByteLevel decoder, as transformers' GPT2Tokenizer."""
     if pre not in SUPPORTED_PRE:
         raise ValueError(
@@ -473,13 +449,19 @@ def _byte_level_bpe(
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab = {_spell(t, alphabet, spelling): i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ")) for m in merges]
-    ignore = reference == "llama.cpp" and pre in _IGNORE_MERGES_FAMILY
+    pairs = [_merge_pair(m) for m in merges]
+    ignore = reference == "llama.cpp" and pre in _TIKTOKEN_FAMILY
     model = BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=ignore)
     backend = Tokenizer(model)
     backend.pre_tokenizer = _pre_tokenizer(pre, reference)
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """``"Ġ t"`` -> ``("Ġ", "t")`` (byte-level tokens never hold a literal space)."""
+    left, right = merge.split(" ", 1)
+    return left, right
 
 
 def _spell(token: str, alphabet: set[str], spelling: dict[int, str]) -> str:
@@ -505,40 +487,31 @@ def _pre_tokenizer(pre: str, reference: str):
     return byte_level
 
 
-def _add_gguf_added_tokens(
-    backend: Tokenizer, tokens: list[str], types: list[int]
-) -> None:
+def _add_gguf_added_tokens(backend: Tokenizer, tokens: list[str], types: list[int]) -> None:
     """Control tokens -> special added tokens; user-defined -> plain added tokens.
 
     A control token spelled outside the byte alphabet is a llama.cpp mislabel and is
     skipped, as transformers does (it could not be a real byte-level token).
     """
     alphabet = set(bytes_to_unicode().values())
-    pairs = list(zip(tokens, types))
+    pairs = list(zip(tokens, types, strict=True))
     control = [t for t, k in pairs if k == TOKEN_TYPE_CONTROL and set(t) <= alphabet]
-    backend.add_special_tokens(
-        [AddedToken(t, normalized=False, special=True) for t in control]
-    )
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     vocab = backend.get_vocab(with_added_tokens=True)
     user = [t for t, k in pairs if k == TOKEN_TYPE_USER_DEFINED and t in vocab]
     backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
 
 
-def _gguf_settings(
-    meta: _GGUFMetadata, tokens: list[str], backend: Tokenizer, pre: str
-) -> dict:
+def _gguf_settings(meta: _GGUFMetadata, tokens: list[str], backend: Tokenizer, pre: str) -> dict:
     """Constructor arguments besides the backend: ids, flags, template, template variables."""
 
     def token_id(name: str) -> int | None:
         value = meta.get(f"tokenizer.ggml.{name}")
-        return (
-            int(value) if value is not None and 0 <= int(value) < len(tokens) else None
-        )
+        return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
 
     ids = {key: token_id(name) for key, name in _GGUF_SPECIAL_IDS.items()}
     specials = {key: tokens[i] for key, i in ids.items() if i is not None}
-    # llama.cpp adds BOS to Llama 3 vocabularies when the file does not say.
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_FAMILY)
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", pre in _TIKTOKEN_FAMILY)
     ends = [ids["eos_token"], token_id("eot_token_id"), token_id("eom_token_id")]
     return {
         "backend": backend,
@@ -562,8 +535,10 @@ _SPECIAL_KEYS = tuple(_GGUF_SPECIAL_IDS)
 def _end_ids(backend: Tokenizer, declared: Iterable[int | None]) -> frozenset[int]:
     """Declared end ids plus every known end-of-turn token that is an added token."""
     added = set(backend.get_added_tokens_decoder())
-    named = {backend.token_to_id(name) for name in END_TOKEN_NAMES} & added
-    return frozenset(i for i in declared if i is not None) | named
+    named = (backend.token_to_id(name) for name in END_TOKEN_NAMES)
+    ends = {i for i in declared if i is not None}
+    ends |= {i for i in named if i is not None and i in added}
+    return frozenset(ends)
 
 
 # ---------------------------------------------------------------------- folder helpers
@@ -623,7 +598,7 @@ def _sandboxed_template(source: str):
     class GenerationTag(Extension):
         """Accept ``{% generation %}...{% endgeneration %}`` and render its body as is."""
 
-        tags = frozenset({"generation"})
+        tags = {"generation"}
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno

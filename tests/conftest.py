@@ -47,8 +47,16 @@ def smollm2_gguf_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_gguf_path: Path):
-    """:class:`engine.tokenizer.TextTokenizer` of the embedded model (takes ~3 s once)."""
+def smollm2_gguf_reader(smollm2_gguf_path: Path):
+    """``gguf.GGUFReader`` on the embedded model (parsing takes ~3 s, so one per run)."""
+    import gguf
+
+    return gguf.GGUFReader(smollm2_gguf_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf_reader):
+    """:class:`engine.tokenizer.TextTokenizer` of the embedded model."""
     from engine.tokenizer import TextTokenizer
 
-    return TextTokenizer.from_gguf(smollm2_gguf_path)
+    return TextTokenizer.from_gguf(smollm2_gguf_reader)

@@ -70,10 +70,8 @@ def test_ids_match_transformers(tok, hf_tokenizer, text):
 def test_ids_match_transformers_on_corpus(tok, hf_tokenizer, corpus_file):
     text = corpus_file.read_text(encoding="utf-8")
     ours, theirs = tok.encode(text), hf_tokenizer(text)["input_ids"]
-    assert len(ours) == len(theirs), (
-        f"{corpus_file.name}: {len(ours)} vs {len(theirs)} ids"
-    )
-    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    assert len(ours) == len(theirs), f"{corpus_file.name}: {len(ours)} vs {len(theirs)} ids"
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
     assert first is None, f"{corpus_file.name}: first different id at {first}"
     assert tok.decode(ours) == text
 
@@ -161,9 +159,7 @@ def test_render_without_generation_prompt(tok):
     assert text.endswith("<|im_end|>\n") and "<|im_start|>assistant" not in text
 
 
-def _with_template(
-    tok: TextTokenizer, template: str | None, add_bos: bool
-) -> TextTokenizer:
+def _with_template(tok: TextTokenizer, template: str | None, add_bos: bool) -> TextTokenizer:
     """SmolLM2's vocabulary with ``<|endoftext|>`` as a BOS and the given template."""
     bos = "<|endoftext|>"
     return TextTokenizer(
@@ -186,9 +182,7 @@ def test_encode_chat_has_exactly_one_bos(tok, template_has_bos):
 
 
 def test_encode_chat_no_bos_when_model_says_so(tok):
-    ids = _with_template(
-        tok, "{{ messages[0]['content'] }}", add_bos=False
-    ).encode_chat(MESSAGES)
+    ids = _with_template(tok, "{{ messages[0]['content'] }}", add_bos=False).encode_chat(MESSAGES)
     assert tok.token_to_id("<|endoftext|>") not in ids
 
 
@@ -201,9 +195,7 @@ def test_plain_chat_fallback(tok):
 def test_template_sandbox_and_helpers(tok):
     import jinja2
 
-    raising = _with_template(
-        tok, "{{ raise_exception('no system role') }}", add_bos=False
-    )
+    raising = _with_template(tok, "{{ raise_exception('no system role') }}", add_bos=False)
     with pytest.raises(jinja2.TemplateError, match="no system role"):
         raising.render_chat(MESSAGES)
     escape = _with_template(tok, "{{ messages.__class__.__mro__ }}", add_bos=False)
@@ -213,9 +205,7 @@ def test_template_sandbox_and_helpers(tok):
     with pytest.raises(jinja2.exceptions.SecurityError):
         mutate.render_chat(MESSAGES)
     helpers = "{{ strftime_now('%Y') | length }} {{ {'k': 'é'} | tojson }}{% generation %}x{% endgeneration %}"
-    assert (
-        _with_template(tok, helpers, add_bos=False).render_chat([]) == '4 {"k": "é"}x'
-    )
+    assert _with_template(tok, helpers, add_bos=False).render_chat([]) == '4 {"k": "é"}x'
 
 
 # ---------------------------------------------------------------- streaming
@@ -226,9 +216,7 @@ def _stream(tok: TextTokenizer, ids: list[int], **kwargs) -> list[str]:
     return [decoder.push(i) for i in ids] + [decoder.flush()]
 
 
-@pytest.mark.parametrize(
-    "key", ["cjk", "emoji", "mixed_scripts", "combining", "chat_tokens"]
-)
+@pytest.mark.parametrize("key", ["cjk", "emoji", "mixed_scripts", "combining", "chat_tokens"])
 def test_incremental_decoder_equals_decode(tok, key):
     ids = tok.encode(VARIED[key])
     chunks = _stream(tok, ids)
@@ -264,9 +252,7 @@ def test_find_stop():
 # ---------------------------------------------------------------- other pre-tokenizers
 
 
-def _small_vocab(
-    tok: TextTokenizer, size: int = 6000
-) -> tuple[list[str], list[str], list[int]]:
+def _small_vocab(tok: TextTokenizer, size: int = 6000) -> tuple[list[str], list[str], list[int]]:
     """SmolLM2's first ``size`` tokens, the merges among them, and their GGUF types."""
     inverse = {i: t for t, i in tok.backend.get_vocab(with_added_tokens=True).items()}
     tokens = [inverse[i] for i in range(size)]
@@ -277,9 +263,7 @@ def _small_vocab(
     return tokens, merges, [3 if i in special else 1 for i in range(size)]
 
 
-def _write_gguf(
-    path: Path, tokens, merges, types, model: str = "gpt2", pre: str = "gpt2"
-):
+def _write_gguf(path: Path, tokens, merges, types, model: str = "gpt2", pre: str = "gpt2"):
     import gguf
 
     writer = gguf.GGUFWriter(path, arch="llama")
@@ -302,21 +286,15 @@ def small_vocab(smollm2_tokenizer):
     return _small_vocab(smollm2_tokenizer)
 
 
-@pytest.mark.parametrize(
-    "pre", ["llama-bpe", "qwen2", "smollm", "default", "tekken", "gpt-4o"]
-)
-def test_pre_tokenizers_match_transformers(
-    tmp_path, small_vocab, corpus_file_text, pre
-):
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "smollm", "default", "tekken", "gpt-4o"])
+def test_pre_tokenizers_match_transformers(tmp_path, small_vocab, corpus_file_text, pre):
     gguf_module = pytest.importorskip("transformers.integrations.gguf")
     path = _write_gguf(tmp_path / f"{pre}.gguf", *small_vocab, pre=pre)
     ours = TextTokenizer.from_gguf(path)
     arch, tokenizer_dict, _ = gguf_module.get_gguf_tokenizer(str(path))
     theirs, _ = gguf_module.convert_gguf_tokenizer(arch, tokenizer_dict)
     for text in [*VARIED.values(), corpus_file_text]:
-        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False).ids, (
-            text[:80]
-        )
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False).ids, text[:80]
 
 
 @pytest.fixture(scope="module")
@@ -327,9 +305,7 @@ def corpus_file_text(corpus_dir: Path) -> str:
 
 
 def test_sentencepiece_gguf_is_refused(tmp_path, small_vocab):
-    path = _write_gguf(
-        tmp_path / "spm.gguf", *small_vocab, model="llama", pre="default"
-    )
+    path = _write_gguf(tmp_path / "spm.gguf", *small_vocab, model="llama", pre="default")
     with pytest.raises(ValueError, match="tokenizer.ggml.model='llama'"):
         TextTokenizer.from_gguf(path)
 
@@ -343,9 +319,7 @@ def test_unknown_pre_tokenizer_is_refused(tmp_path, small_vocab):
 def test_llama_cpp_reference_isolates_digits(tmp_path, small_vocab):
     import gguf
 
-    reader = gguf.GGUFReader(
-        _write_gguf(tmp_path / "smollm.gguf", *small_vocab, pre="smollm")
-    )
+    reader = gguf.GGUFReader(_write_gguf(tmp_path / "smollm.gguf", *small_vocab, pre="smollm"))
     hf_like = TextTokenizer.from_gguf(reader)
     llama_cpp = TextTokenizer.from_gguf(reader, reference="llama.cpp")
     spaces = hf_like.token_to_id("ĠĠ")
@@ -360,6 +334,22 @@ def test_llama_cpp_reference_isolates_digits(tmp_path, small_vocab):
     assert llama_cpp.encode(text) == hf_like.encode(text)  # no digits: no difference
     with pytest.raises(ValueError, match="reference"):
         TextTokenizer.from_gguf(reader, reference="vllm")
+
+
+# Ids llama.cpp (llama-cpp-python 0.3.36, vocab_only) gives for the embedded SmolLM2 GGUF.
+LLAMA_CPP_IDS = {
+    "x  1\n    42\ty\t\t7   890": [104, 256, 33, 2367, 36, 34, 197, 105, 1656, 39, 333, 40, 41, 32],
+    "  \u00bd \u00b2  \u216b": [256, 16738, 216, 19133, 256, 173, 223, 121],
+    "a  2": [81, 256, 34],
+}
+
+
+@pytest.mark.parametrize("text", LLAMA_CPP_IDS, ids=["indented_digits", "other_numerals", "a2"])
+def test_llama_cpp_reference_matches_llama_cpp(smollm2_gguf_reader, tok, hf_tokenizer, text):
+    llama_cpp = TextTokenizer.from_gguf(smollm2_gguf_reader, reference="llama.cpp")
+    assert llama_cpp.encode(text) == LLAMA_CPP_IDS[text]
+    # transformers' conversion does not isolate digits first, so these differ.
+    assert tok.encode(text) == hf_tokenizer(text)["input_ids"] != LLAMA_CPP_IDS[text]
 
 
 # ---------------------------------------------------------------- folder loading
@@ -379,12 +369,8 @@ def test_from_folder(tmp_path, tok):
         "eos_token": "<|im_end|>",
         "chat_template": "x",
     }
-    (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps(config), encoding="utf-8"
-    )
-    (tmp_path / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": [2, 5]})
-    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
     (tmp_path / "chat_template.jinja").write_text(tok.chat_template, encoding="utf-8")
     loaded = TextTokenizer.from_folder(tmp_path)
     assert loaded.add_bos is True  # read off the post-processor
@@ -419,9 +405,7 @@ def test_default_model_path_missing(monkeypatch):
 
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(
-        FileNotFoundError, match=EMBEDDED_INSTALL_COMMAND.replace(".", r"\.")
-    ):
+    with pytest.raises(FileNotFoundError, match=EMBEDDED_INSTALL_COMMAND.replace(".", r"\.")):
         default_model_path()
 
 
@@ -433,7 +417,5 @@ def test_encode_speed_on_largest_corpus_file(tok, corpus_dir):
     start = time.perf_counter()
     ids = tok.encode(text)
     elapsed_s = time.perf_counter() - start
-    print(
-        f"{files[-1].name}: {len(text.encode())} bytes -> {len(ids)} ids in {elapsed_s:.3f} s"
-    )
+    print(f"{files[-1].name}: {len(text.encode())} bytes -> {len(ids)} ids in {elapsed_s:.3f} s")
     assert elapsed_s < 2.0
