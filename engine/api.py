@@ -58,7 +58,7 @@ def load_weights(model: str | None) -> tuple[ModelWeights, object, str]:
         raise FileNotFoundError(f"model not found: {path}")
     from engine.gguf_loader import load_gguf
 
-    return load_gguf(path), TextTokenizer.from_gguf(path), path.stem
+    return load_gguf(path), TextTokenizer.from_gguf(path, reference="llama.cpp"), path.stem
 
 
 def context_limit_and_rope(cfg: ModelConfig, config: EngineConfig) -> tuple[int, Rope]:

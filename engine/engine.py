@@ -50,6 +50,7 @@ class Request:
     misses: int = 0
     finish_reason: str = ""
     text: str = ""
+    logits: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +83,7 @@ class Engine:
         self._cancel = False
         self._next_seq = 0
         self.eos_ids = frozenset(getattr(tokenizer, "eos_ids", ()) or ())
+        self.keep_logits = False  # tests: keep each request's latest logits [V]
 
     # ----- public API --------------------------------------------------------------
     def prompt_limit(self) -> int:
@@ -249,6 +251,24 @@ class Engine:
         running.remove(req)
         yield ev.JobFailed(time.monotonic(), req.job.id, error)
 
+    # ----- direct driving (tests, benchmarks) ---------------------------------------
+    def open_request(self, job: ev.Job) -> Request:
+        """Admit ``job`` now, outside :meth:`run`. Raises ``CacheFullError`` if it does not fit."""
+        seq_id = self._next_seq
+        self._next_seq += 1
+        self.cache.allocate(seq_id, len(job.prompt_ids) + job.sampling.max_tokens)
+        return Request(job, seq_id, time.monotonic(), make_generator(job.sampling, 0))
+
+    def prefill(self, req: Request) -> int:
+        """Run every remaining prefill layer; returns the first sampled token."""
+        while req.phase == "prefill":
+            self.prefill_layer(req)
+        return req.generated[-1]
+
+    def close_request(self, req: Request) -> None:
+        """Release the pages and slabs of a request opened with :meth:`open_request`."""
+        self.cache.release(req.seq_id)
+
     # ----- model execution ---------------------------------------------------------
     @torch.inference_mode()
     def prefill_layer(self, req: Request) -> None:
@@ -281,6 +301,7 @@ class Engine:
         req.next_layer += 1
         if last:
             logits = m.logits(h[-1:])[0]
+            req.logits = logits if self.keep_logits else None
             req.hidden = None
             req.generated.append(sample(logits, req.job.sampling, req.generator))
             req.t_first = time.monotonic()
@@ -305,8 +326,9 @@ class Engine:
             a = self.attn.run(plan, layer, q, k, v)
             h = m.finish_layer(layer, h, a)
         logits = m.logits(h)
-        for r in batch:
+        for i, r in enumerate(batch):
             self.cache.seqs[r.seq_id].num_tokens += 1
+            r.logits = logits[i] if self.keep_logits else None
         return [sample(logits[i], r.job.sampling, r.generator) for i, r in enumerate(batch)]
 
     def memory_snapshot(self) -> ev.MemorySnapshot:

@@ -1,0 +1,156 @@
+"""Correctness ladder on the real embedded model (SmolLM2-135M-Instruct Q4_1), CPU, fp32.
+
+1. dense path == transformers loading the same GGUF (logits and greedy tokens);
+2. sparse with every page selected == dense (logits, tolerance);
+3. hierarchical with a hot buffer small enough to force misses == all-resident sparse,
+   bit for bit (logits and tokens), over 64+ decode steps of a corpus document.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig, SamplingParams
+from engine.events import Job
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+# Logits tolerance against transformers (fp32 both sides, same dequantised weights): the
+# two differ only in summation order (fused QKV / gate-up, chunked attention).
+LOGITS_ATOL = 2e-3
+# Sparse-with-all-pages vs dense: page-wise softmax vs SDPA, fp32.
+SPARSE_DENSE_ATOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def weights_path(smollm2_gguf_path):
+    return smollm2_gguf_path
+
+
+def make_engine(path, **overrides):
+    from engine.api import load_engine
+
+    cfg = EngineConfig(host_pool_gb=1.0, max_batch=2, **overrides)
+    eng = load_engine(cfg, str(path))
+    eng.keep_logits = True
+    return eng
+
+
+@pytest.fixture(scope="module")
+def dense_engine(weights_path):
+    return make_engine(weights_path, attention="dense")
+
+
+@pytest.fixture(scope="module")
+def hf_model(weights_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(weights_path.parent), gguf_file=weights_path.name, dtype=torch.float32
+    ).eval()
+
+
+def prompts(tokenizer, corpus_dir):
+    doc = (corpus_dir / "howto-sorting.txt").read_text(encoding="utf-8")
+    chats = [
+        "What is the capital of France?",
+        "Write a haiku about sorting lists in Python.",
+        "Summarize this document:\n\n" + doc[:16000],
+    ]
+    return [tokenizer.encode_chat([{"role": "user", "content": c}]) for c in chats]
+
+
+def greedy(engine, ids, steps, job_id="j"):
+    """Our engine, greedy: (first-step logits, generated tokens)."""
+    req = engine.open_request(Job(job_id, tuple(ids), SamplingParams(max_tokens=steps + 1)))
+    try:
+        engine.prefill(req)
+        first_logits = req.logits.clone()
+        while len(req.generated) < steps:
+            req.generated.append(engine.decode_step([req])[0])
+        return first_logits, list(req.generated)
+    finally:
+        engine.close_request(req)
+
+
+def test_dense_matches_transformers(dense_engine, hf_model, corpus_dir):
+    all_prompts = prompts(dense_engine.tokenizer, corpus_dir)
+    assert len(all_prompts[2]) > 3000
+    for ids in all_prompts:
+        logits, tokens = greedy(dense_engine, ids, 32)
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            ref_logits = hf_model(x).logits[0, -1]
+            ref = hf_model.generate(
+                x, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(ids) :].tolist()
+        diff = (logits - ref_logits).abs().max().item()
+        assert diff < LOGITS_ATOL, f"max |logit diff| {diff:.2e} for a {len(ids)}-token prompt"
+        assert tokens == ref, f"greedy tokens differ for a {len(ids)}-token prompt"
+
+
+def test_embedded_answers_capital(dense_engine):
+    ids = dense_engine.tokenizer.encode_chat(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    _, tokens = greedy(dense_engine, ids, 12)
+    assert dense_engine.tokenizer.decode(tokens).startswith("The capital of France is Paris.")
+
+
+def teacher_forced_logits(engine, ids, tokens):
+    """Logits at each step feeding the given ``tokens`` (identical inputs across engines)."""
+    req = engine.open_request(Job("t", tuple(ids), SamplingParams(max_tokens=len(tokens) + 1)))
+    out = []
+    try:
+        engine.prefill(req)
+        req.generated = [tokens[0]]
+        for t in tokens[1:]:
+            engine.decode_step([req])
+            out.append(req.logits.clone())
+            req.generated.append(t)
+        return torch.stack(out)
+    finally:
+        engine.close_request(req)
+
+
+def test_sparse_all_pages_equals_dense(weights_path, dense_engine, corpus_dir):
+    sparse = make_engine(weights_path, attention="sparse", indexer="dense", top_k=8192)
+    ids = prompts(dense_engine.tokenizer, corpus_dir)[2]
+    _, tokens = greedy(dense_engine, ids, 16)
+    a = teacher_forced_logits(dense_engine, ids, tokens)
+    b = teacher_forced_logits(sparse, ids, tokens)
+    diff = (a - b).abs().max().item()
+    assert diff < SPARSE_DENSE_ATOL, f"sparse(all pages) vs dense: max |diff| {diff:.2e}"
+
+
+def test_hierarchical_bit_identical_to_resident(weights_path, corpus_dir):
+    common = dict(attention="sparse", indexer="quest", top_k=256, page_size=16,
+                  sink_tokens=16, local_window=32)
+    resident = make_engine(weights_path, hierarchical=False, **common)
+    hier = make_engine(weights_path, hierarchical=True, device_buffer=320, **common)
+    ids = prompts(resident.tokenizer, corpus_dir)[2]
+    steps = 64
+    logits_r, tokens_r = greedy(resident, ids, steps)
+    req = hier.open_request(Job("h", tuple(ids), SamplingParams(max_tokens=steps + 1)))
+    hier.prefill(req)
+    assert torch.equal(req.logits, logits_r)
+    hits = misses = 0
+    res_req = resident.open_request(Job("r", tuple(ids), SamplingParams(max_tokens=steps + 1)))
+    resident.prefill(res_req)
+    for step in range(steps - 1):
+        t_h = hier.decode_step([req])[0]
+        t_r = resident.decode_step([res_req])[0]
+        assert torch.equal(req.logits, res_req.logits), f"logits differ at decode step {step}"
+        assert t_h == t_r
+        req.generated.append(t_h)
+        res_req.generated.append(t_r)
+        hits += int(hier.attn.hits.sum())
+        misses += int(hier.attn.misses.sum())
+        hier.cache.check_integrity()
+    assert req.generated == tokens_r
+    assert hits > 0 and misses > 0, (hits, misses)
+    hier.close_request(req)
+    resident.close_request(res_req)
+    hier.cache.check_integrity()
