@@ -1,0 +1,596 @@
+"""Load a Hugging Face model folder (``config.json`` + ``*.safetensors``).
+
+Sources: the model's ``config.json`` as written by transformers (field names of
+``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config``; transformers 5 nests ``rope_theta``
+and the scaling in ``rope_parameters``, older files use ``rope_theta`` + ``rope_scaling``;
+both are read) and the safetensors format (https://github.com/huggingface/safetensors: an
+8-byte little-endian header length, a JSON header of ``{name: {dtype, shape,
+data_offsets}}`` plus an optional ``__metadata__`` string map, then the raw data).
+Sharded checkpoints list their files in ``model.safetensors.index.json`` (``weight_map``).
+
+Architectures: ``LlamaForCausalLM`` (Llama 2/3/3.1, SmolLM), ``MistralForCausalLM`` and
+``Qwen2ForCausalLM`` (q/k/v biases). Q/K rows of Hugging Face checkpoints are already in
+rotate-half order, as :mod:`engine.model` expects: no permutation.
+
+Tensors are read lazily (``safetensors.safe_open``, memory-mapped), one at a time:
+float (F32/F16/BF16) tensors become float32 tensors; linear weights stay float unless
+``int4_group_size`` asks to quantise them on load (4-bit quantisation otherwise happens at
+placement, :func:`engine.quant.make_linear`). Folders written by ``hisparse quantize``
+(:mod:`engine.quantize_cmd`, safetensors metadata ``hisparse_format: int4-g<G>``) hold
+per linear ``<module>.qweight`` / ``.scales`` / ``.offsets`` and load as
+:class:`engine.quant.Int4Weight` without re-quantising.
+
+Sliding-window attention (Mistral 7B v0.1 ``sliding_window: 4096``; Qwen2 with
+``use_sliding_window``) is not implemented. Within the window, full causal attention is
+identical to it, so the trained context (``ModelConfig.max_position``) is capped at the
+window: the default ``refuse`` context policy then rejects longer documents instead of
+silently attending past the window; ``extend`` goes beyond it at the user's request.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import ModelConfig, RopeScaling
+from engine.quant import Int4Weight
+from engine.weights import LayerWeights, ModelWeights, WeightT
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+ROPE_KINDS = ("default", "llama3", "linear", "dynamic", "yarn")
+
+# safetensors ``__metadata__`` keys of folders written by ``hisparse quantize``.
+FORMAT_KEY = "hisparse_format"
+GROUP_SIZE_KEY = "hisparse_group_size"
+INT4_FORMAT_PREFIX = "int4-g"
+GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept
+QWEIGHT, SCALES, OFFSETS = "qweight", "scales", "offsets"
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# LayerWeights field -> module under ``model.layers.<i>.`` (linears: + ``.weight``).
+LINEAR_MODULES = {
+    "wq": "self_attn.q_proj",
+    "wk": "self_attn.k_proj",
+    "wv": "self_attn.v_proj",
+    "wo": "self_attn.o_proj",
+    "w_gate": "mlp.gate_proj",
+    "w_up": "mlp.up_proj",
+    "w_down": "mlp.down_proj",
+}
+NORM_TENSORS = {
+    "attn_norm": "input_layernorm.weight",
+    "ffn_norm": "post_attention_layernorm.weight",
+}
+BIAS_TENSORS = {
+    "bq": "self_attn.q_proj.bias",
+    "bk": "self_attn.k_proj.bias",
+    "bv": "self_attn.v_proj.bias",
+}
+EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+# Buffers some older checkpoints carry; recomputed from the config, never read.
+_IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
+LINEAR_WEIGHT = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"
+)
+
+
+class HFModelError(ValueError):
+    """The folder is not a model this engine runs; the message names file and field/tensor."""
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def read_hf_config(folder: str | Path) -> ModelConfig:
+    """Build :class:`ModelConfig` from a model folder's ``config.json``.
+
+    Reads ``architectures`` (else ``model_type``), ``num_hidden_layers``, ``hidden_size``,
+    ``num_attention_heads``, ``num_key_value_heads`` (default: MHA), ``head_dim`` (default
+    ``hidden_size // num_attention_heads``), ``intermediate_size``, ``vocab_size``,
+    ``rms_norm_eps``, ``max_position_embeddings``, ``tie_word_embeddings`` (default False),
+    the RoPE base and scaling (see :func:`rope_from_hf`) and the sliding window (caps
+    ``max_position``, see the module docstring).
+
+    Raises
+    ------
+    FileNotFoundError
+        No ``config.json``.
+    HFModelError
+        Unsupported architecture, activation, bias or RoPE kind; a missing field.
+    """
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{Path(folder)}: no config.json in this model folder")
+    raw = json.loads(path.read_text())
+    arch = _architecture(raw, path)
+    _check_unsupported(raw, arch, path)
+    heads = int(_require(raw, "num_attention_heads", path))
+    hidden = int(_require(raw, "hidden_size", path))
+    theta, scaling = rope_from_hf(raw, path)
+    cfg = ModelConfig(
+        arch=arch,
+        num_layers=int(_require(raw, "num_hidden_layers", path)),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        intermediate_size=int(_require(raw, "intermediate_size", path)),
+        vocab_size=int(_require(raw, "vocab_size", path)),
+        rope_theta=theta,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position=_max_position(raw, arch, scaling),
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "qwen2",
+        name=path.parent.resolve().name,
+    )
+    cfg.validate()
+    return cfg
+
+
+def _require(raw: dict, key: str, where: Path | str) -> Any:
+    if raw.get(key) is None:
+        raise HFModelError(f"{where}: missing field {key!r}")
+    return raw[key]
+
+
+def _architecture(raw: dict, path: Path) -> str:
+    names = raw.get("architectures") or []
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[name]
+    model_type = raw.get("model_type")
+    if not names and model_type in SUPPORTED_ARCHITECTURES.values():
+        return str(model_type)
+    raise HFModelError(
+        f"{path}: architectures={names!r} (model_type={model_type!r}) is not supported; "
+        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _check_unsupported(raw: dict, arch: str, path: Path) -> None:
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise HFModelError(f"{path}: hidden_act={act!r} is not supported (only 'silu')")
+    if raw.get("mlp_bias"):
+        raise HFModelError(f"{path}: mlp_bias=true is not supported")
+    if arch != "qwen2" and raw.get("attention_bias"):
+        raise HFModelError(f"{path}: attention_bias=true (o_proj bias) is not supported")
+    partial = raw.get("partial_rotary_factor", 1.0)
+    if partial not in (None, 1, 1.0):
+        raise HFModelError(f"{path}: partial_rotary_factor={partial} is not supported")
+
+
+def rope_from_hf(raw: dict, path: Path | str = "config.json") -> tuple[float, RopeScaling | None]:
+    """RoPE base and scaling from a ``config.json`` dict.
+
+    Looks in ``rope_parameters`` (transformers 5) and then ``rope_theta`` / ``rope_scaling``
+    (earlier versions); the kind is ``rope_type`` (or legacy ``type``):
+
+    * ``default`` -> no scaling.
+    * ``llama3`` -> ``RopeScaling(kind="llama3", factor, low_freq_factor, high_freq_factor,
+      original_max_position=original_max_position_embeddings)`` (required).
+    * ``linear`` -> ``factor``.
+    * ``dynamic`` -> ``factor``, ``original_max_position = max_position_embeddings``
+      (:class:`engine.rope.Rope` uses one fixed NTK base for every length, where
+      transformers rescales only past the original context).
+    * ``yarn`` -> ``factor`` (default ``max_position_embeddings / original``),
+      ``original_max_position_embeddings`` (default ``max_position_embeddings``),
+      ``beta_fast``, ``beta_slow``; the attention factor is
+      always ``0.1 ln(factor) + 1``, so explicit ``attention_factor`` / ``mscale`` /
+      ``mscale_all_dim`` or ``truncate: false`` are refused.
+
+    Raises
+    ------
+    HFModelError
+        Another kind (e.g. ``longrope``), per-layer-type RoPE parameters, or a missing
+        required field; the message names the field.
+    """
+    params = raw.get("rope_parameters") or {}
+    if any(isinstance(v, dict) for v in params.values()):
+        raise HFModelError(f"{path}: per-layer-type rope_parameters are not supported")
+    theta = float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0)
+    sc = raw.get("rope_scaling") or params
+    field = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    kind = sc.get("rope_type") or sc.get("type") or "default"
+    if kind not in ROPE_KINDS:
+        raise HFModelError(
+            f"{path}: {field}.rope_type={kind!r} is not supported; supported: "
+            f"{', '.join(ROPE_KINDS)}"
+        )
+    if kind == "default":
+        return theta, None
+    where = f"{path} {field}"
+    max_pos = int(raw.get("max_position_embeddings", 4096))
+    original = int(sc.get("original_max_position_embeddings") or max_pos)
+    if kind == "yarn" and sc.get("factor") is None:  # as transformers: the context ratio
+        factor = max_pos / original
+    else:
+        factor = float(_require(sc, "factor", where))
+    if kind == "llama3":
+        _require(sc, "original_max_position_embeddings", where)
+        return theta, RopeScaling(
+            kind="llama3",
+            factor=factor,
+            original_max_position=original,
+            low_freq_factor=float(sc.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(sc.get("high_freq_factor", 4.0)),
+        )
+    if kind == "yarn":
+        for key in ("attention_factor", "mscale", "mscale_all_dim"):
+            if sc.get(key) is not None:
+                raise HFModelError(f"{path}: {field}.{key} is not supported for yarn")
+        if sc.get("truncate") is False:
+            raise HFModelError(f"{path}: {field}.truncate=false is not supported for yarn")
+        return theta, RopeScaling(
+            kind="yarn",
+            factor=factor,
+            original_max_position=original,
+            beta_fast=float(sc.get("beta_fast") or 32.0),
+            beta_slow=float(sc.get("beta_slow") or 1.0),
+        )
+    return theta, RopeScaling(kind=kind, factor=factor, original_max_position=original)
+
+
+def _max_position(raw: dict, arch: str, scaling: RopeScaling | None) -> int:
+    """Trained context: ``max_position_embeddings``, raised to ``original * factor`` for
+    yarn / dynamic scaling (Qwen2.5 keeps 32768 there and declares yarn x4 for 128K),
+    capped at the sliding window when the model uses one."""
+    max_pos = int(raw.get("max_position_embeddings", 4096))
+    if scaling is not None and scaling.kind in ("yarn", "dynamic"):
+        max_pos = max(max_pos, int(scaling.original_max_position * scaling.factor))
+    window = raw.get("sliding_window")
+    uses_window = arch == "mistral" or (
+        arch == "qwen2"
+        and (raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []))
+    )
+    if uses_window and window:
+        max_pos = min(max_pos, int(window))
+    return max_pos
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+class SafetensorsFolder:
+    """The safetensors files of a model folder, opened lazily (``safe_open``, mmap).
+
+    Use as a context manager. ``names`` is every tensor name; ``metadata`` the merged
+    ``__metadata__`` of the files.
+
+    Raises
+    ------
+    HFModelError
+        No ``*.safetensors`` file, an index naming a missing file, or a tensor in two files.
+    """
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self._stack = ExitStack()
+        self._files: dict[str, Any] = {}
+        self.file_of: dict[str, Path] = {}
+        self.metadata: dict[str, str] = {}
+        try:
+            for file in self._list_files():
+                self._open(file)
+        except BaseException:
+            self.close()
+            raise
+
+    def _list_files(self) -> list[Path]:
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map") or {}
+            files = sorted({self.folder / f for f in weight_map.values()})
+            missing = [str(f) for f in files if not f.is_file()]
+            if missing:
+                raise HFModelError(f"{index}: weight_map names missing file(s) {missing}")
+            return files
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise HFModelError(
+                f"{self.folder}: no *.safetensors files (PyTorch .bin checkpoints are not "
+                "read; re-save with safe_serialization=True)"
+            )
+        return files
+
+    def _open(self, file: Path) -> None:
+        from safetensors import safe_open
+
+        try:
+            handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
+        except Exception as exc:  # safetensors raises its own SafetensorError
+            raise HFModelError(f"{file}: not a readable safetensors file ({exc})") from exc
+        self.metadata |= handle.metadata() or {}
+        for name in handle.keys():
+            if name in self.file_of:
+                raise HFModelError(f"{file}: tensor {name} is also in {self.file_of[name]}")
+            self.file_of[name] = file
+            self._files[name] = handle
+
+    def __enter__(self) -> SafetensorsFolder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """safetensors dtype string: ``F32``, ``F16``, ``BF16``, ``U8``, ..."""
+        return self._slice(name).get_dtype()
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor as stored (its own dtype), read from the mapped file."""
+        return self._handle(name).get_tensor(name)
+
+    def _slice(self, name: str):
+        return self._handle(name).get_slice(name)
+
+    def _handle(self, name: str):
+        handle = self._files.get(name)
+        if handle is None:
+            raise HFModelError(f"{self.folder}: missing tensor {name}")
+        return handle
+
+    def where(self, name: str) -> str:
+        """``"<file>: tensor <name>"`` for error messages."""
+        return f"{self.file_of.get(name, self.folder)}: tensor {name}"
+
+    def read_float(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """float32 copy of a F32/F16/BF16 tensor after checking dtype and ``shape``.
+
+        Raises
+        ------
+        HFModelError
+            Missing tensor, another dtype, or another shape.
+        """
+        self.check(name, shape, tuple(FLOAT_DTYPES))
+        return self.get(name).to(torch.float32)
+
+    def check(self, name: str, shape: tuple[int, ...], dtypes: tuple[str, ...]) -> None:
+        dtype = self.dtype(name)
+        if dtype not in dtypes:
+            raise HFModelError(f"{self.where(name)} has dtype {dtype}; supported: {dtypes}")
+        got = self.shape(name)
+        if got != tuple(shape):
+            raise HFModelError(f"{self.where(name)} has shape {got}, expected {tuple(shape)}")
+
+
+def int4_format(group_size: int) -> str:
+    """The ``hisparse_format`` metadata value of a quantised folder: ``int4-g<G>``."""
+    return f"{INT4_FORMAT_PREFIX}{group_size}"
+
+
+def quantized_group_size(tensors: SafetensorsFolder) -> int | None:
+    """Group size of a folder written by ``hisparse quantize``, or None for a float folder.
+
+    Raises
+    ------
+    HFModelError
+        An unknown ``hisparse_format`` value.
+    """
+    fmt = tensors.metadata.get(FORMAT_KEY)
+    if fmt is None:
+        return None
+    if not fmt.startswith(INT4_FORMAT_PREFIX) or not fmt[len(INT4_FORMAT_PREFIX) :].isdigit():
+        raise HFModelError(
+            f"{tensors.folder}: unknown {FORMAT_KEY}={fmt!r} in safetensors metadata"
+        )
+    return int(fmt[len(INT4_FORMAT_PREFIX) :])
+
+
+def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """``[N, K]`` of each linear of one layer, keyed by :data:`LINEAR_MODULES` field."""
+    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    return {
+        "wq": (q, h),
+        "wk": (kv, h),
+        "wv": (kv, h),
+        "wo": (h, q),
+        "w_gate": (f, h),
+        "w_up": (f, h),
+        "w_down": (h, f),
+    }
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every float tensor name of the checkpoint and its shape (linears as ``.weight``)."""
+    h = cfg.hidden_size
+    kv = cfg.num_kv_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {EMBED: (cfg.vocab_size, h), FINAL_NORM: (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes[LM_HEAD] = (cfg.vocab_size, h)
+    bias_rows = {"bq": cfg.num_heads * cfg.head_dim, "bk": kv, "bv": kv}
+    for i in range(cfg.num_layers):
+        prefix = f"model.layers.{i}."
+        for field, module in LINEAR_MODULES.items():
+            shapes[f"{prefix}{module}.weight"] = linear_shapes(cfg)[field]
+        for tensor in NORM_TENSORS.values():
+            shapes[prefix + tensor] = (h,)
+        if cfg.qkv_bias:
+            for field, tensor in BIAS_TENSORS.items():
+                shapes[prefix + tensor] = (bias_rows[field],)
+    return shapes
+
+
+def _read_linear(
+    tensors: SafetensorsFolder,
+    module: str,
+    shape: tuple[int, int],
+    group_size: int | None,
+    int4_group_size: int | None,
+) -> tuple[WeightT, str]:
+    """One linear ``[N, K]``: Int4Weight from ``.qweight/.scales/.offsets`` when present,
+    else the float ``.weight`` (quantised on load when ``int4_group_size`` is set)."""
+    if f"{module}.{QWEIGHT}" in tensors:
+        if group_size is None:
+            raise HFModelError(
+                f"{tensors.where(module + '.' + QWEIGHT)}: 4-bit tensor without "
+                f"{FORMAT_KEY} metadata"
+            )
+        q = read_int4(tensors, module, shape)
+        return q, int4_format(q.group_size)
+    name = f"{module}.weight"
+    dtype = tensors.dtype(name)
+    w = tensors.read_float(name, shape)
+    if int4_group_size:
+        from engine.quant import quantize_int4
+
+        try:
+            g = group_size_for(shape[1], int4_group_size)
+        except ValueError as exc:
+            raise HFModelError(f"{tensors.where(name)}: {exc}") from None
+        return quantize_int4(w, g), int4_format(g)
+    return w, dtype
+
+
+def read_int4(tensors: SafetensorsFolder, module: str, shape: tuple[int, int]) -> Int4Weight:
+    """Read ``<module>.qweight`` (uint8 ``[N, K/2]``), ``.scales`` and ``.offsets``
+    (F16 or F32 ``[N, K/g]``) as an :class:`Int4Weight` (scale/offset widened to float32).
+
+    The group size of each weight is ``K / scales.shape[1]`` (``hisparse quantize`` falls
+    back to a smaller group where K is not a multiple of the requested one).
+
+    Raises
+    ------
+    HFModelError
+        Missing tensor, wrong dtype, or a shape that does not match ``shape``.
+    """
+    n, k = shape
+    scales = f"{module}.{SCALES}"
+    groups = tensors.shape(scales)[-1] if scales in tensors else 0
+    if not groups or k % groups or (k // groups) not in GROUP_SIZES:
+        raise HFModelError(
+            f"{tensors.where(scales)}: shape {tensors.shape(scales) if groups else None} does "
+            f"not give a group size in {GROUP_SIZES} for K={k}"
+        )
+    group_size = k // groups
+    tensors.check(f"{module}.{QWEIGHT}", (n, k // 2), ("U8",))
+    for part in (SCALES, OFFSETS):
+        tensors.check(f"{module}.{part}", (n, groups), ("F16", "F32"))
+    return Int4Weight(
+        tensors.get(f"{module}.{QWEIGHT}"),
+        tensors.get(f"{module}.{SCALES}").to(torch.float32),
+        tensors.get(f"{module}.{OFFSETS}").to(torch.float32),
+        group_size,
+    )
+
+
+def group_size_for(k: int, preferred: int) -> int:
+    """The largest group size of :data:`GROUP_SIZES` not above ``preferred`` dividing ``k``
+    (e.g. 64 for SmolLM2's K=576 with 128 preferred).
+
+    Raises
+    ------
+    ValueError
+        ``k`` is not a multiple of 32.
+    """
+    for g in sorted(GROUP_SIZES, reverse=True):
+        if g <= preferred and k % g == 0:
+            return g
+    raise ValueError(f"K={k} is not a multiple of any group size in {GROUP_SIZES}")
+
+
+def check_names(tensors: SafetensorsFolder, cfg: ModelConfig, quantized: bool) -> None:
+    """Refuse tensors this engine would silently drop (o_proj bias, extra layers ...)."""
+    known = set(expected_shapes(cfg))
+    if quantized:
+        for name in list(known):
+            if LINEAR_WEIGHT.match(name):
+                module = name[: -len(".weight")]
+                known |= {f"{module}.{QWEIGHT}", f"{module}.{SCALES}", f"{module}.{OFFSETS}"}
+    if cfg.tie_word_embeddings:
+        known.add(LM_HEAD)  # some tied checkpoints still store a copy; the embedding is used
+    for name in tensors.names:
+        if name not in known and not _IGNORED.match(name):
+            raise HFModelError(f"{tensors.where(name)} is not used by a {cfg.arch} model")
+
+
+def load_hf_folder(path: str | Path, *, int4_group_size: int | None = None) -> ModelWeights:
+    """Read config and weights of a Hugging Face model folder.
+
+    Parameters
+    ----------
+    path : folder with ``config.json`` and ``model.safetensors`` (or shards listed in
+        ``model.safetensors.index.json``), or one written by ``hisparse quantize``.
+    int4_group_size : quantise float linear weights to :class:`Int4Weight` while loading
+        (keeps host memory near 4.5 bits/weight for big models); None keeps them float32.
+
+    Returns
+    -------
+    ModelWeights
+        ``embed [V, H]``, norms ``[H]`` and q/k/v biases ``[N]`` in float32; linears
+        float32 ``[N, K]`` or :class:`Int4Weight`; ``lm_head`` None when tied. ``formats``
+        maps each Hugging Face tensor (or 4-bit module) name to its stored dtype
+        (``BF16``, ``F16``, ``F32``) or ``int4-g<G>``.
+
+    Raises
+    ------
+    FileNotFoundError
+        The folder or its ``config.json`` is missing.
+    HFModelError (a ValueError)
+        Unsupported architecture or config field; a missing, unexpected, wrongly shaped
+        or wrongly typed tensor (the message names the file and tensor).
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder not found: {folder}")
+    cfg = read_hf_config(folder)
+    with SafetensorsFolder(folder) as tensors:
+        group_size = quantized_group_size(tensors)
+        check_names(tensors, cfg, group_size is not None)
+        formats: dict[str, str] = {}
+
+        def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            formats[name] = tensors.dtype(name)
+            return tensors.read_float(name, shape)
+
+        layers = [
+            _read_layer(tensors, cfg, i, group_size, int4_group_size, read, formats)
+            for i in range(cfg.num_layers)
+        ]
+        h = cfg.hidden_size
+        embed = read(EMBED, (cfg.vocab_size, h))
+        lm_head = None if cfg.tie_word_embeddings else read(LM_HEAD, (cfg.vocab_size, h))
+        return ModelWeights(cfg, embed, read(FINAL_NORM, (h,)), layers, lm_head, formats)
+
+
+def _read_layer(tensors, cfg, i, group_size, int4_group_size, read, formats) -> LayerWeights:
+    prefix = f"model.layers.{i}."
+    parts: dict[str, Any] = {}
+    for field, shape in linear_shapes(cfg).items():
+        module = prefix + LINEAR_MODULES[field]
+        parts[field], formats[module] = _read_linear(
+            tensors, module, shape, group_size, int4_group_size
+        )
+    for field, tensor in NORM_TENSORS.items():
+        parts[field] = read(prefix + tensor, (cfg.hidden_size,))
+    if cfg.qkv_bias:
+        for field, tensor in BIAS_TENSORS.items():
+            parts[field] = read(prefix + tensor, (parts["w" + field[1]].shape[0],))
+    return LayerWeights(**parts)

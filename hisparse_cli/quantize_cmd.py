@@ -1,0 +1,86 @@
+"""``hisparse quantize``: a 4-bit copy of a Hugging Face model folder.
+
+The main app calls :func:`register`. The command is thin: it parses flags, calls
+:func:`engine.quantize_cmd.quantize_folder` (imported inside, so ``--help`` stays fast)
+and prints the sizes before and after.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+
+EXIT_REFUSED = 2
+
+SrcArg = Annotated[
+    Path,
+    typer.Argument(
+        help="Hugging Face model folder: config.json + *.safetensors (single or sharded).",
+        show_default=False,
+    ),
+]
+OutArg = Annotated[Path, typer.Argument(help="Output folder (created).", show_default=False)]
+GroupSizeOpt = Annotated[
+    int,
+    typer.Option(
+        "--group-size",
+        "-g",
+        help="Weights per scale/offset group along K: 32, 64, 128 or 256 "
+        "(a smaller one where K needs it).",
+    ),
+]
+ForceOpt = Annotated[
+    bool, typer.Option("--force", help="Replace an existing OUT/model.safetensors.")
+]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No per-tensor progress.")]
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``quantize`` command to ``app``."""
+    app.command("quantize")(quantize_command)
+
+
+def quantize_command(
+    src: SrcArg,
+    out: OutArg,
+    group_size: GroupSizeOpt = 128,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Quantise a Hugging Face model folder SRC to 4 bits into the folder OUT.
+
+    Linear weights (q/k/v/o, gate/up/down projections) become 4-bit groups: qweight uint8, float32 scales and offsets. Embeddings, lm_head, norms and biases are copied unquantised, in their stored dtype (16-bit for bf16/fp16 checkpoints). config.json and the tokenizer files are copied; `hisparse run --model OUT` loads the result.
+
+    Exit code: 0 written, 2 refused (unsupported model, bad group size, OUT exists).
+    """
+    from engine.quantize_cmd import quantize_folder
+
+    console = Console(stderr=True)
+    progress = None if quiet else (lambda name: console.print(f"  {name}", highlight=False))
+    try:
+        report = quantize_folder(src, out, group_size, overwrite=force, progress=progress)
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        _refuse(str(exc))
+    smaller = (
+        f", {report.num_smaller_group} with a smaller group" if report.num_smaller_group else ""
+    )
+    typer.echo(
+        f"{report.num_quantized} linear weights quantised to 4 bits (group {report.group_size}"
+        f"{smaller}), {report.num_copied} tensors copied unquantised"
+    )
+    typer.echo(
+        f"safetensors: {_mb(report.src_bytes)} -> {_mb(report.out_bytes)} "
+        f"({report.ratio:.1%}); wrote {report.out}"
+    )
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB ({n:,} bytes)"
+
+
+def _refuse(message: str) -> NoReturn:
+    Console(stderr=True).print(f"[red bold]error:[/] {message}", highlight=False)
+    raise typer.Exit(EXIT_REFUSED)

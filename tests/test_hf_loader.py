@@ -1,0 +1,383 @@
+"""Hugging Face folder loader and ``hisparse quantize``, against transformers.
+
+Tiny random Llama / Qwen2 / Mistral models are built with transformers, saved as
+safetensors, loaded with :func:`engine.hf_loader.load_hf_folder` and run through
+:class:`engine.model.LlamaModel`; the logits must match ``model(ids).logits`` at fp32.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.hf_loader import (
+    HFModelError,
+    load_hf_folder,
+    read_hf_config,
+    rope_from_hf,
+)
+from engine.model import LlamaModel, prefill_attention
+from engine.quant import Int4Weight, quantize_int4
+from engine.rope import Rope
+from engine.weights import LINEAR_NAMES, ModelWeights
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,  # puts D=16's wavelengths in all three bands
+    "rope_theta": 10000.0,
+}
+
+
+def _randomise(model) -> None:
+    """Non-trivial norms and biases (transformers initialises them to ones / zeros)."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+
+
+def _save_tokenizer(folder: Path) -> None:
+    """A 256-token byte-level BPE (no merges), enough for TextTokenizer.from_folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from engine.tokenizer import bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+
+
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 10000.0,
+}
+
+
+def _build(folder: Path, kind: str, dtype=torch.float32, rope=LLAMA3_ROPE, **save_kwargs):
+    """Save a tiny random model of ``kind`` to ``folder``; return the transformers model."""
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**TINY, head_dim=16, rope_scaling=rope)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(**TINY, tie_word_embeddings=True, rope_theta=1e6)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = transformers.MistralConfig(**TINY, head_dim=16, sliding_window=128)
+        model = transformers.MistralForCausalLM(cfg)
+    _randomise(model)
+    model.eval()
+    model.to(dtype).save_pretrained(folder, **save_kwargs)
+    _save_tokenizer(folder)
+    return model.float()
+
+
+def our_logits(weights: ModelWeights, ids: torch.Tensor, fmt: str = "float") -> torch.Tensor:
+    """Full-sequence forward: embed -> per layer (qkv, causal attention, MLP) -> logits."""
+    cfg = weights.config
+    rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    model = LlamaModel(weights, torch.device("cpu"), torch.float32, fmt, rope)
+    h = model.embed_tokens(ids)
+    positions = torch.arange(len(ids))
+    for i in range(cfg.num_layers):
+        q, k, v = model.qkv(i, h, positions)
+        h = model.finish_layer(i, h, prefill_attention(q, k, v, 0))
+    return model.logits(h)
+
+
+def _reference_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids[None]).logits[0].float()
+
+
+IDS = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(2))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    return folder, _build(folder, "llama")
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen2")
+    return folder, _build(folder, "qwen2")
+
+
+def test_llama_llama3_rope_matches_transformers(llama):
+    folder, model = llama
+    weights = load_hf_folder(folder)
+    cfg = weights.config
+    assert (cfg.arch, cfg.head_dim, cfg.num_kv_heads, cfg.max_position) == ("llama", 16, 2, 256)
+    assert cfg.rope_scaling.kind == "llama3" and cfg.rope_scaling.original_max_position == 64
+    assert weights.lm_head is not None and not cfg.tie_word_embeddings
+    assert all(w.dtype == torch.float32 for w in (weights.embed, weights.layers[0].wq))
+    torch.testing.assert_close(
+        our_logits(weights, IDS), _reference_logits(model, IDS), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_qwen2_biases_and_tied_embeddings_match_transformers(qwen2):
+    folder, model = qwen2
+    weights = load_hf_folder(folder)
+    assert weights.config.qkv_bias and weights.config.tie_word_embeddings
+    assert weights.lm_head is None and weights.layers[1].bk.abs().sum() > 0
+    assert weights.config.rope_theta == 1e6
+    torch.testing.assert_close(
+        our_logits(weights, IDS), _reference_logits(model, IDS), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_llama_yarn_matches_transformers(tmp_path):
+    model = _build(tmp_path, "llama", rope=YARN_ROPE)
+    weights = load_hf_folder(tmp_path)
+    assert weights.config.rope_scaling.kind == "yarn" and weights.config.max_position == 256
+    torch.testing.assert_close(
+        our_logits(weights, IDS), _reference_logits(model, IDS), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_mistral_sliding_window_caps_context(tmp_path):
+    model = _build(tmp_path, "mistral")
+    weights = load_hf_folder(tmp_path)
+    assert weights.config.arch == "mistral"
+    assert weights.config.max_position == 128  # sliding_window, not max_position_embeddings
+    torch.testing.assert_close(
+        our_logits(weights, IDS), _reference_logits(model, IDS), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_sharded_bf16_checkpoint(tmp_path):
+    model = _build(tmp_path, "llama", dtype=torch.bfloat16, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    weights = load_hf_folder(tmp_path)
+    assert weights.formats["model.embed_tokens.weight"] == "BF16"
+    ref = model.model.layers[1].mlp.down_proj.weight.to(torch.bfloat16).float()
+    assert torch.equal(weights.layers[1].w_down, ref)
+
+
+def test_load_weights_through_api(llama):
+    from engine.api import load_weights
+
+    folder, _ = llama
+    weights, tokenizer, name = load_weights(str(folder))
+    assert name == folder.name and weights.config.num_layers == 2
+    assert tokenizer.decode(tokenizer.encode("hi there")) == "hi there"
+
+
+def test_int4_on_load(llama):
+    folder, _ = llama
+    weights = load_hf_folder(folder, int4_group_size=128)
+    wq = weights.layers[0].wq
+    assert isinstance(wq, Int4Weight) and wq.group_size == 64  # K=64 < 128
+    assert weights.formats["model.layers.0.self_attn.q_proj"] == "int4-g64"
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    path = folder / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+
+def _rewrite(folder: Path, name: str, tensor: torch.Tensor | None) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    if tensor is None:
+        del tensors[name]
+    else:
+        tensors[name] = tensor
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.fixture
+def llama_copy(llama, tmp_path):
+    import shutil
+
+    shutil.copytree(llama[0], tmp_path, dirs_exist_ok=True)
+    return tmp_path
+
+
+def test_unsupported_architecture(llama_copy):
+    _edit_config(llama_copy, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    with pytest.raises(ValueError, match=r"config\.json.*GPT2LMHeadModel"):
+        load_hf_folder(llama_copy)
+
+
+def test_unsupported_rope_kind(llama_copy):
+    _edit_config(llama_copy, rope_parameters={"rope_type": "longrope", "factor": 2.0})
+    with pytest.raises(HFModelError, match="rope_type='longrope'"):
+        load_hf_folder(llama_copy)
+
+
+def test_wrong_shape_names_file_and_tensor(llama_copy):
+    name = "model.layers.1.self_attn.k_proj.weight"
+    _rewrite(llama_copy, name, torch.zeros(16, 64))
+    with pytest.raises(
+        ValueError, match=r"model\.safetensors: tensor .*k_proj\.weight.*\(16, 64\)"
+    ):
+        load_hf_folder(llama_copy)
+
+
+def test_unsupported_dtype(llama_copy):
+    name = "model.layers.0.mlp.up_proj.weight"
+    _rewrite(llama_copy, name, torch.zeros(128, 64, dtype=torch.int8))
+    with pytest.raises(ValueError, match=r"up_proj\.weight has dtype I8"):
+        load_hf_folder(llama_copy)
+
+
+def test_missing_and_unexpected_tensors(llama_copy):
+    _rewrite(llama_copy, "model.layers.0.self_attn.o_proj.bias", torch.zeros(64))
+    with pytest.raises(ValueError, match=r"o_proj\.bias is not used"):
+        load_hf_folder(llama_copy)
+    _rewrite(llama_copy, "model.layers.0.self_attn.o_proj.bias", None)
+    _rewrite(llama_copy, "lm_head.weight", None)
+    with pytest.raises(ValueError, match=r"missing tensor lm_head\.weight"):
+        load_hf_folder(llama_copy)
+
+
+@pytest.mark.parametrize(
+    ("raw", "kind", "factor", "original"),
+    [
+        (
+            {
+                "rope_scaling": {
+                    "type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 32768,
+                }
+            },
+            "yarn",
+            4.0,
+            32768,
+        ),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic", 2.0, 4096),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "linear", 2.0, 4096),
+        ({"rope_theta": 5e5, "rope_scaling": None}, None, None, None),
+    ],
+)
+def test_rope_from_hf_legacy_fields(raw, kind, factor, original):
+    theta, scaling = rope_from_hf({"max_position_embeddings": 4096, **raw})
+    if kind is None:
+        assert scaling is None and theta == 5e5
+    else:
+        assert (scaling.kind, scaling.factor, scaling.original_max_position) == (
+            kind,
+            factor,
+            original,
+        )
+
+
+def test_yarn_raises_trained_context(llama_copy):
+    _edit_config(
+        llama_copy,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4},
+        max_position_embeddings=256,
+    )
+    assert read_hf_config(llama_copy).max_position == 1024
+
+
+# ----------------------------------------------------------------------------- quantize
+
+
+def test_quantize_round_trip(llama, tmp_path):
+    from engine.quantize_cmd import quantize_folder
+
+    src, model = llama
+    out = tmp_path / "q"
+    report = quantize_folder(src, out, group_size=32)
+    assert report.num_quantized == 2 * len(LINEAR_NAMES) and report.out_bytes < report.src_bytes
+    assert {"config.json", "tokenizer.json", "generation_config.json"} <= set(report.copied_files)
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.metadata()["hisparse_format"] == "int4-g32"
+        assert f.get_slice("model.embed_tokens.weight").get_dtype() == "F32"  # as stored
+
+    quantized, source = load_hf_folder(out), load_hf_folder(src)
+    for layer_q, layer_f in zip(quantized.layers, source.layers, strict=True):
+        for name in LINEAR_NAMES:
+            wq = getattr(layer_q, name)
+            assert isinstance(wq, Int4Weight) and wq.group_size == 32
+            expected = quantize_int4(getattr(layer_f, name), 32).dequantize()
+            assert torch.equal(wq.dequantize(), expected)
+        assert torch.equal(layer_q.attn_norm, layer_f.attn_norm)
+    assert torch.equal(quantized.lm_head, source.lm_head)
+
+    ref = _reference_logits(model, IDS)
+    q_logits = our_logits(load_hf_folder(out), IDS)
+    assert (q_logits - ref).abs().max() < 0.1 * ref.abs().max()
+    assert (q_logits.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
+    int4_logits = our_logits(load_hf_folder(out), IDS, fmt="int4")  # torch's int4 kernel
+    torch.testing.assert_close(int4_logits, q_logits, atol=1e-3, rtol=1e-3)
+
+
+def test_quantize_refuses_existing_and_requantising(llama, tmp_path):
+    from engine.quantize_cmd import quantize_folder
+
+    quantize_folder(llama[0], tmp_path / "q", group_size=64)
+    with pytest.raises(FileExistsError):
+        quantize_folder(llama[0], tmp_path / "q", group_size=64)
+    with pytest.raises(HFModelError, match="already quantised"):
+        quantize_folder(tmp_path / "q", tmp_path / "qq")
+    with pytest.raises(HFModelError, match="group_size=48"):
+        quantize_folder(llama[0], tmp_path / "q3", group_size=48)
+
+
+def test_quantize_cli(qwen2, tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from hisparse_cli.quantize_cmd import register
+
+    app = typer.Typer()
+    register(app)
+
+    @app.callback()
+    def main() -> None:
+        """Keep ``quantize`` a named sub-command."""
+
+    folder, model = qwen2
+    out = tmp_path / "q"
+    result = CliRunner().invoke(
+        app, ["quantize", str(folder), str(out), "--group-size", "64", "-q"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "bytes" in result.output and "unquantised" in result.output
+    weights = load_hf_folder(out)
+    assert weights.layers[0].bq is not None and isinstance(weights.layers[0].wv, Int4Weight)
+    ref = _reference_logits(model, IDS)
+    assert (our_logits(weights, IDS) - ref).abs().max() < 0.1 * ref.abs().max()
+
+    again = CliRunner().invoke(app, ["quantize", str(folder), str(out)])
+    assert again.exit_code == 2 and "exists" in again.output

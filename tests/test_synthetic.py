@@ -1,0 +1,98 @@
+"""Synthetic models: deterministic, 4-bit, memory-bounded generation; tiny shape runs.
+
+Big shapes are never generated here (they are meant for the GPU machine).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.synthetic as syn
+from engine.model import LlamaModel, prefill_attention
+from engine.quant import Int4Weight
+from engine.rope import Rope
+from engine.weights import LINEAR_NAMES
+
+
+def test_unknown_name_lists_known():
+    with pytest.raises(ValueError, match="llama3.1-8b.*tiny"):
+        syn.synthetic_shape("synthetic:gpt-5")
+
+
+def test_published_shapes_are_kept():
+    assert syn.synthetic_shape("synthetic:llama2-13b").vocab_size == 32000
+    assert syn.synthetic_shape("Qwen2.5-7B").qkv_bias
+    assert syn.TINY.vocab_size == 49152
+
+
+def test_deterministic_and_name_dependent():
+    a = syn.synthetic_int4("tiny/layers.0.wq", 64, 256)
+    b = syn.synthetic_int4("tiny/layers.0.wq", 64, 256)
+    c = syn.synthetic_int4("tiny/layers.0.wk", 64, 256)
+    assert torch.equal(a.q, b.q) and torch.equal(a.scale, b.scale)
+    assert not torch.equal(a.q, c.q)
+    w = a.dequantize()
+    assert abs(w.std().item() - syn.LINEAR_STD) < 0.002 and abs(w.mean().item()) < 0.002
+
+
+def test_generation_is_chunked(monkeypatch):
+    """Each block handed to the quantiser is at most BLOCK_ELEMENTS, the float weight is
+    never whole, and the result does not depend on the block size used for memory."""
+    monkeypatch.setattr(syn, "BLOCK_ELEMENTS", 1 << 14)
+    sizes = []
+    real = syn.quantize_int4
+
+    def spy(w, g):
+        sizes.append(w.numel())
+        return real(w, g)
+
+    monkeypatch.setattr(syn, "quantize_int4", spy)
+    w = syn.synthetic_int4("x", 300, 512)
+    assert isinstance(w, Int4Weight) and w.shape == (300, 512) and w.group_size == 128
+    assert len(sizes) == 10 and max(sizes) <= 1 << 14 and sum(sizes) == 300 * 512
+    e = syn.synthetic_float("e", (300, 512), 0.02)
+    assert e.shape == (300, 512) and e.dtype == torch.float32
+    assert not torch.equal(e[:32], e[32:64])  # blocks are seeded apart
+
+
+def test_group_size_falls_back_for_smollm_hidden():
+    w = syn.synthetic_int4("k576", 8, 576)
+    assert w.group_size == 64
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2_gguf_path):
+    return syn.load_synthetic("tiny")
+
+
+def test_tiny_forward(tiny):
+    weights, tokenizer, name = tiny
+    assert name == "synthetic:tiny"
+    cfg = weights.config
+    assert all(isinstance(getattr(weights.layers[0], n), Int4Weight) for n in LINEAR_NAMES)
+    again = syn.synthetic_weights(cfg)
+    assert torch.equal(again.embed, weights.embed)
+    assert torch.equal(again.layers[1].w_down.q, weights.layers[1].w_down.q)
+
+    ids = torch.tensor(tokenizer.encode("The capital of France is"))
+    model = LlamaModel(
+        weights, torch.device("cpu"), torch.float32, "float", Rope(cfg.head_dim, cfg.rope_theta)
+    )
+    h = model.embed_tokens(ids)
+    positions = torch.arange(len(ids))
+    for i in range(cfg.num_layers):
+        q, k, v = model.qkv(i, h, positions)
+        h = model.finish_layer(i, h, prefill_attention(q, k, v, 0))
+    logits = model.logits(h)
+    assert logits.shape == (len(ids), 49152) and torch.isfinite(logits).all()
+
+
+def test_tokenizer_maps_ids_into_vocabularies(tiny):
+    base = tiny[1]
+    small = syn.SyntheticTokenizer(base, 1000)
+    ids = base.encode("hello synthetic world")
+    assert small.encode("hello synthetic world") == [i % 1000 for i in ids]
+    assert small.vocab_size == 1000
+    big = syn.SyntheticTokenizer(base, 128256)
+    assert big.decode([i + 49152 for i in ids]) == base.decode(ids)
