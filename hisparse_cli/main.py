@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from hisparse_cli import options as opt
-from hisparse_cli import presets_cmd
+from hisparse_cli import presets_cmd, quantize_cmd
 
 app = typer.Typer(
     name="hisparse",
@@ -108,3 +108,4 @@ def run(
 
 
 presets_cmd.register(app)
+quantize_cmd.register(app)
