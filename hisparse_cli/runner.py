@@ -311,15 +311,37 @@ class BatchRun:
             documents = read_documents(spec.inputs, **self.request.text_options)
             planned = planned.with_documents(documents)
             self.records[spec.id] = planned.base_record(self.model_name)
-            messages = build_messages(
-                spec.task, join_documents(documents), spec.id, spec.inputs[0].name
-            )
-            prompt_ids = tuple(engine.tokenizer.encode_chat(messages))
+            prompt_ids = self._prompt_ids(engine, spec, join_documents(documents))
         except Exception as exc:  # noqa: BLE001 - one bad job must not stop the batch
             self._handle(JobFailed(self.clock(), spec.id, f"cannot prepare the prompt: {exc}"))
             return None
         meta = {"key": planned.key, "output": spec.output}
         return Job(spec.id, prompt_ids, spec.sampling, str(spec.inputs[0]), meta)
+
+    def _prompt_ids(self, engine: Any, spec: Any, document: str) -> tuple[int, ...]:
+        """Render the chat prompt; with ``context_policy=truncate`` cut the document so
+        prompt + max_tokens fits the engine's context limit (the cut is marked in the text
+        and reported)."""
+
+        def render(text: str) -> list[int]:
+            messages = build_messages(spec.task, text, spec.id, spec.inputs[0].name)
+            return engine.tokenizer.encode_chat(messages)
+
+        config = getattr(engine, "config", None)
+        if config is not None and config.context_policy == "truncate":
+            from engine.prompting import fit_document
+
+            limit = engine.prompt_limit() - spec.sampling.max_tokens
+            document, dropped = fit_document(
+                engine.tokenizer, document, render, limit, config.truncate_keep
+            )
+            if dropped:
+                self.reporter.note(
+                    f"{spec.id}: document cut by {dropped} tokens "
+                    f"(kept: {config.truncate_keep}) to fit {limit} prompt tokens",
+                    "warning",
+                )
+        return tuple(render(document))
 
     def _handle(self, event: Event) -> None:
         """Fold ``event`` into the state, write results, and show it.
