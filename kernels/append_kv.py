@@ -1,9 +1,30 @@
 """Append one token's K/V per request: write-through to the pool and the resident tail
-page, and update the page metadata (element-wise key min/max)."""
+page, and update the page metadata (element-wise key min/max).
+
+:func:`append_kv` is the Triton version: one program per (request, KV head) writes the
+token to the pool — the GPU stores straight into pinned host memory through unified
+addressing when the pool lives there (``D`` elements per head, posted writes over the
+link; no copy stream, no host synchronisation) — to the resident tail slot, and widens
+the page's key min/max.
+"""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from kernels._launch import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_device,
+    check_shape,
+    check_tensor,
+    host_visible,
+    next_pow2,
+    require,
+    require_runnable,
+)
 
 
 def append_kv_ref(
@@ -54,3 +75,181 @@ def append_kv_ref(
         bi, hi = torch.nonzero(res, as_tuple=True)
         kv_slots[slot[res], 0, off[bi]] = k[bi, hi].to(kv_slots.dtype)
         kv_slots[slot[res], 1, off[bi]] = v[bi, hi].to(kv_slots.dtype)
+
+
+@triton.jit
+def _append_kv_kernel(
+    k_ptr,
+    v_ptr,
+    positions_ptr,
+    block_table_ptr,
+    pool_ptr,
+    meta_ptr,
+    slots_ptr,
+    page_table_ptr,
+    slab_ids_ptr,
+    num_kv_heads,
+    stride_k_b,
+    stride_k_h,
+    stride_v_b,
+    stride_v_h,
+    stride_bt_b,
+    stride_pool_p,
+    stride_pool_h,
+    stride_pool_kv,
+    stride_pool_s,
+    stride_meta_p,
+    stride_meta_h,
+    stride_meta_mm,
+    stride_slots_n,
+    stride_slots_kv,
+    stride_slots_s,
+    stride_pt_slab,
+    stride_slab_b,
+    stride_slab_h,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+):
+    """One (request, KV head): pool write, metadata min/max, resident tail write."""
+    row = tl.program_id(0)
+    b = row // num_kv_heads
+    h = row % num_kv_heads
+    pos = tl.load(positions_ptr + b).to(tl.int64)
+    page = pos // PAGE_SIZE
+    off = pos % PAGE_SIZE
+    pool_page = tl.load(block_table_ptr + b * stride_bt_b + page).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    k = tl.load(k_ptr + b * stride_k_b + h * stride_k_h + offs_d, mask=mask_d)
+    v = tl.load(v_ptr + b * stride_v_b + h * stride_v_h + offs_d, mask=mask_d)
+
+    rec = pool_ptr + pool_page * stride_pool_p + h * stride_pool_h + off * stride_pool_s
+    tl.store(rec + offs_d, k.to(pool_ptr.dtype.element_ty), mask=mask_d)
+    tl.store(rec + stride_pool_kv + offs_d, v.to(pool_ptr.dtype.element_ty), mask=mask_d)
+
+    meta = meta_ptr + pool_page * stride_meta_p + h * stride_meta_h + offs_d
+    # Round the key to the metadata dtype first (as the reference does), then compare in
+    # fp32: min/max return one of their inputs, so this is exact for every dtype.
+    kn = k.to(meta_ptr.dtype.element_ty).to(tl.float32)
+    first = off == 0
+    lo = tl.load(meta, mask=mask_d, other=0.0).to(tl.float32)
+    hi = tl.load(meta + stride_meta_mm, mask=mask_d, other=0.0).to(tl.float32)
+    lo = tl.where(first, kn, tl.minimum(lo, kn, propagate_nan=tl.PropagateNan.ALL))
+    hi = tl.where(first, kn, tl.maximum(hi, kn, propagate_nan=tl.PropagateNan.ALL))
+    tl.store(meta, lo.to(meta_ptr.dtype.element_ty), mask=mask_d)
+    tl.store(meta + stride_meta_mm, hi.to(meta_ptr.dtype.element_ty), mask=mask_d)
+
+    if HAS_SLOTS:
+        slab = tl.load(slab_ids_ptr + b * stride_slab_b + h * stride_slab_h).to(tl.int64)
+        slot = tl.load(page_table_ptr + slab * stride_pt_slab + page).to(tl.int64)
+        if slot >= 0:
+            dst = slots_ptr + slot * stride_slots_n + off * stride_slots_s
+            tl.store(dst + offs_d, k.to(slots_ptr.dtype.element_ty), mask=mask_d)
+            tl.store(dst + stride_slots_kv + offs_d, v.to(slots_ptr.dtype.element_ty), mask=mask_d)
+
+
+def append_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_pool: torch.Tensor,
+    meta: torch.Tensor,
+    kv_slots: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    slab_ids: torch.Tensor | None = None,
+) -> None:
+    """Triton :func:`append_kv_ref`: same arguments, bit-identical results, one launch.
+
+    Parameters
+    ----------
+    k, v : ``[B, Hkv, D]`` on the device, unit stride on ``D``
+    positions : int32/int64 ``[B]``
+    block_table : int32/int64 ``[B, P_max]``, unit stride on ``P_max``
+    kv_pool : ``[P_pool, Hkv, 2, S, D]`` on the device or in pinned host memory (written
+        by the kernel through unified addressing), unit stride on ``D``
+    meta : ``[P_pool, Hkv, 2, D]`` on the device, unit stride on ``D``
+    kv_slots, page_table, slab_ids : ``[N, 2, S, D]``, int32 ``[num_slabs, P_max]`` (unit
+        stride on ``P_max``), int32/int64 ``[B, Hkv]`` — all or none
+    """
+    check_tensor("k", k, 3, FLOAT_DTYPES)
+    check_tensor("v", v, 3, FLOAT_DTYPES)
+    check_tensor("positions", positions, 1, INDEX_DTYPES, unit_last=False)
+    check_tensor("block_table", block_table, 2, INDEX_DTYPES)
+    check_tensor("kv_pool", kv_pool, 5, FLOAT_DTYPES)
+    check_tensor("meta", meta, 4, FLOAT_DTYPES)
+    b, hkv, d = k.shape
+    s = kv_pool.shape[3]
+    check_shape("v", v, (b, hkv, d))
+    check_shape("positions", positions, (b,))
+    require(block_table.shape[0] == b, f"block_table has {block_table.shape[0]} rows, batch is {b}")
+    require(
+        kv_pool.shape[1:] == (hkv, 2, s, d),
+        f"kv_pool must be [P_pool, {hkv}, 2, S, {d}], got {tuple(kv_pool.shape)}",
+    )
+    require(
+        meta.shape[1:] == (hkv, 2, d),
+        f"meta must be [P_pool, {hkv}, 2, {d}], got {tuple(meta.shape)}",
+    )
+    dev = k.device
+    check_device(dev, v=v, positions=positions, block_table=block_table, meta=meta)
+    require(
+        host_visible(kv_pool, dev), f"kv_pool on {kv_pool.device} is not addressable from {dev}"
+    )
+    has_slots = kv_slots is not None
+    require(
+        has_slots == (page_table is not None) == (slab_ids is not None),
+        "kv_slots, page_table and slab_ids go together",
+    )
+    if has_slots:
+        check_tensor("kv_slots", kv_slots, 4, FLOAT_DTYPES)
+        check_tensor("page_table", page_table, 2, INDEX_DTYPES)
+        check_tensor("slab_ids", slab_ids, 2, INDEX_DTYPES, unit_last=False)
+        require(
+            kv_slots.shape[1:] == (2, s, d),
+            f"kv_slots must be [N, 2, {s}, {d}], got {tuple(kv_slots.shape)}",
+        )
+        check_shape("slab_ids", slab_ids, (b, hkv))
+        check_device(dev, kv_slots=kv_slots, page_table=page_table, slab_ids=slab_ids)
+    else:
+        kv_slots, page_table, slab_ids = kv_pool, block_table, positions.view(-1, 1)
+    require_runnable(dev)
+    if b * hkv == 0:
+        return
+    _append_kv_kernel[(b * hkv,)](
+        k,
+        v,
+        positions,
+        block_table,
+        kv_pool,
+        meta,
+        kv_slots,
+        page_table,
+        slab_ids,
+        hkv,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        block_table.stride(0),
+        kv_pool.stride(0),
+        kv_pool.stride(1),
+        kv_pool.stride(2),
+        kv_pool.stride(3),
+        meta.stride(0),
+        meta.stride(1),
+        meta.stride(2),
+        kv_slots.stride(0),
+        kv_slots.stride(1),
+        kv_slots.stride(2),
+        page_table.stride(0),
+        slab_ids.stride(0),
+        slab_ids.stride(1),
+        D=d,
+        BLOCK_D=next_pow2(d),
+        PAGE_SIZE=s,
+        HAS_SLOTS=has_slots,
+        num_warps=1,
+    )

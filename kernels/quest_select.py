@@ -5,13 +5,31 @@ Inference", arXiv:2406.10774) bounds a page's attention logit from above by
 ``sum_d max(q_d * min_d, q_d * max_d)`` using the element-wise key min and max of the page.
 For GQA the bound is summed over the G query heads that share a KV head, so one selection
 serves the whole group.
+
+Triton versions: :func:`quest_scores` (one program per (request, KV head, page block)) and
+:func:`select_topk`, which ranks pages by a packed 64-bit key — the score's bits made
+order-preserving, then the page index, so every key is distinct and ``torch.topk`` picks
+exactly the pages of the reference's stable sort — and packs the bitmask in a kernel
+that compares each page's key with the row's ``budget``-th largest.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from kernels.bitmask import pack_bits
+from kernels._launch import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_device,
+    check_shape,
+    check_tensor,
+    next_pow2,
+    require,
+    require_runnable,
+)
+from kernels.bitmask import num_words, pack_bits
 
 
 def quest_scores_ref(
@@ -131,3 +149,259 @@ def dense_selection(num_pages: torch.Tensor, num_kv_heads: int, p_max: int) -> t
     idx = torch.arange(p_max, device=num_pages.device)[None, :]
     mask = idx < num_pages.long()[:, None]
     return pack_bits(mask[:, None, :].expand(-1, num_kv_heads, -1))
+
+
+@triton.jit
+def _quest_scores_kernel(
+    q_ptr,
+    meta_ptr,
+    block_table_ptr,
+    num_pages_ptr,
+    out_ptr,
+    num_kv_heads,
+    p_max,
+    stride_q_b,
+    stride_q_h,
+    stride_meta_p,
+    stride_meta_h,
+    stride_meta_mm,
+    stride_bt_b,
+    stride_out_b,
+    stride_out_h,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """One (request, KV head, page block): ``sum_{g,d} max(q*min, q*max)``."""
+    row = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    b = row // num_kv_heads
+    h = row % num_kv_heads
+    n = tl.load(num_pages_ptr + b)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_p = (offs_p < p_max) & (offs_p < n)
+    mask_d = offs_d < D
+    pool_page = tl.load(block_table_ptr + b * stride_bt_b + offs_p, mask=mask_p, other=0)
+    pool_page = tl.maximum(pool_page, 0).to(tl.int64)
+    meta = meta_ptr + pool_page[:, None] * stride_meta_p + h * stride_meta_h + offs_d[None, :]
+    mask_pd = mask_p[:, None] & mask_d[None, :]
+    kmin = tl.load(meta, mask=mask_pd, other=0.0).to(tl.float32)
+    kmax = tl.load(meta + stride_meta_mm, mask=mask_pd, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
+    for g in tl.static_range(G):
+        qg = tl.load(
+            q_ptr + b * stride_q_b + (h * G + g) * stride_q_h + offs_d, mask=mask_d, other=0.0
+        )
+        qg = qg.to(tl.float32)[None, :]
+        acc += tl.maximum(qg * kmin, qg * kmax, propagate_nan=tl.PropagateNan.ALL)
+    score = tl.where(mask_p, tl.sum(acc, axis=1), float("-inf"))
+    dst = out_ptr + b * stride_out_b + h * stride_out_h + offs_p
+    tl.store(dst, score, mask=offs_p < p_max)
+
+
+def quest_scores(
+    q: torch.Tensor,
+    meta: torch.Tensor,
+    block_table: torch.Tensor,
+    num_pages: torch.Tensor,
+) -> torch.Tensor:
+    """Triton :func:`quest_scores_ref` (same arguments; fp32 sums in another order, so
+    equal within fp32 rounding).
+
+    Parameters
+    ----------
+    q : ``[B, Hq, D]``, unit stride on ``D``
+    meta : ``[P_pool, Hkv, 2, D]``, unit stride on ``D``
+    block_table : int32/int64 ``[B, P_max]``, unit stride on ``P_max``
+    num_pages : int32/int64 ``[B]``
+
+    Returns
+    -------
+    float32 ``[B, Hkv, P_max]``; ``-inf`` on pages >= ``num_pages``.
+    """
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    check_tensor("meta", meta, 4, FLOAT_DTYPES)
+    check_tensor("block_table", block_table, 2, INDEX_DTYPES)
+    check_tensor("num_pages", num_pages, 1, INDEX_DTYPES, unit_last=False)
+    b, hq, d = q.shape
+    hkv = meta.shape[1]
+    p_max = block_table.shape[1]
+    require(hkv > 0 and hq % hkv == 0, f"Hq={hq} is not a multiple of Hkv={hkv}")
+    require(
+        meta.shape[2:] == (2, d), f"meta must be [P_pool, Hkv, 2, {d}], got {tuple(meta.shape)}"
+    )
+    require(block_table.shape[0] == b, f"block_table has {block_table.shape[0]} rows, batch is {b}")
+    check_shape("num_pages", num_pages, (b,))
+    check_device(q.device, meta=meta, block_table=block_table, num_pages=num_pages)
+    require_runnable(q.device)
+    out = torch.empty((b, hkv, p_max), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    block_d = next_pow2(d)
+    block_p = max(16, min(64, 4096 // block_d, next_pow2(p_max)))
+    _quest_scores_kernel[(b * hkv, -(-p_max // block_p))](
+        q,
+        meta,
+        block_table,
+        num_pages,
+        out,
+        hkv,
+        p_max,
+        q.stride(0),
+        q.stride(1),
+        meta.stride(0),
+        meta.stride(1),
+        meta.stride(2),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        G=hq // hkv,
+        D=d,
+        BLOCK_D=block_d,
+        BLOCK_P=block_p,
+        num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _topk_key_kernel(
+    scores_ptr,
+    num_pages_ptr,
+    key_ptr,
+    num_kv_heads,
+    p_max,
+    sink_pages,
+    window_pages,
+    stride_sc_b,
+    stride_sc_h,
+    BLOCK_P: tl.constexpr,
+):
+    """Distinct int64 keys whose descending order is the reference's stable order:
+    high word = the score's order-preserving bits (forced pages +inf, unused -inf),
+    low word = ``2**32 - 1 - page``, so ties go to the lower page."""
+    row = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    b = row // num_kv_heads
+    h = row % num_kv_heads
+    n = tl.load(num_pages_ptr + b).to(tl.int32)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_p = offs_p < p_max
+    x = tl.load(scores_ptr + b * stride_sc_b + h * stride_sc_h + offs_p, mask=mask_p, other=0.0)
+    x = x.to(tl.float32)
+    valid = offs_p < n
+    forced = valid & ((offs_p < sink_pages) | (offs_p >= n - window_pages))
+    x = tl.where(forced, float("inf"), x)
+    x = tl.where(valid, x, float("-inf"))
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties +0.0, as in the float sort
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = bits.to(tl.int64) * 4294967296 + (4294967295 - offs_p.to(tl.int64))
+    tl.store(key_ptr + row.to(tl.int64) * p_max + offs_p, key, mask=mask_p)
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _select_pack_kernel(
+    key_ptr,
+    top_ptr,
+    num_pages_ptr,
+    sel_ptr,
+    num_kv_heads,
+    p_max,
+    num_words,
+    k,
+    top_k_pages,
+    sink_pages,
+    window_pages,
+    BLOCK_W: tl.constexpr,
+):
+    """One (request, KV head, word block): bit = key >= the row's ``budget``-th key."""
+    row = tl.program_id(0)
+    pid_w = tl.program_id(1)
+    b = row // num_kv_heads
+    n = tl.load(num_pages_ptr + b).to(tl.int32)
+    forced = n - tl.maximum(n - window_pages - sink_pages, 0)
+    budget = tl.maximum(tl.minimum(n, top_k_pages), forced)
+    thr = tl.load(top_ptr + row.to(tl.int64) * k + tl.maximum(budget - 1, 0))
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_bit = tl.arange(0, 32)
+    page = offs_w[:, None] * 32 + offs_bit[None, :]
+    limit = tl.where(budget > 0, tl.minimum(n, p_max), 0)
+    mask = page < limit
+    key = tl.load(key_ptr + row.to(tl.int64) * p_max + page, mask=mask, other=0)
+    bits = tl.where(mask & (key >= thr), 1, 0) << offs_bit[None, :]
+    words = tl.reduce(bits, 1, _or)
+    tl.store(sel_ptr + row.to(tl.int64) * num_words + offs_w, words, mask=offs_w < num_words)
+
+
+def select_topk(
+    scores: torch.Tensor,
+    num_pages: torch.Tensor,
+    top_k_pages: int,
+    sink_pages: int,
+    window_pages: int,
+) -> torch.Tensor:
+    """:func:`select_topk_ref` on the device: two small kernels around ``torch.topk``;
+    the same bitmask as the reference (NaN scores aside), no host synchronisation.
+
+    Parameters
+    ----------
+    scores : float32 ``[B, Hkv, P_max]`` (``-inf`` on unused pages), unit stride on ``P_max``
+    num_pages : int32/int64 ``[B]``
+
+    Returns
+    -------
+    int32 ``[B, Hkv, ceil(P_max/32)]`` bitmask.
+    """
+    check_tensor("scores", scores, 3, FLOAT_DTYPES)
+    check_tensor("num_pages", num_pages, 1, INDEX_DTYPES, unit_last=False)
+    require(min(top_k_pages, sink_pages, window_pages) >= 0, "page counts must be >= 0")
+    b, hkv, p_max = scores.shape
+    check_shape("num_pages", num_pages, (b,))
+    check_device(scores.device, num_pages=num_pages)
+    require_runnable(scores.device)
+    w = num_words(p_max)
+    sel = torch.empty((b, hkv, w), dtype=torch.int32, device=scores.device)
+    if sel.numel() == 0:
+        return sel
+    key = torch.empty((b, hkv, p_max), dtype=torch.int64, device=scores.device)
+    block_p = min(1024, next_pow2(p_max))
+    _topk_key_kernel[(b * hkv, -(-p_max // block_p))](
+        scores,
+        num_pages,
+        key,
+        hkv,
+        p_max,
+        sink_pages,
+        window_pages,
+        scores.stride(0),
+        scores.stride(1),
+        BLOCK_P=block_p,
+        num_warps=4,
+    )
+    k = min(max(top_k_pages, sink_pages + window_pages), p_max)
+    top = torch.topk(key, max(k, 1), dim=-1, sorted=True).values
+    block_w = min(32, next_pow2(w))
+    _select_pack_kernel[(b * hkv, -(-w // block_w))](
+        key,
+        top,
+        num_pages,
+        sel,
+        hkv,
+        p_max,
+        w,
+        max(k, 1),
+        top_k_pages,
+        sink_pages,
+        window_pages,
+        BLOCK_W=block_w,
+        num_warps=4,
+    )
+    return sel

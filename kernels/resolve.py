@@ -18,12 +18,29 @@ Semantics (the reference below is normative; the Triton kernel must match it exa
 
 It requires ``K_max <= C`` (device_buffer >= top_k), which guarantees enough unselected
 slots for every miss.
+
+:func:`resolve` is the Triton version: one launch per layer, one program per
+(request, KV head) row, no host synchronisation (CUDA-graph safe). Each program ranks its
+slab's slots by sorting packed ``(last_use, slot)`` keys with ``tl.sort`` (selected
+slots sort last), then walks the page axis in blocks: prefix sums over the selection
+bits give each selected page its position ``j`` and each miss its victim rank.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
+from kernels._launch import (
+    INDEX_DTYPES,
+    check_device,
+    check_shape,
+    check_tensor,
+    next_pow2,
+    require,
+    require_runnable,
+)
 from kernels.bitmask import selected_pages, unpack_bits
 
 
@@ -44,8 +61,8 @@ def resolve_ref(
     selection : int32 ``[B, Hkv, W]`` bitmask of selected pages
     slab_ids : int32 ``[B, Hkv]`` slab owned by each (request, KV head) in this layer
     page_table : int32 ``[num_slabs, P_max]`` page -> slot (global in the layer) or -1;
-        updated in place. ``P_max`` is the page-axis width of ``selection`` (``32*W``
-        may exceed it; bits past ``P_max`` must be zero).
+        updated in place. Selected pages must be ``< P_max``; ``32*W`` may be smaller
+        or larger than ``P_max``.
     slot_page : int32 ``[N]`` page held by each slot or -1; updated in place
     slot_last_use : int64 ``[N]`` last step each slot was used, -1 if never; in place
     step : current decode step (monotonic)
@@ -63,12 +80,12 @@ def resolve_ref(
     if k_max > slots_per_slab:
         raise ValueError(f"k_max={k_max} exceeds slots_per_slab={slots_per_slab}")
     b, hkv, _ = selection.shape
-    p_max = page_table.shape[1]
+    p_bits = selection.shape[-1] * 32
     c = slots_per_slab
     dev = selection.device
     slabs = slab_ids.reshape(-1).long()  # [R]
-    sel_mask = unpack_bits(selection.reshape(b * hkv, -1), p_max)  # [R, P_max]
-    pages = selected_pages(selection.reshape(b * hkv, -1), p_max, k_max).long()  # [R, K]
+    sel_mask = unpack_bits(selection.reshape(b * hkv, -1), p_bits)  # [R, 32*W]
+    pages = selected_pages(selection.reshape(b * hkv, -1), p_bits, k_max).long()  # [R, K]
     valid = pages >= 0
     cur = torch.gather(page_table[slabs].long(), 1, pages.clamp(min=0))
     hit = valid & (cur >= 0)
@@ -76,7 +93,8 @@ def resolve_ref(
 
     own = slabs[:, None] * c + torch.arange(c, device=dev)[None, :]  # [R, C]
     own_page = slot_page[own].long()
-    own_selected = (own_page >= 0) & torch.gather(sel_mask, 1, own_page.clamp(min=0))
+    in_range = (own_page >= 0) & (own_page < p_bits)
+    own_selected = in_range & torch.gather(sel_mask, 1, own_page.clamp(0, p_bits - 1))
     big = torch.iinfo(torch.int64).max
     key = torch.where(own_selected, torch.full_like(own_page, big), slot_last_use[own].long())
     victims = torch.gather(own, 1, torch.sort(key, dim=1, stable=True).indices)  # [R, C]
@@ -131,3 +149,284 @@ def resident_slot_list(
     heads = torch.arange(hkv, device=selection.device)[None, :, None]
     slots = pool_page * hkv + heads
     return torch.where(pages >= 0, slots, torch.full_like(slots, -1)).to(torch.int32)
+
+
+@triton.jit(do_not_specialize=["step"])
+def _resolve_kernel(
+    sel_ptr,
+    slab_ids_ptr,
+    page_table_ptr,
+    slot_page_ptr,
+    slot_last_use_ptr,
+    step_ptr,
+    step,
+    slot_list_ptr,
+    load_pages_ptr,
+    load_slots_ptr,
+    hits_ptr,
+    victims_ptr,
+    num_kv_heads,
+    num_pages,
+    slots_per_slab,
+    k_max,
+    stride_sel_b,
+    stride_sel_h,
+    stride_slab_b,
+    stride_slab_h,
+    stride_pt_slab,
+    BLOCK_C: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STEP_FROM_PTR: tl.constexpr,
+):
+    """One (request, KV head) row: hits, LRU refresh, victims, page-table update, lists.
+
+    Outputs ``slot_list``, ``load_pages``, ``load_slots`` are contiguous ``[R, K_max]``;
+    ``victims`` is a ``[R, K_max]`` workspace holding the slab's slots in eviction order.
+    """
+    row = tl.program_id(0)
+    b = row // num_kv_heads
+    h = row % num_kv_heads
+    slab = tl.load(slab_ids_ptr + b * stride_slab_b + h * stride_slab_h).to(tl.int64)
+    if STEP_FROM_PTR:
+        step = tl.load(step_ptr)
+    step = step.to(tl.int64)
+    sel_row = sel_ptr + b * stride_sel_b + h * stride_sel_h
+    pt_row = page_table_ptr + slab * stride_pt_slab
+    out_row = row.to(tl.int64) * k_max
+    first_slot = slab * slots_per_slab
+
+    # Eviction order of the slab's slots: (last_use, slot) ascending, selected slots last.
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_c = offs_c < slots_per_slab
+    own_page = tl.load(slot_page_ptr + first_slot + offs_c, mask=mask_c, other=-1)
+    last_use = tl.load(slot_last_use_ptr + first_slot + offs_c, mask=mask_c, other=0).to(tl.int64)
+    has_page = own_page >= 0
+    page_c = tl.where(has_page, own_page, 0)
+    word_c = tl.load(sel_row + page_c // 32, mask=mask_c & has_page, other=0)
+    own_selected = has_page & (((word_c >> (page_c % 32)) & 1) != 0)
+    free = mask_c & ~own_selected
+    key = tl.where(free, (last_use + 1) * BLOCK_C, 1 << 62) + offs_c
+    order = tl.sort(key)
+    victim = first_slot + (order % BLOCK_C)
+    tl.store(victims_ptr + out_row + offs_c, victim.to(tl.int32), mask=offs_c < k_max)
+    tl.debug_barrier()
+
+    # Walk the page axis: position j of each selected page, victim rank of each miss.
+    n_sel = tl.full([], 0, tl.int32)
+    n_miss = tl.full([], 0, tl.int32)
+    n_hit = tl.full([], 0, tl.int32)
+    for p0 in range(0, num_pages, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        mask_p = offs_p < num_pages
+        word = tl.load(sel_row + offs_p // 32, mask=mask_p, other=0)
+        sel = ((word >> (offs_p % 32)) & 1) != 0
+        cur = tl.load(pt_row + offs_p, mask=sel, other=-1)
+        hit = sel & (cur >= 0)
+        miss = sel & (cur < 0)
+        sel_i = sel.to(tl.int32)
+        miss_i = miss.to(tl.int32)
+        j = n_sel + tl.cumsum(sel_i, axis=0) - sel_i
+        rank = n_miss + tl.cumsum(miss_i, axis=0) - miss_i
+        mask_out = sel & (j < k_max)
+        mask_miss = miss & (rank < k_max)
+        slot = tl.load(victims_ptr + out_row + rank, mask=mask_miss, other=-1)
+        old = tl.load(slot_page_ptr + slot, mask=mask_miss, other=-1)
+        tl.store(pt_row + old, tl.full([BLOCK_P], -1, tl.int32), mask=mask_miss & (old >= 0))
+        tl.store(pt_row + offs_p, slot, mask=mask_miss)
+        tl.store(slot_page_ptr + slot, offs_p, mask=mask_miss)
+        tl.store(slot_last_use_ptr + slot, tl.zeros([BLOCK_P], tl.int64) + step, mask=mask_miss)
+        tl.store(slot_last_use_ptr + cur, tl.zeros([BLOCK_P], tl.int64) + step, mask=hit)
+        tl.store(slot_list_ptr + out_row + j, tl.where(hit, cur, slot), mask=mask_out)
+        tl.store(load_pages_ptr + out_row + j, tl.where(miss, offs_p, -1), mask=mask_out)
+        tl.store(load_slots_ptr + out_row + j, tl.where(miss, slot, -1), mask=mask_out)
+        n_sel += tl.sum(sel_i, axis=0)
+        n_miss += tl.sum(miss_i, axis=0)
+        n_hit += tl.sum(hit.to(tl.int32), axis=0)
+
+    # Pad positions past the last selected page.
+    for k0 in range(0, k_max, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_pad = (offs_k < k_max) & (offs_k >= n_sel)
+        pad = tl.full([BLOCK_K], -1, tl.int32)
+        tl.store(slot_list_ptr + out_row + offs_k, pad, mask=mask_pad)
+        tl.store(load_pages_ptr + out_row + offs_k, pad, mask=mask_pad)
+        tl.store(load_slots_ptr + out_row + offs_k, pad, mask=mask_pad)
+    tl.store(hits_ptr + row, n_hit)
+
+
+def resolve(
+    selection: torch.Tensor,
+    slab_ids: torch.Tensor,
+    page_table: torch.Tensor,
+    slot_page: torch.Tensor,
+    slot_last_use: torch.Tensor,
+    step: int | torch.Tensor,
+    slots_per_slab: int,
+    k_max: int,
+    *,
+    block_pages: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton :func:`resolve_ref`: one launch, bit-identical outputs and state updates.
+
+    Parameters
+    ----------
+    selection : int32 ``[B, Hkv, W]`` (unit stride on ``W``)
+    slab_ids : int32/int64 ``[B, Hkv]``; distinct rows own distinct slabs
+    page_table : int32 ``[num_slabs, P_max]``, contiguous rows; in place
+    slot_page : int32 ``[N]`` contiguous; in place
+    slot_last_use : int64 ``[N]`` contiguous; in place
+    step : the decode step, a Python int or an int64 device tensor of one element (the
+        latter lets a captured CUDA graph replay with a new step)
+    slots_per_slab : C (up to a few thousand; ~256 is the design point)
+    k_max : K_max, ``<= C``
+    block_pages, num_warps : launch shape (pages per loop iteration, up to 4096 by
+        default; warps, 4 or 8 by default)
+
+    Returns
+    -------
+    slot_list, load_pages, load_slots : int32 ``[B, Hkv, K_max]``; hits : int32 ``[B, Hkv]``.
+    A row selecting more than ``K_max`` pages (the reference raises) keeps its first
+    ``K_max`` pages in the lists.
+    """
+    require(k_max <= slots_per_slab, f"k_max={k_max} exceeds slots_per_slab={slots_per_slab}")
+    check_tensor("selection", selection, 3, (torch.int32,))
+    check_tensor("slab_ids", slab_ids, 2, INDEX_DTYPES, unit_last=False)
+    check_tensor("page_table", page_table, 2, (torch.int32,))
+    check_tensor("slot_page", slot_page, 1, (torch.int32,))
+    check_tensor("slot_last_use", slot_last_use, 1, (torch.int64,))
+    b, hkv, w = selection.shape
+    num_pages = page_table.shape[1]
+    check_shape("slab_ids", slab_ids, (b, hkv))
+    require(32 * w >= num_pages, f"selection has {w} words, too few for P_max={num_pages} pages")
+    check_shape("slot_last_use", slot_last_use, tuple(slot_page.shape))
+    step_ptr = slot_last_use
+    step_from_ptr = isinstance(step, torch.Tensor)
+    if step_from_ptr:
+        require(step.numel() == 1 and step.dtype == torch.int64, "a tensor step must be one int64")
+        step_ptr, step = step, 0
+    dev = selection.device
+    check_device(dev, slab_ids=slab_ids, page_table=page_table, slot_page=slot_page)
+    check_device(dev, slot_last_use=slot_last_use, step=step_ptr)
+    require_runnable(dev)
+
+    shape = (b, hkv, k_max)
+    slot_list = torch.empty(shape, dtype=torch.int32, device=dev)
+    load_pages = torch.empty(shape, dtype=torch.int32, device=dev)
+    load_slots = torch.empty(shape, dtype=torch.int32, device=dev)
+    hits = torch.empty((b, hkv), dtype=torch.int32, device=dev)
+    if b * hkv == 0:
+        return slot_list, load_pages, load_slots, hits
+    victims = torch.empty(shape, dtype=torch.int32, device=dev)
+    block_p = max(32, min(block_pages or 4096, next_pow2(num_pages)))
+    num_warps = num_warps or (8 if block_p >= 2048 or slots_per_slab > 256 else 4)
+    _resolve_kernel[(b * hkv,)](
+        selection,
+        slab_ids,
+        page_table,
+        slot_page,
+        slot_last_use,
+        step_ptr,
+        step,
+        slot_list,
+        load_pages,
+        load_slots,
+        hits,
+        victims,
+        hkv,
+        num_pages,
+        slots_per_slab,
+        k_max,
+        selection.stride(0),
+        selection.stride(1),
+        slab_ids.stride(0),
+        slab_ids.stride(1),
+        page_table.stride(0),
+        BLOCK_C=max(16, next_pow2(slots_per_slab)),
+        BLOCK_P=block_p,
+        BLOCK_K=max(16, min(256, next_pow2(k_max))),
+        STEP_FROM_PTR=step_from_ptr,
+        num_warps=num_warps,
+    )
+    return slot_list, load_pages, load_slots, hits
+
+
+@triton.jit
+def _resident_slot_list_kernel(
+    sel_ptr,
+    block_table_ptr,
+    out_ptr,
+    num_kv_heads,
+    num_pages,
+    k_max,
+    stride_sel_b,
+    stride_sel_h,
+    stride_bt_b,
+    BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One (request, KV head) row: slot ``pool_page * Hkv + h`` of each selected page."""
+    row = tl.program_id(0)
+    b = row // num_kv_heads
+    h = row % num_kv_heads
+    sel_row = sel_ptr + b * stride_sel_b + h * stride_sel_h
+    out_row = out_ptr + row.to(tl.int64) * k_max
+    n_sel = tl.full([], 0, tl.int32)
+    for p0 in range(0, num_pages, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        word = tl.load(sel_row + offs_p // 32, mask=offs_p < num_pages, other=0)
+        sel = (((word >> (offs_p % 32)) & 1) != 0) & (offs_p < num_pages)
+        sel_i = sel.to(tl.int32)
+        j = n_sel + tl.cumsum(sel_i, axis=0) - sel_i
+        pool_page = tl.load(block_table_ptr + b * stride_bt_b + offs_p, mask=sel, other=0)
+        slot = tl.maximum(pool_page, 0) * num_kv_heads + h
+        tl.store(out_row + j, slot.to(tl.int32), mask=sel & (j < k_max))
+        n_sel += tl.sum(sel_i, axis=0)
+    for k0 in range(0, k_max, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_pad = (offs_k < k_max) & (offs_k >= n_sel)
+        tl.store(out_row + offs_k, tl.full([BLOCK_K], -1, tl.int32), mask=mask_pad)
+
+
+def resident_slot_list_triton(
+    selection: torch.Tensor, block_table: torch.Tensor, k_max: int
+) -> torch.Tensor:
+    """Triton :func:`resident_slot_list` (no host synchronisation; a row selecting more
+    than ``K_max`` pages keeps its first ``K_max``).
+
+    Parameters
+    ----------
+    selection : int32 ``[B, Hkv, W]``; block_table : int32/int64 ``[B, P_max]``, unit
+    stride on ``P_max``
+
+    Returns
+    -------
+    int32 ``[B, Hkv, K_max]`` in position order, -1 padded.
+    """
+    check_tensor("selection", selection, 3, (torch.int32,))
+    check_tensor("block_table", block_table, 2, INDEX_DTYPES)
+    b, hkv, w = selection.shape
+    num_pages = block_table.shape[1]
+    require(block_table.shape[0] == b, f"block_table has {block_table.shape[0]} rows, batch is {b}")
+    require(32 * w >= num_pages, f"selection has {w} words, too few for P_max={num_pages} pages")
+    check_device(selection.device, block_table=block_table)
+    require_runnable(selection.device)
+    out = torch.empty((b, hkv, k_max), dtype=torch.int32, device=selection.device)
+    if out.numel() == 0:
+        return out
+    _resident_slot_list_kernel[(b * hkv,)](
+        selection,
+        block_table,
+        out,
+        hkv,
+        num_pages,
+        k_max,
+        selection.stride(0),
+        selection.stride(1),
+        block_table.stride(0),
+        BLOCK_P=max(32, min(1024, next_pow2(num_pages))),
+        BLOCK_K=max(16, min(256, next_pow2(k_max))),
+        num_warps=4,
+    )
+    return out

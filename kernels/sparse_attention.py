@@ -2,12 +2,34 @@
 
 One query token per request. The reduction runs over the selected pages in page-position
 order, whatever slots hold them, so the result does not depend on slot placement.
+
+:func:`sparse_decode_attention` is the Triton version (flash-decoding): one program per
+(request, KV head, split) walks its share of the selected pages, tile by tile, with all
+G query heads of the group in one ``tl.dot``; a second kernel merges the splits' partial
+results by log-sum-exp in a fixed order.
 """
 
 from __future__ import annotations
 
-import torch
+import math
+from dataclasses import dataclass
 
+import torch
+import triton
+import triton.language as tl
+
+from kernels._launch import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_device,
+    check_shape,
+    check_tensor,
+    interpreted,
+    next_pow2,
+    num_sms,
+    require,
+    require_runnable,
+)
 from kernels.bitmask import selected_pages
 
 
@@ -50,6 +72,9 @@ def sparse_decode_attention_ref(
     qg = q.float().view(b, hkv, hq // hkv, d)
     logits = torch.einsum("bhgd,bhtd->bhgt", qg, keys) * scale
     logits = logits.masked_fill(~ok, float("-inf"))
+    # Unwritten positions (past seq_len, or pool memory never initialised) may hold any
+    # bits, NaN included: zero them so 0-weight * NaN cannot leak into the output.
+    vals = vals.masked_fill(~ok.reshape(b, hkv, k_max * s, 1), 0.0)
     m = logits.amax(dim=-1, keepdim=True)
     p = torch.exp(logits - m)
     out = torch.einsum("bhgt,bhtd->bhgd", p, vals) / p.sum(dim=-1, keepdim=True)
@@ -96,3 +121,354 @@ def dense_decode_attention_ref(
         enable_gqa=True,
     )
     return out.view(b, hq, d).to(q.dtype)
+
+
+@triton.jit
+def _sparse_decode_split_kernel(
+    q_ptr,
+    kv_ptr,
+    sel_ptr,
+    slot_list_ptr,
+    seq_lens_ptr,
+    o_ptr,
+    lse_ptr,
+    scale_log2e,
+    num_kv_heads,
+    num_words,
+    k_max,
+    pages_per_split,
+    stride_q_b,
+    stride_q_h,
+    stride_kv_n,
+    stride_kv_kv,
+    stride_kv_s,
+    stride_sel_b,
+    stride_sel_h,
+    stride_sl_b,
+    stride_sl_h,
+    stride_o_0,
+    stride_o_1,
+    stride_o_2,
+    stride_lse_r,
+    stride_lse_s,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGES_PER_TILE: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
+    """One (request, KV head, split): attention over selected-page ranks
+    ``[split * pages_per_split, (split + 1) * pages_per_split)``.
+
+    Rank ``j`` is the ``j``-th set bit of the selection, held by ``slot_list[b, h, j]``.
+    The prefix popcount of the selection words below the context's last full page gives
+    ``c_full``: ranks ``< c_full`` are whole pages inside the context, rank ``c_full`` is
+    the partial last page if its bit is set, and later ranks lie past ``seq_len``.
+    """
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    b = row // num_kv_heads
+    h = row % num_kv_heads
+
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    n_full = seq_len // PAGE_SIZE
+    rem = seq_len % PAGE_SIZE
+    sel_row = sel_ptr + b * stride_sel_b + h * stride_sel_h
+
+    # Prefix popcount over the words of whole pages; all-zero words add nothing.
+    offs_bit = tl.arange(0, 32)
+    c_full = tl.full([], 0, tl.int32)
+    n_scan = tl.minimum(num_words, (n_full + 31) // 32)
+    for w0 in range(0, n_scan, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        words = tl.load(sel_row + offs_w, mask=offs_w < n_scan, other=0)
+        bits = (words[:, None] >> offs_bit[None, :]) & 1
+        page = offs_w[:, None] * 32 + offs_bit[None, :]
+        c_full += tl.sum(tl.sum(tl.where(page < n_full, bits, 0), axis=1), axis=0)
+    mask_tail = (rem > 0) & (n_full < num_words * 32)
+    tail_word = tl.load(sel_row + n_full // 32, mask=mask_tail, other=0)
+    has_tail = tl.where(mask_tail, (tail_word >> (n_full % 32)) & 1, 0)
+    n_valid = tl.minimum(c_full + has_tail, k_max)
+
+    r_lo = split * pages_per_split
+    r_hi = tl.minimum(r_lo + pages_per_split, n_valid)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < G
+    mask_d = offs_d < D
+    q = tl.load(
+        q_ptr + b * stride_q_b + (h * G + offs_g)[:, None] * stride_q_h + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    if FP32_DOT:
+        q = q.to(tl.float32)
+
+    BLOCK_N: tl.constexpr = PAGES_PER_TILE * PAGE_SIZE
+    offs_n = tl.arange(0, BLOCK_N)
+    tile_rank = offs_n // PAGE_SIZE
+    tok = offs_n % PAGE_SIZE
+    sl_row = slot_list_ptr + b * stride_sl_b + h * stride_sl_h
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for r0 in range(r_lo, r_hi, PAGES_PER_TILE):
+        rank = r0 + tile_rank
+        mask_n = rank < r_hi
+        slot = tl.load(sl_row + rank, mask=mask_n, other=0)
+        slot = tl.maximum(slot, 0).to(tl.int64)
+        valid = mask_n & ((rank < c_full) | (tok < rem))
+        rec = kv_ptr + slot * stride_kv_n + tok * stride_kv_s
+        mask_kv = valid[:, None] & mask_d[None, :]
+        k = tl.load(rec[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
+        v = tl.load(rec[:, None] + stride_kv_kv + offs_d[None, :], mask=mask_kv, other=0.0)
+        if FP32_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(valid[None, :], qk * scale_log2e, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if FP32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    mask_o = mask_g[:, None] & mask_d[None, :]
+    if DIRECT:
+        # Single split: o is the output [B, Hq, D].
+        out = acc / l_i[:, None]
+        o_rows = o_ptr + b * stride_o_0 + (h * G + offs_g)[:, None] * stride_o_1
+        tl.store(o_rows + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=mask_o)
+    else:
+        # o is [R, SPLITS, G, D] (fp32), lse [R, SPLITS, G] (log2 domain).
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_rows = o_ptr + row * stride_o_0 + split * stride_o_1 + offs_g[:, None] * stride_o_2
+        tl.store(o_rows + offs_d[None, :], out, mask=mask_o)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + row * stride_lse_r + split * stride_lse_s + offs_g, lse, mask=mask_g)
+
+
+@triton.jit
+def _sparse_decode_merge_kernel(
+    o_ptr,
+    lse_ptr,
+    out_ptr,
+    num_kv_heads,
+    num_splits,
+    stride_o_r,
+    stride_o_s,
+    stride_o_g,
+    stride_lse_r,
+    stride_lse_s,
+    stride_out_b,
+    stride_out_h,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """One (request, query head): merge the splits' partial outputs by log-sum-exp.
+
+    The reduction order over splits is fixed by the tile shape, so the result is
+    deterministic and independent of where the pages' records live.
+    """
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    b = row // num_kv_heads
+    h = row % num_kv_heads
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < num_splits
+    mask_d = offs_d < D
+    lse = tl.load(
+        lse_ptr + row * stride_lse_r + offs_s * stride_lse_s + g, mask=mask_s, other=float("-inf")
+    )
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - m)
+    o = tl.load(
+        o_ptr + row * stride_o_r + offs_s[:, None] * stride_o_s + g * stride_o_g + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    dst = out_ptr + b * stride_out_b + (h * G + g) * stride_out_h + offs_d
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of :func:`sparse_decode_attention`.
+
+    tile_tokens : tokens per ``tl.dot`` tile (whole pages; at least one page)
+    waves : split-K aims at ``waves * SMs`` programs
+    num_warps, num_stages : Triton launch options of the split kernel
+    """
+
+    tile_tokens: int = 64
+    waves: int = 2
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _pages_per_split(
+    rows: int, k_max: int, pages_per_tile: int, waves: int, device: torch.device
+) -> int:
+    """Pages per split: about ``waves * SMs`` programs, whole tiles each."""
+    num_tiles = max(1, -(-k_max // pages_per_tile))
+    splits = min(num_tiles, max(1, -(-waves * num_sms(device) // max(rows, 1))))
+    return -(-num_tiles // splits) * pages_per_tile
+
+
+def sparse_decode_attention(
+    q: torch.Tensor,
+    kv_slots: torch.Tensor,
+    selection: torch.Tensor,
+    slot_list: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    pages_per_split: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Triton :func:`sparse_decode_attention_ref`: same arguments, same result within
+    rounding (fp32 inputs: 1e-5; bf16/fp16: the output dtype's rounding).
+
+    Parameters
+    ----------
+    q : ``[B, Hq, D]`` bf16/fp16/fp32, unit stride on ``D``
+    kv_slots : ``[N, 2, S, D]`` records, unit stride on ``D``; ``S`` a power of two
+    selection : int32 ``[B, Hkv, W]`` bitmask (unit stride on ``W``)
+    slot_list : int32/int64 ``[B, Hkv, K_max]``
+    seq_lens : int32/int64 ``[B]``
+    scale : softmax scale
+    pages_per_split : selected pages per program (split-K width); ``None`` picks one so
+        that ``B * Hkv * splits`` fills the device ``config.waves`` times. Results are
+        deterministic for a given ``(B, Hkv, K_max)`` and launch shape, and independent
+        of slot placement.
+    config : launch shape (:class:`DecodeConfig`); ``None`` for the default
+
+    Returns
+    -------
+    ``[B, Hq, D]`` in ``q.dtype``. When ``q`` and ``kv_slots`` dtypes differ, both are
+    computed in fp32.
+    """
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    check_tensor("kv_slots", kv_slots, 4, FLOAT_DTYPES)
+    check_tensor("selection", selection, 3, (torch.int32,))
+    check_tensor("slot_list", slot_list, 3, INDEX_DTYPES)
+    check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, unit_last=False)
+    b, hq, d = q.shape
+    _, two, s, d_kv = kv_slots.shape
+    hkv, k_max = slot_list.shape[1], slot_list.shape[2]
+    require(two == 2, f"kv_slots must be [N, 2, S, D], got {tuple(kv_slots.shape)}")
+    require(d_kv == d, f"kv_slots head dim {d_kv} != q head dim {d}")
+    require(s > 0 and s & (s - 1) == 0, f"page size S={s} must be a power of two")
+    require(hkv > 0 and hq % hkv == 0, f"Hq={hq} is not a multiple of Hkv={hkv}")
+    check_shape("slot_list", slot_list, (b, hkv, k_max))
+    require(
+        selection.shape[:2] == (b, hkv),
+        f"selection must be [B={b}, Hkv={hkv}, W], got {tuple(selection.shape)}",
+    )
+    check_shape("seq_lens", seq_lens, (b,))
+    check_device(
+        q.device, kv_slots=kv_slots, selection=selection, slot_list=slot_list, seq_lens=seq_lens
+    )
+    require_runnable(q.device)
+
+    g = hq // hkv
+    rows = b * hkv
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if rows == 0 or k_max == 0:
+        return out.fill_(float("nan"))
+    cfg = config or DecodeConfig()
+    pages_per_tile = max(1, cfg.tile_tokens // s)
+    if pages_per_split is None:
+        pages_per_split = _pages_per_split(rows, k_max, pages_per_tile, cfg.waves, q.device)
+    require(pages_per_split > 0, f"pages_per_split must be positive, got {pages_per_split}")
+    pages_per_split = -(-pages_per_split // pages_per_tile) * pages_per_tile
+    num_splits = -(-k_max // pages_per_split)
+    direct = num_splits == 1
+    if direct:
+        o_part, lse_part = out, out.new_empty((1, 1), dtype=torch.float32)
+        stride_o = (out.stride(0), out.stride(1), 0)
+    else:
+        o_part = torch.empty((rows, num_splits, g, d), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((rows, num_splits, g), dtype=torch.float32, device=q.device)
+        stride_o = o_part.stride()[:3]
+    # The interpreter's tl.dot multiplies bf16 bit patterns as integers: upcast there.
+    fp32_dot = (
+        q.dtype != kv_slots.dtype
+        or q.dtype == torch.float32
+        or (q.dtype == torch.bfloat16 and interpreted())
+    )
+    block_d = max(16, next_pow2(d))
+    _sparse_decode_split_kernel[(rows, num_splits)](
+        q,
+        kv_slots,
+        selection,
+        slot_list,
+        seq_lens,
+        o_part,
+        lse_part,
+        scale * math.log2(math.e),
+        hkv,
+        selection.shape[2],
+        k_max,
+        pages_per_split,
+        q.stride(0),
+        q.stride(1),
+        kv_slots.stride(0),
+        kv_slots.stride(1),
+        kv_slots.stride(2),
+        selection.stride(0),
+        selection.stride(1),
+        slot_list.stride(0),
+        slot_list.stride(1),
+        *stride_o,
+        lse_part.stride(0),
+        lse_part.stride(1),
+        G=g,
+        BLOCK_G=max(16, next_pow2(g)),
+        D=d,
+        BLOCK_D=block_d,
+        PAGE_SIZE=s,
+        PAGES_PER_TILE=pages_per_tile,
+        BLOCK_W=64,
+        FP32_DOT=fp32_dot,
+        DIRECT=direct,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if not direct:
+        _sparse_decode_merge_kernel[(rows, g)](
+            o_part,
+            lse_part,
+            out,
+            hkv,
+            num_splits,
+            o_part.stride(0),
+            o_part.stride(1),
+            o_part.stride(2),
+            lse_part.stride(0),
+            lse_part.stride(1),
+            out.stride(0),
+            out.stride(1),
+            G=g,
+            D=d,
+            BLOCK_D=block_d,
+            BLOCK_S=max(2, next_pow2(num_splits)),
+            num_warps=4,
+        )
+    return out

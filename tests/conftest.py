@@ -60,3 +60,35 @@ def smollm2_tokenizer(smollm2_gguf_reader):
     from engine.tokenizer import TextTokenizer
 
     return TextTokenizer.from_gguf(smollm2_gguf_reader)
+
+
+# --- kernels: Triton's interpreter for tests/test_kernels.py ---------------------------
+
+KERNEL_TESTS = Path(__file__).with_name("test_kernels.py")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _interpret_triton_for_kernel_tests(config)
+
+
+def _interpret_triton_for_kernel_tests(config: pytest.Config) -> None:
+    """Switch Triton's CPU interpreter on when ``test_kernels.py`` is part of the run on a
+    machine without CUDA. It must be set before anything imports triton (kernels are
+    decorated at import), hence here rather than in the module."""
+    if "TRITON_INTERPRET" in os.environ or not _collects(config, KERNEL_TESTS):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _collects(config: pytest.Config, target: Path) -> bool:
+    """Whether the command-line paths (or the invocation folder) include ``target``."""
+    here = config.invocation_params.dir
+    args = [a.split("::")[0] for a in config.args if not a.startswith("-")] or [str(here)]
+    for arg in args:
+        path = (here / arg).resolve()
+        if path == target.resolve() or path in target.resolve().parents:
+            return True
+    return False

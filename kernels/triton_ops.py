@@ -1,0 +1,31 @@
+"""The Triton kernel set, :data:`TRITON_OPS`, that :func:`kernels.dispatch.get_ops` returns
+for CUDA devices (or on the CPU under ``TRITON_INTERPRET=1``, in tests).
+
+Every op keeps its reference's signature. The decode hot path (append, Quest scores,
+top-k selection, resolve, gather, sparse attention, all-resident slot lists) runs without
+host synchronisation, so a decode step can be captured in a CUDA graph; ``oracle_scores``
+and ``dense_decode_attention`` (evaluation and baseline) stay the PyTorch references.
+"""
+
+from __future__ import annotations
+
+from kernels.append_kv import append_kv
+from kernels.dispatch import Ops
+from kernels.gather import gather
+from kernels.quest_select import dense_selection, oracle_scores_ref, quest_scores, select_topk
+from kernels.resolve import resident_slot_list_triton, resolve
+from kernels.sparse_attention import dense_decode_attention_ref, sparse_decode_attention
+
+TRITON_OPS = Ops(
+    name="triton",
+    quest_scores=quest_scores,
+    oracle_scores=oracle_scores_ref,
+    select_topk=select_topk,
+    dense_selection=dense_selection,
+    resolve=resolve,
+    resident_slot_list=resident_slot_list_triton,
+    gather=gather,
+    sparse_decode_attention=sparse_decode_attention,
+    dense_decode_attention=dense_decode_attention_ref,
+    append_kv=append_kv,
+)

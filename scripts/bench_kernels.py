@@ -1,0 +1,585 @@
+"""Benchmark the decode kernels on a CUDA GPU; print a table and write JSON (``--out``).
+
+Sections (``--sections``, comma-separated; all by default):
+
+* ``ceilings`` — device copy (read + write, ``Tensor.copy_``) and pinned host -> device copy;
+* ``attention`` — sparse decode attention at 32K/128K/256K contexts, top-k 2048 tokens,
+  batch 1/8/32, 32 query / 8 KV heads, head_dim 128, bf16: time, bytes read, GB/s against
+  the device-copy ceiling, speed-up over dense decode attention with torch SDPA on the full
+  context (KV contiguous on the GPU); a small launch-shape sweep at 128K;
+* ``resolve`` — resolve µs per layer at batch 8 and 32 against the sparse attention time of
+  the same layer (target <= 10%);
+* ``gather`` — GB/s for 16/32/64 KiB records from pinned host memory against the pinned
+  ``cudaMemcpy`` ceiling (target >= 90%);
+* ``int4`` — W4A16 linear: bf16 ``F.linear``, torch's ``_weight_int4pack_mm`` and the Triton
+  Q4_0/Q4_1 kernel on SmolLM2-135M and 8B-class shapes.
+
+Timing: CUDA events around CUDA-graph replays of ``inner`` calls (launch gaps removed),
+after warm-up, median of ``reps``; inputs rotate over enough copies to exceed the L2 cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.bitmask import pack_bits  # noqa: E402
+from kernels.gather import gather  # noqa: E402
+from kernels.int4_matmul import (  # noqa: E402
+    Q4Config,
+    int4_linear,
+    int4_linear_ref,
+    int4pack_linear,
+    q4_config,
+    quantize_q4,
+    to_int4pack,
+)
+from kernels.resolve import resolve  # noqa: E402
+from kernels.sparse_attention import DecodeConfig, sparse_decode_attention  # noqa: E402
+
+DEV = torch.device("cuda")
+L2_BYTES = 64 << 20
+HQ, HKV, D = 32, 8, 128
+TOP_K_TOKENS = 2048
+CONTEXTS = (32768, 131072, 262144)
+BATCHES = (1, 8, 32)
+SWEEP_CONTEXT = 131072
+RESOLVE_BATCHES = (8, 32)
+GATHER_POOL_BYTES = 2 << 30
+CEILING_BYTES = 1 << 30
+
+
+# --- timing --------------------------------------------------------------------------------
+
+
+def time_us(
+    calls: list[Callable[[], object]], reps: int = 30, repeat: int = 1, graph: bool = True
+) -> float:
+    """Median µs per call of ``calls`` (run in order, ``repeat`` times, per timed replay)."""
+    seq = calls * repeat
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    run: Callable[[], object]
+    if graph:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for fn in calls:
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for fn in seq:
+                    fn()
+            run = g.replay
+        except Exception as err:  # noqa: BLE001 - fall back to eager launches
+            print(f"  (graph capture failed: {err!r}; timing eager launches)", flush=True)
+            torch.cuda.synchronize()
+            graph = False
+    if not graph:
+
+        def run() -> None:
+            for fn in seq:
+                fn()
+
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / len(seq))
+    return statistics.median(times)
+
+
+def copies_for(nbytes: int, cap: int = 32) -> int:
+    """Input copies to rotate so that one pass exceeds ~4x the L2 cache."""
+    return max(1, min(cap, math.ceil(4 * L2_BYTES / max(nbytes, 1))))
+
+
+# --- ceilings --------------------------------------------------------------------------------
+
+
+def bench_ceilings() -> dict:
+    n = CEILING_BYTES
+    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
+    dst = torch.empty_like(src)
+    us = time_us([lambda: dst.copy_(src)], reps=20, graph=False)
+    copy_gbps = 2 * n / us / 1e3
+    host = torch.empty(CEILING_BYTES // 4, dtype=torch.uint8, pin_memory=True).fill_(0x5A)
+    dev = torch.empty(host.shape, dtype=torch.uint8, device=DEV)
+    us_h2d = time_us([lambda: dev.copy_(host, non_blocking=True)], reps=10, graph=False)
+    return {
+        "device_copy_gbps": copy_gbps,
+        "device_copy_bytes": 2 * n,
+        "h2d_pinned_gbps": host.numel() / us_h2d / 1e3,
+        "h2d_pinned_bytes": host.numel(),
+    }
+
+
+# --- attention -------------------------------------------------------------------------------
+
+
+def sparse_setup(b: int, ctx: int, s: int, gen: torch.Generator) -> dict:
+    """One copy of the sparse-attention inputs: top-k 2048 tokens (sink page, 2 window pages,
+    random others), records scattered over a hot buffer of ``B*Hkv*K`` slots."""
+    p = ctx // s
+    k = TOP_K_TOKENS // s
+    seq_len = ctx - 17
+    num_pages = -(-seq_len // s)
+    mask = torch.zeros(b, HKV, p, dtype=torch.bool)
+    mask[:, :, 0] = True
+    mask[:, :, num_pages - 2 : num_pages] = True
+    scores = torch.rand(b, HKV, num_pages - 3, generator=gen)
+    mask[:, :, 1 : num_pages - 2].scatter_(-1, scores.topk(k - 3, dim=-1).indices, True)
+    rows = b * HKV
+    slots = torch.randperm(rows * k, generator=gen).view(b, HKV, k).int()
+    return {
+        "q": torch.randn(b, HQ, D, generator=gen).bfloat16().to(DEV),
+        "kv_slots": torch.empty(rows * k, 2, s, D, dtype=torch.bfloat16, device=DEV).normal_(),
+        "selection": pack_bits(mask).to(DEV),
+        "slot_list": slots.to(DEV),
+        "seq_lens": torch.full((b,), seq_len, dtype=torch.int32, device=DEV),
+        "scale": D**-0.5,
+    }
+
+
+def sparse_bytes(b: int, s: int) -> int:
+    """Bytes the sparse kernel must read: selected K/V records, q, slot lists, words; + out."""
+    k = TOP_K_TOKENS // s
+    return b * HKV * k * 2 * s * D * 2 + 2 * b * HQ * D * 2 + b * HKV * k * 4
+
+
+def time_sparse(
+    b: int, ctx: int, s: int, config: DecodeConfig | None, gen: torch.Generator
+) -> float:
+    sets = [sparse_setup(b, ctx, s, gen) for _ in range(copies_for(sparse_bytes(b, s)))]
+    return time_us([lambda a=a: sparse_decode_attention(**a, config=config) for a in sets])
+
+
+def time_dense(b: int, ctx: int) -> float:
+    """Dense decode attention with torch SDPA over contiguous [B, Hkv, T, D] KV."""
+    nbytes = 2 * b * HKV * ctx * D * 2
+    sets = []
+    for _ in range(copies_for(nbytes, cap=4)):
+        kk = torch.empty(b, HKV, ctx, D, dtype=torch.bfloat16, device=DEV).normal_()
+        vv = torch.empty_like(kk).normal_()
+        q = torch.randn(b, HQ, 1, D, dtype=torch.bfloat16, device=DEV)
+        sets.append((q, kk, vv))
+
+    def call(q, kk, vv):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, kk, vv, scale=D**-0.5, enable_gqa=True
+        )
+
+    return time_us([lambda t=t: call(*t) for t in sets], reps=10)
+
+
+SWEEP = [
+    DecodeConfig(),
+    DecodeConfig(tile_tokens=128),
+    DecodeConfig(num_warps=8),
+    DecodeConfig(num_stages=3),
+    DecodeConfig(waves=4),
+    DecodeConfig(tile_tokens=128, num_warps=8, num_stages=3),
+]
+
+
+def bench_attention(ceil_gbps: float, out: dict) -> None:
+    gen = torch.Generator().manual_seed(0)
+    s = 64
+    sweep = out.setdefault("attention_sweep", [])
+    best_cfg, best_score = DecodeConfig(), math.inf
+    for b in BATCHES:
+        for cfg in SWEEP:
+            us = time_sparse(b, SWEEP_CONTEXT, s, cfg, gen)
+            sweep.append({"batch": b, "config": cfg.__dict__, "us": us})
+            print(f"  sweep b={b:2d} {cfg}: {us:.1f} us", flush=True)
+    for cfg in SWEEP:
+        score = sum(math.log(r["us"]) for r in sweep if r["config"] == cfg.__dict__)
+        if score < best_score:
+            best_cfg, best_score = cfg, score
+    out["attention_best_config"] = best_cfg.__dict__
+    rows = out.setdefault("attention", [])
+    for ctx in CONTEXTS:
+        for b in BATCHES:
+            us = time_sparse(b, ctx, s, DecodeConfig(), gen)
+            us_best = time_sparse(b, ctx, s, best_cfg, gen)
+            nbytes = sparse_bytes(b, s)
+            dense_us = time_dense(b, ctx)
+            row = {
+                "ctx": ctx,
+                "batch": b,
+                "page_size": s,
+                "top_k_tokens": TOP_K_TOKENS,
+                "sparse_us": us,
+                "sparse_best_us": us_best,
+                "bytes_read": nbytes,
+                "gbps": nbytes / us_best / 1e3,
+                "pct_of_copy_ceiling": 100 * nbytes / us_best / 1e3 / ceil_gbps,
+                "dense_sdpa_us": dense_us,
+                "dense_bytes": 2 * b * HKV * ctx * D * 2,
+                "speedup_vs_dense": dense_us / us_best,
+            }
+            rows.append(row)
+            print(
+                f"  ctx={ctx // 1024:3d}K b={b:2d}: sparse {us:7.1f} us (best cfg {us_best:7.1f}), "
+                f"{row['gbps']:6.0f} GB/s, dense {dense_us:8.1f} us, x{row['speedup_vs_dense']:.1f}",
+                flush=True,
+            )
+            torch.cuda.empty_cache()
+
+
+# --- resolve ---------------------------------------------------------------------------------
+
+
+def resolve_setup(b: int, p: int, k: int, c: int, n_sel: int, gen: torch.Generator):
+    """State plus ``n_sel`` selections that drift (~25% new pages per step), so misses happen."""
+    rows = b * HKV
+    slab_ids = torch.arange(rows, dtype=torch.int32).view(b, HKV).to(DEV)
+    state = [
+        torch.full((rows, p), -1, dtype=torch.int32, device=DEV),
+        torch.full((rows * c,), -1, dtype=torch.int32, device=DEV),
+        torch.full((rows * c,), -1, dtype=torch.int64, device=DEV),
+    ]
+    base = torch.rand(b, HKV, p, generator=gen)
+    sels = []
+    for _ in range(n_sel):
+        base = torch.where(
+            torch.rand(b, HKV, p, generator=gen) < 0.01, torch.rand(b, HKV, p, generator=gen), base
+        )
+        mask = torch.zeros(b, HKV, p, dtype=torch.bool)
+        mask.scatter_(-1, base.topk(k, dim=-1).indices, True)
+        sels.append(pack_bits(mask).to(DEV))
+    return slab_ids, state, sels
+
+
+def bench_resolve(out: dict) -> None:
+    gen = torch.Generator().manual_seed(1)
+    rows = out.setdefault("resolve", [])
+    ctx = SWEEP_CONTEXT
+    for s, c_factor in ((64, 2), (16, 2)):
+        k = TOP_K_TOKENS // s
+        c = c_factor * k
+        p = ctx // s
+        for b in RESOLVE_BATCHES:
+            slab_ids, state, sels = resolve_setup(b, p, k, c, 8, gen)
+            calls = [
+                lambda sel=sel, st=state, sl=slab_ids, c=c, k=k: resolve(sel, sl, *st, 1, c, k)
+                for sel in sels
+            ]
+            us = time_us(calls)
+            for sel in sels:  # one more pass over the drifting selections, eagerly
+                _, _, load_slots, hit = resolve(sel, slab_ids, *state, 2, c, k)
+            misses = (load_slots >= 0).sum(-1).float().mean().item()
+            attn = time_sparse(b, ctx, s, DecodeConfig(), gen)
+            row = {
+                "ctx": ctx,
+                "batch": b,
+                "page_size": s,
+                "k_pages": k,
+                "slots_per_slab": c,
+                "resolve_us": us,
+                "sparse_attention_us": attn,
+                "ratio_pct": 100 * us / attn,
+                "mean_hits": hit.float().mean().item(),
+                "mean_misses": misses,
+            }
+            rows.append(row)
+            print(
+                f"  S={s} K={k} C={c} b={b:2d}: resolve {us:6.1f} us, attention {attn:6.1f} us ({row['ratio_pct']:.0f}%)",
+                flush=True,
+            )
+
+
+# --- gather ----------------------------------------------------------------------------------
+
+
+def bench_gather(ceilings: dict, out: dict) -> None:
+    gen = torch.Generator().manual_seed(2)
+    rows = out.setdefault("gather", [])
+    pool_bytes = GATHER_POOL_BYTES
+    host = torch.empty(pool_bytes, dtype=torch.uint8, pin_memory=True)
+    noise = torch.empty(min(pool_bytes, 256 << 20), dtype=torch.uint8, device=DEV).random_()
+    for off in range(0, pool_bytes, noise.numel()):
+        host[off : off + noise.numel()].copy_(noise)
+    del noise
+    b = 8
+    for s in (32, 64, 128):
+        rec_bytes = 2 * s * D * 2
+        p_pool = pool_bytes // (HKV * rec_bytes)
+        pool = host.view(torch.bfloat16).view(p_pool, HKV, 2, s, D)
+        p_max = p_pool // b
+        k = min(32, p_max)
+        block_table = (
+            torch.randperm(p_pool, generator=gen)[: b * p_max].view(b, p_max).int().to(DEV)
+        )
+        slots = torch.empty(b * HKV * k, 2, s, D, dtype=torch.bfloat16, device=DEV)
+        lists = []
+        for _ in range(4):
+            lp = torch.stack(
+                [torch.randperm(p_max, generator=gen)[:k] for _ in range(b * HKV)]
+            ).view(b, HKV, k)
+            ls = torch.randperm(b * HKV * k, generator=gen).view(b, HKV, k)
+            lists.append((lp.int().to(DEV), ls.int().to(DEV)))
+        nbytes = b * HKV * k * rec_bytes
+        us = time_us(
+            [
+                lambda lp=lp, ls=ls, p=pool, sl=slots, bt=block_table: gather(p, sl, bt, lp, ls)
+                for lp, ls in lists
+            ],
+            reps=10,
+        )
+        # The same records through the copy engine, one tensor.copy_ per record.
+        recs = [
+            (int(block_table[0, int(lists[0][0][0, h, j])]), h)
+            for h in range(HKV)
+            for j in range(k)
+        ]
+        dst = slots[: len(recs)]
+        t0 = torch.cuda.Event(enable_timing=True)
+        t1 = torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for i, (pp, h) in enumerate(recs):
+            dst[i].copy_(pool[pp, h], non_blocking=True)
+        t1.record()
+        t1.synchronize()
+        per_record_gbps = len(recs) * rec_bytes / (t0.elapsed_time(t1) * 1e3) / 1e3
+        gbps = nbytes / us / 1e3
+        row = {
+            "record_kib": rec_bytes // 1024,
+            "records": b * HKV * k,
+            "us": us,
+            "gbps": gbps,
+            "pct_of_pinned_memcpy": 100 * gbps / ceilings["h2d_pinned_gbps"],
+            "per_record_copy_gbps": per_record_gbps,
+        }
+        rows.append(row)
+        print(
+            f"  {rec_bytes // 1024:2d} KiB records: {gbps:5.1f} GB/s ({row['pct_of_pinned_memcpy']:.0f}% of "
+            f"pinned memcpy), per-record copy_ {per_record_gbps:.1f} GB/s",
+            flush=True,
+        )
+
+
+# --- int4 ------------------------------------------------------------------------------------
+
+INT4_SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (14336, 4096), (4096, 14336)]
+INT4_MS = [1, 8, 32, 256]
+
+
+def q4_sweep(m: int, k: int, default: Q4Config) -> list[Q4Config]:
+    bm = default.block_m
+    cands = [default]
+    for bn, bk, stages in ((32, 128, 4), (64, 256, 3), (128, 128, 3), (64, 64, 4)):
+        if k % bk == 0:
+            cands.append(Q4Config(bm, bn, bk, default.split_k, num_warps=4, num_stages=stages))
+    if m >= 256:
+        cands = [
+            default,
+            Q4Config(64, 128, 64, 1, 4, 3),
+            Q4Config(128, 128, 64, 1, 8, 3),
+            Q4Config(64, 64, 128, 1, 4, 4),
+        ]
+    return cands
+
+
+def tinygemm_pack(q41: tuple, x: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
+    """Nibble order that makes ``_weight_int4pack_mm`` reproduce the reference, and its error."""
+    errs = {}
+    for even_high in (True, False):
+        y = int4pack_linear(x, *to_int4pack(*q41, DEV, even_high=even_high))
+        errs[even_high] = ((y.float() - ref).norm() / ref.norm()).item()
+    order = min(errs, key=errs.get)
+    return order, errs[order]
+
+
+def bench_int4(out: dict) -> None:
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    rows = out.setdefault("int4", [])
+    for n, k in INT4_SHAPES:
+        w = torch.randn(n, k, generator=gen, device=DEV) * 0.02
+        w_bf16 = w.bfloat16()
+        q40 = quantize_q4(w, "q4_0")
+        q41 = quantize_q4(w, "q4_1")
+        del w
+        q4_bytes = n * k // 2 + n * (k // 32) * 4
+        n_q = copies_for(q4_bytes)
+        n_bf = copies_for(n * k * 2, cap=4)
+        w_copies = [w_bf16] + [w_bf16.clone() for _ in range(n_bf - 1)]
+        q41_copies = [q41] + [tuple(t.clone() for t in q41) for _ in range(n_q - 1)]
+        q40_copies = [q40] + [
+            tuple(t.clone() if t is not None else None for t in q40) for _ in range(n_q - 1)
+        ]
+        tg, tg_err = None, None
+        try:
+            x0 = torch.randn(4, k, generator=gen, device=DEV).bfloat16()
+            even_high, err0 = tinygemm_pack(q41, x0, int4_linear_ref(x0.float(), *q41))
+            out["tinygemm_even_high"], out["tinygemm_pack_rel_err"] = even_high, err0
+            tg = [to_int4pack(*q, DEV, even_high=even_high) for q in q41_copies]
+        except Exception as err:  # noqa: BLE001
+            tg_err = repr(err)
+        for m in INT4_MS:
+            x = torch.randn(m, k, generator=gen, device=DEV).bfloat16()
+            ref = int4_linear_ref(x.float(), *q41)
+            row: dict = {"n": n, "k": k, "m": m, "weight_copies": n_q}
+            row["bf16_us"] = time_us(
+                [lambda w_=w_, x=x: torch.nn.functional.linear(x, w_) for w_ in w_copies]
+            )
+            if tg is not None:
+                y = int4pack_linear(x, *tg[0])
+                row["tinygemm_rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
+                row["tinygemm_us"] = time_us([lambda t=t, x=x: int4pack_linear(x, *t) for t in tg])
+            else:
+                row["tinygemm_error"] = tg_err
+            default = q4_config(m, n, k, DEV)
+            y = int4_linear(x, *q41)
+            row["triton_q4_1_rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
+            row["triton_q4_0_us"] = time_us(
+                [lambda q=q, x=x: int4_linear(x, *q) for q in q40_copies]
+            )
+            best = (math.inf, None)
+            for cfg in q4_sweep(m, k, default):
+                try:
+                    us = time_us(
+                        [lambda q=q, c=cfg, x=x: int4_linear(x, *q, config=c) for q in q41_copies],
+                        reps=15,
+                    )
+                except Exception as err:  # noqa: BLE001
+                    print(f"  config {cfg} failed: {err!r}", flush=True)
+                    continue
+                if cfg == default:
+                    row["triton_q4_1_us"] = us
+                if us < best[0]:
+                    best = (us, cfg)
+            row["triton_q4_1_best_us"] = best[0]
+            row["triton_q4_1_best_config"] = best[1].__dict__ if best[1] else None
+            rows.append(row)
+            print(
+                f"  N={n:5d} K={k:5d} M={m:3d}: bf16 {row['bf16_us']:7.1f} us | tinygemm "
+                f"{row.get('tinygemm_us', float('nan')):7.1f} us (err {row.get('tinygemm_rel_err', float('nan')):.1e}) | "
+                f"triton q4_0 {row['triton_q4_0_us']:7.1f} q4_1 {row.get('triton_q4_1_us', float('nan')):7.1f} "
+                f"best {best[0]:7.1f} us (err {row['triton_q4_1_rel_err']:.1e})",
+                flush=True,
+            )
+        del w_copies, q41_copies, q40_copies, tg
+        torch.cuda.empty_cache()
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def print_tables(res: dict) -> None:
+    c = res.get("ceilings", {})
+    if c:
+        print(
+            f"\nceilings: device copy {c['device_copy_gbps']:.0f} GB/s, pinned H2D {c['h2d_pinned_gbps']:.1f} GB/s"
+        )
+    if res.get("attention"):
+        print("\nsparse attention (bf16, 32/8 heads, D=128, S=64, top-k 2048 tokens)")
+        print("ctx    B   sparse_us  best_us   MB_read   GB/s  %copy  dense_us  speedup")
+        for r in res["attention"]:
+            print(
+                f"{r['ctx'] // 1024:4d}K {r['batch']:3d} {r['sparse_us']:9.1f} {r['sparse_best_us']:8.1f} "
+                f"{r['bytes_read'] / 1e6:8.1f} {r['gbps']:6.0f} {r['pct_of_copy_ceiling']:5.0f}% "
+                f"{r['dense_sdpa_us']:9.1f} {r['speedup_vs_dense']:7.1f}x"
+            )
+        print(f"best launch shape: {res.get('attention_best_config')}")
+    if res.get("resolve"):
+        print("\nresolve per layer (128K context)")
+        print("S   K    C    B   resolve_us  attention_us  ratio")
+        for r in res["resolve"]:
+            print(
+                f"{r['page_size']:<3d} {r['k_pages']:<4d} {r['slots_per_slab']:<4d} {r['batch']:<3d} "
+                f"{r['resolve_us']:10.1f} {r['sparse_attention_us']:13.1f} {r['ratio_pct']:5.0f}%"
+            )
+    if res.get("gather"):
+        print("\ngather from pinned host")
+        print("record  records   us      GB/s   %memcpy  per-record copy_ GB/s")
+        for r in res["gather"]:
+            print(
+                f"{r['record_kib']:3d}KiB {r['records']:7d} {r['us']:8.1f} {r['gbps']:7.1f} "
+                f"{r['pct_of_pinned_memcpy']:7.0f}% {r['per_record_copy_gbps']:10.1f}"
+            )
+    if res.get("int4"):
+        print("\nW4A16 linear (µs; Triton q4_1 best = best of a small tile sweep)")
+        print("    N     K    M   bf16  tinygemm  tri_q4_0  tri_q4_1  tri_best")
+        for r in res["int4"]:
+            print(
+                f"{r['n']:5d} {r['k']:5d} {r['m']:4d} {r['bf16_us']:6.1f} {r.get('tinygemm_us', float('nan')):9.1f} "
+                f"{r['triton_q4_0_us']:9.1f} {r.get('triton_q4_1_us', float('nan')):9.1f} {r['triton_q4_1_best_us']:9.1f}"
+            )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, help="write results as JSON here")
+    parser.add_argument("--sections", default="ceilings,attention,resolve,gather,int4")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    res: dict = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(),
+        "errors": {},
+    }
+    sections = args.sections.split(",")
+
+    def save() -> None:
+        if args.out:
+            args.out.write_text(json.dumps(res, indent=1))
+
+    t0 = time.time()
+    res["ceilings"] = bench_ceilings()
+    save()
+    for name in sections:
+        if name == "ceilings":
+            continue
+        print(f"[{time.time() - t0:6.1f} s] {name}", flush=True)
+        try:
+            if name == "attention":
+                bench_attention(res["ceilings"]["device_copy_gbps"], res)
+            elif name == "resolve":
+                bench_resolve(res)
+            elif name == "gather":
+                bench_gather(res["ceilings"], res)
+            elif name == "int4":
+                bench_int4(res)
+            else:
+                raise ValueError(f"unknown section {name}")
+        except Exception:  # noqa: BLE001 - keep the other sections
+            res["errors"][name] = traceback.format_exc()
+            print(res["errors"][name], flush=True)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        save()
+    res["wall_s"] = time.time() - t0
+    save()
+    print_tables(res)
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

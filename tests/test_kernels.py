@@ -1,0 +1,470 @@
+"""Triton kernels against their PyTorch references, on small awkward shapes.
+
+Without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, which
+``conftest.py`` sets before anything imports triton when this module is collected on a
+machine without a GPU); with CUDA they run natively. Copies, resolve and selection must
+match bit for bit; attention within 1e-5 (fp32) or the output dtype's rounding.
+
+Two interpreter limits shape the CPU cases (both are fine on a GPU): it multiplies bf16
+bit patterns as integers in ``tl.dot`` (the attention launcher upcasts there), and it
+rounds fp32 -> bf16 towards zero, so mixed-dtype append cases run on CUDA only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from kernel_cases import (
+    attention_inputs,
+    bits_equal,
+    poison_,
+    poisoned_allocations,
+    random_selection_mask,
+    to_device,
+)
+
+from kernels.append_kv import append_kv, append_kv_ref
+from kernels.bitmask import pack_bits
+from kernels.dispatch import get_ops
+from kernels.gather import gather, gather_ref
+from kernels.int4_matmul import (
+    Q4Config,
+    int4_linear,
+    int4_linear_ref,
+    quantize_q4,
+    split_gguf_blocks,
+)
+from kernels.quest_select import quest_scores, quest_scores_ref, select_topk, select_topk_ref
+from kernels.resolve import resident_slot_list, resident_slot_list_triton, resolve, resolve_ref
+from kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_ref
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.skipif(
+    not CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="no CUDA and Triton's interpreter is off (run this module through tests/conftest.py)",
+)
+
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, atol: float) -> None:
+    out, ref = out.float().cpu(), ref.float().cpu()
+    assert not out.isnan().any(), "NaN in output (unwritten element?)"
+    err = (out - ref).abs()
+    bad = err > atol + atol * ref.abs()
+    assert not bad.any(), (
+        f"max err {err.max():.3g} at {tuple(bad.nonzero()[0].tolist())} (atol {atol})"
+    )
+
+
+# --- sparse attention ------------------------------------------------------------------
+
+ATTENTION_CASES = [
+    # b, hq, hkv, d, s, p_max, k, dtype, pages_per_split
+    (1, 9, 3, 64, 16, 40, 6, torch.float32, None),
+    (2, 9, 3, 64, 16, 40, 6, torch.float32, 2),
+    (2, 28, 4, 128, 32, 12, 5, torch.float32, 1),
+    (2, 8, 2, 128, 64, 6, 3, torch.float32, 64),
+    (2, 4, 4, 64, 16, 20, 30, torch.float32, 3),  # budget >= context: every page selected
+    (3, 9, 3, 64, 32, 10, 1, torch.float32, None),  # a budget of one page (the tail)
+    (2, 9, 3, 64, 16, 40, 6, torch.float16, 2),
+    (2, 28, 4, 64, 64, 8, 4, torch.bfloat16, 1),
+]
+
+
+@pytest.mark.parametrize(
+    "case", ATTENTION_CASES, ids=lambda c: f"{c[:7]}-pps{c[8]}".replace(" ", "")
+)
+def test_sparse_attention_matches_reference(case):
+    b, hq, hkv, d, s, p_max, k, dtype, pps = case
+    args = attention_inputs(b, hq, hkv, d, s, p_max, k, dtype, seed=sum(case[:7]))
+    ref = sparse_decode_attention_ref(**args)
+    with poisoned_allocations():
+        out = sparse_decode_attention(**to_device(args, DEVICE), pages_per_split=pps)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert_close(out, ref, ATOL[dtype])
+
+
+@pytest.mark.slow
+def test_sparse_attention_batch_33():
+    args = attention_inputs(33, 6, 2, 64, 16, 9, 3, torch.float32, seed=33)
+    ref = sparse_decode_attention_ref(**args)
+    with poisoned_allocations():
+        out = sparse_decode_attention(**to_device(args, DEVICE))
+    assert_close(out, ref, ATOL[torch.float32])
+
+
+def test_sparse_attention_independent_of_slot_placement():
+    args = attention_inputs(2, 9, 3, 64, 16, 30, 5, torch.float32, seed=7)
+    first = sparse_decode_attention(**to_device(args, DEVICE), pages_per_split=2)
+    # Move every record to another slot and renumber the slot list.
+    n = args["kv_slots"].shape[0]
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(1))
+    moved = torch.empty_like(args["kv_slots"])
+    moved[perm] = args["kv_slots"]
+    sl = args["slot_list"]
+    args2 = dict(
+        args, kv_slots=moved, slot_list=torch.where(sl >= 0, perm[sl.clamp(min=0).long()], -1).int()
+    )
+    second = sparse_decode_attention(**to_device(args2, DEVICE), pages_per_split=2)
+    assert bits_equal(first.cpu(), second.cpu())
+
+
+# --- resolve ---------------------------------------------------------------------------
+
+
+def _resolve_state(num_slabs: int, p_max: int, c: int) -> list[torch.Tensor]:
+    return [
+        torch.full((num_slabs, p_max), -1, dtype=torch.int32),
+        torch.full((num_slabs * c,), -1, dtype=torch.int32),
+        torch.full((num_slabs * c,), -1, dtype=torch.int64),
+    ]
+
+
+RESOLVE_CASES = [
+    # b, hkv, p_max, c, k_max, steps
+    (2, 3, 70, 12, 8, 4),
+    (1, 1, 33, 5, 5, 6),  # k_max == C, tiny slab: every unselected slot gets reused
+    (2, 2, 100, 40, 16, 3),
+]
+
+
+@pytest.mark.parametrize("case", RESOLVE_CASES, ids=str)
+@pytest.mark.parametrize("tensor_step", [False, True], ids=["int-step", "tensor-step"])
+def test_resolve_matches_reference_over_steps(case, tensor_step):
+    b, hkv, p_max, c, k_max, steps = case
+    gen = torch.Generator().manual_seed(sum(case))
+    num_slabs = b * hkv + 2
+    slab_ids = torch.randperm(num_slabs, generator=gen)[: b * hkv].view(b, hkv).int()
+    ref_state = _resolve_state(num_slabs, p_max, c)
+    dev_state = [t.to(DEVICE, copy=True) for t in ref_state]
+    for step in range(steps):
+        n = torch.randint(p_max // 2, p_max + 1, (b,), generator=gen)
+        mask = random_selection_mask(
+            n, hkv, p_max, int(torch.randint(1, k_max + 1, (), generator=gen)), gen
+        )
+        sel = pack_bits(mask)
+        ref = resolve_ref(sel, slab_ids, *ref_state, step, c, k_max)
+        stp = torch.tensor([step], device=DEVICE) if tensor_step else step
+        with poisoned_allocations():
+            out = resolve(sel.to(DEVICE), slab_ids.to(DEVICE), *dev_state, stp, c, k_max)
+        for name, r, o in zip(
+            ("slot_list", "load_pages", "load_slots", "hits"), ref, out, strict=True
+        ):
+            assert torch.equal(r, o.cpu()), f"step {step}: {name} differs"
+        for name, r, o in zip(
+            ("page_table", "slot_page", "slot_last_use"), ref_state, dev_state, strict=True
+        ):
+            assert torch.equal(r, o.cpu()), f"step {step}: {name} differs"
+
+
+@pytest.mark.slow
+def test_resolve_batch_33_wide_page_axis():
+    b, hkv, p_max, c, k_max = 33, 1, 1500, 24, 20
+    gen = torch.Generator().manual_seed(5)
+    slab_ids = torch.arange(b * hkv).view(b, hkv).int()
+    ref_state = _resolve_state(b * hkv, p_max, c)
+    dev_state = [t.to(DEVICE, copy=True) for t in ref_state]
+    for step in range(3):
+        n = torch.randint(1, p_max + 1, (b,), generator=gen)
+        sel = pack_bits(random_selection_mask(n, hkv, p_max, k_max, gen))
+        ref = resolve_ref(sel, slab_ids, *ref_state, step, c, k_max)
+        out = resolve(sel.to(DEVICE), slab_ids.to(DEVICE), *dev_state, step, c, k_max)
+        assert all(torch.equal(r, o.cpu()) for r, o in zip(ref, out, strict=True))
+        assert all(torch.equal(r, o.cpu()) for r, o in zip(ref_state, dev_state, strict=True))
+
+
+def test_resolve_rejects_k_max_above_slab():
+    sel = torch.zeros(1, 1, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="exceeds"):
+        resolve(sel, sel[0], *[t.to(DEVICE) for t in _resolve_state(1, 8, 4)], 0, 4, 5)
+
+
+def test_resident_slot_list_matches_reference():
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.rand(3, 2, 70, generator=gen) < 0.2
+    sel = pack_bits(mask)
+    bt = torch.randperm(300, generator=gen)[:210].view(3, 70).int()
+    k_max = int(mask.sum(-1).max()) + 2
+    with poisoned_allocations():
+        out = resident_slot_list_triton(sel.to(DEVICE), bt.to(DEVICE), k_max)
+    assert torch.equal(out.cpu(), resident_slot_list(sel, bt, k_max))
+
+
+# --- gather and append ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("s", [16, 32, 64])
+def test_gather_byte_exact(dtype, s):
+    gen = torch.Generator().manual_seed(s)
+    b, hkv, d, p_pool, p_max, k, n_slots = 3, 3, 64, 30, 8, 5, 60
+    kv_pool = torch.randn(p_pool, hkv, 2, s, d, generator=gen).to(dtype)
+    block_table = torch.randperm(p_pool, generator=gen)[: b * p_max].view(b, p_max).int()
+    load_pages = torch.randint(0, p_max, (b, hkv, k), generator=gen, dtype=torch.int32)
+    load_slots = torch.randperm(n_slots, generator=gen)[: b * hkv * k].view(b, hkv, k).int()
+    skip = torch.rand(b, hkv, k, generator=gen) < 0.4
+    load_pages[skip], load_slots[skip] = -1, -1
+    ref_slots = poison_(torch.empty(n_slots, 2, s, d, dtype=dtype))
+    dev_slots = ref_slots.clone().to(DEVICE)
+    gather_ref(kv_pool, ref_slots, block_table, load_pages, load_slots)
+    gather(
+        kv_pool.to(DEVICE),
+        dev_slots,
+        block_table.to(DEVICE),
+        load_pages.to(DEVICE),
+        load_slots.to(DEVICE),
+    )
+    assert bits_equal(ref_slots, dev_slots.cpu())
+
+
+def _append_case(dtype: torch.dtype, kv_dtype: torch.dtype, with_slots: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    b, hkv, s, d, p_pool, p_max, per_slab = 5, 3, 16, 64, 40, 6, 10
+    pos = torch.randint(0, p_max * s, (b,), generator=gen, dtype=torch.int32)
+    pos[0], pos[1] = s, 0  # first token of a page
+    args = {
+        "k": torch.randn(b, hkv, d, generator=gen).to(dtype),
+        "v": torch.randn(b, hkv, d, generator=gen).to(dtype),
+        "positions": pos,
+        "block_table": torch.randperm(p_pool, generator=gen)[: b * p_max].view(b, p_max).int(),
+        "kv_pool": torch.randn(p_pool, hkv, 2, s, d, generator=gen).to(kv_dtype),
+        "meta": torch.randn(p_pool, hkv, 2, d, generator=gen).sort(dim=2).values.to(kv_dtype),
+    }
+    if with_slots:
+        num_slabs = b * hkv + 2
+        slab_ids = torch.randperm(num_slabs, generator=gen)[: b * hkv].view(b, hkv).int()
+        page_table = torch.full((num_slabs, p_max), -1, dtype=torch.int32)
+        resident = torch.rand(b, hkv, generator=gen) < 0.7
+        for i in range(b):
+            for h in range(hkv):
+                if resident[i, h]:
+                    slab = int(slab_ids[i, h])
+                    page_table[slab, int(pos[i]) // s] = slab * per_slab + i % per_slab
+        args |= {
+            "kv_slots": torch.randn(num_slabs * per_slab, 2, s, d, generator=gen).to(kv_dtype),
+            "page_table": page_table,
+            "slab_ids": slab_ids,
+        }
+    return args
+
+
+MIXED = pytest.mark.skipif(not CUDA, reason="the interpreter rounds fp32 -> bf16 towards zero")
+
+
+@pytest.mark.parametrize(
+    "dtype,kv_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        pytest.param(torch.float32, torch.bfloat16, marks=MIXED),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("with_slots", [True, False], ids=["write-through", "pool-only"])
+def test_append_kv_bit_exact(dtype, kv_dtype, with_slots):
+    args = _append_case(dtype, kv_dtype, with_slots, seed=11)
+    ref = {k: v.clone() for k, v in args.items()}
+    dev = to_device(args, DEVICE)
+    append_kv_ref(**ref)
+    append_kv(**dev)
+    for name in ("kv_pool", "meta", "kv_slots"):
+        if name in ref:
+            assert bits_equal(ref[name], dev[name].cpu()), f"{name} differs"
+
+
+# --- Quest scores and selection ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "b,hq,hkv,d,p_max", [(2, 9, 3, 64, 40), (3, 28, 4, 128, 70), (1, 4, 4, 64, 5)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_quest_scores_match_reference(b, hq, hkv, d, p_max, dtype):
+    gen = torch.Generator().manual_seed(b * hq + p_max)
+    p_pool = b * p_max + 4
+    q = torch.randn(b, hq, d, generator=gen).to(dtype)
+    meta = torch.randn(p_pool, hkv, 2, d, generator=gen).sort(dim=2).values.to(dtype)
+    block_table = torch.randperm(p_pool, generator=gen)[: b * p_max].view(b, p_max).int()
+    block_table[0, -1] = -1  # an unused tail entry
+    num_pages = torch.randint(1, p_max + 1, (b,), generator=gen, dtype=torch.int32)
+    num_pages[0] = min(int(num_pages[0]), p_max - 1)
+    ref = quest_scores_ref(q, meta, block_table, num_pages)
+    with poisoned_allocations():
+        out = quest_scores(*(t.to(DEVICE) for t in (q, meta, block_table, num_pages))).cpu()
+    assert torch.equal(torch.isneginf(ref), torch.isneginf(out))
+    finite = torch.isfinite(ref)
+    scale = (q.float().abs().sum(1).max() * meta.float().abs().max()).item()
+    assert (out[finite] - ref[finite]).abs().max() <= 1e-5 * scale
+
+
+SELECT_CASES = [
+    # top_k, sink, window
+    (5, 1, 2),
+    (1, 0, 1),  # a budget of one page
+    (100, 1, 4),  # budget >= context
+    (8, 0, 0),
+    (3, 2, 3),  # forced pages exceed the budget
+    (6, 40, 0),  # sink covers everything
+]
+
+
+@pytest.mark.parametrize("top_k,sink,window", SELECT_CASES)
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+def test_select_topk_same_bitmask(top_k, sink, window, ties):
+    gen = torch.Generator().manual_seed(top_k * 7 + sink)
+    b, hkv, p_max = 4, 3, 70
+    num_pages = torch.randint(1, p_max + 1, (b,), generator=gen, dtype=torch.int32)
+    num_pages[0] = p_max
+    scores = torch.randn(b, hkv, p_max, generator=gen)
+    if ties:
+        scores = torch.randint(-1, 2, (b, hkv, p_max), generator=gen).float()
+        scores[0, 0, :10] = -0.0
+    scores = scores.masked_fill(torch.arange(p_max) >= num_pages[:, None, None], float("-inf"))
+    ref = select_topk_ref(scores, num_pages, top_k, sink, window)
+    with poisoned_allocations():
+        out = select_topk(scores.to(DEVICE), num_pages.to(DEVICE), top_k, sink, window)
+    assert torch.equal(ref, out.cpu())
+
+
+# --- int4 linear --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 96), (5, 96, 576), (33, 40, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_int4_linear_matches_reference(kind, m, n, k, dtype):
+    gen = torch.Generator().manual_seed(m * n + k)
+    qs, d, mins = quantize_q4(torch.randn(n, k, generator=gen) * 0.05, kind)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    ref = int4_linear_ref(x, qs, d, mins)
+    dev = [t.to(DEVICE) if t is not None else None for t in (x, qs, d, mins)]
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    for cfg in (None, Q4Config(16, 32, 64, 3)):
+        out = int4_linear(*dev, config=cfg).cpu()
+        rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert rel < tol, f"relative error {rel:.3g} with {cfg}"
+
+
+def test_split_gguf_blocks_roundtrip():
+    qs, d, m = quantize_q4(torch.randn(8, 64), "q4_1")
+    raw = torch.cat(
+        [d.view(torch.uint8).view(8, 2, 2), m.view(torch.uint8).view(8, 2, 2), qs.view(8, 2, 16)],
+        -1,
+    )
+    got = split_gguf_blocks(raw.reshape(8, -1), "q4_1")
+    assert torch.equal(got[0], qs) and torch.equal(got[1], d) and torch.equal(got[2], m)
+
+
+# --- dispatch, launcher checks, the whole decode step -------------------------------------
+
+
+def test_get_ops_picks_backend():
+    assert get_ops("cpu").name == "reference"
+    assert get_ops("cuda").name == "triton"
+    assert get_ops("cpu", use_triton=True).name == "triton"
+    assert get_ops("cuda", use_triton=False).name == "reference"
+
+
+def test_launchers_raise_clear_errors():
+    args = to_device(attention_inputs(1, 9, 3, 64, 16, 4, 2, torch.float32, seed=0), DEVICE)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        sparse_decode_attention(**dict(args, q=args["q"][:, :8]))
+    with pytest.raises(ValueError, match="selection dtype"):
+        sparse_decode_attention(**dict(args, selection=args["selection"].long()))
+    with pytest.raises(ValueError, match="unit stride"):
+        sparse_decode_attention(
+            **dict(args, q=args["q"].transpose(1, 2).contiguous().transpose(1, 2))
+        )
+    with pytest.raises(ValueError, match="power of two"):
+        sparse_decode_attention(**dict(args, kv_slots=args["kv_slots"][:, :, :12]))
+    if CUDA:
+        with pytest.raises(ValueError, match="is on"):
+            sparse_decode_attention(**dict(args, seq_lens=args["seq_lens"].cpu()))
+    pool = torch.zeros(4, 3, 2, 16, 64, device=DEVICE)
+    table = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE)
+    loads = torch.zeros(1, 3, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="record shapes"):
+        gather(pool, torch.zeros(4, 2, 8, 64, device=DEVICE), table, loads, loads)
+    with pytest.raises(ValueError, match="dtype"):
+        gather(
+            pool, torch.zeros(4, 2, 16, 64, device=DEVICE, dtype=torch.float16), table, loads, loads
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("buffer_pages", [4, 12], ids=["evicting", "roomy"])
+def test_decode_step_hierarchical_equals_resident(buffer_pages):
+    """append -> Quest -> top-k -> resolve -> gather -> attention, over several steps,
+    against the references; the hierarchical result equals the all-resident one bit for
+    bit (same kernel, same K_max, records in other slots)."""
+    gen = torch.Generator().manual_seed(buffer_pages)
+    b, hq, hkv, d, s, p_max, top_k = 2, 9, 3, 64, 16, 12, 4
+    ops, ref_ops = get_ops(DEVICE, use_triton=True), get_ops("cpu", use_triton=False)
+    p_pool = b * p_max
+    block_table = torch.arange(p_pool).view(b, p_max).int()
+    kv_pool = torch.randn(p_pool, hkv, 2, s, d, generator=gen)
+    meta = torch.stack([kv_pool[:, :, 0].amin(2), kv_pool[:, :, 0].amax(2)], dim=2)
+    seq_lens = torch.tensor([100, 150], dtype=torch.int32)
+    c = buffer_pages
+    num_slabs = b * hkv
+    slab_ids = torch.arange(num_slabs).view(b, hkv).int()
+    state_ref = _resolve_state(num_slabs, p_max, c)
+    state = [t.to(DEVICE, copy=True) for t in state_ref]
+    slots_ref = torch.zeros(num_slabs * c, 2, s, d)
+    slots = slots_ref.to(DEVICE, copy=True)
+    dev = to_device({"kv_pool": kv_pool, "meta": meta, "block_table": block_table}, DEVICE)
+    for step in range(5):
+        k_new, v_new = torch.randn(b, hkv, d, generator=gen), torch.randn(b, hkv, d, generator=gen)
+        q = torch.randn(b, hq, d, generator=gen)
+        pos = seq_lens.clone()
+        seq_lens = seq_lens + 1
+        num_pages = -(-seq_lens // s)
+        ref_ops.append_kv(
+            k_new, v_new, pos, block_table, kv_pool, meta, slots_ref, state_ref[0], slab_ids
+        )
+        ops.append_kv(
+            k_new.to(DEVICE),
+            v_new.to(DEVICE),
+            pos.to(DEVICE),
+            dev["block_table"],
+            dev["kv_pool"],
+            dev["meta"],
+            slots,
+            state[0],
+            slab_ids.to(DEVICE),
+        )
+        scores = ref_ops.quest_scores(q, meta, block_table, num_pages)
+        sel = ref_ops.select_topk(scores, num_pages, top_k, 1, 1)
+        sel_dev = ops.select_topk(
+            ops.quest_scores(q.to(DEVICE), dev["meta"], dev["block_table"], num_pages.to(DEVICE)),
+            num_pages.to(DEVICE),
+            top_k,
+            1,
+            1,
+        )
+        assert torch.equal(sel, sel_dev.cpu()), f"step {step}: selection differs"
+        k_max = top_k
+        r = ref_ops.resolve(sel, slab_ids, *state_ref, step, c, k_max)
+        o = ops.resolve(sel_dev, slab_ids.to(DEVICE), *state, step, c, k_max)
+        assert all(torch.equal(x, y.cpu()) for x, y in zip(r, o, strict=True)), (
+            f"step {step}: resolve differs"
+        )
+        ref_ops.gather(kv_pool, slots_ref, block_table, r[1], r[2])
+        ops.gather(dev["kv_pool"], slots, dev["block_table"], o[1], o[2])
+        assert bits_equal(slots_ref, slots.cpu()), f"step {step}: hot buffer differs"
+        out_ref = ref_ops.sparse_decode_attention(q, slots_ref, sel, r[0], seq_lens, d**-0.5)
+        out_hier = ops.sparse_decode_attention(
+            q.to(DEVICE), slots, sel_dev, o[0], seq_lens.to(DEVICE), d**-0.5
+        )
+        resident = ops.resident_slot_list(sel_dev, dev["block_table"], k_max)
+        pool_records = dev["kv_pool"].view(-1, 2, s, d)
+        out_res = ops.sparse_decode_attention(
+            q.to(DEVICE), pool_records, sel_dev, resident, seq_lens.to(DEVICE), d**-0.5
+        )
+        assert_close(out_hier, out_ref, ATOL[torch.float32])
+        assert bits_equal(out_hier.cpu(), out_res.cpu()), f"step {step}: hierarchical != resident"

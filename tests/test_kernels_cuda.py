@@ -1,0 +1,297 @@
+"""Triton kernels on a CUDA GPU at realistic sizes: against the references, from pinned
+host memory, inside CUDA graphs (which also proves the absence of host synchronisation),
+and the int4 linear paths.
+
+Tolerances: fp32 attention 1e-5; fp16 2e-3 and bf16 1.6e-2 (absolute + relative, the
+output dtype's rounding plus the rounding of the softmax weights to that dtype before
+the P @ V product); copies, resolve and selection bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import (
+    attention_inputs,
+    bits_equal,
+    poison_,
+    poisoned_allocations,
+    random_selection_mask,
+    to_device,
+)
+
+from kernels.append_kv import append_kv, append_kv_ref
+from kernels.bitmask import pack_bits
+from kernels.gather import gather, gather_ref
+from kernels.int4_matmul import (
+    int4_linear,
+    int4_linear_ref,
+    int4pack_linear,
+    quantize_q4,
+    to_int4pack,
+)
+from kernels.quest_select import quest_scores, quest_scores_ref, select_topk, select_topk_ref
+from kernels.resolve import resolve, resolve_ref
+from kernels.sparse_attention import (
+    dense_decode_attention_ref,
+    sparse_decode_attention,
+    sparse_decode_attention_ref,
+)
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+DEV = "cuda"
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32():
+    """References in true fp32 (no TF32 in torch's matmuls)."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return (out.float() - ref.float()).abs().max().item()
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, atol: float) -> None:
+    out, ref = out.float(), ref.float()
+    assert not out.isnan().any(), "NaN in output"
+    bad = (out - ref).abs() > atol + atol * ref.abs()
+    assert not bad.any(), f"max err {max_err(out, ref):.3g} (atol {atol})"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "b,hq,hkv,d,s,p_max,k",
+    [
+        (1, 32, 8, 128, 64, 200, 32),
+        (8, 32, 8, 128, 16, 300, 128),
+        (33, 9, 3, 64, 32, 50, 20),
+        (3, 28, 4, 128, 64, 40, 40),  # budget >= context
+        (4, 9, 3, 64, 16, 30, 1),  # one page
+    ],
+)
+def test_sparse_attention_cuda(b, hq, hkv, d, s, p_max, k, dtype):
+    args = to_device(attention_inputs(b, hq, hkv, d, s, p_max, k, dtype, seed=b + hq + s), DEV)
+    ref = sparse_decode_attention_ref(**args)
+    with poisoned_allocations():
+        out = sparse_decode_attention(**args)
+        again = sparse_decode_attention(**args)
+    assert_close(out, ref, ATOL[dtype])
+    assert bits_equal(out, again), "not deterministic"
+    for pps in (1, 1000):
+        assert_close(sparse_decode_attention(**args, pages_per_split=pps), ref, ATOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_all_pages_selected_equals_dense(dtype):
+    gen = torch.Generator().manual_seed(0)
+    b, hq, hkv, d, s, p_max = 4, 32, 8, 128, 64, 40
+    seq_lens = torch.randint(1, p_max * s, (b,), generator=gen, dtype=torch.int32)
+    num_pages = -(-seq_lens // s)
+    kv_pool = torch.randn(b * p_max, hkv, 2, s, d, generator=gen).to(dtype)
+    block_table = torch.randperm(b * p_max, generator=gen).view(b, p_max).int()
+    mask = torch.arange(p_max) < num_pages[:, None, None]
+    sel = pack_bits(mask.expand(b, hkv, p_max))
+    pages = torch.where(mask.expand(b, hkv, p_max), torch.arange(p_max), -1)
+    slot_list = torch.where(
+        pages >= 0, block_table.long()[:, None, :] * hkv + torch.arange(hkv)[:, None], -1
+    )
+    q = torch.randn(b, hq, d, generator=gen).to(dtype)
+    dev = [t.to(DEV) for t in (q, kv_pool, block_table, seq_lens, sel, slot_list.int())]
+    dense = dense_decode_attention_ref(dev[0], dev[1], dev[2], dev[3], d**-0.5)
+    out = sparse_decode_attention(dev[0], dev[1].view(-1, 2, s, d), dev[4], dev[5], dev[3], d**-0.5)
+    assert_close(out, dense, 2 * ATOL[dtype] if dtype != torch.float32 else 2e-5)
+
+
+@pytest.mark.parametrize(
+    "b,hkv,p_max,c,k_max", [(8, 8, 2048, 64, 32), (32, 8, 512, 256, 128), (3, 3, 300, 40, 40)]
+)
+def test_resolve_cuda_over_steps(b, hkv, p_max, c, k_max):
+    gen = torch.Generator().manual_seed(b + c)
+    num_slabs = b * hkv + 5
+    slab_ids = torch.randperm(num_slabs, generator=gen)[: b * hkv].view(b, hkv).int().to(DEV)
+    state_ref = [
+        torch.full((num_slabs, p_max), -1, dtype=torch.int32, device=DEV),
+        torch.full((num_slabs * c,), -1, dtype=torch.int32, device=DEV),
+        torch.full((num_slabs * c,), -1, dtype=torch.int64, device=DEV),
+    ]
+    state = [t.clone() for t in state_ref]
+    step_dev = torch.zeros(1, dtype=torch.int64, device=DEV)
+    for step in range(6):
+        n = torch.randint(p_max // 2, p_max + 1, (b,), generator=gen)
+        sel = pack_bits(random_selection_mask(n, hkv, p_max, k_max, gen)).to(DEV)
+        ref = resolve_ref(sel, slab_ids, *state_ref, step, c, k_max)
+        step_dev.fill_(step)
+        with poisoned_allocations():
+            out = resolve(sel, slab_ids, *state, step_dev if step % 2 else step, c, k_max)
+        for name, r, o in zip(
+            ("slot_list", "load_pages", "load_slots", "hits"), ref, out, strict=True
+        ):
+            assert torch.equal(r, o), f"step {step}: {name}"
+        for name, r, o in zip(
+            ("page_table", "slot_page", "slot_last_use"), state_ref, state, strict=True
+        ):
+            assert torch.equal(r, o), f"step {step}: {name}"
+
+
+@pytest.mark.parametrize("s", [32, 64, 128], ids=lambda s: f"{s * 128 * 2 * 2 // 1024}KiB")
+def test_gather_from_pinned_host_byte_exact(s):
+    gen = torch.Generator().manual_seed(s)
+    b, hkv, d, p_pool, p_max, k, n_slots = 4, 8, 128, 256, 48, 16, 1024
+    kv_pool = torch.randn(p_pool, hkv, 2, s, d, generator=gen).bfloat16().pin_memory()
+    block_table = torch.randperm(p_pool, generator=gen)[: b * p_max].view(b, p_max).int()
+    load_pages = torch.randint(0, p_max, (b, hkv, k), generator=gen, dtype=torch.int32)
+    load_slots = torch.randperm(n_slots, generator=gen)[: b * hkv * k].view(b, hkv, k).int()
+    skip = torch.rand(b, hkv, k, generator=gen) < 0.3
+    load_pages[skip], load_slots[skip] = -1, -1
+    slots_ref = poison_(torch.empty(n_slots, 2, s, d, dtype=torch.bfloat16))
+    slots = slots_ref.to(DEV)
+    gather_ref(kv_pool, slots_ref, block_table, load_pages, load_slots)
+    gather(kv_pool, slots, block_table.to(DEV), load_pages.to(DEV), load_slots.to(DEV))
+    torch.cuda.synchronize()
+    assert bits_equal(slots_ref, slots.cpu())
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_append_kv_into_pinned_pool(kv_dtype):
+    gen = torch.Generator().manual_seed(1)
+    b, hkv, s, d, p_pool, p_max, per_slab = 9, 8, 64, 128, 200, 20, 4
+    pos = torch.randint(0, p_max * s, (b,), generator=gen, dtype=torch.int32)
+    pos[0] = 0
+    block_table = torch.randperm(p_pool, generator=gen)[: b * p_max].view(b, p_max).int()
+    k, v = torch.randn(b, hkv, d, generator=gen), torch.randn(b, hkv, d, generator=gen)
+    kv_pool = torch.randn(p_pool, hkv, 2, s, d, generator=gen).to(kv_dtype)
+    meta = torch.randn(p_pool, hkv, 2, d, generator=gen).sort(dim=2).values.to(kv_dtype)
+    slab_ids = torch.arange(b * hkv).view(b, hkv).int()
+    page_table = torch.full((b * hkv, p_max), -1, dtype=torch.int32)
+    page_table[slab_ids.flatten(), (pos // s).repeat_interleave(hkv).long()] = (
+        slab_ids.flatten() * per_slab + 1
+    )
+    page_table[slab_ids[1]] = -1  # request 1's tail page is not resident
+    kv_slots = torch.randn(b * hkv * per_slab, 2, s, d, generator=gen).to(kv_dtype)
+    ref = [kv_pool.clone(), meta.clone(), kv_slots.clone()]
+    append_kv_ref(k, v, pos, block_table, ref[0], ref[1], ref[2], page_table, slab_ids)
+    pool_host = kv_pool.clone().pin_memory()
+    meta_dev, slots_dev = meta.to(DEV), kv_slots.to(DEV)
+    append_kv(
+        k.to(DEV),
+        v.to(DEV),
+        pos.to(DEV),
+        block_table.to(DEV),
+        pool_host,
+        meta_dev,
+        slots_dev,
+        page_table.to(DEV),
+        slab_ids.to(DEV),
+    )
+    torch.cuda.synchronize()
+    assert bits_equal(ref[0], pool_host)
+    assert bits_equal(ref[1], meta_dev.cpu())
+    assert bits_equal(ref[2], slots_dev.cpu())
+
+
+@pytest.mark.parametrize("b,hq,hkv,p_max", [(8, 32, 8, 4096), (33, 9, 3, 520)])
+def test_quest_and_select_cuda(b, hq, hkv, p_max):
+    gen = torch.Generator().manual_seed(p_max)
+    d = 128 if hq == 32 else 64
+    q = torch.randn(b, hq, d, generator=gen).to(DEV)
+    meta = torch.randn(b * p_max, hkv, 2, d, generator=gen).sort(dim=2).values.to(DEV)
+    block_table = torch.randperm(b * p_max, generator=gen).view(b, p_max).int().to(DEV)
+    num_pages = torch.randint(1, p_max + 1, (b,), generator=gen, dtype=torch.int32).to(DEV)
+    ref = quest_scores_ref(q, meta, block_table, num_pages)
+    out = quest_scores(q, meta, block_table, num_pages)
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(out))
+    assert ((out - ref).abs()[fin] <= 1e-5 * ref.abs().max()).all()
+    for top_k, sink, window in ((32, 1, 4), (128, 4, 8), (1, 0, 1)):
+        assert torch.equal(
+            select_topk(ref, num_pages, top_k, sink, window),
+            select_topk_ref(ref, num_pages, top_k, sink, window),
+        )
+
+
+def test_decode_step_captures_in_cuda_graph():
+    """select -> resolve -> gather (pinned pool) -> attention in one CUDA graph, replayed
+    over steps with a device step counter; equal to the eager references."""
+    gen = torch.Generator().manual_seed(2)
+    b, hq, hkv, d, s, p_max, top_k, c = 4, 32, 8, 128, 64, 64, 8, 16
+    p_pool = b * p_max
+    block_table = torch.arange(p_pool).view(b, p_max).int()
+    kv_pool = torch.randn(p_pool, hkv, 2, s, d, generator=gen).bfloat16().pin_memory()
+    seq_lens = torch.full((b,), p_max * s - 5, dtype=torch.int32)
+    num_pages = -(-seq_lens // s)
+    slab_ids = torch.arange(b * hkv).view(b, hkv).int()
+    state_ref = [
+        torch.full((b * hkv, p_max), -1, dtype=torch.int32),
+        torch.full((b * hkv * c,), -1, dtype=torch.int32),
+        torch.full((b * hkv * c,), -1, dtype=torch.int64),
+    ]
+    slots_ref = torch.zeros(b * hkv * c, 2, s, d, dtype=torch.bfloat16)
+    st = {
+        "scores": torch.zeros(b, hkv, p_max, device=DEV),
+        "q": torch.zeros(b, hq, d, dtype=torch.bfloat16, device=DEV),
+        "step": torch.zeros(1, dtype=torch.int64, device=DEV),
+        "state": [t.to(DEV) for t in state_ref],
+        "slots": slots_ref.to(DEV),
+    }
+    bt_dev, nump_dev, seq_dev, slab_dev = (
+        t.to(DEV) for t in (block_table, num_pages, seq_lens, slab_ids)
+    )
+
+    def step_fn():
+        sel = select_topk(st["scores"], nump_dev, top_k, 1, 2)
+        slot_list, lp, ls, _ = resolve(sel, slab_dev, *st["state"], st["step"], c, top_k)
+        gather(kv_pool, st["slots"], bt_dev, lp, ls)
+        return sparse_decode_attention(st["q"], st["slots"], sel, slot_list, seq_dev, d**-0.5)
+
+    st["scores"].normal_()
+    st["q"].normal_()
+    step_fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    st["state"] = [t.to(DEV) for t in state_ref]
+    st["slots"].copy_(slots_ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step_fn()
+    for step in range(4):
+        scores = torch.randn(b, hkv, p_max, generator=gen)
+        q = torch.randn(b, hq, d, generator=gen).bfloat16()
+        st["scores"].copy_(scores)
+        st["q"].copy_(q)
+        st["step"].fill_(step)
+        graph.replay()
+        sel = select_topk_ref(scores, num_pages, top_k, 1, 2)
+        r = resolve_ref(sel, slab_ids, *state_ref, step, c, top_k)
+        gather_ref(kv_pool, slots_ref, block_table, r[1], r[2])
+        ref = sparse_decode_attention_ref(q, slots_ref, sel, r[0], seq_lens, d**-0.5)
+        torch.cuda.synchronize()
+        for x, y in zip(state_ref, st["state"], strict=True):
+            assert torch.equal(x, y.cpu()), f"step {step}: resolve state"
+        assert bits_equal(slots_ref, st["slots"].cpu()), f"step {step}: hot buffer"
+        assert_close(out.cpu(), ref, ATOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 576, 576), (8, 1536, 576), (32, 576, 1536), (256, 4096, 4096)]
+)
+def test_int4_linear_cuda(kind, m, n, k):
+    gen = torch.Generator().manual_seed(m + n)
+    qs, d, mins = quantize_q4(torch.randn(n, k, generator=gen) * 0.02, kind)
+    x = torch.randn(m, k, generator=gen).bfloat16().to(DEV)
+    dev = [t.to(DEV) if t is not None else None for t in (qs, d, mins)]
+    ref = int4_linear_ref(x.float(), *dev)
+    out = int4_linear(x, *dev)
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, f"triton q4 relative error {rel:.3g}"
+    w_packed, sz = to_int4pack(qs, d, mins, DEV)
+    out_tg = int4pack_linear(x, w_packed, sz)
+    rel_tg = ((out_tg.float() - ref).norm() / ref.norm()).item()
+    assert rel_tg < 2e-2, f"tinygemm relative error {rel_tg:.3g}"
