@@ -17,6 +17,7 @@ Request lifecycle:
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -119,6 +120,8 @@ class Engine:
             yield from self._decode_turn(running)
         for job in queue:
             yield ev.JobFailed(time.monotonic(), job.id, "cancelled before admission")
+        if self.tracer is not None and hasattr(self.tracer, "close"):
+            self.tracer.close()
 
     # ----- scheduling --------------------------------------------------------------
     def _check_job(self, job: ev.Job) -> str:
@@ -329,13 +332,21 @@ class Engine:
         for i, r in enumerate(batch):
             self.cache.seqs[r.seq_id].num_tokens += 1
             r.logits = logits[i] if self.keep_logits else None
-        return [sample(logits[i], r.job.sampling, r.generator) for i, r in enumerate(batch)]
+        greedy = logits.argmax(dim=-1).tolist()  # one device sync for the greedy rows
+        return [
+            greedy[i] if r.job.sampling.temperature == 0 else sample(logits[i], r.job.sampling, r.generator)
+            for i, r in enumerate(batch)
+        ]
 
     def memory_snapshot(self) -> ev.MemorySnapshot:
         """Bytes by part on the compute device and of the KV pool."""
         c, dev = self.cache, self.model.device
-        total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 0
-        act = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        if dev.type == "cuda":
+            total = torch.cuda.get_device_properties(dev).total_memory
+            act = torch.cuda.memory_allocated(dev)
+        else:  # CPU: physical RAM; activations are not tracked separately
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            act = 0
         parts = self.model.weight_bytes + c.hot_buffer_bytes + c.metadata_bytes
         return ev.MemorySnapshot(
             time.monotonic(),

@@ -208,7 +208,7 @@ class KVCache:
         first = start // s
         pages = torch.tensor(self.seqs[seq_id].pages[first : first + n_pages], dtype=torch.long)
         pool = self.pool[layer]
-        pool[pages.to(pool.device)] = rec.to(pool.device, self.dtype, non_blocking=True)
+        pool[pages.to(pool.device)] = rec.to(pool.device, self.dtype)
         valid = (torch.arange(n_pages * s, device=k.device) < t).view(n_pages, s, 1, 1)
         kmin = torch.where(valid, kp, torch.full_like(kp, float("inf"))).amin(1)
         kmax = torch.where(valid, kp, torch.full_like(kp, float("-inf"))).amax(1)

@@ -161,7 +161,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     ``[Tc, Hq, D]``
     """
     tc = q.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    # 4-D [1, H, T, D] inputs: torch's CPU flash kernel only takes batched inputs.
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     if start == 0:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     else:
@@ -169,4 +170,4 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
         pos_k = torch.arange(start + tc, device=q.device)
         mask = pos_k[None, :] <= pos_q[:, None]
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
