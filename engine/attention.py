@@ -88,7 +88,9 @@ class DecodeAttention:
             step=step,
         )
 
-    def run(self, plan: StepPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def run(
+        self, plan: StepPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         """Attention output ``[B, Hq, D]`` for queries ``q [B, Hq, D]``; ``k, v [B, Hkv, D]``
         are the new token's key (after RoPE) and value, appended first."""
         c = self.cache
@@ -141,9 +143,13 @@ class DecodeAttention:
         cfg = self.config
         c = self.cache
         if cfg.indexer == "dense":
-            return self.ops.dense_selection(plan.num_pages, c.model.num_kv_heads, plan.block_table.shape[1])
+            return self.ops.dense_selection(
+                plan.num_pages, c.model.num_kv_heads, plan.block_table.shape[1]
+            )
         if cfg.indexer == "oracle":
-            scores = self.ops.oracle_scores(q, c.pool[layer], plan.block_table, plan.seq_lens, self.scale)
+            scores = self.ops.oracle_scores(
+                q, c.pool[layer], plan.block_table, plan.seq_lens, self.scale
+            )
         else:
             scores = self.ops.quest_scores(q, c.meta[layer], plan.block_table, plan.num_pages)
         return self.ops.select_topk(

@@ -53,7 +53,9 @@ class Rope:
             return _yarn(inv, theta, d, sc)
         raise ValueError(f"unsupported rope scaling type {sc.kind!r}")
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, D]`` for int positions ``[T]`` (computed in float32)."""
         inv = self.inv_freq.to(positions.device)
         ang = positions.float()[:, None] / self.position_divisor * inv[None, :]

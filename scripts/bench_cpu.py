@@ -30,12 +30,16 @@ from engine.config import EngineConfig, SamplingParams
 from engine.embedded import default_model_path
 from engine.events import Job
 
-CORPUS = Path(os.environ.get("HISPARSE_CORPUS", Path(__file__).resolve().parents[2] / "shared" / "corpus"))
+CORPUS = Path(
+    os.environ.get("HISPARSE_CORPUS", Path(__file__).resolve().parents[2] / "shared" / "corpus")
+)
 
 
 def prompt_ids(tokenizer, doc: Path) -> list[int]:
     text = doc.read_text(encoding="utf-8")
-    return tokenizer.encode_chat([{"role": "user", "content": "Summarize this document:\n\n" + text}])
+    return tokenizer.encode_chat(
+        [{"role": "user", "content": "Summarize this document:\n\n" + text}]
+    )
 
 
 def bench_ours(ids: list[int], n_decode: int, **overrides) -> dict:
@@ -52,8 +56,12 @@ def bench_ours(ids: list[int], n_decode: int, **overrides) -> dict:
         req.generated.append(engine.decode_step([req])[0])
     decode_s = time.perf_counter() - t0
     engine.close_request(req)
-    return {"prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": n_decode / decode_s,
-            "prefill_s": prefill_s, "decode_s": decode_s}
+    return {
+        "prefill_tok_s": len(ids) / prefill_s,
+        "decode_tok_s": n_decode / decode_s,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+    }
 
 
 def bench_transformers(ids: list[int], n_decode: int) -> dict:
@@ -72,16 +80,27 @@ def bench_transformers(ids: list[int], n_decode: int) -> dict:
         model.generate(x, max_new_tokens=1, do_sample=False, pad_token_id=0)
         one_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        model.generate(x, max_new_tokens=n_decode + 1, min_new_tokens=n_decode + 1,
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            x,
+            max_new_tokens=n_decode + 1,
+            min_new_tokens=n_decode + 1,
+            do_sample=False,
+            pad_token_id=0,
+        )
         total_s = time.perf_counter() - t0
     decode_s = total_s - one_s  # subtract the prefill + first token run
-    return {"prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": n_decode / decode_s,
-            "prefill_s": prefill_s, "decode_s": decode_s}
+    return {
+        "prefill_tok_s": len(ids) / prefill_s,
+        "decode_tok_s": n_decode / decode_s,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--doc", type=Path, default=CORPUS / "tutorial-controlflow.txt")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -99,15 +118,22 @@ def main() -> None:
     }
     if not args.skip_transformers:
         rows["transformers eager (fp32)"] = bench_transformers(ids, args.decode_tokens)
-    print(f"\n{args.doc.name}: {len(ids)} prompt tokens, {args.decode_tokens} decode tokens, "
-          f"{args.threads} threads, torch {torch.__version__}")
+    print(
+        f"\n{args.doc.name}: {len(ids)} prompt tokens, {args.decode_tokens} decode tokens, "
+        f"{args.threads} threads, torch {torch.__version__}"
+    )
     print(f"{'engine':45s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
     for name, r in rows.items():
         print(f"{name:45s} {r['prefill_tok_s']:14.1f} {r['decode_tok_s']:13.2f}")
     report = {
-        "doc": args.doc.name, "prompt_tokens": len(ids), "decode_tokens": args.decode_tokens,
-        "threads": args.threads, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-        "date": time.strftime("%Y-%m-%d"), "results": rows,
+        "doc": args.doc.name,
+        "prompt_tokens": len(ids),
+        "decode_tokens": args.decode_tokens,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "results": rows,
     }
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")

@@ -126,8 +126,14 @@ def test_sparse_all_pages_equals_dense(weights_path, dense_engine, corpus_dir):
 
 
 def test_hierarchical_bit_identical_to_resident(weights_path, corpus_dir):
-    common = dict(attention="sparse", indexer="quest", top_k=256, page_size=16,
-                  sink_tokens=16, local_window=32)
+    common = dict(
+        attention="sparse",
+        indexer="quest",
+        top_k=256,
+        page_size=16,
+        sink_tokens=16,
+        local_window=32,
+    )
     resident = make_engine(weights_path, hierarchical=False, **common)
     hier = make_engine(weights_path, hierarchical=True, device_buffer=320, **common)
     ids = prompts(resident.tokenizer, corpus_dir)[2]

@@ -107,8 +107,15 @@ def test_k_max_above_slab_is_refused():
 # ----- randomized: jobs join and leave ---------------------------------------------------
 
 TINY = ModelConfig(
-    arch="llama", num_layers=2, hidden_size=16, num_heads=4, num_kv_heads=2, head_dim=8,
-    intermediate_size=32, vocab_size=32, name="tiny",
+    arch="llama",
+    num_layers=2,
+    hidden_size=16,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=32,
+    vocab_size=32,
+    name="tiny",
 )
 
 
@@ -119,8 +126,14 @@ class CacheMachine(RuleBasedStateMachine):
     @initialize(page_size=st.sampled_from([16, 32]), seed=st.integers(0, 2**16))
     def setup(self, page_size, seed):
         self.gen = torch.Generator().manual_seed(seed)
-        common = dict(attention="sparse", page_size=page_size, top_k=2 * page_size,
-                      sink_tokens=page_size, local_window=page_size, max_batch=3)
+        common = dict(
+            attention="sparse",
+            page_size=page_size,
+            top_k=2 * page_size,
+            sink_tokens=page_size,
+            local_window=page_size,
+            max_batch=3,
+        )
         self.hier_cfg = EngineConfig(device_buffer=3 * page_size, **common)
         self.res_cfg = EngineConfig(hierarchical=False, **common)
         pages = 40

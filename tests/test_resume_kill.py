@@ -42,15 +42,29 @@ def test_sigkill_midway_then_rerun_finishes_the_rest(tmp_path, corpus_dir, smoll
         "\n".join(json.dumps({"id": f"job{i}", "input": d.name}) for i, d in enumerate(docs)) + "\n"
     )
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "hisparse_cli", "run", "--manifest", str(manifest),
-           "--output-dir", str(out), "--max-batch", "1", "--max-new-tokens", "12"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hisparse_cli",
+        "run",
+        "--manifest",
+        str(manifest),
+        "--output-dir",
+        str(out),
+        "--max-batch",
+        "1",
+        "--max-new-tokens",
+        "12",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     results = out / "results.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None and not _ok_ids(results):
         time.sleep(0.2)
-    assert proc.poll() is None, "the run ended before it could be killed:\n" + proc.stdout.read().decode()
+    assert proc.poll() is None, (
+        "the run ended before it could be killed:\n" + proc.stdout.read().decode()
+    )
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     first = _ok_ids(results)
