@@ -155,6 +155,7 @@ def _q4_linear_kernel(
     split_k,
     HAS_MIN: tl.constexpr,
     FP32: tl.constexpr,
+    GATHER_SCALES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -191,21 +192,27 @@ def _q4_linear_kernel(
             other=0,
         )
         mask_nb = mask_n[:, None] & mask_b[None, :]
-        scale = tl.load(
-            d_ptr + offs_n[:, None] * stride_d_n + blk[None, :], mask=mask_nb, other=0.0
-        )
-        scale = tl.reshape(
-            tl.broadcast_to(scale.to(tl.float32)[:, :, None], [BLOCK_N, NB, 16]), [BLOCK_N, HALF]
-        )
+        mask_ni = mask_n[:, None] & mask_bi[None, :]
+        d_rows = d_ptr + offs_n[:, None] * stride_d_n
+        m_rows = m_ptr + offs_n[:, None] * stride_m_n
+        if GATHER_SCALES:
+            # One scale per byte, gathered (the repeats hit L1): no register reshuffle.
+            scale = tl.load(d_rows + blk_i[None, :], mask=mask_ni, other=0.0).to(tl.float32)
+        else:
+            scale = tl.load(d_rows + blk[None, :], mask=mask_nb, other=0.0).to(tl.float32)
+            scale = tl.reshape(
+                tl.broadcast_to(scale[:, :, None], [BLOCK_N, NB, 16]), [BLOCK_N, HALF]
+            )
         lo = (qb & 15).to(tl.float32)
         hi = (qb >> 4).to(tl.float32)
         if HAS_MIN:
-            low = tl.load(
-                m_ptr + offs_n[:, None] * stride_m_n + blk[None, :], mask=mask_nb, other=0.0
-            )
-            low = tl.reshape(
-                tl.broadcast_to(low.to(tl.float32)[:, :, None], [BLOCK_N, NB, 16]), [BLOCK_N, HALF]
-            )
+            if GATHER_SCALES:
+                low = tl.load(m_rows + blk_i[None, :], mask=mask_ni, other=0.0).to(tl.float32)
+            else:
+                low = tl.load(m_rows + blk[None, :], mask=mask_nb, other=0.0).to(tl.float32)
+                low = tl.reshape(
+                    tl.broadcast_to(low[:, :, None], [BLOCK_N, NB, 16]), [BLOCK_N, HALF]
+                )
             w_lo = lo * scale + low
             w_hi = hi * scale + low
         else:
@@ -228,7 +235,8 @@ def _q4_linear_kernel(
 
 @dataclass(frozen=True)
 class Q4Config:
-    """Tile shape of :func:`int4_linear` (``BLOCK_K`` a multiple of 32)."""
+    """Tile shape of :func:`int4_linear` (``BLOCK_K`` a multiple of 32); ``gather_scales``
+    loads one scale per weight byte instead of broadcasting one per block in registers."""
 
     block_m: int
     block_n: int
@@ -236,6 +244,7 @@ class Q4Config:
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
+    gather_scales: bool = False
 
 
 def q4_config(m: int, n: int, k: int, device: torch.device) -> Q4Config:
@@ -311,6 +320,7 @@ def int4_linear(
         split,
         HAS_MIN=m is not None,
         FP32=x.dtype == torch.float32,
+        GATHER_SCALES=cfg.gather_scales,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,

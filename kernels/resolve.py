@@ -21,9 +21,10 @@ slots for every miss.
 
 :func:`resolve` is the Triton version: one launch per layer, one program per
 (request, KV head) row, no host synchronisation (CUDA-graph safe). Each program ranks its
-slab's slots by sorting packed ``(last_use, slot)`` keys with ``tl.sort`` (selected
-slots sort last), then walks the page axis in blocks: prefix sums over the selection
-bits give each selected page its position ``j`` and each miss its victim rank.
+slab's slots by counting smaller packed ``(last_use, slot)`` keys (selected slots rank
+last), lists the selected pages in position order from per-word popcounts of the
+selection, and resolves the ``K_max`` listed pages at once: a prefix sum over misses
+gives each miss its victim.
 """
 
 from __future__ import annotations
@@ -164,9 +165,11 @@ def _resolve_kernel(
     load_pages_ptr,
     load_slots_ptr,
     hits_ptr,
-    victims_ptr,
+    ws_ptr,
+    keys_ptr,
     num_kv_heads,
     num_pages,
+    num_words,
     slots_per_slab,
     k_max,
     stride_sel_b,
@@ -175,84 +178,100 @@ def _resolve_kernel(
     stride_slab_h,
     stride_pt_slab,
     BLOCK_C: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    BLOCK_CJ: tl.constexpr,
+    BLOCK_W: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STEP_FROM_PTR: tl.constexpr,
 ):
     """One (request, KV head) row: hits, LRU refresh, victims, page-table update, lists.
 
-    Outputs ``slot_list``, ``load_pages``, ``load_slots`` are contiguous ``[R, K_max]``;
-    ``victims`` is a ``[R, K_max]`` workspace holding the slab's slots in eviction order.
+    Outputs ``slot_list``, ``load_pages``, ``load_slots`` are contiguous ``[R, K_max]``.
+    Workspaces: ``ws`` int32 ``[R, 3, K_max]`` (selected pages in position order; victim
+    slots and their old pages in eviction order), ``keys`` int64 ``[R, BLOCK_C]``.
+
+    1. Eviction order: each slot's key packs ``(last_use, slot)``; selected slots (and
+       padding) get keys above every free slot. A slot's eviction rank is the number of
+       smaller keys, counted against ``BLOCK_CJ`` keys at a time; rank ``r < K_max``
+       scatters the slot and its old page to ``ws[1, r]``, ``ws[2, r]``.
+    2. Selected pages: per selection word its popcount, their prefix sum over words and
+       the prefix count within the word give page ``p`` its position ``j``; ``ws[0, j] = p``.
+    3. Over the ``K_max`` positions: page-table lookup (hit or miss), a prefix sum over
+       misses gives each miss its victim rank; then every state update and output store.
     """
     row = tl.program_id(0)
     b = row // num_kv_heads
     h = row % num_kv_heads
-    slab = tl.load(slab_ids_ptr + b * stride_slab_b + h * stride_slab_h).to(tl.int64)
     if STEP_FROM_PTR:
         step = tl.load(step_ptr)
     step = step.to(tl.int64)
     sel_row = sel_ptr + b * stride_sel_b + h * stride_sel_h
+    slab = tl.load(slab_ids_ptr + b * stride_slab_b + h * stride_slab_h).to(tl.int64)
     pt_row = page_table_ptr + slab * stride_pt_slab
-    out_row = row.to(tl.int64) * k_max
     first_slot = slab * slots_per_slab
+    out_row = row.to(tl.int64) * k_max
+    ws_pages = ws_ptr + 3 * out_row
+    ws_victims = ws_pages + k_max
+    ws_old = ws_victims + k_max
+    keys_row = keys_ptr + row.to(tl.int64) * BLOCK_C
 
-    # Eviction order of the slab's slots: (last_use, slot) ascending, selected slots last.
+    # 1. Keys of the slab's slots: (last_use, slot) for free slots, above them the rest.
     offs_c = tl.arange(0, BLOCK_C)
     mask_c = offs_c < slots_per_slab
     own_page = tl.load(slot_page_ptr + first_slot + offs_c, mask=mask_c, other=-1)
-    last_use = tl.load(slot_last_use_ptr + first_slot + offs_c, mask=mask_c, other=0).to(tl.int64)
+    last_use = tl.load(slot_last_use_ptr + first_slot + offs_c, mask=mask_c, other=0)
     has_page = own_page >= 0
     page_c = tl.where(has_page, own_page, 0)
     word_c = tl.load(sel_row + page_c // 32, mask=mask_c & has_page, other=0)
-    own_selected = has_page & (((word_c >> (page_c % 32)) & 1) != 0)
-    free = mask_c & ~own_selected
-    key = tl.where(free, (last_use + 1) * BLOCK_C, 1 << 62) + offs_c
-    order = tl.sort(key)
-    victim = first_slot + (order % BLOCK_C)
-    tl.store(victims_ptr + out_row + offs_c, victim.to(tl.int32), mask=offs_c < k_max)
+    free = mask_c & ~(has_page & (((word_c >> (page_c % 32)) & 1) != 0))
+    key = tl.where(free, (last_use.to(tl.int64) + 1) * BLOCK_C, 1 << 62) + offs_c
+    tl.store(keys_row + offs_c, key)
+
+    # 2. Selected pages in position order, from per-word popcounts.
+    offs_bit = tl.arange(0, 32)
+    n_sel = tl.full([], 0, tl.int32)
+    for w0 in range(0, num_words, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        words = tl.load(sel_row + offs_w, mask=offs_w < num_words, other=0)
+        page = offs_w[:, None] * 32 + offs_bit[None, :]
+        bits = tl.where(page < num_pages, (words[:, None] >> offs_bit[None, :]) & 1, 0)
+        count = tl.sum(bits, axis=1)
+        j = (n_sel + tl.cumsum(count, axis=0) - count)[:, None] + tl.cumsum(bits, axis=1) - bits
+        tl.store(ws_pages + j, page, mask=(bits != 0) & (j < k_max))
+        n_sel += tl.sum(count, axis=0)
     tl.debug_barrier()
 
-    # Walk the page axis: position j of each selected page, victim rank of each miss.
-    n_sel = tl.full([], 0, tl.int32)
-    n_miss = tl.full([], 0, tl.int32)
-    n_hit = tl.full([], 0, tl.int32)
-    for p0 in range(0, num_pages, BLOCK_P):
-        offs_p = p0 + tl.arange(0, BLOCK_P)
-        mask_p = offs_p < num_pages
-        word = tl.load(sel_row + offs_p // 32, mask=mask_p, other=0)
-        sel = ((word >> (offs_p % 32)) & 1) != 0
-        cur = tl.load(pt_row + offs_p, mask=sel, other=-1)
-        hit = sel & (cur >= 0)
-        miss = sel & (cur < 0)
-        sel_i = sel.to(tl.int32)
-        miss_i = miss.to(tl.int32)
-        j = n_sel + tl.cumsum(sel_i, axis=0) - sel_i
-        rank = n_miss + tl.cumsum(miss_i, axis=0) - miss_i
-        mask_out = sel & (j < k_max)
-        mask_miss = miss & (rank < k_max)
-        slot = tl.load(victims_ptr + out_row + rank, mask=mask_miss, other=-1)
-        old = tl.load(slot_page_ptr + slot, mask=mask_miss, other=-1)
-        tl.store(pt_row + old, tl.full([BLOCK_P], -1, tl.int32), mask=mask_miss & (old >= 0))
-        tl.store(pt_row + offs_p, slot, mask=mask_miss)
-        tl.store(slot_page_ptr + slot, offs_p, mask=mask_miss)
-        tl.store(slot_last_use_ptr + slot, tl.zeros([BLOCK_P], tl.int64) + step, mask=mask_miss)
-        tl.store(slot_last_use_ptr + cur, tl.zeros([BLOCK_P], tl.int64) + step, mask=hit)
-        tl.store(slot_list_ptr + out_row + j, tl.where(hit, cur, slot), mask=mask_out)
-        tl.store(load_pages_ptr + out_row + j, tl.where(miss, offs_p, -1), mask=mask_out)
-        tl.store(load_slots_ptr + out_row + j, tl.where(miss, slot, -1), mask=mask_out)
-        n_sel += tl.sum(sel_i, axis=0)
-        n_miss += tl.sum(miss_i, axis=0)
-        n_hit += tl.sum(hit.to(tl.int32), axis=0)
+    # 1 (cont.). Eviction rank = number of smaller keys; scatter the first K_max.
+    rank_c = tl.zeros([BLOCK_C], tl.int32)
+    for j0 in range(0, BLOCK_C, BLOCK_CJ):
+        key_j = tl.load(keys_row + j0 + tl.arange(0, BLOCK_CJ))
+        rank_c += tl.sum((key_j[None, :] < key[:, None]).to(tl.int32), axis=1)
+    mask_v = free & (rank_c < k_max)
+    tl.store(ws_victims + rank_c, (first_slot + offs_c).to(tl.int32), mask=mask_v)
+    tl.store(ws_old + rank_c, own_page, mask=mask_v)
+    tl.debug_barrier()
 
-    # Pad positions past the last selected page.
-    for k0 in range(0, k_max, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_pad = (offs_k < k_max) & (offs_k >= n_sel)
-        pad = tl.full([BLOCK_K], -1, tl.int32)
-        tl.store(slot_list_ptr + out_row + offs_k, pad, mask=mask_pad)
-        tl.store(load_pages_ptr + out_row + offs_k, pad, mask=mask_pad)
-        tl.store(load_slots_ptr + out_row + offs_k, pad, mask=mask_pad)
-    tl.store(hits_ptr + row, n_hit)
+    # 3. Hits and misses over the K_max positions; state updates; outputs.
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < tl.minimum(n_sel, k_max)
+    page_k = tl.load(ws_pages + offs_k, mask=mask_k, other=0)
+    cur = tl.load(pt_row + page_k, mask=mask_k, other=-1)
+    hit = mask_k & (cur >= 0)
+    miss = mask_k & (cur < 0)
+    miss_i = miss.to(tl.int32)
+    rank = tl.cumsum(miss_i, axis=0) - miss_i
+    victim = tl.load(ws_victims + rank, mask=miss, other=-1)
+    old = tl.load(ws_old + rank, mask=miss, other=-1)
+    tl.store(pt_row + old, tl.full([BLOCK_K], -1, tl.int32), mask=miss & (old >= 0))
+    tl.store(pt_row + page_k, victim, mask=miss)
+    tl.store(slot_page_ptr + victim, page_k, mask=miss)
+    steps = tl.zeros([BLOCK_K], tl.int64) + step
+    tl.store(slot_last_use_ptr + victim, steps, mask=miss)
+    tl.store(slot_last_use_ptr + cur, steps, mask=hit)
+    mask_out = offs_k < k_max
+    tl.store(slot_list_ptr + out_row + offs_k, tl.where(hit, cur, victim), mask=mask_out)
+    tl.store(load_pages_ptr + out_row + offs_k, tl.where(miss, page_k, -1), mask=mask_out)
+    tl.store(load_slots_ptr + out_row + offs_k, tl.where(miss, victim, -1), mask=mask_out)
+    tl.store(hits_ptr + row, tl.sum(hit.to(tl.int32), axis=0))
 
 
 def resolve(
@@ -265,7 +284,7 @@ def resolve(
     slots_per_slab: int,
     k_max: int,
     *,
-    block_pages: int | None = None,
+    block_words: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton :func:`resolve_ref`: one launch, bit-identical outputs and state updates.
@@ -281,8 +300,8 @@ def resolve(
         latter lets a captured CUDA graph replay with a new step)
     slots_per_slab : C (up to a few thousand; ~256 is the design point)
     k_max : K_max, ``<= C``
-    block_pages, num_warps : launch shape (pages per loop iteration, up to 4096 by
-        default; warps, 4 or 8 by default)
+    block_words, num_warps : launch shape (selection words per loop iteration, 64 by
+        default; warps, 4 by default)
 
     Returns
     -------
@@ -318,9 +337,9 @@ def resolve(
     hits = torch.empty((b, hkv), dtype=torch.int32, device=dev)
     if b * hkv == 0:
         return slot_list, load_pages, load_slots, hits
-    victims = torch.empty(shape, dtype=torch.int32, device=dev)
-    block_p = max(32, min(block_pages or 4096, next_pow2(num_pages)))
-    num_warps = num_warps or (8 if block_p >= 2048 or slots_per_slab > 256 else 4)
+    block_c = max(16, next_pow2(slots_per_slab))
+    ws = torch.empty((b * hkv, 3, k_max), dtype=torch.int32, device=dev)
+    keys = torch.empty((b * hkv, block_c), dtype=torch.int64, device=dev)
     _resolve_kernel[(b * hkv,)](
         selection,
         slab_ids,
@@ -333,9 +352,11 @@ def resolve(
         load_pages,
         load_slots,
         hits,
-        victims,
+        ws,
+        keys,
         hkv,
         num_pages,
+        w,
         slots_per_slab,
         k_max,
         selection.stride(0),
@@ -343,11 +364,12 @@ def resolve(
         slab_ids.stride(0),
         slab_ids.stride(1),
         page_table.stride(0),
-        BLOCK_C=max(16, next_pow2(slots_per_slab)),
-        BLOCK_P=block_p,
-        BLOCK_K=max(16, min(256, next_pow2(k_max))),
+        BLOCK_C=block_c,
+        BLOCK_CJ=min(block_c, 32 if block_c <= 256 else 16),
+        BLOCK_W=max(1, min(block_words or 64, next_pow2(w))),
+        BLOCK_K=max(16, next_pow2(k_max)),
         STEP_FROM_PTR=step_from_ptr,
-        num_warps=num_warps,
+        num_warps=num_warps or 4,
     )
     return slot_list, load_pages, load_slots, hits
 

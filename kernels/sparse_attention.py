@@ -165,9 +165,10 @@ def _sparse_decode_split_kernel(
     ``[split * pages_per_split, (split + 1) * pages_per_split)``.
 
     Rank ``j`` is the ``j``-th set bit of the selection, held by ``slot_list[b, h, j]``.
-    The prefix popcount of the selection words below the context's last full page gives
-    ``c_full``: ranks ``< c_full`` are whole pages inside the context, rank ``c_full`` is
-    the partial last page if its bit is set, and later ranks lie past ``seq_len``.
+    The prefix popcount of the selection words
+    below the context's last whole page gives ``c_full``: ranks ``< c_full`` are whole
+    pages inside the context, rank ``c_full`` is the partial last page if its bit is
+    set, and later ranks lie past ``seq_len`` (masked).
     """
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -179,20 +180,19 @@ def _sparse_decode_split_kernel(
     rem = seq_len % PAGE_SIZE
     sel_row = sel_ptr + b * stride_sel_b + h * stride_sel_h
 
-    # Prefix popcount over the words of whole pages; all-zero words add nothing.
+    # Prefix popcount of the selection below the last whole page, and the tail page's bit,
+    # in one pass over the words (read whatever seq_len is, overlapping its load).
     offs_bit = tl.arange(0, 32)
     c_full = tl.full([], 0, tl.int32)
-    n_scan = tl.minimum(num_words, (n_full + 31) // 32)
-    for w0 in range(0, n_scan, BLOCK_W):
+    has_tail = tl.full([], 0, tl.int32)
+    for w0 in range(0, num_words, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
-        words = tl.load(sel_row + offs_w, mask=offs_w < n_scan, other=0)
+        words = tl.load(sel_row + offs_w, mask=offs_w < num_words, other=0)
         bits = (words[:, None] >> offs_bit[None, :]) & 1
         page = offs_w[:, None] * 32 + offs_bit[None, :]
         c_full += tl.sum(tl.sum(tl.where(page < n_full, bits, 0), axis=1), axis=0)
-    mask_tail = (rem > 0) & (n_full < num_words * 32)
-    tail_word = tl.load(sel_row + n_full // 32, mask=mask_tail, other=0)
-    has_tail = tl.where(mask_tail, (tail_word >> (n_full % 32)) & 1, 0)
-    n_valid = tl.minimum(c_full + has_tail, k_max)
+        has_tail += tl.sum(tl.sum(tl.where(page == n_full, bits, 0), axis=1), axis=0)
+    n_valid = tl.minimum(c_full + tl.where(rem > 0, has_tail, 0), k_max)
 
     r_lo = split * pages_per_split
     r_hi = tl.minimum(r_lo + pages_per_split, n_valid)
@@ -215,6 +215,8 @@ def _sparse_decode_split_kernel(
     tok = offs_n % PAGE_SIZE
     sl_row = slot_list_ptr + b * stride_sl_b + h * stride_sl_h
 
+    # Every tile's first rank holds a valid token (r0 < n_valid), so m_i stays finite.
+    # Loads feed tl.dot directly (masked by validity), which keeps them pipelined.
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)

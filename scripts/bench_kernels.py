@@ -21,6 +21,7 @@ after warm-up, median of ``reps``; inputs rotate over enough copies to exceed th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -387,13 +388,14 @@ INT4_MS = [1, 8, 32, 256]
 
 def q4_sweep(m: int, k: int, default: Q4Config) -> list[Q4Config]:
     bm = default.block_m
-    cands = [default]
+    cands = [default, dataclasses.replace(default, gather_scales=True)]
     for bn, bk, stages in ((32, 128, 4), (64, 256, 3), (128, 128, 3), (64, 64, 4)):
         if k % bk == 0:
             cands.append(Q4Config(bm, bn, bk, default.split_k, num_warps=4, num_stages=stages))
     if m >= 256:
         cands = [
             default,
+            dataclasses.replace(default, gather_scales=True),
             Q4Config(64, 128, 64, 1, 4, 3),
             Q4Config(128, 128, 64, 1, 8, 3),
             Q4Config(64, 64, 128, 1, 4, 4),

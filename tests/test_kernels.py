@@ -97,6 +97,25 @@ def test_sparse_attention_batch_33():
     assert_close(out, ref, ATOL[torch.float32])
 
 
+def test_sparse_attention_masks_pages_past_the_context():
+    """A selected page at or past ``seq_len`` (with a real slot) contributes nothing."""
+    args = attention_inputs(2, 9, 3, 64, 16, 12, 3, torch.float32, seed=4)
+    args["seq_lens"] = torch.tensor([40, 17], dtype=torch.int32)  # pages 0..2 and 0..1
+    mask = torch.zeros(2, 3, 12, dtype=torch.bool)
+    mask[:, :, 0] = True
+    mask[0, :, 2] = True  # the partial tail page of request 0
+    mask[:, :, 7] = True  # past both contexts
+    k_max = 4
+    args["selection"] = pack_bits(mask)
+    n_slots = args["kv_slots"].shape[0]
+    slots = torch.randperm(n_slots, generator=torch.Generator().manual_seed(2))[: 2 * 3 * k_max]
+    count = mask.sum(-1, keepdim=True)
+    args["slot_list"] = torch.where(torch.arange(k_max) < count, slots.view(2, 3, k_max), -1).int()
+    ref = sparse_decode_attention_ref(**args)
+    out = sparse_decode_attention(**to_device(args, DEVICE), pages_per_split=1)
+    assert_close(out, ref, ATOL[torch.float32])
+
+
 def test_sparse_attention_independent_of_slot_placement():
     args = attention_inputs(2, 9, 3, 64, 16, 30, 5, torch.float32, seed=7)
     first = sparse_decode_attention(**to_device(args, DEVICE), pages_per_split=2)
@@ -344,7 +363,7 @@ def test_int4_linear_matches_reference(kind, m, n, k, dtype):
     ref = int4_linear_ref(x, qs, d, mins)
     dev = [t.to(DEVICE) if t is not None else None for t in (x, qs, d, mins)]
     tol = 1e-6 if dtype == torch.float32 else 1e-3
-    for cfg in (None, Q4Config(16, 32, 64, 3)):
+    for cfg in (None, Q4Config(16, 32, 64, 3), Q4Config(16, 64, 64, 2, gather_scales=True)):
         out = int4_linear(*dev, config=cfg).cpu()
         rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         assert rel < tol, f"relative error {rel:.3g} with {cfg}"

@@ -9,6 +9,8 @@ the P @ V product); copies, resolve and selection bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_cases import (
@@ -27,6 +29,7 @@ from kernels.int4_matmul import (
     int4_linear,
     int4_linear_ref,
     int4pack_linear,
+    q4_config,
     quantize_q4,
     to_int4pack,
 )
@@ -288,9 +291,10 @@ def test_int4_linear_cuda(kind, m, n, k):
     x = torch.randn(m, k, generator=gen).bfloat16().to(DEV)
     dev = [t.to(DEV) if t is not None else None for t in (qs, d, mins)]
     ref = int4_linear_ref(x.float(), *dev)
-    out = int4_linear(x, *dev)
-    rel = ((out.float() - ref).norm() / ref.norm()).item()
-    assert rel < 1e-2, f"triton q4 relative error {rel:.3g}"
+    for cfg in (None, dataclasses.replace(q4_config(m, n, k, x.device), gather_scales=True)):
+        out = int4_linear(x, *dev, config=cfg)
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        assert rel < 1e-2, f"triton q4 relative error {rel:.3g} ({cfg})"
     w_packed, sz = to_int4pack(qs, d, mins, DEV)
     out_tg = int4pack_linear(x, w_packed, sz)
     rel_tg = ((out_tg.float() - ref).norm() / ref.norm()).item()
