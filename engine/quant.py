@@ -125,6 +125,9 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 128) -> Int4Weight:
     return Int4Weight(_nibbles_to_bytes(q), scale, lo, group_size)
 
 
+DEQUANT_MIN_ROWS = 64
+
+
 class Linear:
     """``y = x @ W.T (+ b)`` for ``x [M, K]`` -> ``[M, N]``; subclasses choose the format."""
 
@@ -172,15 +175,28 @@ class Int4Linear(Linear):
         zero = w.offset + 8 * w.scale
         sz = torch.stack([w.scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
         if device.type == "cuda":
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(_nibbles_to_bytes(nib), 8)
+            # CUDA packer: uint8 [N, K/2] with element 2i in the high nibble (gpt-fast/torchao).
+            hi_lo = ((nib[:, ::2] << 4) | nib[:, 1::2]).to(torch.uint8)
+            k = self.in_features
+            inner = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(hi_lo, inner)
+            # Large-M calls (prefill) dequantise to bf16 and use the dense GEMM, which beats
+            # the int4 kernel from M ~ 64 (docs/performance.md, int4 verdict).
+            self.source = Int4Weight(
+                w.q.to(device), w.scale.to(device), w.offset.to(device), w.group_size
+            )
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nib, 1)
+            self.source = None
         self.scales_and_zeros = sz.to(device, dtype)
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(self.dtype)
+        if self.source is not None and x2.shape[0] >= DEQUANT_MIN_ROWS:
+            y = F.linear(x2, self.source.dequantize(self.dtype), self.bias)
+            return y.view(*shape[:-1], self.out_features).to(x.dtype)
         if self.device.type == "cuda":
             y = torch.ops.aten._weight_int4pack_mm(
                 x2, self.packed, self.group_size, self.scales_and_zeros
@@ -195,7 +211,10 @@ class Int4Linear(Linear):
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales_and_zeros.nbytes
+        extra = 0
+        if self.source is not None:
+            extra = sum(t.nbytes for t in (self.source.q, self.source.scale, self.source.offset))
+        return self.packed.nbytes + self.scales_and_zeros.nbytes + extra
 
 
 def make_linear(

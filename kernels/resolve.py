@@ -221,7 +221,9 @@ def _resolve_kernel(
     last_use = tl.load(slot_last_use_ptr + first_slot + offs_c, mask=mask_c, other=0)
     has_page = own_page >= 0
     page_c = tl.where(has_page, own_page, 0)
-    word_c = tl.load(sel_row + page_c // 32, mask=mask_c & has_page, other=0)
+    # Pages past the selection's words (32 * W may be < P_max) count as unselected.
+    in_sel = mask_c & has_page & (page_c < num_words * 32)
+    word_c = tl.load(sel_row + page_c // 32, mask=in_sel, other=0)
     free = mask_c & ~(has_page & (((word_c >> (page_c % 32)) & 1) != 0))
     key = tl.where(free, (last_use.to(tl.int64) + 1) * BLOCK_C, 1 << 62) + offs_c
     tl.store(keys_row + offs_c, key)
@@ -318,7 +320,6 @@ def resolve(
     b, hkv, w = selection.shape
     num_pages = page_table.shape[1]
     check_shape("slab_ids", slab_ids, (b, hkv))
-    require(32 * w >= num_pages, f"selection has {w} words, too few for P_max={num_pages} pages")
     check_shape("slot_last_use", slot_last_use, tuple(slot_page.shape))
     step_ptr = slot_last_use
     step_from_ptr = isinstance(step, torch.Tensor)

@@ -27,6 +27,9 @@ from engine.config import EngineConfig, SamplingParams
 from engine.events import Job
 
 _BASE = {}
+DEVICE = "cuda"
+DTYPE = "bfloat16"
+BATCHES = (1, 8, 32)
 
 
 def make(model: str, **kw):
@@ -35,7 +38,7 @@ def make(model: str, **kw):
     from kernels.dispatch import get_ops
 
     cfg = EngineConfig(
-        device="cuda", dtype="bfloat16", kv_dtype="bfloat16", host_pool_gb=8.0, max_batch=32, **kw
+        device=DEVICE, dtype=DTYPE, kv_dtype=DTYPE, host_pool_gb=8.0, max_batch=32, **kw
     )
     if model not in _BASE:
         _BASE[model] = load_engine(cfg, model)
@@ -43,7 +46,7 @@ def make(model: str, **kw):
     else:
         base = _BASE[model]
         eng = Engine(
-            base.model, base.tokenizer, cfg, get_ops("cuda", cfg.use_triton), base.context_limit
+            base.model, base.tokenizer, cfg, get_ops(DEVICE, cfg.use_triton), base.context_limit
         )
     eng.keep_logits = True
     return eng
@@ -61,6 +64,7 @@ def run_greedy(eng, ids, steps):
 
 
 def exactness(model, ids, steps=64) -> dict:
+    steps = steps if DEVICE != "cpu" else 8
     common = dict(attention="sparse", top_k=256, page_size=16, sink_tokens=16, local_window=32)
     res = make(model, hierarchical=False, **common)
     t_res, l_res = run_greedy(res, ids, steps)
@@ -96,7 +100,13 @@ def exactness(model, ids, steps=64) -> dict:
     }
 
 
+def _sync() -> None:
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def throughput(model, ids, batch, steps=32, **kw) -> dict:
+    steps = steps if DEVICE != "cpu" else 2
     eng = make(model, **kw)
     reqs = [
         eng.open_request(Job(f"b{i}", tuple(ids), SamplingParams(max_tokens=steps + 8)))
@@ -105,30 +115,31 @@ def throughput(model, ids, batch, steps=32, **kw) -> dict:
     t0 = time.perf_counter()
     for r in reqs:
         eng.prefill(r)
-    torch.cuda.synchronize()
+    _sync()
     prefill_s = time.perf_counter() - t0
     for _ in range(3):  # warm-up
         for r, t in zip(reqs, eng.decode_step(reqs), strict=False):
             r.generated.append(t)
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         for r, t in zip(reqs, eng.decode_step(reqs), strict=False):
             r.generated.append(t)
-    torch.cuda.synchronize()
+    _sync()
     dt = time.perf_counter() - t0
     out = {
         "batch": batch,
         "decode_tok_s": batch * steps / dt,
         "step_ms": dt / steps * 1e3,
         "prefill_tok_s": batch * len(ids) / prefill_s,
-        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE != "cpu" else 0.0,
     }
     for r in reqs:
         eng.close_request(r)
     del eng
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    if DEVICE != "cpu":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     return out
 
 
@@ -138,11 +149,15 @@ def main() -> None:
     ap.add_argument("--doc", type=Path, default=Path("examples/howto-sorting.txt"))
     ap.add_argument("--long-doc", type=Path, default=None, help="document for the throughput runs")
     ap.add_argument("--out", type=Path, default=Path("gpu_engine.json"))
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script")
     args = ap.parse_args()
+    global DEVICE, DTYPE, BATCHES
+    if args.device != "cuda":
+        DEVICE, DTYPE, BATCHES = args.device, "float32", (1, 2)
     tok = make(args.model, attention="dense").tokenizer
     ids = tok.encode_chat([{"role": "user", "content": "Summarize:\n\n" + args.doc.read_text()}])
     report = {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if DEVICE != "cpu" else "cpu",
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
@@ -157,7 +172,7 @@ def main() -> None:
     }
     rows = []
     for name, kw in modes.items():
-        for batch in (1, 8, 32):
+        for batch in BATCHES:
             r = throughput(args.model, long_ids, batch, **kw)
             r["mode"] = name
             rows.append(r)
