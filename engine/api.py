@@ -92,6 +92,11 @@ def pick_weight_format(config: EngineConfig, device: torch.device) -> str:
 def load_engine(config: EngineConfig, model: str | None = None, tracer=None) -> Engine:
     """Load a model and build the engine.
 
+    With ``config.memory_budget_gb`` (``--memory-budget``) the KV cache is sized by
+    :func:`engine.budget.budget_cache`: the device pool (all-resident) or ``max_batch``
+    (hierarchical) is what the budget leaves after weights, activations and reserve;
+    the split is ``engine.budget_sizing``.
+
     Raises
     ------
     ConfigError, FileNotFoundError, ValueError (unsupported model files)
@@ -109,7 +114,13 @@ def load_engine(config: EngineConfig, model: str | None = None, tracer=None) -> 
     fmt = pick_weight_format(config, device)
     llm = LlamaModel(weights, device, dtype, fmt, rope)
     ops = get_ops(device, config.use_triton)
-    engine = Engine(llm, tokenizer, config, ops, limit, tracer)
+    cache, sizing = None, None
+    if config.memory_budget_gb is not None:  # pool / max_batch from the budget
+        from engine.budget import budget_cache
+
+        config, cache, sizing = budget_cache(llm, config, limit)
+    engine = Engine(llm, tokenizer, config, ops, limit, tracer, cache=cache)
+    engine.budget_sizing = sizing
     engine.model_name = name
     engine.weight_format = fmt
     return engine

@@ -66,10 +66,22 @@ class Engine:
     ----------
     model : placed model; tokenizer : ``engine.tokenizer.TextTokenizer``;
     config : validated :class:`EngineConfig`; ops : kernel set; context_limit : max
-    tokens (prompt + generated) per request under the context policy.
+    tokens (prompt + generated) per request under the context policy; cache : a
+    prebuilt :class:`KVCache` (sized for a memory budget by :mod:`engine.budget`, or
+    shared with another engine over the same model, as :mod:`engine.bench` does for
+    its no-IO and instrumented passes); built from ``config`` when omitted.
     """
 
-    def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig, ops, context_limit: int, tracer=None):
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer,
+        config: EngineConfig,
+        ops,
+        context_limit: int,
+        tracer=None,
+        cache: KVCache | None = None,
+    ):
         self.model = model
         self.model_config = model.config
         self.tokenizer = tokenizer
@@ -77,7 +89,9 @@ class Engine:
         self.ops = ops
         self.context_limit = context_limit
         max_pages = -(-context_limit // config.page_size)
-        self.cache = KVCache(model.config, config, model.device, max_pages)
+        self.cache = cache if cache is not None else KVCache(
+            model.config, config, model.device, max_pages
+        )
         self.attn = DecodeAttention(self.cache, config, ops, model.scale, tracer)
         self.tracer = tracer
         self.step = 0

@@ -1,0 +1,285 @@
+"""Figures and files of :mod:`engine.bench`: the roofline model of a decode step, the
+printed lines, ``bench.json`` and the matplotlib (Agg) plots."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from engine.budget import record_bytes
+from engine.config import ConfigError, EngineConfig
+from engine.model import LlamaModel
+from engine.planner import GIB, format_context
+
+REPORT_FILE = "bench.json"
+
+
+# ----------------------------------------------------------------------------- roofline
+
+
+def selected_pages(config: EngineConfig, num_pages: int) -> int:
+    """Pages the indexer selects per (request, layer, KV head) in a context of
+    ``num_pages`` pages (all of them for ``attention=dense``)."""
+    if config.attention == "dense":
+        return num_pages
+    forced = min(num_pages, config.sink_pages + config.window_pages)
+    return min(num_pages, max(config.top_k_pages, forced))
+
+
+def weight_read_bytes(model: LlamaModel) -> int:
+    """Weight bytes one decode step streams: each linear in the form decode reads it (the
+    int4 packing and its scales, not a prefill-side copy) and the LM head; the embedding
+    table is read by rows only and norms are negligible."""
+    linears = [
+        lin
+        for layer in model.layers
+        for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
+    ]
+    if model.lm_head is not None:
+        linears.append(model.lm_head)
+    return sum(_decode_read_bytes(lin) for lin in linears)
+
+
+def _decode_read_bytes(lin) -> int:
+    packed = getattr(lin, "packed", None)
+    if packed is None:
+        return lin.nbytes
+    return packed.nbytes + lin.scales_and_zeros.nbytes
+
+
+def roofline(
+    model: LlamaModel,
+    config: EngineConfig,
+    pages: list[int],
+    misses_per_step: float,
+    measured_ms: float,
+    hbm_gbps: float,
+    link_gbps: float,
+) -> dict[str, Any]:
+    """Modelled step time: weights / HBM + selected KV / HBM + missed KV / host link.
+
+    ``pages`` are the jobs' context pages; ``misses_per_step`` records loaded per step
+    (0 for resident modes and for ``noio``, which moves nothing). The Quest metadata the
+    indexer reads (1/S of the KV) is listed but not in the model.
+    """
+    cfg = model.config
+    rec = record_bytes(cfg, config)
+    per_page = cfg.num_layers * cfg.num_kv_heads * rec
+    weights = weight_read_bytes(model)
+    selected = sum(selected_pages(config, p) for p in pages) * per_page
+    moved = (
+        0 if (config.skip_host_io or not config.hierarchical or config.attention == "dense") else 1
+    )
+    missed = int(misses_per_step * rec * moved)
+    meta = 0 if config.attention == "dense" else sum(pages) * per_page // config.page_size
+    hbm, link = hbm_gbps * 1e9, link_gbps * 1e9
+    modeled_ms = ((weights + selected) / hbm + missed / link) * 1e3
+    return {
+        "weight_bytes": weights,
+        "selected_kv_bytes": selected,
+        "missed_kv_bytes": missed,
+        "metadata_bytes_not_modeled": meta,
+        "hbm_gbps": hbm_gbps,
+        "link_gbps": link_gbps,
+        "modeled_ms": modeled_ms,
+        "measured_ms": measured_ms,
+        "measured_over_roofline": measured_ms / modeled_ms if modeled_ms > 0 else None,
+    }
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def seed_scenario() -> dict[str, Any]:
+    """The planner's seed scenario (llama2-13b shape, 4-bit, 8 x 256K on ``dual4090``)."""
+    from engine.model_shapes import get_model_shape
+    from engine.planner import plan
+    from engine.presets import load_preset_full, resolve_config
+
+    command = "hisparse plan --preset dual4090 --model llama2-13b --jobs 8 --context 256K"
+    try:
+        preset = load_preset_full("dual4090")
+        result = plan(
+            get_model_shape("llama2-13b"), resolve_config(preset), preset.hardware, 8, 256 * 1024
+        )
+    except (ConfigError, OSError) as e:
+        return {"command": command, "error": str(e)}
+    return {
+        "command": command,
+        "feasible": result.feasible,
+        "job_kv_gib": result.job_kv_bytes / GIB,
+        "host_needed_gib": result.host_needed_bytes / GIB,
+        "dense_job_device_gib": result.dense_job_device_bytes / GIB,
+        "dense_max_jobs": result.dense.max_jobs,
+        "dense_holds_one_256k_job": result.dense.max_jobs >= 1,
+        "hierarchical_max_jobs": result.capacity.max_jobs,
+    }
+
+
+def header_lines(report: dict[str, Any]) -> list[str]:
+    """The printed header: what runs, under which budget, and what the figures mean."""
+    lines = [
+        f"hisparse bench: {report['model']} on {report['device']} ({report['device_name']}), "
+        f"budget {report['memory_budget_gb']} GiB per device, modes {', '.join(report['modes'])}",
+        f"contexts {', '.join(format_context(c) for c in report['contexts_requested'])}; "
+        f"concurrency {report['concurrency']}; decode {report['decode_steps']} steps after "
+        f"{report['warmup_steps']} warm-up",
+    ]
+    lines += [f"NOTE: {n}" for n in report["notes"]]
+    seed = report.get("seed_scenario") or {}
+    if "host_needed_gib" in seed:
+        lines.append(
+            f"planner seed scenario ({seed['command']}): host pool needs "
+            f"{seed['host_needed_gib']:.0f} GiB; dense baseline needs {seed['dense_job_device_gib']:.1f} "
+            f"GiB per 256K job and holds {seed['dense_max_jobs']} per 48 GB card"
+        )
+    return lines
+
+
+def point_line(row: dict[str, Any]) -> str:
+    """One printed line per run."""
+    head = f"{row['mode']:>12} {format_context(row['context']):>5} c={row['concurrency']:<3}"
+    if row["status"] == "admission_stopped" and not row["admitted"]:
+        return f"{head} admission stopped: not one job fits"
+    if row["status"] not in ("ok", "admission_stopped"):
+        return f"{head} {row['status']}: {row.get('error') or ''}"
+    hit = f"{row['hit_rate']:.3f}" if row["hit_rate"] is not None else "  -  "
+    peak = (
+        f"{row['peak_gpu_bytes'] / GIB:6.2f} GiB" if row["peak_gpu_bytes"] is not None else "   -  "
+    )
+    roof = row["roofline"]["measured_over_roofline"]
+    stop = (
+        f"  [admission stopped at {row['admitted']}]"
+        if row["status"] == "admission_stopped"
+        else ""
+    )
+    return (
+        f"{head} {row['decode_tok_s']:9.1f} tok/s  step p50 {row['step_ms_p50']:7.2f} ms p99 "
+        f"{row['step_ms_p99']:7.2f} ms  hit {hit}  h2d {row['h2d_gbps']:6.2f} GB/s  peak {peak}"
+        f"  x{roof:.1f} roofline{stop}"
+    )
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> Path:
+    """Write ``bench.json`` atomically; returns its path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / REPORT_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=_json_default), encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def plot_throughput(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """One PNG per context: decode tokens/s against concurrency, a line per mode; where
+    admission stops the last point is marked with the number admitted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for context in report["contexts_requested"]:
+        rows = [r for r in report["runs"] if r["context"] == context and r["admitted"]]
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for mode in report["modes"]:
+            pts = [r for r in rows if r["mode"] == mode and r["decode_tok_s"] is not None]
+            if not pts:
+                continue
+            (line,) = ax.plot(
+                [r["concurrency"] for r in pts], [r["decode_tok_s"] for r in pts], "o-", label=mode
+            )
+            for r in pts:
+                if r["status"] == "admission_stopped":
+                    ax.plot(r["concurrency"], r["decode_tok_s"], "x", color=line.get_color(), ms=12)
+                    ax.annotate(
+                        f"admits {r['admitted']}",
+                        (r["concurrency"], r["decode_tok_s"]),
+                        textcoords="offset points",
+                        xytext=(4, -12),
+                        fontsize=8,
+                    )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent jobs")
+        ax.set_ylabel("decode tokens/s (all jobs)")
+        synth = " - synthetic weights" if report["synthetic"] else ""
+        ax.set_title(
+            f"{report['model']}, {format_context(context)}, {report['memory_budget_gb']} GiB budget{synth}",
+            fontsize=9,
+        )
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        path = out_dir / f"throughput_{format_context(context)}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def plot_soak(soak: dict[str, Any] | None, out_dir: Path) -> Path | None:
+    """Step latency over the soak, with its mean and P99."""
+    if not soak or not soak.get("step_ms"):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lat = soak["step_ms"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(range(1, len(lat) + 1), lat, lw=0.8, label="step latency")
+    ax.axhline(
+        soak["step_ms_mean"],
+        color="k",
+        ls="--",
+        lw=0.8,
+        label=f"mean {soak['step_ms_mean']:.2f} ms",
+    )
+    ax.axhline(
+        soak["step_ms_p99"], color="r", ls=":", lw=0.8, label=f"P99 {soak['step_ms_p99']:.2f} ms"
+    )
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("ms")
+    ax.set_title(
+        f"soak: {soak['mode']}, batch {soak['batch']}, {format_context(soak['context'])}, "
+        f"drift {soak['memory_drift'] * 100:.2f} %",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    path = out_dir / "soak_step_latency.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def make_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
+    """All plots of a report (file names); none, with a note, without matplotlib."""
+    try:
+        names = [p.name for p in plot_throughput(report, out_dir)]
+        soak_png = plot_soak(report.get("soak"), out_dir)
+    except ImportError as e:
+        report["notes"].append(f"no plots: {e} (rerun with --replot where matplotlib is installed)")
+        return []
+    return names + ([soak_png.name] if soak_png else [])
+
+
+def replot(out_dir: Path) -> list[str]:
+    """Redraw the plots of ``out_dir/bench.json`` (e.g. on a machine with matplotlib)."""
+    report = json.loads((out_dir / REPORT_FILE).read_text(encoding="utf-8"))
+    report["plots"] = make_plots(report, out_dir)
+    write_report(report, out_dir)
+    return report["plots"]
+
+
+def _json_default(obj):
+    if isinstance(obj, Path):
+        return str(obj)
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.asdict(obj)
+    return str(obj)

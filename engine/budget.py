@@ -1,0 +1,236 @@
+"""Size the KV cache for a per-device memory budget (``memory_budget_gb``).
+
+The planner (:mod:`engine.planner`) answers "how many jobs fit" from shapes alone; this
+module turns the same arithmetic into the sizes :class:`engine.kv_cache.KVCache` is built
+with, so ``hisparse run --memory-budget`` and ``hisparse bench`` hold the same budget:
+
+    room = budget - weights - activations - reserve
+
+* weights: the bytes of the placed model (:attr:`engine.model.LlamaModel.weight_bytes`);
+* activations: :func:`engine.planner.activation_bytes` for ``max_batch`` decode rows and
+  the layer-by-layer prefill of one ``context_limit``-token prompt;
+* reserve: :func:`engine.planner.device_reserve_bytes` (max(5 %, 1 GiB)).
+
+All-resident (``attention=dense`` or ``hierarchical=False``): the KV pool lives on the
+device, so it gets ``room // (page + page metadata)`` pages and admission stops when they
+run out (the capacity wall). Hierarchical: the pool is in host memory
+(``host_pool_gb``); the device holds its page metadata plus, per admitted request, one
+slab of ``device_buffer`` slots per (layer, KV head) with its page table and LRU state,
+so ``max_batch`` becomes ``(room - metadata) // per-request bytes`` (capped at the
+configured ``max_batch``).
+
+The dense attention reference (``kernels.sparse_attention.dense_decode_attention_ref``)
+materialises each layer's gathered K/V while it runs; that transient is not budgeted
+(a paged dense kernel would not need it), so a dense run's measured peak can exceed
+the budget by about two layers' worth of the batch's KV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.planner import GIB, activation_bytes, device_reserve_bytes, dtype_bytes
+
+# KVCache per-slot LRU state: slot_page int32 + slot_last_use int64.
+LRU_BYTES_PER_SLOT = 4 + 8
+PAGE_TABLE_ENTRY_BYTES = 4
+
+
+@dataclass(frozen=True)
+class KVSizing:
+    """How a budget was split; every figure in bytes except the counts.
+
+    ``num_pool_pages`` and ``max_batch`` are what the cache is built with;
+    ``device_kv_bytes`` is what that cache allocates on the device (pool when
+    all-resident, page metadata, hot buffer, page tables and LRU state).
+    """
+
+    budget_bytes: int
+    weights_bytes: int
+    activation_bytes: int
+    reserve_bytes: int
+    room_bytes: int
+    pool_on_device: bool
+    num_pool_pages: int
+    max_batch: int
+    device_kv_bytes: int
+    page_bytes: int
+    meta_page_bytes: int
+    per_request_device_bytes: int
+
+    def max_jobs(self, pages_per_job: int) -> int:
+        """Requests of ``pages_per_job`` pages that fit at once (pool and slabs)."""
+        by_pool = self.num_pool_pages // max(pages_per_job, 1)
+        return by_pool if self.pool_on_device else min(by_pool, self.max_batch)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def record_bytes(model: ModelConfig, config: EngineConfig) -> int:
+    """One record, K and V of one page, layer and KV head: ``2 x S x D x b_kv``."""
+    return 2 * config.page_size * model.head_dim * dtype_bytes(config.kv_dtype)
+
+
+def meta_page_bytes(model: ModelConfig, config: EngineConfig) -> int:
+    """Page metadata of one pool page over all layers: ``L x Hkv x 2 x D x b_kv``."""
+    return model.num_layers * model.num_kv_heads * 2 * model.head_dim * dtype_bytes(config.kv_dtype)
+
+
+def pool_page_bytes(model: ModelConfig, config: EngineConfig) -> int:
+    """One pool page over all layers and KV heads: ``L x Hkv x record``."""
+    return model.num_layers * model.num_kv_heads * record_bytes(model, config)
+
+
+def per_request_device_bytes(
+    model: ModelConfig, config: EngineConfig, max_pages_per_seq: int
+) -> int:
+    """Hierarchical only: the slabs of one request (``Hkv`` per layer) with their page
+    tables and LRU state; 0 when all-resident."""
+    if not _hierarchical(config):
+        return 0
+    slots = config.buffer_pages
+    per_slab_layer = (
+        slots * record_bytes(model, config)
+        + max_pages_per_seq * PAGE_TABLE_ENTRY_BYTES
+        + slots * LRU_BYTES_PER_SLOT
+    )
+    return model.num_layers * model.num_kv_heads * per_slab_layer
+
+
+def cache_device_bytes(
+    model: ModelConfig, config: EngineConfig, num_pool_pages: int, max_pages_per_seq: int
+) -> int:
+    """Device bytes a :class:`engine.kv_cache.KVCache` of these sizes allocates."""
+    meta = num_pool_pages * meta_page_bytes(model, config)
+    if not _hierarchical(config):
+        return meta + num_pool_pages * pool_page_bytes(model, config)
+    return meta + config.max_batch * per_request_device_bytes(model, config, max_pages_per_seq)
+
+
+def default_pool_pages(model: ModelConfig, config: EngineConfig) -> int:
+    """Pool pages from ``host_pool_gb``, as :class:`engine.kv_cache.KVCache` computes them."""
+    return max(1, int(config.host_pool_gb * GIB) // pool_page_bytes(model, config))
+
+
+def size_kv_for_budget(
+    model: ModelConfig,
+    config: EngineConfig,
+    weights_bytes: int,
+    context_limit: int,
+    num_pool_pages: int | None = None,
+) -> KVSizing:
+    """Split ``config.memory_budget_gb`` between the fixed parts and the KV cache.
+
+    Parameters
+    ----------
+    model, config : shape and settings (``memory_budget_gb`` must be set)
+    weights_bytes : bytes of the weights on the device
+    context_limit : most tokens per request (sizes page tables and the prefill scratch)
+    num_pool_pages : hierarchical only: host pool pages (default from ``host_pool_gb``)
+
+    Returns
+    -------
+    KVSizing
+
+    Raises
+    ------
+    ConfigError
+        No budget set, or not even one page (all-resident) / one request (hierarchical)
+        fits after weights, activations and reserve; the message gives the figures.
+    """
+    if config.memory_budget_gb is None:
+        raise ConfigError("size_kv_for_budget needs memory_budget_gb")
+    budget = int(config.memory_budget_gb * GIB)
+    act = activation_bytes(model, config, context_limit, config.max_batch)
+    reserve = device_reserve_bytes(budget)
+    room = budget - weights_bytes - act - reserve
+    page, meta = pool_page_bytes(model, config), meta_page_bytes(model, config)
+    max_pages = -(-context_limit // config.page_size)
+    fixed = (
+        f"weights {weights_bytes / GIB:.2f} GiB + activations {act / GIB:.2f} GiB + "
+        f"reserve {reserve / GIB:.2f} GiB"
+    )
+    if not _hierarchical(config):
+        pages = max(room, 0) // (page + meta)
+        if pages < 1:
+            raise ConfigError(
+                f"memory_budget_gb={config.memory_budget_gb}: {fixed} leave no room for a KV page"
+            )
+        return KVSizing(
+            budget,
+            weights_bytes,
+            act,
+            reserve,
+            room,
+            True,
+            pages,
+            config.max_batch,
+            cache_device_bytes(model, config, pages, max_pages),
+            page,
+            meta,
+            0,
+        )
+    pages = num_pool_pages if num_pool_pages is not None else default_pool_pages(model, config)
+    per_req = per_request_device_bytes(model, config, max_pages)
+    batch = min(config.max_batch, max(room - pages * meta, 0) // per_req)
+    if batch < 1:
+        raise ConfigError(
+            f"memory_budget_gb={config.memory_budget_gb}: {fixed} + page metadata of "
+            f"{pages} host pool pages {pages * meta / GIB:.2f} GiB leave no room for the hot "
+            f"buffer of one request ({per_req / 2**20:.1f} MiB); lower host_pool_gb or "
+            "device_buffer"
+        )
+    sized = config.replace(max_batch=batch)
+    return KVSizing(
+        budget,
+        weights_bytes,
+        act,
+        reserve,
+        room,
+        False,
+        pages,
+        batch,
+        cache_device_bytes(model, sized, pages, max_pages),
+        page,
+        meta,
+        per_req,
+    )
+
+
+def budget_cache(
+    model, config: EngineConfig, context_limit: int, num_pool_pages: int | None = None
+):
+    """Build the budget-sized cache for a placed model.
+
+    Parameters
+    ----------
+    model : :class:`engine.model.LlamaModel` (its ``config``, ``device``, ``weight_bytes``)
+    config : settings with ``memory_budget_gb``
+    context_limit : most tokens per request
+    num_pool_pages : hierarchical host pool pages (default from ``host_pool_gb``)
+
+    Returns
+    -------
+    (config with the sized ``max_batch``, :class:`engine.kv_cache.KVCache`, :class:`KVSizing`)
+    """
+    from engine.kv_cache import KVCache
+
+    sizing = size_kv_for_budget(
+        model.config, config, model.weight_bytes, context_limit, num_pool_pages
+    )
+    sized = config.replace(max_batch=sizing.max_batch)
+    max_pages = -(-context_limit // config.page_size)
+    layers = getattr(model, "layer_range", None)
+    extra = {"layers": layers} if layers is not None else {}
+    cache = KVCache(
+        model.config, sized, model.device, max_pages, num_pool_pages=sizing.num_pool_pages, **extra
+    )
+    return sized, cache, sizing
+
+
+def _hierarchical(config: EngineConfig) -> bool:
+    return config.attention == "sparse" and config.hierarchical

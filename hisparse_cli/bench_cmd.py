@@ -1,0 +1,226 @@
+"""``hisparse bench``: decode throughput against concurrency for every KV mode under one
+memory budget, with a soak test. Thin: flags -> :class:`engine.bench.BenchSpec` ->
+:func:`engine.bench.run_bench` (imported inside the command, so ``--help`` stays fast).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hisparse_cli import options as opt
+
+BENCH, SOAK, MODEL = "Benchmark", "Soak", "Roofline"
+EXIT_USAGE = 2
+
+ModelOpt = Annotated[
+    str,
+    typer.Option(
+        "--model", help="synthetic:NAME (e.g. synthetic:qwen2.5-7b), a GGUF file or HF folder."
+    ),
+]
+PresetOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Hardware preset (default: h200 with CUDA, else cpu).", rich_help_panel=BENCH
+    ),
+]
+ContextsOpt = Annotated[
+    str,
+    typer.Option(help="Contexts (prompt + decoded tokens): 32K,128K,256K.", rich_help_panel=BENCH),
+]
+ConcurrencyOpt = Annotated[
+    str, typer.Option(help="Concurrent jobs, ascending: 1,2,4,8.", rich_help_panel=BENCH)
+]
+ModesOpt = Annotated[
+    str, typer.Option(help="dense, sparse, hierarchical, noio (comma list).", rich_help_panel=BENCH)
+]
+DecodeStepsOpt = Annotated[
+    int, typer.Option(min=1, help="Timed decode steps per run.", rich_help_panel=BENCH)
+]
+WarmupOpt = Annotated[
+    int, typer.Option(min=0, help="Untimed steps before each run.", rich_help_panel=BENCH)
+]
+ProfileStepsOpt = Annotated[
+    int,
+    typer.Option(min=0, help="Instrumented steps per run (time breakdown).", rich_help_panel=BENCH),
+]
+DocsOpt = Annotated[
+    int,
+    typer.Option(
+        min=1, help="Distinct documents per context (job j uses j mod D).", rich_help_panel=BENCH
+    ),
+]
+MasterGbOpt = Annotated[
+    float,
+    typer.Option(
+        help="Cap on prefilled KV kept for reuse per context, GiB.", rich_help_panel=BENCH
+    ),
+]
+PrefillOpt = Annotated[
+    str,
+    typer.Option(
+        help="full (engine prefill), window (synthetic shortcut) or auto.", rich_help_panel=BENCH
+    ),
+]
+PrefillWindowOpt = Annotated[
+    int, typer.Option(help="Tokens each query sees in the window prefill.", rich_help_panel=BENCH)
+]
+HostPoolOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--host-pool", help="Host pool cap for the hierarchical modes, GiB.", rich_help_panel=BENCH
+    ),
+]
+TimeLimitOpt = Annotated[
+    float | None,
+    typer.Option(help="Skip runs not started within this many seconds.", rich_help_panel=BENCH),
+]
+OutOpt = Annotated[Path, typer.Option("--out", help="Output folder (bench.json, PNG plots).")]
+CorpusTokensOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="Pre-tokenized corpus (from --write-corpus-tokens); synthetic models, no embedded model needed.",
+        rich_help_panel=BENCH,
+    ),
+]
+WriteCorpusTokensOpt = Annotated[
+    Path | None,
+    typer.Option(help="Tokenize the corpus into FILE and exit.", rich_help_panel=BENCH),
+]
+ReplotOpt = Annotated[bool, typer.Option(help="Only redraw the plots of OUT/bench.json.")]
+SoakStepsOpt = Annotated[
+    int,
+    typer.Option(
+        "--soak", min=0, help="Soak: decode steps of one batch (0 = off).", rich_help_panel=SOAK
+    ),
+]
+SoakBatchOpt = Annotated[
+    int | None,
+    typer.Option(help="Soak batch (default: the largest level that fits).", rich_help_panel=SOAK),
+]
+SoakEveryOpt = Annotated[
+    int, typer.Option(min=1, help="Integrity check / memory sample interval.", rich_help_panel=SOAK)
+]
+SoakModeOpt = Annotated[str, typer.Option(help="Mode the soak runs in.", rich_help_panel=SOAK)]
+HbmOpt = Annotated[
+    float, typer.Option(help="HBM read bandwidth for the roofline, GB/s.", rich_help_panel=MODEL)
+]
+LinkOpt = Annotated[
+    float,
+    typer.Option(help="Host->device bandwidth for the roofline, GB/s.", rich_help_panel=MODEL),
+]
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``bench`` to ``app``."""
+    app.command("bench")(bench_command)
+
+
+def bench_command(
+    out: OutOpt = Path("bench-out"),
+    model: ModelOpt = "synthetic:qwen2.5-7b",
+    memory_budget: opt.MemoryBudget = None,
+    contexts: ContextsOpt = "32K,128K",
+    concurrency: ConcurrencyOpt = "1,2,4,8",
+    modes: ModesOpt = "dense,sparse,hierarchical,noio",
+    decode_steps: DecodeStepsOpt = 32,
+    warmup_steps: WarmupOpt = 4,
+    profile_steps: ProfileStepsOpt = 4,
+    docs: DocsOpt = 4,
+    master_gb: MasterGbOpt = 24.0,
+    prefill: PrefillOpt = "auto",
+    prefill_window: PrefillWindowOpt = 1024,
+    host_pool: HostPoolOpt = None,
+    time_limit: TimeLimitOpt = None,
+    soak: SoakStepsOpt = 0,
+    soak_batch: SoakBatchOpt = None,
+    soak_every: SoakEveryOpt = 100,
+    soak_mode: SoakModeOpt = "hierarchical",
+    preset: PresetOpt = None,
+    device: opt.Device = None,
+    page_size: opt.PageSize = None,
+    top_k_tokens: opt.TopKTokens = None,
+    device_buffer: opt.DeviceBuffer = None,
+    sink_tokens: opt.SinkTokens = None,
+    local_window: opt.LocalWindow = None,
+    hbm_gbps: HbmOpt = 2115.0,
+    link_gbps: LinkOpt = 55.2,
+    corpus_tokens: CorpusTokensOpt = None,
+    write_corpus_tokens: WriteCorpusTokensOpt = None,
+    replot: ReplotOpt = False,
+) -> None:
+    """Decode throughput vs concurrency for each KV mode under one memory budget.
+
+    Example: `hisparse bench --model synthetic:qwen2.5-7b --contexts 32K,128K --concurrency 1,2,4,8 --memory-budget 48 --decode-steps 32 --out bench-out --soak 2000`
+
+    Writes OUT/bench.json (rewritten after every run), OUT/throughput_<context>.png and
+    OUT/soak_step_latency.png. Exit code 2 on bad arguments.
+    """
+    from engine import bench, bench_kv, bench_report
+    from engine.config import ConfigError
+    from engine.planner import parse_context
+    from engine.presets import resolve_config
+
+    if write_corpus_tokens is not None:
+        typer.echo(f"wrote {bench_kv.write_corpus_tokens(write_corpus_tokens)}")
+        return
+    if replot:
+        typer.echo(f"plots: {', '.join(bench_report.replot(out)) or 'none'}")
+        return
+    overrides = {
+        "memory_budget_gb": memory_budget,
+        "device": device,
+        "page_size": page_size,
+        "top_k": top_k_tokens,
+        "device_buffer": device_buffer,
+        "sink_tokens": sink_tokens,
+        "local_window": local_window,
+    }
+    try:
+        config = resolve_config(preset or _default_preset(), {}, overrides)
+        spec = bench.BenchSpec(
+            model=model,
+            config=config,
+            contexts=bench.parse_int_list(contexts, parse_context),
+            concurrency=bench.parse_int_list(concurrency),
+            modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
+            out_dir=out,
+            decode_steps=decode_steps,
+            warmup_steps=warmup_steps,
+            profile_steps=profile_steps,
+            num_docs=docs,
+            master_gb=master_gb,
+            prefill=prefill,
+            prefill_window=prefill_window,
+            soak_steps=soak,
+            soak_batch=soak_batch,
+            soak_every=soak_every,
+            soak_mode=soak_mode,
+            hbm_gbps=hbm_gbps,
+            link_gbps=link_gbps,
+            host_pool_gb=host_pool,
+            time_limit_s=time_limit,
+            corpus_tokens=corpus_tokens,
+        )
+        spec.validate()
+    except (ConfigError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+    try:
+        bench.run_bench(spec, log=typer.echo)
+    except (ConfigError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+
+
+def _default_preset() -> str:
+    import torch
+
+    return "h200" if torch.cuda.is_available() else "cpu"
+
+
+if __name__ == "__main__":  # python -m hisparse_cli.bench_cmd (before main.py registers it)
+    typer.run(bench_command)

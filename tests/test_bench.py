@@ -1,0 +1,339 @@
+"""``hisparse bench`` on CPU with the two-layer synthetic model: the report has every field,
+the resident baselines stop admitting at a tiny budget, the hierarchy is exact (same tokens
+as the all-resident sparse path), the no-IO oracle runs, plots are written; plus the
+budget sizing that ``hisparse run --memory-budget`` shares."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from engine.bench import MODES, RUN_FIELDS, BenchSpec, hierarchical_pool_pages, run_bench
+from engine.bench_kv import export_kv, page_runs, prefill_window
+from engine.bench_report import roofline, selected_pages
+from engine.budget import (
+    cache_device_bytes,
+    meta_page_bytes,
+    pool_page_bytes,
+    size_kv_for_budget,
+)
+from engine.config import ConfigError, EngineConfig, SamplingParams
+from engine.events import Job
+from engine.planner import GIB
+from hisparse_cli.bench_cmd import register
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+CONTEXT = 512
+# 16-token pages, top-k 64 tokens (4 pages), a 6-page hot buffer: misses happen.
+SMALL = dict(
+    device="cpu",
+    page_size=16,
+    top_k=64,
+    device_buffer=96,
+    sink_tokens=16,
+    local_window=16,
+    prefill_chunk=256,
+    host_pool_gb=0.05,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The placed two-layer synthetic model and its tokenizer (skips without the embedded
+    model, whose tokenizer it uses)."""
+    from engine.api import load_weights
+    from engine.model import LlamaModel
+    from engine.rope import Rope
+
+    try:
+        weights, tokenizer, _ = load_weights("synthetic:tiny")
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    cfg = weights.config
+    model = LlamaModel(
+        weights, torch.device("cpu"), torch.float32, "float", Rope(cfg.head_dim, cfg.rope_theta)
+    )
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def cli_report(tmp_path_factory, tiny, corpus_dir):
+    """One full bench through the CLI: every mode, concurrency 1,2, a short soak."""
+    if not sorted(corpus_dir.glob("*.txt")):
+        pytest.skip(f"no corpus in {corpus_dir}")
+    out = tmp_path_factory.mktemp("bench")
+    app = typer.Typer()
+    register(app)
+
+    @app.callback()
+    def main() -> None:
+        """Keep ``bench`` a named sub-command."""
+
+    args = [
+        "bench",
+        "--out",
+        str(out),
+        "--model",
+        "synthetic:tiny",
+        "--preset",
+        "cpu",
+        "--memory-budget",
+        "2",
+        "--contexts",
+        str(CONTEXT),
+        "--concurrency",
+        "1,2",
+        "--modes",
+        ",".join(MODES),
+        "--decode-steps",
+        "6",
+        "--warmup-steps",
+        "2",
+        "--profile-steps",
+        "2",
+        "--docs",
+        "2",
+        "--page-size",
+        "16",
+        "--top-k-tokens",
+        "64",
+        "--device-buffer",
+        "96",
+        "--local-window",
+        "16",
+        "--host-pool",
+        "0.05",
+        "--soak",
+        "30",
+        "--soak-every",
+        "10",
+    ]
+    result = CliRunner().invoke(app, args, env={"HISPARSE_CORPUS": str(corpus_dir)})
+    assert result.exit_code == 0, result.output
+    return out, json.loads((out / "bench.json").read_text()), result.output
+
+
+def test_report_has_every_field(cli_report):
+    out, report, output = cli_report
+    assert report["synthetic"] and any("synthetic" in n for n in report["notes"])
+    assert "hisparse replay" in report["notes"][0]
+    assert "NOTE: weights are synthetic" in output
+    assert report["seed_scenario"]["dense_holds_one_256k_job"] is False
+    assert report["corpus"]["files_in_order"] == sorted(report["corpus"]["files_in_order"])
+    runs = report["runs"]
+    assert {(r["mode"], r["concurrency"]) for r in runs} == {(m, c) for m in MODES for c in (1, 2)}
+    for row in runs:
+        assert set(RUN_FIELDS) <= set(row), set(RUN_FIELDS) - set(row)
+        assert row["status"] == "ok" and row["admitted"] == row["concurrency"]
+        assert row["decode_tok_s"] > 0 and row["step_ms_p99"] >= row["step_ms_p50"] > 0
+        assert row["ttft_s"] > 0 and row["prefill_tok_s"] > 0
+        assert set(row["breakdown_ms"]) >= {"weights", "attention", "resolve", "gather", "other"}
+        assert row["roofline"]["modeled_ms"] > 0 and row["roofline"]["measured_over_roofline"] > 0
+    ctx = report["contexts"][0]
+    assert ctx["prompt_tokens"] + ctx["decode_reserve"] == CONTEXT
+    assert set(ctx["sizing"]) == set(MODES)
+
+
+def test_hierarchy_is_exact_and_misses(cli_report):
+    _, report, _ = cli_report
+    by = {(r["mode"], r["concurrency"]): r for r in report["runs"]}
+    for c in (1, 2):
+        hier, sparse = by[("hierarchical", c)], by[("sparse", c)]
+        assert hier["token_sha256"] == sparse["token_sha256"]
+        assert hier["misses"] > 0 and 0 < hier["hit_rate"] < 1
+        assert hier["h2d_bytes"] > 0 and by[("noio", c)]["h2d_bytes"] == 0
+        assert by[("noio", c)]["misses"] > 0
+        assert sparse["hits"] is None and sparse["host_pool_bytes"] == 0
+
+
+def test_plots_and_soak(cli_report):
+    out, report, _ = cli_report
+    assert (out / f"throughput_{CONTEXT}.png").stat().st_size > 1000
+    assert (out / "soak_step_latency.png").stat().st_size > 1000
+    soak = report["soak"]
+    assert soak["mode"] == "hierarchical" and soak["batch"] == 2
+    assert len(soak["step_ms"]) == 30 and soak["integrity_checks"] == 3 and soak["integrity_ok"]
+    assert soak["memory_drift"] is not None and soak["p99_over_mean"] >= 1
+
+
+def test_dense_admission_stops_at_a_tiny_budget(tmp_path, tiny, corpus_dir):
+    model, _ = tiny
+    if not sorted(corpus_dir.glob("*.txt")):
+        pytest.skip(f"no corpus in {corpus_dir}")
+    base = EngineConfig(**SMALL, max_batch=4)
+    dense = base.replace(attention="dense", hierarchical=False)
+    probe = size_kv_for_budget(
+        model.config, dense.replace(memory_budget_gb=1.5), model.weight_bytes, CONTEXT
+    )
+    job = (CONTEXT // 16) * (probe.page_bytes + probe.meta_page_bytes)
+    fixed = probe.weights_bytes + probe.activation_bytes + probe.reserve_bytes
+    budget_gb = (fixed + 1.5 * job) / GIB
+    spec = BenchSpec(
+        model="synthetic:tiny",
+        config=base.replace(memory_budget_gb=budget_gb),
+        contexts=(CONTEXT,),
+        concurrency=(1, 2, 4),
+        out_dir=tmp_path,
+        modes=("dense", "sparse", "hierarchical"),
+        decode_steps=2,
+        warmup_steps=1,
+        profile_steps=0,
+        num_docs=1,
+        corpus_dir=corpus_dir,
+    )
+    report = run_bench(spec)
+    dense_rows = [r for r in report["runs"] if r["mode"] == "dense"]
+    assert [r["concurrency"] for r in dense_rows] == [1, 2]  # the sweep ends at the wall
+    assert dense_rows[1]["status"] == "admission_stopped" and dense_rows[1]["admitted"] == 1
+    assert report["contexts"][0]["capacity"]["dense"]["max_jobs"] == 1
+    hier = [r for r in report["runs"] if r["mode"] == "hierarchical"]
+    assert [r["admitted"] for r in hier] == [1, 2, 4]  # same budget, host pool: no wall
+    assert (tmp_path / f"throughput_{CONTEXT}.png").exists()
+
+
+def test_window_prefill_with_full_window_is_the_engine_prefill(tiny):
+    from engine.engine import Engine
+    from engine.kv_cache import KVCache
+    from kernels.dispatch import get_ops
+
+    model, tokenizer = tiny
+    cfg = EngineConfig(**SMALL).replace(hierarchical=False)
+    ids = tuple(range(1000, 1000 + 300))
+    outs = []
+    for window in (None, 10_000):
+        cache = KVCache(model.config, cfg, model.device, 32, num_pool_pages=32)
+        engine = Engine(model, tokenizer, cfg, get_ops("cpu"), 512, cache=cache)
+        req = engine.open_request(Job("d", ids, SamplingParams(max_tokens=1)))
+        chunk = cfg.prefill_chunk
+        first = (
+            engine.prefill(req)
+            if window is None
+            else prefill_window(model, cache, req.seq_id, ids, chunk, window)
+        )
+        outs.append((first, *export_kv(cache, req.seq_id, len(ids))))
+    (f0, r0, m0), (f1, r1, m1) = outs
+    assert f0 == f1
+    assert all(torch.equal(a, b) for a, b in zip(r0 + m0, r1 + m1, strict=True))
+
+
+def test_budget_sizing_resident_and_hierarchical(tiny):
+    model, _ = tiny
+    mc = model.config
+    resident = EngineConfig(**SMALL, attention="sparse", hierarchical=False, memory_budget_gb=1.1)
+    s = size_kv_for_budget(mc, resident, model.weight_bytes, CONTEXT)
+    assert s.pool_on_device and s.num_pool_pages == s.room_bytes // (
+        s.page_bytes + s.meta_page_bytes
+    )
+    assert s.page_bytes == pool_page_bytes(mc, resident) and s.meta_page_bytes == meta_page_bytes(
+        mc, resident
+    )
+    assert s.device_kv_bytes <= s.room_bytes
+    hier = resident.replace(hierarchical=True, max_batch=64)
+    h = size_kv_for_budget(mc, hier, model.weight_bytes, CONTEXT, num_pool_pages=100)
+    assert not h.pool_on_device and 1 <= h.max_batch <= 64
+    used = cache_device_bytes(mc, hier.replace(max_batch=h.max_batch), 100, CONTEXT // 16)
+    assert used == h.device_kv_bytes <= h.room_bytes
+    with pytest.raises(ConfigError, match="no room"):
+        size_kv_for_budget(mc, resident.replace(memory_budget_gb=0.5), model.weight_bytes, CONTEXT)
+
+
+def test_load_engine_sizes_the_pool_from_the_budget(tiny):
+    from engine.api import load_engine
+
+    cfg = EngineConfig(**SMALL, attention="sparse", hierarchical=False, memory_budget_gb=1.1)
+    engine = load_engine(cfg, "synthetic:tiny")
+    sizing = engine.budget_sizing
+    assert sizing is not None and engine.cache.num_pool_pages == sizing.num_pool_pages
+    assert engine.cache.pool_bytes_total + engine.cache.metadata_bytes <= sizing.room_bytes
+
+
+def test_page_runs_and_pool_rounding():
+    assert page_runs([0, 1, 2, 7, 8, 3]) == [(0, 0, 3), (3, 7, 2), (5, 3, 1)]
+    from engine.model_shapes import MODEL_SHAPES
+
+    qwen = MODEL_SHAPES["qwen2.5-7b"]
+    cfg = EngineConfig(page_size=64, kv_dtype="bfloat16", top_k=2048, device_buffer=4096)
+    layer_page = pool_page_bytes(qwen, cfg) // qwen.num_layers  # 128 KiB
+    # 8 x 128K jobs need exactly 2 GiB per layer: a power of two, kept.
+    assert hierarchical_pool_pages(8 * 2048, 96 * GIB, qwen, cfg, pinned=True) == 8 * 2048
+    # 13 jobs would round each pinned layer block up to 4 GiB (112 GiB): use 2 GiB blocks.
+    assert (
+        hierarchical_pool_pages(13 * 2048, 96 * GIB, qwen, cfg, pinned=True) * layer_page == 2 * GIB
+    )
+    assert hierarchical_pool_pages(13 * 2048, 96 * GIB, qwen, cfg, pinned=False) == 13 * 2048
+
+
+def test_roofline_terms(tiny):
+    model, _ = tiny
+    cfg = EngineConfig(**SMALL)
+    pages = [32, 32]
+    assert selected_pages(cfg, 32) == 4 and selected_pages(cfg.replace(attention="dense"), 32) == 32
+    r = roofline(
+        model, cfg, pages, misses_per_step=10, measured_ms=1.0, hbm_gbps=1000, link_gbps=50
+    )
+    per_page = model.config.num_layers * model.config.num_kv_heads * 2 * 16 * 32 * 4
+    assert r["selected_kv_bytes"] == 8 * per_page
+    assert r["missed_kv_bytes"] == 10 * 2 * 16 * 32 * 4
+    expect = (
+        (r["weight_bytes"] + r["selected_kv_bytes"]) / 1e12 + r["missed_kv_bytes"] / 50e9
+    ) * 1e3
+    assert r["modeled_ms"] == pytest.approx(expect)
+    noio = roofline(model, cfg.replace(skip_host_io=True), pages, 10, 1.0, 1000, 50)
+    assert noio["missed_kv_bytes"] == 0
+
+
+def test_bad_arguments_exit_2(tmp_path):
+    app = typer.Typer()
+    register(app)
+
+    @app.callback()
+    def main() -> None:
+        """Keep ``bench`` a named sub-command."""
+
+    result = CliRunner().invoke(app, ["bench", "--out", str(tmp_path), "--preset", "cpu"])
+    assert result.exit_code == 2 and "memory-budget" in result.output
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "--out",
+            str(tmp_path),
+            "--preset",
+            "cpu",
+            "--memory-budget",
+            "2",
+            "--modes",
+            "fast",
+        ],
+    )
+    assert result.exit_code == 2 and "modes" in result.output
+
+
+def test_pretokenized_corpus_needs_no_tokenizer(tmp_path, tiny, corpus_dir):
+    from engine.bench_kv import read_corpus_tokens, write_corpus_tokens
+
+    if not sorted(corpus_dir.glob("*.txt")):
+        pytest.skip(f"no corpus in {corpus_dir}")
+    path = write_corpus_tokens(tmp_path / "tokens.json", corpus_dir)
+    files, streams = read_corpus_tokens(path, 1000)
+    assert files == sorted(files) and max(max(s) for s in streams) < 1000
+    spec = BenchSpec(
+        model="synthetic:tiny",
+        config=EngineConfig(**SMALL, memory_budget_gb=2.0),
+        contexts=(CONTEXT,),
+        concurrency=(1,),
+        out_dir=tmp_path / "out",
+        modes=("hierarchical",),
+        decode_steps=2,
+        warmup_steps=1,
+        profile_steps=1,
+        num_docs=1,
+        corpus_tokens=path,
+    )
+    report = run_bench(spec)
+    assert report["runs"][0]["status"] == "ok" and report["corpus"]["files_in_order"] == files
