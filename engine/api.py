@@ -92,6 +92,10 @@ def pick_weight_format(config: EngineConfig, device: torch.device) -> str:
 def load_engine(config: EngineConfig, model: str | None = None, tracer=None) -> Engine:
     """Load a model and build the engine.
 
+    ``tracer`` is a selection recorder (see :class:`engine.trace.TraceWriter`); without
+    one, ``config.extra["trace_path"]`` (``hisparse run --trace FILE``) makes a
+    :class:`~engine.trace.TraceWriter` there, closed when ``Engine.run`` ends.
+
     With ``config.memory_budget_gb`` (``--memory-budget``) the KV cache is sized by
     :func:`engine.budget.budget_cache`: the device pool (all-resident) or ``max_batch``
     (hierarchical) is what the budget leaves after weights, activations and reserve;
@@ -114,6 +118,11 @@ def load_engine(config: EngineConfig, model: str | None = None, tracer=None) -> 
     fmt = pick_weight_format(config, device)
     llm = LlamaModel(weights, device, dtype, fmt, rope)
     ops = get_ops(device, config.use_triton)
+    if tracer is None and config.extra.get("trace_path"):
+        from engine.trace import TraceHeader, TraceWriter
+
+        header = TraceHeader.for_engine(name, weights.config, config)
+        tracer = TraceWriter(config.extra["trace_path"], header)
     cache, sizing = None, None
     if config.memory_budget_gb is not None:  # pool / max_batch from the budget
         from engine.budget import budget_cache

@@ -1,0 +1,137 @@
+"""``hisparse replay``: miss rates of hot-buffer policies on a recorded selection trace.
+
+Record a trace with ``hisparse run --trace FILE``; this command replays it through LRU
+(the engine's policy), FIFO, random and Bélády's optimum (:mod:`engine.replay`) and
+prints policy x buffer -> miss rate. The engine is imported inside the command.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from engine.replay import ReplayResult
+    from engine.trace import TraceHeader
+
+EXIT_BAD_INPUT = 2
+DEFAULT_MULTIPLES = (1.0, 2.0, 4.0)
+
+TraceArg = Annotated[
+    Path,
+    typer.Argument(
+        exists=True, dir_okay=False, help="Selection trace (hisparse run --trace FILE)."
+    ),
+]
+BufferPagesOpt = Annotated[
+    list[int] | None,
+    typer.Option(
+        "--device-buffer-pages",
+        help="Hot-buffer capacity in pages per (job, layer, KV head); repeat for several.",
+    ),
+]
+BufferMultipleOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--buffer-multiple",
+        help="Capacity as a multiple of top_k: repeat or comma-separate (default 1,2,4).",
+    ),
+]
+PolicyOpt = Annotated[
+    list[str] | None,
+    typer.Option("--policy", help="lru, fifo, random, belady: repeat or comma-separate (all)."),
+]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the random policy.")]
+JsonOutOpt = Annotated[
+    Path | None, typer.Option("--json", help="Also write the results as JSON to FILE.")
+]
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``replay`` command to ``app``."""
+    app.command("replay")(replay_command)
+
+
+def replay_command(
+    trace: TraceArg,
+    device_buffer_pages: BufferPagesOpt = None,
+    buffer_multiple: BufferMultipleOpt = None,
+    policy: PolicyOpt = None,
+    seed: SeedOpt = 0,
+    json_out: JsonOutOpt = None,
+) -> None:
+    """Replay TRACE through LRU, FIFO, random and Bélády at each hot-buffer size.
+
+    Miss rate = misses / selected pages; "warm" leaves out cold misses (first selection
+    of a page). Example: `hisparse replay trace.jsonl --buffer-multiple 1,2,4 --json out.json`
+    """
+    from engine.replay import POLICIES, capacities_from_multiples, load_streams, replay
+    from engine.trace import read_header, read_trace
+
+    policies = _split(policy) or list(POLICIES)
+    unknown = sorted(set(policies) - set(POLICIES))
+    if unknown:
+        _refuse(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
+    try:
+        header = read_header(trace)
+        multiples = [float(m) for m in _split(buffer_multiple)]
+        if not multiples and not device_buffer_pages:
+            multiples = list(DEFAULT_MULTIPLES)
+        capacities = sorted(
+            set(device_buffer_pages or []) | set(capacities_from_multiples(header, multiples))
+        )
+        streams = load_streams(read_trace(trace))
+        results = [replay(streams, c, p, seed) for p in policies for c in capacities]
+    except ValueError as exc:
+        _refuse(str(exc))
+    Console().print(render_table(header, results))
+    if json_out is not None:
+        payload = {
+            "trace": str(trace),
+            "header": header.to_json(),
+            "seed": seed,
+            "results": [r.to_dict() for r in results],
+        }
+        json_out.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+
+def render_table(header: TraceHeader, results: list[ReplayResult]) -> Table:
+    """Policy rows x capacity columns; each cell "miss rate (warm miss rate)"."""
+    capacities = sorted({r.capacity_pages for r in results})
+    policies = list(dict.fromkeys(r.policy for r in results))
+    first = results[0] if results else None
+    caption = (
+        f"{header.model}: page_size {header.page_size}, top_k {header.top_k} tokens "
+        f"({header.top_k_pages} pages)"
+    )
+    if first is not None:
+        caption += f"; {first.num_streams} streams, {first.accesses} selected pages"
+    table = Table(title="miss rate (warm: without cold misses)", caption=caption)
+    table.add_column("policy")
+    for c in capacities:
+        table.add_column(f"{c} pages ({c / header.top_k_pages:g}x top_k)", justify="right")
+    by_key = {(r.policy, r.capacity_pages): r for r in results}
+    for p in policies:
+        cells = [_cell(by_key.get((p, c))) for c in capacities]
+        table.add_row(p, *cells)
+    return table
+
+
+def _cell(r: ReplayResult | None) -> str:
+    if r is None:
+        return ""
+    return f"{100 * r.miss_rate:.1f}% ({100 * r.warm_miss_rate:.1f}%)"
+
+
+def _split(values: list[str] | None) -> list[str]:
+    return [v.strip() for item in values or [] for v in item.split(",") if v.strip()]
+
+
+def _refuse(message: str) -> NoReturn:
+    Console(stderr=True).print(f"[red]error:[/] {message}")
+    raise typer.Exit(EXIT_BAD_INPUT)
