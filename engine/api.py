@@ -4,6 +4,7 @@ resolved :class:`EngineConfig`. This is the one entry point front ends use."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,6 +12,9 @@ from engine.config import ConfigError, EngineConfig, ModelConfig, RopeScaling
 from engine.engine import Engine
 from engine.rope import Rope
 from engine.weights import ModelWeights
+
+if TYPE_CHECKING:
+    from engine.workers import ParallelEngine
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -61,6 +65,28 @@ def load_weights(model: str | None) -> tuple[ModelWeights, object, str]:
     return load_gguf(path), TextTokenizer.from_gguf(path, reference="llama.cpp"), path.stem
 
 
+def load_tokenizer(model: str | None) -> tuple[object, str]:
+    """The tokenizer and model name of ``model`` (as :func:`load_weights` takes it) without
+    reading the weights; what a multi-device parent process needs."""
+    from engine.tokenizer import TextTokenizer
+
+    if model is None:
+        from engine.embedded import default_model_path
+
+        model = str(default_model_path())
+    if model.startswith("synthetic:"):
+        from engine.synthetic import PREFIX, synthetic_shape, synthetic_tokenizer
+
+        cfg = synthetic_shape(model.split(":", 1)[1])
+        return synthetic_tokenizer(cfg.vocab_size), f"{PREFIX}{cfg.name}"
+    path = Path(model)
+    if path.is_dir():
+        return TextTokenizer.from_folder(path), path.name
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path}")
+    return TextTokenizer.from_gguf(path, reference="llama.cpp"), path.stem
+
+
 def context_limit_and_rope(cfg: ModelConfig, config: EngineConfig) -> tuple[int, Rope]:
     """Tokens per request and the RoPE table under the context policy.
 
@@ -89,8 +115,15 @@ def pick_weight_format(config: EngineConfig, device: torch.device) -> str:
     return "int4" if device.type == "cuda" else "float"
 
 
-def load_engine(config: EngineConfig, model: str | None = None, tracer=None) -> Engine:
+def load_engine(
+    config: EngineConfig, model: str | None = None, tracer=None
+) -> Engine | ParallelEngine:
     """Load a model and build the engine.
+
+    When ``config.extra["devices"]`` names more than one device (``--devices cuda:0,cuda:1``
+    or a preset's ``hardware.devices``) this starts one worker per device and returns an
+    :class:`engine.workers.ParallelEngine` (same surface) running ``config.extra["parallel"]``
+    (``data``, the default, or ``pipeline``).
 
     ``tracer`` is a selection recorder (see :class:`engine.trace.TraceWriter`); without
     one, ``config.extra["trace_path"]`` (``hisparse run --trace FILE``) makes a
@@ -109,6 +142,14 @@ def load_engine(config: EngineConfig, model: str | None = None, tracer=None) -> 
     from kernels.dispatch import get_ops
 
     config.validate()
+    devices = config.extra.get("devices") or ()
+    if devices:
+        from engine.workers import ParallelEngine, parse_devices
+
+        devices = parse_devices(devices)
+        if len(devices) > 1:
+            return ParallelEngine(config, model, devices, config.extra.get("parallel") or "data")
+        config = config.replace(device=devices[0])
     device = resolve_device(config)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)

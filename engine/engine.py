@@ -20,17 +20,19 @@ import hashlib
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from engine import events as ev
-from engine.attention import DecodeAttention
+from engine.attention import DecodeAttention, StepPlan
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel, prefill_attention
 from engine.sampling import make_generator, sample
+
+_END = object()  # end-of-source marker for Engine._pull
 
 
 @dataclass
@@ -90,7 +92,7 @@ class Engine:
         self.context_limit = context_limit
         max_pages = -(-context_limit // config.page_size)
         self.cache = cache if cache is not None else KVCache(
-            model.config, config, model.device, max_pages
+            model.config, config, model.device, max_pages, layers=model.layer_range
         )
         self.attn = DecodeAttention(self.cache, config, ops, model.scale, tracer)
         self.tracer = tracer
@@ -109,19 +111,25 @@ class Engine:
         """Stop admitting; running requests end with finish_reason ``cancelled``."""
         self._cancel = True
 
-    def run(self, jobs: Iterable[ev.Job]) -> Iterator[ev.Event]:
-        """Process ``jobs`` (continuous batching) and yield events as they happen."""
+    def run(self, jobs: Iterable[ev.Job | None]) -> Iterator[ev.Event]:
+        """Process ``jobs`` (continuous batching) and yield events as they happen.
+
+        Jobs are drawn lazily: one more only when none waits for admission and fewer than
+        ``max_batch`` run, so a blocking source (a worker's share of a job queue) is read
+        only when there is room. Each drawn job yields ``JobQueued`` (or ``JobFailed`` if
+        it can never run). A ``None`` item means "no job ready yet": the engine carries on
+        and asks again on its next turn (a source should block rather than yield ``None``
+        while nothing runs). After :meth:`cancel`, jobs still in ``jobs`` are drawn and
+        failed ("cancelled before admission").
+        """
+        source = iter(jobs)
         queue: deque[ev.Job] = deque()
-        for job in jobs:
-            err = self._check_job(job)
-            if err:
-                yield ev.JobFailed(time.monotonic(), job.id, err)
-                continue
-            queue.append(job)
-            yield ev.JobQueued(time.monotonic(), job.id, len(job.prompt_ids))
         running: list[Request] = []
+        exhausted = False
         last_mem = 0.0
-        while (queue and not self._cancel) or running:
+        while True:
+            if not self._cancel and not exhausted:
+                exhausted = yield from self._pull(source, queue, running)
             if not self._cancel:
                 yield from self._admit(queue, running)
             if time.monotonic() - last_mem > 1.0:
@@ -130,9 +138,12 @@ class Engine:
             if self._cancel:
                 yield from self._finish_all(running, "cancelled")
                 break
+            if not queue and not running and exhausted:
+                break
             yield from self._prefill_turn(running)
             yield from self._decode_turn(running)
-        for job in queue:
+        unadmitted = [*queue, *(() if exhausted else (j for j in source if j is not None))]
+        for job in unadmitted:
             yield ev.JobFailed(time.monotonic(), job.id, "cancelled before admission")
         if self.tracer is not None and hasattr(self.tracer, "close"):
             self.tracer.close()
@@ -155,6 +166,25 @@ class Engine:
             )
         return ""
 
+    def _pull(
+        self, source: Iterator, queue: deque, running: list[Request]
+    ) -> Generator[ev.Event, None, bool]:
+        """Draw jobs while none waits and the batch has room; returns True once ``source``
+        is exhausted."""
+        while not queue and len(running) < self.config.max_batch:
+            job = next(source, _END)
+            if job is _END:
+                return True
+            if job is None:
+                return False
+            err = self._check_job(job)
+            if err:
+                yield ev.JobFailed(time.monotonic(), job.id, err)
+                continue
+            queue.append(job)
+            yield ev.JobQueued(time.monotonic(), job.id, len(job.prompt_ids))
+        return False
+
     def _admit(self, queue: deque, running: list[Request]) -> Iterator[ev.Event]:
         while queue and len(running) < self.config.max_batch:
             job = queue[0]
@@ -162,13 +192,21 @@ class Engine:
             if not self.cache.can_admit(need):
                 return
             queue.popleft()
-            seq_id = self._next_seq
-            self._next_seq += 1
-            self.cache.allocate(seq_id, need)
             seed = int(hashlib.sha256(job.id.encode()).hexdigest()[:8], 16)
-            req = Request(job, seq_id, time.monotonic(), make_generator(job.sampling, seed))
+            req = self._open(job, seed)
             running.append(req)
             yield ev.JobAdmitted(req.t_admit, job.id, len(job.prompt_ids))
+
+    def _open(self, job: ev.Job, seed: int) -> Request:
+        """Reserve cache room for ``job`` (prompt + max_tokens) under the next seq id."""
+        seq_id = self._next_seq
+        self._next_seq += 1
+        self.cache.allocate(seq_id, len(job.prompt_ids) + job.sampling.max_tokens)
+        return Request(job, seq_id, time.monotonic(), make_generator(job.sampling, seed))
+
+    def _close(self, req: Request) -> None:
+        """Return a request's cache room."""
+        self.cache.release(req.seq_id)
 
     def _prefill_turn(self, running: list[Request]) -> Iterator[ev.Event]:
         req = next((r for r in running if r.phase == "prefill"), None)
@@ -239,7 +277,7 @@ class Engine:
 
     def _finish(self, req: Request, running: list[Request]) -> ev.JobFinished:
         now = time.monotonic()
-        self.cache.release(req.seq_id)
+        self._close(req)
         running.remove(req)
         decode_s = now - req.t_first if req.t_first else 0.0
         n_dec = max(len(req.generated) - 1, 0)
@@ -264,17 +302,14 @@ class Engine:
             yield self._finish(r, running)
 
     def _fail(self, req: Request, running: list[Request], error: str) -> Iterator[ev.Event]:
-        self.cache.release(req.seq_id)
+        self._close(req)
         running.remove(req)
         yield ev.JobFailed(time.monotonic(), req.job.id, error)
 
     # ----- direct driving (tests, benchmarks) ---------------------------------------
     def open_request(self, job: ev.Job) -> Request:
         """Admit ``job`` now, outside :meth:`run`. Raises ``CacheFullError`` if it does not fit."""
-        seq_id = self._next_seq
-        self._next_seq += 1
-        self.cache.allocate(seq_id, len(job.prompt_ids) + job.sampling.max_tokens)
-        return Request(job, seq_id, time.monotonic(), make_generator(job.sampling, 0))
+        return self._open(job, 0)
 
     def prefill(self, req: Request) -> int:
         """Run every remaining prefill layer; returns the first sampled token."""
@@ -284,20 +319,39 @@ class Engine:
 
     def close_request(self, req: Request) -> None:
         """Release the pages and slabs of a request opened with :meth:`open_request`."""
-        self.cache.release(req.seq_id)
+        self._close(req)
 
     # ----- model execution ---------------------------------------------------------
     @torch.inference_mode()
     def prefill_layer(self, req: Request) -> None:
         """Run layer ``req.next_layer`` over the whole prompt in chunks; after the last
         layer sample the first token and switch the request to decode."""
-        m, cfg = self.model, self.model_config
-        ids = torch.tensor(req.job.prompt_ids, dtype=torch.long)
-        t = ids.numel()
+        m = self.model
+        t = len(req.job.prompt_ids)
         if req.hidden is None:
-            req.hidden = m.embed_tokens(ids)
-        layer = req.next_layer
-        h = req.hidden
+            req.hidden = m.embed_tokens(torch.tensor(req.job.prompt_ids, dtype=torch.long))
+        h = self.prefill_hidden(req.seq_id, req.next_layer, req.hidden)
+        req.next_layer += 1
+        if req.next_layer == self.model_config.num_layers:
+            logits = m.logits(h[-1:])[0]
+            req.logits = logits if self.keep_logits else None
+            req.hidden = None
+            req.generated.append(sample(logits, req.job.sampling, req.generator))
+            req.t_first = time.monotonic()
+            req.phase = "decode"
+            self.cache.seqs[req.seq_id].num_tokens = t
+        else:
+            req.hidden = h
+
+    @torch.inference_mode()
+    def prefill_hidden(self, seq_id: int, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """Model layer ``layer`` (one this engine holds) over a whole prompt, in chunks.
+
+        ``h [T, H]`` (updated in place) -> the layer's output ``[T, H]``; after the model's
+        last layer only the final position's ``[1, H]``. K/V go to the cache.
+        """
+        m, cfg = self.model, self.model_config
+        t = h.shape[0]
         pos = torch.arange(t, device=m.device)
         kbuf = torch.empty(t, cfg.num_kv_heads, cfg.head_dim, dtype=m.dtype, device=m.device)
         vbuf = torch.empty_like(kbuf)
@@ -314,18 +368,8 @@ class Engine:
                 h = m.finish_layer(layer, h[t - 1 :], a[-1:])
             else:
                 h[s:e] = m.finish_layer(layer, h[s:e], a)
-        self.cache.write_prefill(req.seq_id, layer, kbuf, vbuf, 0)
-        req.next_layer += 1
-        if last:
-            logits = m.logits(h[-1:])[0]
-            req.logits = logits if self.keep_logits else None
-            req.hidden = None
-            req.generated.append(sample(logits, req.job.sampling, req.generator))
-            req.t_first = time.monotonic()
-            req.phase = "decode"
-            self.cache.seqs[req.seq_id].num_tokens = t
-        else:
-            req.hidden = h
+        self.cache.write_prefill(seq_id, layer - self.cache.layer_offset, kbuf, vbuf, 0)
+        return h
 
     @torch.inference_mode()
     def decode_step(self, batch: list[Request]) -> list[int]:
@@ -337,11 +381,7 @@ class Engine:
         if self.tracer is not None:
             self.tracer.bind({r.seq_id: r.job.id for r in batch})
         tokens = torch.tensor([r.generated[-1] for r in batch], dtype=torch.long)
-        h = m.embed_tokens(tokens)
-        for layer in range(self.model_config.num_layers):
-            q, k, v = m.qkv(layer, h, plan.positions)
-            a = self.attn.run(plan, layer, q, k, v)
-            h = m.finish_layer(layer, h, a)
+        h = self.decode_layers(plan, m.embed_tokens(tokens))
         logits = m.logits(h)
         for i, r in enumerate(batch):
             self.cache.seqs[r.seq_id].num_tokens += 1
@@ -351,6 +391,17 @@ class Engine:
             greedy[i] if r.job.sampling.temperature == 0 else sample(logits[i], r.job.sampling, r.generator)
             for i, r in enumerate(batch)
         ]
+
+    @torch.inference_mode()
+    def decode_layers(self, plan: StepPlan, h: torch.Tensor) -> torch.Tensor:
+        """This engine's layers for one decode step of ``plan``'s batch: ``h [B, H]`` ->
+        ``[B, H]`` (each layer appends its K/V and attends through the cache)."""
+        m, offset = self.model, self.cache.layer_offset
+        for layer in m.layer_range:
+            q, k, v = m.qkv(layer, h, plan.positions)
+            a = self.attn.run(plan, layer - offset, q, k, v)
+            h = m.finish_layer(layer, h, a)
+        return h
 
     def memory_snapshot(self) -> ev.MemorySnapshot:
         """Bytes by part on the compute device and of the KV pool."""

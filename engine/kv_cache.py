@@ -61,6 +61,11 @@ class KVCache:
     model : model shape; config : engine settings (page_size, kv_dtype, host_pool_gb,
     max_batch, hierarchical, device_buffer); device : compute device;
     max_pages_per_seq : P_max, the page-table width.
+    num_pool_pages : pool pages; default: as many whole-model pages (every layer of the
+        model) as ``host_pool_gb`` holds, so every pipeline stage gets the same count.
+    layers : the model layers this cache holds (a pipeline stage), default all. The
+        per-layer lists and every ``layer`` argument are local: index ``i`` is model
+        layer ``layers.start + i`` (``layer_offset``).
 
     Raises
     ------
@@ -75,6 +80,7 @@ class KVCache:
         device: torch.device,
         max_pages_per_seq: int,
         num_pool_pages: int | None = None,
+        layers: range | None = None,
     ):
         self.model = model
         self.config = config
@@ -82,11 +88,14 @@ class KVCache:
         self.page_size = s = config.page_size
         self.dtype = getattr(torch, config.kv_dtype)
         self.hierarchical = config.attention == "sparse" and config.hierarchical
-        hkv, d, nl = model.num_kv_heads, model.head_dim, model.num_layers
+        layers = layers if layers is not None else range(model.num_layers)
+        self.layer_offset, self.num_layers = layers.start, len(layers)
+        hkv, d, nl = model.num_kv_heads, model.head_dim, self.num_layers
         self.record_bytes = 2 * s * d * self.dtype.itemsize
         self.page_bytes = nl * hkv * self.record_bytes
         if num_pool_pages is None:
-            num_pool_pages = max(1, int(config.host_pool_gb * 2**30) // self.page_bytes)
+            model_page_bytes = model.num_layers * hkv * self.record_bytes
+            num_pool_pages = max(1, int(config.host_pool_gb * 2**30) // model_page_bytes)
         self.num_pool_pages = num_pool_pages
         self.max_pages_per_seq = max_pages_per_seq
         pool_dev = torch.device("cpu") if self.hierarchical else device
@@ -167,7 +176,7 @@ class KVCache:
         self.free_pages.extend(reversed(seq.pages))
         c = self.slots_per_slab
         for slab in seq.slab_ids:
-            for layer in range(self.model.num_layers):
+            for layer in range(self.num_layers):
                 self.page_table[layer][slab].fill_(-1)
                 self.slot_page[layer][slab * c : (slab + 1) * c] = -1
                 self.slot_last_use[layer][slab * c : (slab + 1) * c] = -1
@@ -231,7 +240,7 @@ class KVCache:
         assert len(slabs) == len(set(slabs)), "a slab is owned twice"
         assert len(slabs) + len(self.free_slabs) == self.num_slabs, "slabs leaked"
         if self.hierarchical:
-            for layer in range(self.model.num_layers):
+            for layer in range(self.num_layers):
                 self._check_layer(layer)
 
     def _check_layer(self, layer: int) -> None:

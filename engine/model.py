@@ -59,6 +59,9 @@ class LlamaModel:
     device : compute device; dtype : activation dtype (float32 on CPU, bfloat16 on CUDA)
     weight_format : ``float`` or ``int4`` (see :func:`engine.quant.make_linear`)
     rope : the RoPE table (carries any context-extension scaling)
+    layers : the decoder layers to place (a pipeline stage), default all. The token
+        embedding is placed only with layer 0, the final norm and LM head only with the
+        last layer (``None`` otherwise). Methods take global layer indices.
     """
 
     def __init__(
@@ -68,18 +71,22 @@ class LlamaModel:
         dtype: torch.dtype,
         weight_format: str,
         rope: Rope,
+        layers: range | None = None,
     ):
         self.config: ModelConfig = weights.config
         self.device = device
         self.dtype = dtype
         self.rope = rope
         cfg = self.config
-        self.embed = weights.embed.to(device, dtype)
-        self.norm = weights.norm.to(device, torch.float32)
+        self.layer_range = layers if layers is not None else range(cfg.num_layers)
+        first = self.layer_range.start == 0
+        last = self.layer_range.stop == cfg.num_layers
+        self.embed = weights.embed.to(device, dtype) if first else None
+        self.norm = weights.norm.to(device, torch.float32) if last else None
         head = weights.lm_head if weights.lm_head is not None else weights.embed
-        self.lm_head = make_linear(head, None, "float", device, dtype)
+        self.lm_head = make_linear(head, None, "float", device, dtype) if last else None
         self.layers: list[Layer] = []
-        for lw in weights.layers:
+        for lw in weights.layers[self.layer_range.start : self.layer_range.stop]:
             bias = None
             if lw.bq is not None:
                 bias = torch.cat([lw.bq, lw.bk, lw.bv]).float()
@@ -104,8 +111,9 @@ class LlamaModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights on the compute device."""
-        total = self.embed.nbytes + self.norm.nbytes
-        if self.lm_head.weight.data_ptr() != self.embed.data_ptr():
+        total = sum(t.nbytes for t in (self.embed, self.norm) if t is not None)
+        embed_ptr = self.embed.data_ptr() if self.embed is not None else None
+        if self.lm_head is not None and self.lm_head.weight.data_ptr() != embed_ptr:
             total += self.lm_head.nbytes
         for layer in self.layers:
             total += layer.attn_norm.nbytes + layer.ffn_norm.nbytes
@@ -124,7 +132,7 @@ class LlamaModel:
         Returns q ``[T, Hq, D]``, k ``[T, Hkv, D]`` (both after RoPE), v ``[T, Hkv, D]``.
         """
         cfg = self.config
-        layer = self.layers[i]
+        layer = self.layers[i - self.layer_range.start]
         x = rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
         qkv = layer.wqkv(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -137,7 +145,7 @@ class LlamaModel:
 
     def finish_layer(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection, residual and MLP: ``h [T, H]``, ``attn [T, Hq, D]`` -> ``[T, H]``."""
-        layer = self.layers[i]
+        layer = self.layers[i - self.layer_range.start]
         h = h + layer.wo(attn.reshape(h.shape[0], -1).to(h.dtype))
         x = rms_norm(h, layer.ffn_norm, self.config.rms_norm_eps)
         gate, up = layer.w_gate_up(x).chunk(2, dim=-1)

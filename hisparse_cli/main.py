@@ -47,6 +47,8 @@ def run(
     max_context: opt.MaxContext = None,
     memory_budget: opt.MemoryBudget = None,
     device: opt.Device = None,
+    devices: opt.Devices = None,
+    parallel: opt.Parallel = None,
     json_progress: opt.JsonProgress = False,
     trace: opt.Trace = None,
     encoding: opt.Encoding = "utf-8",
@@ -88,7 +90,7 @@ def run(
         "max_context": max_context,
         "memory_budget_gb": memory_budget,
         "device": device,
-        "extra": {"trace_path": str(trace)} if trace is not None else None,
+        "extra": _extra_overrides(trace, devices, parallel),
     }
     request = RunRequest(
         docs=tuple(docs or ()),
@@ -105,6 +107,18 @@ def run(
         force=force,
     )
     raise typer.Exit(execute(request))
+
+
+def _extra_overrides(trace: Path | None, devices: str | None, parallel: str | None) -> dict | None:
+    """``EngineConfig.extra`` entries set by flags (``None`` when none is given)."""
+    extra: dict = {}
+    if trace is not None:
+        extra["trace_path"] = str(trace)
+    if devices:
+        extra["devices"] = [d.strip() for d in devices.split(",") if d.strip()]
+    if parallel:
+        extra["parallel"] = parallel
+    return extra or None
 
 
 presets_cmd.register(app)

@@ -125,6 +125,23 @@ MemoryBudget = Annotated[
     typer.Option("--memory-budget", help="Device memory to use, GiB.", rich_help_panel=ENGINE),
 ]
 Device = Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N.", rich_help_panel=ENGINE)]
+Devices = Annotated[
+    str | None,
+    typer.Option(
+        help="Several devices, comma-separated (cuda:0,cuda:1 or cpu,cpu): one worker each.",
+        show_default="the preset's hardware devices",
+        rich_help_panel=ENGINE,
+    ),
+]
+Parallel = Annotated[
+    Literal["data", "pipeline"] | None,
+    typer.Option(
+        help="With several devices: data (whole jobs per device) or pipeline (layers split "
+        "across devices).",
+        show_default="the preset's",
+        rich_help_panel=ENGINE,
+    ),
+]
 Trace = Annotated[
     Path | None, typer.Option(help="Write an engine trace to FILE.", rich_help_panel=ENGINE)
 ]

@@ -32,6 +32,7 @@ from rich.console import Console
 
 from engine.config import ConfigError, EngineConfig
 from engine.events import Event, Job, JobAdmitted, JobFailed, JobFinished, JobResult
+from engine.workers import WorkerDied
 from hisparse_cli.keys import DEFAULT_MODEL_ID, model_fingerprint
 from hisparse_cli.manifest import Manifest, ManifestError, jobs_from_paths, load_manifest
 from hisparse_cli.plan import INVALID, RUN, SKIP, PlannedJob, plan_jobs
@@ -141,7 +142,25 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
     else:
         manifest = Manifest((), {})
     config = resolve_engine_config(request.preset, manifest.engine, request.engine_overrides)
-    return manifest, config
+    return manifest, with_preset_devices(config, request.preset, request.engine_overrides)
+
+
+def with_preset_devices(config: EngineConfig, preset: str, flags: dict[str, Any]) -> EngineConfig:
+    """Run on the preset's ``hardware.devices`` (``hardware.parallel`` unless
+    ``--parallel`` is given) when it names several and neither ``--device`` nor
+    ``--devices`` (or a manifest's ``engine.extra.devices``) chose the devices."""
+    if "devices" in config.extra or flags.get("device") is not None:
+        return config
+    try:
+        from engine.presets import load_preset_full
+
+        hardware = load_preset_full(preset).hardware
+    except (ConfigError, OSError):
+        return config
+    if hardware.num_devices < 2:
+        return config
+    extra = {"devices": list(hardware.devices), "parallel": hardware.parallel, **config.extra}
+    return config.replace(extra=extra)
 
 
 def check_request(request: RunRequest) -> None:
@@ -294,6 +313,10 @@ class BatchRun:
             except Exception as exc:  # noqa: BLE001 - report, keep finished results
                 self.err_console.print_exception()
                 self.reporter.note(f"the engine stopped with an error: {exc}", "error")
+            finally:
+                close = getattr(engine, "close", None)  # worker processes of several devices
+                if callable(close):
+                    close()
             return self.cancel.count > 0
 
     def _jobs(self, engine: Any, pending: list[PlannedJob]) -> Iterator[Job]:
@@ -360,6 +383,8 @@ class BatchRun:
             self._write_result(event.result)
         elif isinstance(event, JobFailed):
             self._write_failure(event.job_id, event.error)
+        elif isinstance(event, WorkerDied):
+            self.reporter.note(event.error, "error")
         self.reporter.on_event(event)
 
     def _write_result(self, result: JobResult) -> None:

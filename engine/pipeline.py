@@ -1,0 +1,398 @@
+"""Pipeline parallelism: the model's layers in contiguous stages, one process per stage.
+
+Stage ``i`` of ``n`` holds layers ``engine.planner.stage_layers(L, n)[i]``: their weights,
+KV pool pages, page metadata and hot-buffer slabs (``LlamaModel(layers=...)``,
+``KVCache(layers=...)``); stage 0 also holds the token embedding, the last stage the final
+norm and the LM head. Every stage has the same number of pool pages (sized from the whole
+model, so the stages together use ``host_pool_gb``) and the same slab count, so identical
+allocate / release sequences give identical page and slab ids on every stage.
+
+Roles
+-----
+* Stage 0, :class:`PipelineEngine` (an :class:`~engine.engine.Engine`), runs the scheduler
+  (``Engine.run``: admission, layer-major prefill turns, decode steps) over its layers and
+  broadcasts every decision that touches another stage's state as a small command:
+
+  ``("open", seq_id, reserve_tokens, sampling, seed)``  allocate pages and slabs; the last
+  stage makes the request's sampling generator (seeded as ``Engine`` seeds it);
+  ``("close", seq_id)``  release them;
+  ``("prefill", seq_id, layer, T)``  run ``layer`` (held by a later stage) over the prompt;
+  ``("decode", step, groups)``  one decode step, ``groups`` the micro-batches as lists of
+  ``(seq_id, seq_len)``;
+  ``("exit",)``.
+* Stages 1 .. n-1, :class:`StageFollower`, execute the commands in order.
+* The last stage samples and sends the tokens (with the summed hit / miss counters) back to
+  stage 0.
+
+Transport
+---------
+Commands go out with ``torch.distributed.broadcast_object_list`` from stage 0 on a gloo
+group. Activations go point to point between neighbouring stages with ``isend`` / ``recv``:
+over NCCL when every stage has a GPU of its own, otherwise over gloo (CUDA tensors staged
+through host memory; NCCL refuses two ranks on one GPU). Both sides of a transfer post it
+while handling the same command, so no transfer ever waits on a later broadcast.
+
+Prefill
+-------
+One layer per scheduler turn, as in ``Engine``. Stage 0 runs its own layers; for a later
+stage's layer it broadcasts ``prefill``: at a stage boundary the previous stage sends the
+prompt's hidden states ``[T, H]`` to the next; the owner runs the layer and keeps the
+hidden states; after the model's last layer the last stage samples the first token and
+sends it to stage 0. Decode steps of other requests run between these turns.
+
+Decode micro-batch schedule
+---------------------------
+Each decode step splits the batch into ``micro_batches`` (2) contiguous groups A and B.
+With two stages::
+
+    stage 0:  | A: embed, layers [0, a) | B: layers [0, a) |              | recv tokens A, B
+    stage 1:                            | A: layers [a, L), sample | B: layers [a, L), sample |
+
+Stage 0 sends A's activations asynchronously and computes B while stage 1 computes A, so
+a step takes about 3 half-batch stage times instead of 4; with M micro-batches and S stages,
+(M + S - 1) / M stage times of the whole batch instead of S. Consecutive steps do not
+overlap (stage 0 needs the step's tokens before embedding the next), which would need an
+asynchronous decode turn in the scheduler.
+
+Any failure inside a pipelined prefill or decode (including a lost peer) raises
+:class:`StageError`, which ``Engine.run`` does not catch: the stages are no longer in
+lockstep, so the stage process ends and the parent (``engine.workers``) reports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from engine.config import ConfigError, EngineConfig, SamplingParams
+from engine.engine import Engine, Request
+from engine.planner import stage_layers
+from engine.sampling import make_generator, sample
+
+MICRO_BATCHES = 2
+
+
+class StageError(Exception):
+    """A pipelined step failed; the stages may be out of lockstep (not a RuntimeError, so
+    ``Engine.run`` lets it end the stage process)."""
+
+
+class StageLink:
+    """The ``torch.distributed`` plumbing of one stage.
+
+    Parameters
+    ----------
+    rank, world_size : this stage and the stage count
+    device : this stage's compute device
+    init_method : rendezvous URL shared by the stages (``file://...``)
+    nccl : activations over NCCL (every stage on its own GPU); otherwise gloo
+    """
+
+    def __init__(
+        self, rank: int, world_size: int, device: torch.device, init_method: str, nccl: bool
+    ):
+        backend = "nccl" if nccl else "gloo"
+        if nccl and device.index is not None:
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        self.control = dist.new_group(backend="gloo") if nccl else dist.group.WORLD
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.wire = device if nccl else torch.device("cpu")
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def broadcast(self, command: tuple | None = None) -> tuple:
+        """Stage 0 sends ``command``; every other stage receives and returns it."""
+        box = [command]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> None:
+        """Start sending ``tensor`` to stage ``dst``; :meth:`flush` waits for it."""
+        wire = tensor.to(self.wire).contiguous()
+        self._pending.append((dist.isend(wire, dst), wire))
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
+        """Receive a ``shape`` / ``dtype`` tensor from stage ``src`` onto this stage's device."""
+        buf = torch.empty(tuple(shape), dtype=dtype, device=self.wire)
+        dist.recv(buf, src)
+        return buf.to(self.device)
+
+    def flush(self) -> None:
+        """Wait until every started send is done."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+    def close(self) -> None:
+        self.flush()
+        dist.destroy_process_group()
+
+
+def sample_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+) -> list[int]:
+    """One token per row of float32 ``logits [B, V]``, as ``Engine.decode_step`` samples."""
+    greedy = logits.argmax(dim=-1).tolist()
+    return [
+        greedy[i] if p.temperature == 0 else sample(logits[i], p, g)
+        for i, (p, g) in enumerate(zip(params, generators, strict=True))
+    ]
+
+
+def split_batch(batch: list, parts: int) -> list[list]:
+    """``batch`` in at most ``parts`` contiguous, non-empty groups (sizes differ by <= 1)."""
+    parts = max(1, min(parts, len(batch)))
+    base, extra = divmod(len(batch), parts)
+    groups, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        groups.append(batch[start:end])
+        start = end
+    return groups
+
+
+class PipelineEngine(Engine):
+    """Stage 0: the scheduler of :class:`~engine.engine.Engine` over layers ``ranges[0]``,
+    driving stages ``1 .. n-1`` (see the module docstring).
+
+    Parameters
+    ----------
+    link : this stage's :class:`StageLink`; ranges : every stage's layers (``n >= 2``);
+    other parameters as :class:`~engine.engine.Engine`.
+    """
+
+    def __init__(self, model, tokenizer, config, ops, context_limit, link, ranges):
+        super().__init__(model, tokenizer, config, ops, context_limit)
+        self.link = link
+        self.ranges: list[range] = list(ranges)
+        self.last_stage = len(self.ranges) - 1
+        self.micro_batches = MICRO_BATCHES
+
+    # ----- cache lockstep ----------------------------------------------------------
+    def _open(self, job, seed: int) -> Request:
+        req = super()._open(job, seed)
+        reserve = len(job.prompt_ids) + job.sampling.max_tokens
+        self._command("open", req.seq_id, reserve, job.sampling, seed)
+        return req
+
+    def _close(self, req: Request) -> None:
+        super()._close(req)
+        self._command("close", req.seq_id)
+
+    def _command(self, *command) -> None:
+        try:
+            self.link.broadcast(command)
+        except Exception as e:  # noqa: BLE001 - a lost stage ends the pipeline
+            raise StageError(f"pipeline command {command[0]!r} failed: {e}") from e
+
+    # ----- execution ---------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill_layer(self, req: Request) -> None:
+        if req.next_layer in self.model.layer_range:
+            super().prefill_layer(req)  # stage 0 never holds the last layer
+            return
+        try:
+            self._remote_prefill_layer(req)
+        except Exception as e:  # noqa: BLE001
+            raise StageError(f"pipelined prefill of layer {req.next_layer} failed: {e}") from e
+
+    def _remote_prefill_layer(self, req: Request) -> None:
+        layer, t = req.next_layer, len(req.job.prompt_ids)
+        self.link.broadcast(("prefill", req.seq_id, layer, t))
+        if layer == self.ranges[1].start:  # hand the prompt's hidden states to stage 1
+            self.link.isend(req.hidden, 1)
+            self.link.flush()
+            req.hidden = None
+        req.next_layer += 1
+        if req.next_layer == self.model_config.num_layers:
+            token = self.link.recv((1,), torch.int64, self.last_stage)
+            req.generated.append(int(token[0]))
+            req.t_first = time.monotonic()
+            req.phase = "decode"
+            self.cache.seqs[req.seq_id].num_tokens = t
+
+    @torch.inference_mode()
+    def decode_step(self, batch: list[Request]) -> list[int]:
+        """One pipelined decode step of ``batch`` in micro-batches; returns the tokens."""
+        try:
+            return self._pipelined_step(batch)
+        except Exception as e:  # noqa: BLE001
+            raise StageError(f"pipelined decode step failed: {e}") from e
+
+    def _pipelined_step(self, batch: list[Request]) -> list[int]:
+        m = self.model
+        self.step += 1
+        groups = split_batch(batch, self.micro_batches)
+        layout = [[(r.seq_id, r.num_tokens + 1) for r in g] for g in groups]
+        self.link.broadcast(("decode", self.step, layout))
+        for group in groups:
+            lens = [r.num_tokens + 1 for r in group]
+            plan = self.attn.plan([r.seq_id for r in group], lens, self.step)
+            tokens = torch.tensor([r.generated[-1] for r in group], dtype=torch.long)
+            h = self.decode_layers(plan, m.embed_tokens(tokens))
+            self.link.isend(h, 1)
+            self.link.isend(torch.stack([self.attn.hits, self.attn.misses]), 1)
+        out = [self.link.recv((3, len(g)), torch.int64, self.last_stage).cpu() for g in groups]
+        self.link.flush()
+        tokens_hits_misses = torch.cat(out, dim=1)
+        self.attn.hits, self.attn.misses = tokens_hits_misses[1], tokens_hits_misses[2]
+        for r in batch:
+            self.cache.seqs[r.seq_id].num_tokens += 1
+        return tokens_hits_misses[0].tolist()
+
+    def memory_snapshot(self):
+        """Stage 0's device; the host pool of the whole pipeline (every stage holds the same
+        pages, ``num_layers`` of the model's layers each)."""
+        snap = super().memory_snapshot()
+        scale = self.model_config.num_layers / self.cache.num_layers
+        return dataclasses.replace(
+            snap,
+            host_pool_used=round(snap.host_pool_used * scale),
+            host_pool_total=round(snap.host_pool_total * scale),
+        )
+
+    def shutdown(self) -> None:
+        """Tell the other stages to exit and leave the process group."""
+        self.link.broadcast(("exit",))
+        self.link.close()
+
+
+class StageFollower:
+    """Stages 1 .. n-1: execute stage 0's commands on this stage's layers.
+
+    Parameters
+    ----------
+    engine : an :class:`~engine.engine.Engine` over this stage's layers (its cache and
+        execution helpers are used; its scheduler is not)
+    link : this stage's :class:`StageLink`; ranges : every stage's layers
+    """
+
+    def __init__(self, engine: Engine, link: StageLink, ranges: Sequence[range]):
+        self.engine, self.link = engine, link
+        self.rank = link.rank
+        self.layers = ranges[link.rank]
+        self.is_last = link.rank == len(ranges) - 1
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.sampling: dict[int, tuple[SamplingParams, torch.Generator]] = {}
+
+    def serve(self) -> None:
+        """Execute commands until ``exit``."""
+        handlers = {
+            "open": self._open,
+            "close": self._close,
+            "prefill": self._prefill,
+            "decode": self._decode,
+        }
+        while True:
+            command = self.link.broadcast()
+            if command[0] == "exit":
+                self.link.close()
+                return
+            handlers[command[0]](*command[1:])
+
+    def _open(self, seq_id: int, reserve: int, sampling: SamplingParams, seed: int) -> None:
+        self.engine.cache.allocate(seq_id, reserve)
+        if self.is_last:
+            self.sampling[seq_id] = (sampling, make_generator(sampling, seed))
+
+    def _close(self, seq_id: int) -> None:
+        self.engine.cache.release(seq_id)
+        self.hidden.pop(seq_id, None)
+        self.sampling.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def _prefill(self, seq_id: int, layer: int, t: int) -> None:
+        eng, m = self.engine, self.engine.model
+        if layer == self.layers.stop:  # the next stage starts here: hand over
+            self.link.isend(self.hidden.pop(seq_id), self.rank + 1)
+            self.link.flush()
+            return
+        if layer not in self.layers:
+            return
+        if layer == self.layers.start:
+            h = self.link.recv((t, m.config.hidden_size), m.dtype, self.rank - 1)
+        else:
+            h = self.hidden.pop(seq_id)
+        h = eng.prefill_hidden(seq_id, layer, h)
+        if layer < m.config.num_layers - 1:
+            self.hidden[seq_id] = h
+            return
+        eng.cache.seqs[seq_id].num_tokens = t
+        token = self._sample([seq_id], m.logits(h[-1:]))
+        self.link.isend(torch.tensor(token), 0)
+        self.link.flush()
+
+    @torch.inference_mode()
+    def _decode(self, step: int, layout: list[list[tuple[int, int]]]) -> None:
+        eng, m = self.engine, self.engine.model
+        for group in layout:
+            ids, lens = [s for s, _ in group], [n for _, n in group]
+            plan = eng.attn.plan(ids, lens, step)
+            h = self.link.recv((len(ids), m.config.hidden_size), m.dtype, self.rank - 1)
+            stats = self.link.recv((2, len(ids)), torch.int64, self.rank - 1)
+            h = eng.decode_layers(plan, h)
+            stats = stats + torch.stack([eng.attn.hits, eng.attn.misses])
+            if self.is_last:
+                tokens = torch.tensor([self._sample(ids, m.logits(h))])
+                self.link.isend(torch.cat([tokens, stats.cpu()]), 0)
+            else:
+                self.link.isend(h, self.rank + 1)
+                self.link.isend(stats, self.rank + 1)
+        self.link.flush()
+        for group in layout:
+            for seq_id, _ in group:
+                eng.cache.seqs[seq_id].num_tokens += 1
+
+    def _sample(self, seq_ids: list[int], logits: torch.Tensor) -> list[int]:
+        params = [self.sampling[s][0] for s in seq_ids]
+        generators = [self.sampling[s][1] for s in seq_ids]
+        return sample_rows(logits, params, generators)
+
+
+def load_stage(
+    config: EngineConfig,
+    model: str | None,
+    rank: int,
+    world_size: int,
+    init_method: str,
+    nccl: bool,
+) -> PipelineEngine | StageFollower:
+    """Load stage ``rank`` of ``world_size``: only its layers are placed; joins the process
+    group. Stage 0 returns the :class:`PipelineEngine`, the others a :class:`StageFollower`.
+
+    Raises
+    ------
+    ConfigError
+        Fewer than 2 stages, or more stages than the model has layers.
+    """
+    from engine.api import context_limit_and_rope, load_weights, pick_weight_format, resolve_device
+    from engine.model import LlamaModel
+    from kernels.dispatch import get_ops
+
+    config.validate()
+    device = resolve_device(config)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    weights, tokenizer, name = load_weights(model)
+    num_layers = weights.config.num_layers
+    if not 2 <= world_size <= num_layers:
+        raise ConfigError(
+            f"pipeline of {world_size} stages: needs 2 to {num_layers} devices for this model"
+        )
+    ranges = [range(a, b) for a, b in stage_layers(num_layers, world_size)]
+    limit, rope = context_limit_and_rope(weights.config, config)
+    fmt = pick_weight_format(config, device)
+    dtype = getattr(torch, config.dtype)
+    llm = LlamaModel(weights, device, dtype, fmt, rope, layers=ranges[rank])
+    del weights
+    ops = get_ops(device, config.use_triton)
+    link = StageLink(rank, world_size, device, init_method, nccl)
+    if rank == 0:
+        engine = PipelineEngine(llm, tokenizer, config, ops, limit, link, ranges)
+        engine.model_name, engine.weight_format = name, fmt
+        return engine
+    return StageFollower(Engine(llm, tokenizer, config, ops, limit), link, ranges)

@@ -1,0 +1,315 @@
+"""Several devices: data-parallel workers and a two-stage pipeline, on the real embedded
+model (SmolLM2-135M-Instruct, fp32, CPU workers over gloo), against one in-process engine.
+
+The hot buffer is small enough (8 pages per request, layer and KV head, top 4 selected) that
+the prompts of 100-400 tokens evict and miss, so both the selection and the LRU state of
+every stage must stay in lockstep for the tokens and cache counters to match.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.config import EngineConfig, SamplingParams
+from engine.events import DecodeStep, Job, JobFailed, JobFinished, JobQueued, MemorySnapshot
+from engine.pipeline import split_batch
+from engine.workers import JobPlaced, ParallelEngine, WorkerDied, parse_devices, worker_config
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+CONFIG = EngineConfig(
+    host_pool_gb=0.25,
+    max_batch=2,
+    page_size=16,
+    top_k=64,
+    device_buffer=128,
+    sink_tokens=16,
+    local_window=32,
+    prefill_chunk=128,
+    num_threads=1,
+)
+TEXT = (
+    "Python lists have a built-in sort method that modifies the list in place, and the "
+    "sorted function builds a new sorted list from any iterable. Both accept a key "
+    "function and a reverse flag; the sort is stable, so records sorted by one key keep "
+    "their earlier order among equal keys. "
+)
+# (words of the document, sampling): greedy and seeded sampling, one without a seed. Prefill
+# takes one layer per scheduler turn, so job0 needs over 30 tokens to still be decoding when
+# job1 joins it (a decode batch of 2: two micro-batches in the pipeline).
+JOB_SHAPES = [
+    (60, SamplingParams(max_tokens=40)),
+    (250, SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7)),
+    (140, SamplingParams(max_tokens=16)),
+    (20, SamplingParams(max_tokens=8, temperature=1.0, top_k=40)),
+]
+
+
+def make_jobs(tokenizer, shapes=JOB_SHAPES, prefix="job"):
+    words = (TEXT * 20).split()
+    jobs = []
+    for i, (n, sampling) in enumerate(shapes):
+        content = f"Summarize this text ({i}):\n\n" + " ".join(words[i * 7 : i * 7 + n])
+        ids = tokenizer.encode_chat([{"role": "user", "content": content}])
+        jobs.append(Job(f"{prefix}{i}", tuple(ids), sampling))
+    return jobs
+
+
+def results(events):
+    """job id -> JobResult, asserting every job ended once."""
+    ended = Counter()
+    out = {}
+    for e in events:
+        if isinstance(e, JobFinished):
+            out[e.result.job_id] = e.result
+            ended[e.result.job_id] += 1
+        elif isinstance(e, JobFailed):
+            out[e.job_id] = e.error
+            ended[e.job_id] += 1
+    assert all(n == 1 for n in ended.values()), ended
+    return out
+
+
+@pytest.fixture(scope="module")
+def single():
+    """One in-process engine: the reference."""
+    from engine.api import load_engine
+
+    torch.set_num_threads(1)
+    return load_engine(CONFIG)
+
+
+@pytest.fixture(scope="module")
+def jobs(single):
+    made = make_jobs(single.tokenizer)
+    assert all(100 <= len(j.prompt_ids) <= 400 for j in made[:3]), [len(j.prompt_ids) for j in made]
+    return made
+
+
+@pytest.fixture(scope="module")
+def reference(single, jobs):
+    out = results(single.run(jobs))
+    assert not any(isinstance(r, str) for r in out.values()), out
+    return out
+
+
+@pytest.fixture(scope="module")
+def data_engine(single):
+    with ParallelEngine(CONFIG, None, ["cpu", "cpu"], "data", tokenizer=single.tokenizer) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def pipeline_engine(single):
+    with ParallelEngine(CONFIG, None, "cpu,cpu", "pipeline", tokenizer=single.tokenizer) as eng:
+        yield eng
+
+
+def assert_same_results(got, reference):
+    assert set(got) == set(reference)
+    for job_id, ref in reference.items():
+        res = got[job_id]
+        assert not isinstance(res, str), f"{job_id} failed: {res}"
+        assert res.token_ids == ref.token_ids, job_id
+        assert res.text == ref.text and res.finish_reason == ref.finish_reason, job_id
+        assert (res.cache.hits, res.cache.misses) == (ref.cache.hits, ref.cache.misses), job_id
+    assert sum(r.cache.misses for r in reference.values()) > 0  # the hierarchy was exercised
+
+
+# ----------------------------------------------------------------------------- no processes
+
+
+def test_engine_pulls_jobs_only_when_it_has_room(single):
+    drawn = []
+    jobs = make_jobs(single.tokenizer, [(20, SamplingParams(max_tokens=2))] * 4, prefix="lazy")
+
+    def source():
+        yield None  # nothing ready yet: the engine must carry on, not stop
+        for job in jobs:
+            drawn.append(job.id)
+            yield job
+
+    seen = []
+    for event in single.run(source()):
+        if isinstance(event, JobQueued):
+            seen.append((event.job_id, list(drawn)))
+        if isinstance(event, JobFinished | JobFailed):
+            seen.append(("end", list(drawn)))
+    queued = [d for name, d in seen if name != "end"]
+    assert [q[-1] for q in queued] == ["lazy0", "lazy1", "lazy2", "lazy3"]
+    first_end = next(d for name, d in seen if name == "end")
+    assert len(first_end) <= 3  # max_batch 2 running + at most one waiting
+    assert sum(name == "end" for name, _ in seen) == 4
+
+
+def test_split_batch_and_worker_settings():
+    assert split_batch([1, 2, 3, 4, 5], 2) == [[1, 2, 3], [4, 5]]
+    assert split_batch([1], 2) == [[1]]
+    assert parse_devices("cuda:0, cuda:1") == ["cuda:0", "cuda:1"]
+    cfg = CONFIG.replace(
+        num_threads=None, extra={"devices": ["cpu", "cpu"], "trace_path": "/t/run.jsonl"}
+    )
+    w1 = worker_config(cfg, "cpu", 1, ["cpu", "cpu"], "data")
+    assert w1.host_pool_gb == CONFIG.host_pool_gb / 2 and w1.device == "cpu"
+    assert w1.extra == {"trace_path": "/t/run.w1.jsonl"} and w1.num_threads >= 1
+    stage = worker_config(cfg, "cpu", 1, ["cpu", "cpu"], "pipeline")
+    assert stage.host_pool_gb == CONFIG.host_pool_gb and stage.extra == {}
+
+
+# ----------------------------------------------------------------------------- two workers
+
+
+def test_data_parallel_matches_one_engine(data_engine, jobs, reference):
+    assert data_engine.prompt_limit() == 8192 and data_engine.model_config.num_layers == 30
+    events = list(data_engine.run(jobs))
+    assert_same_results(results(events), reference)
+    placed = {e.job_id: e.worker for e in events if isinstance(e, JobPlaced)}
+    assert set(placed) == {j.id for j in jobs} and set(placed.values()) == {0, 1}
+    first = {}
+    for e in events:
+        job_id = getattr(e, "job_id", None)
+        if job_id is not None:
+            first.setdefault(job_id, type(e))
+    assert set(first.values()) == {JobPlaced}  # the placement comes before the job's events
+    devices = {e.device for e in events if isinstance(e, MemorySnapshot)}
+    assert devices <= {"cpu#0", "cpu#1"} and devices
+
+
+def test_pipeline_matches_one_engine(pipeline_engine, jobs, reference):
+    events = list(pipeline_engine.run(jobs))
+    assert_same_results(results(events), reference)
+    assert {e.worker for e in events if isinstance(e, JobPlaced)} == {0}  # stage 0 schedules
+    assert max(e.batch_size for e in events if isinstance(e, DecodeStep)) == 2  # split in 2
+    again = results(pipeline_engine.run(jobs[3:]))  # the stages stay usable across runs
+    assert again[jobs[3].id].token_ids == reference[jobs[3].id].token_ids
+
+
+def test_cli_run_drives_parallel_engine(data_engine, tmp_path, monkeypatch):
+    """``hisparse run --devices cpu,cpu`` hands the CLI the merged stream unchanged."""
+    from typer.testing import CliRunner
+
+    from hisparse_cli import runner, settings
+    from hisparse_cli.main import app
+
+    borrowed = SimpleNamespace(  # the module's workers, without letting the runner close them
+        tokenizer=data_engine.tokenizer,
+        run=data_engine.run,
+        cancel=data_engine.cancel,
+        prompt_limit=data_engine.prompt_limit,
+    )
+    configs = []
+    monkeypatch.setattr(settings, "preset_overrides", lambda name: dict(CONFIG.to_dict()))
+    monkeypatch.setattr(runner, "load_engine", lambda cfg, model: configs.append(cfg) or borrowed)
+    monkeypatch.chdir(tmp_path)
+    for name in ("alpha", "beta", "gamma"):
+        (tmp_path / f"{name}.txt").write_text(TEXT * 2)
+    args = ["run", "alpha.txt", "beta.txt", "gamma.txt", "--devices", "cpu,cpu"]
+    result = CliRunner().invoke(app, [*args, "--max-new-tokens", "4"], catch_exceptions=False)
+    assert result.exit_code == 0, result.stdout
+    assert configs[0].extra["devices"] == ["cpu", "cpu"]
+    rows = [
+        json.loads(x)
+        for x in (tmp_path / "hisparse-out/results.jsonl").read_text().split("\n")
+        if x
+    ]
+    assert sorted(r["id"] for r in rows) == ["alpha", "beta", "gamma"] and all(
+        r["ok"] for r in rows
+    )
+
+
+def test_killed_worker_is_reported_and_the_other_finishes(data_engine, single):
+    """SIGKILL worker 1 as soon as it admits a job: its jobs fail naming it, worker 0 runs
+    every other job (including those not yet handed out), and stays usable."""
+    shapes = [(40 + 10 * i, SamplingParams(max_tokens=16)) for i in range(5)]
+    jobs = make_jobs(single.tokenizer, shapes, prefix="kill")
+    pid1 = data_engine.workers[1].process.pid
+    placed, events = {}, []
+    for event in data_engine.run(jobs):
+        events.append(event)
+        if isinstance(event, JobPlaced):
+            placed[event.job_id] = event.worker
+        if isinstance(event, JobQueued) and placed.get(event.job_id) == 1 and pid1:
+            os.kill(pid1, signal.SIGKILL)
+            pid1 = 0
+    out = results(events)
+    assert set(out) == {j.id for j in jobs}
+    (died,) = [e for e in events if isinstance(e, WorkerDied)]
+    assert died.worker == 1 and died.error == "worker 1 (cpu) died: killed by SIGKILL"
+    lost = {j for j, w in placed.items() if w == 1}
+    assert lost and set(died.job_ids) == lost
+    for job_id, res in out.items():
+        if job_id in lost:
+            assert isinstance(res, str) and res.startswith("worker 1 (cpu) died: killed by SIGKILL")
+        else:
+            assert not isinstance(res, str) and len(res.token_ids) == 16, (job_id, res)
+            assert placed[job_id] == 0
+    assert [w.alive for w in data_engine.workers] == [True, False]
+    after = results(data_engine.run(jobs[:1]))
+    assert not isinstance(after[jobs[0].id], str)
+
+
+def test_lost_stage_fails_the_pipeline_jobs(pipeline_engine, jobs):
+    """SIGKILL stage 1 mid-run: the run ends (no hang) and every job fails, naming it."""
+    pid1 = pipeline_engine.workers[1].process.pid
+    events = []
+    for event in pipeline_engine.run(jobs):
+        events.append(event)
+        if isinstance(event, DecodeStep) and pid1:
+            os.kill(pid1, signal.SIGKILL)
+            pid1 = 0
+    out = results(events)
+    assert set(out) == {j.id for j in jobs}
+    (died,) = [e for e in events if isinstance(e, WorkerDied)]
+    assert "worker 1 (cpu) died: killed by SIGKILL" in died.error
+    failed = [r for r in out.values() if isinstance(r, str)]
+    assert failed and all("worker 1 (cpu) died" in r or "no worker left" in r for r in failed)
+    assert not any(w.alive for w in pipeline_engine.workers)
+
+
+# ----------------------------------------------------------------------------- GPU smoke
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["data", "pipeline"])
+def test_two_workers_share_one_gpu(mode, tmp_path):
+    """Both modes with two workers on ``cuda:0`` (the pipeline over gloo: NCCL refuses two
+    ranks on one GPU). With max_batch 1 every decode has the single engine's shapes, so the
+    tokens must match it exactly; with max_batch 4 every job must finish."""
+    from engine.api import load_engine
+
+    cfg = EngineConfig(
+        device="cuda:0",
+        dtype="bfloat16",
+        kv_dtype="bfloat16",
+        host_pool_gb=1.0,
+        max_batch=1,
+        page_size=16,
+        top_k=64,
+        device_buffer=128,
+        sink_tokens=16,
+        local_window=32,
+    )
+    one = load_engine(cfg)
+    jobs = make_jobs(one.tokenizer)
+    reference = results(one.run(jobs))
+    del one
+    torch.cuda.empty_cache()
+    with ParallelEngine(cfg, None, ["cuda:0", "cuda:0"], mode, tokenizer=None) as eng:
+        got = results(eng.run(jobs))
+        for job_id, ref in reference.items():
+            assert not isinstance(got[job_id], str), got[job_id]
+            assert got[job_id].token_ids == ref.token_ids, job_id
+    wide = cfg.replace(max_batch=4)
+    with ParallelEngine(wide, None, ["cuda:0", "cuda:0"], mode, tokenizer=None) as eng:
+        events = list(eng.run(jobs))
+        got = results(events)
+        assert all(not isinstance(r, str) and r.token_ids for r in got.values()), got
+        assert any(isinstance(e, MemorySnapshot) and e.device.startswith("cuda:0") for e in events)
