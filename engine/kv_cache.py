@@ -37,6 +37,35 @@ class SeqCache:
     num_tokens: int = 0
 
 
+def available_host_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (``None`` where it cannot be read)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_host_memory(pool_bytes: int) -> None:
+    """Refuse a host pool larger than 90% of the memory available now.
+
+    Raises
+    ------
+    CacheFullError
+        Naming the pool size, what is available and the setting to lower.
+    """
+    avail = available_host_bytes()
+    if avail is not None and pool_bytes > 0.9 * avail:
+        raise CacheFullError(
+            f"the host KV pool needs {pool_bytes / 2**30:.1f} GiB but only "
+            f"{avail / 2**30:.1f} GiB of host memory is available; lower host_pool_gb "
+            "(--host-pool GB, shared by all workers)"
+        )
+
+
 def _pin_chunked(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """Allocate one layer of the pool; pinned when ``pin`` (per-layer allocations keep
     each pinned block moderate — very large single pinned allocations fail)."""
@@ -99,6 +128,8 @@ class KVCache:
         self.num_pool_pages = num_pool_pages
         self.max_pages_per_seq = max_pages_per_seq
         pool_dev = torch.device("cpu") if self.hierarchical else device
+        if pool_dev.type == "cpu":
+            check_host_memory(num_pool_pages * self.page_bytes)
         pin = self.hierarchical and device.type == "cuda"
         shape = (num_pool_pages, hkv, 2, s, d)
         if pool_dev.type == "cpu":

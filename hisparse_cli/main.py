@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from hisparse_cli import options as opt
-from hisparse_cli import presets_cmd, quantize_cmd
+from hisparse_cli import bench_cmd, presets_cmd, quantize_cmd, replay_cmd
 
 app = typer.Typer(
     name="hisparse",
@@ -46,6 +46,7 @@ def run(
     context_policy: opt.ContextPolicy = None,
     max_context: opt.MaxContext = None,
     memory_budget: opt.MemoryBudget = None,
+    host_pool: opt.HostPool = None,
     device: opt.Device = None,
     devices: opt.Devices = None,
     parallel: opt.Parallel = None,
@@ -89,6 +90,7 @@ def run(
         "context_policy": context_policy,
         "max_context": max_context,
         "memory_budget_gb": memory_budget,
+        "host_pool_gb": host_pool,
         "device": device,
         "extra": _extra_overrides(trace, devices, parallel),
     }
@@ -123,3 +125,5 @@ def _extra_overrides(trace: Path | None, devices: str | None, parallel: str | No
 
 presets_cmd.register(app)
 quantize_cmd.register(app)
+bench_cmd.register(app)
+replay_cmd.register(app)

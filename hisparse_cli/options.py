@@ -124,6 +124,14 @@ MemoryBudget = Annotated[
     float | None,
     typer.Option("--memory-budget", help="Device memory to use, GiB.", rich_help_panel=ENGINE),
 ]
+HostPool = Annotated[
+    float | None,
+    typer.Option(
+        "--host-pool",
+        help="Host KV pool, GiB, over all workers (pinned when CUDA is present).",
+        rich_help_panel=ENGINE,
+    ),
+]
 Device = Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N.", rich_help_panel=ENGINE)]
 Devices = Annotated[
     str | None,
