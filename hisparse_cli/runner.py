@@ -240,7 +240,12 @@ class BatchRun:
 
     def run(self, config_doc: dict[str, Any]) -> int:
         """Execute the batch; return the exit code."""
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return _usage_failure(
+                self.err_console, f"error: cannot create output dir {self.output_dir}: {exc}", []
+            )
         try:
             with lock_output_dir(self.output_dir):
                 save_config(self.output_dir, config_doc)
