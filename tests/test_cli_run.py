@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -59,8 +61,10 @@ def test_help_does_not_import_the_engine_runtime():
     code = (
         "import sys, hisparse_cli.main; print('engine.api' in sys.modules, 'torch' in sys.modules)"
     )
-    out = os.popen(f'cd {os.getcwd()} && python -c "{code}"').read()
-    assert out.strip() == "False False"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=os.getcwd()
+    )
+    assert done.stdout.strip() == "False False", done.stderr
 
 
 def test_run_writes_results_texts_and_config(cli, docs, tmp_path):
