@@ -8,8 +8,8 @@ from pathlib import Path
 
 import typer
 
-from hisparse_cli import options as opt
 from hisparse_cli import bench_cmd, presets_cmd, quantize_cmd, replay_cmd
+from hisparse_cli import options as opt
 
 app = typer.Typer(
     name="hisparse",
