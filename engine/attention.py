@@ -68,12 +68,16 @@ class DecodeAttention:
         self.hits: torch.Tensor | None = None
         self.misses: torch.Tensor | None = None
 
-    def plan(self, seq_ids: list[int], seq_lens: list[int], step: int) -> StepPlan:
-        """Build the step's tables. ``seq_lens`` count tokens including the new one."""
+    def plan(
+        self, seq_ids: list[int], seq_lens: list[int], step: int, width: int | None = None
+    ) -> StepPlan:
+        """Build the step's tables. ``seq_lens`` count tokens including the new one;
+        ``width`` is the block-table width (default: the batch's most pages), wider
+        tables are -1 padded and change no result."""
         dev = self.cache.device
         lens = torch.tensor(seq_lens, dtype=torch.int32)
         num_pages = (lens + self.cache.page_size - 1) // self.cache.page_size
-        width = int(num_pages.max())
+        width = width or int(num_pages.max())
         slabs = self.cache.slab_table(seq_ids) if self.cache.hierarchical else None
         b = len(seq_ids)
         self.hits = torch.zeros(b, dtype=torch.int64, device=dev)

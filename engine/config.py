@@ -100,6 +100,9 @@ class EngineConfig:
     context_policy: what to do with a prompt longer than the model's trained context:
         ``refuse``, ``extend`` (RoPE scaling ``extend_method`` up to ``max_context``) or
         ``truncate`` (keep ``truncate_keep`` part of the document).
+    cuda_graph: on CUDA with the Triton kernels, replay each decode step from a captured
+        CUDA graph (one per batch size and page-table width bucket; see
+        :mod:`engine.cuda_graph`); False launches every kernel eagerly.
     """
 
     device: str = "cpu"
@@ -125,6 +128,7 @@ class EngineConfig:
     use_triton: bool | None = None
     num_threads: int | None = None
     skip_host_io: bool = False
+    cuda_graph: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -28,6 +28,7 @@ import torch
 from engine import events as ev
 from engine.attention import DecodeAttention, StepPlan
 from engine.config import EngineConfig
+from engine.cuda_graph import DecodeGraphs, table_width
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel, prefill_attention
 from engine.sampling import make_generator, sample
@@ -101,6 +102,9 @@ class Engine:
         self._next_seq = 0
         self.eos_ids = frozenset(getattr(tokenizer, "eos_ids", ()) or ())
         self.keep_logits = False  # tests: keep each request's latest logits [V]
+        why_not = DecodeGraphs.supported(self)
+        self.graphs = DecodeGraphs(self) if not why_not else None
+        self.graphs_off_reason = why_not
 
     # ----- public API --------------------------------------------------------------
     def prompt_limit(self) -> int:
@@ -373,20 +377,36 @@ class Engine:
 
     @torch.inference_mode()
     def decode_step(self, batch: list[Request]) -> list[int]:
-        """Feed each request's last token, return the next token of each."""
+        """Feed each request's last token, return the next token of each.
+
+        On CUDA with the Triton kernels the step replays a captured CUDA graph
+        (:mod:`engine.cuda_graph`); otherwise it launches eagerly. Both compute the same
+        function of the same inputs.
+        """
         m = self.model
         self.step += 1
         lens = [r.num_tokens + 1 for r in batch]
-        plan = self.attn.plan([r.seq_id for r in batch], lens, self.step)
-        if self.tracer is not None:
-            self.tracer.bind({r.seq_id: r.job.id for r in batch})
-        tokens = torch.tensor([r.generated[-1] for r in batch], dtype=torch.long)
-        h = self.decode_layers(plan, m.embed_tokens(tokens))
-        logits = m.logits(h)
+        fed = [r.generated[-1] for r in batch]
+        seq_ids = [r.seq_id for r in batch]
+        out = None
+        if self.graphs is not None and self.tracer is None:
+            out = self.graphs.step(seq_ids, fed, lens, self.step)
+        if out is not None:
+            logits, greedy = out
+        else:
+            width = None  # on CUDA the graphs' padded width, so eager == replay bit for bit
+            if self.model.device.type == "cuda":
+                width = table_width(self.cache, seq_ids)
+            plan = self.attn.plan(seq_ids, lens, self.step, width)
+            if self.tracer is not None:
+                self.tracer.bind({r.seq_id: r.job.id for r in batch})
+            tokens = torch.tensor(fed, dtype=torch.long)
+            h = self.decode_layers(plan, m.embed_tokens(tokens))
+            logits = m.logits(h)
+            greedy = logits.argmax(dim=-1).tolist()  # one device sync for the greedy rows
         for i, r in enumerate(batch):
             self.cache.seqs[r.seq_id].num_tokens += 1
-            r.logits = logits[i] if self.keep_logits else None
-        greedy = logits.argmax(dim=-1).tolist()  # one device sync for the greedy rows
+            r.logits = logits[i].clone() if self.keep_logits else None
         return [
             greedy[i] if r.job.sampling.temperature == 0 else sample(logits[i], r.job.sampling, r.generator)
             for i, r in enumerate(batch)

@@ -37,6 +37,7 @@ class Rope:
         if scaling is not None:
             inv = self._scale(inv, theta, scaling)
         self.inv_freq = inv.float()
+        self._inv_on: dict[torch.device, torch.Tensor] = {}
 
     def _scale(self, inv: torch.Tensor, theta: float, sc: RopeScaling) -> torch.Tensor:
         d = self.head_dim
@@ -57,7 +58,9 @@ class Rope:
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, D]`` for int positions ``[T]`` (computed in float32)."""
-        inv = self.inv_freq.to(positions.device)
+        inv = self._inv_on.get(positions.device)
+        if inv is None:  # one copy per device: no host->device copy per call (CUDA graphs)
+            inv = self._inv_on[positions.device] = self.inv_freq.to(positions.device)
         ang = positions.float()[:, None] / self.position_divisor * inv[None, :]
         emb = torch.cat([ang, ang], dim=-1)
         return (emb.cos() * self.attention_factor).to(dtype), (

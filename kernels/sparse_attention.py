@@ -474,3 +474,38 @@ def sparse_decode_attention(
             num_warps=4,
         )
     return out
+
+
+def dense_decode_attention(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Triton :func:`dense_decode_attention_ref`: every page of each context, read in
+    place from the KV pool by the split-K kernel of :func:`sparse_decode_attention` with
+    all pages selected (paged flash-decoding; no copy of the context, no host
+    synchronisation, so the dense baseline can be captured in a CUDA graph too).
+
+    Parameters
+    ----------
+    q : ``[B, Hq, D]``; kv_pool : ``[P_pool, Hkv, 2, S, D]`` on ``q``'s device;
+    block_table : int32 ``[B, W]`` (-1 past each request's pages); seq_lens : int32 ``[B]``.
+
+    Returns
+    -------
+    ``[B, Hq, D]`` in ``q.dtype`` (equal to the reference within the output dtype's rounding).
+    """
+    from kernels.quest_select import dense_selection
+    from kernels.resolve import resident_slot_list_triton
+
+    check_tensor("kv_pool", kv_pool, 5, FLOAT_DTYPES)
+    _, hkv, two, s, d = kv_pool.shape
+    require(two == 2, f"kv_pool must be [P, Hkv, 2, S, D], got {tuple(kv_pool.shape)}")
+    width = block_table.shape[1]
+    num_pages = torch.div(seq_lens + (s - 1), s, rounding_mode="floor")
+    selection = dense_selection(num_pages, hkv, width)
+    slot_list = resident_slot_list_triton(selection, block_table, width)
+    records = kv_pool.view(-1, 2, s, d)
+    return sparse_decode_attention(q, records, selection, slot_list, seq_lens, scale)

@@ -4,7 +4,9 @@ for CUDA devices (or on the CPU under ``TRITON_INTERPRET=1``, in tests).
 Every op keeps its reference's signature. The decode hot path (append, Quest scores,
 top-k selection, resolve, gather, sparse attention, all-resident slot lists) runs without
 host synchronisation, so a decode step can be captured in a CUDA graph; ``oracle_scores``
-and ``dense_decode_attention`` (evaluation and baseline) stay the PyTorch references.
+(evaluation only) stays the PyTorch reference. ``dense_decode_attention`` is the sparse
+kernel with every page selected, read in place (the dense baseline; the SDPA reference
+stays the independent check in tests).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from kernels.dispatch import Ops
 from kernels.gather import gather
 from kernels.quest_select import dense_selection, oracle_scores_ref, quest_scores, select_topk
 from kernels.resolve import resident_slot_list_triton, resolve
-from kernels.sparse_attention import dense_decode_attention_ref, sparse_decode_attention
+from kernels.sparse_attention import dense_decode_attention, sparse_decode_attention
 
 TRITON_OPS = Ops(
     name="triton",
@@ -26,6 +28,6 @@ TRITON_OPS = Ops(
     resident_slot_list=resident_slot_list_triton,
     gather=gather,
     sparse_decode_attention=sparse_decode_attention,
-    dense_decode_attention=dense_decode_attention_ref,
+    dense_decode_attention=dense_decode_attention,
     append_kv=append_kv,
 )

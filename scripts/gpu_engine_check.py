@@ -10,7 +10,8 @@ Usage (on a GPU machine)::
    the Triton kernels, 64 greedy decode steps: logits compared bit for bit, tokens equal;
 2. Triton vs PyTorch-reference kernels on the same GPU: max |logit diff| and token agreement;
 3. decode tokens/s at batch 1, 8 and 32 (copies of one prompt) for dense, sparse all-resident
-   and hierarchical (top_k 2048 tokens, device_buffer 4096), bf16, int4 weights.
+   and hierarchical (top_k 2048 tokens, device_buffer 4096), bf16, int4 weights — the same
+   requests decoded with CUDA graphs, then with eager launches (step time with and without).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def throughput(model, ids, batch, steps=32, **kw) -> dict:
     steps = steps if DEVICE != "cpu" else 2
     eng = make(model, **kw)
     reqs = [
-        eng.open_request(Job(f"b{i}", tuple(ids), SamplingParams(max_tokens=steps + 8)))
+        eng.open_request(Job(f"b{i}", tuple(ids), SamplingParams(max_tokens=2 * steps + 16)))
         for i in range(batch)
     ]
     t0 = time.perf_counter()
@@ -117,23 +118,30 @@ def throughput(model, ids, batch, steps=32, **kw) -> dict:
         eng.prefill(r)
     _sync()
     prefill_s = time.perf_counter() - t0
-    for _ in range(3):  # warm-up
-        for r, t in zip(reqs, eng.decode_step(reqs), strict=False):
-            r.generated.append(t)
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        for r, t in zip(reqs, eng.decode_step(reqs), strict=False):
-            r.generated.append(t)
-    _sync()
-    dt = time.perf_counter() - t0
-    out = {
-        "batch": batch,
-        "decode_tok_s": batch * steps / dt,
-        "step_ms": dt / steps * 1e3,
-        "prefill_tok_s": batch * len(ids) / prefill_s,
-        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE != "cpu" else 0.0,
-    }
+    out = {"batch": batch, "prefill_tok_s": batch * len(ids) / prefill_s}
+    # The same requests decode with CUDA graphs (when the engine can use them), then
+    # with eager launches: step time with and without graphs on identical work.
+    graphs = eng.graphs
+    for label in ("graph", "eager"):
+        if label == "eager":
+            eng.graphs = None
+        elif graphs is None:
+            continue
+        for _ in range(3):  # warm-up (and the graph capture)
+            for r, t in zip(reqs, eng.decode_step(reqs), strict=False):
+                r.generated.append(t)
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            for r, t in zip(reqs, eng.decode_step(reqs), strict=False):
+                r.generated.append(t)
+        _sync()
+        dt = time.perf_counter() - t0
+        out[f"decode_tok_s_{label}"] = batch * steps / dt
+        out[f"step_ms_{label}"] = dt / steps * 1e3
+    best = "graph" if graphs is not None else "eager"
+    out["decode_tok_s"], out["step_ms"] = out[f"decode_tok_s_{best}"], out[f"step_ms_{best}"]
+    out["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30 if DEVICE != "cpu" else 0.0
     for r in reqs:
         eng.close_request(r)
     del eng
@@ -178,7 +186,8 @@ def main() -> None:
             rows.append(r)
             print(
                 f"{name:16s} batch {batch:3d}: {r['decode_tok_s']:8.1f} tok/s "
-                f"({r['step_ms']:.1f} ms/step), prefill {r['prefill_tok_s']:.0f} tok/s, "
+                f"({r['step_ms']:.1f} ms/step; eager {r['step_ms_eager']:.1f} ms/step), "
+                f"prefill {r['prefill_tok_s']:.0f} tok/s, "
                 f"peak {r['peak_gpu_gib']:.2f} GiB",
                 flush=True,
             )

@@ -38,7 +38,12 @@ from kernels.int4_matmul import (
 )
 from kernels.quest_select import quest_scores, quest_scores_ref, select_topk, select_topk_ref
 from kernels.resolve import resident_slot_list, resident_slot_list_triton, resolve, resolve_ref
-from kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_ref
+from kernels.sparse_attention import (
+    dense_decode_attention,
+    dense_decode_attention_ref,
+    sparse_decode_attention,
+    sparse_decode_attention_ref,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -130,6 +135,38 @@ def test_sparse_attention_independent_of_slot_placement():
     )
     second = sparse_decode_attention(**to_device(args2, DEVICE), pages_per_split=2)
     assert bits_equal(first.cpu(), second.cpu())
+
+
+@pytest.mark.parametrize(
+    "b,hq,hkv,d,s,width,dtype",
+    [
+        (1, 9, 3, 64, 16, 7, torch.float32),
+        (3, 8, 2, 128, 32, 64, torch.float32),  # a padded table, far wider than any context
+        (2, 28, 4, 64, 64, 5, torch.bfloat16),
+    ],
+)
+def test_dense_attention_matches_reference(b, hq, hkv, d, s, width, dtype):
+    """Paged dense decode (the sparse kernel, every page selected, read in place) against
+    the SDPA reference, with partial last pages and -1 padded block tables."""
+    gen = torch.Generator().manual_seed(b * 100 + width)
+    pages_used = min(width, 6)
+    p_pool = b * pages_used + 3
+    pool = torch.randn(p_pool, hkv, 2, s, d, generator=gen).to(dtype)
+    perm = torch.randperm(p_pool, generator=gen)[: b * pages_used].view(b, pages_used)
+    lens = torch.randint(1, pages_used * s + 1, (b,), generator=gen, dtype=torch.int32)
+    lens[0] = pages_used * s - (s // 2)  # a partial last page
+    table = torch.full((b, width), -1, dtype=torch.int32)
+    for i in range(b):
+        n = -(-int(lens[i]) // s)
+        table[i, :n] = perm[i, :n].int()
+    q = torch.randn(b, hq, d, generator=gen).to(dtype)
+    ref = dense_decode_attention_ref(q, pool, table, lens, d**-0.5)
+    with poisoned_allocations():
+        out = dense_decode_attention(
+            *(x.to(DEVICE) for x in (q, pool, table, lens)), d**-0.5
+        )
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert_close(out, ref, ATOL[dtype])
 
 
 # --- resolve ---------------------------------------------------------------------------

@@ -1,0 +1,272 @@
+"""CUDA-graph replay of the engine's decode step.
+
+A decode step launches some fifteen kernels per layer (norms, projections, RoPE, append,
+Quest scores, top-k, resolve, gather, sparse attention, MLP); at small batch the GPU then
+waits on the host between launches. :class:`DecodeGraphs` captures the whole step —
+embedding lookup, every layer of :meth:`engine.engine.Engine.decode_layers`, the final
+norm, LM head and greedy argmax — once per *(batch size B, page-table width bucket W)*
+and replays it (PyTorch's ``torch.cuda.CUDAGraph``; NVIDIA, "CUDA Graphs", CUDA C++
+Programming Guide).
+
+Static inputs (per captured key, on the device):
+
+* ``step_ints`` int64 ``[2B + 1]``: the tokens fed ``[B]``, the sequence lengths after
+  this step ``[B]`` and the decode step number (resolve's LRU clock) — one host->device
+  copy per step from a pinned staging buffer;
+* ``batch_ints`` int64 ``[B*W + B*Hkv]``: block table ``[B, W]`` (-1 padded) and slab ids
+  ``[B, Hkv]`` — copied only when the batch's requests change (a request's pool pages are
+  reserved at admission, so its block-table row never changes while it runs).
+
+Positions, page counts and int32 casts are computed inside the graph. The width bucket
+covers every page reserved by the batch's requests (prompt + max_tokens), rounded up to a
+power of two (at least 32 pages), so a batch replays one graph for its whole life; the
+kernels mask pages past each request's length, so the padding changes no result.
+
+The first step of a new key runs the same static-buffer function eagerly (the warm-up
+that also compiles any new Triton specialisation), then captures it; replays start with
+the next step. Every kernel on the path is free of host synchronisation; the K/V pool,
+hot buffer and LRU tensors are captured by address (they are never reallocated). Graphs
+share one memory pool (they never run concurrently); at most ``max_graphs`` are kept,
+least recently used first out.
+
+Not captured (the engine falls back to eager launches): CPU devices, the PyTorch
+reference kernels, the ``oracle`` indexer (it synchronises), a selection tracer, and
+``config.cuda_graph=False``. A capture that fails disables graphs for the engine with
+a warning rather than failing the batch.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import StepPlan
+
+
+def width_bucket(pages: int, limit: int) -> int:
+    """Page-table width for a batch whose requests reserve at most ``pages`` pages:
+    the next power of two, at least 32 (one selection word), at most ``limit`` (the
+    cache's page-table width)."""
+    w = 32
+    while w < pages:
+        w *= 2
+    return max(min(w, limit), pages)
+
+
+def table_width(cache, seq_ids: list[int]) -> int:
+    """The padded page-table width of a batch (:func:`width_bucket` of the most pages any
+    of its requests reserved); fixed for the batch's life."""
+    reserved = max(len(cache.seqs[s].pages) for s in seq_ids)
+    return width_bucket(reserved, cache.max_pages_per_seq)
+
+
+@dataclass
+class _Entry:
+    """Static buffers, graph and outputs of one (B, W) key."""
+
+    batch: int
+    width: int
+    host_step: torch.Tensor  # pinned int64 [2B + 1]
+    step_ints: torch.Tensor  # device int64 [2B + 1]
+    host_batch: torch.Tensor  # pinned int64 [B*W + B*Hkv]
+    batch_ints: torch.Tensor  # device int64 [B*W + B*Hkv]
+    hits: torch.Tensor  # device int64 [B]
+    misses: torch.Tensor  # device int64 [B]
+    seq_ids: tuple[int, ...] = ()
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None  # float32 [B, V]
+    greedy: torch.Tensor | None = None  # int64 [B]
+
+
+class DecodeGraphs:
+    """Captured decode steps of one :class:`engine.engine.Engine`.
+
+    Parameters
+    ----------
+    engine : the engine whose model, cache and attention the graphs replay
+    max_graphs : captured keys kept (each holds its static buffers; intermediates share
+        one memory pool)
+    capture : False runs the static-buffer step eagerly every time, without CUDA (tests
+        check on the CPU that it computes exactly what the engine's eager step does)
+    """
+
+    def __init__(self, engine, max_graphs: int = 8, capture: bool = True):
+        self.engine = engine
+        self.max_graphs = max_graphs
+        self.capture = capture
+        self.entries: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
+        self.pool = None
+        self.disabled_reason = ""
+        self.captures = 0
+        self.replays = 0
+
+    @staticmethod
+    def supported(engine) -> str:
+        """Why graphs cannot be used for ``engine`` (empty string when they can)."""
+        cfg = engine.config
+        if not cfg.cuda_graph:
+            return "cuda_graph is off"
+        if engine.model.device.type != "cuda":
+            return "not a CUDA device"
+        if engine.ops.name != "triton":
+            return f"kernel set {engine.ops.name!r} is not graph-safe"
+        if cfg.attention == "sparse" and cfg.indexer == "oracle":
+            return "the oracle indexer synchronises with the host"
+        if engine.tracer is not None:
+            return "a selection tracer is attached"
+        return ""
+
+    # ----- public ------------------------------------------------------------------
+    def step(
+        self, seq_ids: list[int], tokens: list[int], seq_lens: list[int], step: int
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """Run one decode step; ``None`` if graphs are (now) disabled — the caller then
+        runs the eager step.
+
+        Parameters
+        ----------
+        seq_ids : the batch's cache sequence ids, ``B`` of them
+        tokens : the token each request feeds this step
+        seq_lens : tokens per request after this step (prompt + fed tokens)
+        step : decode step number (LRU clock of resolve)
+
+        Returns
+        -------
+        (logits float32 ``[B, V]`` — a static buffer overwritten by the next step — and
+        the greedy token of every row).
+        """
+        if self.disabled_reason:
+            return None
+        cache = self.engine.cache
+        b = len(seq_ids)
+        entry = self._entry(b, table_width(cache, seq_ids))
+        self._upload(entry, seq_ids, tokens, seq_lens, step)
+        attn = self.engine.attn
+        attn.hits, attn.misses = entry.hits, entry.misses
+        if not self.capture:
+            logits, greedy = self._forward(entry)
+            return logits, greedy.tolist()
+        if entry.graph is None:
+            try:
+                return self._warm_and_capture(entry)
+            except Exception as e:  # noqa: BLE001 - keep the batch running eagerly
+                self.disabled_reason = f"capture failed: {e!r}"
+                self.entries.clear()
+                warnings.warn(f"CUDA graphs disabled ({self.disabled_reason})", stacklevel=2)
+                torch.cuda.synchronize()
+                return None
+        entry.graph.replay()
+        self.replays += 1
+        return entry.logits, entry.greedy.tolist()
+
+    def clear(self) -> None:
+        """Drop every captured graph and its buffers."""
+        self.entries.clear()
+
+    # ----- internals ---------------------------------------------------------------
+    def _entry(self, b: int, width: int) -> _Entry:
+        key = (b, width)
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+            return entry
+        while len(self.entries) >= self.max_graphs:
+            self.entries.popitem(last=False)
+        dev = self.engine.model.device
+        hkv = self.engine.model_config.num_kv_heads
+        n_batch = b * width + b * hkv
+
+        def pinned(n: int) -> torch.Tensor:
+            t = torch.zeros(n, dtype=torch.int64)
+            return t.pin_memory() if dev.type == "cuda" else t
+
+        entry = _Entry(
+            batch=b,
+            width=width,
+            host_step=pinned(2 * b + 1),
+            step_ints=torch.zeros(2 * b + 1, dtype=torch.int64, device=dev),
+            host_batch=pinned(n_batch),
+            batch_ints=torch.zeros(n_batch, dtype=torch.int64, device=dev),
+            hits=torch.zeros(b, dtype=torch.int64, device=dev),
+            misses=torch.zeros(b, dtype=torch.int64, device=dev),
+        )
+        self.entries[key] = entry
+        return entry
+
+    def _upload(self, e: _Entry, seq_ids, tokens, seq_lens, step: int) -> None:
+        """Fill the pinned staging buffers and copy them to the static inputs."""
+        b, w = e.batch, e.width
+        # The previous step's host read (greedy tokens) ordered the device after the last
+        # copy out of these staging buffers, so they are free to overwrite.
+        hs = e.host_step
+        hs[:b] = torch.tensor(tokens, dtype=torch.int64)
+        hs[b : 2 * b] = torch.tensor(seq_lens, dtype=torch.int64)
+        hs[2 * b] = step
+        e.step_ints.copy_(hs, non_blocking=True)
+        key = tuple(seq_ids)
+        if key != e.seq_ids:
+            cache = self.engine.cache
+            hb = e.host_batch
+            table = hb[: b * w].view(b, w)
+            table.fill_(-1)
+            for i, sid in enumerate(seq_ids):
+                pages = cache.seqs[sid].pages
+                table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+            if cache.hierarchical:
+                slabs = [cache.seqs[s].slab_ids for s in seq_ids]
+                hb[b * w :] = torch.tensor(slabs, dtype=torch.int64).flatten()
+            e.batch_ints.copy_(hb, non_blocking=True)
+            e.seq_ids = key
+
+    def _forward(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step as a function of the static inputs only (captured as is)."""
+        eng = self.engine
+        m, cache = eng.model, eng.cache
+        b, w, s = e.batch, e.width, cache.page_size
+        hkv = eng.model_config.num_kv_heads
+        ints = e.step_ints
+        tokens = ints[:b]
+        lens64 = ints[b : 2 * b]
+        lens = lens64.to(torch.int32)
+        plan = StepPlan(
+            seq_ids=list(e.seq_ids),
+            block_table=e.batch_ints[: b * w].view(b, w).to(torch.int32),
+            seq_lens=lens,
+            num_pages=torch.div(lens + (s - 1), s, rounding_mode="floor"),
+            positions=lens64 - 1,
+            slab_ids=(
+                e.batch_ints[b * w :].view(b, hkv).to(torch.int32) if cache.hierarchical else None
+            ),
+            step=ints[2 * b :],
+        )
+        e.hits.zero_()
+        e.misses.zero_()
+        h = eng.decode_layers(plan, m.embed_tokens(tokens))
+        logits = m.logits(h)
+        return logits, logits.argmax(dim=-1)
+
+    def _warm_and_capture(self, e: _Entry) -> tuple[torch.Tensor, list[int]]:
+        """Run the step eagerly on a side stream (its results are this step's), then
+        capture the same function for the following steps."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            logits, greedy = self._forward(e)
+        torch.cuda.current_stream().wait_stream(side)
+        greedy_list = greedy.tolist()
+        logits = logits.clone()
+        # Counters of this (eager) step survive the capture below, which does not run.
+        hits, misses = e.hits.clone(), e.misses.clone()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            e.logits, e.greedy = self._forward(e)
+        e.hits.copy_(hits)
+        e.misses.copy_(misses)
+        e.graph = graph
+        self.captures += 1
+        return logits, greedy_list
