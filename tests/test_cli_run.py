@@ -226,6 +226,54 @@ def test_print_config_precedence(cli, docs, tmp_path, monkeypatch):
     assert not (tmp_path / "hisparse-out").exists()
 
 
+def test_truncate_keep_and_extend_method_flags_follow_precedence(cli, docs, tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        settings,
+        "preset_overrides",
+        lambda name: {"truncate_keep": "tail", "extend_method": "linear"},
+    )
+    (tmp_path / "jobs.yaml").write_text(
+        "defaults:\n  engine: {truncate_keep: middle}\njobs:\n  - {input: docs/alpha.txt}\n"
+    )
+
+    def engine_of(*flags):
+        result = cli("--manifest", "jobs.yaml", "--print-config", *flags)
+        assert result.exit_code == 0, result.output
+        engine = json.loads(result.stdout)["engine"]
+        return engine["truncate_keep"], engine["extend_method"]
+
+    assert engine_of() == ("middle", "linear")  # manifest beats preset
+    assert engine_of("--truncate-keep", "head", "--extend-method", "dynamic") == (
+        "head",
+        "dynamic",
+    )  # flags beat manifest and preset
+
+
+@pytest.mark.parametrize("flag", ["--truncate-keep", "--extend-method"])
+def test_truncate_keep_and_extend_method_reject_unknown_values(cli, docs, flag):
+    result = cli("docs/alpha.txt", flag, "sideways")
+    assert result.exit_code == 2 and "sideways" in result.output
+
+
+def test_truncate_keep_flag_reaches_the_prompt_cut(cli, docs, tmp_path):
+    (docs / "long.txt").write_text(" ".join(f"word{i}" for i in range(400)) + "\n")
+    engine = testing.fake_engine_factory(limit=200)
+    result = cli(
+        "docs/long.txt",
+        "--max-new-tokens",
+        "4",
+        "--context-policy",
+        "truncate",
+        "--truncate-keep",
+        "tail",
+        engine=engine,
+    )
+    assert result.exit_code == 0, result.output
+    assert "(kept: tail)" in result.stdout
+    (job,) = engine.engines[0].seen
+    assert len(job.prompt_ids) <= 200 - 4
+
+
 def test_unknown_preset_is_a_usage_error(cli, docs, monkeypatch):
     from engine.config import ConfigError
 
