@@ -56,6 +56,7 @@ def run(
     trace: opt.Trace = None,
     encoding: opt.Encoding = "utf-8",
     errors: opt.Errors = "strict",
+    allow_binary: opt.AllowBinary = False,
     print_config: opt.PrintConfig = False,
     force: opt.Force = False,
 ) -> None:
@@ -109,6 +110,7 @@ def run(
         json_progress=json_progress,
         encoding=encoding,
         errors=errors,
+        allow_binary=allow_binary,
         print_config=print_config,
         force=force,
     )

@@ -194,3 +194,11 @@ Errors = Annotated[
         help="Invalid bytes: strict = refuse the document, replace = U+FFFD.", rich_help_panel=TEXT
     ),
 ]
+AllowBinary = Annotated[
+    bool,
+    typer.Option(
+        help="Read documents that look binary (NUL or control bytes) anyway: invalid bytes "
+        "become U+FFFD, control characters are removed, and a warning names the file.",
+        rich_help_panel=TEXT,
+    ),
+]

@@ -76,11 +76,13 @@ class RunRequest:
     json_progress: bool = False
     encoding: str = "utf-8"
     errors: str = "strict"
+    allow_binary: bool = False
     print_config: bool = False
     force: bool = False
 
     @property
     def text_options(self) -> dict[str, str]:
+        """How documents are decoded; part of every job's resume key."""
         return {"encoding": self.encoding, "errors": self.errors}
 
 
@@ -264,6 +266,7 @@ class BatchRun:
             self.request.text_options,
             self.log,
             self.request.force,
+            self.request.allow_binary,
         )
         self.reporter = make_reporter(
             self.console, self.tracker, self.request.json_progress, self.clock
@@ -291,11 +294,15 @@ class BatchRun:
         for job in planned:
             if job.status == INVALID:
                 self._handle(JobFailed(self.clock(), job.spec.id, job.error))
-            elif job.status == RUN and job.removed_controls:
-                self.reporter.note(
-                    f"{job.spec.id}: removed {job.removed_controls} control character(s) from the input",
-                    "warning",
-                )
+            elif job.status == RUN:
+                for warning in job.warnings:
+                    self.reporter.note(f"{job.spec.id}: {warning}", "warning")
+                if job.removed_controls:
+                    self.reporter.note(
+                        f"{job.spec.id}: removed {job.removed_controls} control character(s) "
+                        "from the input",
+                        "warning",
+                    )
         return [j for j in planned if j.status == RUN]
 
     def _run_engine(self, pending: list[PlannedJob]) -> bool:
@@ -336,7 +343,9 @@ class BatchRun:
     def _make_job(self, engine: Any, planned: PlannedJob) -> Job | None:
         spec = planned.spec
         try:
-            documents = read_documents(spec.inputs, **self.request.text_options)
+            documents = read_documents(
+                spec.inputs, **self.request.text_options, allow_binary=self.request.allow_binary
+            )
             planned = planned.with_documents(documents)
             self.records[spec.id] = planned.base_record(self.model_name)
             prompt_ids = self._prompt_ids(engine, spec, join_documents(documents))

@@ -136,6 +136,19 @@ def test_bad_document_fails_its_job_only(cli, docs, tmp_path):
     assert records["beta"]["ok"]
 
 
+def test_allow_binary_reads_a_document_with_a_nul_and_warns(cli, docs, tmp_path):
+    (docs / "note.txt").write_bytes(b"Notes\x00 on sorting.\n")
+    refused = cli("docs/note.txt")
+    assert refused.exit_code == 1
+    (record,) = read_results(tmp_path / "hisparse-out")
+    assert "note.txt" in record["error"] and "byte offset 5" in record["error"]
+    assert "--allow-binary" in record["error"]
+    result = cli("docs/note.txt", "--allow-binary")
+    assert result.exit_code == 0, result.output
+    assert "note.txt" in result.stdout and "read as text because of --allow-binary" in result.stdout
+    assert read_results(tmp_path / "hisparse-out")[-1]["ok"]
+
+
 def test_errors_replace_lets_invalid_utf8_through(cli, docs, tmp_path):
     (docs / "bad-utf8.txt").write_bytes(b"fine\n\xff")
     assert cli("docs/bad-utf8.txt", "--errors", "replace").exit_code == 0
