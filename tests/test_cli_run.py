@@ -298,6 +298,38 @@ def test_unknown_preset_is_a_usage_error(cli, docs, monkeypatch):
     assert result.exit_code == 2 and "unknown preset" in result.stderr
 
 
+@pytest.mark.parametrize(
+    "args, cuda_devices, phrases",
+    [
+        (["--preset", "h200"], 0, ["preset 'h200' asks for cuda", "use --preset cpu"]),
+        (["--preset", "h200x2"], 0, ["preset 'h200x2'", "cuda:0, cuda:1", "--preset cpu"]),
+        (["--device", "cuda:1"], 0, ["--device asks for cuda:1", "use --device cpu"]),
+        (["--devices", "cuda:0,cuda:1"], 1, ["asks for cuda:1", "use --devices cuda:0"]),
+    ],
+)
+def test_cuda_device_without_cuda_is_a_config_error(
+    cli, docs, tmp_path, monkeypatch, args, cuda_devices, phrases
+):
+    monkeypatch.setattr(
+        settings, "preset_overrides", lambda name: {} if name == "cpu" else {"device": "cuda"}
+    )
+    monkeypatch.setattr(runner_module, "cuda_device_count", lambda: cuda_devices)
+    result = cli("docs/alpha.txt", *args)
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.stderr and "CUDA" in result.stderr
+    for phrase in phrases:
+        assert phrase in result.stderr
+    assert not (tmp_path / "hisparse-out").exists() and cli.factory.engines == []
+
+
+def test_cuda_preset_is_fine_where_cuda_is_present_or_for_print_config(cli, docs, monkeypatch):
+    monkeypatch.setattr(settings, "preset_overrides", lambda name: {"device": "cuda"})
+    monkeypatch.setattr(runner_module, "cuda_device_count", lambda: 0)
+    assert cli("docs/alpha.txt", "--preset", "h200", "--print-config").exit_code == 0
+    monkeypatch.setattr(runner_module, "cuda_device_count", lambda: 1)
+    assert cli("docs/alpha.txt", "--preset", "h200").exit_code == 0
+
+
 def test_json_progress_stdout_is_only_json(cli, docs):
     result = cli("docs/alpha.txt", "docs/beta.txt", "--json-progress")
     assert result.exit_code == 0
