@@ -298,6 +298,7 @@ class BatchRun:
         self.model_name = request.model or DEFAULT_MODEL_ID
         self.tracker = ProgressTracker(clock())
         self.records: dict[str, dict[str, Any]] = {}
+        self.prompt_tokens: dict[str, int] = {}  # job id -> tokens of the prompt it was given
         self.cancel: _SigintCanceller | None = None
         self._announced = False
         self.log: ResultsLog
@@ -412,6 +413,7 @@ class BatchRun:
             planned = planned.with_documents(documents)
             self.records[spec.id] = planned.base_record(self.model_name)
             prompt_ids = self._prompt_ids(engine, spec, join_documents(documents))
+            self.prompt_tokens[spec.id] = len(prompt_ids)
         except Exception as exc:  # noqa: BLE001 - one bad job must not stop the batch
             self._handle(JobFailed(self.clock(), spec.id, f"cannot prepare the prompt: {exc}"))
             return None
@@ -474,12 +476,12 @@ class BatchRun:
         self.log.append(record)
 
     def _write_failure(self, job_id: str, error: str) -> None:
+        """Record a failed job; ``prompt_tokens`` is ``None`` if its prompt was never built."""
         base = self.records.get(job_id)
         if base is not None:
             row = self.tracker.state.jobs.get(job_id)
-            self.log.append(
-                failure_record({**base, "prompt_tokens": row.prompt_tokens if row else 0}, error)
-            )
+            tokens = self.prompt_tokens.get(job_id) or (row.prompt_tokens if row else 0)
+            self.log.append(failure_record({**base, "prompt_tokens": tokens or None}, error))
 
     def _unadmitted_after_cancel(self, job_id: str) -> bool:
         row = self.tracker.state.jobs.get(job_id)

@@ -125,6 +125,22 @@ def test_failed_job_gives_exit_1_and_batch_continues(cli, docs, tmp_path):
     assert "FAILED alpha" in result.stdout
 
 
+def test_failed_records_carry_the_prompt_tokens_when_known(cli, docs, tmp_path):
+    (docs / "long.txt").write_text(" ".join(f"word{i}" for i in range(400)) + "\n")
+    (docs / "blob.txt").write_bytes(b"\x00\x01\x02\x00" * 64)
+    engine = testing.fake_engine_factory(limit=300)
+    result = cli(
+        "docs/long.txt", "docs/blob.txt", "docs/beta.txt", "--max-new-tokens", "4", engine=engine
+    )
+    assert result.exit_code == 1
+    records = {r["id"]: r for r in read_results(tmp_path / "hisparse-out")}
+    (long_job,) = [j for j in engine.engines[0].seen if j.id == "long"]
+    assert "exceeds the context limit" in records["long"]["error"]
+    assert records["long"]["prompt_tokens"] == len(long_job.prompt_ids) > 400
+    assert records["blob"]["prompt_tokens"] is None  # never tokenised
+    assert records["beta"]["ok"] and records["beta"]["prompt_tokens"] > 0
+
+
 def test_bad_document_fails_its_job_only(cli, docs, tmp_path):
     (docs / "blob.txt").write_bytes(b"\x00\x01\x02\x00" * 64)
     (docs / "bad-utf8.txt").write_bytes(b"fine\n\xff")
