@@ -821,7 +821,7 @@ def _suggestions(model, config, hardware, jobs, context, capacity) -> list[str]:
             )
             out.append(
                 f"smaller hot buffer: --device-buffer {smaller.device_buffer_tokens} "
-                f"--top-k {smaller.top_k}{page_flag}"
+                f"--top-k-tokens {smaller.top_k}{page_flag}"
             )
     if capacity.host_limit is not None and capacity.host_limit < jobs:
         needed = jobs * job_host_bytes(model, config, context)

@@ -121,36 +121,34 @@ def render_header(state: RunState, now: float) -> Text:
 
 
 def render_memory(state: RunState) -> Table:
-    """Per device: weights / hot KV / indexer metadata / activations / free, and the host pool."""
+    """Per device: weights / hot KV / indexer metadata / activations, then used / free /
+    total; the host pool row has no parts, only used / free / total."""
     table = Table(title="memory", title_justify="left", expand=False)
     table.add_column("device")
     for label, _, style in MEMORY_PARTS:
         table.add_column(label, justify="right", style=style)
+    table.add_column("used", justify="right", style="bold")
     table.add_column("free", justify="right", style="green")
     table.add_column("total", justify="right")
     table.add_column("use", no_wrap=True)
     for mem in state.memory.values():
         table.add_row(*_memory_row(mem))
     if state.host_pool_total:
-        pool = state.host_pool_used / state.host_pool_total
-        free = fmt_bytes(state.host_pool_total - state.host_pool_used)
-        pool_bar = Text(text_bar(pool), "blue")
-        table.add_row(
-            "host pool",
-            fmt_bytes(state.host_pool_used),
-            "",
-            "",
-            "",
-            free,
-            fmt_bytes(state.host_pool_total),
-            pool_bar,
-        )
+        used, total = state.host_pool_used, state.host_pool_total
+        parts = [""] * len(MEMORY_PARTS)  # the pool holds KV records, not these parts
+        pool_bar = Text(text_bar(used / total), "blue")
+        table.add_row("host pool", *parts, *_totals(used, total - used, total), pool_bar)
     return table
 
 
 def _memory_row(mem: DeviceMemory) -> list[RenderableType]:
     sizes = [fmt_bytes(getattr(mem, attr)) for _, attr, _ in MEMORY_PARTS]
-    return [mem.device, *sizes, fmt_bytes(mem.free), fmt_bytes(mem.total), memory_bar(mem)]
+    return [mem.device, *sizes, *_totals(mem.used, mem.free, mem.total), memory_bar(mem)]
+
+
+def _totals(used: int, free: int, total: int) -> list[RenderableType]:
+    """The used / free / total cells, in the table's column order."""
+    return [fmt_bytes(used), fmt_bytes(max(0, free)), fmt_bytes(total)]
 
 
 def memory_bar(mem: DeviceMemory, width: int = BAR_WIDTH) -> Text:

@@ -45,6 +45,8 @@ def run(
     max_batch: opt.MaxBatch = None,
     context_policy: opt.ContextPolicy = None,
     max_context: opt.MaxContext = None,
+    extend_method: opt.ExtendMethod = None,
+    truncate_keep: opt.TruncateKeep = None,
     memory_budget: opt.MemoryBudget = None,
     host_pool: opt.HostPool = None,
     device: opt.Device = None,
@@ -54,6 +56,7 @@ def run(
     trace: opt.Trace = None,
     encoding: opt.Encoding = "utf-8",
     errors: opt.Errors = "strict",
+    allow_binary: opt.AllowBinary = False,
     print_config: opt.PrintConfig = False,
     force: opt.Force = False,
 ) -> None:
@@ -89,6 +92,8 @@ def run(
         "max_batch": max_batch,
         "context_policy": context_policy,
         "max_context": max_context,
+        "extend_method": extend_method,
+        "truncate_keep": truncate_keep,
         "memory_budget_gb": memory_budget,
         "host_pool_gb": host_pool,
         "device": device,
@@ -105,6 +110,7 @@ def run(
         json_progress=json_progress,
         encoding=encoding,
         errors=errors,
+        allow_binary=allow_binary,
         print_config=print_config,
         force=force,
     )

@@ -120,6 +120,23 @@ MaxContext = Annotated[
         help="Context limit for --context-policy extend/truncate.", rich_help_panel=ENGINE
     ),
 ]
+ExtendMethod = Annotated[
+    Literal["yarn", "dynamic", "linear"] | None,
+    typer.Option(
+        help="RoPE scaling for --context-policy extend.",
+        show_default="yarn",
+        rich_help_panel=ENGINE,
+    ),
+]
+TruncateKeep = Annotated[
+    Literal["head", "tail", "middle"] | None,
+    typer.Option(
+        help="What --context-policy truncate keeps: head, tail, or middle (both ends; "
+        "the middle is cut).",
+        show_default="head",
+        rich_help_panel=ENGINE,
+    ),
+]
 MemoryBudget = Annotated[
     float | None,
     typer.Option("--memory-budget", help="Device memory to use, GiB.", rich_help_panel=ENGINE),
@@ -175,5 +192,13 @@ Errors = Annotated[
     Literal["strict", "replace"],
     typer.Option(
         help="Invalid bytes: strict = refuse the document, replace = U+FFFD.", rich_help_panel=TEXT
+    ),
+]
+AllowBinary = Annotated[
+    bool,
+    typer.Option(
+        help="Read documents that look binary (NUL or control bytes) anyway: invalid bytes "
+        "become U+FFFD, control characters are removed, and a warning names the file.",
+        rich_help_panel=TEXT,
     ),
 ]

@@ -27,6 +27,7 @@ class PlannedJob:
 
     status: ``run``, ``skip`` (already done) or ``invalid`` (see ``error``).
     removed_controls: control characters dropped from its inputs (worth a warning).
+    warnings: notes on inputs read despite looking binary (``--allow-binary``).
     """
 
     spec: JobSpec
@@ -36,6 +37,7 @@ class PlannedJob:
     key: str = ""
     error: str = ""
     removed_controls: int = 0
+    warnings: tuple[str, ...] = ()
 
     def with_documents(self, documents: Sequence[Document]) -> PlannedJob:
         """The same job keyed by ``documents`` (their content may have changed since planning)."""
@@ -46,6 +48,7 @@ class PlannedJob:
             input_sha256=hashes,
             key=job_key(hashes, self.settings_hash),
             removed_controls=removed,
+            warnings=tuple(d.warning for d in documents if d.warning),
         )
 
     def base_record(self, model: str) -> dict[str, Any]:
@@ -69,6 +72,7 @@ def plan_jobs(
     text_options: dict[str, str],
     log: ResultsLog,
     force: bool = False,
+    allow_binary: bool = False,
 ) -> list[PlannedJob]:
     """Read every job's inputs, compute its resume key and decide its status.
 
@@ -86,8 +90,13 @@ def plan_jobs(
         Results of earlier runs in the same output dir.
     force
         Run every valid job even when already done.
+    allow_binary
+        Read inputs that look binary anyway (``--allow-binary``). Not part of the resume
+        key: it only changes the text of documents that fail without it.
     """
-    return [_plan_one(spec, config, model_id, text_options, log, force) for spec in specs]
+    return [
+        _plan_one(spec, config, model_id, text_options, log, force, allow_binary) for spec in specs
+    ]
 
 
 def _plan_one(
@@ -97,11 +106,12 @@ def _plan_one(
     text_options: dict[str, str],
     log: ResultsLog,
     force: bool,
+    allow_binary: bool,
 ) -> PlannedJob:
     settings = settings_hash(spec.task, spec.sampling, model_id, config, text_options)
     planned = PlannedJob(spec, RUN, settings)
     try:
-        documents = read_documents(spec.inputs, **text_options)
+        documents = read_documents(spec.inputs, **text_options, allow_binary=allow_binary)
     except DocumentError as exc:
         return replace(planned, status=INVALID, error=str(exc))
     planned = planned.with_documents(documents)

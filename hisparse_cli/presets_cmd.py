@@ -55,7 +55,16 @@ MemoryBudgetOpt = Annotated[
         "--memory-budget", help="Cap per-device memory, GiB (emulate a smaller card)."
     ),
 ]
-TopKOpt = Annotated[int | None, typer.Option("--top-k", help="Sparse budget, tokens.")]
+TopKTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--top-k-tokens",
+        help="Sparse budget: tokens selected per layer and KV head (as in `hisparse run`).",
+    ),
+]
+# ``--top-k`` used to be the sparse budget here but is the sampling filter in
+# ``hisparse run``; it is kept, hidden, only to say what to use instead.
+RemovedTopKOpt = Annotated[str | None, typer.Option("--top-k", hidden=True)]
 DeviceBufferOpt = Annotated[
     int | None,
     typer.Option(
@@ -122,7 +131,8 @@ def plan_command(
     context: ContextOpt,
     model: ModelOpt = None,
     memory_budget: MemoryBudgetOpt = None,
-    top_k: TopKOpt = None,
+    top_k_tokens: TopKTokensOpt = None,
+    removed_top_k: RemovedTopKOpt = None,
     device_buffer: DeviceBufferOpt = None,
     page_size: PageSizeOpt = None,
     kv_dtype: KvDtypeOpt = None,
@@ -138,9 +148,15 @@ def plan_command(
 
     Exits 2, with the reason and the nearest feasible setting, when they do not fit.
     """
+    if removed_top_k is not None:
+        _refuse(
+            "hisparse plan has no --top-k: the sparse budget is --top-k-tokens "
+            f"(e.g. --top-k-tokens {removed_top_k}), as in hisparse run, where --top-k is "
+            "the sampling filter"
+        )
     overrides = {
         "memory_budget_gb": memory_budget,
-        "top_k": top_k,
+        "top_k": top_k_tokens,
         "device_buffer": device_buffer,
         "page_size": page_size,
         "kv_dtype": kv_dtype,

@@ -215,11 +215,17 @@ def result_record(base: dict[str, Any], result: JobResult) -> dict[str, Any]:
 
 
 def failure_record(base: dict[str, Any], error: str) -> dict[str, Any]:
-    """A results line for a job that failed before or during the engine run."""
+    """A results line for a job that failed before or during the engine run.
+
+    ``prompt_tokens`` is ``base["prompt_tokens"]``: the prompt's length when it was
+    tokenised (e.g. a prompt longer than the context), ``None`` (JSON ``null``) when it
+    never was (an unreadable document). Resume (:meth:`ResultsLog.is_done`) reads only
+    ``id``, ``key``, ``finish_reason`` and ``error``.
+    """
     return {
         **base,
         "ok": False,
-        "prompt_tokens": base.get("prompt_tokens", 0),
+        "prompt_tokens": base.get("prompt_tokens"),
         "generated_tokens": 0,
         "text": "",
         "finish_reason": "error",

@@ -3,7 +3,8 @@
 Lifecycle of one run:
 
 1. Check the request and build the jobs (manifest or document paths) and the engine
-   config; any problem -> messages on stderr, exit 2, nothing written.
+   config, including that its devices exist here (a ``cuda`` preset on a CPU-only box);
+   any problem -> messages on stderr, exit 2, nothing written.
 2. Create the output dir, lock it, write ``config.json``, read ``results.jsonl``.
 3. Plan: read every input, compute resume keys; skip jobs already done; record jobs
    whose documents are unusable as failed.
@@ -76,11 +77,13 @@ class RunRequest:
     json_progress: bool = False
     encoding: str = "utf-8"
     errors: str = "strict"
+    allow_binary: bool = False
     print_config: bool = False
     force: bool = False
 
     @property
     def text_options(self) -> dict[str, str]:
+        """How documents are decoded; part of every job's resume key."""
         return {"encoding": self.encoding, "errors": self.errors}
 
 
@@ -89,6 +92,13 @@ def load_engine(config: EngineConfig, model: str | None) -> Any:
     from engine.api import load_engine as _load_engine
 
     return _load_engine(config, model)
+
+
+def cuda_device_count() -> int:
+    """CUDA devices torch can use here (0 without CUDA); tests replace this hook."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def execute(
@@ -142,7 +152,10 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
     else:
         manifest = Manifest((), {})
     config = resolve_engine_config(request.preset, manifest.engine, request.engine_overrides)
-    return manifest, with_preset_devices(config, request.preset, request.engine_overrides)
+    config = with_preset_devices(config, request.preset, request.engine_overrides)
+    if not request.print_config:  # --print-config may show another machine's config
+        check_devices(config, request.preset, manifest.engine, request.engine_overrides)
+    return manifest, config
 
 
 def with_preset_devices(config: EngineConfig, preset: str, flags: dict[str, Any]) -> EngineConfig:
@@ -161,6 +174,58 @@ def with_preset_devices(config: EngineConfig, preset: str, flags: dict[str, Any]
         return config
     extra = {"devices": list(hardware.devices), "parallel": hardware.parallel, **config.extra}
     return config.replace(extra=extra)
+
+
+def check_devices(
+    config: EngineConfig,
+    preset: str,
+    manifest_engine: dict[str, Any],
+    flags: dict[str, Any],
+) -> None:
+    """Raise :class:`ConfigError` when the run asks for a CUDA device this machine lacks.
+
+    The devices are ``extra["devices"]`` (``--devices``, the manifest or the preset's
+    hardware) or else ``config.device``; the message names where they came from and
+    what to pass instead.
+    """
+    devices = [str(d) for d in config.extra.get("devices") or ()] or [config.device]
+    cuda = [d for d in devices if d.split(":")[0] == "cuda"]
+    if not cuda:
+        return
+    count = cuda_device_count()
+    missing = [d for d in cuda if count == 0 or _cuda_index(d) >= count]
+    if not missing:
+        return
+    source, fix = _device_source(preset, manifest_engine, flags, "devices" in config.extra)
+    have = "CUDA is not available"
+    if count:
+        have = f"there are only {count} CUDA device(s)"
+        fix = f"use --devices {','.join(f'cuda:{i}' for i in range(count))}"
+    raise ConfigError(f"{source} asks for {', '.join(missing)} but {have} on this machine; {fix}")
+
+
+def _cuda_index(device: str) -> int:
+    """N of ``cuda:N`` (0 for ``cuda``, or a malformed index torch will report)."""
+    index = device.partition(":")[2]
+    return int(index) if index.isdigit() else 0
+
+
+def _device_source(
+    preset: str, manifest_engine: dict[str, Any], flags: dict[str, Any], several: bool
+) -> tuple[str, str]:
+    """Where the device choice came from (flag, manifest or preset), and what to use instead
+    on a machine without CUDA."""
+    if several:
+        if (flags.get("extra") or {}).get("devices"):
+            return "--devices", "use --devices cpu (or cpu,cpu)"
+        if (manifest_engine.get("extra") or {}).get("devices"):
+            return "the manifest's defaults.engine.extra.devices", "set them to cpu there"
+        return f"preset {preset!r} (hardware.devices)", "use --preset cpu"
+    if flags.get("device") is not None:
+        return "--device", "use --device cpu"
+    if manifest_engine.get("device") is not None:
+        return "the manifest's defaults.engine.device", "set it to cpu there, or pass --device cpu"
+    return f"preset {preset!r}", "use --preset cpu"
 
 
 def check_request(request: RunRequest) -> None:
@@ -233,6 +298,7 @@ class BatchRun:
         self.model_name = request.model or DEFAULT_MODEL_ID
         self.tracker = ProgressTracker(clock())
         self.records: dict[str, dict[str, Any]] = {}
+        self.prompt_tokens: dict[str, int] = {}  # job id -> tokens of the prompt it was given
         self.cancel: _SigintCanceller | None = None
         self._announced = False
         self.log: ResultsLog
@@ -264,6 +330,7 @@ class BatchRun:
             self.request.text_options,
             self.log,
             self.request.force,
+            self.request.allow_binary,
         )
         self.reporter = make_reporter(
             self.console, self.tracker, self.request.json_progress, self.clock
@@ -291,11 +358,15 @@ class BatchRun:
         for job in planned:
             if job.status == INVALID:
                 self._handle(JobFailed(self.clock(), job.spec.id, job.error))
-            elif job.status == RUN and job.removed_controls:
-                self.reporter.note(
-                    f"{job.spec.id}: removed {job.removed_controls} control character(s) from the input",
-                    "warning",
-                )
+            elif job.status == RUN:
+                for warning in job.warnings:
+                    self.reporter.note(f"{job.spec.id}: {warning}", "warning")
+                if job.removed_controls:
+                    self.reporter.note(
+                        f"{job.spec.id}: removed {job.removed_controls} control character(s) "
+                        "from the input",
+                        "warning",
+                    )
         return [j for j in planned if j.status == RUN]
 
     def _run_engine(self, pending: list[PlannedJob]) -> bool:
@@ -336,10 +407,13 @@ class BatchRun:
     def _make_job(self, engine: Any, planned: PlannedJob) -> Job | None:
         spec = planned.spec
         try:
-            documents = read_documents(spec.inputs, **self.request.text_options)
+            documents = read_documents(
+                spec.inputs, **self.request.text_options, allow_binary=self.request.allow_binary
+            )
             planned = planned.with_documents(documents)
             self.records[spec.id] = planned.base_record(self.model_name)
             prompt_ids = self._prompt_ids(engine, spec, join_documents(documents))
+            self.prompt_tokens[spec.id] = len(prompt_ids)
         except Exception as exc:  # noqa: BLE001 - one bad job must not stop the batch
             self._handle(JobFailed(self.clock(), spec.id, f"cannot prepare the prompt: {exc}"))
             return None
@@ -402,12 +476,12 @@ class BatchRun:
         self.log.append(record)
 
     def _write_failure(self, job_id: str, error: str) -> None:
+        """Record a failed job; ``prompt_tokens`` is ``None`` if its prompt was never built."""
         base = self.records.get(job_id)
         if base is not None:
             row = self.tracker.state.jobs.get(job_id)
-            self.log.append(
-                failure_record({**base, "prompt_tokens": row.prompt_tokens if row else 0}, error)
-            )
+            tokens = self.prompt_tokens.get(job_id) or (row.prompt_tokens if row else 0)
+            self.log.append(failure_record({**base, "prompt_tokens": tokens or None}, error))
 
     def _unadmitted_after_cancel(self, job_id: str) -> bool:
         row = self.tracker.state.jobs.get(job_id)

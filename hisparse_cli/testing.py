@@ -5,7 +5,8 @@ Used by the CLI tests and handy for trying the dashboard::
     from hisparse_cli import runner, testing
     runner.load_engine = testing.fake_engine_factory(step_delay_s=0.05)
 
-It follows the engine contract: ``run(jobs)`` yields ``JobQueued`` for each job, then
+It follows the engine contract: ``run(jobs)`` yields ``JobQueued`` for each job (or
+``JobFailed``, never queued, when prompt + ``max_tokens`` exceeds ``limit``), then
 admits up to ``max_batch`` at a time (``JobAdmitted``, ``PrefillProgress``,
 ``FirstToken``), decodes them together (``DecodeStep``, ``MemorySnapshot``) and ends
 each with ``JobFinished`` or ``JobFailed``; ``cancel()`` stops admission, ends the
@@ -74,6 +75,7 @@ class FakeEngine:
     """Scripted engine.
 
     fail: job id -> error (the job yields ``JobFailed`` at admission).
+    limit: context limit; a longer prompt + ``max_tokens`` fails before it is queued.
     tokens: job id -> tokens to generate (default: the job's ``max_tokens``).
     on_step: called with the step number before each decode step (tests send
         SIGINT from here).
@@ -96,7 +98,7 @@ class FakeEngine:
         self.cancelled = True
 
     def prompt_limit(self) -> int:
-        """Longest prompt accepted."""
+        """Most tokens (prompt + max_tokens) a job may hold."""
         return self.limit
 
     def run(self, jobs: Iterable[Job]) -> Iterator[Event]:
@@ -104,6 +106,15 @@ class FakeEngine:
         queue = []
         for job in jobs:
             self.seen.append(job)
+            need = len(job.prompt_ids) + job.sampling.max_tokens
+            if need > self.limit:  # as engine.engine.Engine._check_job: never queued
+                yield JobFailed(
+                    self.clock(),
+                    job.id,
+                    f"prompt of {len(job.prompt_ids)} tokens + max_tokens "
+                    f"{job.sampling.max_tokens} exceeds the context limit of {self.limit} tokens",
+                )
+                continue
             queue.append(job)
             yield JobQueued(self.clock(), job.id, len(job.prompt_ids))
         yield self._memory(0)
@@ -119,11 +130,8 @@ class FakeEngine:
         running = []
         for job in batch:
             now = self.clock()
-            if job.id in self.fail or len(job.prompt_ids) > self.limit:
-                reason = self.fail.get(
-                    job.id, f"prompt of {len(job.prompt_ids)} tokens is too long"
-                )
-                yield JobFailed(now, job.id, reason)
+            if job.id in self.fail:
+                yield JobFailed(now, job.id, self.fail[job.id])
                 continue
             yield JobAdmitted(now, job.id, len(job.prompt_ids))
             for done in (1, 2):

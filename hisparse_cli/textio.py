@@ -5,8 +5,11 @@ Policy (applied in this order):
 1. The file is read as bytes; its SHA-256 is the content hash used for resume.
 2. Refused as binary: a known binary signature (PDF, ZIP/Office, PNG, JPEG, GIF,
    gzip, ELF), or, for ASCII-compatible encodings, more than 1% NUL bytes or more than
-   5% other control bytes in the first 64 KiB. A UTF-16/32 byte-order mark while
-   decoding as UTF-8 is refused with a hint to pass ``--encoding utf-16``.
+   5% other control bytes in the first 64 KiB (the message gives the byte offset of the
+   first NUL). A UTF-16/32 byte-order mark while decoding as UTF-8 is refused with a hint
+   to pass ``--encoding utf-16``. ``allow_binary`` (``--allow-binary``) overrides the NUL
+   and control-byte test, not the signatures: such a document is decoded with
+   ``errors="replace"`` and carries a :attr:`Document.warning`.
 3. Decoded with ``encoding`` (default UTF-8; a UTF-8 BOM is stripped). Invalid bytes
    raise an error naming the byte offset and line, unless ``errors="replace"``.
 4. CRLF and lone CR become ``\\n``. Tabs and long lines are kept as they are.
@@ -70,15 +73,20 @@ class Document:
 
     sha256: hex digest of the file's bytes as stored on disk.
     removed_controls: how many control characters step 5 of the policy removed.
+    warning: set when the document looked binary and was read anyway (``allow_binary``);
+        names the file and says what was done.
     """
 
     path: Path
     text: str
     sha256: str
     removed_controls: int = 0
+    warning: str = ""
 
 
-def read_document(path: Path | str, encoding: str = "utf-8", errors: str = "strict") -> Document:
+def read_document(
+    path: Path | str, encoding: str = "utf-8", errors: str = "strict", allow_binary: bool = False
+) -> Document:
     """Read one document following the module's policy.
 
     Parameters
@@ -89,6 +97,10 @@ def read_document(path: Path | str, encoding: str = "utf-8", errors: str = "stri
         A Python codec name (``utf-8``, ``latin-1``, ``utf-16``, ...).
     errors
         ``strict`` (invalid bytes are an error) or ``replace`` (U+FFFD).
+    allow_binary
+        Read a document that looks binary by its NUL / control bytes anyway, decoding
+        with ``errors="replace"``; :attr:`Document.warning` says so. Known binary
+        formats (PDF, ZIP, images, ...) are refused regardless.
 
     Raises
     ------
@@ -98,9 +110,21 @@ def read_document(path: Path | str, encoding: str = "utf-8", errors: str = "stri
     path = Path(path)
     data = _read_bytes(path)
     codec = codecs.lookup(encoding).name
-    binary = binary_reason(data, codec)
+    refused = format_reason(data, codec)
+    if refused:
+        raise DocumentError(path, refused)
+    warning = ""
+    binary = looks_binary(data, codec)
+    if binary and not allow_binary:
+        raise DocumentError(
+            path,
+            f"{binary}; pass --allow-binary to read it as text anyway "
+            "(invalid bytes become U+FFFD, control characters are removed)",
+        )
     if binary:
-        raise DocumentError(path, binary)
+        errors = "replace"
+        warning = f"{path}: {binary}; read as text because of --allow-binary (invalid bytes "
+        warning += "replaced with U+FFFD, control characters removed)"
     try:
         text = decode_bytes(data, codec, errors)
     except ValueError as exc:
@@ -108,14 +132,17 @@ def read_document(path: Path | str, encoding: str = "utf-8", errors: str = "stri
     text, removed = normalise_text(text)
     if not text.strip():
         raise DocumentError(path, "is empty or only whitespace")
-    return Document(path, text, hashlib.sha256(data).hexdigest(), removed)
+    return Document(path, text, hashlib.sha256(data).hexdigest(), removed, warning)
 
 
 def read_documents(
-    paths: Sequence[Path], encoding: str = "utf-8", errors: str = "strict"
+    paths: Sequence[Path],
+    encoding: str = "utf-8",
+    errors: str = "strict",
+    allow_binary: bool = False,
 ) -> list[Document]:
     """Read several documents (one job's inputs); the first failure raises."""
-    return [read_document(p, encoding, errors) for p in paths]
+    return [read_document(p, encoding, errors, allow_binary) for p in paths]
 
 
 def join_documents(documents: Sequence[Document]) -> str:
@@ -129,6 +156,8 @@ def join_documents(documents: Sequence[Document]) -> str:
 def binary_reason(data: bytes, codec: str) -> str | None:
     """Why ``data`` looks binary (or in the wrong encoding), or ``None`` if it looks like text.
 
+    :func:`format_reason` or else :func:`looks_binary`.
+
     Parameters
     ----------
     data
@@ -136,18 +165,37 @@ def binary_reason(data: bytes, codec: str) -> str | None:
     codec
         Normalised codec name (``codecs.lookup(...).name``).
     """
+    return format_reason(data, codec) or looks_binary(data, codec)
+
+
+def format_reason(data: bytes, codec: str) -> str | None:
+    """Why ``data`` is a known binary format or in the wrong encoding (by its first
+    bytes), or ``None``. ``allow_binary`` does not override these."""
     for signature, kind in _SIGNATURES.items():
         if data.startswith(signature):
             return f"looks like {kind}, not text; convert it to plain text first"
     if codec == "utf-8" and data.startswith(_UTF16_32_BOMS):
         return "starts with a UTF-16/UTF-32 byte-order mark; pass --encoding utf-16 (or utf-32)"
+    return None
+
+
+def looks_binary(data: bytes, codec: str) -> str | None:
+    """Why ``data`` looks binary by its NUL or control bytes (first 64 KiB), or ``None``.
+
+    Only for ASCII-compatible codecs; the NUL message gives the byte offset of the first
+    NUL in the file.
+    """
     if not _ascii_compatible(codec):
         return None
     sample = data[:SAMPLE_BYTES]
     if not sample:
         return None
-    if sample.count(0) / len(sample) > MAX_NUL_SHARE:
-        return f"looks binary: {sample.count(0)} NUL bytes in the first {len(sample)} bytes"
+    nuls = sample.count(0)
+    if nuls / len(sample) > MAX_NUL_SHARE:
+        return (
+            f"looks binary: {nuls} NUL bytes in the first {len(sample)} bytes "
+            f"(the first at byte offset {sample.index(0)})"
+        )
     controls = sum(sample.count(b) for b in _CONTROL_BYTES)
     if controls / len(sample) > MAX_CONTROL_SHARE:
         return f"looks binary: {controls} control bytes in the first {len(sample)} bytes"

@@ -125,6 +125,22 @@ def test_failed_job_gives_exit_1_and_batch_continues(cli, docs, tmp_path):
     assert "FAILED alpha" in result.stdout
 
 
+def test_failed_records_carry_the_prompt_tokens_when_known(cli, docs, tmp_path):
+    (docs / "long.txt").write_text(" ".join(f"word{i}" for i in range(400)) + "\n")
+    (docs / "blob.txt").write_bytes(b"\x00\x01\x02\x00" * 64)
+    engine = testing.fake_engine_factory(limit=300)
+    result = cli(
+        "docs/long.txt", "docs/blob.txt", "docs/beta.txt", "--max-new-tokens", "4", engine=engine
+    )
+    assert result.exit_code == 1
+    records = {r["id"]: r for r in read_results(tmp_path / "hisparse-out")}
+    (long_job,) = [j for j in engine.engines[0].seen if j.id == "long"]
+    assert "exceeds the context limit" in records["long"]["error"]
+    assert records["long"]["prompt_tokens"] == len(long_job.prompt_ids) > 400
+    assert records["blob"]["prompt_tokens"] is None  # never tokenised
+    assert records["beta"]["ok"] and records["beta"]["prompt_tokens"] > 0
+
+
 def test_bad_document_fails_its_job_only(cli, docs, tmp_path):
     (docs / "blob.txt").write_bytes(b"\x00\x01\x02\x00" * 64)
     (docs / "bad-utf8.txt").write_bytes(b"fine\n\xff")
@@ -134,6 +150,19 @@ def test_bad_document_fails_its_job_only(cli, docs, tmp_path):
     assert "looks binary" in records["blob"]["error"]
     assert "byte offset 5" in records["bad-utf8"]["error"]
     assert records["beta"]["ok"]
+
+
+def test_allow_binary_reads_a_document_with_a_nul_and_warns(cli, docs, tmp_path):
+    (docs / "note.txt").write_bytes(b"Notes\x00 on sorting.\n")
+    refused = cli("docs/note.txt")
+    assert refused.exit_code == 1
+    (record,) = read_results(tmp_path / "hisparse-out")
+    assert "note.txt" in record["error"] and "byte offset 5" in record["error"]
+    assert "--allow-binary" in record["error"]
+    result = cli("docs/note.txt", "--allow-binary")
+    assert result.exit_code == 0, result.output
+    assert "note.txt" in result.stdout and "read as text because of --allow-binary" in result.stdout
+    assert read_results(tmp_path / "hisparse-out")[-1]["ok"]
 
 
 def test_errors_replace_lets_invalid_utf8_through(cli, docs, tmp_path):
@@ -226,6 +255,54 @@ def test_print_config_precedence(cli, docs, tmp_path, monkeypatch):
     assert not (tmp_path / "hisparse-out").exists()
 
 
+def test_truncate_keep_and_extend_method_flags_follow_precedence(cli, docs, tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        settings,
+        "preset_overrides",
+        lambda name: {"truncate_keep": "tail", "extend_method": "linear"},
+    )
+    (tmp_path / "jobs.yaml").write_text(
+        "defaults:\n  engine: {truncate_keep: middle}\njobs:\n  - {input: docs/alpha.txt}\n"
+    )
+
+    def engine_of(*flags):
+        result = cli("--manifest", "jobs.yaml", "--print-config", *flags)
+        assert result.exit_code == 0, result.output
+        engine = json.loads(result.stdout)["engine"]
+        return engine["truncate_keep"], engine["extend_method"]
+
+    assert engine_of() == ("middle", "linear")  # manifest beats preset
+    assert engine_of("--truncate-keep", "head", "--extend-method", "dynamic") == (
+        "head",
+        "dynamic",
+    )  # flags beat manifest and preset
+
+
+@pytest.mark.parametrize("flag", ["--truncate-keep", "--extend-method"])
+def test_truncate_keep_and_extend_method_reject_unknown_values(cli, docs, flag):
+    result = cli("docs/alpha.txt", flag, "sideways")
+    assert result.exit_code == 2 and "sideways" in result.output
+
+
+def test_truncate_keep_flag_reaches_the_prompt_cut(cli, docs, tmp_path):
+    (docs / "long.txt").write_text(" ".join(f"word{i}" for i in range(400)) + "\n")
+    engine = testing.fake_engine_factory(limit=200)
+    result = cli(
+        "docs/long.txt",
+        "--max-new-tokens",
+        "4",
+        "--context-policy",
+        "truncate",
+        "--truncate-keep",
+        "tail",
+        engine=engine,
+    )
+    assert result.exit_code == 0, result.output
+    assert "(kept: tail)" in result.stdout
+    (job,) = engine.engines[0].seen
+    assert len(job.prompt_ids) <= 200 - 4
+
+
 def test_unknown_preset_is_a_usage_error(cli, docs, monkeypatch):
     from engine.config import ConfigError
 
@@ -235,6 +312,38 @@ def test_unknown_preset_is_a_usage_error(cli, docs, monkeypatch):
     monkeypatch.setattr(settings, "preset_overrides", unknown)
     result = cli("docs/alpha.txt", "--preset", "moon")
     assert result.exit_code == 2 and "unknown preset" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, cuda_devices, phrases",
+    [
+        (["--preset", "h200"], 0, ["preset 'h200' asks for cuda", "use --preset cpu"]),
+        (["--preset", "h200x2"], 0, ["preset 'h200x2'", "cuda:0, cuda:1", "--preset cpu"]),
+        (["--device", "cuda:1"], 0, ["--device asks for cuda:1", "use --device cpu"]),
+        (["--devices", "cuda:0,cuda:1"], 1, ["asks for cuda:1", "use --devices cuda:0"]),
+    ],
+)
+def test_cuda_device_without_cuda_is_a_config_error(
+    cli, docs, tmp_path, monkeypatch, args, cuda_devices, phrases
+):
+    monkeypatch.setattr(
+        settings, "preset_overrides", lambda name: {} if name == "cpu" else {"device": "cuda"}
+    )
+    monkeypatch.setattr(runner_module, "cuda_device_count", lambda: cuda_devices)
+    result = cli("docs/alpha.txt", *args)
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.stderr and "CUDA" in result.stderr
+    for phrase in phrases:
+        assert phrase in result.stderr
+    assert not (tmp_path / "hisparse-out").exists() and cli.factory.engines == []
+
+
+def test_cuda_preset_is_fine_where_cuda_is_present_or_for_print_config(cli, docs, monkeypatch):
+    monkeypatch.setattr(settings, "preset_overrides", lambda name: {"device": "cuda"})
+    monkeypatch.setattr(runner_module, "cuda_device_count", lambda: 0)
+    assert cli("docs/alpha.txt", "--preset", "h200", "--print-config").exit_code == 0
+    monkeypatch.setattr(runner_module, "cuda_device_count", lambda: 1)
+    assert cli("docs/alpha.txt", "--preset", "h200").exit_code == 0
 
 
 def test_json_progress_stdout_is_only_json(cli, docs):

@@ -136,6 +136,29 @@ def test_memory_columns_are_labelled():
         assert label in text
 
 
+def memory_cells(table) -> dict[str, dict[str, str]]:
+    """Render ``table`` into a string and map row label -> header -> cell text."""
+    file = io.StringIO()
+    Console(file=file, width=160, force_terminal=False, color_system=None).print(table)
+    lines = file.getvalue().splitlines()
+    header = next(line for line in lines if line.startswith("┃"))
+    names = [cell.strip() for cell in header.strip("┃").split("┃")]
+    rows = [line.strip("│").split("│") for line in lines if line.startswith("│")]
+    return {c[0].strip(): dict(zip(names, (x.strip() for x in c), strict=True)) for c in rows}
+
+
+def test_memory_values_sit_under_their_headers():
+    cells = memory_cells(render_memory(scripted_tracker().state))
+    device, pool = cells["cuda:0"], cells["host pool"]
+    assert (device["weights"], device["hot KV"]) == ("4.00 GiB", "2.00 GiB")
+    assert (device["indexer meta"], device["activations"]) == ("512.0 MiB", "512.0 MiB")
+    assert (device["used"], device["free"]) == ("7.00 GiB", "3.00 GiB")
+    assert device["total"] == "10.00 GiB"
+    assert [pool[k] for k in ("weights", "hot KV", "indexer meta", "activations")] == [""] * 4
+    assert (pool["used"], pool["free"], pool["total"]) == ("3.00 GiB", "13.00 GiB", "16.00 GiB")
+    assert pool["use"].startswith("████░")
+
+
 def test_job_table_caps_rows_and_says_how_many_are_hidden():
     tracker = ProgressTracker(0.0)
     for i in range(30):

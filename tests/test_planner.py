@@ -130,7 +130,7 @@ def test_device_bound_suggests_a_smaller_buffer_that_fits():
     assert not result.feasible
     [hint] = [s for s in result.suggestions if s.startswith("smaller hot buffer")]
     buffer = int(hint.split("--device-buffer ")[1].split()[0])
-    top_k = int(hint.split("--top-k ")[1].split()[0])
+    top_k = int(hint.split("--top-k-tokens ")[1].split()[0])
     smaller = config.replace(device_buffer=buffer, top_k=top_k)
     assert plan(shape, smaller, hardware, jobs, 32 * 1024).feasible
 
@@ -258,6 +258,21 @@ def test_cli_plan_json_with_memory_budget():
     assert data["feasible"] is True
     assert data["devices"][0]["capacity_bytes"] == 48 * GIB
     assert data["capacity"]["binding"] == "host"
+
+
+def test_cli_plan_sparse_budget_flag_is_named_as_in_run():
+    base = ("plan", "-p", "h200", "-m", "llama2-13b", "-n", "1", "-c", "32K", "--json")
+    result = _invoke(*base, "--top-k-tokens", "1024", "--device-buffer", "2048")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["config"]["top_k"] == 1024
+    help_text = _invoke("plan", "--help").output
+    assert "--top-k-tokens" in help_text and "--top-k " not in help_text
+
+
+def test_cli_plan_old_top_k_flag_says_what_to_use():
+    result = _invoke("plan", "-p", "h200", "-n", "1", "-c", "32K", "--top-k", "1024")
+    assert result.exit_code == 2
+    assert "--top-k-tokens 1024" in result.output and "sampling filter" in result.output
 
 
 def test_cli_plan_bad_context_exits_2():

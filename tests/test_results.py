@@ -144,6 +144,8 @@ def test_result_and_failure_records_have_all_fields():
         and failed["error"] == "too long"
         and failed["finish_reason"] == "error"
     )
+    assert failed["prompt_tokens"] is None  # unknown: never tokenised
+    assert failure_record({**base, "prompt_tokens": 812}, "too long")["prompt_tokens"] == 812
     json.dumps(record), json.dumps(failed)
 
 

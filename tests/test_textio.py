@@ -92,6 +92,30 @@ def test_binary_files_are_refused(tmp_path, data, phrase):
         read_document(write(tmp_path, "blob.bin", data))
 
 
+def test_nul_refusal_names_file_first_nul_offset_and_override(tmp_path):
+    path = write(tmp_path, "short.txt", b"A short note\x00 with a NUL.\n")
+    with pytest.raises(DocumentError) as info:
+        read_document(path)
+    message = str(info.value)
+    assert str(path) in message
+    assert "first at byte offset 12" in message
+    assert "--allow-binary" in message
+
+
+def test_allow_binary_decodes_with_replacement_and_warns(tmp_path):
+    path = write(tmp_path, "short.txt", b"A short note\x00 with \xff a NUL.\n")
+    doc = read_document(path, allow_binary=True)  # errors="strict" is overridden
+    assert doc.text == "A short note with \ufffd a NUL.\n"
+    assert doc.removed_controls == 1
+    assert str(path) in doc.warning and "--allow-binary" in doc.warning
+    assert read_document(write(tmp_path, "plain.txt", b"plain\n"), allow_binary=True).warning == ""
+
+
+def test_allow_binary_does_not_override_known_formats(tmp_path):
+    with pytest.raises(DocumentError, match="PDF"):
+        read_document(write(tmp_path, "a.pdf", b"%PDF-1.7\n\x00\x00"), allow_binary=True)
+
+
 @pytest.mark.parametrize("data", [b"", b"   \n\t\r\n  ", b"\xef\xbb\xbf\n"])
 def test_empty_or_whitespace_is_refused(tmp_path, data):
     with pytest.raises(DocumentError, match="empty"):
