@@ -49,8 +49,8 @@ def main() -> None:
         for m in ROWS:
             x = torch.randn(m, k)
             xb = x.to(torch.bfloat16)
-            t_int4 = median_us(lambda: int4(xb))
-            t_fp32 = median_us(lambda: x @ dense.t())
+            t_int4 = median_us(lambda f=int4, a=xb: f(a))
+            t_fp32 = median_us(lambda a=x, w=dense: a @ w.t())
             rows.append({"n": n, "k": k, "m": m, "int4_bf16_us": t_int4, "fp32_us": t_fp32})
             print(f"{n:>5d} x {k:<5d} {m:>4d} {t_int4:13.1f} {t_fp32:9.1f}")
     args.out.write_text(json.dumps({"threads": args.threads, "torch": torch.__version__,
