@@ -92,10 +92,10 @@ from engine.budget import KVSizing, budget_cache, pool_page_bytes
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.engine import Engine, Request
 from engine.events import Job
-from engine.kv_cache import CacheFullError, KVCache
+from engine.kv_cache import CacheFullError, KVCache, available_host_bytes
 from engine.model import LlamaModel
 from engine.planner import GIB, format_context
-from engine.profiling import PHASES, PhaseTimer, timed_model, timed_ops
+from engine.profiling import PHASES, PhaseTimer, kernel_breakdown, timed_model, timed_ops
 from kernels.dispatch import Ops
 
 MODES = ("dense", "sparse", "hierarchical", "noio")
@@ -119,6 +119,15 @@ NOIO_NOTE = "noio skips host->device gathers (output invalid): a throughput ceil
 DENSE_NOTE = (
     "dense uses the reference dense attention, which materialises each layer's gathered K/V "
     "while it runs; that transient is not in the budget, so dense peaks may exceed it."
+)
+DENSE_TRITON_NOTE = (
+    "dense uses paged flash-decoding over every page, read in place (the split-K sparse "
+    "kernel with all pages selected), so the baseline is as fast as our kernels allow."
+)
+GRAPH_NOTE = (
+    "decode steps replay CUDA graphs (one per batch size and page-table width); the "
+    "breakdown is then GPU kernel time per phase from the profiler (idle = wall - busy: "
+    "launch gaps and host work); breakdown_eager_ms is an instrumented eager step."
 )
 TIMING_NOTE = (
     "breakdown: GPU time between CUDA events around each wrapped op (linears = weights; "
@@ -155,6 +164,10 @@ RUN_FIELDS = (
     "host_pool_bytes",
     "device_pool_bytes",
     "breakdown_ms",
+    "breakdown_source",
+    "breakdown_eager_ms",
+    "top_kernels",
+    "cuda_graph",
     "roofline",
     "token_sha256",
     "error",
@@ -186,8 +199,8 @@ class BenchSpec:
     soak_batch: int | None = None
     soak_every: int = 100
     soak_mode: str = "hierarchical"
-    hbm_gbps: float = DEFAULT_HBM_GBPS
-    link_gbps: float = DEFAULT_LINK_GBPS
+    hbm_gbps: float | None = None
+    link_gbps: float | None = None
     host_pool_gb: float | None = None
     time_limit_s: float | None = None
     corpus_dir: Path | None = None
@@ -302,9 +315,34 @@ def _decode_timed(engine: Engine, reqs: list[Request], steps: int) -> tuple[list
 
 
 def _profile(engine: Engine, reqs: list[Request], steps: int) -> dict[str, Any]:
-    """Instrumented steps on an engine sharing ``engine``'s cache: mean ms per phase."""
+    """The step-time breakdown (mean ms per phase). With CUDA graphs: GPU kernel time per
+    phase of the replayed steps themselves (profiler records, :func:`kernel_breakdown`),
+    plus the eager instrumented pass as ``breakdown_eager_ms``; without: the eager pass."""
     if steps < 1:
         return {"breakdown_ms": None, "gather_gbps": None}
+    eager = _profile_eager(engine, reqs, steps)
+    if engine.graphs is None or engine.graphs.disabled_reason:
+        return eager
+    moved = [0]
+
+    def one_step() -> None:
+        _step(engine, reqs)
+        if not engine.config.skip_host_io and engine.attn.misses is not None:
+            moved[0] += int(engine.attn.misses.sum()) * engine.cache.record_bytes
+
+    kb = kernel_breakdown(one_step, steps)
+    gather_ms = kb["breakdown_ms"]["gather"] * steps
+    return {
+        "breakdown_ms": kb["breakdown_ms"],
+        "breakdown_source": "cuda-graph kernels (profiler)",
+        "top_kernels": kb["kernels"],
+        "breakdown_eager_ms": eager["breakdown_ms"],
+        "gather_gbps": moved[0] / (gather_ms / 1e3) / 1e9 if gather_ms > 0 and moved[0] else None,
+    }
+
+
+def _profile_eager(engine: Engine, reqs: list[Request], steps: int) -> dict[str, Any]:
+    """Instrumented eager steps on an engine sharing ``engine``'s cache: mean ms per phase."""
     timer = PhaseTimer(engine.cache.device)
     prof = Engine(
         timed_model(engine.model, timer),
@@ -335,6 +373,7 @@ def _profile(engine: Engine, reqs: list[Request], steps: int) -> dict[str, Any]:
     gather_s = sums["gather"] / 1e3
     return {
         "breakdown_ms": mean,
+        "breakdown_source": "eager steps, CUDA events around each op",
         "gather_gbps": moved / gather_s / 1e9 if gather_s > 0 and moved else None,
     }
 
@@ -365,6 +404,7 @@ def run_point(
         times, hits, misses = _decode_timed(engine, reqs, spec.decode_steps)
         row.update(_decode_fields(me, reqs, times, hits, misses, spec))
         row.update(_profile(engine, reqs, spec.profile_steps))
+        row["cuda_graph"] = engine.graphs is not None and not engine.graphs.disabled_reason
         row["token_sha256"] = [_sha(r.generated) for r in reqs]
         raw = _peak(dev)
         row["peak_gpu_bytes_raw"] = raw
@@ -471,7 +511,7 @@ def _host_cap_bytes(spec: BenchSpec) -> int:
     if spec.host_pool_gb is not None:
         return int(spec.host_pool_gb * GIB)
     cap = int(spec.config.host_pool_gb * GIB)
-    avail = _mem_available_bytes()
+    avail = available_host_bytes()
     if avail is not None:
         cap = min(cap, int(avail * 0.8) - 4 * GIB)
     return max(cap, 0)
@@ -641,13 +681,15 @@ def run_bench(spec: BenchSpec, log: Callable[[str], None] = lambda line: None) -
     fmt = pick_weight_format(config, device)
     model = LlamaModel(weights, device, getattr(torch, config.dtype), fmt, rope)
     del weights  # the placed model holds what it needs
+    spec, spec_bandwidths = _bandwidths(spec, device)
+    free_device_memory()
     synthetic = name.startswith("synthetic:")
     method = spec.prefill if spec.prefill != "auto" else ("window" if synthetic else "full")
     if spec.corpus_tokens is not None:
         files, streams = read_corpus_tokens(spec.corpus_tokens, model.config.vocab_size)
     else:
         files, streams = corpus_streams(tokenizer, corpus_dir(spec.corpus_dir))
-    report = _report_skeleton(spec, name, model, fmt, synthetic, method, files)
+    report = _report_skeleton(spec, name, model, fmt, synthetic, method, files, spec_bandwidths)
     for line in header_lines(report):
         log(line)
     run = _Run(
@@ -670,6 +712,56 @@ def run_bench(spec: BenchSpec, log: Callable[[str], None] = lambda line: None) -
     path = write_report(report, spec.out_dir)
     log(f"wrote {path} and {', '.join(report['plots']) or 'no plots'}")
     return report
+
+
+def measure_bandwidths(device: torch.device, gib: float = 2.0) -> tuple[float, float]:
+    """Measured (HBM read GB/s, host->device GB/s) of ``device``: ``torch.sum`` over a
+    ``gib`` GiB bf16 tensor (bytes read / time) and a copy of a pinned ``gib / 2`` GiB
+    host tensor to the device; the median of 5 timed runs after one warm-up, CUDA events."""
+    n = int(gib * GIB) // 2
+    x = torch.ones(n, dtype=torch.bfloat16, device=device)
+    host = torch.ones(n // 2, dtype=torch.bfloat16).pin_memory()
+    dst = torch.empty(n // 2, dtype=torch.bfloat16, device=device)
+
+    def median_ms(fn) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[2]
+
+    hbm = x.nbytes / (median_ms(lambda: x.sum(dtype=torch.float32)) / 1e3) / 1e9
+    link = host.nbytes / (median_ms(lambda: dst.copy_(host, non_blocking=True)) / 1e3) / 1e9
+    return hbm, link
+
+
+def _bandwidths(spec: BenchSpec, device: torch.device) -> tuple[BenchSpec, dict[str, Any]]:
+    """Fill the roofline bandwidths the spec leaves unset: measured on CUDA, else the
+    H200 defaults (:data:`DEFAULT_HBM_GBPS`, :data:`DEFAULT_LINK_GBPS`)."""
+    info: dict[str, Any] = {"source": {}}
+    hbm, link = spec.hbm_gbps, spec.link_gbps
+    measured = measure_bandwidths(device) if device.type == "cuda" and None in (hbm, link) else None
+    for key, given, idx, default in (
+        ("hbm_gbps", hbm, 0, DEFAULT_HBM_GBPS),
+        ("link_gbps", link, 1, DEFAULT_LINK_GBPS),
+    ):
+        if given is not None:
+            info[key], info["source"][key] = given, "given"
+        elif measured is not None:
+            info[key] = measured[idx]
+            info["source"][key] = (
+                "measured: torch.sum over 2 GiB bf16" if idx == 0 else "measured: pinned 1 GiB H2D"
+            )
+        else:
+            info[key], info["source"][key] = default, "H200 default (no GPU to measure)"
+    spec = dataclasses.replace(spec, hbm_gbps=info["hbm_gbps"], link_gbps=info["link_gbps"])
+    return spec, info
 
 
 def _run_context(run: _Run, context: int) -> None:
@@ -779,7 +871,9 @@ def _prefill_summary(masters: list[MasterKV], method: str, spec: BenchSpec) -> d
     }
 
 
-def _report_skeleton(spec, name, model, fmt, synthetic, method, files) -> dict[str, Any]:
+def _report_skeleton(
+    spec, name, model, fmt, synthetic, method, files, spec_bandwidths
+) -> dict[str, Any]:
     notes = []
     if synthetic:
         notes.append(SYNTHETIC_NOTE)
@@ -789,8 +883,15 @@ def _report_skeleton(spec, name, model, fmt, synthetic, method, files) -> dict[s
             f"of {spec.prefill_window} tokens (+ up to one chunk); TTFT and prefill tok/s are the "
             "shortcut's; decode is real."
         )
-    notes += [NOIO_NOTE, DENSE_NOTE, TIMING_NOTE]
     dev = model.device
+    triton_ops = dev.type == "cuda" and spec.config.use_triton is not False
+    notes += [NOIO_NOTE, DENSE_TRITON_NOTE if triton_ops else DENSE_NOTE]
+    notes.append(GRAPH_NOTE if triton_ops and spec.config.cuda_graph else TIMING_NOTE)
+    bw = spec_bandwidths
+    notes.append(
+        f"roofline bandwidths: HBM {bw['hbm_gbps']:.0f} GB/s ({bw['source']['hbm_gbps']}), "
+        f"host link {bw['link_gbps']:.1f} GB/s ({bw['source']['link_gbps']})"
+    )
     return {
         "format": "hisparse-bench",
         "version": 1,
@@ -818,11 +919,7 @@ def _report_skeleton(spec, name, model, fmt, synthetic, method, files) -> dict[s
             "rule": "files sorted by name, concatenated; document i starts at file i mod F "
             "and wraps; job j uses document j mod D",
         },
-        "roofline_bandwidths": {
-            "hbm_gbps": spec.hbm_gbps,
-            "link_gbps": spec.link_gbps,
-            "source": "DESIGN.md H200 ceilings unless given",
-        },
+        "roofline_bandwidths": dict(spec_bandwidths),
         "notes": notes,
         "seed_scenario": seed_scenario(),
         "contexts": [],
@@ -891,13 +988,3 @@ def _memory_sample(device: torch.device) -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-
-def _mem_available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None

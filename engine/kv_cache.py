@@ -15,6 +15,8 @@ tables and LRU state. Names follow DESIGN.md.
 
 from __future__ import annotations
 
+import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +40,25 @@ class SeqCache:
 
 
 def available_host_bytes() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (``None`` where it cannot be read)."""
+    """Host memory available for the KV pool, in bytes: ``$HISPARSE_HOST_MEMORY_GB`` (GiB)
+    when set — for virtual machines whose memory grows on demand, where ``MemAvailable``
+    reads far below what can be used — else ``MemAvailable`` of ``/proc/meminfo``
+    (``None`` where it cannot be read).
+
+    Raises
+    ------
+    ValueError
+        ``HISPARSE_HOST_MEMORY_GB`` is not a positive number.
+    """
+    declared = os.environ.get("HISPARSE_HOST_MEMORY_GB")
+    if declared:
+        try:
+            gib = float(declared)
+        except ValueError:
+            gib = -1.0
+        if gib <= 0:
+            raise ValueError(f"HISPARSE_HOST_MEMORY_GB={declared!r} is not a positive number")
+        return int(gib * 2**30)
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -67,19 +87,43 @@ def check_host_memory(pool_bytes: int) -> None:
 
 
 def _pin_chunked(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """Allocate one layer of the pool; pinned when ``pin`` (per-layer allocations keep
-    each pinned block moderate — very large single pinned allocations fail)."""
+    """Allocate one layer of the pool; page-locked when ``pin``.
+
+    Pinning registers an exactly-sized pageable allocation with ``cudaHostRegister``
+    (portable and mapped, so every device can address it through unified virtual
+    addressing): torch's pinned allocator (``Tensor.pin_memory``) rounds every block up
+    to a power of two, which can nearly double a large pool. Registered layers are
+    unregistered when the tensor is garbage-collected. Where the runtime offers no
+    ``cudaHostRegister``, ``pin_memory()`` is used instead.
+
+    Raises
+    ------
+    CacheFullError
+        The memory could not be page-locked; names the size and the setting to lower.
+    """
     t = torch.empty(shape, dtype=dtype)
-    if pin:
-        try:
-            t = t.pin_memory()
-        except RuntimeError as e:
-            nbytes = t.numel() * t.element_size()
-            raise CacheFullError(
-                f"could not pin {nbytes / 2**30:.2f} GiB of host memory for the KV pool ({e}); "
-                "lower host_pool_gb"
-            ) from e
-    return t
+    if not pin:
+        return t
+    nbytes = t.numel() * t.element_size()
+    try:
+        cudart = torch.cuda.cudart()
+        flags = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+        err = cudart.cudaHostRegister(t.data_ptr(), nbytes, flags)
+        if getattr(err, "value", err) == 0 and t.is_pinned():
+            weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+            return t
+        if getattr(err, "value", err) == 0:
+            cudart.cudaHostUnregister(t.data_ptr())
+        reason = f"cudaHostRegister returned {err}"
+    except (AttributeError, RuntimeError) as e:
+        reason = repr(e)
+    try:
+        return t.pin_memory()
+    except RuntimeError as e:
+        raise CacheFullError(
+            f"could not pin {nbytes / 2**30:.2f} GiB of host memory for the KV pool ({reason}; "
+            f"{e}); lower host_pool_gb"
+        ) from e
 
 
 class KVCache:

@@ -116,3 +116,70 @@ def timed_model(model: LlamaModel, timer: PhaseTimer) -> LlamaModel:
     if model.lm_head is not None:
         proxy.lm_head = TimedLinear(model.lm_head, timer)
     return proxy
+
+
+# Kernel-name patterns -> phase, for steps replayed from CUDA graphs (where the per-op
+# CUDA events above cannot be placed): first match wins, lower-case substring match.
+KERNEL_PHASES: tuple[tuple[str, str], ...] = (
+    ("_sparse_decode_", "attention"),
+    ("_quest_scores_kernel", "select"),
+    ("_topk_key_kernel", "select"),
+    ("_select_pack_kernel", "select"),
+    ("_resident_slot_list_kernel", "select"),
+    ("topk", "select"),
+    ("_append_kv_kernel", "append"),
+    ("_resolve_kernel", "resolve"),
+    ("_gather_kernel", "gather"),
+    ("int4", "weights"),
+    ("tinygemm", "weights"),
+    ("gemm", "weights"),
+    ("gemv", "weights"),
+    ("cutlass", "weights"),
+    ("nvjet", "weights"),
+    ("sm90_", "weights"),
+)
+
+
+def kernel_phase(name: str) -> str:
+    """The phase of a GPU kernel by its name (:data:`KERNEL_PHASES`); ``other`` for the
+    rest (norms, RoPE, embedding, casts, argmax)."""
+    low = name.lower()
+    return next((phase for pat, phase in KERNEL_PHASES if pat in low), "other")
+
+
+def kernel_breakdown(run_step: Callable[[], None], steps: int) -> dict[str, Any]:
+    """Per-step GPU kernel time by phase over ``steps`` calls of ``run_step`` (which may
+    replay a CUDA graph), from the PyTorch profiler's CUDA kernel records (CUPTI).
+
+    Returns ``{"breakdown_ms": {phase: ms per step, ..., "other": ..., "gpu_busy": sum of
+    kernel time, "idle": wall - busy (launch gaps, host work), "total": wall ms per
+    step}, "kernels": [(name, ms per step), ...] top 12}``. Kernels on different streams
+    that overlap are each counted in full, so ``gpu_busy`` may exceed ``total``.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            run_step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    per_kernel: dict[str, float] = defaultdict(float)
+    for evt in prof.events():
+        if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        us = getattr(evt, "device_time", None)
+        if us is None:
+            us = getattr(evt, "cuda_time", 0.0)
+        per_kernel[evt.name] += us / 1e3 / steps
+    phases: dict[str, float] = dict.fromkeys((*PHASES, "other"), 0.0)
+    for name, ms in per_kernel.items():
+        if "memcpy" in name.lower() or "memset" in name.lower():
+            phases["other"] += ms
+            continue
+        phases[kernel_phase(name)] += ms
+    busy = sum(phases.values())
+    phases.update(gpu_busy=busy, idle=max(wall_ms - busy, 0.0), total=wall_ms)
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    return {"breakdown_ms": phases, "kernels": [(n[:80], round(ms, 4)) for n, ms in top]}

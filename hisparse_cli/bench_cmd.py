@@ -106,11 +106,18 @@ SoakEveryOpt = Annotated[
 ]
 SoakModeOpt = Annotated[str, typer.Option(help="Mode the soak runs in.", rich_help_panel=SOAK)]
 HbmOpt = Annotated[
-    float, typer.Option(help="HBM read bandwidth for the roofline, GB/s.", rich_help_panel=MODEL)
+    float | None,
+    typer.Option(
+        help="HBM read bandwidth for the roofline, GB/s (default: measured on the GPU at start).",
+        rich_help_panel=MODEL,
+    ),
 ]
 LinkOpt = Annotated[
-    float,
-    typer.Option(help="Host->device bandwidth for the roofline, GB/s.", rich_help_panel=MODEL),
+    float | None,
+    typer.Option(
+        help="Host->device bandwidth for the roofline, GB/s (default: measured at start).",
+        rich_help_panel=MODEL,
+    ),
 ]
 
 
@@ -146,8 +153,8 @@ def bench_command(
     device_buffer: opt.DeviceBuffer = None,
     sink_tokens: opt.SinkTokens = None,
     local_window: opt.LocalWindow = None,
-    hbm_gbps: HbmOpt = 2115.0,
-    link_gbps: LinkOpt = 55.2,
+    hbm_gbps: HbmOpt = None,
+    link_gbps: LinkOpt = None,
     corpus_tokens: CorpusTokensOpt = None,
     write_corpus_tokens: WriteCorpusTokensOpt = None,
     replot: ReplotOpt = False,

@@ -337,3 +337,16 @@ def test_pretokenized_corpus_needs_no_tokenizer(tmp_path, tiny, corpus_dir):
     )
     report = run_bench(spec)
     assert report["runs"][0]["status"] == "ok" and report["corpus"]["files_in_order"] == files
+
+
+def test_kernel_phase_names():
+    from engine.profiling import kernel_phase
+
+    assert kernel_phase("_sparse_decode_split_kernel") == "attention"
+    assert kernel_phase("_resolve_kernel") == "resolve"
+    assert kernel_phase("_gather_kernel") == "gather"
+    assert kernel_phase("_quest_scores_kernel") == "select"
+    assert kernel_phase("void at::native::sbtopk::gatherTopK<float>") == "select"
+    assert kernel_phase("void (anonymous namespace)::tinygemm_m16n8k16_chunk_kernel") == "weights"
+    assert kernel_phase("nvjet_tst_64x8_64x16_2x1_v_bz_TNN") == "weights"
+    assert kernel_phase("void at::native::vectorized_elementwise_kernel<4, ...>") == "other"

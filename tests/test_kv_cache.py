@@ -200,3 +200,16 @@ class CacheMachine(RuleBasedStateMachine):
 
 CacheMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
 test_cache_state_machine = CacheMachine.TestCase
+
+
+def test_declared_host_memory_overrides_meminfo(monkeypatch):
+    from engine.kv_cache import CacheFullError, available_host_bytes, check_host_memory
+
+    monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "2")
+    assert available_host_bytes() == 2 * 2**30
+    check_host_memory(int(1.5 * 2**30))
+    with pytest.raises(CacheFullError, match="2.0 GiB"):
+        check_host_memory(2 * 2**30)
+    monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "lots")
+    with pytest.raises(ValueError, match="HISPARSE_HOST_MEMORY_GB"):
+        available_host_bytes()
