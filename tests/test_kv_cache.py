@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
