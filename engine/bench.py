@@ -330,7 +330,10 @@ def _profile(engine: Engine, reqs: list[Request], steps: int) -> dict[str, Any]:
         if not engine.config.skip_host_io and engine.attn.misses is not None:
             moved[0] += int(engine.attn.misses.sum()) * engine.cache.record_bytes
 
-    kb = kernel_breakdown(one_step, steps)
+    try:
+        kb = kernel_breakdown(one_step, steps)
+    except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the point
+        return {**eager, "breakdown_source": f"eager (kernel profile failed: {e!r})"}
     gather_ms = kb["breakdown_ms"]["gather"] * steps
     return {
         "breakdown_ms": kb["breakdown_ms"],

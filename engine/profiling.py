@@ -169,10 +169,7 @@ def kernel_breakdown(run_step: Callable[[], None], steps: int) -> dict[str, Any]
     for evt in prof.events():
         if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
-        us = getattr(evt, "device_time", None)
-        if us is None:
-            us = getattr(evt, "cuda_time", 0.0)
-        per_kernel[evt.name] += us / 1e3 / steps
+        per_kernel[evt.name] += evt.time_range.elapsed_us() / 1e3 / steps
     phases: dict[str, float] = dict.fromkeys((*PHASES, "other"), 0.0)
     for name, ms in per_kernel.items():
         if "memcpy" in name.lower() or "memset" in name.lower():
