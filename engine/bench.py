@@ -492,17 +492,12 @@ def hierarchical_pool_pages(
 ) -> int:
     """Host pool pages for the hierarchical modes: ``need_pages`` capped by ``cap_bytes``.
 
-    Pinned pools are allocated one block per layer and torch's pinned allocator rounds a
-    block up to a power of two, so a pinned pool uses whole power-of-two blocks.
+    Pinned pools are registered at their exact size (:func:`engine.kv_cache._pin_chunked`),
+    so no rounding applies; ``pinned`` is kept for callers and reports.
     """
     layer_page = pool_page_bytes(model_cfg, config) // model_cfg.num_layers
     per_layer_cap = cap_bytes // model_cfg.num_layers
     pages = min(need_pages, per_layer_cap // layer_page)
-    if pinned and pages > 0:
-        block = min(
-            1 << (pages * layer_page - 1).bit_length(), 1 << (per_layer_cap.bit_length() - 1)
-        )
-        pages = block // layer_page
     if pages < 1:
         raise ConfigError(f"host pool cap {cap_bytes / GIB:.2f} GiB holds no KV page")
     return pages

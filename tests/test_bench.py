@@ -261,11 +261,13 @@ def test_page_runs_and_pool_rounding():
     layer_page = pool_page_bytes(qwen, cfg) // qwen.num_layers  # 128 KiB
     # 8 x 128K jobs need exactly 2 GiB per layer: a power of two, kept.
     assert hierarchical_pool_pages(8 * 2048, 96 * GIB, qwen, cfg, pinned=True) == 8 * 2048
-    # 13 jobs would round each pinned layer block up to 4 GiB (112 GiB): use 2 GiB blocks.
-    assert (
-        hierarchical_pool_pages(13 * 2048, 96 * GIB, qwen, cfg, pinned=True) * layer_page == 2 * GIB
-    )
+    # 13 jobs: pinned layers are registered at their exact size, so nothing is rounded.
+    assert hierarchical_pool_pages(13 * 2048, 96 * GIB, qwen, cfg, pinned=True) == 13 * 2048
     assert hierarchical_pool_pages(13 * 2048, 96 * GIB, qwen, cfg, pinned=False) == 13 * 2048
+    # The cap binds: 96 GiB / 28 layers of 128 KiB pages.
+    assert hierarchical_pool_pages(99 * 2048, 96 * GIB, qwen, cfg, pinned=True) == (
+        96 * GIB // qwen.num_layers // layer_page
+    )
 
 
 def test_roofline_terms(tiny):
