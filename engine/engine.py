@@ -368,7 +368,7 @@ class Engine:
         kbuf = torch.empty(t, cfg.num_kv_heads, cfg.head_dim, dtype=m.dtype, device=m.device)
         vbuf = torch.empty_like(kbuf)
         last = layer == cfg.num_layers - 1
-        chunk, page = self.config.prefill_chunk, self.config.page_size
+        chunk, page = self.config.prefill_chunk, cache.page_size
         chunked = self.config.prefill_copy_stream
         written = 0  # positions already handed to the cache (page-aligned)
         for s in range(0, t, chunk):
