@@ -29,7 +29,7 @@ import torch
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.engine import Engine
 from engine.events import Job
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, page_runs
 from engine.model import LlamaModel, prefill_attention
 from kernels.dispatch import Ops
 
@@ -136,23 +136,12 @@ class MasterKV:
 def export_kv(cache: KVCache, seq_id: int, num_tokens: int) -> tuple[list, list]:
     """Copy the records and metadata of a request's first ``ceil(num_tokens / S)`` pages
     out of ``cache`` (one tensor per layer, on the cache's compute device)."""
+    cache.synchronize()  # chunked prefill copies into a host pool may still be in flight
     pages = cache.seqs[seq_id].pages[: cache.pages_for(num_tokens)]
     idx = torch.tensor(pages, dtype=torch.long)
     records = [pool.index_select(0, idx.to(pool.device)).to(cache.device) for pool in cache.pool]
     meta = [m.index_select(0, idx.to(m.device)) for m in cache.meta]
     return records, meta
-
-
-def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
-    """Maximal runs of consecutive pool pages: ``(index in pages, first page, length)``."""
-    runs: list[tuple[int, int, int]] = []
-    for i, p in enumerate(pages):
-        if runs and runs[-1][1] + runs[-1][2] == p:
-            start, first, n = runs[-1]
-            runs[-1] = (start, first, n + 1)
-        else:
-            runs.append((i, p, 1))
-    return runs
 
 
 @torch.inference_mode()
@@ -235,6 +224,7 @@ def prefill_documents(
         records, meta = export_kv(cache, req.seq_id, len(ids))
         masters.append(MasterKV(i, ids, first, records, meta, took))
         engine.close_request(req)
+    cache.close()
     del engine, cache
     free_device_memory()
     return masters

@@ -103,6 +103,13 @@ class EngineConfig:
     cuda_graph: on CUDA with the Triton kernels, replay each decode step from a captured
         CUDA graph (one per batch size and page-table width bucket; see
         :mod:`engine.cuda_graph`); False launches every kernel eagerly.
+    prefill_chunk: prompt tokens per prefill step of one layer.
+    prefill_copy_stream: write each prefill chunk's K/V records to the KV pool as soon as
+        they exist (:meth:`engine.kv_cache.KVCache.write_prefill_chunk`); with a pinned host
+        pool on CUDA the device->host copies run on a dedicated copy stream, double-buffered,
+        overlapping the compute of the next chunk and layer. False: one blocking copy of the
+        whole layer after its last chunk (:meth:`engine.kv_cache.KVCache.write_prefill`).
+        Either way the pool bytes are the same.
     """
 
     device: str = "cpu"
@@ -119,6 +126,7 @@ class EngineConfig:
     local_window: int = 64
     max_batch: int = 8
     prefill_chunk: int = 1024
+    prefill_copy_stream: bool = True
     host_pool_gb: float = 8.0
     memory_budget_gb: float | None = None
     context_policy: str = "refuse"
@@ -185,6 +193,10 @@ class EngineConfig:
         _positive("top_k", self.top_k)
         _positive("max_batch", self.max_batch)
         _positive("prefill_chunk", self.prefill_chunk)
+        if not isinstance(self.prefill_copy_stream, bool):
+            raise ConfigError(
+                f"prefill_copy_stream must be true or false, got {self.prefill_copy_stream!r}"
+            )
         if self.host_pool_gb <= 0:
             raise ConfigError(f"host_pool_gb must be > 0, got {self.host_pool_gb}")
         if self.sink_tokens < 0 or self.local_window < 0:

@@ -325,6 +325,12 @@ class Engine:
         """Release the pages and slabs of a request opened with :meth:`open_request`."""
         self._close(req)
 
+    def close(self) -> None:
+        """Free the KV cache now (:meth:`KVCache.close`: pending copies are waited for, the
+        pinned host pool is returned to the system). Not for an engine whose cache another
+        engine still uses; the engine admits nothing afterwards."""
+        self.cache.close()
+
     # ----- model execution ---------------------------------------------------------
     @torch.inference_mode()
     def prefill_layer(self, req: Request) -> None:
@@ -352,19 +358,33 @@ class Engine:
         """Model layer ``layer`` (one this engine holds) over a whole prompt, in chunks.
 
         ``h [T, H]`` (updated in place) -> the layer's output ``[T, H]``; after the model's
-        last layer only the final position's ``[1, H]``. K/V go to the cache.
+        last layer only the final position's ``[1, H]``. K/V go to the cache: with
+        ``prefill_copy_stream`` each chunk's whole pages as soon as the chunk's K/V exist
+        (:meth:`KVCache.write_prefill_chunk`, the copy overlapping the next chunk's
+        compute), the partial last page with the last chunk; after the cache's last layer
+        the compute stream waits for the copies (:meth:`KVCache.finish_prefill`). Without
+        it, one blocking :meth:`KVCache.write_prefill` of the whole layer at the end.
         """
-        m, cfg = self.model, self.model_config
+        m, cfg, cache = self.model, self.model_config, self.cache
+        local = layer - cache.layer_offset
         t = h.shape[0]
         pos = torch.arange(t, device=m.device)
         kbuf = torch.empty(t, cfg.num_kv_heads, cfg.head_dim, dtype=m.dtype, device=m.device)
         vbuf = torch.empty_like(kbuf)
         last = layer == cfg.num_layers - 1
-        chunk = self.config.prefill_chunk
+        chunk, page = self.config.prefill_chunk, cache.page_size
+        chunked = self.config.prefill_copy_stream
+        written = 0  # positions already handed to the cache (page-aligned)
         for s in range(0, t, chunk):
             e = min(s + chunk, t)
             q, k, v = m.qkv(layer, h[s:e], pos[s:e])
             kbuf[s:e], vbuf[s:e] = k, v
+            end = e if e == t else e - e % page  # whole pages, the partial one at the end
+            if chunked and end > written:
+                cache.write_prefill_chunk(
+                    seq_id, local, kbuf[written:end], vbuf[written:end], written
+                )
+                written = end
             if last and e < t:
                 continue  # only the final position's output is needed after the last layer
             a = prefill_attention(q, kbuf[:e], vbuf[:e], s)
@@ -372,7 +392,10 @@ class Engine:
                 h = m.finish_layer(layer, h[t - 1 :], a[-1:])
             else:
                 h[s:e] = m.finish_layer(layer, h[s:e], a)
-        self.cache.write_prefill(seq_id, layer - self.cache.layer_offset, kbuf, vbuf, 0)
+        if not chunked:
+            cache.write_prefill(seq_id, local, kbuf, vbuf, 0)
+        elif local == cache.num_layers - 1:
+            cache.finish_prefill(seq_id)
         return h
 
     @torch.inference_mode()

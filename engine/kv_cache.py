@@ -11,12 +11,34 @@ tables and LRU state. Names follow DESIGN.md.
   (request, KV head) owns one slab (the same slab id in every layer) of ``C`` slots.
 * **Page table** — per layer ``[num_slabs, P_max]`` int32: request page -> slot or -1.
 * **LRU state** — per layer ``slot_page [N]`` int32 and ``slot_last_use [N]`` int64.
+
+Prefill writes and stream ordering (pinned host pool on CUDA, ``prefill_copy_stream``):
+
+1. :meth:`KVCache.write_prefill_chunk` sets the page metadata and stages the chunk's
+   records contiguously ``[n, Hkv, 2, S, D]`` into one of two device staging buffers, both
+   on the compute stream (first waiting, on the device, until the copy that last used that
+   buffer has finished);
+2. the copy stream waits for the compute stream, then copies each run of consecutive pool
+   pages with one ``copy_(non_blocking=True)`` into the pinned pool and records an event;
+3. :meth:`KVCache.finish_prefill` makes the compute stream wait for the request's last
+   copy: decode (append, gather through unified addressing) and anything else on the
+   compute stream then sees the records. The engine calls it after a request's last prefill
+   layer of this cache;
+4. :meth:`KVCache.release` and :meth:`KVCache.close` wait on the host for pending copies, so
+   freed pages and staging buffers are never handed out while a copy may still write them.
+
+The staging buffers live as long as the cache (freed by :meth:`KVCache.close` after a
+synchronisation), so the caching allocator never hands their memory to another tensor while
+a copy reads it; the caller's ``k``/``v`` are only read on the compute stream. Without a
+copy stream (CPU, a device-resident pool, or ``prefill_copy_stream=False``) the same
+chunked path copies synchronously on the current stream.
 """
 
 from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -86,14 +108,15 @@ def check_host_memory(pool_bytes: int) -> None:
         )
 
 
-def _pin_chunked(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """Allocate one layer of the pool; page-locked when ``pin``.
+def _pin_layer(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Allocate one layer of the host pool, page-locked when ``pin`` (one allocation per
+    layer keeps each pinned block moderate).
 
     Pinning registers an exactly-sized pageable allocation with ``cudaHostRegister``
     (portable and mapped, so every device can address it through unified virtual
-    addressing): torch's pinned allocator (``Tensor.pin_memory``) rounds every block up
-    to a power of two, which can nearly double a large pool. Registered layers are
-    unregistered when the tensor is garbage-collected. Where the runtime offers no
+    addressing): torch's caching host allocator (``pin_memory``) rounds every block up to
+    a power of two, which can nearly double a large pool. A registered layer is
+    unregistered when its tensor is garbage-collected. Where the runtime offers no
     ``cudaHostRegister``, ``pin_memory()`` is used instead.
 
     Raises
@@ -126,6 +149,46 @@ def _pin_chunked(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch
         ) from e
 
 
+def _alloc_host_pool(
+    num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, pin: bool
+) -> list[torch.Tensor]:
+    """``num_layers`` host pool layers; if one cannot be pinned, the layers pinned so far are
+    released (:func:`release_pinned_cache`) before :class:`CacheFullError` propagates."""
+    pool: list[torch.Tensor] = []
+    try:
+        for _ in range(num_layers):
+            pool.append(_pin_layer(shape, dtype, pin))
+    except CacheFullError:
+        pool.clear()
+        release_pinned_cache()
+        raise
+    return pool
+
+
+def release_pinned_cache() -> None:
+    """Return the pinned blocks torch's caching host allocator holds but no tensor uses to
+    the system (``torch._C._host_emptyCache``; a no-op where torch lacks it or on CPU)."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_available():
+        empty()
+
+
+def page_runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive pool pages: ``(index in pages, first page, length)``.
+
+    ``[0, 1, 2, 7, 8, 3]`` -> ``[(0, 0, 3), (3, 7, 2), (5, 3, 1)]``; each run is one
+    contiguous block of a pool layer ``[P_pool, Hkv, 2, S, D]``, so one copy.
+    """
+    runs: list[tuple[int, int, int]] = []
+    for i, p in enumerate(pages):
+        if runs and runs[-1][1] + runs[-1][2] == p:
+            start, first, n = runs[-1]
+            runs[-1] = (start, first, n + 1)
+        else:
+            runs.append((i, p, 1))
+    return runs
+
+
 class KVCache:
     """Owns the KV pool, metadata and (when hierarchical) the hot buffer.
 
@@ -143,7 +206,10 @@ class KVCache:
     Raises
     ------
     CacheFullError
-        If pinned host memory cannot be allocated.
+        If pinned host memory cannot be allocated (layers pinned so far are released).
+
+    Call :meth:`close` when done with the cache: it waits for pending copies and frees the
+    pinned host pool at once instead of leaving it to the garbage collector.
     """
 
     def __init__(
@@ -174,10 +240,10 @@ class KVCache:
         pool_dev = torch.device("cpu") if self.hierarchical else device
         if pool_dev.type == "cpu":
             check_host_memory(num_pool_pages * self.page_bytes)
-        pin = self.hierarchical and device.type == "cuda"
+        self.pinned = pin = self.hierarchical and device.type == "cuda"
         shape = (num_pool_pages, hkv, 2, s, d)
         if pool_dev.type == "cpu":
-            self.pool = [_pin_chunked(shape, self.dtype, pin) for _ in range(nl)]
+            self.pool = _alloc_host_pool(nl, shape, self.dtype, pin)
         else:
             self.pool = [torch.empty(shape, dtype=self.dtype, device=pool_dev) for _ in range(nl)]
         self.meta = [
@@ -196,6 +262,16 @@ class KVCache:
         self.slot_last_use = [torch.full((n,), -1, dtype=torch.int64, device=device) for _ in range(nl)]
         self.free_slabs: list[int] = list(range(self.num_slabs - 1, -1, -1))
         self.seqs: dict[int, SeqCache] = {}
+        # Chunked prefill writes (see the module docstring): a copy stream only where the
+        # records cross from the device to pinned host memory.
+        use_stream = pin and config.prefill_copy_stream
+        self.copy_stream = torch.cuda.Stream(device) if use_stream else None
+        self.staging_pages = self.pages_for(config.prefill_chunk) + 1
+        self._staging: list[torch.Tensor] = []  # two [staging_pages, Hkv, 2, S, D], lazily
+        self._staging_done: list = [None, None]  # per buffer: event of its last copy
+        self._next_staging = 0
+        self._pending: dict[int, torch.cuda.Event] = {}  # seq_id -> event of its last copy
+        self.closed = False
 
     # ----- sizes -------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
@@ -235,7 +311,10 @@ class KVCache:
     # ----- lifecycle ---------------------------------------------------------------
     def allocate(self, seq_id: int, reserve_tokens: int) -> SeqCache:
         """Reserve pool pages for ``reserve_tokens`` and, when hierarchical, one slab per
-        KV head. Raises :class:`CacheFullError` when they are not free."""
+        KV head. Raises :class:`CacheFullError` when they are not free, ``RuntimeError``
+        after :meth:`close`."""
+        if self.closed:
+            raise RuntimeError("the KV cache is closed")
         if not self.can_admit(reserve_tokens):
             raise CacheFullError(f"no room for {reserve_tokens} tokens")
         seq = SeqCache(seq_id)
@@ -246,7 +325,13 @@ class KVCache:
         return seq
 
     def release(self, seq_id: int) -> None:
-        """Return a request's pages and slabs; its slots are emptied in every layer."""
+        """Return a request's pages and slabs; its slots are emptied in every layer.
+
+        Waits (on the host) for the request's pending prefill copies first, so its pages
+        are never handed to another request, or written by the host, while a copy may still
+        land in them.
+        """
+        self._sync_copies(seq_id)
         seq = self.seqs.pop(seq_id)
         self.free_pages.extend(reversed(seq.pages))
         c = self.slots_per_slab
@@ -274,29 +359,181 @@ class KVCache:
         )
 
     # ----- prefill -----------------------------------------------------------------
-    def write_prefill(self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """Store K/V of positions ``start .. start + T - 1`` (``start`` page-aligned) of one
-        layer into the pool and set those pages' metadata.
+    def write_prefill(
+        self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> None:
+        """Store K/V of positions ``start .. start + T - 1`` of one layer into the pool and
+        set those pages' metadata; blocking: the pool holds the records on return.
 
-        k, v : ``[T, Hkv, D]`` on the compute device.
+        The whole-layer write (``prefill_copy_stream=False`` and tools such as
+        :mod:`engine.bench_kv`); :meth:`write_prefill_chunk` is the overlapped one. Both
+        leave the same bytes in the pool and metadata.
+
+        Parameters
+        ----------
+        seq_id : an allocated request
+        layer : local layer index
+        k, v : ``[T, Hkv, D]`` keys (after RoPE) and values, on the compute device, any
+            float dtype (stored as ``kv_dtype``); a partial last page is zero-padded
+        start : first position, a multiple of ``page_size``
+
+        Raises
+        ------
+        ValueError
+            If ``start`` is not page-aligned or the request has too few pages.
         """
-        s = self.page_size
-        t, hkv, d = k.shape
-        if start % s:
-            raise ValueError(f"prefill write start={start} is not page-aligned")
-        n_pages = self.pages_for(t)
-        pad = n_pages * s - t
-        kp = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).view(n_pages, s, hkv, d)
-        vp = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).view(n_pages, s, hkv, d)
-        rec = torch.stack([kp, vp], dim=2).permute(0, 3, 2, 1, 4)  # [n, Hkv, 2, S, D]
-        first = start // s
-        pages = torch.tensor(self.seqs[seq_id].pages[first : first + n_pages], dtype=torch.long)
+        pages = self._prefill_pages(seq_id, k, start)
+        self._sync_copies(seq_id)  # the host writes below must not race a pending copy
+        rec = _records(k, v, self.page_size)
         pool = self.pool[layer]
-        pool[pages.to(pool.device)] = rec.to(pool.device, self.dtype)
-        valid = (torch.arange(n_pages * s, device=k.device) < t).view(n_pages, s, 1, 1)
-        kmin = torch.where(valid, kp, torch.full_like(kp, float("inf"))).amin(1)
-        kmax = torch.where(valid, kp, torch.full_like(kp, float("-inf"))).amax(1)
-        self.meta[layer][pages.to(self.device)] = torch.stack([kmin, kmax], dim=2).to(self.dtype)
+        index = torch.tensor(pages, dtype=torch.long, device=pool.device)
+        pool[index] = rec.to(pool.device, self.dtype)
+        self._write_meta(layer, pages, k)
+
+    def write_prefill_chunk(
+        self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> None:
+        """Store K/V of positions ``start .. start + T - 1`` of one layer, overlapped with
+        the caller's next work where a copy stream exists (see the module docstring).
+
+        Per piece of at most ``staging_pages`` pages: metadata and staging on the current
+        (compute) stream, then one copy per run of consecutive pool pages (on the copy
+        stream, asynchronous, when the pool is pinned host memory on CUDA; otherwise
+        synchronous on the current stream). Before the compute stream reads this request's
+        pool pages, call :meth:`finish_prefill`. ``k``/``v`` may be reused as soon as this
+        returns: only the staging buffers are read by the copy stream.
+
+        Parameters
+        ----------
+        seq_id : an allocated request
+        layer : local layer index
+        k, v : ``[T, Hkv, D]`` on the compute device, any float dtype (stored as
+            ``kv_dtype``). ``T`` should be a multiple of ``page_size`` except for the
+            prompt's last chunk: a partial last page is zero-padded, and a later write of
+            that page would need an unaligned ``start``.
+        start : first position, a multiple of ``page_size``
+
+        Raises
+        ------
+        ValueError
+            If ``start`` is not page-aligned or the request has too few pages.
+        """
+        self._prefill_pages(seq_id, k, start)
+        step = self.staging_pages * self.page_size
+        for a in range(0, k.shape[0], step):
+            b = min(a + step, k.shape[0])
+            self._write_piece(seq_id, layer, k[a:b], v[a:b], start + a)
+
+    def finish_prefill(self, seq_id: int) -> None:
+        """Make the current (compute) stream wait, on the device, for every prefill copy of
+        ``seq_id`` issued so far (no host synchronisation; a no-op without a copy stream).
+
+        Call after the request's last prefill layer of this cache, before decode reads or
+        appends to its pool pages.
+        """
+        done = self._pending.get(seq_id)
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+
+    def synchronize(self) -> None:
+        """Wait on the host until every prefill copy has landed in the pool (a no-op
+        without a copy stream). Host code reading the pool after chunked writes calls it."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+        self._pending.clear()
+
+    def close(self) -> None:
+        """Wait for the device (pending copies, and kernels that read the pinned pool through
+        unified addressing, which torch's host allocator does not track), then free the KV
+        pool, metadata, hot buffer and staging buffers and return the cached pinned blocks
+        to the system. Idempotent; the cache admits nothing afterwards. Tensors taken from
+        the cache elsewhere keep their memory until dropped."""
+        if self.closed:
+            return
+        self.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.closed = True
+        self.seqs.clear()
+        self.free_pages, self.free_slabs = [], []
+        for name in ("pool", "meta", "slots", "page_table", "slot_page", "slot_last_use"):
+            setattr(self, name, [])
+        self._staging, self._staging_done = [], [None, None]
+        if self.pinned:
+            release_pinned_cache()
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the two staging buffers on the compute device (0 until first used)."""
+        return sum(t.nbytes for t in self._staging)
+
+    def _prefill_pages(self, seq_id: int, k: torch.Tensor, start: int) -> list[int]:
+        """The pool pages a prefill write of ``k [T, Hkv, D]`` at ``start`` covers."""
+        if start % self.page_size:
+            raise ValueError(f"prefill write start={start} is not page-aligned")
+        first = start // self.page_size
+        n = self.pages_for(k.shape[0])
+        pages = self.seqs[seq_id].pages[first : first + n]
+        if len(pages) != n:
+            raise ValueError(
+                f"prefill write of {k.shape[0]} tokens at {start} needs pages {first}.."
+                f"{first + n - 1} but request {seq_id} has {len(self.seqs[seq_id].pages)}"
+            )
+        return pages
+
+    def _write_meta(self, layer: int, pages: list[int], k: torch.Tensor) -> None:
+        """Key min / max of ``k [T, Hkv, D]``'s pages into ``pages``' metadata, one
+        assignment per run of consecutive pages (current stream)."""
+        bounds = _key_bounds(k, self.page_size).to(self.dtype)
+        meta = self.meta[layer]
+        for i, first, n in page_runs(pages):
+            meta[first : first + n] = bounds[i : i + n]
+
+    def _write_piece(
+        self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> None:
+        """One staged write of at most ``staging_pages`` pages."""
+        pages = self._prefill_pages(seq_id, k, start)
+        self._write_meta(layer, pages, k)
+        slot = self._next_staging
+        self._next_staging ^= 1
+        buf = self._stage(slot, k, v)
+        pool, stream = self.pool[layer], self.copy_stream
+        if stream is None:
+            for i, first, n in page_runs(pages):
+                pool[first : first + n].copy_(buf[i : i + n])
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # staged records exist
+        with torch.cuda.stream(stream):
+            for i, first, n in page_runs(pages):
+                pool[first : first + n].copy_(buf[i : i + n], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._staging_done[slot] = done
+        self._pending[seq_id] = done
+
+    def _stage(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Staging buffer ``slot`` filled with the records of ``k``/``v`` ``[T, Hkv, D]``:
+        ``[n, Hkv, 2, S, D]`` contiguous, ``kv_dtype``, zero past ``T``. The current stream
+        first waits for the copy that last read this buffer (issued two writes ago)."""
+        if not self._staging:
+            shape = (self.staging_pages, self.model.num_kv_heads, 2, self.page_size)
+            self._staging = [
+                torch.empty(*shape, self.model.head_dim, dtype=self.dtype, device=self.device)
+                for _ in range(2)
+            ]
+        done = self._staging_done[slot]
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        buf = self._staging[slot][: self.pages_for(k.shape[0])]
+        _fill_records(buf, k, v)
+        return buf
+
+    def _sync_copies(self, seq_id: int) -> None:
+        """Wait on the host for ``seq_id``'s pending prefill copies."""
+        done = self._pending.pop(seq_id, None)
+        if done is not None:
+            done.synchronize()
 
     # ----- checks ------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -337,3 +574,43 @@ class KVCache:
         free = set(self.free_slabs)
         for slab in free:
             assert bool((sp[slab * c : (slab + 1) * c] < 0).all()), f"layer {layer}: free slab holds pages"
+
+
+def _records(k: torch.Tensor, v: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Records ``[n, Hkv, 2, S, D]`` (a permuted view, zero-padded past ``T``) of
+    ``k, v [T, Hkv, D]``, ``n = ceil(T / S)``."""
+    kp, vp = (_pages(x, page_size) for x in (k, v))
+    return torch.stack([kp, vp], dim=2).permute(0, 3, 2, 1, 4)
+
+
+def _pages(x: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``x [T, Hkv, D]`` zero-padded to whole pages: ``[n, S, Hkv, D]``."""
+    t, hkv, d = x.shape
+    n = -(-t // page_size)
+    padded = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, n * page_size - t))
+    return padded.view(n, page_size, hkv, d)
+
+
+def _key_bounds(k: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Per page the element-wise key min and max over its valid positions:
+    ``k [T, Hkv, D]`` -> ``[n, Hkv, 2, D]`` in ``k``'s dtype."""
+    kp = _pages(k, page_size)
+    n, t = kp.shape[0], k.shape[0]
+    valid = (torch.arange(n * page_size, device=k.device) < t).view(n, page_size, 1, 1)
+    kmin = torch.where(valid, kp, torch.full_like(kp, float("inf"))).amin(1)
+    kmax = torch.where(valid, kp, torch.full_like(kp, float("-inf"))).amax(1)
+    return torch.stack([kmin, kmax], dim=2)
+
+
+def _fill_records(buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write the records of ``k, v [T, Hkv, D]`` into ``buf [n, Hkv, 2, S, D]``,
+    ``n = ceil(T / S)``, converting to ``buf``'s dtype; positions past ``T`` are zero."""
+    n, hkv, _, s, d = buf.shape
+    t = k.shape[0]
+    full, rest = divmod(t, s)
+    for j, x in enumerate((k, v)):
+        if full:
+            buf[:full, :, j].copy_(x[: full * s].reshape(full, s, hkv, d).transpose(1, 2))
+        if rest:
+            buf[full, :, j, :rest].copy_(x[full * s :].transpose(0, 1))
+            buf[full, :, j, rest:].zero_()

@@ -32,6 +32,7 @@ OUTPUT_NEUTRAL_SETTINGS = frozenset(
         "device_buffer",
         "max_batch",
         "prefill_chunk",
+        "prefill_copy_stream",
         "host_pool_gb",
         "memory_budget_gb",
         "use_triton",

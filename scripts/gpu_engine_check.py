@@ -69,6 +69,7 @@ def exactness(model, ids, steps=64) -> dict:
     common = dict(attention="sparse", top_k=256, page_size=16, sink_tokens=16, local_window=32)
     res = make(model, hierarchical=False, **common)
     t_res, l_res = run_greedy(res, ids, steps)
+    res.close()  # frees its KV pool now
     del res
     hier = make(model, hierarchical=True, device_buffer=320, **common)
     req = hier.open_request(Job("h", tuple(ids), SamplingParams(max_tokens=steps + 1)))
@@ -82,9 +83,11 @@ def exactness(model, ids, steps=64) -> dict:
         misses += int(hier.attn.misses.sum())
     hier.cache.check_integrity()
     hier.close_request(req)
+    hier.close()
     l_h = torch.stack(logits)
     ref = make(model, hierarchical=True, device_buffer=320, use_triton=False, **common)
     t_ref, l_ref = run_greedy(ref, ids, steps)
+    ref.close()
     return {
         "steps": steps,
         "prompt_tokens": len(ids),
@@ -144,6 +147,7 @@ def throughput(model, ids, batch, steps=32, **kw) -> dict:
     out["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30 if DEVICE != "cpu" else 0.0
     for r in reqs:
         eng.close_request(r)
+    eng.close()  # the pinned host pool goes back now, not at garbage collection
     del eng
     if DEVICE != "cpu":
         torch.cuda.empty_cache()
@@ -162,7 +166,9 @@ def main() -> None:
     global DEVICE, DTYPE, BATCHES
     if args.device != "cuda":
         DEVICE, DTYPE, BATCHES = args.device, "float32", (1, 2)
-    tok = make(args.model, attention="dense").tokenizer
+    base = make(args.model, attention="dense")  # loads the weights; its cache is not used
+    tok = base.tokenizer
+    base.close()
     ids = tok.encode_chat([{"role": "user", "content": "Summarize:\n\n" + args.doc.read_text()}])
     report = {
         "device": torch.cuda.get_device_name() if DEVICE != "cpu" else "cpu",
