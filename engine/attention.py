@@ -28,7 +28,9 @@ class StepPlan:
 
     block_table int32 ``[B, P_max]``; seq_lens int32 ``[B]`` (after this step's token);
     num_pages int32 ``[B]``; positions int64 ``[B]`` (the new token's position);
-    slab_ids int32 ``[B, Hkv]`` (hierarchical only).
+    slab_ids int32 ``[B, Hkv]`` (hierarchical only); hits, misses int64 ``[B]``: records
+    found in / loaded into the hot buffer this step, summed over layers (filled by
+    :meth:`DecodeAttention.run`).
     """
 
     seq_ids: list[int]
@@ -37,7 +39,9 @@ class StepPlan:
     num_pages: torch.Tensor
     positions: torch.Tensor
     slab_ids: torch.Tensor | None
-    step: int
+    step: int | torch.Tensor
+    hits: torch.Tensor | None = None
+    misses: torch.Tensor | None = None
 
 
 @dataclass
@@ -90,6 +94,8 @@ class DecodeAttention:
             positions=(lens - 1).to(torch.int64).to(dev),
             slab_ids=slabs,
             step=step,
+            hits=self.hits,
+            misses=self.misses,
         )
 
     def run(
@@ -134,8 +140,9 @@ class DecodeAttention:
             c.slots_per_slab,
             self.k_max,
         )
-        self.hits += hits.sum(-1)
-        self.misses += (load_slots >= 0).sum((-1, -2))
+        if plan.hits is not None and plan.misses is not None:
+            plan.hits += hits.sum(-1)
+            plan.misses += (load_slots >= 0).sum((-1, -2))
         if not self.config.skip_host_io:
             self.ops.gather(c.pool[layer], c.slots[layer], plan.block_table, load_pages, load_slots)
         return self.ops.sparse_decode_attention(

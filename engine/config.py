@@ -103,6 +103,9 @@ class EngineConfig:
     cuda_graph: on CUDA with the Triton kernels, replay each decode step from a captured
         CUDA graph (one per batch size and page-table width bucket; see
         :mod:`engine.cuda_graph`); False launches every kernel eagerly.
+    decode_overlap: with CUDA graphs and the hierarchy, decode a batch of two or more as
+        two micro-batches on two streams, so the host->device gathers of one overlap the
+        compute of the other (the link is otherwise idle while the GPU computes).
     prefill_chunk: prompt tokens per prefill step of one layer.
     prefill_copy_stream: write each prefill chunk's K/V records to the KV pool as soon as
         they exist (:meth:`engine.kv_cache.KVCache.write_prefill_chunk`); with a pinned host
@@ -137,6 +140,7 @@ class EngineConfig:
     num_threads: int | None = None
     skip_host_io: bool = False
     cuda_graph: bool = True
+    decode_overlap: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -193,6 +197,9 @@ class EngineConfig:
         _positive("top_k", self.top_k)
         _positive("max_batch", self.max_batch)
         _positive("prefill_chunk", self.prefill_chunk)
+        for name in ("cuda_graph", "decode_overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.prefill_copy_stream, bool):
             raise ConfigError(
                 f"prefill_copy_stream must be true or false, got {self.prefill_copy_stream!r}"

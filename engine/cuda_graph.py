@@ -56,6 +56,26 @@ def width_bucket(pages: int, limit: int) -> int:
     return max(min(w, limit), pages)
 
 
+def split_plan(plan: StepPlan, half: int) -> tuple[StepPlan, StepPlan]:
+    """``plan`` as two plans over rows ``[:half]`` and ``[half:]`` (views: the counters
+    of each half are written through into ``plan``'s)."""
+
+    def rows(sl: slice) -> StepPlan:
+        return StepPlan(
+            seq_ids=plan.seq_ids[sl],
+            block_table=plan.block_table[sl],
+            seq_lens=plan.seq_lens[sl],
+            num_pages=plan.num_pages[sl],
+            positions=plan.positions[sl],
+            slab_ids=plan.slab_ids[sl] if plan.slab_ids is not None else None,
+            step=plan.step,
+            hits=plan.hits[sl] if plan.hits is not None else None,
+            misses=plan.misses[sl] if plan.misses is not None else None,
+        )
+
+    return rows(slice(0, half)), rows(slice(half, None))
+
+
 def table_width(cache, seq_ids: list[int]) -> int:
     """The padded page-table width of a batch (:func:`width_bucket` of the most pages any
     of its requests reserved); fixed for the batch's life."""
@@ -91,17 +111,21 @@ class DecodeGraphs:
         one memory pool)
     capture : False runs the static-buffer step eagerly every time, without CUDA (tests
         check on the CPU that it computes exactly what the engine's eager step does)
+    split : micro-batch split (:attr:`overlap`) even without capture (CPU tests of the
+        split; the two halves then run one after the other)
     """
 
-    def __init__(self, engine, max_graphs: int = 8, capture: bool = True):
+    def __init__(self, engine, max_graphs: int = 8, capture: bool = True, split: bool = False):
         self.engine = engine
         self.max_graphs = max_graphs
         self.capture = capture
+        self.split = split
         self.entries: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
         self.pool = None
         self.disabled_reason = ""
         self.captures = 0
         self.replays = 0
+        self._side: torch.cuda.Stream | None = None
 
     @staticmethod
     def supported(engine) -> str:
@@ -222,7 +246,11 @@ class DecodeGraphs:
             e.seq_ids = key
 
     def _forward(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decode step as a function of the static inputs only (captured as is)."""
+        """The decode step as a function of the static inputs only (captured as is).
+
+        With :attr:`overlap` the batch runs as two micro-batches, the second on a side
+        stream (:meth:`engine.engine.Engine.decode_batch`).
+        """
         eng = self.engine
         m, cache = eng.model, eng.cache
         b, w, s = e.batch, e.width, cache.page_size
@@ -241,12 +269,26 @@ class DecodeGraphs:
                 e.batch_ints[b * w :].view(b, hkv).to(torch.int32) if cache.hierarchical else None
             ),
             step=ints[2 * b :],
+            hits=e.hits,
+            misses=e.misses,
         )
         e.hits.zero_()
         e.misses.zero_()
-        h = eng.decode_layers(plan, m.embed_tokens(tokens))
+        side = self._side_stream() if m.device.type == "cuda" and self.overlap else None
+        h = eng.decode_batch(plan, m.embed_tokens(tokens), self.overlap, side)
         logits = m.logits(h)
         return logits, logits.argmax(dim=-1)
+
+    @property
+    def overlap(self) -> bool:
+        """Whether steps run as two overlapping micro-batches (see :meth:`_forward`)."""
+        eng = self.engine
+        return self.split or (self.capture and eng.split_batches)
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=self.engine.model.device)
+        return self._side
 
     def _warm_and_capture(self, e: _Entry) -> tuple[torch.Tensor, list[int]]:
         """Run the step eagerly on a side stream (its results are this step's), then

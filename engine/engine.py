@@ -28,7 +28,7 @@ import torch
 from engine import events as ev
 from engine.attention import DecodeAttention, StepPlan
 from engine.config import EngineConfig
-from engine.cuda_graph import DecodeGraphs, table_width
+from engine.cuda_graph import DecodeGraphs, split_plan, table_width
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel, prefill_attention
 from engine.sampling import make_generator, sample
@@ -102,6 +102,12 @@ class Engine:
         self._next_seq = 0
         self.eos_ids = frozenset(getattr(tokenizer, "eos_ids", ()) or ())
         self.keep_logits = False  # tests: keep each request's latest logits [V]
+        # Two micro-batches per step (config.decode_overlap): on CUDA with the hierarchy,
+        # where one's host gathers can overlap the other's compute (eager steps split the
+        # same way, one after the other, so graph replays equal them bit for bit).
+        self.split_batches = (
+            config.decode_overlap and self.cache.hierarchical and model.device.type == "cuda"
+        )
         why_not = DecodeGraphs.supported(self)
         self.graphs = DecodeGraphs(self) if not why_not else None
         self.graphs_off_reason = why_not
@@ -424,7 +430,7 @@ class Engine:
             if self.tracer is not None:
                 self.tracer.bind({r.seq_id: r.job.id for r in batch})
             tokens = torch.tensor(fed, dtype=torch.long)
-            h = self.decode_layers(plan, m.embed_tokens(tokens))
+            h = self.decode_batch(plan, m.embed_tokens(tokens), self.split_batches)
             logits = m.logits(h)
             greedy = logits.argmax(dim=-1).tolist()  # one device sync for the greedy rows
         for i, r in enumerate(batch):
@@ -434,6 +440,33 @@ class Engine:
             greedy[i] if r.job.sampling.temperature == 0 else sample(logits[i], r.job.sampling, r.generator)
             for i, r in enumerate(batch)
         ]
+
+    @torch.inference_mode()
+    def decode_batch(
+        self, plan: StepPlan, h: torch.Tensor, split: bool, side: torch.cuda.Stream | None = None
+    ) -> torch.Tensor:
+        """:meth:`decode_layers` for ``plan``'s batch, as two micro-batches when ``split``
+        (and B >= 2): rows ``[:ceil(B/2)]`` and the rest, each a chain through every layer.
+        With a ``side`` stream the second chain runs there, beside the first: the GPU then
+        overlaps one chain's gathers (waiting on the host link) with the other's compute.
+        The halves own disjoint slabs, pages and counter rows, so they share no writable
+        state; each row's result does not depend on the split.
+        """
+        b = len(plan.seq_ids)
+        if not split or b < 2:
+            return self.decode_layers(plan, h)
+        half = (b + 1) // 2
+        first, second = split_plan(plan, half)
+        if side is None:
+            h1 = self.decode_layers(first, h[:half])
+            h2 = self.decode_layers(second, h[half:])
+        else:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                h2 = self.decode_layers(second, h[half:])
+            h1 = self.decode_layers(first, h[:half])
+            torch.cuda.current_stream().wait_stream(side)
+        return torch.cat([h1, h2])
 
     @torch.inference_mode()
     def decode_layers(self, plan: StepPlan, h: torch.Tensor) -> torch.Tensor:

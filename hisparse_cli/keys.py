@@ -33,6 +33,8 @@ OUTPUT_NEUTRAL_SETTINGS = frozenset(
         "max_batch",
         "prefill_chunk",
         "prefill_copy_stream",
+        "cuda_graph",
+        "decode_overlap",
         "host_pool_gb",
         "memory_budget_gb",
         "use_triton",

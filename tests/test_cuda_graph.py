@@ -1,6 +1,7 @@
 """CUDA-graph replay of the decode step (:mod:`engine.cuda_graph`) on a GPU: the same
 tokens, logits (bit for bit), hits and misses as eager launches, for every attention mode,
-through batch changes (a new graph per batch size / width bucket) and forced misses.
+through batch changes (a new graph per batch size / width bucket) and forced misses; with
+the hierarchy the replay runs two micro-batches on two streams (``decode_overlap``).
 
 Weights are synthetic (a small random 4-bit model generated on the device), so the test
 needs no model file. The CPU counterpart (the captured function run eagerly against the
@@ -57,6 +58,9 @@ def _engine(model, cuda_graph: bool, **kw):
 
 MODES = {
     "hierarchical": dict(attention="sparse", top_k=128, device_buffer=160, local_window=32),
+    "hierarchical-one-stream": dict(
+        attention="sparse", top_k=128, device_buffer=160, local_window=32, decode_overlap=False
+    ),
     "sparse-resident": dict(attention="sparse", hierarchical=False, top_k=128),
     "dense": dict(attention="dense"),
 }
@@ -67,6 +71,9 @@ def test_graph_replay_equals_eager(model, mode):
     eager = _engine(model, False, **MODES[mode])
     graph = _engine(model, True, **MODES[mode])
     assert eager.graphs is None and graph.graphs is not None, graph.graphs_off_reason
+    # Two micro-batches on two streams exactly when the hierarchy runs with decode_overlap
+    # (the eager engine splits the same way, one half after the other).
+    assert graph.graphs.overlap == (mode == "hierarchical") == eager.split_batches
     gen = torch.Generator().manual_seed(0)
     lengths = [300, 1000, 2100, 45]
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in lengths]

@@ -162,12 +162,16 @@ def test_hierarchical_bit_identical_to_resident(weights_path, corpus_dir):
     hier.cache.check_integrity()
 
 
-@pytest.mark.parametrize("attention", ["sparse", "dense"])
-def test_static_graph_step_equals_eager_step(weights_path, corpus_dir, attention):
+@pytest.mark.parametrize(
+    "attention,split", [("sparse", False), ("dense", False), ("sparse", True)]
+)
+def test_static_graph_step_equals_eager_step(weights_path, corpus_dir, attention, split):
     """The function a CUDA graph captures (static buffers, padded page-table width, plan
     tensors computed on the device; :mod:`engine.cuda_graph`), run eagerly on the CPU,
     gives the eager engine's logits, tokens, hits and misses bit for bit — for a batch of
-    two requests of different lengths, with a hot buffer small enough to force misses."""
+    two requests of different lengths, with a hot buffer small enough to force misses.
+    ``split``: the batch as two micro-batches (``decode_overlap``; one after the other here,
+    on two streams on a GPU)."""
     from engine.cuda_graph import DecodeGraphs
 
     common = dict(attention=attention, top_k=128, page_size=16, sink_tokens=16, local_window=32)
@@ -175,7 +179,9 @@ def test_static_graph_step_equals_eager_step(weights_path, corpus_dir, attention
         common["device_buffer"] = 192
     eager = make_engine(weights_path, **common)
     static = make_engine(weights_path, **common)
-    static.graphs = DecodeGraphs(static, capture=False)
+    static.graphs = DecodeGraphs(static, capture=False, split=split)
+    eager.split_batches = split  # the eager step splits the same way (on CUDA: by default)
+    assert static.graphs.overlap == split
     docs = prompts(eager.tokenizer, corpus_dir)
     ids = [docs[2][:700], docs[1]]
     reqs = {}
