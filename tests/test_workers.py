@@ -313,3 +313,39 @@ def test_two_workers_share_one_gpu(mode, tmp_path):
         got = results(events)
         assert all(not isinstance(r, str) and r.token_ids for r in got.values()), got
         assert any(isinstance(e, MemorySnapshot) and e.device.startswith("cuda:0") for e in events)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("mode", ["data", "pipeline"])
+def test_two_workers_on_two_gpus(mode):
+    """Both modes with one worker per GPU (``cuda:0,cuda:1``; the pipeline passes
+    activations over NCCL): the same tokens as one engine on one GPU (max_batch 1, so
+    every decode has the single engine's shapes), and memory reported for both devices."""
+    from engine.api import load_engine
+
+    cfg = EngineConfig(
+        device="cuda:0",
+        dtype="bfloat16",
+        kv_dtype="bfloat16",
+        host_pool_gb=1.0,
+        max_batch=1,
+        page_size=16,
+        top_k=64,
+        device_buffer=128,
+        sink_tokens=16,
+        local_window=32,
+    )
+    one = load_engine(cfg)
+    jobs = make_jobs(one.tokenizer)
+    reference = results(one.run(jobs))
+    del one
+    torch.cuda.empty_cache()
+    with ParallelEngine(cfg, None, ["cuda:0", "cuda:1"], mode, tokenizer=None) as eng:
+        events = list(eng.run(jobs))
+    got = results(events)
+    for job_id, ref in reference.items():
+        assert not isinstance(got[job_id], str), got[job_id]
+        assert got[job_id].token_ids == ref.token_ids, job_id
+    devices = {e.device for e in events if isinstance(e, MemorySnapshot)}
+    assert {"cuda:0", "cuda:1"} <= devices or mode == "pipeline", devices
