@@ -45,7 +45,8 @@ tokenised here. With a token file and a synthetic model the workers run with
 
 Modes:
 
-* GPU (default), one command on a 2 x H200 machine (~4 min)::
+* GPU (default), one command on a 2 x H200 machine (~4 min; ``scripts/measure_memory.sh``
+  wraps it with the GPU names, a log and a timeout)::
 
       python scripts/measure_memory.py --corpus-tokens .bench/corpus_tokens.json \\
           --out $OUT/memory.json
@@ -578,7 +579,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--memory-budget", type=float, default=None, help="Override the budget, GiB.")
     p.add_argument("--corpus-tokens", type=Path, default=None, help="Pre-tokenised corpus.")
     p.add_argument("--corpus", type=Path, default=None, help="*.txt corpus (no --corpus-tokens).")
-    p.add_argument("--time-limit", type=float, default=225.0, help="Start no scenario after S s.")
+    p.add_argument("--time-limit", type=float, default=300.0, help="Start no scenario after S s.")
     return p.parse_args(argv)
 
 

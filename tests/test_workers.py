@@ -267,10 +267,11 @@ def test_pipeline_budget_sizes_each_stage_and_traces_every_layer(single, jobs, r
 
 
 def test_pipeline_budget_without_room_names_the_stage(single):
-    """A budget too small for the stages fails the start, naming each stage."""
-    cfg = CONFIG.replace(memory_budget_gb=1.1)
-    with pytest.raises(RuntimeError, match=r"stage 0 \(layers 0-14, cpu\).*stage 1 \(layers 15-29"):
-        ParallelEngine(cfg, None, "cpu,cpu", "pipeline", tokenizer=single.tokenizer)
+    """A budget too small for the stages fails the start, naming each stage (the synthetic
+    two-layer model: one layer per stage, quick to load)."""
+    cfg = CONFIG.replace(memory_budget_gb=1.0)  # all of it is the 1 GiB minimum reserve
+    with pytest.raises(RuntimeError, match=r"stage 0 \(layers 0-0, cpu\).*stage 1 \(layers 1-1"):
+        ParallelEngine(cfg, "synthetic:tiny", "cpu,cpu", "pipeline", tokenizer=single.tokenizer)
 
 
 def test_cli_run_drives_parallel_engine(data_engine, tmp_path, monkeypatch):
