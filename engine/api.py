@@ -147,7 +147,9 @@ def load_engine(
     With ``config.memory_budget_gb`` (``--memory-budget``) the KV cache is sized by
     :func:`engine.budget.budget_cache`: the device pool (all-resident) or ``max_batch``
     (hierarchical) is what the budget leaves after weights, activations and reserve;
-    the split is ``engine.budget_sizing``.
+    the split is ``engine.budget_sizing``. With several devices the budget caps each
+    one: a data worker sizes its cache this way, a pipeline stage for its own layers
+    (:func:`engine.pipeline.stage_budget_cache`).
 
     Raises
     ------
