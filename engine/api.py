@@ -25,7 +25,7 @@ def resolve_device(config: EngineConfig) -> torch.device:
     return dev
 
 
-def load_weights(model: str | None) -> tuple[ModelWeights, object, str]:
+def load_weights(model: str | None, tokenizer: str | None = None) -> tuple[ModelWeights, object, str]:
     """Read weights and tokenizer.
 
     Parameters
@@ -33,6 +33,8 @@ def load_weights(model: str | None) -> tuple[ModelWeights, object, str]:
     model : path to a ``.gguf`` file or a Hugging Face model folder; ``None`` for the
         embedded SmolLM2-135M-Instruct Q4_1, ``synthetic:NAME`` for random weights of a
         published shape.
+    tokenizer : ``config.extra["tokenizer"]``: ``None`` (the model's own), or for a
+        synthetic model ``ids`` (no text: jobs as token ids; see :mod:`engine.synthetic`).
 
     Returns
     -------
@@ -42,9 +44,12 @@ def load_weights(model: str | None) -> tuple[ModelWeights, object, str]:
     ------
     FileNotFoundError
         Missing file, or the embedded model is not installed (message says how).
+    ConfigError
+        ``tokenizer`` given for a model that is not synthetic.
     """
     from engine.tokenizer import TextTokenizer
 
+    _check_tokenizer_choice(model, tokenizer)
     if model is None:
         from engine.embedded import default_model_path
 
@@ -52,7 +57,7 @@ def load_weights(model: str | None) -> tuple[ModelWeights, object, str]:
     if model.startswith("synthetic:"):
         from engine.synthetic import load_synthetic
 
-        return load_synthetic(model.split(":", 1)[1])
+        return load_synthetic(model.split(":", 1)[1], tokenizer=tokenizer)
     path = Path(model)
     if path.is_dir():
         from engine.hf_loader import load_hf_folder
@@ -65,26 +70,36 @@ def load_weights(model: str | None) -> tuple[ModelWeights, object, str]:
     return load_gguf(path), TextTokenizer.from_gguf(path, reference="llama.cpp"), path.stem
 
 
-def load_tokenizer(model: str | None) -> tuple[object, str]:
-    """The tokenizer and model name of ``model`` (as :func:`load_weights` takes it) without
-    reading the weights; what a multi-device parent process needs."""
+def load_tokenizer(model: str | None, tokenizer: str | None = None) -> tuple[object, str]:
+    """The tokenizer and model name of ``model`` (``model`` and ``tokenizer`` as
+    :func:`load_weights` takes them) without reading the weights; what a multi-device
+    parent process needs."""
     from engine.tokenizer import TextTokenizer
 
+    _check_tokenizer_choice(model, tokenizer)
     if model is None:
         from engine.embedded import default_model_path
 
         model = str(default_model_path())
     if model.startswith("synthetic:"):
-        from engine.synthetic import PREFIX, synthetic_shape, synthetic_tokenizer
+        from engine.synthetic import PREFIX, make_tokenizer, synthetic_shape
 
         cfg = synthetic_shape(model.split(":", 1)[1])
-        return synthetic_tokenizer(cfg.vocab_size), f"{PREFIX}{cfg.name}"
+        return make_tokenizer(cfg.vocab_size, tokenizer), f"{PREFIX}{cfg.name}"
     path = Path(model)
     if path.is_dir():
         return TextTokenizer.from_folder(path), path.name
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
     return TextTokenizer.from_gguf(path, reference="llama.cpp"), path.stem
+
+
+def _check_tokenizer_choice(model: str | None, tokenizer: str | None) -> None:
+    if tokenizer is not None and not (model or "").startswith("synthetic:"):
+        raise ConfigError(
+            f"tokenizer={tokenizer!r} is for synthetic models only; {model or 'the embedded model'} "
+            "has its own"
+        )
 
 
 def context_limit_and_rope(cfg: ModelConfig, config: EngineConfig) -> tuple[int, Rope]:
@@ -132,7 +147,9 @@ def load_engine(
     With ``config.memory_budget_gb`` (``--memory-budget``) the KV cache is sized by
     :func:`engine.budget.budget_cache`: the device pool (all-resident) or ``max_batch``
     (hierarchical) is what the budget leaves after weights, activations and reserve;
-    the split is ``engine.budget_sizing``.
+    the split is ``engine.budget_sizing``. With several devices the budget caps each
+    one: a data worker sizes its cache this way, a pipeline stage for its own layers
+    (:func:`engine.pipeline.stage_budget_cache`).
 
     Raises
     ------
@@ -153,7 +170,7 @@ def load_engine(
     device = resolve_device(config)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    weights, tokenizer, name = load_weights(model)
+    weights, tokenizer, name = load_weights(model, config.extra.get("tokenizer"))
     limit, rope = context_limit_and_rope(weights.config, config)
     dtype = getattr(torch, config.dtype)
     fmt = pick_weight_format(config, device)

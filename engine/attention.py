@@ -59,7 +59,8 @@ class DecodeAttention:
     ----------
     cache : the KV hierarchy; config : engine settings; ops : kernel set
     (:func:`kernels.dispatch.get_ops`); scale : softmax scale; tracer : optional callable
-    ``(plan, layer, selection)`` recording selections.
+    ``(plan, layer, selection)`` recording selections (``layer`` is the model's layer
+    index: a pipeline stage's cache index plus its ``layer_offset``).
     """
 
     def __init__(self, cache: KVCache, config: EngineConfig, ops: Ops, scale: float, tracer=None):
@@ -102,7 +103,8 @@ class DecodeAttention:
         self, plan: StepPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """Attention output ``[B, Hq, D]`` for queries ``q [B, Hq, D]``; ``k, v [B, Hkv, D]``
-        are the new token's key (after RoPE) and value, appended first."""
+        are the new token's key (after RoPE) and value, appended first. ``layer`` indexes
+        the cache's layers (the model's layer less ``cache.layer_offset``)."""
         c = self.cache
         hier = c.hierarchical
         self.ops.append_kv(
@@ -122,7 +124,7 @@ class DecodeAttention:
             )
         selection = self.select(plan, layer, q)
         if self.tracer is not None:
-            self.tracer(plan, layer, selection)
+            self.tracer(plan, layer + c.layer_offset, selection)  # the model's layer index
         if not hier:
             pool = c.pool[layer]
             slot_list = self.ops.resident_slot_list(selection, plan.block_table, self.k_max)

@@ -4,12 +4,19 @@ The planner (:mod:`engine.planner`) answers "how many jobs fit" from shapes alon
 module turns the same arithmetic into the sizes :class:`engine.kv_cache.KVCache` is built
 with, so ``hisparse run --memory-budget`` and ``hisparse bench`` hold the same budget:
 
-    room = budget - weights - activations - reserve
+    room = budget - weights - activations - communication - reserve
 
 * weights: the bytes of the placed model (:attr:`engine.model.LlamaModel.weight_bytes`);
 * activations: :func:`engine.planner.activation_bytes` for ``max_batch`` decode rows and
   the layer-by-layer prefill of one ``context_limit``-token prompt;
+* communication: pipeline stages only, :func:`engine.planner.stage_comm_bytes`;
 * reserve: :func:`engine.planner.device_reserve_bytes` (max(5 %, 1 GiB)).
+
+A pipeline stage (:func:`stage_sizing`) holds only its layers ``L_d``: its weights, the
+KV, page metadata and slabs of those layers, the logits only on the last stage, plus
+the hand-off buffers; this is the planner's table for that stage
+(:func:`engine.planner.device_tables`). Every stage must build the same page and slab
+counts, so the stages take the smallest of their sizings (:func:`common_sizing`).
 
 All-resident (``attention=dense`` or ``hierarchical=False``): the KV pool lives on the
 device, so it gets ``room // (page + page metadata)`` pages and admission stops when they
@@ -32,7 +39,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.planner import GIB, activation_bytes, device_reserve_bytes, dtype_bytes
+from engine.planner import (
+    GIB,
+    activation_bytes,
+    device_reserve_bytes,
+    dtype_bytes,
+    stage_comm_bytes,
+)
 
 # KVCache per-slot LRU state: slot_page int32 + slot_last_use int64.
 LRU_BYTES_PER_SLOT = 4 + 8
@@ -46,6 +59,9 @@ class KVSizing:
     ``num_pool_pages`` and ``max_batch`` are what the cache is built with;
     ``device_kv_bytes`` is what that cache allocates on the device (pool when
     all-resident, page metadata, hot buffer, page tables and LRU state).
+    ``layers`` is a pipeline stage's ``[start, end)`` (``None``: the whole model), and
+    ``page_bytes`` / ``meta_page_bytes`` / ``per_request_device_bytes`` are for those
+    layers; ``comm_bytes`` is the stage's hand-off buffers (0 outside a pipeline).
     """
 
     budget_bytes: int
@@ -60,6 +76,8 @@ class KVSizing:
     page_bytes: int
     meta_page_bytes: int
     per_request_device_bytes: int
+    comm_bytes: int = 0
+    layers: tuple[int, int] | None = None
 
     def max_jobs(self, pages_per_job: int) -> int:
         """Requests of ``pages_per_job`` pages that fit at once (pool and slabs)."""
@@ -75,40 +93,54 @@ def record_bytes(model: ModelConfig, config: EngineConfig) -> int:
     return 2 * config.page_size * model.head_dim * dtype_bytes(config.kv_dtype)
 
 
-def meta_page_bytes(model: ModelConfig, config: EngineConfig) -> int:
-    """Page metadata of one pool page over all layers: ``L x Hkv x 2 x D x b_kv``."""
-    return model.num_layers * model.num_kv_heads * 2 * model.head_dim * dtype_bytes(config.kv_dtype)
+def meta_page_bytes(model: ModelConfig, config: EngineConfig, num_layers: int | None = None) -> int:
+    """Page metadata of one pool page over ``num_layers`` layers (default all):
+    ``L x Hkv x 2 x D x b_kv``."""
+    nl = model.num_layers if num_layers is None else num_layers
+    return nl * model.num_kv_heads * 2 * model.head_dim * dtype_bytes(config.kv_dtype)
 
 
-def pool_page_bytes(model: ModelConfig, config: EngineConfig) -> int:
-    """One pool page over all layers and KV heads: ``L x Hkv x record``."""
-    return model.num_layers * model.num_kv_heads * record_bytes(model, config)
+def pool_page_bytes(model: ModelConfig, config: EngineConfig, num_layers: int | None = None) -> int:
+    """One pool page over ``num_layers`` layers (default all) and the KV heads:
+    ``L x Hkv x record``."""
+    nl = model.num_layers if num_layers is None else num_layers
+    return nl * model.num_kv_heads * record_bytes(model, config)
 
 
 def per_request_device_bytes(
-    model: ModelConfig, config: EngineConfig, max_pages_per_seq: int
+    model: ModelConfig,
+    config: EngineConfig,
+    max_pages_per_seq: int,
+    num_layers: int | None = None,
 ) -> int:
-    """Hierarchical only: the slabs of one request (``Hkv`` per layer) with their page
-    tables and LRU state; 0 when all-resident."""
+    """Hierarchical only: the slabs of one request (``Hkv`` per layer, over ``num_layers``
+    layers, default all) with their page tables and LRU state; 0 when all-resident."""
     if not _hierarchical(config):
         return 0
+    nl = model.num_layers if num_layers is None else num_layers
     slots = config.buffer_pages
     per_slab_layer = (
         slots * record_bytes(model, config)
         + max_pages_per_seq * PAGE_TABLE_ENTRY_BYTES
         + slots * LRU_BYTES_PER_SLOT
     )
-    return model.num_layers * model.num_kv_heads * per_slab_layer
+    return nl * model.num_kv_heads * per_slab_layer
 
 
 def cache_device_bytes(
-    model: ModelConfig, config: EngineConfig, num_pool_pages: int, max_pages_per_seq: int
+    model: ModelConfig,
+    config: EngineConfig,
+    num_pool_pages: int,
+    max_pages_per_seq: int,
+    num_layers: int | None = None,
 ) -> int:
-    """Device bytes a :class:`engine.kv_cache.KVCache` of these sizes allocates."""
-    meta = num_pool_pages * meta_page_bytes(model, config)
+    """Device bytes a :class:`engine.kv_cache.KVCache` of these sizes over ``num_layers``
+    layers (default all) allocates."""
+    meta = num_pool_pages * meta_page_bytes(model, config, num_layers)
     if not _hierarchical(config):
-        return meta + num_pool_pages * pool_page_bytes(model, config)
-    return meta + config.max_batch * per_request_device_bytes(model, config, max_pages_per_seq)
+        return meta + num_pool_pages * pool_page_bytes(model, config, num_layers)
+    per_req = per_request_device_bytes(model, config, max_pages_per_seq, num_layers)
+    return meta + config.max_batch * per_req
 
 
 def default_pool_pages(model: ModelConfig, config: EngineConfig) -> int:
@@ -122,6 +154,9 @@ def size_kv_for_budget(
     weights_bytes: int,
     context_limit: int,
     num_pool_pages: int | None = None,
+    *,
+    layers: tuple[int, int] | None = None,
+    comm_bytes: int = 0,
 ) -> KVSizing:
     """Split ``config.memory_budget_gb`` between the fixed parts and the KV cache.
 
@@ -130,7 +165,12 @@ def size_kv_for_budget(
     model, config : shape and settings (``memory_budget_gb`` must be set)
     weights_bytes : bytes of the weights on the device
     context_limit : most tokens per request (sizes page tables and the prefill scratch)
-    num_pool_pages : hierarchical only: host pool pages (default from ``host_pool_gb``)
+    num_pool_pages : hierarchical only: host pool pages (default from ``host_pool_gb``,
+        whole-model pages, as :class:`engine.kv_cache.KVCache` counts them)
+    layers : ``[start, end)`` of the layers on this device (a pipeline stage); default
+        all. Metadata, slabs and the device pool count these layers only; the logits
+        scratch counts only when the stage holds the last layer.
+    comm_bytes : pipeline hand-off buffers on this device (bytes)
 
     Returns
     -------
@@ -145,15 +185,20 @@ def size_kv_for_budget(
     if config.memory_budget_gb is None:
         raise ConfigError("size_kv_for_budget needs memory_budget_gb")
     budget = int(config.memory_budget_gb * GIB)
-    act = activation_bytes(model, config, context_limit, config.max_batch)
+    start, end = layers if layers is not None else (0, model.num_layers)
+    nl = end - start
+    head = end == model.num_layers
+    act = activation_bytes(model, config, context_limit, config.max_batch, head=head)
     reserve = device_reserve_bytes(budget)
-    room = budget - weights_bytes - act - reserve
-    page, meta = pool_page_bytes(model, config), meta_page_bytes(model, config)
+    room = budget - weights_bytes - act - comm_bytes - reserve
+    page, meta = pool_page_bytes(model, config, nl), meta_page_bytes(model, config, nl)
     max_pages = -(-context_limit // config.page_size)
+    comm = f" + communication {comm_bytes / GIB:.2f} GiB" if comm_bytes else ""
     fixed = (
-        f"weights {weights_bytes / GIB:.2f} GiB + activations {act / GIB:.2f} GiB + "
+        f"weights {weights_bytes / GIB:.2f} GiB + activations {act / GIB:.2f} GiB{comm} + "
         f"reserve {reserve / GIB:.2f} GiB"
     )
+    stage = {"comm_bytes": comm_bytes, "layers": (start, end) if layers is not None else None}
     if not _hierarchical(config):
         pages = max(room, 0) // (page + meta)
         if pages < 1:
@@ -169,13 +214,14 @@ def size_kv_for_budget(
             True,
             pages,
             config.max_batch,
-            cache_device_bytes(model, config, pages, max_pages),
+            cache_device_bytes(model, config, pages, max_pages, nl),
             page,
             meta,
             0,
+            **stage,
         )
     pages = num_pool_pages if num_pool_pages is not None else default_pool_pages(model, config)
-    per_req = per_request_device_bytes(model, config, max_pages)
+    per_req = per_request_device_bytes(model, config, max_pages, nl)
     batch = min(config.max_batch, max(room - pages * meta, 0) // per_req)
     if batch < 1:
         raise ConfigError(
@@ -194,34 +240,93 @@ def size_kv_for_budget(
         False,
         pages,
         batch,
-        cache_device_bytes(model, sized, pages, max_pages),
+        cache_device_bytes(model, sized, pages, max_pages, nl),
         page,
         meta,
         per_req,
+        **stage,
+    )
+
+
+def stage_sizing(
+    model: ModelConfig,
+    config: EngineConfig,
+    weights_bytes: int,
+    context_limit: int,
+    layers: tuple[int, int],
+) -> KVSizing:
+    """:func:`size_kv_for_budget` for one pipeline stage holding ``layers`` (``[start,
+    end)``): its layers' KV, metadata and slabs, logits only on the last stage, and the
+    hand-off buffers :func:`engine.planner.stage_comm_bytes` for ``max_batch`` rows, as the
+    planner's table for that stage counts them.
+
+    Raises
+    ------
+    ConfigError
+        The budget leaves this stage no room (message as :func:`size_kv_for_budget`).
+    """
+    comm = stage_comm_bytes(model, config, config.max_batch)
+    return size_kv_for_budget(
+        model, config, weights_bytes, context_limit, layers=layers, comm_bytes=comm
+    )
+
+
+def common_sizing(
+    sizing: KVSizing,
+    everyone: list[KVSizing],
+    model: ModelConfig,
+    config: EngineConfig,
+    context_limit: int,
+) -> KVSizing:
+    """``sizing`` (this stage's) limited to the smallest pool pages and ``max_batch`` of
+    ``everyone`` (every stage's, this one included), so all stages build caches with the
+    same page and slab ids; ``device_kv_bytes`` is recomputed for the smaller sizes."""
+    pages = min(s.num_pool_pages for s in everyone)
+    batch = min(s.max_batch for s in everyone)
+    start, end = sizing.layers if sizing.layers is not None else (0, model.num_layers)
+    max_pages = -(-context_limit // config.page_size)
+    device_kv = cache_device_bytes(
+        model, config.replace(max_batch=batch), pages, max_pages, end - start
+    )
+    return dataclasses.replace(
+        sizing, num_pool_pages=pages, max_batch=batch, device_kv_bytes=device_kv
     )
 
 
 def budget_cache(
-    model, config: EngineConfig, context_limit: int, num_pool_pages: int | None = None
+    model,
+    config: EngineConfig,
+    context_limit: int,
+    num_pool_pages: int | None = None,
+    sizing: KVSizing | None = None,
 ):
     """Build the budget-sized cache for a placed model.
 
     Parameters
     ----------
-    model : :class:`engine.model.LlamaModel` (its ``config``, ``device``, ``weight_bytes``)
+    model : :class:`engine.model.LlamaModel` (its ``config``, ``device``, ``weight_bytes``,
+        ``layer_range``: a pipeline stage's cache holds only those layers)
     config : settings with ``memory_budget_gb``
     context_limit : most tokens per request
     num_pool_pages : hierarchical host pool pages (default from ``host_pool_gb``)
+    sizing : a sizing already computed (a pipeline stage's, from :func:`stage_sizing` and
+        :func:`common_sizing`); default :func:`size_kv_for_budget` for the whole model
 
     Returns
     -------
     (config with the sized ``max_batch``, :class:`engine.kv_cache.KVCache`, :class:`KVSizing`)
+
+    Raises
+    ------
+    ConfigError
+        The budget leaves no room (see :func:`size_kv_for_budget`).
     """
     from engine.kv_cache import KVCache
 
-    sizing = size_kv_for_budget(
-        model.config, config, model.weight_bytes, context_limit, num_pool_pages
-    )
+    if sizing is None:
+        sizing = size_kv_for_budget(
+            model.config, config, model.weight_bytes, context_limit, num_pool_pages
+        )
     sized = config.replace(max_batch=sizing.max_batch)
     max_pages = -(-context_limit // config.page_size)
     layers = getattr(model, "layer_range", None)

@@ -144,7 +144,7 @@ class Engine:
                 yield from self._admit(queue, running)
             if time.monotonic() - last_mem > 1.0:
                 last_mem = time.monotonic()
-                yield self.memory_snapshot()
+                yield from self.memory_snapshots()
             if self._cancel:
                 yield from self._finish_all(running, "cancelled")
                 break
@@ -155,8 +155,14 @@ class Engine:
         unadmitted = [*queue, *(() if exhausted else (j for j in source if j is not None))]
         for job in unadmitted:
             yield ev.JobFailed(time.monotonic(), job.id, "cancelled before admission")
+        yield from self._end_run()
+
+    def _end_run(self) -> Iterator[ev.Event]:
+        """End of :meth:`run`: close the trace file and report memory once more (the peaks
+        of the whole run)."""
         if self.tracer is not None and hasattr(self.tracer, "close"):
             self.tracer.close()
+        yield from self.memory_snapshots()
 
     # ----- scheduling --------------------------------------------------------------
     def _check_job(self, job: ev.Job) -> str:
@@ -479,12 +485,26 @@ class Engine:
             h = m.finish_layer(layer, h, a)
         return h
 
+    def memory_snapshots(self) -> list[ev.MemorySnapshot]:
+        """Snapshots of every device this engine drives (one here; a pipeline's stage 0
+        adds the other stages')."""
+        return [self.memory_snapshot()]
+
     def memory_snapshot(self) -> ev.MemorySnapshot:
-        """Bytes by part on the compute device and of the KV pool."""
+        """Bytes by part on the compute device and of the KV pool, with the device's peaks
+        (see :class:`engine.events.MemorySnapshot`)."""
         c, dev = self.cache, self.model.device
+        peaks = {}
         if dev.type == "cuda":
             total = torch.cuda.get_device_properties(dev).total_memory
             act = torch.cuda.memory_allocated(dev)
+            free, device_total = torch.cuda.mem_get_info(dev)
+            peaks = {
+                "peak_allocated": torch.cuda.max_memory_allocated(dev),
+                "peak_reserved": torch.cuda.max_memory_reserved(dev),
+                "device_used": device_total - free,
+                "pinned_host": pinned_host_bytes(),
+            }
         else:  # CPU: physical RAM; activations are not tracked separately
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             act = 0
@@ -499,7 +519,24 @@ class Engine:
             total,
             c.pool_bytes_used,
             c.pool_bytes_total,
+            **peaks,
         )
+
+
+def pinned_host_bytes() -> int:
+    """Bytes torch's pinned host allocator holds in this process (its blocks are rounded
+    up to powers of two); 0 without CUDA or where torch does not report it."""
+    stats_fn = getattr(torch.cuda, "host_memory_stats", None)
+    if stats_fn is None or not torch.cuda.is_available():
+        return 0
+    try:
+        stats = stats_fn()
+    except Exception:  # noqa: BLE001 - a torch without these statistics: not reported
+        return 0
+    for key in ("allocated_bytes.current", "reserved_bytes.current"):
+        if key in stats:
+            return int(stats[key])
+    return 0
 
 
 def _find_stop(text: str, stops) -> int | None:

@@ -132,7 +132,23 @@ class JobFailed(Event):
 
 @dataclass(frozen=True)
 class MemorySnapshot(Event):
-    """Memory in bytes by part, per device (``device`` is e.g. ``cpu`` or ``cuda:0``)."""
+    """Memory in bytes by part, per device (``device`` is e.g. ``cpu`` or ``cuda:0``).
+
+    weights, hot_buffer (slab records), metadata: the bytes of those tensors;
+    activations: allocated now less those parts (CUDA; 0 on CPU); total: the device's
+    memory (CPU: physical RAM). host_pool_used / host_pool_total: the KV pool (host
+    memory when hierarchical) of this engine's layers.
+
+    CUDA only (0 on CPU): peak_allocated / peak_reserved are
+    ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` of this process on the
+    device (a worker resets them once its model is loaded, see :mod:`engine.workers`);
+    device_used is the device's total less ``cudaMemGetInfo``'s free bytes (every
+    process, CUDA contexts included); pinned_host is what torch's pinned host allocator
+    holds in this process (``torch.cuda.host_memory_stats``, power-of-two blocks; 0 where
+    torch does not report it).
+
+    stage: the pipeline stage that measured it (``-1`` outside a pipeline).
+    """
 
     device: str
     weights: int
@@ -142,3 +158,8 @@ class MemorySnapshot(Event):
     total: int
     host_pool_used: int
     host_pool_total: int
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+    device_used: int = 0
+    pinned_host: int = 0
+    stage: int = -1

@@ -13,12 +13,15 @@ Roles
   (``Engine.run``: admission, layer-major prefill turns, decode steps) over its layers and
   broadcasts every decision that touches another stage's state as a small command:
 
-  ``("open", seq_id, reserve_tokens, sampling, seed)``  allocate pages and slabs; the last
-  stage makes the request's sampling generator (seeded as ``Engine`` seeds it);
+  ``("open", seq_id, reserve_tokens, sampling, seed, job_id)``  allocate pages and slabs;
+  the last stage makes the request's sampling generator (seeded as ``Engine`` seeds it);
   ``("close", seq_id)``  release them;
   ``("prefill", seq_id, layer, T)``  run ``layer`` (held by a later stage) over the prompt;
   ``("decode", step, groups)``  one decode step, ``groups`` the micro-batches as lists of
   ``(seq_id, seq_len)``;
+  ``("memory",)``  every stage sends stage 0 its :class:`~engine.events.MemorySnapshot`
+  (``gather_object``), which stage 0 yields with its own;
+  ``("end",)``  ``Engine.run`` ended: close the selection trace files;
   ``("exit",)``.
 * Stages 1 .. n-1, :class:`StageFollower`, execute the commands in order.
 * The last stage samples and sends the tokens (with the summed hit / miss counters) back to
@@ -54,6 +57,18 @@ a step takes about 3 half-batch stage times instead of 4; with M micro-batches a
 overlap (stage 0 needs the step's tokens before embedding the next), which would need an
 asynchronous decode turn in the scheduler.
 
+Memory budget and traces
+------------------------
+With ``memory_budget_gb`` each stage sizes its cache from the budget for its own layers
+(:func:`engine.budget.stage_sizing`: the planner's table for that stage: its weights,
+activations with the logits only on the last stage, hand-off buffers, reserve); the
+stages exchange their sizings (``all_gather_object``) and all build the smallest pool and
+``max_batch`` so page and slab ids stay identical; a stage that has no room fails every
+stage's start with the reasons. With ``extra["trace_path"]`` (one file per stage, named by
+:func:`engine.workers.worker_config`) each stage records the selections of its layers,
+under the model's layer index; the header's ``layers`` names them, and ``hisparse
+replay`` reads the stage files together.
+
 Any failure inside a pipelined prefill or decode (including a lost peer) raises
 :class:`StageError`, which ``Engine.run`` does not catch: the stages are no longer in
 lockstep, so the stage process ends and the parent (``engine.workers``) reports it.
@@ -63,11 +78,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from engine import events as ev
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.engine import Engine, Request
 from engine.planner import stage_layers
@@ -109,6 +126,18 @@ class StageLink:
         box = [command]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every stage's ``obj`` (picklable), in stage order, on every stage."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.control)
+        return out
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every stage's ``obj``, in stage order, on stage 0 (``None`` elsewhere)."""
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.control)
+        return out
 
     def isend(self, tensor: torch.Tensor, dst: int) -> None:
         """Start sending ``tensor`` to stage ``dst``; :meth:`flush` waits for it."""
@@ -162,11 +191,14 @@ class PipelineEngine(Engine):
     Parameters
     ----------
     link : this stage's :class:`StageLink`; ranges : every stage's layers (``n >= 2``);
-    other parameters as :class:`~engine.engine.Engine`.
+    other parameters as :class:`~engine.engine.Engine` (``tracer`` records stage 0's
+    layers, ``cache`` holds them).
     """
 
-    def __init__(self, model, tokenizer, config, ops, context_limit, link, ranges):
-        super().__init__(model, tokenizer, config, ops, context_limit)
+    def __init__(
+        self, model, tokenizer, config, ops, context_limit, link, ranges, tracer=None, cache=None
+    ):
+        super().__init__(model, tokenizer, config, ops, context_limit, tracer, cache=cache)
         self.link = link
         self.ranges: list[range] = list(ranges)
         self.last_stage = len(self.ranges) - 1
@@ -176,7 +208,7 @@ class PipelineEngine(Engine):
     def _open(self, job, seed: int) -> Request:
         req = super()._open(job, seed)
         reserve = len(job.prompt_ids) + job.sampling.max_tokens
-        self._command("open", req.seq_id, reserve, job.sampling, seed)
+        self._command("open", req.seq_id, reserve, job.sampling, seed, job.id)
         return req
 
     def _close(self, req: Request) -> None:
@@ -229,6 +261,8 @@ class PipelineEngine(Engine):
         groups = split_batch(batch, self.micro_batches)
         layout = [[(r.seq_id, r.num_tokens + 1) for r in g] for g in groups]
         self.link.broadcast(("decode", self.step, layout))
+        if self.tracer is not None:
+            self.tracer.bind({r.seq_id: r.job.id for r in batch})
         for group in groups:
             lens = [r.num_tokens + 1 for r in group]
             plan = self.attn.plan([r.seq_id for r in group], lens, self.step)
@@ -244,16 +278,24 @@ class PipelineEngine(Engine):
             self.cache.seqs[r.seq_id].num_tokens += 1
         return tokens_hits_misses[0].tolist()
 
-    def memory_snapshot(self):
-        """Stage 0's device; the host pool of the whole pipeline (every stage holds the same
-        pages, ``num_layers`` of the model's layers each)."""
-        snap = super().memory_snapshot()
-        scale = self.model_config.num_layers / self.cache.num_layers
-        return dataclasses.replace(
-            snap,
-            host_pool_used=round(snap.host_pool_used * scale),
-            host_pool_total=round(snap.host_pool_total * scale),
-        )
+    def memory_snapshot(self) -> ev.MemorySnapshot:
+        """Stage 0's device and its layers' share of the host pool (``stage`` 0)."""
+        return dataclasses.replace(super().memory_snapshot(), stage=0)
+
+    def memory_snapshots(self) -> list[ev.MemorySnapshot]:
+        """One snapshot per stage, in stage order (``stage`` set): each stage's device and
+        its layers' share of the host pool (``engine.workers`` sums the shares)."""
+        self._command("memory")
+        try:
+            return list(self.link.gather(self.memory_snapshot()) or [])
+        except Exception as e:  # noqa: BLE001 - a lost stage ends the pipeline
+            raise StageError(f"pipeline memory report failed: {e}") from e
+
+    def _end_run(self) -> Iterator[ev.Event]:
+        """Tell the other stages the run ended (they close their trace files), then close
+        stage 0's and report every stage's memory."""
+        self._command("end")
+        yield from super()._end_run()
 
     def shutdown(self) -> None:
         """Tell the other stages to exit and leave the process group."""
@@ -278,6 +320,7 @@ class StageFollower:
         self.is_last = link.rank == len(ranges) - 1
         self.hidden: dict[int, torch.Tensor] = {}
         self.sampling: dict[int, tuple[SamplingParams, torch.Generator]] = {}
+        self.job_ids: dict[int, str] = {}
 
     def serve(self) -> None:
         """Execute commands until ``exit``."""
@@ -286,16 +329,22 @@ class StageFollower:
             "close": self._close,
             "prefill": self._prefill,
             "decode": self._decode,
+            "memory": self._memory,
+            "end": self._end,
         }
         while True:
             command = self.link.broadcast()
             if command[0] == "exit":
+                self._end()
                 self.link.close()
                 return
             handlers[command[0]](*command[1:])
 
-    def _open(self, seq_id: int, reserve: int, sampling: SamplingParams, seed: int) -> None:
+    def _open(
+        self, seq_id: int, reserve: int, sampling: SamplingParams, seed: int, job_id: str = ""
+    ) -> None:
         self.engine.cache.allocate(seq_id, reserve)
+        self.job_ids[seq_id] = job_id or str(seq_id)
         if self.is_last:
             self.sampling[seq_id] = (sampling, make_generator(sampling, seed))
 
@@ -303,6 +352,16 @@ class StageFollower:
         self.engine.cache.release(seq_id)
         self.hidden.pop(seq_id, None)
         self.sampling.pop(seq_id, None)
+        self.job_ids.pop(seq_id, None)
+
+    def _memory(self) -> None:
+        snap = dataclasses.replace(self.engine.memory_snapshot(), stage=self.rank)
+        self.link.gather(snap)
+
+    def _end(self) -> None:
+        tracer = self.engine.tracer
+        if tracer is not None and hasattr(tracer, "close"):
+            tracer.close()
 
     @torch.inference_mode()
     def _prefill(self, seq_id: int, layer: int, t: int) -> None:
@@ -329,6 +388,8 @@ class StageFollower:
     @torch.inference_mode()
     def _decode(self, step: int, layout: list[list[tuple[int, int]]]) -> None:
         eng, m = self.engine, self.engine.model
+        if eng.tracer is not None:
+            eng.tracer.bind({s: self.job_ids.get(s, str(s)) for g in layout for s, _ in g})
         for group in layout:
             ids, lens = [s for s, _ in group], [n for _, n in group]
             plan = eng.attn.plan(ids, lens, step)
@@ -364,10 +425,15 @@ def load_stage(
     """Load stage ``rank`` of ``world_size``: only its layers are placed; joins the process
     group. Stage 0 returns the :class:`PipelineEngine`, the others a :class:`StageFollower`.
 
+    With ``config.memory_budget_gb`` the stage's cache is sized from the budget (see the
+    module docstring; the split is the engine's ``budget_sizing``); with
+    ``config.extra["trace_path"]`` the stage records its layers' selections there.
+
     Raises
     ------
     ConfigError
-        Fewer than 2 stages, or more stages than the model has layers.
+        Fewer than 2 stages, more stages than the model has layers, or a memory budget
+        that leaves some stage no room (every stage raises, naming the stages).
     """
     from engine.api import context_limit_and_rope, load_weights, pick_weight_format, resolve_device
     from engine.model import LlamaModel
@@ -377,7 +443,7 @@ def load_stage(
     device = resolve_device(config)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    weights, tokenizer, name = load_weights(model)
+    weights, tokenizer, name = load_weights(model, config.extra.get("tokenizer"))
     num_layers = weights.config.num_layers
     if not 2 <= world_size <= num_layers:
         raise ConfigError(
@@ -391,8 +457,63 @@ def load_stage(
     del weights
     ops = get_ops(device, config.use_triton)
     link = StageLink(rank, world_size, device, init_method, nccl)
+    cache, sizing = None, None
+    if config.memory_budget_gb is not None:
+        config, cache, sizing = stage_budget_cache(llm, config, limit, link)
+    tracer = stage_tracer(name, llm, config)
     if rank == 0:
-        engine = PipelineEngine(llm, tokenizer, config, ops, limit, link, ranges)
-        engine.model_name, engine.weight_format = name, fmt
-        return engine
-    return StageFollower(Engine(llm, tokenizer, config, ops, limit), link, ranges)
+        engine = PipelineEngine(
+            llm, tokenizer, config, ops, limit, link, ranges, tracer=tracer, cache=cache
+        )
+    else:
+        engine = Engine(llm, tokenizer, config, ops, limit, tracer, cache=cache)
+    engine.budget_sizing = sizing
+    engine.model_name, engine.weight_format = name, fmt
+    return engine if rank == 0 else StageFollower(engine, link, ranges)
+
+
+def stage_budget_cache(llm, config: EngineConfig, context_limit: int, link: StageLink):
+    """The budget-sized cache of this stage's layers, agreed with the other stages.
+
+    Every stage computes :func:`engine.budget.stage_sizing` for its layers and shares it
+    (``all_gather_object``); each then builds the smallest pool and ``max_batch`` of all
+    (:func:`engine.budget.common_sizing`).
+
+    Returns
+    -------
+    (config with the agreed ``max_batch``, :class:`engine.kv_cache.KVCache`,
+    :class:`engine.budget.KVSizing`)
+
+    Raises
+    ------
+    ConfigError
+        Some stage has no room; on every stage, naming each stage that has none.
+    """
+    from engine.budget import budget_cache, common_sizing, stage_sizing
+
+    r = llm.layer_range
+    try:
+        mine: Any = stage_sizing(
+            llm.config, config, llm.weight_bytes, context_limit, (r.start, r.stop)
+        )
+    except ConfigError as e:
+        mine = f"stage {link.rank} (layers {r.start}-{r.stop - 1}, {link.device}): {e}"
+    everyone = link.all_gather(mine)
+    errors = [s for s in everyone if isinstance(s, str)]
+    if errors:
+        raise ConfigError("; ".join(errors))
+    sizing = common_sizing(mine, everyone, llm.config, config, context_limit)
+    return budget_cache(llm, config, context_limit, sizing=sizing)
+
+
+def stage_tracer(model_name: str, llm, config: EngineConfig):
+    """A :class:`engine.trace.TraceWriter` at ``config.extra["trace_path"]`` whose header
+    names this stage's layers; ``None`` without a trace path."""
+    path = config.extra.get("trace_path")
+    if not path:
+        return None
+    from engine.trace import TraceHeader, TraceWriter
+
+    r = llm.layer_range
+    header = TraceHeader.for_engine(model_name, llm.config, config, layers=(r.start, r.stop))
+    return TraceWriter(path, header)

@@ -406,6 +406,12 @@ def comm_bytes(
     """Pipeline hand-off buffers: 2 x (B + C) x H x b; 0 in data mode or on one device."""
     if hardware.parallel != "pipeline" or hardware.num_devices == 1:
         return 0
+    return stage_comm_bytes(model, config, batch)
+
+
+def stage_comm_bytes(model: ModelConfig, config: EngineConfig, batch: int) -> int:
+    """One pipeline stage's hand-off buffers, in bytes: 2 x (B + C) x H x b (a decode
+    micro-batch of up to ``batch`` rows and one prefill chunk, double-buffered)."""
     return (
         2
         * (batch + config.prefill_chunk)

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.trace import TraceHeader, TraceRecord, read_header, read_trace
+from engine.trace import TraceHeader, TraceRecord, read_traces
 
 POLICIES = ("lru", "fifo", "random", "belady")
 
@@ -195,19 +195,24 @@ def capacities_from_multiples(header: TraceHeader, multiples: Iterable[float]) -
 
 
 def replay_trace(
-    path: str | Path,
+    path: str | Path | Sequence[str | Path],
     capacities: Sequence[int],
     policies: Sequence[str] = POLICIES,
     seed: int = 0,
 ) -> tuple[TraceHeader, list[ReplayResult]]:
     """Read a trace once and replay it for each (policy, capacity), policies outermost.
 
+    ``path`` may list the files of one run on several devices (one per worker, see
+    :func:`engine.trace.read_traces`); they are replayed as one trace.
+
     Raises
     ------
     ValueError
-        Not a trace, unknown policy, or a capacity below some step's selection.
+        Not a trace, headers that disagree, unknown policy, or a capacity below some
+        step's selection.
     """
-    header = read_header(path)
-    streams = load_streams(read_trace(path))
+    paths = [path] if isinstance(path, (str, Path)) else list(path)
+    header, records = read_traces(paths)
+    streams = load_streams(records)
     results = [replay(streams, c, p, seed) for p in policies for c in capacities]
     return header, results

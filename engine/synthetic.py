@@ -22,7 +22,10 @@ the weights always land on the CPU, like a checkpoint read from disk.
 
 Tokenizer: the embedded SmolLM2 one (vocabulary 49152). A shape keeps its published
 vocabulary V: encoded ids are taken ``id % V`` (matters when V < 49152, e.g. Llama 2's
-32000) and generated ids are decoded as ``id % 49152`` (when V > 49152).
+32000) and generated ids are decoded as ``id % 49152`` (when V > 49152). Where the
+embedded model is not installed (a GPU machine without the GGUF), ``tokenizer="ids"``
+(``EngineConfig.extra["tokenizer"]``) puts an :class:`IdsTokenizer` in front instead:
+jobs then come as token ids (a pre-tokenised corpus) and results are ids as text.
 """
 
 from __future__ import annotations
@@ -85,9 +88,15 @@ def synthetic_shape(name: str) -> ModelConfig:
     return SYNTHETIC_SHAPES[key]
 
 
+TOKENIZERS = ("embedded", "ids")
+
+
 def load_synthetic(
-    name: str, device: str | torch.device | None = None, group_size: int = GROUP_SIZE
-) -> tuple[ModelWeights, TextTokenizer, str]:
+    name: str,
+    device: str | torch.device | None = None,
+    group_size: int = GROUP_SIZE,
+    tokenizer: str | None = None,
+) -> tuple[ModelWeights, TextTokenizer | IdsTokenizer, str]:
     """Synthetic (random, 4-bit) weights of the shape ``name`` and the embedded tokenizer.
 
     The weights are synthetic: attention patterns, hence selection locality and miss
@@ -100,6 +109,7 @@ def load_synthetic(
     device : where random numbers are drawn and quantised; None: ``cuda`` when available
         (big shapes), else ``cpu``. The weights depend on the device type.
     group_size : quantisation group along K
+    tokenizer : ``embedded`` (default, ``None``) or ``ids`` (:func:`make_tokenizer`)
 
     Returns
     -------
@@ -108,15 +118,16 @@ def load_synthetic(
     Raises
     ------
     ValueError
-        Unknown name.
+        Unknown name or tokenizer.
     FileNotFoundError
         The embedded model (for its tokenizer) is not installed.
     """
     cfg = synthetic_shape(name)
+    tok = make_tokenizer(cfg.vocab_size, tokenizer)  # fails before the slow part
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     weights = synthetic_weights(cfg, device=device, group_size=group_size)
-    return weights, synthetic_tokenizer(cfg.vocab_size), f"{PREFIX}{cfg.name}"
+    return weights, tok, f"{PREFIX}{cfg.name}"
 
 
 def synthetic_weights(
@@ -266,6 +277,51 @@ def _embedded_tokenizer() -> TextTokenizer:
     from engine.embedded import default_model_path
 
     return TextTokenizer.from_gguf(default_model_path())
+
+
+class IdsTokenizer:
+    """A tokenizer that knows no text: for runs whose jobs are token ids already.
+
+    :meth:`decode` writes ids as space-separated numbers; there is no EOS (a job ends at
+    ``max_tokens`` or a stop string made of ids); encoding text raises ``ValueError``.
+    """
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.eos_ids: frozenset[int] = frozenset()
+        self.bos_id = None
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """Raises ``ValueError``: this tokenizer has no vocabulary of text."""
+        raise ValueError(
+            "tokenizer 'ids' cannot encode text: give jobs as token ids (a pre-tokenised "
+            "corpus), or install the embedded model for the synthetic tokenizer"
+        )
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Raises ``ValueError`` (see :meth:`encode`)."""
+        return self.encode("")
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """``[5, 17]`` -> ``"5 17"``."""
+        return " ".join(str(int(i)) for i in ids)
+
+
+def make_tokenizer(vocab_size: int, kind: str | None = None) -> SyntheticTokenizer | IdsTokenizer:
+    """The tokenizer of a synthetic model: ``embedded`` (``None``; the embedded SmolLM2
+    tokenizer mapped onto ``vocab_size``) or ``ids`` (:class:`IdsTokenizer`).
+
+    Raises
+    ------
+    ValueError
+        Unknown ``kind``.
+    FileNotFoundError
+        ``embedded`` and the embedded model is not installed.
+    """
+    kind = kind or "embedded"
+    if kind not in TOKENIZERS:
+        raise ValueError(f"tokenizer {kind!r} is not one of {', '.join(TOKENIZERS)}")
+    return IdsTokenizer(vocab_size) if kind == "ids" else synthetic_tokenizer(vocab_size)
 
 
 def synthetic_tokenizer(vocab_size: int) -> SyntheticTokenizer:

@@ -14,8 +14,9 @@ Line 1, the header (:class:`TraceHeader`)::
      "num_kv_heads": 3, "sink_pages": 1, "window_pages": 4,
      "device_buffer_pages": 64, "indexer": "quest"}
 
-``top_k`` is in tokens, the other budgets in pages. Then one line per (request, decode
-step, layer) (:class:`TraceRecord`)::
+``top_k`` is in tokens, the other budgets in pages. A pipeline stage's file adds
+``"layers": [start, end]``, the model layers it records (absent: every layer). Then one
+line per (request, decode step, layer) (:class:`TraceRecord`)::
 
     {"job": "doc-a", "seq": 0, "step": 7, "layer": 12, "num_pages": 40,
      "words": [[-1, 255], [15, 128], [3, 240]]}
@@ -29,7 +30,13 @@ step, layer) (:class:`TraceRecord`)::
   ``i`` is bit ``i % 32`` of word ``i // 32``; the words are the engine's ``int32``
   values, so bit 31 makes a word negative (``w & 0xFFFFFFFF`` gives the unsigned value).
 
-Lines of one step appear in layer order; the file is flushed once per decode step.
+Lines of one step appear in layer order (in a pipeline stage, per micro-batch); the file
+is flushed once per decode step.
+
+Several devices write one file per worker (:func:`engine.workers.worker_config`:
+``run.jsonl`` -> ``run.w0.jsonl``, ``run.w1.jsonl``): data-parallel workers each hold
+their jobs, pipeline stages each their layers of every job. :func:`read_traces` reads
+them together as one trace (``hisparse replay run.w0.jsonl run.w1.jsonl``).
 Tracing copies each layer's selection to the host, so it synchronises a GPU: it is an
 analysis tool, not for timing runs.
 """
@@ -37,6 +44,7 @@ analysis tool, not for timing runs.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gzip
 import json
 from collections.abc import Iterator, Mapping
@@ -67,10 +75,18 @@ class TraceHeader:
     window_pages: int = 0
     device_buffer_pages: int = 0
     indexer: str = ""
+    layers: tuple[int, int] | None = None
 
     @classmethod
-    def for_engine(cls, model_name: str, model: ModelConfig, config: EngineConfig) -> TraceHeader:
-        """Header for an engine running ``model`` under ``config``."""
+    def for_engine(
+        cls,
+        model_name: str,
+        model: ModelConfig,
+        config: EngineConfig,
+        layers: tuple[int, int] | None = None,
+    ) -> TraceHeader:
+        """Header for an engine running ``model`` under ``config``; ``layers`` is the
+        ``[start, end)`` of a pipeline stage's layers (``None``: every layer)."""
         return cls(
             model=model_name,
             page_size=config.page_size,
@@ -82,10 +98,16 @@ class TraceHeader:
             window_pages=config.window_pages,
             device_buffer_pages=config.buffer_pages,
             indexer=config.indexer,
+            layers=tuple(layers) if layers is not None else None,
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": TRACE_FORMAT, "version": TRACE_VERSION, **asdict(self)}
+        out = {"format": TRACE_FORMAT, "version": TRACE_VERSION, **asdict(self)}
+        if self.layers is None:
+            del out["layers"]  # every layer: the version-1 header, unchanged
+        else:
+            out["layers"] = list(self.layers)
+        return out
 
 
 @dataclass(frozen=True)
@@ -232,4 +254,61 @@ def _parse_header(line: str, path: str | Path) -> TraceHeader:
     if d.get("version") != TRACE_VERSION:
         raise ValueError(f"{path}: trace version {d.get('version')} is not {TRACE_VERSION}")
     names = {f.name for f in fields(TraceHeader)}
-    return TraceHeader(**{k: v for k, v in d.items() if k in names})
+    values = {k: v for k, v in d.items() if k in names}
+    if values.get("layers") is not None:
+        values["layers"] = tuple(values["layers"])
+    return TraceHeader(**values)
+
+
+def merge_headers(headers: list[TraceHeader], paths: list[str | Path]) -> TraceHeader:
+    """One header for traces recorded together (the workers of one run: data-parallel
+    workers hold every layer of their jobs, pipeline stages some layers of every job).
+
+    Every field but ``layers`` must agree; the result's ``layers`` is ``None`` (every
+    layer) when any file holds every layer or the files' layers cover the model,
+    otherwise the ``(lowest, highest + 1)`` the files hold.
+
+    Raises
+    ------
+    ValueError
+        Two headers differ in another field (the message names it and the files), or
+        no header is given.
+    """
+    if not headers:
+        raise ValueError("no trace given")
+    first = headers[0]
+    for h, path in zip(headers[1:], paths[1:], strict=True):
+        for f in fields(TraceHeader):
+            if f.name != "layers" and getattr(h, f.name) != getattr(first, f.name):
+                raise ValueError(
+                    f"{path}: {f.name}={getattr(h, f.name)!r} but {paths[0]} has "
+                    f"{getattr(first, f.name)!r}; replay traces of one run together"
+                )
+    spans = [h.layers for h in headers]
+    if any(s is None for s in spans):
+        return dataclasses.replace(first, layers=None)
+    held = {i for a, b in spans for i in range(a, b)}
+    if held == set(range(first.num_layers)):
+        return dataclasses.replace(first, layers=None)
+    return dataclasses.replace(first, layers=(min(held), max(held) + 1))
+
+
+def read_traces(paths: list[str | Path]) -> tuple[TraceHeader, Iterator[TraceRecord]]:
+    """Several trace files of one run as one: the merged header (:func:`merge_headers`)
+    and the records of every file, file by file.
+
+    Raises
+    ------
+    ValueError
+        A file is not a trace, the headers disagree, or a file is given twice.
+    """
+    resolved = [Path(p).resolve() for p in paths]
+    if len(set(resolved)) != len(resolved):
+        raise ValueError("a trace file is given twice (its selections would count twice)")
+    header = merge_headers([read_header(p) for p in paths], list(paths))
+
+    def records() -> Iterator[TraceRecord]:
+        for p in paths:
+            yield from read_trace(p)
+
+    return header, records()

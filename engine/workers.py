@@ -124,20 +124,28 @@ def parse_devices(devices: str | Iterable[str]) -> list[str]:
     return [str(d).strip() for d in items if str(d).strip()]
 
 
+def worker_trace_path(path: str, rank: int) -> str:
+    """Worker ``rank``'s trace file for ``--trace path``: ``run.jsonl`` -> ``run.w1.jsonl``
+    (``run.jsonl.gz`` -> ``run.w1.jsonl.gz``)."""
+    root, ext = os.path.splitext(str(path))
+    if ext == ".gz":
+        root, inner = os.path.splitext(root)
+        ext = inner + ext
+    return f"{root}.w{rank}{ext}"
+
+
 def worker_config(
     config: EngineConfig, device: str, rank: int, devices: list[str], mode: str
 ) -> EngineConfig:
     """The config one worker loads: its device, its share of the host pool (``data``; a
     pipeline stage sizes its pool from its layers), the host's cores split between the
-    workers when ``num_threads`` is unset, a per-worker trace file (``data``), and no
-    ``devices`` / ``parallel``."""
+    workers when ``num_threads`` is unset, its own trace file
+    (:func:`worker_trace_path`: a data worker records its jobs, a pipeline stage its
+    layers), and no ``devices`` / ``parallel``. ``memory_budget_gb`` stays: it caps each
+    worker's device (a pipeline stage sizes it for its layers)."""
     extra = {k: v for k, v in config.extra.items() if k not in PARALLEL_KEYS}
     if extra.get("trace_path"):
-        if mode == "pipeline":
-            extra.pop("trace_path")  # selection traces are per layer; not supported across stages
-        else:
-            root, ext = os.path.splitext(str(extra["trace_path"]))
-            extra["trace_path"] = f"{root}.w{rank}{ext}"
+        extra["trace_path"] = worker_trace_path(str(extra["trace_path"]), rank)
     changes: dict[str, Any] = {"device": device, "extra": extra}
     if mode == "data":
         changes["host_pool_gb"] = config.host_pool_gb / len(devices)
@@ -155,7 +163,9 @@ def _worker_main(spec: WorkerSpec, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = _load(spec)
-        conn.send(("ready", _info(engine, spec)))
+        info = _info(engine, spec)
+        _reset_peaks(spec.device)  # the snapshots' peaks are the runs', not the load's
+        conn.send(("ready", info))
         if hasattr(engine, "serve"):  # a pipeline stage other than 0
             engine.serve()
             return
@@ -189,15 +199,39 @@ def _load(spec: WorkerSpec) -> Any:
 
 
 def _info(engine: Any, spec: WorkerSpec) -> dict[str, Any]:
+    """What a worker tells the parent once loaded (``ParallelEngine.workers[i].info``):
+    its limits and shape, its layers, its budget split (``budget_sizing``, a dict of
+    :class:`engine.budget.KVSizing`, or ``None``), and on CUDA the peaks of loading
+    (``load_peak_allocated`` / ``load_peak_reserved``, bytes)."""
     inner = getattr(engine, "engine", engine)  # a StageFollower wraps its Engine
-    return {
+    sizing = getattr(inner, "budget_sizing", None)
+    info = {
         "pid": os.getpid(),
         "prompt_limit": inner.prompt_limit(),
         "model_config": inner.model_config,
-        "model_name": getattr(engine, "model_name", ""),
-        "weight_format": getattr(engine, "weight_format", ""),
+        "model_name": getattr(inner, "model_name", ""),
+        "weight_format": getattr(inner, "weight_format", ""),
         "layers": (inner.model.layer_range.start, inner.model.layer_range.stop),
+        "max_batch": inner.config.max_batch,
+        "host_pool_bytes": inner.cache.pool_bytes_total,
+        "budget_sizing": sizing.to_dict() if sizing is not None else None,
+        "trace_path": inner.config.extra.get("trace_path"),
     }
+    import torch
+
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        info["load_peak_allocated"] = torch.cuda.max_memory_allocated(device)
+        info["load_peak_reserved"] = torch.cuda.max_memory_reserved(device)
+    return info
+
+
+def _reset_peaks(device_name: str) -> None:
+    import torch
+
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def _serve(engine: Any, conn: Connection) -> None:
@@ -342,7 +376,7 @@ class ParallelEngine:
             if tokenizer is None:
                 from engine.api import load_tokenizer
 
-                tokenizer = load_tokenizer(model)[0]
+                tokenizer = load_tokenizer(model, config.extra.get("tokenizer"))[0]
             self.tokenizer = tokenizer
             self._wait_ready()
         except BaseException:
@@ -355,6 +389,12 @@ class ParallelEngine:
         self._prompt_limit = info["prompt_limit"]
 
     # ----- public API --------------------------------------------------------------
+    @property
+    def trace_paths(self) -> list[str]:
+        """The workers' selection trace files (``--trace``), in worker order; empty
+        without a trace. ``hisparse replay`` reads them together."""
+        return [w.info["trace_path"] for w in self.workers if w.info.get("trace_path")]
+
     def prompt_limit(self) -> int:
         """Most tokens (prompt + max_tokens) a request may hold."""
         return self._prompt_limit
@@ -503,11 +543,14 @@ class ParallelEngine:
         yield event
 
     def _relabel(self, w: _Worker, snap: ev.MemorySnapshot) -> ev.MemorySnapshot:
-        """Unique device names; host pool figures summed over the workers."""
-        self._pool[w.spec.rank] = (snap.host_pool_used, snap.host_pool_total)
+        """Unique device names (``cuda:0#1`` when two workers share ``cuda:0``); host pool
+        figures summed over the workers (a pipeline's stage 0 passes on every stage's
+        snapshot, ``stage`` naming it)."""
+        rank = snap.stage if snap.stage >= 0 else w.spec.rank
+        self._pool[rank] = (snap.host_pool_used, snap.host_pool_total)
         device = snap.device
-        if self.devices.count(w.spec.device) > 1:
-            device = f"{snap.device}#{w.spec.rank}"
+        if self.devices.count(self.devices[rank]) > 1:
+            device = f"{snap.device}#{rank}"
         used = sum(u for u, _ in self._pool.values())
         total = sum(t for _, t in self._pool.values())
         return dataclasses.replace(snap, device=device, host_pool_used=used, host_pool_total=total)

@@ -168,7 +168,12 @@ Parallel = Annotated[
     ),
 ]
 Trace = Annotated[
-    Path | None, typer.Option(help="Write an engine trace to FILE.", rich_help_panel=ENGINE)
+    Path | None,
+    typer.Option(
+        help="Record every selection to FILE (hisparse replay FILE); with several devices one "
+        "file per worker, FILE.w0.jsonl, FILE.w1.jsonl, ...",
+        rich_help_panel=ENGINE,
+    ),
 ]
 
 OutputDir = Annotated[

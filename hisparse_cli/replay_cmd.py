@@ -2,7 +2,9 @@
 
 Record a trace with ``hisparse run --trace FILE``; this command replays it through LRU
 (the engine's policy), FIFO, random and Bélády's optimum (:mod:`engine.replay`) and
-prints policy x buffer -> miss rate. The engine is imported inside the command.
+prints policy x buffer -> miss rate. A run on several devices writes one file per worker
+(``FILE.w0.jsonl``, ...: jobs in data mode, layers in pipeline mode); give them all and
+they are replayed as one trace. The engine is imported inside the command.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ EXIT_BAD_INPUT = 2
 DEFAULT_MULTIPLES = (1.0, 2.0, 4.0)
 
 TraceArg = Annotated[
-    Path,
+    list[Path],
     typer.Argument(
-        exists=True, dir_okay=False, help="Selection trace (hisparse run --trace FILE)."
+        exists=True,
+        dir_okay=False,
+        help="Selection trace (hisparse run --trace FILE); with several devices, every "
+        "worker's file (FILE.w0.jsonl FILE.w1.jsonl ...).",
     ),
 ]
 BufferPagesOpt = Annotated[
@@ -58,41 +63,42 @@ def register(app: typer.Typer) -> None:
 
 
 def replay_command(
-    trace: TraceArg,
+    traces: TraceArg,
     device_buffer_pages: BufferPagesOpt = None,
     buffer_multiple: BufferMultipleOpt = None,
     policy: PolicyOpt = None,
     seed: SeedOpt = 0,
     json_out: JsonOutOpt = None,
 ) -> None:
-    """Replay TRACE through LRU, FIFO, random and Bélády at each hot-buffer size.
+    """Replay TRACES (the files of one run) through LRU, FIFO, random and Bélády at each
+    hot-buffer size.
 
     Miss rate = misses / selected pages; "warm" leaves out cold misses (first selection
     of a page). Example: `hisparse replay trace.jsonl --buffer-multiple 1,2,4 --json out.json`
     """
     from engine.replay import POLICIES, capacities_from_multiples, load_streams, replay
-    from engine.trace import read_header, read_trace
+    from engine.trace import read_traces
 
     policies = _split(policy) or list(POLICIES)
     unknown = sorted(set(policies) - set(POLICIES))
     if unknown:
         _refuse(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
     try:
-        header = read_header(trace)
+        header, records = read_traces(traces)
         multiples = [float(m) for m in _split(buffer_multiple)]
         if not multiples and not device_buffer_pages:
             multiples = list(DEFAULT_MULTIPLES)
         capacities = sorted(
             set(device_buffer_pages or []) | set(capacities_from_multiples(header, multiples))
         )
-        streams = load_streams(read_trace(trace))
+        streams = load_streams(records)
         results = [replay(streams, c, p, seed) for p in policies for c in capacities]
     except ValueError as exc:
         _refuse(str(exc))
     Console().print(render_table(header, results))
     if json_out is not None:
         payload = {
-            "trace": str(trace),
+            "trace": str(traces[0]) if len(traces) == 1 else [str(t) for t in traces],
             "header": header.to_json(),
             "seed": seed,
             "results": [r.to_dict() for r in results],

@@ -379,6 +379,11 @@ class BatchRun:
             self.reporter.note(f"cannot load the model: {exc}", "error")
             return False
         self.reporter.note(f"model loaded in {self.clock() - started:.1f}s")
+        traces = getattr(engine, "trace_paths", None)  # several devices: one file per worker
+        if traces:
+            self.reporter.note(
+                f"selection traces: {', '.join(traces)} (hisparse replay reads them together)"
+            )
         with _SigintCanceller(engine) as self.cancel:
             try:
                 for event in engine.run(self._jobs(engine, pending)):

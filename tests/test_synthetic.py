@@ -96,3 +96,24 @@ def test_tokenizer_maps_ids_into_vocabularies(tiny):
     assert small.vocab_size == 1000
     big = syn.SyntheticTokenizer(base, 128256)
     assert big.decode([i + 49152 for i in ids]) == base.decode(ids)
+
+
+def test_ids_tokenizer_needs_no_embedded_model(monkeypatch):
+    """``extra.tokenizer: ids``: a synthetic model without the embedded GGUF (a GPU machine
+    fed pre-tokenised jobs); text cannot be encoded, results are ids as text."""
+    from engine.api import load_tokenizer
+    from engine.config import ConfigError
+
+    def no_model():
+        raise FileNotFoundError("not installed")
+
+    monkeypatch.setattr("engine.embedded.default_model_path", no_model)
+    tok, name = load_tokenizer("synthetic:qwen2.5-7b", "ids")
+    assert name == "synthetic:qwen2.5-7b" and tok.vocab_size == 152064 and not tok.eos_ids
+    assert tok.decode([5, 151000]) == "5 151000"
+    with pytest.raises(ValueError, match="cannot encode text"):
+        tok.encode_chat([{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="not one of"):
+        syn.make_tokenizer(10, "bpe")
+    with pytest.raises(ConfigError, match="synthetic models only"):
+        load_tokenizer(None, "ids")

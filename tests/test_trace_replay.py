@@ -182,6 +182,50 @@ def test_replay_command(tmp_path):
     assert bad.exit_code == 2
 
 
+def test_stage_traces_replay_as_one(tmp_path):
+    """Two pipeline stages' files (layers 0 and 1) read as one trace: the merged header
+    holds every layer and the CLI replays them together; a header that disagrees or a
+    file given twice is refused."""
+    from engine.trace import merge_headers, read_traces
+    from hisparse_cli.replay_cmd import register
+
+    paths = []
+    for layer in (0, 1):
+        path = tmp_path / f"run.w{layer}.jsonl"
+        writer = TraceWriter(path, header(layers=(layer, layer + 1)))
+        writer.bind({0: "doc"})
+        for step, sel in enumerate(TEXTBOOK):
+            mask = torch.zeros(1, 2, 8, dtype=torch.bool)
+            mask[0, :, sel] = True
+            writer(fake_plan([0], [8], step), layer, pack_bits(mask))
+        writer.close()
+        paths.append(path)
+    assert read_header(paths[1]).layers == (1, 2)
+    merged, records = read_traces(paths)
+    assert merged == header()  # layers None: every layer
+    streams = load_streams(records)
+    assert sorted(streams) == [("doc", 0, layer, h) for layer in (0, 1) for h in (0, 1)]
+    assert replay_trace(paths, [3], ["lru"])[1][0].misses == 4 * 12
+    assert merge_headers([header(layers=(0, 1))], ["a"]).layers == (0, 1)
+    with pytest.raises(ValueError, match="top_k=128"):
+        merge_headers([header(), header(top_k=128)], ["a", "b"])
+    with pytest.raises(ValueError, match="twice"):
+        read_traces([paths[0], paths[0]])
+    app = typer.Typer()
+    register(app)
+
+    @app.command("noop")
+    def noop() -> None:
+        pass
+
+    out = tmp_path / "r.json"
+    args = ["replay", *map(str, paths), "--device-buffer-pages", "3", "--policy", "lru"]
+    result = CliRunner().invoke(app, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["trace"] == [str(p) for p in paths] and data["results"][0]["misses"] == 4 * 12
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_lru_replay_equals_engine_counts(tmp_path, smollm2_gguf_path, corpus_dir):
     """A real-model run with --trace: LRU replay of the trace at the engine's

@@ -20,7 +20,14 @@ import torch
 from engine.config import EngineConfig, SamplingParams
 from engine.events import DecodeStep, Job, JobFailed, JobFinished, JobQueued, MemorySnapshot
 from engine.pipeline import split_batch
-from engine.workers import JobPlaced, ParallelEngine, WorkerDied, parse_devices, worker_config
+from engine.workers import (
+    JobPlaced,
+    ParallelEngine,
+    WorkerDied,
+    parse_devices,
+    worker_config,
+    worker_trace_path,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -160,7 +167,12 @@ def test_split_batch_and_worker_settings():
     assert w1.host_pool_gb == CONFIG.host_pool_gb / 2 and w1.device == "cpu"
     assert w1.extra == {"trace_path": "/t/run.w1.jsonl"} and w1.num_threads >= 1
     stage = worker_config(cfg, "cpu", 1, ["cpu", "cpu"], "pipeline")
-    assert stage.host_pool_gb == CONFIG.host_pool_gb and stage.extra == {}
+    assert stage.host_pool_gb == CONFIG.host_pool_gb and stage.extra == {
+        "trace_path": "/t/run.w1.jsonl"
+    }
+    assert worker_trace_path("/t/sel.jsonl.gz", 0) == "/t/sel.w0.jsonl.gz"
+    budget = worker_config(cfg.replace(memory_budget_gb=48.0), "cpu", 0, ["cpu", "cpu"], "pipeline")
+    assert budget.memory_budget_gb == 48.0  # every stage is capped, for its own layers
 
 
 # ----------------------------------------------------------------------------- two workers
@@ -187,8 +199,79 @@ def test_pipeline_matches_one_engine(pipeline_engine, jobs, reference):
     assert_same_results(results(events), reference)
     assert {e.worker for e in events if isinstance(e, JobPlaced)} == {0}  # stage 0 schedules
     assert max(e.batch_size for e in events if isinstance(e, DecodeStep)) == 2  # split in 2
+    snaps = [e for e in events if isinstance(e, MemorySnapshot)]
+    assert {(e.device, e.stage) for e in snaps} == {("cpu#0", 0), ("cpu#1", 1)}  # every stage
+    # each stage holds its layers' share of the pool; the parent reports their sum
+    assert snaps[-1].host_pool_total == 2 * pipeline_engine.workers[1].info["host_pool_bytes"]
     again = results(pipeline_engine.run(jobs[3:]))  # the stages stay usable across runs
     assert again[jobs[3].id].token_ids == reference[jobs[3].id].token_ids
+
+
+def test_pipeline_budget_sizes_each_stage_and_traces_every_layer(single, jobs, reference, tmp_path):
+    """--memory-budget and --trace in pipeline mode. The budget is set so that stage 1
+    (the LM head's logits scratch) fits 2 requests and stage 0 fits 3: both stages build
+    max_batch 2, from the planner's rows for their layers, and give the reference tokens
+    (max_batch 2). The two stage traces, replayed together through LRU at the engine's
+    buffer, give every job's hit and miss counts."""
+    from engine.budget import stage_sizing
+    from engine.planner import GIB, Hardware, device_tables, stage_layers, weight_bytes
+    from engine.replay import load_streams, replay
+    from engine.trace import read_traces
+
+    mc, limit = single.model_config, single.prompt_limit()
+    ranges = stage_layers(mc.num_layers, 2)
+
+    def own(cfg, weights=None):  # each stage's sizing before the stages agree
+        return [
+            stage_sizing(
+                mc,
+                cfg,
+                weights[i] if weights else weight_bytes(mc, cfg, r, embed=i == 0, head=i == 1),
+                limit,
+                r,
+            )
+            for i, r in enumerate(ranges)
+        ]
+
+    probe = CONFIG.replace(max_batch=16, memory_budget_gb=3.0)
+    s1 = own(probe)[1]
+    spare = (
+        s1.room_bytes - s1.num_pool_pages * s1.meta_page_bytes - 2.5 * s1.per_request_device_bytes
+    )
+    cfg = probe.replace(
+        memory_budget_gb=3.0 - spare / GIB, extra={"trace_path": str(tmp_path / "sel.jsonl")}
+    )
+    with ParallelEngine(cfg, None, "cpu,cpu", "pipeline", tokenizer=single.tokenizer) as eng:
+        infos = [w.info for w in eng.workers]
+        assert [i["max_batch"] for i in infos] == [2, 2]
+        sizings = [i["budget_sizing"] for i in infos]
+        assert [tuple(s["layers"]) for s in sizings] == ranges
+        assert [s.max_batch for s in own(cfg, [s["weights_bytes"] for s in sizings])] == [3, 2]
+        hw = Hardware(devices=("cpu", "cpu"), memory_gb=100.0, parallel="pipeline")
+        for table, sizing in zip(device_tables(mc, cfg, hw, 0, limit), sizings, strict=True):
+            assert table.weights_bytes == sizing["weights_bytes"]
+            assert table.activation_bytes == sizing["activation_bytes"]
+            assert table.comm_bytes == sizing["comm_bytes"] > 0
+            assert table.reserve_bytes == sizing["reserve_bytes"]
+        assert eng.trace_paths == [str(tmp_path / "sel.w0.jsonl"), str(tmp_path / "sel.w1.jsonl")]
+        got = results(eng.run(jobs))
+    assert_same_results(got, reference)
+    header, records = read_traces(eng.trace_paths)
+    assert header.layers is None and header.num_layers == mc.num_layers  # together: every layer
+    streams = load_streams(records)
+    for job_id, res in got.items():
+        mine = {k: v for k, v in streams.items() if k[0] == job_id}
+        assert {k[2] for k in mine} == set(range(mc.num_layers))
+        lru = replay(mine, cfg.buffer_pages, "lru")
+        assert (lru.hits, lru.misses) == (res.cache.hits, res.cache.misses), job_id
+
+
+def test_pipeline_budget_without_room_names_the_stage(single):
+    """A budget too small for the stages fails the start, naming each stage (the synthetic
+    two-layer model: one layer per stage, quick to load)."""
+    cfg = CONFIG.replace(memory_budget_gb=1.0)  # all of it is the 1 GiB minimum reserve
+    with pytest.raises(RuntimeError, match=r"stage 0 \(layers 0-0, cpu\).*stage 1 \(layers 1-1"):
+        ParallelEngine(cfg, "synthetic:tiny", "cpu,cpu", "pipeline", tokenizer=single.tokenizer)
 
 
 def test_cli_run_drives_parallel_engine(data_engine, tmp_path, monkeypatch):
