@@ -104,8 +104,9 @@ class EngineConfig:
         CUDA graph (one per batch size and page-table width bucket; see
         :mod:`engine.cuda_graph`); False launches every kernel eagerly.
     decode_overlap: with CUDA graphs and the hierarchy, decode a batch of two or more as
-        two micro-batches on two streams, so the host->device gathers of one overlap the
-        compute of the other (the link is otherwise idle while the GPU computes).
+        two micro-batches on two streams, so the host->device gathers of one can overlap
+        the compute of the other. Off by default: on an H200 it did not pay (the SM-driven
+        gather kernel leaves the other stream no room; see docs/performance.md).
     prefill_chunk: prompt tokens per prefill step of one layer.
     prefill_copy_stream: write each prefill chunk's K/V records to the KV pool as soon as
         they exist (:meth:`engine.kv_cache.KVCache.write_prefill_chunk`); with a pinned host
@@ -140,7 +141,7 @@ class EngineConfig:
     num_threads: int | None = None
     skip_host_io: bool = False
     cuda_graph: bool = True
-    decode_overlap: bool = True
+    decode_overlap: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -58,8 +58,8 @@ def _engine(model, cuda_graph: bool, **kw):
 
 MODES = {
     "hierarchical": dict(attention="sparse", top_k=128, device_buffer=160, local_window=32),
-    "hierarchical-one-stream": dict(
-        attention="sparse", top_k=128, device_buffer=160, local_window=32, decode_overlap=False
+    "hierarchical-two-streams": dict(
+        attention="sparse", top_k=128, device_buffer=160, local_window=32, decode_overlap=True
     ),
     "sparse-resident": dict(attention="sparse", hierarchical=False, top_k=128),
     "dense": dict(attention="dense"),
@@ -73,7 +73,7 @@ def test_graph_replay_equals_eager(model, mode):
     assert eager.graphs is None and graph.graphs is not None, graph.graphs_off_reason
     # Two micro-batches on two streams exactly when the hierarchy runs with decode_overlap
     # (the eager engine splits the same way, one half after the other).
-    assert graph.graphs.overlap == (mode == "hierarchical") == eager.split_batches
+    assert graph.graphs.overlap == (mode == "hierarchical-two-streams") == eager.split_batches
     gen = torch.Generator().manual_seed(0)
     lengths = [300, 1000, 2100, 45]
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in lengths]
