@@ -51,6 +51,10 @@ GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 INT4_GROUP_SIZE = 128
 INT4_GROUP_OVERHEAD_BYTES = 4  # one bf16 scale + one bf16 zero point per group
+# On CUDA each int4 linear also keeps its source blocks (uint8 nibbles + float32 scale and
+# offset per group) for prefill-sized calls, which dequantise them to bf16 for the dense
+# GEMM (engine.quant.Int4Linear): another 0.5 B/param + 8 B per group.
+INT4_CUDA_SOURCE_GROUP_BYTES = 8
 LOGITS_BYTES = 4  # logits are computed in float32
 DEVICE_RESERVE_FRACTION = 0.05
 DEVICE_RESERVE_MIN_BYTES = 1 * GIB
@@ -256,7 +260,9 @@ def weight_bytes(
 
     Notes
     -----
-    int4 linears cost 0.5 B/param + 4 B per group of :data:`INT4_GROUP_SIZE`; the
+    int4 linears cost 0.5 B/param + 4 B per group of :data:`INT4_GROUP_SIZE`, twice the
+    nibbles plus :data:`INT4_CUDA_SOURCE_GROUP_BYTES` per group more on CUDA (the kept
+    source blocks; measured: docs/performance.md, plan vs measured memory); the
     embedding, lm_head, norms and biases stay in ``config.dtype``.
     """
     start, end = layers if layers is not None else (0, model.num_layers)
@@ -264,9 +270,10 @@ def weight_bytes(
     b = dtype_bytes(config.dtype)
     linear = _linear_params_per_layer(model) * num_layers
     if weight_format(config) == "int4":
-        linear_bytes = (
-            linear // 2 + -(-linear // INT4_GROUP_SIZE) * INT4_GROUP_OVERHEAD_BYTES
-        )
+        groups = -(-linear // INT4_GROUP_SIZE)
+        linear_bytes = linear // 2 + groups * INT4_GROUP_OVERHEAD_BYTES
+        if str(config.device).startswith("cuda"):
+            linear_bytes += linear // 2 + groups * INT4_CUDA_SOURCE_GROUP_BYTES
     else:
         linear_bytes = linear * b
     vocab_matrix = model.vocab_size * model.hidden_size
