@@ -137,8 +137,8 @@ def worker_trace_path(path: str, rank: int) -> str:
 def worker_config(
     config: EngineConfig, device: str, rank: int, devices: list[str], mode: str
 ) -> EngineConfig:
-    """The config one worker loads: its device, its share of the host pool (``data``; a
-    pipeline stage sizes its pool from its layers), the host's cores split between the
+    """The config one worker loads: its device, its share of the host pool and of
+    ``max_batch`` (``data``; a pipeline stage sizes its pool from its layers), the host's cores split between the
     workers when ``num_threads`` is unset, its own trace file
     (:func:`worker_trace_path`: a data worker records its jobs, a pipeline stage its
     layers), and no ``devices`` / ``parallel``. ``memory_budget_gb`` stays: it caps each
@@ -149,6 +149,9 @@ def worker_config(
     changes: dict[str, Any] = {"device": device, "extra": extra}
     if mode == "data":
         changes["host_pool_gb"] = config.host_pool_gb / len(devices)
+        # max_batch is the whole box's, as the planner reads it (ceil(max_batch / n) rows
+        # per device), so the run admits what `hisparse plan` shows.
+        changes["max_batch"] = -(-config.max_batch // len(devices))
     if config.num_threads is None:  # the workers share the host's cores
         changes["num_threads"] = max(1, (os.cpu_count() or 1) // len(devices))
     return config.replace(**changes)

@@ -31,10 +31,9 @@ Scenarios (GPU; ``--scenarios`` picks, default all that the machine can run):
 A scenario that needs more GPUs than ``torch.cuda.device_count()`` is skipped with the
 reason. Every job is ``--context`` positions (prompt + ``--max-tokens``), greedy; the
 host pool is sized to hold exactly the scenario's jobs (``<fits>``). The run settings are
-the preset's, with ``max_batch`` set to the jobs a device holds at once: the planner's
-``max_batch`` is the whole box's (a data-parallel device decodes ``ceil(max_batch / n)``
-rows) while a data worker's is its own, so data scenarios plan with ``max_batch = jobs``
-and run each worker with ``jobs / n``.
+the preset's, with ``max_batch`` set to the scenario's jobs: ``max_batch`` is the whole
+box's, so a data-parallel worker decodes ``ceil(max_batch / n)`` rows, in the planner and
+in the run (:func:`engine.workers.worker_config`).
 
 Documents: ``--corpus-tokens FILE`` (pre-tokenised with the embedded tokenizer on the CPU
 box: ``bash scripts/bench_capacity.sh prep`` writes ``.bench/corpus_tokens.json``) or the
@@ -210,8 +209,9 @@ def model_shape(model: str | None) -> ModelConfig:
 class Settings:
     """What one scenario plans and runs with.
 
-    ``plan_config``: the planner's (``max_batch`` for the whole box); ``run_config``: each
-    worker's (``max_batch`` per worker in data mode, ``extra.tokenizer``); ``context``:
+    ``plan_config``: the planner's (``max_batch`` for the whole box); ``run_config``: the
+    run's (the same, on the scenario's first device, ``extra.tokenizer``; the workers take
+    their share); ``per_worker_batch``: rows a worker decodes at once; ``context``:
     positions per job; ``prompt_tokens = context - max_tokens``.
     """
 
@@ -257,7 +257,7 @@ def scenario_settings(
     plan_config = base.replace(host_pool_gb=max(host_gb, 1e-3))
     per_worker = -(-sc.jobs // n) if sc.parallel == "data" else sc.jobs
     extra = {"tokenizer": "ids"} if ids_tokenizer else {}
-    run_config = plan_config.replace(max_batch=per_worker, device=sc.devices[0], extra=extra)
+    run_config = plan_config.replace(device=sc.devices[0], extra=extra)
     hardware = loaded.hardware.replace(devices=sc.devices, parallel=sc.parallel)
     return Settings(
         plan_config, run_config, hardware, context, context - max_tokens, max_tokens, per_worker
