@@ -55,6 +55,11 @@ INT4_GROUP_OVERHEAD_BYTES = 4  # one bf16 scale + one bf16 zero point per group
 # offset per group) for prefill-sized calls, which dequantise them to bf16 for the dense
 # GEMM (engine.quant.Int4Linear): another 0.5 B/param + 8 B per group.
 INT4_CUDA_SOURCE_GROUP_BYTES = 8
+# Prefill-sized int4 calls on CUDA dequantise the layer's weight to bf16 first; the
+# transient (int32 nibbles, float32 weight, bf16 copy) peaks near 12 B per element of the
+# largest linear (fitted to the measured prefill scratch peak of qwen2.5-7b on an H200,
+# docs/performance.md "Plan vs measured memory").
+INT4_DEQUANT_SCRATCH_BYTES = 12
 LOGITS_BYTES = 4  # logits are computed in float32
 DEVICE_RESERVE_FRACTION = 0.05
 DEVICE_RESERVE_MIN_BYTES = 1 * GIB
@@ -392,7 +397,8 @@ def activation_bytes(
 
     decode B x width x b + logits B x V x 4 (``head`` only), prefill chunk C x width x b,
     and the layer-by-layer prefill of one job: K/V 2 x Hkv x T x D x b_kv (hierarchical
-    only) plus hidden states T x H x b.
+    only) plus hidden states T x H x b; with int4 weights on CUDA, the prefill's
+    dequantisation of the largest linear (:data:`INT4_DEQUANT_SCRATCH_BYTES` per element).
     """
     b = dtype_bytes(config.dtype)
     width = _activation_width(model)
@@ -404,7 +410,11 @@ def activation_bytes(
     layer_kv = (
         0 if all_resident(config) else kv_bytes_per_token(model, config, 1) * context
     )
-    return decode + chunk + hidden + layer_kv
+    dequant = 0
+    if weight_format(config) == "int4" and str(config.device).startswith("cuda"):
+        largest = 2 * model.intermediate_size * model.hidden_size  # fused gate/up
+        dequant = largest * INT4_DEQUANT_SCRATCH_BYTES
+    return decode + chunk + hidden + layer_kv + dequant
 
 
 def comm_bytes(
