@@ -359,13 +359,9 @@ def test_lost_stage_fails_the_pipeline_jobs(pipeline_engine, jobs):
 # ----------------------------------------------------------------------------- GPU smoke
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode", ["data", "pipeline"])
-def test_two_workers_share_one_gpu(mode, tmp_path):
-    """Both modes with two workers on ``cuda:0`` (the pipeline over gloo: NCCL refuses two
-    ranks on one GPU). With max_batch 1 every decode has the single engine's shapes, so the
-    tokens must match it exactly; with max_batch 4 every job must finish."""
+def _one_gpu_reference():
+    """A small bf16 config on ``cuda:0`` (max_batch 1), the test jobs, and one engine's
+    results for them (the reference the multi-worker runs must reproduce)."""
     from engine.api import load_engine
 
     cfg = EngineConfig(
@@ -385,11 +381,25 @@ def test_two_workers_share_one_gpu(mode, tmp_path):
     reference = results(one.run(jobs))
     del one
     torch.cuda.empty_cache()
+    return cfg, jobs, reference
+
+
+def _assert_same_tokens(got: dict, reference: dict) -> None:
+    for job_id, ref in reference.items():
+        assert not isinstance(got[job_id], str), got[job_id]
+        assert got[job_id].token_ids == ref.token_ids, job_id
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["data", "pipeline"])
+def test_two_workers_share_one_gpu(mode, tmp_path):
+    """Both modes with two workers on ``cuda:0`` (the pipeline over gloo: NCCL refuses two
+    ranks on one GPU). With max_batch 1 every decode has the single engine's shapes, so the
+    tokens must match it exactly; with max_batch 4 every job must finish."""
+    cfg, jobs, reference = _one_gpu_reference()
     with ParallelEngine(cfg, None, ["cuda:0", "cuda:0"], mode, tokenizer=None) as eng:
-        got = results(eng.run(jobs))
-        for job_id, ref in reference.items():
-            assert not isinstance(got[job_id], str), got[job_id]
-            assert got[job_id].token_ids == ref.token_ids, job_id
+        _assert_same_tokens(results(eng.run(jobs)), reference)
     wide = cfg.replace(max_batch=4)
     with ParallelEngine(wide, None, ["cuda:0", "cuda:0"], mode, tokenizer=None) as eng:
         events = list(eng.run(jobs))
@@ -405,30 +415,9 @@ def test_two_workers_on_two_gpus(mode):
     """Both modes with one worker per GPU (``cuda:0,cuda:1``; the pipeline passes
     activations over NCCL): the same tokens as one engine on one GPU (max_batch 1, so
     every decode has the single engine's shapes), and memory reported for both devices."""
-    from engine.api import load_engine
-
-    cfg = EngineConfig(
-        device="cuda:0",
-        dtype="bfloat16",
-        kv_dtype="bfloat16",
-        host_pool_gb=1.0,
-        max_batch=1,
-        page_size=16,
-        top_k=64,
-        device_buffer=128,
-        sink_tokens=16,
-        local_window=32,
-    )
-    one = load_engine(cfg)
-    jobs = make_jobs(one.tokenizer)
-    reference = results(one.run(jobs))
-    del one
-    torch.cuda.empty_cache()
+    cfg, jobs, reference = _one_gpu_reference()
     with ParallelEngine(cfg, None, ["cuda:0", "cuda:1"], mode, tokenizer=None) as eng:
         events = list(eng.run(jobs))
-    got = results(events)
-    for job_id, ref in reference.items():
-        assert not isinstance(got[job_id], str), got[job_id]
-        assert got[job_id].token_ids == ref.token_ids, job_id
+    _assert_same_tokens(results(events), reference)
     devices = {e.device for e in events if isinstance(e, MemorySnapshot)}
-    assert {"cuda:0", "cuda:1"} <= devices or mode == "pipeline", devices
+    assert {"cuda:0", "cuda:1"} <= devices, devices
