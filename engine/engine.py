@@ -95,6 +95,7 @@ class Engine:
         self.cache = cache if cache is not None else KVCache(
             model.config, config, model.device, max_pages, layers=model.layer_range
         )
+        _check_dense_indexer(config, self.cache.pages_for(context_limit))
         self.attn = DecodeAttention(self.cache, config, ops, model.scale, tracer)
         self.tracer = tracer
         self.step = 0
@@ -170,10 +171,13 @@ class Engine:
         if not job.prompt_ids:
             return "empty prompt"
         if need > self.context_limit:
+            if self.config.context_policy == "extend":
+                advice = f"raise --max-context to at least {need}, or use --context-policy truncate"
+            else:
+                advice = "use --context-policy extend (RoPE scaling) or --context-policy truncate"
             return (
                 f"prompt of {len(job.prompt_ids)} tokens + max_tokens {job.sampling.max_tokens} "
-                f"exceeds the context limit of {self.context_limit} tokens; use "
-                "--context-policy extend (RoPE scaling) or --context-policy truncate"
+                f"exceeds the context limit of {self.context_limit} tokens; {advice}"
             )
         if not self.cache.fits_ever(need):
             return (
@@ -232,7 +236,7 @@ class Engine:
             t0 = time.monotonic()
             self.prefill_layer(req)
             req.t_prefill_s += time.monotonic() - t0
-        except (RuntimeError, MemoryError) as e:  # e.g. out of memory for this job
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: fail this job, go on
             yield from self._fail(req, running, f"prefill failed: {e}")
             return
         n = len(req.job.prompt_ids)
@@ -248,7 +252,7 @@ class Engine:
         t0 = time.monotonic()
         try:
             tokens = self.decode_step(batch)
-        except (RuntimeError, MemoryError) as e:
+        except Exception as e:  # noqa: BLE001 - fail the batch's jobs, keep the engine
             for r in batch:
                 yield from self._fail(r, running, f"decode failed: {e}")
             return
@@ -537,6 +541,33 @@ def pinned_host_bytes() -> int:
         if key in stats:
             return int(stats[key])
     return 0
+
+
+def _check_dense_indexer(config: EngineConfig, context_pages: int) -> None:
+    """``indexer=dense`` under sparse attention selects every page of a context, so one
+    step may select ``context_pages`` pages: the selection budget (top_k) and the hot
+    buffer must hold them all.
+
+    Raises
+    ------
+    ConfigError
+        Naming the pages needed and the flags to change.
+    """
+    from engine.config import ConfigError
+
+    if config.attention != "sparse" or config.indexer != "dense":
+        return
+    if config.max_selected_pages < context_pages or (
+        config.hierarchical and config.buffer_pages < context_pages
+    ):
+        tokens = context_pages * config.page_size
+        raise ConfigError(
+            f"indexer=dense selects every page of the context ({context_pages} pages of "
+            f"{config.page_size} tokens), but top_k={config.top_k} tokens holds "
+            f"{config.max_selected_pages} pages and device_buffer={config.device_buffer_tokens} "
+            f"tokens {config.buffer_pages}; set --top-k-tokens and --device-buffer to at least "
+            f"{tokens}, or use --attention dense for dense attention"
+        )
 
 
 def _find_stop(text: str, stops) -> int | None:

@@ -117,3 +117,42 @@ def test_ids_tokenizer_needs_no_embedded_model(monkeypatch):
         syn.make_tokenizer(10, "bpe")
     with pytest.raises(ConfigError, match="synthetic models only"):
         load_tokenizer(None, "ids")
+
+
+def _tiny_engine(**overrides):
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from kernels.dispatch import REFERENCE_OPS
+
+    cfg = syn.TINY
+    model = LlamaModel(
+        syn.synthetic_weights(cfg),
+        torch.device("cpu"),
+        torch.float32,
+        "float",
+        Rope(cfg.head_dim, cfg.rope_theta),
+    )
+    config = EngineConfig(host_pool_gb=0.05, max_batch=2, **overrides)
+    return Engine(model, None, config, REFERENCE_OPS, 2048)
+
+
+def test_dense_indexer_needs_a_budget_for_every_page():
+    """indexer=dense under sparse attention selects every page: a top_k or hot buffer
+    smaller than the context is refused up front (it used to crash the first decode)."""
+    from engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="indexer=dense selects every page.*--top-k-tokens"):
+        _tiny_engine(attention="sparse", indexer="dense", top_k=256)
+    _tiny_engine(attention="sparse", indexer="dense", top_k=2048)  # 128 pages: fits
+
+
+def test_context_advice_follows_the_policy():
+    from engine.config import SamplingParams
+    from engine.events import Job
+
+    job = Job("long", tuple(range(3000)), SamplingParams(max_tokens=8))
+    refuse = _tiny_engine()
+    assert "use --context-policy extend" in refuse._check_job(job)
+    extend = _tiny_engine(context_policy="extend")
+    msg = extend._check_job(job)
+    assert "raise --max-context to at least 3008" in msg and "policy extend" not in msg
