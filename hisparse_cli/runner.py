@@ -10,7 +10,9 @@ Lifecycle of one run:
    whose documents are unusable as failed.
 4. Load the engine (:func:`load_engine`, a hook tests replace) and feed it
    :class:`~engine.events.Job` objects lazily (document -> chat messages ->
-   ``engine.tokenizer.encode_chat``).
+   ``engine.tokenizer.encode_chat``). A load failure caused by a setting, path or
+   config (:func:`is_config_error`: bad device, host pool larger than memory, budget
+   without room for the weights, missing or non-GGUF model) exits 2; others exit 1.
 5. Fold every event into the progress state, show it, and write each result as its
    job ends (``.txt`` first, then the ``results.jsonl`` line).
 6. Ctrl-C once: ``engine.cancel()``; running jobs end as ``cancelled``. Twice: stop now.
@@ -53,10 +55,15 @@ from hisparse_cli.tasks import build_messages
 from hisparse_cli.textio import ERROR_MODES, join_documents, read_documents
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+DEVICE_KINDS = ("cpu", "cuda")
 
 
 class UsageError(Exception):
     """The command line cannot work as given (exit 2)."""
+
+
+class LoadConfigError(Exception):
+    """The model could not be loaded because of a setting, path or config (exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -88,10 +95,39 @@ class RunRequest:
 
 
 def load_engine(config: EngineConfig, model: str | None) -> Any:
-    """``engine.api.load_engine``, imported on first use (tests replace this hook)."""
+    """``engine.api.load_engine``, imported on first use (tests replace this hook).
+
+    Checks the host KV pool against the memory available (:func:`check_host_pool`)
+    before any weights are read.
+    """
+    check_host_pool(config)
     from engine.api import load_engine as _load_engine
 
     return _load_engine(config, model)
+
+
+def check_host_pool(config: EngineConfig) -> None:
+    """Raise ``CacheFullError`` when the host KV pool (``host_pool_gb``, shared by all
+    workers) cannot fit in the host memory available now; the pool lives on the host
+    on CPU devices and with the hierarchical sparse cache."""
+    devices = [str(d) for d in config.extra.get("devices") or ()] or [config.device]
+    on_host = any(d.split(":")[0] == "cpu" for d in devices) or (
+        config.attention == "sparse" and config.hierarchical
+    )
+    if on_host:
+        from engine.kv_cache import check_host_memory
+
+        check_host_memory(int(config.host_pool_gb * 2**30))
+
+
+def is_config_error(exc: BaseException) -> bool:
+    """Whether a model-load failure is a bad setting, model path or config (exit 2)
+    rather than a runtime failure (exit 1): ``ConfigError``, ``CacheFullError``
+    (pool larger than memory), ``FileNotFoundError`` and ``ValueError`` (not a GGUF
+    file, bad environment value)."""
+    if isinstance(exc, ConfigError | FileNotFoundError | ValueError):
+        return True
+    return type(exc).__name__ == "CacheFullError" and type(exc).__module__ == "engine.kv_cache"
 
 
 def cuda_device_count() -> int:
@@ -154,6 +190,7 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
     config = resolve_engine_config(request.preset, manifest.engine, request.engine_overrides)
     config = with_preset_devices(config, request.preset, request.engine_overrides)
     if not request.print_config:  # --print-config may show another machine's config
+        check_device_names(config)
         check_devices(config, request.preset, manifest.engine, request.engine_overrides)
     return manifest, config
 
@@ -202,6 +239,19 @@ def check_devices(
         have = f"there are only {count} CUDA device(s)"
         fix = f"use --devices {','.join(f'cuda:{i}' for i in range(count))}"
     raise ConfigError(f"{source} asks for {', '.join(missing)} but {have} on this machine; {fix}")
+
+
+def check_device_names(config: EngineConfig) -> None:
+    """Raise :class:`ConfigError` for a device that is not ``cpu``, ``cuda`` or ``cuda:N``
+    (before torch is imported, instead of torch's error at model load)."""
+    devices = [str(d) for d in config.extra.get("devices") or ()] or [config.device]
+    for device in devices:
+        kind, colon, index = device.partition(":")
+        if kind not in DEVICE_KINDS or (colon and not (kind == "cuda" and index.isdigit())):
+            raise ConfigError(
+                f"unknown device {device!r}: use cpu, cuda or cuda:N "
+                "(--device, --devices, the manifest or the preset)"
+            )
 
 
 def _cuda_index(device: str) -> int:
@@ -336,6 +386,7 @@ class BatchRun:
             self.console, self.tracker, self.request.json_progress, self.clock
         )
         interrupted = False
+        config_error = None
         with self.reporter:
             for warning in self.log.existing.warnings:
                 self.reporter.note(warning, "warning")
@@ -345,6 +396,12 @@ class BatchRun:
                     interrupted = self._run_engine(pending)
             except KeyboardInterrupt:
                 interrupted = True
+            except LoadConfigError as exc:
+                config_error = exc
+        if config_error is not None:
+            return _usage_failure(
+                self.err_console, f"error: cannot load the model: {config_error}", []
+            )
         summary = summarize(self.tracker.state, self.clock(), str(self.output_dir), interrupted)
         self.reporter.summary(summary)
         return exit_code(summary)
@@ -376,6 +433,8 @@ class BatchRun:
         try:
             engine = load_engine(self.config, self.request.model)
         except Exception as exc:  # noqa: BLE001 - any load failure ends the run cleanly
+            if is_config_error(exc):
+                raise LoadConfigError(str(exc)) from exc
             self.reporter.note(f"cannot load the model: {exc}", "error")
             return False
         self.reporter.note(f"model loaded in {self.clock() - started:.1f}s")

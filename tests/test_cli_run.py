@@ -12,10 +12,13 @@ import textwrap
 import pytest
 from typer.testing import CliRunner
 
+from engine.config import ConfigError
 from hisparse_cli import runner as runner_module
 from hisparse_cli import settings, testing
 from hisparse_cli.main import app
 from hisparse_cli.tasks import SUMMARIZE_INSTRUCTION, SYSTEM_PROMPT
+
+REAL_LOAD_ENGINE = runner_module.load_engine  # before any fixture replaces it
 
 
 @pytest.fixture
@@ -420,3 +423,39 @@ def test_second_ctrl_c_stops_at_once(cli, docs):
     except KeyboardInterrupt:
         pytest.fail("second SIGINT escaped the run command")
     assert result.exit_code == 130
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        FileNotFoundError("HISPARSE_EMBEDDED_MODEL=/nope.gguf: no such file"),
+        ValueError("some.png: not a readable GGUF file (bad magic)"),
+        ConfigError("memory_budget_gb=0.01 holds no weights"),
+    ],
+)
+def test_config_errors_at_model_load_exit_2_without_traceback(cli, docs, error):
+    def broken(config, model):
+        raise error
+
+    result = cli("docs/alpha.txt", engine=broken)
+    assert result.exit_code == 2
+    assert f"cannot load the model: {error}" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_host_pool_larger_than_memory_exits_2_before_loading(cli, docs, monkeypatch):
+    import engine.api
+
+    monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "24")
+    monkeypatch.setattr(engine.api, "load_engine", lambda *a: pytest.fail("model was loaded"))
+    result = cli("docs/alpha.txt", "--host-pool", "1000", engine=REAL_LOAD_ENGINE)
+    assert result.exit_code == 2
+    assert "host KV pool needs 1000.0 GiB but only 24.0 GiB" in result.stderr
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cpu:0"])
+def test_unknown_device_exits_2_before_loading(cli, docs, device):
+    result = cli("docs/alpha.txt", "--device", device, engine=lambda *a: pytest.fail("loaded"))
+    assert result.exit_code == 2
+    assert f"unknown device {device!r}" in result.stderr
+    assert "Traceback" not in result.stderr
