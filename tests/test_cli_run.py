@@ -459,3 +459,21 @@ def test_unknown_device_exits_2_before_loading(cli, docs, device):
     assert result.exit_code == 2
     assert f"unknown device {device!r}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_documents_named_like_windows_devices_run(cli, tmp_path):
+    (tmp_path / "d").mkdir()
+    for name in ("nul.txt", "con.txt", "aux.txt", "com1.txt", "ok.txt"):
+        (tmp_path / "d" / name).write_text(f"text of {name}\n")
+    result = cli("d/nul.txt", "d/con.txt", "d/aux.txt", "d/com1.txt", "d/ok.txt")
+    assert result.exit_code == 0, result.stderr
+    ids = sorted(r["id"] for r in read_results(tmp_path / "hisparse-out"))
+    assert ids == ["aux_", "com1_", "con_", "nul_", "ok"]
+    assert (tmp_path / "hisparse-out" / "nul_.txt").is_file()
+
+
+def test_reserved_id_written_in_a_manifest_is_still_an_error(cli, docs, tmp_path):
+    (tmp_path / "jobs.yaml").write_text("jobs:\n  - id: nul\n    input: docs/alpha.txt\n")
+    result = cli("--manifest", "jobs.yaml")
+    assert result.exit_code == 2
+    assert "jobs.yaml:2: jobs[0].id: is a reserved device name on Windows: 'nul'" in result.stderr
