@@ -15,8 +15,10 @@ Lifecycle of one run:
    without room for the weights, missing or non-GGUF model) exits 2; others exit 1.
 5. Fold every event into the progress state, show it, and write each result as its
    job ends (``.txt`` first, then the ``results.jsonl`` line).
-6. Ctrl-C once: ``engine.cancel()``; running jobs end as ``cancelled``. Twice: stop now.
-7. Print the summary; exit 0 (all ok), 1 (a job failed or did not run), 130 (interrupted).
+6. Ctrl-C (SIGINT) or SIGTERM once: ``engine.cancel()``; running jobs end as
+   ``cancelled``. Twice: stop now. SIGTERM before the engine runs stops at once.
+7. Print the summary; exit 0 (all ok), 1 (a job failed or did not run), 130 (Ctrl-C),
+   143 (SIGTERM).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ from hisparse_cli.tasks import build_messages
 from hisparse_cli.textio import ERROR_MODES, join_documents, read_documents
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 DEVICE_KINDS = ("cpu", "cuda")
 
 
@@ -308,26 +312,51 @@ def _usage_failure(err_console: Console, headline: str, problems: list) -> int:
 
 
 class _SigintCanceller:
-    """While active, the first SIGINT calls ``engine.cancel()``; the second raises
-    ``KeyboardInterrupt``. The handler only sets state: the run loop announces it."""
+    """While active, the first SIGINT or SIGTERM calls ``engine.cancel()``; the second
+    raises ``KeyboardInterrupt``. The handler only sets state: the run loop announces it.
+    ``signals`` lists the signals received, in order."""
 
     def __init__(self, engine: Any) -> None:
-        self.engine, self.count, self._previous = engine, 0, None
+        self.engine, self.count = engine, 0
+        self.signals: list[int] = []
+        self._previous: dict[int, Any] = {}
 
     def __call__(self, signum: int, frame: object) -> None:
         self.count += 1
+        self.signals.append(signum)
         if self.count > 1:
             raise KeyboardInterrupt
         self.engine.cancel()
 
     def __enter__(self) -> Self:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self)
+            self._previous = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+class _SigtermAsInterrupt:
+    """While active, SIGTERM raises ``KeyboardInterrupt`` (as Ctrl-C does) so the run
+    records what it has and prints the summary; ``received`` says whether it came."""
+
+    def __init__(self) -> None:
+        self.received, self._previous = False, None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.received = True
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 class BatchRun:
@@ -350,6 +379,7 @@ class BatchRun:
         self.records: dict[str, dict[str, Any]] = {}
         self.prompt_tokens: dict[str, int] = {}  # job id -> tokens of the prompt it was given
         self.cancel: _SigintCanceller | None = None
+        self.sigterm = _SigtermAsInterrupt()
         self._announced = False
         self.log: ResultsLog
         self.reporter: Reporter
@@ -363,14 +393,20 @@ class BatchRun:
                 self.err_console, f"error: cannot create output dir {self.output_dir}: {exc}", []
             )
         try:
-            with lock_output_dir(self.output_dir):
+            with self.sigterm, lock_output_dir(self.output_dir):
                 save_config(self.output_dir, config_doc)
                 with ResultsLog(self.output_dir) as self.log:
                     return self._run_locked()
         except OutputDirBusy as exc:
             return _usage_failure(self.err_console, f"error: {exc}", [])
         except KeyboardInterrupt:
-            return EXIT_INTERRUPTED
+            return EXIT_TERMINATED if self.terminated else EXIT_INTERRUPTED
+
+    @property
+    def terminated(self) -> bool:
+        """Whether SIGTERM (rather than Ctrl-C) stopped the run."""
+        first = self.cancel.signals[0] if self.cancel is not None and self.cancel.signals else None
+        return first == signal.SIGTERM or (first is None and self.sigterm.received)
 
     def _run_locked(self) -> int:
         planned = plan_jobs(
@@ -404,7 +440,8 @@ class BatchRun:
             )
         summary = summarize(self.tracker.state, self.clock(), str(self.output_dir), interrupted)
         self.reporter.summary(summary)
-        return exit_code(summary)
+        code = exit_code(summary)
+        return EXIT_TERMINATED if code == EXIT_INTERRUPTED and self.terminated else code
 
     def _register(self, planned: list[PlannedJob]) -> list[PlannedJob]:
         """Show every job; record invalid ones as failed; return those to run."""
@@ -556,8 +593,10 @@ class BatchRun:
         if self.cancel is not None and self.cancel.count and not self._announced:
             self._announced = True
             self.tracker.state.cancelling = True
+            name = "SIGTERM" if self.cancel.signals[0] == signal.SIGTERM else "Ctrl-C"
             self.reporter.note(
-                "Ctrl-C: cancelling; running jobs finish as 'cancelled' (Ctrl-C again to stop now)",
+                f"{name}: cancelling; running jobs finish as 'cancelled' "
+                "(Ctrl-C or SIGTERM again to stop now)",
                 "warning",
             )
 

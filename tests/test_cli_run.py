@@ -477,3 +477,29 @@ def test_reserved_id_written_in_a_manifest_is_still_an_error(cli, docs, tmp_path
     result = cli("--manifest", "jobs.yaml")
     assert result.exit_code == 2
     assert "jobs.yaml:2: jobs[0].id: is a reserved device name on Windows: 'nul'" in result.stderr
+
+
+def test_sigterm_cancels_running_jobs_records_them_and_exits_143(cli, docs, tmp_path):
+    def terminate(step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    engine = testing.fake_engine_factory(on_step=terminate)
+    result = cli("docs/alpha.txt", "docs/beta.txt", "--max-batch", "1", engine=engine)
+    assert result.exit_code == 143
+    assert engine.engines[0].cancelled
+    records = read_results(tmp_path / "hisparse-out")
+    assert [(r["id"], r["finish_reason"]) for r in records] == [("alpha", "cancelled")]
+    assert "SIGTERM: cancelling" in result.stdout and "interrupted" in result.stdout
+    assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_sigterm_while_loading_the_model_prints_the_summary_and_exits_143(cli, docs):
+    def slow_load(config, model):
+        os.kill(os.getpid(), signal.SIGTERM)
+        pytest.fail("SIGTERM did not stop the load")
+
+    result = cli("docs/alpha.txt", engine=slow_load)
+    assert result.exit_code == 143
+    assert "interrupted" in result.stdout
