@@ -503,3 +503,11 @@ def test_sigterm_while_loading_the_model_prints_the_summary_and_exits_143(cli, d
     result = cli("docs/alpha.txt", engine=slow_load)
     assert result.exit_code == 143
     assert "interrupted" in result.stdout
+
+
+def test_threads_flag_sets_num_threads(cli, docs, monkeypatch):
+    monkeypatch.setattr(settings, "preset_overrides", lambda name: {"num_threads": 4})
+    result = cli("docs/alpha.txt", "--threads", "1", "--print-config")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["engine"]["num_threads"] == 1
+    assert cli("docs/alpha.txt", "--threads", "0", "--print-config").exit_code == 2
