@@ -49,6 +49,7 @@ def run(
     truncate_keep: opt.TruncateKeep = None,
     memory_budget: opt.MemoryBudget = None,
     host_pool: opt.HostPool = None,
+    threads: opt.Threads = None,
     device: opt.Device = None,
     devices: opt.Devices = None,
     parallel: opt.Parallel = None,
@@ -66,7 +67,7 @@ def run(
 
     Results go to OUTPUT_DIR/results.jsonl and OUTPUT_DIR/<job>.txt; jobs already done with the same inputs and settings are skipped (--force redoes them).
 
-    Exit code: 0 all jobs ok, 1 a job failed, 2 bad arguments or jobs, 130 interrupted.
+    Exit code: 0 all jobs ok, 1 a job failed, 2 bad arguments, jobs or config, 130 Ctrl-C, 143 SIGTERM.
     """
     from hisparse_cli.runner import RunRequest, execute
 
@@ -96,6 +97,7 @@ def run(
         "truncate_keep": truncate_keep,
         "memory_budget_gb": memory_budget,
         "host_pool_gb": host_pool,
+        "num_threads": threads,
         "device": device,
         "extra": _extra_overrides(trace, devices, parallel),
     }

@@ -360,6 +360,8 @@ def _place(entry: Entry) -> str:
 def _problem(entry: Entry, name: str, message: str) -> Problem:
     if entry.file == COMMAND_LINE and name in _CLI_NAMES:
         return Problem(COMMAND_LINE, None, _CLI_NAMES[name], message)
+    if entry.file == COMMAND_LINE and entry.label:  # "document PATH": not a dotted path
+        return Problem(COMMAND_LINE, None, f"{entry.label}, {name}", message)
     label = f"{entry.label}.{name}" if entry.label else name
     return Problem(entry.file, entry.where(name), label, message)
 

@@ -3,7 +3,8 @@
 A user-given id or output name must be a plain file name: ASCII letters, digits,
 ``.``, ``_`` and ``-``, starting with a letter or digit, at most 128 characters, no
 path separators, no ``..`` and not a reserved device name. Ids derived from document
-paths are slugs of the file stem; when two documents in different folders give the
+paths are slugs of the file stem (``_`` appended to a reserved device name:
+``nul.bin`` -> ``nul_``); when two documents in different folders give the
 same slug, parent folder names are prepended one at a time until they differ; ids
 that still collide (same folder, e.g. ``a.txt`` and ``a.md``) get a short hash of the
 resolved path appended.
@@ -106,7 +107,13 @@ def derive_ids(paths: Sequence[Path], taken: Iterable[str] = ()) -> list[str]:
 
 def _candidate(path: Path, depth: int) -> str:
     parents = list(path.parent.parts[1:])[-depth:] if depth else []
-    return slugify("-".join([*parents, path.stem or path.name]))
+    return safe_slug(slugify("-".join([*parents, path.stem or path.name])))
+
+
+def safe_slug(slug: str) -> str:
+    """``slug`` with ``_`` appended when it is a reserved device name on Windows
+    (``nul`` -> ``nul_``, ``com1`` -> ``com1_``): derived ids never need renaming."""
+    return f"{slug}_" if slug.split(".")[0].casefold() in _RESERVED else slug
 
 
 def _clash_groups(ids: list[str], taken: set[str]) -> dict[str, list[int]]:

@@ -149,6 +149,17 @@ HostPool = Annotated[
         rich_help_panel=ENGINE,
     ),
 ]
+Threads = Annotated[
+    int | None,
+    typer.Option(
+        "--threads",
+        min=1,
+        help="CPU threads for torch (num_threads); 1 avoids oversubscription on a shared or "
+        "small CPU box.",
+        show_default="torch's default (all cores; split between CPU workers)",
+        rich_help_panel=ENGINE,
+    ),
+]
 Device = Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N.", rich_help_panel=ENGINE)]
 Devices = Annotated[
     str | None,

@@ -152,9 +152,14 @@ class ResultsLog:
         self._fd: int | None = None
 
     def is_done(self, job_id: str, key: str) -> bool:
-        """Whether the last line for ``job_id`` succeeded with resume key ``key``."""
+        """Whether the last line for ``job_id`` succeeded with resume key ``key`` and its
+        output file (``output`` of that line, in this directory) still exists: a deleted
+        output means the job is run again."""
         record = self.existing.latest.get(job_id)
-        return record is not None and record.get("key") == key and is_success(record)
+        if record is None or record.get("key") != key or not is_success(record):
+            return False
+        output = record.get("output")
+        return not isinstance(output, str) or (self.path.parent / output).is_file()
 
     def append(self, record: dict[str, Any]) -> None:
         """Append ``record`` as one line: a single ``write`` then ``fsync``."""

@@ -10,11 +10,15 @@ Lifecycle of one run:
    whose documents are unusable as failed.
 4. Load the engine (:func:`load_engine`, a hook tests replace) and feed it
    :class:`~engine.events.Job` objects lazily (document -> chat messages ->
-   ``engine.tokenizer.encode_chat``).
+   ``engine.tokenizer.encode_chat``). A load failure caused by a setting, path or
+   config (:func:`is_config_error`: bad device, host pool larger than memory, budget
+   without room for the weights, missing or non-GGUF model) exits 2; others exit 1.
 5. Fold every event into the progress state, show it, and write each result as its
    job ends (``.txt`` first, then the ``results.jsonl`` line).
-6. Ctrl-C once: ``engine.cancel()``; running jobs end as ``cancelled``. Twice: stop now.
-7. Print the summary; exit 0 (all ok), 1 (a job failed or did not run), 130 (interrupted).
+6. Ctrl-C (SIGINT) or SIGTERM once: ``engine.cancel()``; running jobs end as
+   ``cancelled``. Twice: stop now. SIGTERM before the engine runs stops at once.
+7. Print the summary; exit 0 (all ok), 1 (a job failed or did not run), 130 (Ctrl-C),
+   143 (SIGTERM).
 """
 
 from __future__ import annotations
@@ -53,10 +57,17 @@ from hisparse_cli.tasks import build_messages
 from hisparse_cli.textio import ERROR_MODES, join_documents, read_documents
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+DEVICE_KINDS = ("cpu", "cuda")
 
 
 class UsageError(Exception):
     """The command line cannot work as given (exit 2)."""
+
+
+class LoadConfigError(Exception):
+    """The model could not be loaded because of a setting, path or config (exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -88,10 +99,39 @@ class RunRequest:
 
 
 def load_engine(config: EngineConfig, model: str | None) -> Any:
-    """``engine.api.load_engine``, imported on first use (tests replace this hook)."""
+    """``engine.api.load_engine``, imported on first use (tests replace this hook).
+
+    Checks the host KV pool against the memory available (:func:`check_host_pool`)
+    before any weights are read.
+    """
+    check_host_pool(config)
     from engine.api import load_engine as _load_engine
 
     return _load_engine(config, model)
+
+
+def check_host_pool(config: EngineConfig) -> None:
+    """Raise ``CacheFullError`` when the host KV pool (``host_pool_gb``, shared by all
+    workers) cannot fit in the host memory available now; the pool lives on the host
+    on CPU devices and with the hierarchical sparse cache."""
+    devices = [str(d) for d in config.extra.get("devices") or ()] or [config.device]
+    on_host = any(d.split(":")[0] == "cpu" for d in devices) or (
+        config.attention == "sparse" and config.hierarchical
+    )
+    if on_host:
+        from engine.kv_cache import check_host_memory
+
+        check_host_memory(int(config.host_pool_gb * 2**30))
+
+
+def is_config_error(exc: BaseException) -> bool:
+    """Whether a model-load failure is a bad setting, model path or config (exit 2)
+    rather than a runtime failure (exit 1): ``ConfigError``, ``CacheFullError``
+    (pool larger than memory), ``FileNotFoundError`` and ``ValueError`` (not a GGUF
+    file, bad environment value)."""
+    if isinstance(exc, ConfigError | FileNotFoundError | ValueError):
+        return True
+    return type(exc).__name__ == "CacheFullError" and type(exc).__module__ == "engine.kv_cache"
 
 
 def cuda_device_count() -> int:
@@ -154,6 +194,7 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
     config = resolve_engine_config(request.preset, manifest.engine, request.engine_overrides)
     config = with_preset_devices(config, request.preset, request.engine_overrides)
     if not request.print_config:  # --print-config may show another machine's config
+        check_device_names(config)
         check_devices(config, request.preset, manifest.engine, request.engine_overrides)
     return manifest, config
 
@@ -202,6 +243,19 @@ def check_devices(
         have = f"there are only {count} CUDA device(s)"
         fix = f"use --devices {','.join(f'cuda:{i}' for i in range(count))}"
     raise ConfigError(f"{source} asks for {', '.join(missing)} but {have} on this machine; {fix}")
+
+
+def check_device_names(config: EngineConfig) -> None:
+    """Raise :class:`ConfigError` for a device that is not ``cpu``, ``cuda`` or ``cuda:N``
+    (before torch is imported, instead of torch's error at model load)."""
+    devices = [str(d) for d in config.extra.get("devices") or ()] or [config.device]
+    for device in devices:
+        kind, colon, index = device.partition(":")
+        if kind not in DEVICE_KINDS or (colon and not (kind == "cuda" and index.isdigit())):
+            raise ConfigError(
+                f"unknown device {device!r}: use cpu, cuda or cuda:N "
+                "(--device, --devices, the manifest or the preset)"
+            )
 
 
 def _cuda_index(device: str) -> int:
@@ -258,26 +312,51 @@ def _usage_failure(err_console: Console, headline: str, problems: list) -> int:
 
 
 class _SigintCanceller:
-    """While active, the first SIGINT calls ``engine.cancel()``; the second raises
-    ``KeyboardInterrupt``. The handler only sets state: the run loop announces it."""
+    """While active, the first SIGINT or SIGTERM calls ``engine.cancel()``; the second
+    raises ``KeyboardInterrupt``. The handler only sets state: the run loop announces it.
+    ``signals`` lists the signals received, in order."""
 
     def __init__(self, engine: Any) -> None:
-        self.engine, self.count, self._previous = engine, 0, None
+        self.engine, self.count = engine, 0
+        self.signals: list[int] = []
+        self._previous: dict[int, Any] = {}
 
     def __call__(self, signum: int, frame: object) -> None:
         self.count += 1
+        self.signals.append(signum)
         if self.count > 1:
             raise KeyboardInterrupt
         self.engine.cancel()
 
     def __enter__(self) -> Self:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self)
+            self._previous = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+class _SigtermAsInterrupt:
+    """While active, SIGTERM raises ``KeyboardInterrupt`` (as Ctrl-C does) so the run
+    records what it has and prints the summary; ``received`` says whether it came."""
+
+    def __init__(self) -> None:
+        self.received, self._previous = False, None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.received = True
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 class BatchRun:
@@ -300,6 +379,7 @@ class BatchRun:
         self.records: dict[str, dict[str, Any]] = {}
         self.prompt_tokens: dict[str, int] = {}  # job id -> tokens of the prompt it was given
         self.cancel: _SigintCanceller | None = None
+        self.sigterm = _SigtermAsInterrupt()
         self._announced = False
         self.log: ResultsLog
         self.reporter: Reporter
@@ -313,14 +393,20 @@ class BatchRun:
                 self.err_console, f"error: cannot create output dir {self.output_dir}: {exc}", []
             )
         try:
-            with lock_output_dir(self.output_dir):
+            with self.sigterm, lock_output_dir(self.output_dir):
                 save_config(self.output_dir, config_doc)
                 with ResultsLog(self.output_dir) as self.log:
                     return self._run_locked()
         except OutputDirBusy as exc:
             return _usage_failure(self.err_console, f"error: {exc}", [])
         except KeyboardInterrupt:
-            return EXIT_INTERRUPTED
+            return EXIT_TERMINATED if self.terminated else EXIT_INTERRUPTED
+
+    @property
+    def terminated(self) -> bool:
+        """Whether SIGTERM (rather than Ctrl-C) stopped the run."""
+        first = self.cancel.signals[0] if self.cancel is not None and self.cancel.signals else None
+        return first == signal.SIGTERM or (first is None and self.sigterm.received)
 
     def _run_locked(self) -> int:
         planned = plan_jobs(
@@ -336,6 +422,7 @@ class BatchRun:
             self.console, self.tracker, self.request.json_progress, self.clock
         )
         interrupted = False
+        config_error = None
         with self.reporter:
             for warning in self.log.existing.warnings:
                 self.reporter.note(warning, "warning")
@@ -345,9 +432,16 @@ class BatchRun:
                     interrupted = self._run_engine(pending)
             except KeyboardInterrupt:
                 interrupted = True
+            except LoadConfigError as exc:
+                config_error = exc
+        if config_error is not None:
+            return _usage_failure(
+                self.err_console, f"error: cannot load the model: {config_error}", []
+            )
         summary = summarize(self.tracker.state, self.clock(), str(self.output_dir), interrupted)
         self.reporter.summary(summary)
-        return exit_code(summary)
+        code = exit_code(summary)
+        return EXIT_TERMINATED if code == EXIT_INTERRUPTED and self.terminated else code
 
     def _register(self, planned: list[PlannedJob]) -> list[PlannedJob]:
         """Show every job; record invalid ones as failed; return those to run."""
@@ -376,6 +470,8 @@ class BatchRun:
         try:
             engine = load_engine(self.config, self.request.model)
         except Exception as exc:  # noqa: BLE001 - any load failure ends the run cleanly
+            if is_config_error(exc):
+                raise LoadConfigError(str(exc)) from exc
             self.reporter.note(f"cannot load the model: {exc}", "error")
             return False
         self.reporter.note(f"model loaded in {self.clock() - started:.1f}s")
@@ -497,8 +593,10 @@ class BatchRun:
         if self.cancel is not None and self.cancel.count and not self._announced:
             self._announced = True
             self.tracker.state.cancelling = True
+            name = "SIGTERM" if self.cancel.signals[0] == signal.SIGTERM else "Ctrl-C"
             self.reporter.note(
-                "Ctrl-C: cancelling; running jobs finish as 'cancelled' (Ctrl-C again to stop now)",
+                f"{name}: cancelling; running jobs finish as 'cancelled' "
+                "(Ctrl-C or SIGTERM again to stop now)",
                 "warning",
             )
 

@@ -81,3 +81,33 @@ def test_derived_ids_are_unique_and_safe(parts):
     ids = derive_ids(paths)
     assert len({i.casefold() for i in ids}) == len(ids)
     assert all(name_problem(i) is None for i in ids)
+
+
+@pytest.mark.parametrize(
+    "file, ident",
+    [
+        ("nul.bin", "nul_"),
+        ("con.txt", "con_"),
+        ("AUX.txt", "aux_"),
+        ("com1.txt", "com1_"),
+        ("lpt9.md", "lpt9_"),
+        ("console.txt", "console"),
+        ("nul-report.txt", "nul-report"),
+    ],
+)
+def test_derived_ids_avoid_reserved_device_names(tmp_path, file, ident):
+    (ident_,) = derive_ids([tmp_path / file])
+    assert ident_ == ident
+    assert name_problem(ident_) is None
+
+
+def test_command_line_problem_names_the_document_and_the_field():
+    from hisparse_cli.manifest import COMMAND_LINE, _problem
+    from hisparse_cli.manifest_source import Entry
+
+    entry = Entry(COMMAND_LINE, "document /tmp/ut/nul.bin", None, {"id": "nul"})
+    text = str(_problem(entry, "id", "is a reserved device name on Windows: 'nul'"))
+    assert (
+        text
+        == "command line: document /tmp/ut/nul.bin, id: is a reserved device name on Windows: 'nul'"
+    )

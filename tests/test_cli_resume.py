@@ -99,3 +99,12 @@ def test_results_txt_written_before_line(run, tmp_path):
     run()
     for record in lines(tmp_path):
         assert (tmp_path / "hisparse-out" / record["output"]).read_text() == record["text"]
+
+
+def test_deleted_output_file_is_redone(run, tmp_path):
+    run()
+    (tmp_path / "hisparse-out" / "b.txt").unlink()
+    result, seen = run()
+    assert result.exit_code == 0 and seen == ["b"]
+    assert (tmp_path / "hisparse-out" / "b.txt").is_file()
+    assert run()[1] == []

@@ -12,10 +12,13 @@ import textwrap
 import pytest
 from typer.testing import CliRunner
 
+from engine.config import ConfigError
 from hisparse_cli import runner as runner_module
 from hisparse_cli import settings, testing
 from hisparse_cli.main import app
 from hisparse_cli.tasks import SUMMARIZE_INSTRUCTION, SYSTEM_PROMPT
+
+REAL_LOAD_ENGINE = runner_module.load_engine  # before any fixture replaces it
 
 
 @pytest.fixture
@@ -420,3 +423,91 @@ def test_second_ctrl_c_stops_at_once(cli, docs):
     except KeyboardInterrupt:
         pytest.fail("second SIGINT escaped the run command")
     assert result.exit_code == 130
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        FileNotFoundError("HISPARSE_EMBEDDED_MODEL=/nope.gguf: no such file"),
+        ValueError("some.png: not a readable GGUF file (bad magic)"),
+        ConfigError("memory_budget_gb=0.01 holds no weights"),
+    ],
+)
+def test_config_errors_at_model_load_exit_2_without_traceback(cli, docs, error):
+    def broken(config, model):
+        raise error
+
+    result = cli("docs/alpha.txt", engine=broken)
+    assert result.exit_code == 2
+    assert f"cannot load the model: {error}" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_host_pool_larger_than_memory_exits_2_before_loading(cli, docs, monkeypatch):
+    import engine.api
+
+    monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "24")
+    monkeypatch.setattr(engine.api, "load_engine", lambda *a: pytest.fail("model was loaded"))
+    result = cli("docs/alpha.txt", "--host-pool", "1000", engine=REAL_LOAD_ENGINE)
+    assert result.exit_code == 2
+    assert "host KV pool needs 1000.0 GiB but only 24.0 GiB" in result.stderr
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cpu:0"])
+def test_unknown_device_exits_2_before_loading(cli, docs, device):
+    result = cli("docs/alpha.txt", "--device", device, engine=lambda *a: pytest.fail("loaded"))
+    assert result.exit_code == 2
+    assert f"unknown device {device!r}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_documents_named_like_windows_devices_run(cli, tmp_path):
+    (tmp_path / "d").mkdir()
+    for name in ("nul.txt", "con.txt", "aux.txt", "com1.txt", "ok.txt"):
+        (tmp_path / "d" / name).write_text(f"text of {name}\n")
+    result = cli("d/nul.txt", "d/con.txt", "d/aux.txt", "d/com1.txt", "d/ok.txt")
+    assert result.exit_code == 0, result.stderr
+    ids = sorted(r["id"] for r in read_results(tmp_path / "hisparse-out"))
+    assert ids == ["aux_", "com1_", "con_", "nul_", "ok"]
+    assert (tmp_path / "hisparse-out" / "nul_.txt").is_file()
+
+
+def test_reserved_id_written_in_a_manifest_is_still_an_error(cli, docs, tmp_path):
+    (tmp_path / "jobs.yaml").write_text("jobs:\n  - id: nul\n    input: docs/alpha.txt\n")
+    result = cli("--manifest", "jobs.yaml")
+    assert result.exit_code == 2
+    assert "jobs.yaml:2: jobs[0].id: is a reserved device name on Windows: 'nul'" in result.stderr
+
+
+def test_sigterm_cancels_running_jobs_records_them_and_exits_143(cli, docs, tmp_path):
+    def terminate(step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    engine = testing.fake_engine_factory(on_step=terminate)
+    result = cli("docs/alpha.txt", "docs/beta.txt", "--max-batch", "1", engine=engine)
+    assert result.exit_code == 143
+    assert engine.engines[0].cancelled
+    records = read_results(tmp_path / "hisparse-out")
+    assert [(r["id"], r["finish_reason"]) for r in records] == [("alpha", "cancelled")]
+    assert "SIGTERM: cancelling" in result.stdout and "interrupted" in result.stdout
+    assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_sigterm_while_loading_the_model_prints_the_summary_and_exits_143(cli, docs):
+    def slow_load(config, model):
+        os.kill(os.getpid(), signal.SIGTERM)
+        pytest.fail("SIGTERM did not stop the load")
+
+    result = cli("docs/alpha.txt", engine=slow_load)
+    assert result.exit_code == 143
+    assert "interrupted" in result.stdout
+
+
+def test_threads_flag_sets_num_threads(cli, docs, monkeypatch):
+    monkeypatch.setattr(settings, "preset_overrides", lambda name: {"num_threads": 4})
+    result = cli("docs/alpha.txt", "--threads", "1", "--print-config")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["engine"]["num_threads"] == 1
+    assert cli("docs/alpha.txt", "--threads", "0", "--print-config").exit_code == 2

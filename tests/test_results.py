@@ -204,3 +204,11 @@ def test_model_fingerprint_changes_when_file_changes(tmp_path):
     model.write_bytes(b"123456")
     assert model_fingerprint(str(model)) != first
     assert model_fingerprint(None) == "embedded-default"
+
+
+def test_done_needs_the_output_file(tmp_path):
+    lines = [{**ok_line("a"), "output": "a.txt"}, {**ok_line("b"), "output": "b.txt"}]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / "a.txt").write_text("t")
+    log = ResultsLog(tmp_path)
+    assert log.is_done("a", "k") and not log.is_done("b", "k")
