@@ -112,6 +112,11 @@ def dense_decode_attention_ref(
     pos = torch.arange(p_used * s, device=q.device)
     mask = (pos[None, :] < seq_lens.to(q.device).long()[:, None])[:, None, None, :]
     dt = torch.float32 if q.device.type == "cpu" else q.dtype
+    # Positions past seq_len (the unused part of the last page, pool memory never written)
+    # may hold any bits, NaN included: zero them, or NaN * 0-weight reaches the output.
+    valid = mask[:, :, 0, :, None]  # [B, 1, T, 1]
+    keys = keys.masked_fill(~valid, 0.0)
+    vals = vals.masked_fill(~valid, 0.0)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.to(dt).view(b, hq, 1, d),
         keys.to(dt),

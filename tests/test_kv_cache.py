@@ -214,3 +214,23 @@ def test_declared_host_memory_overrides_meminfo(monkeypatch):
     monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "lots")
     with pytest.raises(ValueError, match="HISPARSE_HOST_MEMORY_GB"):
         available_host_bytes()
+
+
+def test_dense_reference_ignores_unwritten_pool_memory():
+    """Pool positions past seq_len (never written: any bits, NaN included) must not reach
+    the dense reference's output (NaN * a 0 softmax weight is NaN)."""
+    from kernels.sparse_attention import dense_decode_attention_ref
+
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randn(6, 2, 2, 16, 32, generator=gen)
+    table = torch.tensor([[4, 1, -1], [0, 2, 5]], dtype=torch.int32)
+    lens = torch.tensor([20, 40], dtype=torch.int32)  # partial last pages
+    q = torch.randn(2, 4, 32, generator=gen)
+    clean = dense_decode_attention_ref(q, pool, table, lens, 32**-0.5)
+    poisoned = pool.clone()
+    poisoned[1, :, :, 4:] = float("nan")  # request 0: positions 20.. of its page 1
+    poisoned[5] = float("nan")  # request 1: page 2 holds positions 32..47, 40.. unused
+    poisoned[5, :, :, :8] = pool[5, :, :, :8]
+    out = dense_decode_attention_ref(q, poisoned, table, lens, 32**-0.5)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, clean)
