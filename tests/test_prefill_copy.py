@@ -13,24 +13,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_kv_cache import TINY
 
-from engine.config import ConfigError, EngineConfig, ModelConfig, SamplingParams
+from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.events import Job
 from engine.kv_cache import KVCache, page_runs
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-TINY = ModelConfig(
-    arch="llama",
-    num_layers=2,
-    hidden_size=16,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    intermediate_size=32,
-    vocab_size=32,
-    name="tiny",
-)
 SENTINEL = 7.0  # pool and metadata fill: a write outside the request's pages shows up
 
 
