@@ -30,7 +30,8 @@ class StepPlan:
     num_pages int32 ``[B]``; positions int64 ``[B]`` (the new token's position);
     slab_ids int32 ``[B, Hkv]`` (hierarchical only); hits, misses int64 ``[B]``: records
     found in / loaded into the hot buffer this step, summed over layers (filled by
-    :meth:`DecodeAttention.run`).
+    :meth:`DecodeAttention.run`); row0: the first row of the cache's token staging buffer
+    this plan's rows use (a micro-batch's offset in its step's batch).
     """
 
     seq_ids: list[int]
@@ -42,6 +43,7 @@ class StepPlan:
     step: int | torch.Tensor
     hits: torch.Tensor | None = None
     misses: torch.Tensor | None = None
+    row0: int = 0
 
 
 @dataclass
@@ -54,6 +56,16 @@ class LayerStats:
 
 class DecodeAttention:
     """Runs decode attention for a batch; owns no state beyond the :class:`KVCache`.
+
+    Write-through of the new token (DESIGN.md: the pool stays complete): with the cache's
+    decode copy stream (``KVCache.write_stream``, a pinned host pool on CUDA and
+    ``decode_write_stream``) a layer appends in three launches — metadata and a device
+    staging row on the compute stream; the host-pool write on the copy stream, overlapping
+    the rest of the step; the resident tail slot on the compute stream after the gather
+    (a tail page the gather loaded before the host write landed gets the token there).
+    :meth:`KVCache.join_decode_writes` ends the step. Without deferred writes
+    (``KVCache.deferred_writes``), and for the ``oracle`` indexer (which reads the pool in
+    the same layer), one launch writes all.
 
     Parameters
     ----------
@@ -107,17 +119,22 @@ class DecodeAttention:
         the cache's layers (the model's layer less ``cache.layer_offset``)."""
         c = self.cache
         hier = c.hierarchical
-        self.ops.append_kv(
-            k,
-            v,
-            plan.positions,
-            plan.block_table,
-            c.pool[layer],
-            c.meta[layer],
-            c.slots[layer] if hier else None,
-            c.page_table[layer] if hier else None,
-            plan.slab_ids if hier else None,
-        )
+        cfg = self.config
+        deferred = c.deferred_writes and cfg.decode_write_stream and cfg.indexer != "oracle"
+        if deferred:
+            self.stage_and_write(plan, layer, k, v)
+        else:
+            self.ops.append_kv(
+                k,
+                v,
+                plan.positions,
+                plan.block_table,
+                c.pool[layer],
+                c.meta[layer],
+                c.slots[layer] if hier else None,
+                c.page_table[layer] if hier else None,
+                plan.slab_ids if hier else None,
+            )
         if self.config.attention == "dense":
             return self.ops.dense_decode_attention(
                 q, c.pool[layer], plan.block_table, plan.seq_lens, self.scale
@@ -147,9 +164,36 @@ class DecodeAttention:
             plan.misses += (load_slots >= 0).sum((-1, -2))
         if not self.config.skip_host_io:
             self.ops.gather(c.pool[layer], c.slots[layer], plan.block_table, load_pages, load_slots)
+        if deferred:  # the token into its resident tail slot, after the gather
+            self.ops.append_kv(
+                k,
+                v,
+                plan.positions,
+                plan.block_table,
+                c.pool[layer],
+                None,
+                c.slots[layer],
+                c.page_table[layer],
+                plan.slab_ids,
+                write_pool=False,
+            )
         return self.ops.sparse_decode_attention(
             q, c.slots[layer], selection, slot_list, plan.seq_lens, self.scale
         )
+
+    def stage_and_write(self, plan: StepPlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Update the page metadata and stage ``k, v [B, Hkv, D]`` in the cache's token
+        staging rows ``plan.row0 : plan.row0 + B`` (compute stream), then write the staged
+        records to the host pool late (:meth:`KVCache.write_late`: on the copy stream,
+        after the staging). The write has landed once :meth:`KVCache.join_decode_writes`
+        has run."""
+        c = self.cache
+        b = k.shape[0]
+        staging = c.token_staging[layer, plan.row0 : plan.row0 + b]
+        pool, table, pos = c.pool[layer], plan.block_table, plan.positions
+        self.ops.append_kv(k, v, pos, table, pool, c.meta[layer], write_pool=False, staging=staging)
+        k_st, v_st = staging[:, :, 0], staging[:, :, 1]
+        c.write_late(lambda: self.ops.append_kv(k_st, v_st, pos, table, pool, None))
 
     def select(self, plan: StepPlan, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Selection bitmask int32 ``[B, Hkv, W]`` from the configured indexer."""

@@ -11,7 +11,11 @@ Modes (:data:`MODES`), all built on ONE placed :class:`engine.model.LlamaModel`:
   (``hierarchical=False``): the all-resident sparse baseline;
 * ``hierarchical`` — host pool + hot buffer (resolve, gather of misses);
 * ``noio`` — ``hierarchical`` with ``skip_host_io=True``: gathers skipped, output invalid;
-  the throughput ceiling if all host IO were hidden.
+  the throughput ceiling if all host IO were hidden;
+* ``inline`` (not in the default sweep) — ``hierarchical`` with
+  ``decode_write_stream=False``: the append kernel writes each new token to the host pool
+  on the compute stream instead of the copy stream; ``hierarchical`` vs ``inline`` is the
+  step time with and without the copy stream hiding the write-through.
 
 Budget (:mod:`engine.budget`): every mode gets ``--memory-budget`` GiB; device-resident
 pools get what the planner's arithmetic leaves after weights, activations and reserve, so
@@ -98,7 +102,8 @@ from engine.planner import GIB, format_context
 from engine.profiling import PHASES, PhaseTimer, kernel_breakdown, timed_model, timed_ops
 from kernels.dispatch import Ops
 
-MODES = ("dense", "sparse", "hierarchical", "noio")
+MODES = ("dense", "sparse", "hierarchical", "noio", "inline")
+DEFAULT_MODES = MODES[:4]
 PREFILL_METHODS = ("auto", "full", "window")
 # DESIGN.md, H200: device copy 4.23 TB/s (read + write) -> ~2.1 TB/s of reads; pinned
 # host->device copy 55.2 GB/s.
@@ -187,7 +192,7 @@ class BenchSpec:
     contexts: tuple[int, ...]
     concurrency: tuple[int, ...]
     out_dir: Path
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = DEFAULT_MODES
     decode_steps: int = 32
     warmup_steps: int = 4
     profile_steps: int = 4
@@ -249,6 +254,12 @@ def mode_config(base: EngineConfig, mode: str) -> EngineConfig:
         "sparse": {"attention": "sparse", "hierarchical": False, "skip_host_io": False},
         "hierarchical": {"attention": "sparse", "hierarchical": True, "skip_host_io": False},
         "noio": {"attention": "sparse", "hierarchical": True, "skip_host_io": True},
+        "inline": {
+            "attention": "sparse",
+            "hierarchical": True,
+            "skip_host_io": False,
+            "decode_write_stream": False,
+        },
     }[mode]
     return base.replace(**changes)
 

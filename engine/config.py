@@ -114,6 +114,12 @@ class EngineConfig:
         overlapping the compute of the next chunk and layer. False: one blocking copy of the
         whole layer after its last chunk (:meth:`engine.kv_cache.KVCache.write_prefill`).
         Either way the pool bytes are the same.
+    decode_write_stream: with a pinned host pool on CUDA, write each decode step's new
+        K/V records to the pool from a copy stream: the compute stream updates the page
+        metadata and stages the token on the device, the copy stream writes it to host
+        memory while the following layers compute, and the step ends by waiting for it
+        (see :class:`engine.attention.DecodeAttention`). False: the append kernel writes
+        the pool itself on the compute stream. Either way the pool bytes are the same.
     """
 
     device: str = "cpu"
@@ -131,6 +137,7 @@ class EngineConfig:
     max_batch: int = 8
     prefill_chunk: int = 1024
     prefill_copy_stream: bool = True
+    decode_write_stream: bool = True
     host_pool_gb: float = 8.0
     memory_budget_gb: float | None = None
     context_policy: str = "refuse"
@@ -198,13 +205,9 @@ class EngineConfig:
         _positive("top_k", self.top_k)
         _positive("max_batch", self.max_batch)
         _positive("prefill_chunk", self.prefill_chunk)
-        for name in ("cuda_graph", "decode_overlap"):
+        for name in ("cuda_graph", "decode_overlap", "prefill_copy_stream", "decode_write_stream"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if not isinstance(self.prefill_copy_stream, bool):
-            raise ConfigError(
-                f"prefill_copy_stream must be true or false, got {self.prefill_copy_stream!r}"
-            )
         if self.host_pool_gb <= 0:
             raise ConfigError(f"host_pool_gb must be > 0, got {self.host_pool_gb}")
         if self.sink_tokens < 0 or self.local_window < 0:

@@ -71,6 +71,7 @@ def split_plan(plan: StepPlan, half: int) -> tuple[StepPlan, StepPlan]:
             step=plan.step,
             hits=plan.hits[sl] if plan.hits is not None else None,
             misses=plan.misses[sl] if plan.misses is not None else None,
+            row0=plan.row0 + (sl.start or 0),
         )
 
     return rows(slice(0, half)), rows(slice(half, None))

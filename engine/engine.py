@@ -483,10 +483,13 @@ class Engine:
         """This engine's layers for one decode step of ``plan``'s batch: ``h [B, H]`` ->
         ``[B, H]`` (each layer appends its K/V and attends through the cache)."""
         m, offset = self.model, self.cache.layer_offset
-        for layer in m.layer_range:
-            q, k, v = m.qkv(layer, h, plan.positions)
-            a = self.attn.run(plan, layer - offset, q, k, v)
-            h = m.finish_layer(layer, h, a)
+        try:
+            for layer in m.layer_range:
+                q, k, v = m.qkv(layer, h, plan.positions)
+                a = self.attn.run(plan, layer - offset, q, k, v)
+                h = m.finish_layer(layer, h, a)
+        finally:  # the step's late pool writes land before anything else uses the pool
+            self.cache.join_decode_writes()
         return h
 
     def memory_snapshots(self) -> list[ev.MemorySnapshot]:

@@ -271,6 +271,14 @@ class KVCache:
         self._staging_done: list = [None, None]  # per buffer: event of its last copy
         self._next_staging = 0
         self._pending: dict[int, torch.cuda.Event] = {}  # seq_id -> event of its last copy
+        # Decode write-through on a copy stream (``decode_write_stream``): each layer's new
+        # tokens are staged on the device, one row per batch row.
+        self.deferred_writes = False
+        self.write_stream: torch.cuda.Stream | None = None
+        self.token_staging: torch.Tensor | None = None
+        self._queued_writes: list = []
+        if pin and config.decode_write_stream:
+            self.defer_decode_writes()
         self.closed = False
 
     # ----- sizes -------------------------------------------------------------------
@@ -291,7 +299,45 @@ class KVCache:
 
     @property
     def metadata_bytes(self) -> int:
-        return sum(t.nbytes for t in self.meta)
+        """Page metadata plus the decode token staging buffer (both on the device)."""
+        staging = self.token_staging.nbytes if self.token_staging is not None else 0
+        return sum(t.nbytes for t in self.meta) + staging
+
+    def defer_decode_writes(self) -> None:
+        """Write decode tokens to the pool late: from :attr:`write_stream` on CUDA (set up
+        by the constructor for a pinned pool with ``decode_write_stream``); elsewhere (CPU
+        tests) queued on the host and run by :meth:`join_decode_writes`, the latest a copy
+        stream's write may land. Allocates the token staging buffer ``[L, max_batch, Hkv,
+        2, D]`` (``kv_dtype``, on the compute device)."""
+        hkv, d = self.model.num_kv_heads, self.model.head_dim
+        self.deferred_writes = True
+        if self.device.type == "cuda":
+            self.write_stream = torch.cuda.Stream(self.device)
+        self.token_staging = torch.zeros(
+            self.num_layers, self.config.max_batch, hkv, 2, d, dtype=self.dtype, device=self.device
+        )
+
+    def write_late(self, write) -> None:
+        """Run ``write()`` (a pool write of staged tokens) on :attr:`write_stream`, after
+        the work queued so far on the current stream; without a stream, at the next
+        :meth:`join_decode_writes`."""
+        if self.write_stream is None:
+            self._queued_writes.append(write)
+            return
+        self.write_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.write_stream):
+            write()
+
+    def join_decode_writes(self) -> None:
+        """Make the current stream wait, on the device, for every decode write-through
+        issued by :meth:`write_late` (without a stream: run the queued writes now). Called
+        at the end of each decode step, so the next step's gathers, a prefill reusing a
+        freed page and host reads after a device synchronisation all see the records;
+        inside a captured step it is the join that ends the copy stream's fork."""
+        if self.write_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.write_stream)
+        while self._queued_writes:
+            self._queued_writes.pop(0)()
 
     def can_admit(self, num_tokens: int) -> bool:
         """Whether a request that will hold ``num_tokens`` tokens fits now."""
@@ -436,10 +482,13 @@ class KVCache:
             torch.cuda.current_stream(self.device).wait_event(done)
 
     def synchronize(self) -> None:
-        """Wait on the host until every prefill copy has landed in the pool (a no-op
-        without a copy stream). Host code reading the pool after chunked writes calls it."""
+        """Wait on the host until every prefill copy and decode write-through has landed in
+        the pool (a no-op without copy streams). Host code reading the pool after chunked
+        writes calls it."""
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
+        if self.write_stream is not None:
+            self.write_stream.synchronize()
         self._pending.clear()
 
     def close(self) -> None:
@@ -459,6 +508,7 @@ class KVCache:
         for name in ("pool", "meta", "slots", "page_table", "slot_page", "slot_last_use"):
             setattr(self, name, [])
         self._staging, self._staging_done = [], [None, None]
+        self.token_staging = None
         if self.pinned:
             release_pinned_cache()
 

@@ -348,9 +348,15 @@ def job_device_bytes(
     -------
     int
         Hierarchical sparse: L_d x Hkv x min(device_buffer, P x S) x D x 2 x b_kv slabs
-        plus P x L_d x Hkv x 2 x D x b_kv metadata. All-resident: the full paged KV of
-        those layers, plus the metadata when the attention is sparse.
+        plus P x L_d x Hkv x 2 x D x b_kv metadata and one token's L_d x Hkv x 2 x D x
+        b_kv staging row (decode write-through, ``decode_write_stream`` on CUDA). All-resident:
+        the full paged KV of those layers, plus the metadata when the attention is sparse.
     """
+    slabs, metadata = _slab_and_metadata(model, config, context, num_layers)
+    return slabs + metadata
+
+
+def _slab_and_metadata(model, config, context, num_layers) -> tuple[int, int]:
     num_layers = model.num_layers if num_layers is None else num_layers
     pages = context_pages(config, context)
     per_token = kv_bytes_per_token(model, config, num_layers)
@@ -358,21 +364,10 @@ def job_device_bytes(
         resident_tokens = pages * config.page_size
     else:
         resident_tokens = min(config.buffer_pages, pages) * config.page_size
-    metadata = (
-        0 if config.attention == "dense" else pages * per_token
-    )  # [2, D] per page
-    return resident_tokens * per_token + metadata
-
-
-def _slab_and_metadata(model, config, context, num_layers) -> tuple[int, int]:
-    total = job_device_bytes(model, config, context, num_layers)
-    pages = context_pages(config, context)
-    metadata = (
-        0
-        if config.attention == "dense"
-        else pages * kv_bytes_per_token(model, config, num_layers)
-    )
-    return total - metadata, metadata
+    metadata = 0 if config.attention == "dense" else pages * per_token  # [2, D] per page
+    if not all_resident(config) and config.decode_write_stream and "cuda" in config.device:
+        metadata += per_token  # the job's token staging row (pinned pools: CUDA only)
+    return resident_tokens * per_token, metadata
 
 
 # ----------------------------------------------------------------------------- scratch

@@ -35,7 +35,12 @@ ConcurrencyOpt = Annotated[
     str, typer.Option(help="Concurrent jobs, ascending: 1,2,4,8.", rich_help_panel=BENCH)
 ]
 ModesOpt = Annotated[
-    str, typer.Option(help="dense, sparse, hierarchical, noio (comma list).", rich_help_panel=BENCH)
+    str,
+    typer.Option(
+        help="dense, sparse, hierarchical, noio, inline (hierarchical with the decode "
+        "write-through on the compute stream) — comma list.",
+        rich_help_panel=BENCH,
+    ),
 ]
 DecodeStepsOpt = Annotated[
     int, typer.Option(min=1, help="Timed decode steps per run.", rich_help_panel=BENCH)

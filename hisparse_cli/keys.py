@@ -33,6 +33,7 @@ OUTPUT_NEUTRAL_SETTINGS = frozenset(
         "max_batch",
         "prefill_chunk",
         "prefill_copy_stream",
+        "decode_write_stream",
         "cuda_graph",
         "decode_overlap",
         "host_pool_gb",

@@ -4,8 +4,18 @@ page, and update the page metadata (element-wise key min/max).
 :func:`append_kv` is the Triton version: one program per (request, KV head) writes the
 token to the pool — the GPU stores straight into pinned host memory through unified
 addressing when the pool lives there (``D`` elements per head, posted writes over the
-link; no copy stream, no host synchronisation) — to the resident tail slot, and widens
-the page's key min/max.
+link, no host synchronisation) — to the resident tail slot, and widens the page's key
+min/max.
+
+Each of the three writes can be switched off, and the token can be copied to a small
+device staging buffer instead, so a decode step can split the append in three launches
+(:class:`engine.attention.DecodeAttention` with a write-through copy stream):
+
+1. compute stream: metadata + staging (``write_pool=False``, ``staging=...``);
+2. copy stream: staging -> pool (``meta=None``), overlapping the layers that follow;
+3. compute stream, after the layer's gather: the resident tail slot (``write_pool=False``,
+   ``meta=None``), so a tail page the gather just loaded from the pool before step 2
+   landed still ends up with the token.
 """
 
 from __future__ import annotations
@@ -33,10 +43,13 @@ def append_kv_ref(
     positions: torch.Tensor,
     block_table: torch.Tensor,
     kv_pool: torch.Tensor,
-    meta: torch.Tensor,
+    meta: torch.Tensor | None,
     kv_slots: torch.Tensor | None = None,
     page_table: torch.Tensor | None = None,
     slab_ids: torch.Tensor | None = None,
+    *,
+    write_pool: bool = True,
+    staging: torch.Tensor | None = None,
 ) -> None:
     """Write each request's new key/value and update page metadata, in place.
 
@@ -48,10 +61,13 @@ def append_kv_ref(
     kv_pool : ``[P_pool, Hkv, 2, S, D]`` one layer of the KV pool (host pool when
         hierarchical); receives the token
     meta : ``[P_pool, Hkv, 2, D]`` page metadata; a page's first token initialises min
-        and max, later tokens widen them
+        and max, later tokens widen them; ``None`` leaves metadata alone
     kv_slots, page_table, slab_ids : hot buffer ``[N, 2, S, D]``, ``[num_slabs, P_max]``
         and ``[B, Hkv]``; when given, a resident tail page receives the token too
         (write-through), so it is never stale
+    write_pool : False skips the pool write (a copy stream writes it later from
+        ``staging``)
+    staging : ``[B, Hkv, 2, D]``, receives ``k`` (index 0) and ``v`` (index 1) in its dtype
     """
     b, hkv, _ = k.shape
     s = kv_pool.shape[3]
@@ -59,14 +75,19 @@ def append_kv_ref(
     page = pos // s
     off = pos % s
     pool_page = block_table.long()[torch.arange(b, device=block_table.device), page]
-    pp, off_p = pool_page.to(kv_pool.device), off.to(kv_pool.device)
-    kv_pool[pp, :, 0, off_p] = k.to(kv_pool.device, kv_pool.dtype)
-    kv_pool[pp, :, 1, off_p] = v.to(kv_pool.device, kv_pool.dtype)
-    pm = pool_page.to(meta.device)
-    kn = k.to(meta.device, meta.dtype)
-    first = (off == 0).to(meta.device)[:, None, None]
-    meta[pm, :, 0] = torch.where(first, kn, torch.minimum(meta[pm, :, 0], kn))
-    meta[pm, :, 1] = torch.where(first, kn, torch.maximum(meta[pm, :, 1], kn))
+    if staging is not None:
+        staging[:, :, 0] = k.to(staging.device, staging.dtype)
+        staging[:, :, 1] = v.to(staging.device, staging.dtype)
+    if write_pool:
+        pp, off_p = pool_page.to(kv_pool.device), off.to(kv_pool.device)
+        kv_pool[pp, :, 0, off_p] = k.to(kv_pool.device, kv_pool.dtype)
+        kv_pool[pp, :, 1, off_p] = v.to(kv_pool.device, kv_pool.dtype)
+    if meta is not None:
+        pm = pool_page.to(meta.device)
+        kn = k.to(meta.device, meta.dtype)
+        first = (off == 0).to(meta.device)[:, None, None]
+        meta[pm, :, 0] = torch.where(first, kn, torch.minimum(meta[pm, :, 0], kn))
+        meta[pm, :, 1] = torch.where(first, kn, torch.maximum(meta[pm, :, 1], kn))
     if kv_slots is None:
         return
     slot = page_table.long()[slab_ids.long(), page.to(page_table.device)[:, None]]  # [B, Hkv]
@@ -88,6 +109,7 @@ def _append_kv_kernel(
     slots_ptr,
     page_table_ptr,
     slab_ids_ptr,
+    staging_ptr,
     num_kv_heads,
     stride_k_b,
     stride_k_h,
@@ -107,12 +129,19 @@ def _append_kv_kernel(
     stride_pt_slab,
     stride_slab_b,
     stride_slab_h,
+    stride_st_b,
+    stride_st_h,
+    stride_st_kv,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
+    WRITE_POOL: tl.constexpr,
+    HAS_META: tl.constexpr,
+    HAS_STAGING: tl.constexpr,
 ):
-    """One (request, KV head): pool write, metadata min/max, resident tail write."""
+    """One (request, KV head): staging copy, pool write, metadata min/max, resident tail
+    write (each behind its flag)."""
     row = tl.program_id(0)
     b = row // num_kv_heads
     h = row % num_kv_heads
@@ -125,21 +154,28 @@ def _append_kv_kernel(
     k = tl.load(k_ptr + b * stride_k_b + h * stride_k_h + offs_d, mask=mask_d)
     v = tl.load(v_ptr + b * stride_v_b + h * stride_v_h + offs_d, mask=mask_d)
 
-    rec = pool_ptr + pool_page * stride_pool_p + h * stride_pool_h + off * stride_pool_s
-    tl.store(rec + offs_d, k.to(pool_ptr.dtype.element_ty), mask=mask_d)
-    tl.store(rec + stride_pool_kv + offs_d, v.to(pool_ptr.dtype.element_ty), mask=mask_d)
+    if HAS_STAGING:
+        st = staging_ptr + b * stride_st_b + h * stride_st_h + offs_d
+        tl.store(st, k.to(staging_ptr.dtype.element_ty), mask=mask_d)
+        tl.store(st + stride_st_kv, v.to(staging_ptr.dtype.element_ty), mask=mask_d)
 
-    meta = meta_ptr + pool_page * stride_meta_p + h * stride_meta_h + offs_d
-    # Round the key to the metadata dtype first (as the reference does), then compare in
-    # fp32: min/max return one of their inputs, so this is exact for every dtype.
-    kn = k.to(meta_ptr.dtype.element_ty).to(tl.float32)
-    first = off == 0
-    lo = tl.load(meta, mask=mask_d, other=0.0).to(tl.float32)
-    hi = tl.load(meta + stride_meta_mm, mask=mask_d, other=0.0).to(tl.float32)
-    lo = tl.where(first, kn, tl.minimum(lo, kn, propagate_nan=tl.PropagateNan.ALL))
-    hi = tl.where(first, kn, tl.maximum(hi, kn, propagate_nan=tl.PropagateNan.ALL))
-    tl.store(meta, lo.to(meta_ptr.dtype.element_ty), mask=mask_d)
-    tl.store(meta + stride_meta_mm, hi.to(meta_ptr.dtype.element_ty), mask=mask_d)
+    if WRITE_POOL:
+        rec = pool_ptr + pool_page * stride_pool_p + h * stride_pool_h + off * stride_pool_s
+        tl.store(rec + offs_d, k.to(pool_ptr.dtype.element_ty), mask=mask_d)
+        tl.store(rec + stride_pool_kv + offs_d, v.to(pool_ptr.dtype.element_ty), mask=mask_d)
+
+    if HAS_META:
+        meta = meta_ptr + pool_page * stride_meta_p + h * stride_meta_h + offs_d
+        # Round the key to the metadata dtype first (as the reference does), then compare
+        # in fp32: min/max return one of their inputs, so this is exact for every dtype.
+        kn = k.to(meta_ptr.dtype.element_ty).to(tl.float32)
+        first = off == 0
+        lo = tl.load(meta, mask=mask_d, other=0.0).to(tl.float32)
+        hi = tl.load(meta + stride_meta_mm, mask=mask_d, other=0.0).to(tl.float32)
+        lo = tl.where(first, kn, tl.minimum(lo, kn, propagate_nan=tl.PropagateNan.ALL))
+        hi = tl.where(first, kn, tl.maximum(hi, kn, propagate_nan=tl.PropagateNan.ALL))
+        tl.store(meta, lo.to(meta_ptr.dtype.element_ty), mask=mask_d)
+        tl.store(meta + stride_meta_mm, hi.to(meta_ptr.dtype.element_ty), mask=mask_d)
 
     if HAS_SLOTS:
         slab = tl.load(slab_ids_ptr + b * stride_slab_b + h * stride_slab_h).to(tl.int64)
@@ -150,16 +186,24 @@ def _append_kv_kernel(
             tl.store(dst + stride_slots_kv + offs_d, v.to(slots_ptr.dtype.element_ty), mask=mask_d)
 
 
+def _unused(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    """A placeholder argument for a pointer the kernel never dereferences (its flag off)."""
+    return t.as_strided((1,) * ndim, (0,) * ndim)
+
+
 def append_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     positions: torch.Tensor,
     block_table: torch.Tensor,
     kv_pool: torch.Tensor,
-    meta: torch.Tensor,
+    meta: torch.Tensor | None,
     kv_slots: torch.Tensor | None = None,
     page_table: torch.Tensor | None = None,
     slab_ids: torch.Tensor | None = None,
+    *,
+    write_pool: bool = True,
+    staging: torch.Tensor | None = None,
 ) -> None:
     """Triton :func:`append_kv_ref`: same arguments, bit-identical results, one launch.
 
@@ -170,16 +214,21 @@ def append_kv(
     block_table : int32/int64 ``[B, P_max]``, unit stride on ``P_max``
     kv_pool : ``[P_pool, Hkv, 2, S, D]`` on the device or in pinned host memory (written
         by the kernel through unified addressing), unit stride on ``D``
-    meta : ``[P_pool, Hkv, 2, D]`` on the device, unit stride on ``D``
+    meta : ``[P_pool, Hkv, 2, D]`` on the device, unit stride on ``D``, or ``None``
     kv_slots, page_table, slab_ids : ``[N, 2, S, D]``, int32 ``[num_slabs, P_max]`` (unit
         stride on ``P_max``), int32/int64 ``[B, Hkv]`` — all or none
+    write_pool : whether to write ``kv_pool`` (read only for its shape when False)
+    staging : ``[B, Hkv, 2, D]`` on the device, unit stride on ``D``, or ``None``
+
+    Raises
+    ------
+    ValueError : a shape, dtype, stride or device that does not match the above
     """
     check_tensor("k", k, 3, FLOAT_DTYPES)
     check_tensor("v", v, 3, FLOAT_DTYPES)
     check_tensor("positions", positions, 1, INDEX_DTYPES, unit_last=False)
     check_tensor("block_table", block_table, 2, INDEX_DTYPES)
     check_tensor("kv_pool", kv_pool, 5, FLOAT_DTYPES)
-    check_tensor("meta", meta, 4, FLOAT_DTYPES)
     b, hkv, d = k.shape
     s = kv_pool.shape[3]
     check_shape("v", v, (b, hkv, d))
@@ -189,14 +238,22 @@ def append_kv(
         kv_pool.shape[1:] == (hkv, 2, s, d),
         f"kv_pool must be [P_pool, {hkv}, 2, S, {d}], got {tuple(kv_pool.shape)}",
     )
-    require(
-        meta.shape[1:] == (hkv, 2, d),
-        f"meta must be [P_pool, {hkv}, 2, {d}], got {tuple(meta.shape)}",
-    )
     dev = k.device
-    check_device(dev, v=v, positions=positions, block_table=block_table, meta=meta)
+    check_device(dev, v=v, positions=positions, block_table=block_table)
+    if meta is not None:
+        check_tensor("meta", meta, 4, FLOAT_DTYPES)
+        require(
+            meta.shape[1:] == (hkv, 2, d),
+            f"meta must be [P_pool, {hkv}, 2, {d}], got {tuple(meta.shape)}",
+        )
+        check_device(dev, meta=meta)
+    if staging is not None:
+        check_tensor("staging", staging, 4, FLOAT_DTYPES)
+        check_shape("staging", staging, (b, hkv, 2, d))
+        check_device(dev, staging=staging)
     require(
-        host_visible(kv_pool, dev), f"kv_pool on {kv_pool.device} is not addressable from {dev}"
+        not write_pool or host_visible(kv_pool, dev),
+        f"kv_pool on {kv_pool.device} is not addressable from {dev}",
     )
     has_slots = kv_slots is not None
     require(
@@ -214,7 +271,11 @@ def append_kv(
         check_shape("slab_ids", slab_ids, (b, hkv))
         check_device(dev, kv_slots=kv_slots, page_table=page_table, slab_ids=slab_ids)
     else:
-        kv_slots, page_table, slab_ids = kv_pool, block_table, positions.view(-1, 1)
+        kv_slots, page_table, slab_ids = _unused(k, 4), block_table, positions.view(-1, 1)
+    has_meta, has_staging = meta is not None, staging is not None
+    meta = meta if has_meta else _unused(k, 4)
+    staging = staging if has_staging else _unused(k, 4)
+    pool = kv_pool if write_pool else _unused(k, 5)
     require_runnable(dev)
     if b * hkv == 0:
         return
@@ -223,21 +284,22 @@ def append_kv(
         v,
         positions,
         block_table,
-        kv_pool,
+        pool,
         meta,
         kv_slots,
         page_table,
         slab_ids,
+        staging,
         hkv,
         k.stride(0),
         k.stride(1),
         v.stride(0),
         v.stride(1),
         block_table.stride(0),
-        kv_pool.stride(0),
-        kv_pool.stride(1),
-        kv_pool.stride(2),
-        kv_pool.stride(3),
+        pool.stride(0),
+        pool.stride(1),
+        pool.stride(2),
+        pool.stride(3),
         meta.stride(0),
         meta.stride(1),
         meta.stride(2),
@@ -247,9 +309,15 @@ def append_kv(
         page_table.stride(0),
         slab_ids.stride(0),
         slab_ids.stride(1),
+        staging.stride(0),
+        staging.stride(1),
+        staging.stride(2),
         D=d,
         BLOCK_D=next_pow2(d),
         PAGE_SIZE=s,
         HAS_SLOTS=has_slots,
+        WRITE_POOL=write_pool,
+        HAS_META=has_meta,
+        HAS_STAGING=has_staging,
         num_warps=1,
     )

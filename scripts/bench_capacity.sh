@@ -18,6 +18,10 @@
 #   seed     the seed scenario: llama2-13b shape (8 KV heads), 256K jobs, as many as the
 #            host pool holds (40 GiB of bf16 KV each); the planner's answer is printed.
 #   quick    qwen2.5-7b, 32K and 128K, concurrency 1, 4, 8 (a smoke run, ~3 min).
+#   overlap  qwen2.5-7b, 128K, concurrency 1, 4, 8: the hierarchy with the decode
+#            write-through on the copy stream (hierarchical) and on the compute stream
+#            (inline), and the no-IO oracle; 64 timed steps per run.
+# MODES overrides the modes of any scenario (comma list, see `hisparse bench --help`).
 # Files back: bench.json, bench.log, gpu.txt and the PNG plots.
 #
 # On virtual machines whose memory grows on demand (MemAvailable reads far less than the
@@ -63,13 +67,16 @@ case "$SCENARIO" in
       2>&1 | tee "$OUT/seed_plan.txt" ;;
   quick)
     MODEL=synthetic:qwen2.5-7b; CONTEXTS="${CONTEXTS:-32K,128K}"; LEVELS="${LEVELS:-1,4,8}" ;;
-  *) echo "unknown scenario $SCENARIO (qwen, llama31, seed, quick, prep)" >&2; exit 2 ;;
+  overlap)
+    MODEL=synthetic:qwen2.5-7b; CONTEXTS="${CONTEXTS:-128K}"; LEVELS="${LEVELS:-1,4,8}"
+    MODES="${MODES:-hierarchical,inline,noio}"; STEPS="${STEPS:-64}" ;;
+  *) echo "unknown scenario $SCENARIO (qwen, llama31, seed, quick, overlap, prep)" >&2; exit 2 ;;
 esac
 
 timeout "${TIMEOUT:-570}" "$PY" -m hisparse_cli.bench_cmd \
   --out "$OUT" --model "$MODEL" --preset h200 --memory-budget 48 \
   --contexts "$CONTEXTS" --concurrency "$LEVELS" \
-  --modes dense,sparse,hierarchical,noio \
+  --modes "${MODES:-dense,sparse,hierarchical,noio}" \
   --decode-steps "${STEPS:-16}" --warmup-steps 3 --profile-steps 2 \
   --docs "$DOCS" --master-gb "$MASTER" --prefill window --prefill-window 1024 \
   --host-pool "${HOST_POOL:-56}" "${SOAK[@]}" \

@@ -61,6 +61,9 @@ MODES = {
     "hierarchical-two-streams": dict(
         attention="sparse", top_k=128, device_buffer=160, local_window=32, decode_overlap=True
     ),
+    "hierarchical-pool-writes-on-compute-stream": dict(
+        attention="sparse", top_k=128, device_buffer=160, local_window=32, decode_write_stream=False
+    ),
     "sparse-resident": dict(attention="sparse", hierarchical=False, top_k=128),
     "dense": dict(attention="dense"),
 }
@@ -106,3 +109,47 @@ def test_graph_replay_equals_eager(model, mode):
     if graph.cache.hierarchical:
         assert misses > 0
         graph.cache.check_integrity()
+
+
+def test_decode_write_stream_changes_nothing(model):
+    """Decode write-through on the copy stream (the default with a pinned pool) vs the
+    append kernel writing the pool on the compute stream, both replayed from graphs: the
+    same tokens and logits every step, and bit-identical pool records at the end."""
+    hier = MODES["hierarchical"]
+    runs = {}
+    for name, on in (("stream", True), ("inline", False)):
+        eng = _engine(model, True, decode_write_stream=on, **hier)
+        assert eng.cache.deferred_writes == on and (eng.cache.write_stream is not None) == on
+        gen = torch.Generator().manual_seed(3)
+        reqs = []
+        for i, n in enumerate([700, 1500, 60]):
+            p = torch.randint(0, 4096, (n,), generator=gen).tolist()
+            r = eng.open_request(Job(f"{name}{i}", tuple(p), SamplingParams(max_tokens=64)))
+            eng.prefill(r)
+            reqs.append(r)
+        runs[name] = (eng, reqs)
+    for step in range(40):
+        out = {}
+        for name, (eng, reqs) in runs.items():
+            out[name] = eng.decode_step(reqs)
+            for r, t in zip(reqs, out[name], strict=True):
+                r.generated.append(t)
+        assert out["stream"] == out["inline"], f"tokens differ at step {step}"
+        for a, b in zip(runs["stream"][1], runs["inline"][1], strict=True):
+            assert torch.equal(a.logits, b.logits), f"logits differ at step {step}"
+    caches = [eng.cache for eng, _ in runs.values()]
+    for c in caches:
+        c.synchronize()
+        torch.cuda.synchronize()
+        c.check_integrity()
+    for ra, rb in zip(runs["stream"][1], runs["inline"][1], strict=True):
+        pa, pb = caches[0].seqs[ra.seq_id], caches[1].seqs[rb.seq_id]
+        assert pa.pages == pb.pages and pa.num_tokens == pb.num_tokens
+        s = caches[0].page_size
+        for layer in range(caches[0].num_layers):
+            a = caches[0].pool[layer][pa.pages]
+            b = caches[1].pool[layer][pb.pages]
+            for j in range(len(pa.pages)):  # only written token rows (the rest is unwritten)
+                n = min(s, pa.num_tokens - j * s)
+                if n > 0:
+                    assert torch.equal(a[j, :, :, :n], b[j, :, :, :n]), f"layer {layer} page {j}"

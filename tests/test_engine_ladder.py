@@ -13,6 +13,7 @@ import torch
 
 from engine.config import EngineConfig, SamplingParams
 from engine.events import Job
+from kernel_cases import bits_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -125,7 +126,12 @@ def test_sparse_all_pages_equals_dense(weights_path, dense_engine, corpus_dir):
     assert diff < SPARSE_DENSE_ATOL, f"sparse(all pages) vs dense: max |diff| {diff:.2e}"
 
 
-def test_hierarchical_bit_identical_to_resident(weights_path, corpus_dir):
+@pytest.mark.parametrize("deferred", [False, True], ids=["write-through", "late-writes"])
+def test_hierarchical_bit_identical_to_resident(weights_path, corpus_dir, deferred):
+    """``late-writes``: decode tokens reach the host pool only at the end of each step
+    (:meth:`KVCache.defer_decode_writes`, the latest a GPU copy stream's write lands), so a
+    tail page gathered from the pool mid-step lacks the token until the slot write after
+    the gather; the result must not change, and the pool must end up complete."""
     common = dict(
         attention="sparse",
         indexer="quest",
@@ -136,6 +142,8 @@ def test_hierarchical_bit_identical_to_resident(weights_path, corpus_dir):
     )
     resident = make_engine(weights_path, hierarchical=False, **common)
     hier = make_engine(weights_path, hierarchical=True, device_buffer=320, **common)
+    if deferred:
+        hier.cache.defer_decode_writes()
     ids = prompts(resident.tokenizer, corpus_dir)[2]
     steps = 64
     logits_r, tokens_r = greedy(resident, ids, steps)
@@ -157,21 +165,36 @@ def test_hierarchical_bit_identical_to_resident(weights_path, corpus_dir):
         hier.cache.check_integrity()
     assert req.generated == tokens_r
     assert hits > 0 and misses > 0, (hits, misses)
+    n = hier.cache.seqs[req.seq_id].num_tokens
+    assert n == resident.cache.seqs[res_req.seq_id].num_tokens
+    for layer in range(hier.cache.num_layers):  # every record of every token, bit for bit
+        a = _records_of(hier.cache, req.seq_id, layer, n)
+        b = _records_of(resident.cache, res_req.seq_id, layer, n)
+        assert bits_equal(a, b), f"layer {layer}: pool records differ"
     hier.close_request(req)
     resident.close_request(res_req)
     hier.cache.check_integrity()
 
 
+def _records_of(cache, seq_id: int, layer: int, num_tokens: int) -> torch.Tensor:
+    """A request's K/V records of one layer in token order: ``[T, Hkv, 2, D]``."""
+    pages = torch.tensor(cache.seqs[seq_id].pages, dtype=torch.long)
+    rec = cache.pool[layer][pages].permute(0, 3, 1, 2, 4)  # [P, S, Hkv, 2, D]
+    return rec.reshape(-1, *rec.shape[2:])[:num_tokens]
+
+
 @pytest.mark.parametrize(
-    "attention,split", [("sparse", False), ("dense", False), ("sparse", True)]
+    "attention,split,deferred",
+    [("sparse", False, False), ("dense", False, False), ("sparse", True, False), ("sparse", True, True)],
 )
-def test_static_graph_step_equals_eager_step(weights_path, corpus_dir, attention, split):
+def test_static_graph_step_equals_eager_step(weights_path, corpus_dir, attention, split, deferred):
     """The function a CUDA graph captures (static buffers, padded page-table width, plan
     tensors computed on the device; :mod:`engine.cuda_graph`), run eagerly on the CPU,
     gives the eager engine's logits, tokens, hits and misses bit for bit — for a batch of
     two requests of different lengths, with a hot buffer small enough to force misses.
     ``split``: the batch as two micro-batches (``decode_overlap``; one after the other here,
-    on two streams on a GPU)."""
+    on two streams on a GPU). ``deferred``: the static engine writes decode tokens to the
+    pool late (each micro-batch stages its rows at its own offset)."""
     from engine.cuda_graph import DecodeGraphs
 
     common = dict(attention=attention, top_k=128, page_size=16, sink_tokens=16, local_window=32)
@@ -180,6 +203,8 @@ def test_static_graph_step_equals_eager_step(weights_path, corpus_dir, attention
     eager = make_engine(weights_path, **common)
     static = make_engine(weights_path, **common)
     static.graphs = DecodeGraphs(static, capture=False, split=split)
+    if deferred:
+        static.cache.defer_decode_writes()
     eager.split_batches = split  # the eager step splits the same way (on CUDA: by default)
     assert static.graphs.overlap == split
     docs = prompts(eager.tokenizer, corpus_dir)

@@ -333,6 +333,35 @@ def test_append_kv_bit_exact(dtype, kv_dtype, with_slots):
             assert bits_equal(ref[name], dev[name].cpu()), f"{name} differs"
 
 
+@pytest.mark.parametrize(
+    "dtype,kv_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)],
+    ids=str,
+)
+def test_append_kv_in_three_launches(dtype, kv_dtype):
+    """The decode write-through split (metadata + staging; pool from the staging, without
+    metadata; resident tail slot only) leaves pool, metadata and slots exactly as one
+    full launch does, for the reference and the kernel alike; the staging rows hold the
+    token. Staging is poisoned (NaN) first to catch unwritten elements."""
+    args = _append_case(dtype, kv_dtype, True, seed=5)
+    one = {k: v.clone() for k, v in args.items()}
+    append_kv_ref(**one)
+    b, hkv, d = args["k"].shape
+    for fn, device in ((append_kv_ref, "cpu"), (append_kv, DEVICE)):
+        t = to_device({k: v.clone() for k, v in args.items()}, device)
+        staging = torch.full((b, hkv, 2, d), float("nan"), dtype=kv_dtype, device=device)
+        common = (t["positions"], t["block_table"], t["kv_pool"])
+        fn(t["k"], t["v"], *common, t["meta"], write_pool=False, staging=staging)
+        assert bits_equal(t["kv_pool"].cpu(), args["kv_pool"]), "pool written by the first launch"
+        assert bits_equal(staging[:, :, 0].cpu(), args["k"].to(kv_dtype))
+        assert bits_equal(staging[:, :, 1].cpu(), args["v"].to(kv_dtype))
+        fn(staging[:, :, 0], staging[:, :, 1], *common, None)
+        slots = (t["kv_slots"], t["page_table"], t["slab_ids"])
+        fn(t["k"], t["v"], *common, None, *slots, write_pool=False)
+        for name in ("kv_pool", "meta", "kv_slots"):
+            assert bits_equal(one[name], t[name].cpu()), f"{fn.__name__}: {name} differs"
+
+
 # --- Quest scores and selection ---------------------------------------------------------
 
 
