@@ -18,7 +18,9 @@ Compute formats (:func:`make_linear`):
   fastest on CPUs without a fast int4 GEMM).
 * ``int4``: torch's own int4 kernels (``aten._weight_int4pack_mm`` on CUDA,
   ``aten._weight_int4pack_mm_for_cpu`` on CPU) with ``scales_and_zeros[K/g, N, 2]`` where
-  ``W = (q - 8) * scale + zero``, i.e. ``zero = offset + 8 * scale``.
+  ``W = (q - 8) * scale + zero``, i.e. ``zero = offset + 8 * scale``; on CUDA, decode
+  batches of 16-63 rows use a Triton dequant-matmul and prefill a dense GEMM
+  (:class:`Int4Linear`).
 """
 
 from __future__ import annotations
@@ -126,6 +128,11 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 128) -> Int4Weight:
 
 
 DEQUANT_MIN_ROWS = 64
+# Decode batches of TRITON_MIN_ROWS..DEQUANT_MIN_ROWS-1 rows on CUDA run the Triton
+# dequant-matmul over the source blocks (kernels.int4_matmul.group_int4_linear): tinygemm's
+# time grows about linearly with the rows (H200, 4096 x 4096: 15 us at 8 rows, 43 us at 32;
+# the Triton kernel 18 and 23 us), see docs/performance.md, "W4A16 for decode batches".
+TRITON_MIN_ROWS = 16
 
 
 class Linear:
@@ -162,6 +169,12 @@ class DenseLinear(Linear):
 class Int4Linear(Linear):
     """4-bit weight run by torch's int4 kernels (``_weight_int4pack_mm[_for_cpu]``).
 
+    On CUDA by the number of rows ``M`` of ``x``: ``M < TRITON_MIN_ROWS`` tinygemm;
+    ``TRITON_MIN_ROWS <= M < DEQUANT_MIN_ROWS`` the Triton dequant-matmul over the source
+    weight kept on the device (:func:`kernels.int4_matmul.group_int4_linear`); larger ``M``
+    (prefill) dequantises the source to the compute dtype and runs the dense GEMM. On CPU
+    always ``_weight_int4pack_mm_for_cpu``.
+
     Supported group sizes: 32, 64, 128, 256. Activations: bf16 on CUDA; bf16 or fp32 on
     CPU. Output has the dtype of ``x``.
     """
@@ -194,10 +207,16 @@ class Int4Linear(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(self.dtype)
-        if self.source is not None and x2.shape[0] >= DEQUANT_MIN_ROWS:
+        rows = x2.shape[0]
+        if self.source is not None and rows >= DEQUANT_MIN_ROWS:
             y = F.linear(x2, self.source.dequantize(self.dtype), self.bias)
             return y.view(*shape[:-1], self.out_features).to(x.dtype)
-        if self.device.type == "cuda":
+        if self.source is not None and rows >= TRITON_MIN_ROWS:
+            from kernels.int4_matmul import group_int4_linear
+
+            w = self.source
+            y = group_int4_linear(x2, w.q, w.scale, w.offset, w.group_size)
+        elif self.device.type == "cuda":
             y = torch.ops.aten._weight_int4pack_mm(
                 x2, self.packed, self.group_size, self.scales_and_zeros
             )

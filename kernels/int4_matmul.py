@@ -12,11 +12,14 @@ Two CUDA paths, both measured by ``scripts/bench_kernels.py``:
 
 * :func:`int4_linear` — a Triton dequant-matmul that reads the blocks directly
   (nibbles and scales unpacked in registers, fp32 accumulation, split-K for small M);
+* :func:`group_int4_linear` — the same kernel reading :class:`engine.quant.Int4Weight`
+  (interleaved nibbles, group ``g``, float scales and minimums) in place;
 * :func:`int4pack_linear` — torch's tinygemm kernel ``aten._weight_int4pack_mm`` on
   weights converted by :func:`to_int4pack` (bf16 scales and zeros, group 32, so
   ``Q4_1`` minimums are rounded to bf16 there).
 
-:func:`int4_linear_ref` dequantises to fp32 and multiplies: the CPU path and the oracle.
+:func:`int4_linear_ref` and :func:`group_int4_linear_ref` dequantise to fp32 and multiply:
+the CPU path and the oracles.
 """
 
 from __future__ import annotations
@@ -159,12 +162,17 @@ def _q4_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    INTERLEAVED: tl.constexpr = False,
+    GROUP: tl.constexpr = 32,
 ):
     """One (M tile, N tile, K split): acc += x[:, k] @ W[n, k].T over the split's tiles.
 
     A tile's ``BLOCK_K / 2`` bytes per row unpack to two halves: the low nibbles are
     elements ``32*blk + i`` and the high nibbles ``32*blk + 16 + i`` (``i < 16``), so the
     activations are loaded with the matching column order and two ``tl.dot`` run per tile.
+    ``INTERLEAVED`` (the :class:`engine.quant.Int4Weight` layout): byte ``j`` holds
+    elements ``2j`` (low) and ``2j + 1`` (high), one scale and minimum per ``GROUP``
+    elements, gathered per byte.
     """
     pid_mn = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -183,9 +191,14 @@ def _q4_linear_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for kt in range(pid_k, tl.cdiv(K, BLOCK_K), split_k):
         blk = kt * NB + offs_b  # [NB]
-        blk_i = kt * NB + offs_i // 16  # [HALF]
+        byte_i = kt * HALF + offs_i  # [HALF]
+        if INTERLEAVED:
+            blk_i = (2 * byte_i) // GROUP  # the byte's scale column
+            mask_bi = byte_i < K // 2
+        else:
+            blk_i = kt * NB + offs_i // 16
+            mask_bi = blk_i < num_blocks
         mask_b = blk < num_blocks
-        mask_bi = blk_i < num_blocks
         qb = tl.load(
             qs_ptr + offs_n[:, None] * stride_qs_n + (kt * HALF + offs_i)[None, :],
             mask=mask_n[:, None] & mask_bi[None, :],
@@ -195,7 +208,7 @@ def _q4_linear_kernel(
         mask_ni = mask_n[:, None] & mask_bi[None, :]
         d_rows = d_ptr + offs_n[:, None] * stride_d_n
         m_rows = m_ptr + offs_n[:, None] * stride_m_n
-        if GATHER_SCALES:
+        if GATHER_SCALES or INTERLEAVED:
             # One scale per byte, gathered (the repeats hit L1): no register reshuffle.
             scale = tl.load(d_rows + blk_i[None, :], mask=mask_ni, other=0.0).to(tl.float32)
         else:
@@ -206,7 +219,7 @@ def _q4_linear_kernel(
         lo = (qb & 15).to(tl.float32)
         hi = (qb >> 4).to(tl.float32)
         if HAS_MIN:
-            if GATHER_SCALES:
+            if GATHER_SCALES or INTERLEAVED:
                 low = tl.load(m_rows + blk_i[None, :], mask=mask_ni, other=0.0).to(tl.float32)
             else:
                 low = tl.load(m_rows + blk[None, :], mask=mask_nb, other=0.0).to(tl.float32)
@@ -218,11 +231,16 @@ def _q4_linear_kernel(
         else:
             w_lo = (lo - 8.0) * scale
             w_hi = (hi - 8.0) * scale
-        k_lo = blk_i * 32 + offs_i % 16
+        if INTERLEAVED:
+            k_lo = 2 * byte_i
+            k_hi = k_lo + 1
+        else:
+            k_lo = blk_i * 32 + offs_i % 16
+            k_hi = k_lo + 16
         mask_x = mask_m[:, None] & mask_bi[None, :]
         x_rows = x_ptr + offs_m[:, None] * stride_x_m
         x_lo = tl.load(x_rows + k_lo[None, :], mask=mask_x, other=0.0)
-        x_hi = tl.load(x_rows + (k_lo + 16)[None, :], mask=mask_x, other=0.0)
+        x_hi = tl.load(x_rows + k_hi[None, :], mask=mask_x, other=0.0)
         if FP32:
             acc += tl.dot(x_lo.to(tl.float32), tl.trans(w_lo), input_precision="ieee")
             acc += tl.dot(x_hi.to(tl.float32), tl.trans(w_hi), input_precision="ieee")
@@ -289,7 +307,13 @@ def int4_linear(
         check_tensor("m", m, 2, (torch.float16,))
         require(tuple(m.shape) == (n, k // QK), f"m must be [{n}, {k // QK}], got {tuple(m.shape)}")
     check_device(x.device, qs=qs, d=d, **({"m": m} if m is not None else {}))
+    return _launch(x, qs, d, m, config, interleaved=False, group=QK)
+
+
+def _launch(x, qs, d, m, config, *, interleaved: bool, group: int) -> torch.Tensor:
+    """Run :func:`_q4_linear_kernel` on checked arguments (see the two wrappers)."""
     require_runnable(x.device)
+    n, k = qs.shape[0], 2 * qs.shape[1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -324,12 +348,78 @@ def int4_linear(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        INTERLEAVED=interleaved,
+        GROUP=group,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     if split > 1:
         out = y.sum(0).to(x.dtype)
     return out.reshape(*x.shape[:-1], n)
+
+
+def group_int4_linear_ref(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``x @ W.T`` for the :class:`engine.quant.Int4Weight` layout, dequantising to fp32:
+    ``W[n, k] = scale[n, k // g] * q[n, k] + offset[n, k // g]``, element ``2j`` in the
+    low nibble of byte ``j`` and ``2j + 1`` in its high nibble.
+
+    Parameters
+    ----------
+    x : ``[..., K]`` activations
+    q : uint8 ``[N, K/2]``; scale, offset : float ``[N, K/g]``; group_size : g
+
+    Returns
+    -------
+    ``[..., N]`` in ``x.dtype`` (fp32 product).
+    """
+    n, k = q.shape[0], 2 * q.shape[1]
+    vals = torch.stack([q & 15, q >> 4], dim=-1).reshape(n, k // group_size, group_size)
+    w = vals.float() * scale.float()[..., None] + offset.float()[..., None]
+    return (x.float() @ w.reshape(n, k).to(x.device).T).to(x.dtype)
+
+
+def group_int4_linear(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    group_size: int,
+    *,
+    config: Q4Config | None = None,
+) -> torch.Tensor:
+    """Triton :func:`group_int4_linear_ref`: the dequant-matmul of :func:`int4_linear`
+    reading the :class:`engine.quant.Int4Weight` layout (interleaved nibbles, any group
+    size, float scales and minimums) in place — no repacking, so the engine can run the
+    same device copy of a weight through this kernel or dequantise it for prefill.
+
+    Parameters
+    ----------
+    x : ``[..., K]`` bf16/fp16/fp32, unit stride on ``K``
+    q : uint8 ``[N, K/2]``; scale, offset : float ``[N, K/g]``; group_size : g, even,
+        dividing ``K``
+    config : tile shape; ``None`` uses :func:`q4_config`
+
+    Returns
+    -------
+    ``[..., N]`` in ``x.dtype``; fp32 accumulation over weights rounded to ``x.dtype``.
+
+    Raises
+    ------
+    ValueError : shapes, dtypes or devices that do not match the above
+    """
+    require(x.dim() >= 1 and x.dtype in FLOAT_DTYPES, f"x must be float [..., K], got {x.dtype}")
+    check_tensor("q", q, 2, (torch.uint8,))
+    n, k = q.shape[0], 2 * q.shape[1]
+    g = group_size
+    require(g >= 2 and g % 2 == 0 and k % g == 0, f"group_size={g} must be even and divide K={k}")
+    require(x.shape[-1] == k, f"x has K={x.shape[-1]}, weight K={k}")
+    for name, t in (("scale", scale), ("offset", offset)):
+        check_tensor(name, t, 2, FLOAT_DTYPES)
+        require(tuple(t.shape) == (n, k // g), f"{name} must be [{n}, {k // g}], got {tuple(t.shape)}")
+    check_device(x.device, q=q, scale=scale, offset=offset)
+    return _launch(x, q, scale, offset, config, interleaved=True, group=g)
 
 
 def to_int4pack(

@@ -12,7 +12,10 @@ Sections (``--sections``, comma-separated; all by default):
 * ``gather`` — GB/s for 16/32/64 KiB records from pinned host memory against the pinned
   ``cudaMemcpy`` ceiling (target >= 90%);
 * ``int4`` — W4A16 linear: bf16 ``F.linear``, torch's ``_weight_int4pack_mm`` and the Triton
-  Q4_0/Q4_1 kernel on SmolLM2-135M and 8B-class shapes.
+  Q4_0/Q4_1 kernel on SmolLM2-135M and 8B-class shapes;
+* ``int4_decode`` — one layer's four linears of qwen2.5-7b and llama3.1-8b through the
+  engine's ``Int4Linear`` regimes (tinygemm, Triton over the source weight, dequantise +
+  GEMM) at decode batch sizes 1-48: where ``TRITON_MIN_ROWS`` belongs.
 
 Timing: CUDA events around CUDA-graph replays of ``inner`` calls (launch gaps removed),
 after warm-up, median of ``reps``; inputs rotate over enough copies to exceed the L2 cache.
@@ -528,12 +531,90 @@ def print_tables(res: dict) -> None:
                 f"{r['n']:5d} {r['k']:5d} {r['m']:4d} {r['bf16_us']:6.1f} {r.get('tinygemm_us', float('nan')):9.1f} "
                 f"{r['triton_q4_0_us']:9.1f} {r.get('triton_q4_1_us', float('nan')):9.1f} {r['triton_q4_1_best_us']:9.1f}"
             )
+    if res.get("int4_decode"):
+        print("\nW4A16 per layer (4 linears, group 128; µs) — engine Int4Linear regimes")
+        print("model          M  tinygemm   triton  dequant+gemm  best")
+        for r in res["int4_decode"]:
+            print(
+                f"{r['model']:12s} {r['m']:3d} {r['tinygemm_us']:9.1f} {r['triton_us']:8.1f} "
+                f"{r['dequant_gemm_us']:13.1f}  {r['best']}"
+            )
+
+
+# --- int4 for decode batches (the engine's Int4Linear) ----------------------------------------
+
+# (N, K) of a layer's four linears: fused QKV, output, fused gate/up, down.
+DECODE_LAYERS = {
+    "qwen2.5-7b": [(3584 + 2 * 512, 3584), (3584, 3584), (2 * 18944, 3584), (3584, 18944)],
+    "llama3.1-8b": [(4096 + 2 * 1024, 4096), (4096, 4096), (2 * 14336, 4096), (4096, 14336)],
+}
+DECODE_MS = [1, 4, 8, 12, 16, 24, 32, 48]
+
+
+def bench_int4_decode(out: dict) -> None:
+    """One layer's four linears of a real shape through :class:`engine.quant.Int4Linear`
+    (group-128 weights as ``quantize_int4`` makes them) in each regime, forced: tinygemm,
+    the Triton dequant-matmul over the source (``group_int4_linear``) and dequantise +
+    dense GEMM, at decode batch sizes ``DECODE_MS``."""
+    from engine.quant import Int4Linear, quantize_int4
+    from kernels.int4_matmul import group_int4_linear
+
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    rows = out.setdefault("int4_decode", [])
+    for model, shapes in DECODE_LAYERS.items():
+        lins = []
+        for n, k in shapes:
+            w = quantize_int4(torch.randn(n, k, generator=gen, device=DEV) * 0.02)
+            lins.append(Int4Linear(w, None, torch.device(DEV), torch.bfloat16))
+        hidden = shapes[1][1]
+        for m in DECODE_MS:
+            xs = [torch.randn(m, k, generator=gen, device=DEV).bfloat16() for _, k in shapes]
+            tg = [
+                lambda lin=lin, x=x: torch.ops.aten._weight_int4pack_mm(
+                    x, lin.packed, lin.group_size, lin.scales_and_zeros
+                )
+                for lin, x in zip(lins, xs, strict=True)
+            ]
+            tri = [
+                lambda s=lin.source, x=x: group_int4_linear(x, s.q, s.scale, s.offset, s.group_size)
+                for lin, x in zip(lins, xs, strict=True)
+            ]
+            deq = [
+                lambda s=lin.source, x=x: torch.nn.functional.linear(
+                    x, s.dequantize(torch.bfloat16)
+                )
+                for lin, x in zip(lins, xs, strict=True)
+            ]
+            ref = [x.float() @ lin.source.dequantize().T for lin, x in zip(lins, xs, strict=True)]
+            err = max(
+                ((f().float() - r).norm() / r.norm()).item() for f, r in zip(tri, ref, strict=True)
+            )
+            row = {
+                "model": model,
+                "hidden": hidden,
+                "m": m,
+                "tinygemm_us": time_us(tg, reps=20),
+                "triton_us": time_us(tri, reps=20),
+                "dequant_gemm_us": time_us(deq, reps=10),
+                "triton_rel_err": err,
+            }
+            row["best"] = min(("tinygemm", "triton", "dequant_gemm"), key=lambda c: row[f"{c}_us"])
+            rows.append(row)
+            print(
+                f"  {model} M={m:3d}: tinygemm {row['tinygemm_us']:7.1f} | triton "
+                f"{row['triton_us']:7.1f} | dequant+gemm {row['dequant_gemm_us']:7.1f} us/layer",
+                flush=True,
+            )
+        del lins
+        torch.cuda.empty_cache()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="write results as JSON here")
-    parser.add_argument("--sections", default="ceilings,attention,resolve,gather,int4")
+    parser.add_argument(
+        "--sections", default="ceilings,attention,resolve,gather,int4,int4_decode"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -569,6 +650,8 @@ def main() -> int:
                 bench_gather(res["ceilings"], res)
             elif name == "int4":
                 bench_int4(res)
+            elif name == "int4_decode":
+                bench_int4_decode(res)
             else:
                 raise ValueError(f"unknown section {name}")
         except Exception:  # noqa: BLE001 - keep the other sections

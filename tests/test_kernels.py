@@ -31,6 +31,8 @@ from kernels.dispatch import get_ops
 from kernels.gather import gather, gather_ref
 from kernels.int4_matmul import (
     Q4Config,
+    group_int4_linear,
+    group_int4_linear_ref,
     int4_linear,
     int4_linear_ref,
     quantize_q4,
@@ -309,6 +311,10 @@ def _append_case(dtype: torch.dtype, kv_dtype: torch.dtype, with_slots: bool, se
 
 
 MIXED = pytest.mark.skipif(not CUDA, reason="the interpreter rounds fp32 -> bf16 towards zero")
+BF16_NATIVE = pytest.param(
+    torch.bfloat16,
+    marks=pytest.mark.skipif(not CUDA, reason="the interpreter's bf16 tl.dot returns garbage"),
+)
 
 
 @pytest.mark.parametrize(
@@ -433,6 +439,30 @@ def test_int4_linear_matches_reference(kind, m, n, k, dtype):
         out = int4_linear(*dev, config=cfg).cpu()
         rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         assert rel < tol, f"relative error {rel:.3g} with {cfg}"
+
+
+@pytest.mark.parametrize("m,n,k,g", [(1, 64, 96, 32), (5, 40, 192, 64), (33, 72, 384, 128), (16, 48, 256, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16_NATIVE], ids=str)
+def test_group_int4_linear_matches_reference(m, n, k, g, dtype):
+    """(bf16 runs natively only: the interpreter's bf16 dot is not a reference.)"""
+    """The Int4Weight layout (interleaved nibbles, group g, fp32 scale and minimum) read in
+    place; K not a multiple of the K tile, N not a multiple of the N tile, split-K."""
+    from engine.quant import quantize_int4
+
+    gen = torch.Generator().manual_seed(m * n + k + g)
+    w = quantize_int4(torch.randn(n, k, generator=gen) * 0.05, group_size=g)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    ref = group_int4_linear_ref(x, w.q, w.scale, w.offset, g)
+    exact = (x.float() @ w.dequantize(torch.float32).T).to(dtype)  # engine's own dequantiser
+    assert torch.equal(ref, exact)
+    dev = [t.to(DEVICE) for t in (x, w.q, w.scale, w.offset)]
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for cfg in (None, Q4Config(16, 32, 64, 3), Q4Config(16, 64, 128, 1)):
+        out = group_int4_linear(*dev, g, config=cfg).cpu()
+        rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert rel < tol, f"relative error {rel:.3g} with {cfg}"
+    with pytest.raises(ValueError, match="group_size"):
+        group_int4_linear(*dev, 3)
 
 
 def test_split_gguf_blocks_roundtrip():

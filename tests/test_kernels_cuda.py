@@ -299,3 +299,24 @@ def test_int4_linear_cuda(kind, m, n, k):
     out_tg = int4pack_linear(x, w_packed, sz)
     rel_tg = ((out_tg.float() - ref).norm() / ref.norm()).item()
     assert rel_tg < 2e-2, f"tinygemm relative error {rel_tg:.3g}"
+
+
+@pytest.mark.parametrize("m", [1, 8, 16, 33, 63, 64, 100])
+@pytest.mark.parametrize("g", [32, 128])
+def test_int4_linear_regimes_on_cuda(m, g):
+    """Int4Linear on CUDA picks tinygemm, the Triton dequant-matmul or the dense GEMM by
+    the row count; every regime matches the fp32 product of the dequantised weight."""
+    from engine.quant import DEQUANT_MIN_ROWS, TRITON_MIN_ROWS, Int4Linear, quantize_int4
+
+    assert TRITON_MIN_ROWS < DEQUANT_MIN_ROWS
+    gen = torch.Generator().manual_seed(m + g)
+    n, k = 384, 1024
+    w = quantize_int4(torch.randn(n, k, generator=gen) * 0.05, group_size=g)
+    bias = torch.randn(n, generator=gen).to(DEV, torch.bfloat16)
+    lin = Int4Linear(w, bias, torch.device(DEV), torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(DEV, torch.bfloat16)
+    ref = x.float() @ w.dequantize().to(DEV).T + bias.float()
+    out = lin(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, f"M={m}: relative error {rel:.3g}"
