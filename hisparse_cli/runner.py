@@ -52,7 +52,12 @@ from hisparse_cli.results import (
     utc_now,
     write_text_atomic,
 )
-from hisparse_cli.settings import config_document, resolve_engine_config, save_config
+from hisparse_cli.settings import (
+    SettingsError,
+    config_document,
+    resolve_engine_config,
+    save_config,
+)
 from hisparse_cli.tasks import build_messages
 from hisparse_cli.textio import ERROR_MODES, join_documents, read_documents
 
@@ -165,6 +170,12 @@ def execute(
             f"{len(exc.problems)} problem(s) in the jobs; nothing was run:",
             exc.problems,
         )
+    except SettingsError as exc:
+        return _usage_failure(
+            err_console,
+            f"{len(exc.problems)} problem(s) in the engine settings; nothing was run:",
+            exc.problems,
+        )
     except (UsageError, ConfigError) as exc:
         return _usage_failure(err_console, f"error: {exc}", [])
     except KeyboardInterrupt:
@@ -191,7 +202,9 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
         manifest = jobs_from_paths(request.docs, request.job_overrides)
     else:
         manifest = Manifest((), {})
-    config = resolve_engine_config(request.preset, manifest.engine, request.engine_overrides)
+    config = resolve_engine_config(
+        request.preset, manifest.engine, request.engine_overrides, manifest.engine_origin
+    )
     config = with_preset_devices(config, request.preset, request.engine_overrides)
     if not request.print_config:  # --print-config may show another machine's config
         check_device_names(config)

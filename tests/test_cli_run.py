@@ -215,12 +215,40 @@ def test_manifest_run_uses_its_settings(cli, docs, tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["engine"]["top_k"] == 1024
 
 
+def test_engine_setting_problems_are_reported_together_where_they_were_set(cli, docs, tmp_path):
+    """Settings that clash only once manifest, preset and flags meet are all reported in
+    one go: a manifest setting by file:line:field, a flag by its name."""
+    (tmp_path / "jobs.yaml").write_text(
+        textwrap.dedent(
+            """
+            defaults:
+              engine:
+                top_k: 4096
+                device_buffer: 1000
+            jobs:
+              - {input: docs/alpha.txt}
+            """
+        ).lstrip()
+    )
+    result = cli("--manifest", "jobs.yaml", "--max-batch", "0")
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert lines[0] == "3 problem(s) in the engine settings; nothing was run:"
+    assert "  command line: --max-batch: must be a positive integer, got 0" in lines
+    located = [
+        line for line in lines if line.startswith("  jobs.yaml:4: defaults.engine.device_buffer: ")
+    ]
+    assert len(located) == 2
+    assert "not a multiple of page_size=16" in located[0] and "must be >= top_k" in located[1]
+    assert not (tmp_path / "hisparse-out").exists() and cli.factory.engines == []
+
+
 @pytest.mark.parametrize(
     "args, phrase",
     [
         ([], "nothing to run"),
         (["docs/alpha.txt", "--manifest", "jobs.yaml"], "not both"),
-        (["docs/alpha.txt", "--page-size", "7"], "page_size"),
+        (["docs/alpha.txt", "--page-size", "7"], "--page-size: must be one of 16, 32, 64"),
         (["docs/alpha.txt", "--top-k-tokens", "4096", "--device-buffer", "1024"], "device_buffer"),
         (["docs/alpha.txt", "--encoding", "klingon"], "unknown --encoding"),
         (["docs/alpha.txt", "--model", "missing.gguf"], "model not found"),
