@@ -38,6 +38,7 @@ from rich.console import Console
 from engine.config import ConfigError, EngineConfig
 from engine.events import Event, Job, JobAdmitted, JobFailed, JobFinished, JobResult
 from engine.workers import WorkerDied
+from hisparse_cli import settings
 from hisparse_cli.keys import DEFAULT_MODEL_ID, model_fingerprint
 from hisparse_cli.manifest import Manifest, ManifestError, jobs_from_paths, load_manifest
 from hisparse_cli.plan import INVALID, RUN, SKIP, PlannedJob, plan_jobs
@@ -55,6 +56,7 @@ from hisparse_cli.results import (
 from hisparse_cli.settings import (
     SettingsError,
     config_document,
+    engine_flag,
     resolve_engine_config,
     save_config,
 )
@@ -205,11 +207,44 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
     config = resolve_engine_config(
         request.preset, manifest.engine, request.engine_overrides, manifest.engine_origin
     )
+    check_policy_flags(config, request.preset, manifest.engine, request.engine_overrides)
     config = with_preset_devices(config, request.preset, request.engine_overrides)
     if not request.print_config:  # --print-config may show another machine's config
         check_device_names(config)
         check_devices(config, request.preset, manifest.engine, request.engine_overrides)
     return manifest, config
+
+
+POLICY_FLAGS = {"truncate_keep": "truncate", "extend_method": "extend"}
+"""Engine settings that only a context policy uses: setting -> that policy."""
+
+
+def check_policy_flags(
+    config: EngineConfig, preset: str, manifest_engine: dict[str, Any], flags: dict[str, Any]
+) -> None:
+    """Raise :class:`UsageError` when ``--truncate-keep`` or ``--extend-method`` is given
+    but the context policy in force never uses it (the flag would be silently ignored).
+    The same keys in a preset or a manifest are defaults for when the policy is chosen,
+    so they pass."""
+    for name, policy in POLICY_FLAGS.items():
+        if flags.get(name) is not None and config.context_policy != policy:
+            source = _policy_source(preset, manifest_engine, flags)
+            raise UsageError(
+                f"{engine_flag(name)} only applies with --context-policy {policy}, but the "
+                f"context policy is {config.context_policy!r} ({source}); pass "
+                f"--context-policy {policy} or drop {engine_flag(name)}"
+            )
+
+
+def _policy_source(preset: str, manifest_engine: dict[str, Any], flags: dict[str, Any]) -> str:
+    """Which layer chose the context policy, in words."""
+    if flags.get("context_policy") is not None:
+        return "--context-policy"
+    if manifest_engine.get("context_policy") is not None:
+        return "the manifest's defaults.engine"
+    if "context_policy" in settings.preset_overrides(preset):
+        return f"preset {preset!r}"
+    return "the default"
 
 
 def with_preset_devices(config: EngineConfig, preset: str, flags: dict[str, Any]) -> EngineConfig:

@@ -303,10 +303,65 @@ def test_truncate_keep_and_extend_method_flags_follow_precedence(cli, docs, tmp_
         return engine["truncate_keep"], engine["extend_method"]
 
     assert engine_of() == ("middle", "linear")  # manifest beats preset
-    assert engine_of("--truncate-keep", "head", "--extend-method", "dynamic") == (
+    # flags beat manifest and preset (each flag with the policy that uses it)
+    assert engine_of("--truncate-keep", "head", "--context-policy", "truncate") == (
         "head",
+        "linear",
+    )
+    assert engine_of("--extend-method", "dynamic", "--context-policy", "extend") == (
+        "middle",
         "dynamic",
-    )  # flags beat manifest and preset
+    )
+
+
+@pytest.mark.parametrize(
+    "args, flag, policy",
+    [
+        (["--truncate-keep", "tail"], "--truncate-keep", "'refuse' (the default)"),
+        (["--extend-method", "linear"], "--extend-method", "'refuse' (the default)"),
+        (
+            ["--truncate-keep", "tail", "--context-policy", "extend"],
+            "--truncate-keep",
+            "'extend' (--context-policy)",
+        ),
+        (
+            ["--extend-method", "dynamic", "--context-policy", "truncate"],
+            "--extend-method",
+            "'truncate' (--context-policy)",
+        ),
+    ],
+)
+def test_policy_flag_without_its_policy_exits_2(cli, docs, tmp_path, args, flag, policy):
+    """--truncate-keep / --extend-method given where the context policy ignores them: a
+    one-line error naming the flag, the policy in force and the one that would use it."""
+    result = cli("docs/alpha.txt", *args)
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    needs = "truncate" if flag == "--truncate-keep" else "extend"
+    assert line.startswith(f"error: {flag} ") and f"--context-policy {needs}" in line
+    assert f"the context policy is {policy}" in line
+    assert not (tmp_path / "hisparse-out").exists() and cli.factory.engines == []
+
+
+def test_policy_keys_from_a_preset_or_manifest_are_defaults_not_errors(
+    cli, docs, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(
+        settings,
+        "preset_overrides",
+        lambda name: {"truncate_keep": "tail", "extend_method": "linear"},
+    )
+    (tmp_path / "jobs.yaml").write_text(
+        "defaults:\n  engine: {context_policy: truncate}\njobs:\n  - {input: docs/alpha.txt}\n"
+    )
+    assert cli("docs/alpha.txt").exit_code == 0  # preset keys, policy refuse: fine
+    result = cli("--manifest", "jobs.yaml", "--truncate-keep", "middle", "--force")
+    assert result.exit_code == 0, result.output  # the manifest's policy uses the flag
+    monkeypatch.setattr(settings, "preset_overrides", lambda name: {"context_policy": "extend"})
+    result = cli("docs/alpha.txt", "--truncate-keep", "tail")
+    assert (
+        result.exit_code == 2 and "the context policy is 'extend' (preset 'cpu')" in result.stderr
+    )
 
 
 @pytest.mark.parametrize("flag", ["--truncate-keep", "--extend-method"])
