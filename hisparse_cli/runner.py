@@ -571,8 +571,8 @@ class BatchRun:
 
     def _prompt_ids(self, engine: Any, spec: Any, document: str) -> tuple[int, ...]:
         """Render the chat prompt; with ``context_policy=truncate`` cut the document so
-        prompt + max_tokens fits the engine's context limit (the cut is marked in the text
-        and reported)."""
+        prompt + max_tokens fits the engine's context limit (the cut is marked in the text,
+        reported, and recorded as the job's ``truncated`` field)."""
 
         def render(text: str) -> list[int]:
             messages = build_messages(spec.task, text, spec.id, spec.inputs[0].name)
@@ -583,13 +583,14 @@ class BatchRun:
             from engine.prompting import fit_document
 
             limit = engine.prompt_limit() - spec.sampling.max_tokens
-            document, dropped = fit_document(
+            document, cut = fit_document(
                 engine.tokenizer, document, render, limit, config.truncate_keep
             )
-            if dropped:
+            if cut is not None:
+                self.records[spec.id]["truncated"] = cut.to_dict()
                 self.reporter.note(
-                    f"{spec.id}: document cut by {dropped} tokens "
-                    f"(kept: {config.truncate_keep}) to fit {limit} prompt tokens",
+                    f"{spec.id}: document cut by {cut.dropped_tokens} tokens "
+                    f"(kept: {cut.keep}) to fit {limit} prompt tokens",
                     "warning",
                 )
         return tuple(render(document))

@@ -389,6 +389,24 @@ def test_truncate_keep_flag_reaches_the_prompt_cut(cli, docs, tmp_path):
     assert len(job.prompt_ids) <= 200 - 4
 
 
+@pytest.mark.parametrize("keep", ["head", "tail", "middle"])
+def test_truncated_jobs_say_so_in_results(cli, docs, tmp_path, keep):
+    """A job whose document was cut records the part kept and the document's token
+    counts before and after the cut; a job that fit records ``truncated: null``."""
+    (docs / "long.txt").write_text(" ".join(f"word{i}" for i in range(400)) + "\n")
+    engine = testing.fake_engine_factory(limit=200)
+    args = ["--max-new-tokens", "4", "--context-policy", "truncate", "--truncate-keep", keep]
+    result = cli("docs/long.txt", "docs/alpha.txt", *args, engine=engine)
+    assert result.exit_code == 0, result.output
+    records = {r["id"]: r for r in read_results(tmp_path / "hisparse-out")}
+    cut = records["long"]["truncated"]
+    assert cut["keep"] == keep and cut["original_tokens"] == 400  # one token per word
+    assert 0 < cut["kept_tokens"] < 400
+    assert f"cut by {400 - cut['kept_tokens']} tokens (kept: {keep})" in result.stdout
+    assert records["long"]["prompt_tokens"] <= 200 - 4
+    assert records["alpha"]["truncated"] is None
+
+
 def test_unknown_preset_is_a_usage_error(cli, docs, monkeypatch):
     from engine.config import ConfigError
 
