@@ -77,6 +77,10 @@ class LoadConfigError(Exception):
     """The model could not be loaded because of a setting, path or config (exit 2)."""
 
 
+class PromptTooLong(Exception):
+    """A job's prompt cannot fit the context limit (the job fails; the batch goes on)."""
+
+
 @dataclass(frozen=True)
 class RunRequest:
     """Everything ``hisparse run`` was asked to do.
@@ -563,6 +567,9 @@ class BatchRun:
             self.records[spec.id] = planned.base_record(self.model_name)
             prompt_ids = self._prompt_ids(engine, spec, join_documents(documents))
             self.prompt_tokens[spec.id] = len(prompt_ids)
+        except PromptTooLong as exc:
+            self._handle(JobFailed(self.clock(), spec.id, str(exc)))
+            return None
         except Exception as exc:  # noqa: BLE001 - one bad job must not stop the batch
             self._handle(JobFailed(self.clock(), spec.id, f"cannot prepare the prompt: {exc}"))
             return None
@@ -572,14 +579,26 @@ class BatchRun:
     def _prompt_ids(self, engine: Any, spec: Any, document: str) -> tuple[int, ...]:
         """Render the chat prompt; with ``context_policy=truncate`` cut the document so
         prompt + max_tokens fits the engine's context limit (the cut is marked in the text,
-        reported, and recorded as the job's ``truncated`` field)."""
+        reported, and recorded as the job's ``truncated`` field). Under the other policies
+        a prompt that cannot fit is refused before it is tokenised
+        (:meth:`_refuse_if_too_long`).
+
+        Raises
+        ------
+        PromptTooLong
+            The prompt cannot fit the context limit (found without tokenising it).
+        """
+
+        def messages(text: str) -> list[dict]:
+            return build_messages(spec.task, text, spec.id, spec.inputs[0].name)
 
         def render(text: str) -> list[int]:
-            messages = build_messages(spec.task, text, spec.id, spec.inputs[0].name)
-            return engine.tokenizer.encode_chat(messages)
+            return engine.tokenizer.encode_chat(messages(text))
 
         config = getattr(engine, "config", None)
-        if config is not None and config.context_policy == "truncate":
+        if config is None or config.context_policy != "truncate":
+            self._refuse_if_too_long(engine, spec, messages(document))
+        else:
             from engine.prompting import fit_document
 
             limit = engine.prompt_limit() - spec.sampling.max_tokens
@@ -594,6 +613,27 @@ class BatchRun:
                     "warning",
                 )
         return tuple(render(document))
+
+    def _refuse_if_too_long(self, engine: Any, spec: Any, messages: list[dict]) -> None:
+        """Raise :class:`PromptTooLong` when the rendered prompt needs more tokens than
+        the context limit leaves beside ``max_tokens``, judged from its size alone
+        (``tokenizer.min_tokens``, a lower bound: a prompt that would fit is never
+        refused). Tokenisers without such a bound are left to the engine's own check."""
+        tokenizer = engine.tokenizer
+        if not hasattr(tokenizer, "min_tokens") or not hasattr(engine, "prompt_limit"):
+            return
+        at_least = tokenizer.min_tokens(tokenizer.render_chat(messages))
+        max_tokens, limit = spec.sampling.max_tokens, engine.prompt_limit()
+        if at_least is None or at_least + max_tokens <= limit:
+            return
+        if getattr(getattr(engine, "config", None), "context_policy", None) == "extend":
+            advice = "raise --max-context above that, or use --context-policy truncate"
+        else:
+            advice = "use --context-policy extend (RoPE scaling) or --context-policy truncate"
+        raise PromptTooLong(
+            f"prompt of at least {at_least} tokens (judged from its size; not tokenised) + "
+            f"max_tokens {max_tokens} exceeds the context limit of {limit} tokens; {advice}"
+        )
 
     def _handle(self, event: Event) -> None:
         """Fold ``event`` into the state, write results, and show it.

@@ -407,6 +407,68 @@ def test_truncated_jobs_say_so_in_results(cli, docs, tmp_path, keep):
     assert records["alpha"]["truncated"] is None
 
 
+class ChunkTokenizer(testing.FakeTokenizer):
+    """One token per 4 bytes of UTF-8: a prompt of P bytes has exactly ceil(P / 4) tokens,
+    which is also its ``min_tokens`` bound; ``encoded`` records the size in bytes of every
+    text it tokenised."""
+
+    def __init__(self) -> None:
+        self.encoded: list[int] = []
+
+    def encode(self, text: str) -> list[int]:
+        size = len(text.encode("utf-8"))
+        self.encoded.append(size)
+        return [4] * -(-size // 4)
+
+    def min_tokens(self, text: str) -> int:
+        return -(-len(text.encode("utf-8")) // 4)
+
+
+def test_a_prompt_that_cannot_fit_is_refused_without_tokenising(cli, docs, tmp_path):
+    """Under the refuse policy a prompt whose token count must exceed the limit (bytes /
+    longest token) fails without being tokenised; one that fits exactly still runs, and a
+    prompt one token over the limit is refused (the bound is exact here)."""
+    (docs / "doc.txt").write_text("x" * 400 + "\n")
+
+    def run(*args, limit):
+        tokenizer = ChunkTokenizer()
+        engine = testing.fake_engine_factory(limit=limit, tokenizer=tokenizer)
+        result = cli(*args, "--max-new-tokens", "4", "--force", engine=engine)
+        return result, tokenizer, engine.engines[0]
+
+    _, _, probe = run("docs/doc.txt", limit=100_000)
+    tokens = len(probe.seen[0].prompt_ids)  # prompt tokens of doc.txt
+    result, tokenizer, engine = run("docs/doc.txt", limit=tokens + 4)  # prompt + 4 == limit
+    assert result.exit_code == 0, result.output
+    assert len(engine.seen) == 1 and tokenizer.encoded  # tokenised and run
+
+    (docs / "doc.txt").write_text("x" * 404 + "\n")  # 4 bytes more: one token over
+    result, tokenizer, engine = run("docs/doc.txt", limit=tokens + 4)
+    assert result.exit_code == 1
+    assert tokenizer.encoded == [] and engine.seen == []  # never tokenised, never queued
+    (record,) = read_results(tmp_path / "hisparse-out")[-1:]
+    assert record["id"] == "doc" and record["ok"] is False and record["prompt_tokens"] is None
+    assert f"prompt of at least {tokens + 1} tokens" in record["error"]
+    assert f"exceeds the context limit of {tokens + 4} tokens" in record["error"]
+    assert "--context-policy truncate" in record["error"]
+
+    (docs / "big.txt").write_text("y" * 1_000_000)
+    result, tokenizer, engine = run("docs/big.txt", "--context-policy", "extend", limit=100_000)
+    assert result.exit_code == 1 and tokenizer.encoded == [] and engine.seen == []
+    assert "--max-context" in read_results(tmp_path / "hisparse-out")[-1]["error"]
+
+
+def test_truncate_still_tokenises_a_long_document(cli, docs, tmp_path):
+    (docs / "doc.txt").write_text("x" * 4000 + "\n")
+    tokenizer = ChunkTokenizer()
+    engine = testing.fake_engine_factory(limit=200, tokenizer=tokenizer)
+    result = cli(
+        "docs/doc.txt", "--max-new-tokens", "4", "--context-policy", "truncate", engine=engine
+    )
+    assert result.exit_code == 0, result.output
+    assert read_results(tmp_path / "hisparse-out")[0]["truncated"]["original_tokens"] == 1001
+
+
 def test_unknown_preset_is_a_usage_error(cli, docs, monkeypatch):
     from engine.config import ConfigError
 
