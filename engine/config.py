@@ -1,12 +1,15 @@
 """Configuration dataclasses: the model's shape and the engine's run settings.
 
 Every knob a preset, a manifest or a CLI flag can set lives in :class:`EngineConfig`;
-:func:`EngineConfig.validate` raises :class:`ConfigError` naming the field.
+:meth:`EngineConfig.problems` lists every bad value and inconsistency (each naming its
+fields) and :meth:`EngineConfig.validate` raises :class:`ConfigError` with all of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,52 +195,155 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
     def validate(self) -> None:
-        """Check ranges and consistency; raise :class:`ConfigError` naming the field."""
-        _choice("attention", self.attention, ATTENTION_MODES)
-        _choice("indexer", self.indexer, INDEXERS)
-        _choice("page_size", self.page_size, PAGE_SIZES)
-        _choice("context_policy", self.context_policy, CONTEXT_POLICIES)
-        _choice("extend_method", self.extend_method, EXTEND_METHODS)
-        _choice("truncate_keep", self.truncate_keep, TRUNCATE_KEEP)
-        _choice("weight_format", self.weight_format, WEIGHT_FORMATS)
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("kv_dtype", self.kv_dtype, DTYPES)
-        _positive("top_k", self.top_k)
-        _positive("max_batch", self.max_batch)
-        _positive("prefill_chunk", self.prefill_chunk)
-        for name in ("cuda_graph", "decode_overlap", "prefill_copy_stream", "decode_write_stream"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.host_pool_gb <= 0:
-            raise ConfigError(f"host_pool_gb must be > 0, got {self.host_pool_gb}")
-        if self.sink_tokens < 0 or self.local_window < 0:
-            raise ConfigError("sink_tokens and local_window must be >= 0")
+        """Raise :class:`ConfigError` listing every problem :meth:`problems` finds."""
+        found = self.problems()
+        if found:
+            raise ConfigError("; ".join(str(p) for p in found))
+
+    def problems(self) -> list[SettingProblem]:
+        """Every out-of-range value (:func:`setting_problem`) and every inconsistency
+        between settings; an inconsistency is only checked when its settings are each
+        valid."""
+        found = [
+            SettingProblem((name,), message)
+            for name in SETTING_CHECKS
+            if (message := setting_problem(name, getattr(self, name)))
+        ]
+        bad = {p.fields[0] for p in found}
+        found += [p for p in self._consistency_problems() if not bad & set(p.fields)]
+        return found
+
+    def _consistency_problems(self) -> list[SettingProblem]:
+        found = []
         if self.device_buffer is not None and self.device_buffer % self.page_size:
-            raise ConfigError(
-                f"device_buffer={self.device_buffer} tokens is not a multiple of "
-                f"page_size={self.page_size}"
+            found.append(
+                SettingProblem(
+                    ("device_buffer", "page_size"),
+                    f"device_buffer={self.device_buffer} tokens is not a multiple of "
+                    f"page_size={self.page_size}",
+                )
             )
         if self.attention == "sparse" and self.buffer_pages < self.max_selected_pages:
-            raise ConfigError(
-                f"device_buffer={self.device_buffer_tokens} tokens holds {self.buffer_pages} pages "
-                f"but one step may select {self.max_selected_pages} pages (top_k={self.top_k}, "
-                f"sink_tokens={self.sink_tokens}, local_window={self.local_window}, "
-                f"page_size={self.page_size}); device_buffer must be >= top_k"
+            found.append(
+                SettingProblem(
+                    _SELECTION_FIELDS,
+                    f"device_buffer={self.device_buffer_tokens} tokens holds "
+                    f"{self.buffer_pages} pages but one step may select "
+                    f"{self.max_selected_pages} pages (top_k={self.top_k}, "
+                    f"sink_tokens={self.sink_tokens}, local_window={self.local_window}, "
+                    f"page_size={self.page_size}); device_buffer must be >= top_k",
+                )
             )
-        if self.max_context is not None:
-            _positive("max_context", self.max_context)
-        if self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
-            raise ConfigError(f"memory_budget_gb must be > 0, got {self.memory_budget_gb}")
+        return found
 
 
-def _choice(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(str, allowed))}")
+_SELECTION_FIELDS = (
+    "device_buffer",
+    "top_k",
+    "sink_tokens",
+    "local_window",
+    "page_size",
+    "attention",
+)
 
 
-def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+@dataclass(frozen=True)
+class SettingProblem:
+    """One thing wrong with an :class:`EngineConfig`.
+
+    fields: the settings involved, the one at fault first. With one field, ``message``
+    says what is wrong with its value ("must be ..., got ..."); with several it names
+    them all.
+    """
+
+    fields: tuple[str, ...]
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.fields[0]}: {self.message}" if len(self.fields) == 1 else self.message
+
+
+def setting_problem(name: str, value: Any) -> str | None:
+    """What is wrong with ``value`` for :class:`EngineConfig` field ``name`` on its own
+    (type, range or choice), or ``None``; the message leaves the name out ("must be one
+    of dense, sparse, got 'fuzzy'"). Fields without a check (``device``, ``extra``) pass."""
+    check = SETTING_CHECKS.get(name)
+    return check(value) if check else None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _choice(allowed: tuple) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        ok = any(value == a and type(value) is type(a) for a in allowed)
+        return None if ok else f"must be one of {', '.join(map(str, allowed))}, got {value!r}"
+
+    return check
+
+
+def _positive(value: Any) -> str | None:
+    return None if _is_int(value) and value > 0 else f"must be a positive integer, got {value!r}"
+
+
+def _positive_or_none(value: Any) -> str | None:
+    return None if value is None else _positive(value)
+
+
+def _non_negative(value: Any) -> str | None:
+    return None if _is_int(value) and value >= 0 else f"must be an integer >= 0, got {value!r}"
+
+
+def _gib(value: Any) -> str | None:
+    return None if _is_number(value) and value > 0 else f"must be a number > 0 (GiB), got {value!r}"
+
+
+def _gib_or_none(value: Any) -> str | None:
+    return None if value is None else _gib(value)
+
+
+def _flag(value: Any) -> str | None:
+    return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+
+
+def _flag_or_none(value: Any) -> str | None:
+    return None if value is None else _flag(value)
+
+
+SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
+    "dtype": _choice(DTYPES),
+    "kv_dtype": _choice(DTYPES),
+    "weight_format": _choice(WEIGHT_FORMATS),
+    "attention": _choice(ATTENTION_MODES),
+    "hierarchical": _flag,
+    "indexer": _choice(INDEXERS),
+    "page_size": _choice(PAGE_SIZES),
+    "top_k": _positive,
+    "device_buffer": _positive_or_none,
+    "sink_tokens": _non_negative,
+    "local_window": _non_negative,
+    "max_batch": _positive,
+    "prefill_chunk": _positive,
+    "prefill_copy_stream": _flag,
+    "decode_write_stream": _flag,
+    "host_pool_gb": _gib,
+    "memory_budget_gb": _gib_or_none,
+    "context_policy": _choice(CONTEXT_POLICIES),
+    "extend_method": _choice(EXTEND_METHODS),
+    "max_context": _positive_or_none,
+    "truncate_keep": _choice(TRUNCATE_KEEP),
+    "use_triton": _flag_or_none,
+    "num_threads": _positive_or_none,
+    "skip_host_io": _flag,
+    "cuda_graph": _flag,
+    "decode_overlap": _flag,
+}
+"""EngineConfig field -> check of one value (see :func:`setting_problem`)."""
 
 
 @dataclass(frozen=True)

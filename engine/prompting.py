@@ -3,8 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
 
 OMISSION = "\n[... {n} tokens omitted ...]\n"
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """How a document was cut to fit (``context_policy=truncate``).
+
+    keep: the part kept, ``head``, ``tail`` or ``middle`` (both ends).
+    original_tokens: tokens of the whole document.
+    kept_tokens: of those, the tokens kept (the omission mark not counted).
+    """
+
+    keep: str
+    original_tokens: int
+    kept_tokens: int
+
+    @property
+    def dropped_tokens(self) -> int:
+        return self.original_tokens - self.kept_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def cut_tokens(ids: list[int], keep: int, where: str) -> tuple[list[int], list[int]]:
@@ -38,7 +61,7 @@ def fit_document(
     render: Callable[[str], list[int]],
     limit: int,
     keep: str,
-) -> tuple[str, int]:
+) -> tuple[str, Truncation | None]:
     """Shorten ``document`` until ``render(document)`` has at most ``limit`` tokens.
 
     Parameters
@@ -50,8 +73,7 @@ def fit_document(
 
     Returns
     -------
-    (text, dropped): the document to use and how many document tokens were dropped
-    (0 when it already fits).
+    (text, cut): the document to use and how it was cut (``None`` when it already fits).
 
     Raises
     ------
@@ -60,7 +82,7 @@ def fit_document(
     """
     prompt_len = len(render(document))
     if prompt_len <= limit:
-        return document, 0
+        return document, None
     doc_ids = tokenizer.encode(document)
     overhead = prompt_len - len(doc_ids)
     budget = limit - overhead - 16
@@ -69,6 +91,6 @@ def fit_document(
         dropped = len(doc_ids) - len(before) - len(after)
         text = tokenizer.decode(before) + OMISSION.format(n=dropped) + tokenizer.decode(after)
         if len(render(text)) <= limit:
-            return text, dropped
+            return text, Truncation(keep, len(doc_ids), len(doc_ids) - dropped)
         budget -= max(16, budget // 50)
     raise ValueError(f"the instruction alone needs {overhead} tokens, over the limit of {limit}")

@@ -220,28 +220,63 @@ def read_header(path: str | Path) -> TraceHeader:
     Raises
     ------
     ValueError
-        If the file is empty or not a hisparse trace of a known version.
+        If the file is empty, unreadable (a cut-off gzip stream) or not a hisparse trace
+        of a known version.
     """
     with _open_text(Path(path), "r") as f:
-        return _parse_header(f.readline(), path)
+        try:
+            line = f.readline()
+        except (EOFError, OSError) as exc:  # gzip: cut off or corrupt
+            raise ValueError(f"{path}:1: cannot read: {exc}") from None
+        return _parse_header(line, path)
 
 
 def read_trace(path: str | Path) -> Iterator[TraceRecord]:
-    """The records of a trace file, in file order (the header is checked, not yielded)."""
+    """The records of a trace file, in file order (the header is checked, not yielded).
+
+    Raises
+    ------
+    ValueError
+        Naming ``file:line``: a line that is not valid JSON (such as a last line cut off
+        when the run was killed while writing), not a selection record, or a compressed
+        file that ends early.
+    """
     with _open_text(Path(path), "r") as f:
         _parse_header(f.readline(), path)
-        for line in f:
-            if not line.strip():
-                continue
-            d = json.loads(line)
-            yield TraceRecord(
-                job=d["job"],
-                seq=d["seq"],
-                step=d["step"],
-                layer=d["layer"],
-                num_pages=d["num_pages"],
-                words=tuple(tuple(w) for w in d["words"]),
-            )
+        number = 1
+        try:
+            for number, line in enumerate(f, start=2):
+                if line.strip():
+                    yield _parse_record(line, path, number)
+        except (EOFError, OSError) as exc:  # gzip: cut off or corrupt
+            raise ValueError(f"{path}:{number + 1}: cannot read: {exc}") from None
+
+
+def _parse_record(line: str, path: str | Path, number: int) -> TraceRecord:
+    """One record line -> :class:`TraceRecord`; a ``ValueError`` names ``path:number``."""
+    try:
+        d = json.loads(line)
+        return TraceRecord(
+            job=d["job"],
+            seq=d["seq"],
+            step=d["step"],
+            layer=d["layer"],
+            num_pages=d["num_pages"],
+            words=tuple(tuple(w) for w in d["words"]),
+        )
+    except json.JSONDecodeError as exc:
+        cut = (
+            ""
+            if line.endswith("\n")
+            else "; the line is cut off (was the run killed while writing?)"
+        )
+        raise ValueError(
+            f"{path}:{number}: not valid JSON: {exc.msg} (column {exc.colno}){cut}"
+        ) from None
+    except KeyError as exc:
+        raise ValueError(f"{path}:{number}: not a selection record (no {exc})") from None
+    except TypeError:
+        raise ValueError(f"{path}:{number}: not a selection record") from None
 
 
 def _parse_header(line: str, path: str | Path) -> TraceHeader:

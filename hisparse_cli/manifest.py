@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig, SamplingParams
+from engine.config import EngineConfig, SamplingParams, setting_problem
 from hisparse_cli.manifest_source import (
     COMMAND_LINE,
     Entry,
@@ -99,10 +99,15 @@ class JobSpec:
 
 @dataclass(frozen=True)
 class Manifest:
-    """Validated jobs plus the engine settings of ``defaults.engine``."""
+    """Validated jobs plus the engine settings of ``defaults.engine``.
+
+    engine_origin: where ``defaults.engine`` was read (file and line of each setting), for
+    problems found once the settings meet the preset and the flags.
+    """
 
     jobs: tuple[JobSpec, ...]
     engine: dict[str, Any]
+    engine_origin: Entry | None = None
 
 
 def load_manifest(path: Path | str, overrides: Mapping[str, Any] | None = None) -> Manifest:
@@ -177,7 +182,7 @@ def _build(raw: RawManifest, base: Path, overrides: Mapping[str, Any] | None) ->
     _check_unique(specs, merged, problems)
     if problems:
         raise ManifestError(list(dict.fromkeys(problems)))
-    return Manifest(tuple(s for s in specs if s is not None), engine)
+    return Manifest(tuple(s for s in specs if s is not None), engine, raw.engine)
 
 
 _DEFAULT_FIELDS = tuple(f for f in JOB_FIELDS if f not in PER_JOB_ONLY)
@@ -381,7 +386,10 @@ _TYPE_NAMES: dict[str, tuple[type, ...]] = {
 
 
 def _engine_settings(entry: Entry | None, problems: list[Problem]) -> dict[str, Any]:
-    """``defaults.engine``: EngineConfig field -> value, checking names and types."""
+    """``defaults.engine``: EngineConfig field -> value, checking names, types and each
+    value on its own (:func:`engine.config.setting_problem`); settings that only clash
+    with others (which may come from the preset or flags) are checked when the layers are
+    resolved (:func:`hisparse_cli.settings.resolve_engine_config`)."""
     if entry is None:
         return {}
     settings = {}
@@ -403,7 +411,9 @@ def _engine_problem(name: str, value: Any) -> str | None:
     accepted = tuple(t for part in declared.split(" | ") for t in _TYPE_NAMES.get(part, (object,)))
     if isinstance(value, bool) and bool not in accepted:
         return f"must be {declared}, got {value!r}"
-    return None if isinstance(value, accepted) else f"must be {declared}, got {value!r}"
+    if not isinstance(value, accepted):
+        return f"must be {declared}, got {value!r}"
+    return setting_problem(name, value)
 
 
 # ----------------------------------------------------------------------------- checks

@@ -62,6 +62,7 @@ class PlannedJob:
             "settings_hash": self.settings_hash,
             "task": self.spec.task.task,
             "model": model,
+            "truncated": None,  # set when context_policy=truncate cut the document
         }
 
 

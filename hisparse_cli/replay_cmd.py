@@ -10,12 +10,14 @@ they are replayed as one trace. The engine is imported inside the command.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 if TYPE_CHECKING:
     from engine.replay import ReplayResult
@@ -37,6 +39,7 @@ BufferPagesOpt = Annotated[
     list[int] | None,
     typer.Option(
         "--device-buffer-pages",
+        min=1,
         help="Hot-buffer capacity in pages per (job, layer, KV head); repeat for several.",
     ),
 ]
@@ -83,9 +86,9 @@ def replay_command(
     unknown = sorted(set(policies) - set(POLICIES))
     if unknown:
         _refuse(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
+    multiples = _multiples(buffer_multiple)
     try:
         header, records = read_traces(traces)
-        multiples = [float(m) for m in _split(buffer_multiple)]
         if not multiples and not device_buffer_pages:
             multiples = list(DEFAULT_MULTIPLES)
         capacities = sorted(
@@ -138,6 +141,22 @@ def _split(values: list[str] | None) -> list[str]:
     return [v.strip() for item in values or [] for v in item.split(",") if v.strip()]
 
 
+def _multiples(values: list[str] | None) -> list[float]:
+    """``--buffer-multiple`` values as numbers; anything but a finite number > 0 is
+    refused (a capacity of zero pages or less cannot hold a selection)."""
+    multiples = []
+    for text in _split(values):
+        try:
+            multiple = float(text)
+        except ValueError:
+            _refuse(f"--buffer-multiple {text!r} is not a number")
+        if not math.isfinite(multiple) or multiple <= 0:
+            _refuse(f"--buffer-multiple must be a number > 0 (a multiple of top_k), got {text}")
+        multiples.append(multiple)
+    return multiples
+
+
 def _refuse(message: str) -> NoReturn:
-    Console(stderr=True).print(f"[red]error:[/] {message}")
+    error = Text.assemble(("error:", "red"), " ", message)  # message as plain text, not markup
+    Console(stderr=True, soft_wrap=True).print(error, highlight=False)
     raise typer.Exit(EXIT_BAD_INPUT)

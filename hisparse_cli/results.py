@@ -193,7 +193,7 @@ def result_record(base: dict[str, Any], result: JobResult) -> dict[str, Any]:
     ----------
     base
         Job facts known before it ran (id, output, input, input_sha256, key,
-        settings_hash, model, started_at).
+        settings_hash, task, model, truncated, started_at).
     result
         The engine's result.
     """

@@ -38,6 +38,7 @@ from rich.console import Console
 from engine.config import ConfigError, EngineConfig
 from engine.events import Event, Job, JobAdmitted, JobFailed, JobFinished, JobResult
 from engine.workers import WorkerDied
+from hisparse_cli import settings
 from hisparse_cli.keys import DEFAULT_MODEL_ID, model_fingerprint
 from hisparse_cli.manifest import Manifest, ManifestError, jobs_from_paths, load_manifest
 from hisparse_cli.plan import INVALID, RUN, SKIP, PlannedJob, plan_jobs
@@ -52,7 +53,13 @@ from hisparse_cli.results import (
     utc_now,
     write_text_atomic,
 )
-from hisparse_cli.settings import config_document, resolve_engine_config, save_config
+from hisparse_cli.settings import (
+    SettingsError,
+    config_document,
+    engine_flag,
+    resolve_engine_config,
+    save_config,
+)
 from hisparse_cli.tasks import build_messages
 from hisparse_cli.textio import ERROR_MODES, join_documents, read_documents
 
@@ -68,6 +75,10 @@ class UsageError(Exception):
 
 class LoadConfigError(Exception):
     """The model could not be loaded because of a setting, path or config (exit 2)."""
+
+
+class PromptTooLong(Exception):
+    """A job's prompt cannot fit the context limit (the job fails; the batch goes on)."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +176,12 @@ def execute(
             f"{len(exc.problems)} problem(s) in the jobs; nothing was run:",
             exc.problems,
         )
+    except SettingsError as exc:
+        return _usage_failure(
+            err_console,
+            f"{len(exc.problems)} problem(s) in the engine settings; nothing was run:",
+            exc.problems,
+        )
     except (UsageError, ConfigError) as exc:
         return _usage_failure(err_console, f"error: {exc}", [])
     except KeyboardInterrupt:
@@ -191,12 +208,47 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
         manifest = jobs_from_paths(request.docs, request.job_overrides)
     else:
         manifest = Manifest((), {})
-    config = resolve_engine_config(request.preset, manifest.engine, request.engine_overrides)
+    config = resolve_engine_config(
+        request.preset, manifest.engine, request.engine_overrides, manifest.engine_origin
+    )
+    check_policy_flags(config, request.preset, manifest.engine, request.engine_overrides)
     config = with_preset_devices(config, request.preset, request.engine_overrides)
     if not request.print_config:  # --print-config may show another machine's config
         check_device_names(config)
         check_devices(config, request.preset, manifest.engine, request.engine_overrides)
     return manifest, config
+
+
+POLICY_FLAGS = {"truncate_keep": "truncate", "extend_method": "extend"}
+"""Engine settings that only a context policy uses: setting -> that policy."""
+
+
+def check_policy_flags(
+    config: EngineConfig, preset: str, manifest_engine: dict[str, Any], flags: dict[str, Any]
+) -> None:
+    """Raise :class:`UsageError` when ``--truncate-keep`` or ``--extend-method`` is given
+    but the context policy in force never uses it (the flag would be silently ignored).
+    The same keys in a preset or a manifest are defaults for when the policy is chosen,
+    so they pass."""
+    for name, policy in POLICY_FLAGS.items():
+        if flags.get(name) is not None and config.context_policy != policy:
+            source = _policy_source(preset, manifest_engine, flags)
+            raise UsageError(
+                f"{engine_flag(name)} only applies with --context-policy {policy}, but the "
+                f"context policy is {config.context_policy!r} ({source}); pass "
+                f"--context-policy {policy} or drop {engine_flag(name)}"
+            )
+
+
+def _policy_source(preset: str, manifest_engine: dict[str, Any], flags: dict[str, Any]) -> str:
+    """Which layer chose the context policy, in words."""
+    if flags.get("context_policy") is not None:
+        return "--context-policy"
+    if manifest_engine.get("context_policy") is not None:
+        return "the manifest's defaults.engine"
+    if "context_policy" in settings.preset_overrides(preset):
+        return f"preset {preset!r}"
+    return "the default"
 
 
 def with_preset_devices(config: EngineConfig, preset: str, flags: dict[str, Any]) -> EngineConfig:
@@ -515,6 +567,9 @@ class BatchRun:
             self.records[spec.id] = planned.base_record(self.model_name)
             prompt_ids = self._prompt_ids(engine, spec, join_documents(documents))
             self.prompt_tokens[spec.id] = len(prompt_ids)
+        except PromptTooLong as exc:
+            self._handle(JobFailed(self.clock(), spec.id, str(exc)))
+            return None
         except Exception as exc:  # noqa: BLE001 - one bad job must not stop the batch
             self._handle(JobFailed(self.clock(), spec.id, f"cannot prepare the prompt: {exc}"))
             return None
@@ -523,28 +578,62 @@ class BatchRun:
 
     def _prompt_ids(self, engine: Any, spec: Any, document: str) -> tuple[int, ...]:
         """Render the chat prompt; with ``context_policy=truncate`` cut the document so
-        prompt + max_tokens fits the engine's context limit (the cut is marked in the text
-        and reported)."""
+        prompt + max_tokens fits the engine's context limit (the cut is marked in the text,
+        reported, and recorded as the job's ``truncated`` field). Under the other policies
+        a prompt that cannot fit is refused before it is tokenised
+        (:meth:`_refuse_if_too_long`).
+
+        Raises
+        ------
+        PromptTooLong
+            The prompt cannot fit the context limit (found without tokenising it).
+        """
+
+        def messages(text: str) -> list[dict]:
+            return build_messages(spec.task, text, spec.id, spec.inputs[0].name)
 
         def render(text: str) -> list[int]:
-            messages = build_messages(spec.task, text, spec.id, spec.inputs[0].name)
-            return engine.tokenizer.encode_chat(messages)
+            return engine.tokenizer.encode_chat(messages(text))
 
         config = getattr(engine, "config", None)
-        if config is not None and config.context_policy == "truncate":
+        if config is None or config.context_policy != "truncate":
+            self._refuse_if_too_long(engine, spec, messages(document))
+        else:
             from engine.prompting import fit_document
 
             limit = engine.prompt_limit() - spec.sampling.max_tokens
-            document, dropped = fit_document(
+            document, cut = fit_document(
                 engine.tokenizer, document, render, limit, config.truncate_keep
             )
-            if dropped:
+            if cut is not None:
+                self.records[spec.id]["truncated"] = cut.to_dict()
                 self.reporter.note(
-                    f"{spec.id}: document cut by {dropped} tokens "
-                    f"(kept: {config.truncate_keep}) to fit {limit} prompt tokens",
+                    f"{spec.id}: document cut by {cut.dropped_tokens} tokens "
+                    f"(kept: {cut.keep}) to fit {limit} prompt tokens",
                     "warning",
                 )
         return tuple(render(document))
+
+    def _refuse_if_too_long(self, engine: Any, spec: Any, messages: list[dict]) -> None:
+        """Raise :class:`PromptTooLong` when the rendered prompt needs more tokens than
+        the context limit leaves beside ``max_tokens``, judged from its size alone
+        (``tokenizer.min_tokens``, a lower bound: a prompt that would fit is never
+        refused). Tokenisers without such a bound are left to the engine's own check."""
+        tokenizer = engine.tokenizer
+        if not hasattr(tokenizer, "min_tokens") or not hasattr(engine, "prompt_limit"):
+            return
+        at_least = tokenizer.min_tokens(tokenizer.render_chat(messages))
+        max_tokens, limit = spec.sampling.max_tokens, engine.prompt_limit()
+        if at_least is None or at_least + max_tokens <= limit:
+            return
+        if getattr(getattr(engine, "config", None), "context_policy", None) == "extend":
+            advice = "raise --max-context above that, or use --context-policy truncate"
+        else:
+            advice = "use --context-policy extend (RoPE scaling) or --context-policy truncate"
+        raise PromptTooLong(
+            f"prompt of at least {at_least} tokens (judged from its size; not tokenised) + "
+            f"max_tokens {max_tokens} exceeds the context limit of {limit} tokens; {advice}"
+        )
 
     def _handle(self, event: Event) -> None:
         """Fold ``event`` into the state, write results, and show it.

@@ -2,17 +2,19 @@
 
 Each layer is a dict of :class:`~engine.config.EngineConfig` field overrides applied with
 ``EngineConfig.replace``; ``extra`` dicts are merged key by key rather than replaced.
-The result is validated once, at the end.
+The result is validated once, at the end: every problem is reported together
+(:class:`SettingsError`), each where the setting at fault was given.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, SettingProblem
+from hisparse_cli.manifest_source import COMMAND_LINE, Entry, Problem
 from hisparse_cli.results import write_text_atomic
 
 CONFIG_FILE = "config.json"
@@ -40,12 +42,36 @@ def preset_overrides(name: str) -> dict[str, Any]:
         raise ConfigError(f"preset {name!r}: {exc}") from None
 
 
+class SettingsError(ConfigError):
+    """The resolved engine settings cannot run; ``problems`` lists every one, each placed
+    where the setting at fault was given (flag, manifest line, preset or default)."""
+
+    def __init__(self, problems: Sequence[Problem]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+ENGINE_FLAGS = {
+    "top_k": "--top-k-tokens",
+    "memory_budget_gb": "--memory-budget",
+    "host_pool_gb": "--host-pool",
+    "num_threads": "--threads",
+}
+"""EngineConfig field -> its ``hisparse run`` flag where that is not ``--field-name``."""
+
+
+def engine_flag(name: str) -> str:
+    """The ``hisparse run`` flag that sets EngineConfig field ``name``."""
+    return ENGINE_FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
 def resolve_engine_config(
     preset: str,
     manifest_engine: Mapping[str, Any] | None = None,
     cli: Mapping[str, Any] | None = None,
+    manifest_origin: Entry | None = None,
 ) -> EngineConfig:
-    """Apply the layers in precedence order and validate.
+    """Apply the layers in precedence order and validate the result.
 
     Parameters
     ----------
@@ -55,11 +81,17 @@ def resolve_engine_config(
         ``defaults.engine`` of the manifest.
     cli
         Overrides from flags; ``None`` values (flag not given) are skipped.
+    manifest_origin
+        The manifest's ``defaults.engine`` entry (file and line of each setting), so
+        problems with its settings name ``file:line: defaults.engine.<field>``.
 
     Raises
     ------
     ConfigError
-        Unknown field (naming the layer) or a value :meth:`EngineConfig.validate` rejects.
+        Unknown field (naming the layer).
+    SettingsError
+        Every problem :meth:`EngineConfig.problems` finds, each placed at the
+        highest-precedence layer that set one of the settings involved.
     """
     config = EngineConfig()
     layers = (
@@ -69,8 +101,38 @@ def resolve_engine_config(
     )
     for source, overrides in layers:
         config = _apply(config, source, overrides)
-    config.validate()
+    found = config.problems()
+    if found:
+        sources = [overrides for _, overrides in layers]
+        raise SettingsError([_place(p, preset, sources, manifest_origin) for p in found])
     return config
+
+
+def _place(
+    problem: SettingProblem,
+    preset: str,
+    layers: list[dict[str, Any]],
+    manifest_origin: Entry | None,
+) -> Problem:
+    """``problem`` as a located :class:`Problem`: at the field of ``problem.fields`` set by
+    the highest layer (flags > manifest > preset > built-in defaults)."""
+    name = max(problem.fields, key=lambda f: _layer_of(f, layers))  # first of the highest
+    rank, message = _layer_of(name, layers), problem.message
+    if rank == 3:
+        return Problem(COMMAND_LINE, None, engine_flag(name), message)
+    if rank == 2 and manifest_origin is not None:
+        label = f"{manifest_origin.label}.{name}"
+        return Problem(manifest_origin.file, manifest_origin.where(name), label, message)
+    if rank == 2:
+        return Problem("manifest", None, f"defaults.engine.{name}", message)
+    if rank == 1:
+        return Problem(f"preset {preset!r}", None, f"engine.{name}", message)
+    return Problem("built-in defaults", None, name, message)
+
+
+def _layer_of(name: str, layers: list[dict[str, Any]]) -> int:
+    """0 built-in default, 1 preset, 2 manifest, 3 flags: the last layer setting ``name``."""
+    return max((i + 1 for i, layer in enumerate(layers) if name in layer), default=0)
 
 
 def _apply(config: EngineConfig, source: str, overrides: dict[str, Any]) -> EngineConfig:

@@ -215,12 +215,40 @@ def test_manifest_run_uses_its_settings(cli, docs, tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["engine"]["top_k"] == 1024
 
 
+def test_engine_setting_problems_are_reported_together_where_they_were_set(cli, docs, tmp_path):
+    """Settings that clash only once manifest, preset and flags meet are all reported in
+    one go: a manifest setting by file:line:field, a flag by its name."""
+    (tmp_path / "jobs.yaml").write_text(
+        textwrap.dedent(
+            """
+            defaults:
+              engine:
+                top_k: 4096
+                device_buffer: 1000
+            jobs:
+              - {input: docs/alpha.txt}
+            """
+        ).lstrip()
+    )
+    result = cli("--manifest", "jobs.yaml", "--max-batch", "0")
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert lines[0] == "3 problem(s) in the engine settings; nothing was run:"
+    assert "  command line: --max-batch: must be a positive integer, got 0" in lines
+    located = [
+        line for line in lines if line.startswith("  jobs.yaml:4: defaults.engine.device_buffer: ")
+    ]
+    assert len(located) == 2
+    assert "not a multiple of page_size=16" in located[0] and "must be >= top_k" in located[1]
+    assert not (tmp_path / "hisparse-out").exists() and cli.factory.engines == []
+
+
 @pytest.mark.parametrize(
     "args, phrase",
     [
         ([], "nothing to run"),
         (["docs/alpha.txt", "--manifest", "jobs.yaml"], "not both"),
-        (["docs/alpha.txt", "--page-size", "7"], "page_size"),
+        (["docs/alpha.txt", "--page-size", "7"], "--page-size: must be one of 16, 32, 64"),
         (["docs/alpha.txt", "--top-k-tokens", "4096", "--device-buffer", "1024"], "device_buffer"),
         (["docs/alpha.txt", "--encoding", "klingon"], "unknown --encoding"),
         (["docs/alpha.txt", "--model", "missing.gguf"], "model not found"),
@@ -275,10 +303,65 @@ def test_truncate_keep_and_extend_method_flags_follow_precedence(cli, docs, tmp_
         return engine["truncate_keep"], engine["extend_method"]
 
     assert engine_of() == ("middle", "linear")  # manifest beats preset
-    assert engine_of("--truncate-keep", "head", "--extend-method", "dynamic") == (
+    # flags beat manifest and preset (each flag with the policy that uses it)
+    assert engine_of("--truncate-keep", "head", "--context-policy", "truncate") == (
         "head",
+        "linear",
+    )
+    assert engine_of("--extend-method", "dynamic", "--context-policy", "extend") == (
+        "middle",
         "dynamic",
-    )  # flags beat manifest and preset
+    )
+
+
+@pytest.mark.parametrize(
+    "args, flag, policy",
+    [
+        (["--truncate-keep", "tail"], "--truncate-keep", "'refuse' (the default)"),
+        (["--extend-method", "linear"], "--extend-method", "'refuse' (the default)"),
+        (
+            ["--truncate-keep", "tail", "--context-policy", "extend"],
+            "--truncate-keep",
+            "'extend' (--context-policy)",
+        ),
+        (
+            ["--extend-method", "dynamic", "--context-policy", "truncate"],
+            "--extend-method",
+            "'truncate' (--context-policy)",
+        ),
+    ],
+)
+def test_policy_flag_without_its_policy_exits_2(cli, docs, tmp_path, args, flag, policy):
+    """--truncate-keep / --extend-method given where the context policy ignores them: a
+    one-line error naming the flag, the policy in force and the one that would use it."""
+    result = cli("docs/alpha.txt", *args)
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    needs = "truncate" if flag == "--truncate-keep" else "extend"
+    assert line.startswith(f"error: {flag} ") and f"--context-policy {needs}" in line
+    assert f"the context policy is {policy}" in line
+    assert not (tmp_path / "hisparse-out").exists() and cli.factory.engines == []
+
+
+def test_policy_keys_from_a_preset_or_manifest_are_defaults_not_errors(
+    cli, docs, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(
+        settings,
+        "preset_overrides",
+        lambda name: {"truncate_keep": "tail", "extend_method": "linear"},
+    )
+    (tmp_path / "jobs.yaml").write_text(
+        "defaults:\n  engine: {context_policy: truncate}\njobs:\n  - {input: docs/alpha.txt}\n"
+    )
+    assert cli("docs/alpha.txt").exit_code == 0  # preset keys, policy refuse: fine
+    result = cli("--manifest", "jobs.yaml", "--truncate-keep", "middle", "--force")
+    assert result.exit_code == 0, result.output  # the manifest's policy uses the flag
+    monkeypatch.setattr(settings, "preset_overrides", lambda name: {"context_policy": "extend"})
+    result = cli("docs/alpha.txt", "--truncate-keep", "tail")
+    assert (
+        result.exit_code == 2 and "the context policy is 'extend' (preset 'cpu')" in result.stderr
+    )
 
 
 @pytest.mark.parametrize("flag", ["--truncate-keep", "--extend-method"])
@@ -304,6 +387,86 @@ def test_truncate_keep_flag_reaches_the_prompt_cut(cli, docs, tmp_path):
     assert "(kept: tail)" in result.stdout
     (job,) = engine.engines[0].seen
     assert len(job.prompt_ids) <= 200 - 4
+
+
+@pytest.mark.parametrize("keep", ["head", "tail", "middle"])
+def test_truncated_jobs_say_so_in_results(cli, docs, tmp_path, keep):
+    """A job whose document was cut records the part kept and the document's token
+    counts before and after the cut; a job that fit records ``truncated: null``."""
+    (docs / "long.txt").write_text(" ".join(f"word{i}" for i in range(400)) + "\n")
+    engine = testing.fake_engine_factory(limit=200)
+    args = ["--max-new-tokens", "4", "--context-policy", "truncate", "--truncate-keep", keep]
+    result = cli("docs/long.txt", "docs/alpha.txt", *args, engine=engine)
+    assert result.exit_code == 0, result.output
+    records = {r["id"]: r for r in read_results(tmp_path / "hisparse-out")}
+    cut = records["long"]["truncated"]
+    assert cut["keep"] == keep and cut["original_tokens"] == 400  # one token per word
+    assert 0 < cut["kept_tokens"] < 400
+    assert f"cut by {400 - cut['kept_tokens']} tokens (kept: {keep})" in result.stdout
+    assert records["long"]["prompt_tokens"] <= 200 - 4
+    assert records["alpha"]["truncated"] is None
+
+
+class ChunkTokenizer(testing.FakeTokenizer):
+    """One token per 4 bytes of UTF-8: a prompt of P bytes has exactly ceil(P / 4) tokens,
+    which is also its ``min_tokens`` bound; ``encoded`` records the size in bytes of every
+    text it tokenised."""
+
+    def __init__(self) -> None:
+        self.encoded: list[int] = []
+
+    def encode(self, text: str) -> list[int]:
+        size = len(text.encode("utf-8"))
+        self.encoded.append(size)
+        return [4] * -(-size // 4)
+
+    def min_tokens(self, text: str) -> int:
+        return -(-len(text.encode("utf-8")) // 4)
+
+
+def test_a_prompt_that_cannot_fit_is_refused_without_tokenising(cli, docs, tmp_path):
+    """Under the refuse policy a prompt whose token count must exceed the limit (bytes /
+    longest token) fails without being tokenised; one that fits exactly still runs, and a
+    prompt one token over the limit is refused (the bound is exact here)."""
+    (docs / "doc.txt").write_text("x" * 400 + "\n")
+
+    def run(*args, limit):
+        tokenizer = ChunkTokenizer()
+        engine = testing.fake_engine_factory(limit=limit, tokenizer=tokenizer)
+        result = cli(*args, "--max-new-tokens", "4", "--force", engine=engine)
+        return result, tokenizer, engine.engines[0]
+
+    _, _, probe = run("docs/doc.txt", limit=100_000)
+    tokens = len(probe.seen[0].prompt_ids)  # prompt tokens of doc.txt
+    result, tokenizer, engine = run("docs/doc.txt", limit=tokens + 4)  # prompt + 4 == limit
+    assert result.exit_code == 0, result.output
+    assert len(engine.seen) == 1 and tokenizer.encoded  # tokenised and run
+
+    (docs / "doc.txt").write_text("x" * 404 + "\n")  # 4 bytes more: one token over
+    result, tokenizer, engine = run("docs/doc.txt", limit=tokens + 4)
+    assert result.exit_code == 1
+    assert tokenizer.encoded == [] and engine.seen == []  # never tokenised, never queued
+    (record,) = read_results(tmp_path / "hisparse-out")[-1:]
+    assert record["id"] == "doc" and record["ok"] is False and record["prompt_tokens"] is None
+    assert f"prompt of at least {tokens + 1} tokens" in record["error"]
+    assert f"exceeds the context limit of {tokens + 4} tokens" in record["error"]
+    assert "--context-policy truncate" in record["error"]
+
+    (docs / "big.txt").write_text("y" * 1_000_000)
+    result, tokenizer, engine = run("docs/big.txt", "--context-policy", "extend", limit=100_000)
+    assert result.exit_code == 1 and tokenizer.encoded == [] and engine.seen == []
+    assert "--max-context" in read_results(tmp_path / "hisparse-out")[-1]["error"]
+
+
+def test_truncate_still_tokenises_a_long_document(cli, docs, tmp_path):
+    (docs / "doc.txt").write_text("x" * 4000 + "\n")
+    tokenizer = ChunkTokenizer()
+    engine = testing.fake_engine_factory(limit=200, tokenizer=tokenizer)
+    result = cli(
+        "docs/doc.txt", "--max-new-tokens", "4", "--context-policy", "truncate", engine=engine
+    )
+    assert result.exit_code == 0, result.output
+    assert read_results(tmp_path / "hisparse-out")[0]["truncated"]["original_tokens"] == 1001
 
 
 def test_unknown_preset_is_a_usage_error(cli, docs, monkeypatch):

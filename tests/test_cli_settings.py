@@ -30,8 +30,34 @@ def test_unknown_field_names_the_layer(monkeypatch):
 
 def test_validation_runs_on_the_result(monkeypatch):
     monkeypatch.setattr(settings, "preset_overrides", lambda name: {})
-    with pytest.raises(ConfigError, match="page_size"):
+    with pytest.raises(ConfigError, match="--page-size: must be one of 16, 32, 64, got 8"):
         settings.resolve_engine_config("x", cli={"page_size": 8})
+
+
+def test_every_problem_is_placed_at_the_highest_layer_that_set_it(monkeypatch):
+    monkeypatch.setattr(settings, "preset_overrides", lambda name: {"device_buffer": 4096})
+    with pytest.raises(settings.SettingsError) as info:
+        settings.resolve_engine_config(
+            "x", {"local_window": 64}, {"top_k": 8192, "page_size": 7, "max_batch": 0}
+        )
+    assert [str(p) for p in info.value.problems] == [
+        "command line: --page-size: must be one of 16, 32, 64, got 7",
+        "command line: --max-batch: must be a positive integer, got 0",
+    ]  # the buffer check needs a valid page_size: not reported on top
+    with pytest.raises(settings.SettingsError) as info:
+        settings.resolve_engine_config("x", {"local_window": 64}, {"top_k": 8192})
+    (problem,) = info.value.problems
+    assert problem.field == "--top-k-tokens" and "device_buffer must be >= top_k" in problem.message
+    with pytest.raises(settings.SettingsError) as info:
+        settings.resolve_engine_config("x", {"top_k": 8192})
+    (problem,) = info.value.problems
+    assert (problem.file, problem.field) == ("manifest", "defaults.engine.top_k")
+    monkeypatch.setattr(
+        settings, "preset_overrides", lambda name: {"top_k": 8192, "device_buffer": 4096}
+    )
+    with pytest.raises(settings.SettingsError) as info:
+        settings.resolve_engine_config("x")
+    assert str(info.value.problems[0]).startswith("preset 'x': engine.device_buffer: ")
 
 
 def test_missing_presets_module_means_empty(monkeypatch):

@@ -289,3 +289,65 @@ def test_missing_or_null_input_is_required(docs):
 def test_defaults_cannot_hold_per_job_fields(docs):
     path = write_yaml(docs, "defaults: {output: x}\njobs:\n  - {input: docs/one.txt}\n")
     assert "per job" in find(problems_of(path), "defaults.output").message
+
+
+def test_engine_setting_values_are_all_reported_with_lines(docs):
+    """Bad values in defaults.engine (not only unknown names and wrong types) are found at
+    load, every one with its line, together with the jobs' problems."""
+    path = write_yaml(
+        docs,
+        """
+        defaults:
+          engine:
+            attention: fuzzy
+            page_size: 17
+            top_k: -5
+            host_pool_gb: 0
+            num_threads: 0
+            context_policy: squash
+            cuda_graph: maybe
+        jobs:
+          - {input: docs/one.txt, temperature: -1}
+        """,
+    )
+    problems = problems_of(path)
+    expected = {
+        "attention": (3, "one of dense, sparse"),
+        "page_size": (4, "one of 16, 32, 64"),
+        "top_k": (5, "positive integer"),
+        "host_pool_gb": (6, "> 0"),
+        "num_threads": (7, "positive integer"),
+        "context_policy": (8, "one of refuse, extend, truncate"),
+        "cuda_graph": (9, "bool"),
+    }
+    for name, (line, phrase) in expected.items():
+        problem = find(problems, f"defaults.engine.{name}")
+        assert problem.line == line and phrase in problem.message, str(problem)
+        assert str(problem).startswith(f"{path}:{line}: defaults.engine.{name}: ")
+    assert find(problems, "jobs[0].temperature").line == 11
+
+
+def test_jsonl_engine_setting_values_name_the_line(docs):
+    path = docs / "jobs.jsonl"
+    engine = {"indexer": "psychic", "local_window": -1}
+    path.write_text(
+        json.dumps({"id": "a", "input": "docs/one.txt"})
+        + "\n"
+        + json.dumps({"defaults": {"engine": engine}})
+        + "\n"
+    )
+    problems = problems_of(path)
+    assert find(problems, "defaults.engine.indexer").line == 2
+    assert ">= 0" in find(problems, "defaults.engine.local_window").message
+
+
+def test_every_engine_setting_has_a_value_check():
+    """A new EngineConfig field needs an entry in SETTING_CHECKS, or bad values of it in a
+    manifest would only surface later, one at a time."""
+    import dataclasses
+
+    from engine.config import SETTING_CHECKS, EngineConfig
+
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert names - set(SETTING_CHECKS) == {"device", "extra"}  # checked by the runner
+    assert EngineConfig().problems() == []

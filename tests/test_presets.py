@@ -178,7 +178,7 @@ def test_wrong_type_names_file_and_key(tmp_path):
 
 def test_invalid_value_names_file(tmp_path):
     path = _write(tmp_path, GOOD.replace("page_size: 32", "page_size: 48"))
-    with pytest.raises(PresetError, match=r"mine\.yaml: page_size=48"):
+    with pytest.raises(PresetError, match=r"mine\.yaml: page_size: must be one of 16, 32, 64, got 48"):
         load_preset(str(path))
 
 

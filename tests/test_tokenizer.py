@@ -419,3 +419,85 @@ def test_encode_speed_on_largest_corpus_file(tok, corpus_dir):
     elapsed_s = time.perf_counter() - start
     print(f"{files[-1].name}: {len(text.encode())} bytes -> {len(ids)} ids in {elapsed_s:.3f} s")
     assert elapsed_s < 2.0
+
+
+# ---------------------------------------------------------------- size bound (min_tokens)
+
+ADVERSARIAL = {
+    "hashes": "#" * 20_000,
+    "spaces": " " * 20_000,
+    "indents": ("\n" + " " * 80) * 300,
+    "specials": "<|im_start|>" * 2000,
+    "dropped_bytes": "\x04\x06\x13\x14" * 3000 + "x",  # bytes SmolLM2's vocabulary lacks
+    "rare_plane": "\U00050000\U00090000" * 2000,  # lead bytes 0xf1, 0xf2: dropped too
+    "emoji": "👨‍👩‍👧‍👦" * 1000,
+    "digits": "1234567890" * 2000,
+}
+
+
+def _longest_tokens_text(tok: TextTokenizer, count: int = 300) -> str:
+    """The text of the ``count`` longest tokens, back to back: about the densest text."""
+    vocab = tok.backend.get_vocab(with_added_tokens=False)
+    longest = sorted(vocab.items(), key=lambda item: -len(item[0]))[:count]
+    return "".join(tok.decode([i]) for _, i in longest) * 3
+
+
+def test_max_token_bytes_of_smollm2(tok):
+    # The longest token is "\n" + 80 spaces (spelled "Ċ" + 80 x "Ġ", 161 UTF-8 bytes).
+    assert tok.max_token_bytes == 81
+    assert tok.min_tokens("a" * 810) == 10 and tok.min_tokens("") == 0
+    assert tok.min_tokens("\x04" * 1000) == 0 == len(tok.encode("\x04" * 1000))  # dropped
+
+
+def test_min_tokens_never_exceeds_the_real_count(tok, smollm2_gguf_reader, corpus_dir):
+    llama_cpp = TextTokenizer.from_gguf(smollm2_gguf_reader, reference="llama.cpp")
+    corpus = [f.read_text(encoding="utf-8") for f in sorted(corpus_dir.glob("*.txt"))]
+    texts = [*VARIED.values(), *ADVERSARIAL.values(), _longest_tokens_text(tok), *corpus]
+    texts += [tok.render_chat([{"role": "user", "content": text}]) for text in texts[-3:]]
+    for tokenizer in (tok, llama_cpp):
+        assert tokenizer.max_token_bytes == 81
+        for text in texts:
+            assert tokenizer.min_tokens(text) <= len(tokenizer.encode(text)), text[:80]
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "smollm", "tekken"])
+def test_min_tokens_is_sound_on_other_pre_tokenizers(tmp_path, small_vocab, corpus_file_text, pre):
+    """A 6000-token vocabulary lacks many bytes (dropped by BPE) and its pre-tokenizers
+    split with regexes first; the bound still holds (both references)."""
+    import gguf
+
+    reader = gguf.GGUFReader(_write_gguf(tmp_path / f"{pre}.gguf", *small_vocab, pre=pre))
+    for reference in ("transformers", "llama.cpp"):
+        ours = TextTokenizer.from_gguf(reader, reference=reference)
+        assert ours.max_token_bytes is not None
+        for text in [*VARIED.values(), *ADVERSARIAL.values(), corpus_file_text]:
+            assert ours.min_tokens(text) <= len(ours.encode(text)), (reference, text[:80])
+
+
+def test_min_tokens_is_unknown_where_text_may_shrink(tok):
+    """Whatever may drop or shrink text (here, each shown doing it) leaves no bound."""
+    from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
+
+    def variant(change):
+        backend = Tokenizer.from_str(tok.backend.to_str())
+        change(backend)
+        return TextTokenizer(backend, bos_id=None, eos_ids=(), add_bos=False, chat_template=None)
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert variant(lambda b: None).max_token_bytes == 81  # a plain copy keeps the bound
+    nfkc = variant(lambda b: setattr(b, "normalizer", normalizers.NFKC()))
+    assert nfkc.backend.normalizer.normalize_str("e\u0301") == "\u00e9"  # 3 bytes -> 2
+    assert nfkc.min_tokens("e\u0301") is None
+    split = pre_tokenizers.WhitespaceSplit()
+    spaces = variant(
+        lambda b: setattr(b, "pre_tokenizer", pre_tokenizers.Sequence([split, byte_level]))
+    )
+    assert spaces.min_tokens(" " * 1000) is None and spaces.encode(" " * 1000) == []
+    removing = pre_tokenizers.Split(Regex("#+"), behavior="removed")
+    hashes = variant(
+        lambda b: setattr(b, "pre_tokenizer", pre_tokenizers.Sequence([removing, byte_level]))
+    )
+    assert hashes.min_tokens("#" * 1000) is None and hashes.encode("#" * 1000) == []
+    mask = variant(lambda b: b.add_special_tokens([AddedToken("<mask>", lstrip=True)]))
+    assert mask.min_tokens(" " * 1000 + "<mask>") is None
+    assert len(mask.encode(" " * 1000 + "<mask>")) == 1

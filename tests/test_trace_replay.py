@@ -226,6 +226,81 @@ def test_stage_traces_replay_as_one(tmp_path):
     assert data["trace"] == [str(p) for p in paths] and data["results"][0]["misses"] == 4 * 12
 
 
+def _replay_app() -> typer.Typer:
+    from hisparse_cli.replay_cmd import register
+
+    app = typer.Typer()
+    register(app)
+
+    @app.command("noop")
+    def noop() -> None:  # a second command keeps "replay" a subcommand
+        pass
+
+    return app
+
+
+def _textbook_trace(path):
+    writer = TraceWriter(path, header())
+    for step, sel in enumerate(TEXTBOOK):
+        mask = torch.zeros(1, 2, 8, dtype=torch.bool)
+        mask[0, :, sel] = True
+        writer(fake_plan([0], [8], step), 0, pack_bits(mask))
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("damage", ["cut_off", "not_json", "not_a_record"])
+def test_replay_names_file_and_line_of_a_bad_record(tmp_path, damage):
+    """A record cut off mid-write (the run was killed), or any bad line, is reported as
+    file:line, as a clean error (exit 2)."""
+    path = _textbook_trace(tmp_path / "t.jsonl")
+    lines = path.read_text().splitlines()
+    if damage == "cut_off":
+        text = "\n".join(lines) + "\n" + lines[-1][: len(lines[-1]) // 2]
+        bad_line, phrase = len(lines) + 1, "cut off"
+    elif damage == "not_json":
+        text = "\n".join([*lines[:3], "{oops", *lines[3:]]) + "\n"
+        bad_line, phrase = 4, "not valid JSON"
+    else:
+        text = "\n".join([*lines[:5], '{"job": "doc", "seq": 0}', *lines[5:]]) + "\n"
+        bad_line, phrase = 6, "'step'"
+    path.write_text(text)
+    result = CliRunner().invoke(_replay_app(), ["replay", str(path)], catch_exceptions=False)
+    assert result.exit_code == 2
+    assert f"error: {path}:{bad_line}: " in result.output and phrase in result.output
+    with pytest.raises(ValueError, match=f"{path}:{bad_line}: "):
+        list(read_trace(path))
+
+
+def test_replay_names_a_cut_off_gzip_trace(tmp_path):
+    path = _textbook_trace(tmp_path / "t.jsonl.gz")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 20])  # the gzip stream ends early
+    result = CliRunner().invoke(_replay_app(), ["replay", str(path)], catch_exceptions=False)
+    assert result.exit_code == 2 and f"error: {path}:" in result.output
+
+
+@pytest.mark.parametrize(
+    "args, phrase",
+    [
+        (["--buffer-multiple", "0"], "--buffer-multiple"),
+        (["--buffer-multiple", "-1"], "--buffer-multiple"),
+        (["--buffer-multiple", "1,0"], "--buffer-multiple"),
+        (["--buffer-multiple", "nan"], "--buffer-multiple"),
+        (["--buffer-multiple", "inf"], "--buffer-multiple"),
+        (["--buffer-multiple", "two"], "--buffer-multiple"),
+        (["--device-buffer-pages", "0"], "--device-buffer-pages"),
+        (["--device-buffer-pages", "-3"], "--device-buffer-pages"),
+    ],
+)
+def test_replay_rejects_buffer_sizes_that_are_not_positive(tmp_path, args, phrase):
+    path = _textbook_trace(tmp_path / "t.jsonl")
+    app = _replay_app()
+    result = CliRunner().invoke(app, ["replay", str(path), *args], catch_exceptions=False)
+    assert result.exit_code == 2 and phrase in result.output
+    assert "belady" not in result.output  # nothing was replayed
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_lru_replay_equals_engine_counts(tmp_path, smollm2_gguf_path, corpus_dir):
     """A real-model run with --trace: LRU replay of the trace at the engine's
