@@ -277,6 +277,7 @@ class KVCache:
         self.write_stream: torch.cuda.Stream | None = None
         self.token_staging: torch.Tensor | None = None
         self._queued_writes: list = []
+        self._forked = False  # write_late put work on write_stream since the last join
         if pin and config.decode_write_stream:
             self.defer_decode_writes()
         self.closed = False
@@ -325,6 +326,7 @@ class KVCache:
             self._queued_writes.append(write)
             return
         self.write_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._forked = True
         with torch.cuda.stream(self.write_stream):
             write()
 
@@ -334,8 +336,11 @@ class KVCache:
         at the end of each decode step, so the next step's gathers, a prefill reusing a
         freed page and host reads after a device synchronisation all see the records;
         inside a captured step it is the join that ends the copy stream's fork."""
-        if self.write_stream is not None:
+        # Only after a fork: inside a graph capture, waiting on a stream that took no part
+        # in the capture would invalidate it (a step that wrote inline).
+        if self.write_stream is not None and self._forked:
             torch.cuda.current_stream(self.device).wait_stream(self.write_stream)
+            self._forked = False
         while self._queued_writes:
             self._queued_writes.pop(0)()
 

@@ -25,6 +25,7 @@ Compute formats (:func:`make_linear`):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,7 +133,8 @@ DEQUANT_MIN_ROWS = 64
 # dequant-matmul over the source blocks (kernels.int4_matmul.group_int4_linear): tinygemm's
 # time grows about linearly with the rows (H200, 4096 x 4096: 15 us at 8 rows, 43 us at 32;
 # the Triton kernel 18 and 23 us), see docs/performance.md, "W4A16 for decode batches".
-TRITON_MIN_ROWS = 16
+# HISPARSE_INT4_TRITON_MIN_ROWS overrides it (benchmarks: a large value keeps tinygemm).
+TRITON_MIN_ROWS = int(os.environ.get("HISPARSE_INT4_TRITON_MIN_ROWS", "16"))
 
 
 class Linear:

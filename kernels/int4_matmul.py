@@ -172,7 +172,7 @@ def _q4_linear_kernel(
     activations are loaded with the matching column order and two ``tl.dot`` run per tile.
     ``INTERLEAVED`` (the :class:`engine.quant.Int4Weight` layout): byte ``j`` holds
     elements ``2j`` (low) and ``2j + 1`` (high), one scale and minimum per ``GROUP``
-    elements, gathered per byte.
+    elements (``GROUP`` and ``BLOCK_K`` powers of two).
     """
     pid_mn = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -193,7 +193,7 @@ def _q4_linear_kernel(
         blk = kt * NB + offs_b  # [NB]
         byte_i = kt * HALF + offs_i  # [HALF]
         if INTERLEAVED:
-            blk_i = (2 * byte_i) // GROUP  # the byte's scale column
+            blk_i = byte_i  # (unused: scales are loaded per group below)
             mask_bi = byte_i < K // 2
         else:
             blk_i = kt * NB + offs_i // 16
@@ -208,39 +208,67 @@ def _q4_linear_kernel(
         mask_ni = mask_n[:, None] & mask_bi[None, :]
         d_rows = d_ptr + offs_n[:, None] * stride_d_n
         m_rows = m_ptr + offs_n[:, None] * stride_m_n
-        if GATHER_SCALES or INTERLEAVED:
-            # One scale per byte, gathered (the repeats hit L1): no register reshuffle.
-            scale = tl.load(d_rows + blk_i[None, :], mask=mask_ni, other=0.0).to(tl.float32)
-        else:
-            scale = tl.load(d_rows + blk[None, :], mask=mask_nb, other=0.0).to(tl.float32)
-            scale = tl.reshape(
-                tl.broadcast_to(scale[:, :, None], [BLOCK_N, NB, 16]), [BLOCK_N, HALF]
-            )
-        lo = (qb & 15).to(tl.float32)
-        hi = (qb >> 4).to(tl.float32)
-        if HAS_MIN:
-            if GATHER_SCALES or INTERLEAVED:
-                low = tl.load(m_rows + blk_i[None, :], mask=mask_ni, other=0.0).to(tl.float32)
-            else:
-                low = tl.load(m_rows + blk[None, :], mask=mask_nb, other=0.0).to(tl.float32)
-                low = tl.reshape(
-                    tl.broadcast_to(low[:, :, None], [BLOCK_N, NB, 16]), [BLOCK_N, HALF]
-                )
-            w_lo = lo * scale + low
-            w_hi = hi * scale + low
-        else:
-            w_lo = (lo - 8.0) * scale
-            w_hi = (hi - 8.0) * scale
         if INTERLEAVED:
-            k_lo = 2 * byte_i
-            k_hi = k_lo + 1
+            # Whole groups per tile (both powers of two): one scale per row, or NG per row
+            # broadcast over their GROUP / 2 bytes in registers.
+            if GROUP >= BLOCK_K:
+                col = (kt * BLOCK_K) // GROUP
+                mask_c = mask_n & ((offs_n * 0 + col) < K // GROUP)
+                scale = tl.load(d_ptr + offs_n * stride_d_n + col, mask=mask_c, other=0.0)
+                scale = scale.to(tl.float32)[:, None]
+                low = tl.load(m_ptr + offs_n * stride_m_n + col, mask=mask_c, other=0.0)
+                low = low.to(tl.float32)[:, None]
+            else:
+                NG: tl.constexpr = BLOCK_K // GROUP
+                cols = kt * NG + tl.arange(0, NG)
+                mask_c = mask_n[:, None] & (cols < K // GROUP)[None, :]
+                scale = tl.load(d_rows + cols[None, :], mask=mask_c, other=0.0).to(tl.float32)
+                scale = tl.reshape(
+                    tl.broadcast_to(scale[:, :, None], [BLOCK_N, NG, GROUP // 2]), [BLOCK_N, HALF]
+                )
+                low = tl.load(m_rows + cols[None, :], mask=mask_c, other=0.0).to(tl.float32)
+                low = tl.reshape(
+                    tl.broadcast_to(low[:, :, None], [BLOCK_N, NG, GROUP // 2]), [BLOCK_N, HALF]
+                )
+            w_lo = (qb & 15).to(tl.float32) * scale + low
+            w_hi = (qb >> 4).to(tl.float32) * scale + low
+            # Elements 2j and 2j + 1 of the tile: one contiguous load, split in registers.
+            offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+            x_tile = tl.load(
+                x_ptr + offs_m[:, None] * stride_x_m + offs_k[None, :],
+                mask=mask_m[:, None] & (offs_k < K)[None, :],
+                other=0.0,
+            )
+            x_lo, x_hi = tl.split(tl.reshape(x_tile, [BLOCK_M, HALF, 2]))
         else:
+            if GATHER_SCALES:
+                # One scale per byte, gathered (the repeats hit L1): no register reshuffle.
+                scale = tl.load(d_rows + blk_i[None, :], mask=mask_ni, other=0.0).to(tl.float32)
+            else:
+                scale = tl.load(d_rows + blk[None, :], mask=mask_nb, other=0.0).to(tl.float32)
+                scale = tl.reshape(
+                    tl.broadcast_to(scale[:, :, None], [BLOCK_N, NB, 16]), [BLOCK_N, HALF]
+                )
+            lo = (qb & 15).to(tl.float32)
+            hi = (qb >> 4).to(tl.float32)
+            if HAS_MIN:
+                if GATHER_SCALES:
+                    low = tl.load(m_rows + blk_i[None, :], mask=mask_ni, other=0.0).to(tl.float32)
+                else:
+                    low = tl.load(m_rows + blk[None, :], mask=mask_nb, other=0.0).to(tl.float32)
+                    low = tl.reshape(
+                        tl.broadcast_to(low[:, :, None], [BLOCK_N, NB, 16]), [BLOCK_N, HALF]
+                    )
+                w_lo = lo * scale + low
+                w_hi = hi * scale + low
+            else:
+                w_lo = (lo - 8.0) * scale
+                w_hi = (hi - 8.0) * scale
             k_lo = blk_i * 32 + offs_i % 16
-            k_hi = k_lo + 16
-        mask_x = mask_m[:, None] & mask_bi[None, :]
-        x_rows = x_ptr + offs_m[:, None] * stride_x_m
-        x_lo = tl.load(x_rows + k_lo[None, :], mask=mask_x, other=0.0)
-        x_hi = tl.load(x_rows + k_hi[None, :], mask=mask_x, other=0.0)
+            mask_x = mask_m[:, None] & mask_bi[None, :]
+            x_rows = x_ptr + offs_m[:, None] * stride_x_m
+            x_lo = tl.load(x_rows + k_lo[None, :], mask=mask_x, other=0.0)
+            x_hi = tl.load(x_rows + (k_lo + 16)[None, :], mask=mask_x, other=0.0)
         if FP32:
             acc += tl.dot(x_lo.to(tl.float32), tl.trans(w_lo), input_precision="ieee")
             acc += tl.dot(x_hi.to(tl.float32), tl.trans(w_hi), input_precision="ieee")
@@ -320,6 +348,10 @@ def _launch(x, qs, d, m, config, *, interleaved: bool, group: int) -> torch.Tens
     rows = x2.shape[0]
     cfg = config or q4_config(rows, n, k, x.device)
     require(cfg.block_k % 32 == 0, f"block_k={cfg.block_k} must be a multiple of 32")
+    require(
+        not interleaved or cfg.block_k & (cfg.block_k - 1) == 0,
+        f"block_k={cfg.block_k} must be a power of two for the interleaved layout",
+    )
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out.reshape(*x.shape[:-1], n)
@@ -397,8 +429,8 @@ def group_int4_linear(
     Parameters
     ----------
     x : ``[..., K]`` bf16/fp16/fp32, unit stride on ``K``
-    q : uint8 ``[N, K/2]``; scale, offset : float ``[N, K/g]``; group_size : g, even,
-        dividing ``K``
+    q : uint8 ``[N, K/2]``; scale, offset : float ``[N, K/g]``; group_size : g, a power of
+        two dividing ``K``
     config : tile shape; ``None`` uses :func:`q4_config`
 
     Returns
@@ -413,7 +445,10 @@ def group_int4_linear(
     check_tensor("q", q, 2, (torch.uint8,))
     n, k = q.shape[0], 2 * q.shape[1]
     g = group_size
-    require(g >= 2 and g % 2 == 0 and k % g == 0, f"group_size={g} must be even and divide K={k}")
+    require(
+        g >= 2 and g & (g - 1) == 0 and k % g == 0,
+        f"group_size={g} must be a power of two dividing K={k}",
+    )
     require(x.shape[-1] == k, f"x has K={x.shape[-1]}, weight K={k}")
     for name, t in (("scale", scale), ("offset", offset)):
         check_tensor(name, t, 2, FLOAT_DTYPES)
