@@ -12,10 +12,11 @@ Modes (:data:`MODES`), all built on ONE placed :class:`engine.model.LlamaModel`:
 * ``hierarchical`` — host pool + hot buffer (resolve, gather of misses);
 * ``noio`` — ``hierarchical`` with ``skip_host_io=True``: gathers skipped, output invalid;
   the throughput ceiling if all host IO were hidden;
-* ``inline`` (not in the default sweep) — ``hierarchical`` with
-  ``decode_write_stream=False``: the append kernel writes each new token to the host pool
-  on the compute stream instead of the copy stream; ``hierarchical`` vs ``inline`` is the
-  step time with and without the copy stream hiding the write-through.
+* ``copystream`` (not in the default sweep) — ``hierarchical`` with
+  ``decode_write_stream=True``: each new token reaches the host pool from a copy stream
+  instead of the append kernel on the compute stream (the default); ``copystream`` vs
+  ``hierarchical`` is the step time with and without the copy stream hiding the
+  write-through.
 
 Budget (:mod:`engine.budget`): every mode gets ``--memory-budget`` GiB; device-resident
 pools get what the planner's arithmetic leaves after weights, activations and reserve, so
@@ -102,7 +103,7 @@ from engine.planner import GIB, format_context
 from engine.profiling import PHASES, PhaseTimer, kernel_breakdown, timed_model, timed_ops
 from kernels.dispatch import Ops
 
-MODES = ("dense", "sparse", "hierarchical", "noio", "inline")
+MODES = ("dense", "sparse", "hierarchical", "noio", "copystream")
 DEFAULT_MODES = MODES[:4]
 PREFILL_METHODS = ("auto", "full", "window")
 # DESIGN.md, H200: device copy 4.23 TB/s (read + write) -> ~2.1 TB/s of reads; pinned
@@ -254,11 +255,11 @@ def mode_config(base: EngineConfig, mode: str) -> EngineConfig:
         "sparse": {"attention": "sparse", "hierarchical": False, "skip_host_io": False},
         "hierarchical": {"attention": "sparse", "hierarchical": True, "skip_host_io": False},
         "noio": {"attention": "sparse", "hierarchical": True, "skip_host_io": True},
-        "inline": {
+        "copystream": {
             "attention": "sparse",
             "hierarchical": True,
             "skip_host_io": False,
-            "decode_write_stream": False,
+            "decode_write_stream": True,
         },
     }[mode]
     return base.replace(**changes)
@@ -551,6 +552,8 @@ def build_mode_engine(
         shared.update(hier_cache=cache, hier_sizing=sizing, hier_batch=hcfg.max_batch)
     cache, sizing = shared["hier_cache"], shared["hier_sizing"]
     cfg = cfg.replace(max_batch=shared["hier_batch"])
+    if cfg.decode_write_stream and cache.pinned and not cache.deferred_writes:
+        cache.defer_decode_writes()  # engines of the other modes still write inline
     engine = Engine(model, tokenizer, cfg, ops, context, cache=cache)
     by_pool = cache.num_pool_pages // pages_per_job
     by_device = (sizing.room_bytes - sizing.num_pool_pages * sizing.meta_page_bytes) // max(

@@ -19,7 +19,7 @@ Compute formats (:func:`make_linear`):
 * ``int4``: torch's own int4 kernels (``aten._weight_int4pack_mm`` on CUDA,
   ``aten._weight_int4pack_mm_for_cpu`` on CPU) with ``scales_and_zeros[K/g, N, 2]`` where
   ``W = (q - 8) * scale + zero``, i.e. ``zero = offset + 8 * scale``; on CUDA, decode
-  batches of 16-63 rows use a Triton dequant-matmul and prefill a dense GEMM
+  batches of 8-63 rows use a Triton dequant-matmul and prefill a dense GEMM
   (:class:`Int4Linear`).
 """
 
@@ -130,11 +130,13 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 128) -> Int4Weight:
 
 DEQUANT_MIN_ROWS = 64
 # Decode batches of TRITON_MIN_ROWS..DEQUANT_MIN_ROWS-1 rows on CUDA run the Triton
-# dequant-matmul over the source blocks (kernels.int4_matmul.group_int4_linear): tinygemm's
-# time grows about linearly with the rows (H200, 4096 x 4096: 15 us at 8 rows, 43 us at 32;
-# the Triton kernel 18 and 23 us), see docs/performance.md, "W4A16 for decode batches".
-# HISPARSE_INT4_TRITON_MIN_ROWS overrides it (benchmarks: a large value keeps tinygemm).
-TRITON_MIN_ROWS = int(os.environ.get("HISPARSE_INT4_TRITON_MIN_ROWS", "16"))
+# dequant-matmul over the source weight (kernels.int4_matmul.group_int4_linear): tinygemm's
+# time grows about linearly with the rows, the Triton kernel's barely (H200, a qwen2.5-7b
+# layer's four linears, mean us per linear: tinygemm 20.7 / 45.4 / 74.6 / 135.7 at 1 / 8 /
+# 16 / 32 rows, Triton 34.2 / 33.9 / 36.7 / 41.2; llama3.1-8b alike; crossover at 8 rows:
+# scripts/bench_kernels.py --sections int4_decode, docs/performance.md "W4A16 for decode
+# batches"). HISPARSE_INT4_TRITON_MIN_ROWS overrides it (a large value keeps tinygemm).
+TRITON_MIN_ROWS = int(os.environ.get("HISPARSE_INT4_TRITON_MIN_ROWS", "8"))
 
 
 class Linear:

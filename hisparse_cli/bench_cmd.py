@@ -37,8 +37,8 @@ ConcurrencyOpt = Annotated[
 ModesOpt = Annotated[
     str,
     typer.Option(
-        help="dense, sparse, hierarchical, noio, inline (hierarchical with the decode "
-        "write-through on the compute stream) — comma list.",
+        help="dense, sparse, hierarchical, noio, copystream (hierarchical with the decode "
+        "write-through on a copy stream) — comma list.",
         rich_help_panel=BENCH,
     ),
 ]

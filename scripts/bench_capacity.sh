@@ -19,8 +19,8 @@
 #            host pool holds (40 GiB of bf16 KV each); the planner's answer is printed.
 #   quick    qwen2.5-7b, 32K and 128K, concurrency 1, 4, 8 (a smoke run, ~3 min).
 #   overlap  qwen2.5-7b, 128K, concurrency 1, 4, 8: the hierarchy with the decode
-#            write-through on the copy stream (hierarchical) and on the compute stream
-#            (inline), and the no-IO oracle; 64 timed steps per run.
+#            write-through on the compute stream (hierarchical, the default) and on a
+#            copy stream (copystream), and the no-IO oracle; 64 timed steps per run.
 # MODES overrides the modes of any scenario (comma list, see `hisparse bench --help`).
 # Files back: bench.json, bench.log, gpu.txt and the PNG plots.
 #
@@ -69,7 +69,7 @@ case "$SCENARIO" in
     MODEL=synthetic:qwen2.5-7b; CONTEXTS="${CONTEXTS:-32K,128K}"; LEVELS="${LEVELS:-1,4,8}" ;;
   overlap)
     MODEL=synthetic:qwen2.5-7b; CONTEXTS="${CONTEXTS:-128K}"; LEVELS="${LEVELS:-1,4,8}"
-    MODES="${MODES:-hierarchical,inline,noio}"; STEPS="${STEPS:-64}" ;;
+    MODES="${MODES:-hierarchical,copystream,noio}"; STEPS="${STEPS:-64}" ;;
   *) echo "unknown scenario $SCENARIO (qwen, llama31, seed, quick, overlap, prep)" >&2; exit 2 ;;
 esac
 

@@ -145,7 +145,7 @@ def test_hierarchy_is_exact_and_misses(cli_report):
     for c in (1, 2):
         hier, sparse = by[("hierarchical", c)], by[("sparse", c)]
         assert hier["token_sha256"] == sparse["token_sha256"]
-        assert by[("inline", c)]["token_sha256"] == hier["token_sha256"]
+        assert by[("copystream", c)]["token_sha256"] == hier["token_sha256"]
         assert hier["misses"] > 0 and 0 < hier["hit_rate"] < 1
         assert hier["h2d_bytes"] > 0 and by[("noio", c)]["h2d_bytes"] == 0
         assert by[("noio", c)]["misses"] > 0

@@ -61,8 +61,8 @@ MODES = {
     "hierarchical-two-streams": dict(
         attention="sparse", top_k=128, device_buffer=160, local_window=32, decode_overlap=True
     ),
-    "hierarchical-pool-writes-on-compute-stream": dict(
-        attention="sparse", top_k=128, device_buffer=160, local_window=32, decode_write_stream=False
+    "hierarchical-copy-stream-writes": dict(
+        attention="sparse", top_k=128, device_buffer=160, local_window=32, decode_write_stream=True
     ),
     "sparse-resident": dict(attention="sparse", hierarchical=False, top_k=128),
     "dense": dict(attention="dense"),
@@ -112,8 +112,8 @@ def test_graph_replay_equals_eager(model, mode):
 
 
 def test_decode_write_stream_changes_nothing(model):
-    """Decode write-through on the copy stream (the default with a pinned pool) vs the
-    append kernel writing the pool on the compute stream, both replayed from graphs: the
+    """Decode write-through on a copy stream (``decode_write_stream``) vs the append kernel
+    writing the pool on the compute stream (the default), both replayed from graphs: the
     same tokens and logits every step, and bit-identical pool records at the end."""
     hier = MODES["hierarchical"]
     runs = {}

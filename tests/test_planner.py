@@ -72,17 +72,17 @@ def test_job_device_bytes_is_hot_slabs_plus_metadata():
     slabs = 40 * 8 * config.device_buffer_tokens * 128 * 2 * 2
     metadata = (K256 // 64) * 40 * 8 * 2 * 128 * 2
     assert metadata == 40 * GIB // 64
+    assert job_device_bytes(LLAMA13, config, K256) == slabs + metadata
     staging = 40 * 8 * 2 * 128 * 2  # one token's row for the decode write-through
-    assert job_device_bytes(LLAMA13, config, K256) == slabs + metadata + staging
-    inline = config.replace(decode_write_stream=False)
-    assert job_device_bytes(LLAMA13, inline, K256) == slabs + metadata
+    late = config.replace(decode_write_stream=True)
+    assert job_device_bytes(LLAMA13, late, K256) == slabs + metadata + staging
 
 
 def test_short_job_claims_only_its_pages_of_hot_buffer():
     config, _ = _preset("dual4090")
     per_token = 40 * 8 * 128 * 2 * 2
-    # 16 pages of 64 tokens in the hot buffer, their metadata, one staging row
-    assert job_device_bytes(LLAMA13, config, 1000) == 16 * 64 * per_token * (1 + 1 / 64) + per_token
+    # 16 pages of 64 tokens in the hot buffer and their metadata
+    assert job_device_bytes(LLAMA13, config, 1000) == 16 * 64 * per_token * (1 + 1 / 64)
 
 
 def test_dual4090_8x256k_13b_fits_and_host_memory_binds():
