@@ -56,21 +56,6 @@ def _engine(model, cuda_graph: bool, **kw):
     return eng
 
 
-def _step_all_and_compare(runs: dict, step: int) -> None:
-    """One decode step of every ``name -> (engine, requests)`` in ``runs`` (greedy tokens
-    appended); all engines' tokens and logits must be equal."""
-    out = {}
-    for name, (eng, reqs) in runs.items():
-        out[name] = eng.decode_step(reqs)
-        for r, t in zip(reqs, out[name], strict=True):
-            r.generated.append(t)
-    first, *others = runs
-    for name in others:
-        assert out[first] == out[name], f"tokens differ at step {step}: {first} vs {name}"
-        for a, b in zip(runs[first][1], runs[name][1], strict=True):
-            assert torch.equal(a.logits, b.logits), f"logits differ at step {step}: {first} vs {name}"
-
-
 MODES = {
     "hierarchical": dict(attention="sparse", top_k=128, device_buffer=160, local_window=32),
     "hierarchical-two-streams": dict(
@@ -108,7 +93,14 @@ def test_graph_replay_equals_eager(model, mode):
         if step == 15:  # a job leaves: a new batch size, a new graph
             for eng, reqs in runs.values():
                 eng.close_request(reqs.pop(1))
-        _step_all_and_compare(runs, step)
+        out = {}
+        for name, (eng, reqs) in runs.items():
+            out[name] = eng.decode_step(reqs)
+            for r, t in zip(reqs, out[name], strict=True):
+                r.generated.append(t)
+        assert out["eager"] == out["graph"], f"tokens differ at step {step}"
+        for a, b in zip(runs["eager"][1], runs["graph"][1], strict=True):
+            assert torch.equal(a.logits, b.logits), f"logits differ at step {step}"
         if eager.cache.hierarchical:
             assert torch.equal(eager.attn.hits, graph.attn.hits), f"hits differ at step {step}"
             assert torch.equal(eager.attn.misses, graph.attn.misses), f"step {step}"
@@ -139,7 +131,14 @@ def test_decode_write_stream_changes_nothing(model):
             reqs.append(r)
         runs[name] = (eng, reqs)
     for step in range(40):
-        _step_all_and_compare(runs, step)
+        out = {}
+        for name, (eng, reqs) in runs.items():
+            out[name] = eng.decode_step(reqs)
+            for r, t in zip(reqs, out[name], strict=True):
+                r.generated.append(t)
+        assert out["stream"] == out["inline"], f"tokens differ at step {step}"
+        for a, b in zip(runs["stream"][1], runs["inline"][1], strict=True):
+            assert torch.equal(a.logits, b.logits), f"logits differ at step {step}"
     for eng, _ in runs.values():  # every step replayed a graph (no capture was refused)
         assert eng.graphs is not None and not eng.graphs.disabled_reason
         assert eng.graphs.replays == 39
