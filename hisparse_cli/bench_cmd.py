@@ -34,6 +34,14 @@ ContextsOpt = Annotated[
 ConcurrencyOpt = Annotated[
     str, typer.Option(help="Concurrent jobs, ascending: 1,2,4,8.", rich_help_panel=BENCH)
 ]
+BudgetOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--memory-budget",
+        help="Required: device memory per GPU for every mode, GiB (the dual 4090: 48).",
+        rich_help_panel=BENCH,
+    ),
+]
 ModesOpt = Annotated[
     str,
     typer.Option(
@@ -134,7 +142,7 @@ def register(app: typer.Typer) -> None:
 def bench_command(
     out: OutOpt = Path("bench-out"),
     model: ModelOpt = "synthetic:qwen2.5-7b",
-    memory_budget: opt.MemoryBudget = None,
+    memory_budget: BudgetOpt = None,
     contexts: ContextsOpt = "32K,128K",
     concurrency: ConcurrencyOpt = "1,2,4,8",
     modes: ModesOpt = "dense,sparse,hierarchical,noio",
@@ -180,8 +188,16 @@ def bench_command(
         typer.echo(f"wrote {bench_kv.write_corpus_tokens(write_corpus_tokens)}")
         return
     if replot:
-        typer.echo(f"plots: {', '.join(bench_report.replot(out)) or 'none'}")
+        try:
+            plots = bench_report.replot(out)
+        except (OSError, ValueError) as exc:  # no bench.json, or a cut/corrupt one
+            typer.echo(f"error: cannot replot {out / bench_report.REPORT_FILE}: {exc}", err=True)
+            raise typer.Exit(EXIT_USAGE) from None
+        typer.echo(f"plots: {', '.join(plots) or 'none'}")
         return
+    if memory_budget is None:
+        typer.echo("error: --memory-budget is required (GiB per device, every mode)", err=True)
+        raise typer.Exit(EXIT_USAGE)
     overrides = {
         "memory_budget_gb": memory_budget,
         "device": device,
@@ -218,6 +234,10 @@ def bench_command(
             corpus_tokens=corpus_tokens,
         )
         spec.validate()
+        if model.startswith("synthetic:"):
+            from engine.synthetic import synthetic_shape
+
+            synthetic_shape(model)  # an unknown name raises ValueError listing the known ones
     except (ConfigError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
 import signal
 import threading
 import time
@@ -216,6 +217,7 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
     if not request.print_config:  # --print-config may show another machine's config
         check_device_names(config)
         check_devices(config, request.preset, manifest.engine, request.engine_overrides)
+        check_trace_path(config)
     return manifest, config
 
 
@@ -354,6 +356,24 @@ def check_request(request: RunRequest) -> None:
         raise UsageError(f"unknown --encoding {request.encoding!r}") from None
     if request.output_dir.exists() and not request.output_dir.is_dir():
         raise UsageError(f"--output-dir {request.output_dir} exists and is not a directory")
+    if request.output_dir.is_dir() and not os.access(request.output_dir, os.W_OK | os.X_OK):
+        raise UsageError(f"--output-dir {request.output_dir} is not writable")
+
+
+def check_trace_path(config: EngineConfig) -> None:
+    """Raise :class:`UsageError` when the ``--trace`` file (``extra.trace_path``; several
+    workers write ``STEM.wN.jsonl`` beside it) cannot be written, before the model loads."""
+    trace = config.extra.get("trace_path")
+    if not trace:
+        return
+    path = Path(trace)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise UsageError(f"--trace {trace} is a directory; give a file name")
+    if not parent.is_dir():
+        raise UsageError(f"--trace {trace}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"--trace {trace}: not writable")
 
 
 def _usage_failure(err_console: Console, headline: str, problems: list) -> int:
@@ -443,6 +463,10 @@ class BatchRun:
         except OSError as exc:
             return _usage_failure(
                 self.err_console, f"error: cannot create output dir {self.output_dir}: {exc}", []
+            )
+        if not os.access(self.output_dir, os.W_OK | os.X_OK):  # e.g. a read-only file system
+            return _usage_failure(
+                self.err_console, f"error: output dir {self.output_dir} is not writable", []
             )
         try:
             with self.sigterm, lock_output_dir(self.output_dir):

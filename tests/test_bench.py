@@ -315,6 +315,14 @@ def test_bad_arguments_exit_2(tmp_path):
         ],
     )
     assert result.exit_code == 2 and "modes" in result.output
+    base = ["bench", "--out", str(tmp_path), "--preset", "cpu", "--memory-budget", "2"]
+    result = CliRunner().invoke(app, [*base, "--model", "synthetic:gpt5"])
+    assert result.exit_code == 2 and "unknown synthetic model" in result.output
+    result = CliRunner().invoke(app, ["bench", "--out", str(tmp_path / "none"), "--replot"])
+    assert result.exit_code == 2 and "cannot replot" in result.output
+    (tmp_path / "bench.json").write_text('{"runs": [')  # cut off
+    result = CliRunner().invoke(app, ["bench", "--out", str(tmp_path), "--replot"])
+    assert result.exit_code == 2 and "cannot replot" in result.output
 
 
 def test_pretokenized_corpus_needs_no_tokenizer(tmp_path, tiny, corpus_dir):

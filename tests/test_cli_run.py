@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -254,6 +255,8 @@ def test_engine_setting_problems_are_reported_together_where_they_were_set(cli, 
         (["docs/alpha.txt", "--model", "missing.gguf"], "model not found"),
         (["docs/missing.txt"], "file not found"),
         (["docs/alpha.txt", "--task", "answer"], "--question"),
+        (["docs/alpha.txt", "--trace", "nowhere/sel.jsonl"], "folder nowhere does not exist"),
+        (["docs/alpha.txt", "--trace", "docs"], "is a directory"),
     ],
 )
 def test_usage_errors_exit_2(cli, docs, args, phrase):
@@ -674,3 +677,20 @@ def test_threads_flag_sets_num_threads(cli, docs, monkeypatch):
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["engine"]["num_threads"] == 1
     assert cli("docs/alpha.txt", "--threads", "0", "--print-config").exit_code == 2
+
+
+def test_unwritable_output_dir_exits_2_before_loading(cli, docs, tmp_path, monkeypatch):
+    """A folder that exists but cannot be written (e.g. a read-only file system; root
+    ignores permission bits, so the check is os.access) is a usage error, not a traceback."""
+    out = tmp_path / "ro"
+    out.mkdir()
+    real_access = runner_module.os.access
+    def access(path, mode):
+        if Path(path) == Path("ro") and mode & os.W_OK:
+            return False
+        return real_access(path, mode)
+
+    monkeypatch.setattr(runner_module.os, "access", access)
+    result = cli("docs/alpha.txt", "--output-dir", "ro")
+    assert result.exit_code == 2 and "ro is not writable" in result.stderr
+    assert cli.factory.engines == [] and not (out / "results.jsonl").exists()

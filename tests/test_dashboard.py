@@ -97,6 +97,14 @@ def test_tracker_rates():
     assert job_eta_s(state.jobs["alpha"], now) == pytest.approx(90 / (10 / 5.5))
 
 
+def test_run_decode_rate_counts_decode_steps_not_prefills_between_them():
+    """A long prefill between two decode steps does not dilute the run's decode rate."""
+    tracker = scripted_tracker()
+    tracker.update(PrefillProgress(109.0, "alpha", 5, 10, 500))  # then 30 s of prefill
+    tracker.update(DecodeStep(139.0, 11, 1, 0.5, {"alpha": 12}, {"alpha": 101}))
+    assert decode_tok_s_run(tracker.state, 139.0) == pytest.approx(11 / 5.5)
+
+
 def test_prefill_rate_uses_share_of_prompt():
     tracker = ProgressTracker(started_t=0.0)
     tracker.update(JobAdmitted(0.0, "a", 1000))
