@@ -108,6 +108,11 @@ def context_limit_and_rope(cfg: ModelConfig, config: EngineConfig) -> tuple[int,
     ``refuse`` and ``truncate`` keep the trained context (``max_context`` may lower it);
     ``extend`` raises it to ``max_context`` (default 4x trained) with ``extend_method``
     scaling of factor ``max_context / trained`` (quality not guaranteed past training).
+
+    Raises
+    ------
+    ConfigError
+        ``max_context`` above the trained context without ``extend`` (it would be ignored).
     """
     trained = cfg.max_position
     scaling = cfg.rope_scaling
@@ -118,7 +123,13 @@ def context_limit_and_rope(cfg: ModelConfig, config: EngineConfig) -> tuple[int,
         if factor > 1 and scaling is None:
             scaling = RopeScaling(kind=config.extend_method, factor=factor, original_max_position=trained)
     elif config.max_context:
-        limit = min(config.max_context, trained)
+        if config.max_context > trained:
+            raise ConfigError(
+                f"max_context={config.max_context} is above the model's trained context of "
+                f"{trained} tokens; only context_policy extend goes past it "
+                f"(--context-policy extend), {config.context_policy!r} can only lower the limit"
+            )
+        limit = config.max_context
     return limit, Rope(cfg.head_dim, cfg.rope_theta, scaling)
 
 

@@ -156,3 +156,20 @@ def test_context_advice_follows_the_policy():
     extend = _tiny_engine(context_policy="extend")
     msg = extend._check_job(job)
     assert "raise --max-context to at least 3008" in msg and "policy extend" not in msg
+
+
+def test_max_context_above_training_needs_extend():
+    """Under refuse and truncate, max_context can only lower the trained context; a value
+    above it used to be silently ignored and is now a ConfigError (exit 2 in the CLI)."""
+    from engine.api import context_limit_and_rope
+    from engine.config import ConfigError, EngineConfig
+
+    cfg = syn.synthetic_shape("tiny")
+    trained = cfg.max_position
+    for policy in ("refuse", "truncate"):
+        limit, _ = context_limit_and_rope(cfg, EngineConfig(context_policy=policy, max_context=trained // 2))
+        assert limit == trained // 2
+        with pytest.raises(ConfigError, match="only context_policy extend goes past it"):
+            context_limit_and_rope(cfg, EngineConfig(context_policy=policy, max_context=2 * trained))
+    limit, _ = context_limit_and_rope(cfg, EngineConfig(context_policy="extend", max_context=2 * trained))
+    assert limit == 2 * trained
