@@ -73,10 +73,19 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
 class ManifestError(Exception):
-    """The jobs cannot run as given; ``problems`` lists every finding."""
+    """The jobs cannot run as given; ``problems`` lists every finding. ``engine`` and
+    ``engine_origin`` are the manifest's valid ``defaults.engine`` settings and where they
+    were read, so the caller can add the problems of the combined engine settings."""
 
-    def __init__(self, problems: Sequence[Problem]) -> None:
+    def __init__(
+        self,
+        problems: Sequence[Problem],
+        engine: dict[str, Any] | None = None,
+        engine_origin: Entry | None = None,
+    ) -> None:
         self.problems = list(problems)
+        self.engine = engine or {}
+        self.engine_origin = engine_origin
         super().__init__("\n".join(str(p) for p in self.problems))
 
 
@@ -181,7 +190,7 @@ def _build(raw: RawManifest, base: Path, overrides: Mapping[str, Any] | None) ->
     ]
     _check_unique(specs, merged, problems)
     if problems:
-        raise ManifestError(list(dict.fromkeys(problems)))
+        raise ManifestError(list(dict.fromkeys(problems)), engine, raw.engine)
     return Manifest(tuple(s for s in specs if s is not None), engine, raw.engine)
 
 

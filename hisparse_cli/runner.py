@@ -204,7 +204,18 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
     """
     check_request(request)
     if request.manifest is not None:
-        manifest = load_manifest(request.manifest, request.job_overrides)
+        try:
+            manifest = load_manifest(request.manifest, request.job_overrides)
+        except ManifestError as exc:  # add the combined engine settings' problems, if any
+            try:
+                resolve_engine_config(
+                    request.preset, exc.engine, request.engine_overrides, exc.engine_origin
+                )
+            except SettingsError as settings_exc:
+                exc.problems.extend(settings_exc.problems)
+            except ConfigError:
+                pass  # an unknown setting: already among the manifest's problems
+            raise
     elif request.docs:
         manifest = jobs_from_paths(request.docs, request.job_overrides)
     else:

@@ -244,6 +244,33 @@ def test_engine_setting_problems_are_reported_together_where_they_were_set(cli, 
     assert not (tmp_path / "hisparse-out").exists() and cli.factory.engines == []
 
 
+def test_job_and_engine_setting_problems_come_in_one_report(cli, docs, tmp_path):
+    """A bad job and settings that clash once combined are listed in the same report (the
+    clash used to appear only after the job problems were fixed)."""
+    (tmp_path / "jobs.yaml").write_text(
+        textwrap.dedent(
+            """
+            defaults:
+              engine:
+                device_buffer: 512
+            jobs:
+              - {input: docs/alpha.txt}
+              - {input: docs/missing.txt}
+            """
+        ).lstrip()
+    )
+    result = cli("--manifest", "jobs.yaml")  # the default top_k (2048) needs 128 pages
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert lines[0] == "2 problem(s) in the jobs; nothing was run:"
+    assert any("jobs.yaml:6" in line and "missing.txt" in line for line in lines[1:])
+    assert any(
+        line.startswith("  jobs.yaml:3: defaults.engine.device_buffer: ") and "must be >= top_k" in line
+        for line in lines[1:]
+    ), lines
+    assert cli.factory.engines == []
+
+
 @pytest.mark.parametrize(
     "args, phrase",
     [
