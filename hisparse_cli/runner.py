@@ -232,6 +232,13 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
     return manifest, config
 
 
+KEPT_WORDS = {
+    "head": "kept the head",
+    "tail": "kept the tail",
+    "middle": "kept both ends, cut the middle",
+}
+"""How the truncation warning says which part of a cut document was kept."""
+
 POLICY_FLAGS = {"truncate_keep": "truncate", "extend_method": "extend"}
 """Engine settings that only a context policy uses: setting -> that policy."""
 
@@ -644,7 +651,7 @@ class BatchRun:
                 self.records[spec.id]["truncated"] = cut.to_dict()
                 self.reporter.note(
                     f"{spec.id}: document cut by {cut.dropped_tokens} tokens "
-                    f"(kept: {cut.keep}) to fit {limit} prompt tokens",
+                    f"({KEPT_WORDS[cut.keep]}) to fit {limit} prompt tokens",
                     "warning",
                 )
         return tuple(render(document))

@@ -414,7 +414,7 @@ def test_truncate_keep_flag_reaches_the_prompt_cut(cli, docs, tmp_path):
         engine=engine,
     )
     assert result.exit_code == 0, result.output
-    assert "(kept: tail)" in result.stdout
+    assert "(kept the tail)" in result.stdout
     (job,) = engine.engines[0].seen
     assert len(job.prompt_ids) <= 200 - 4
 
@@ -432,7 +432,8 @@ def test_truncated_jobs_say_so_in_results(cli, docs, tmp_path, keep):
     cut = records["long"]["truncated"]
     assert cut["keep"] == keep and cut["original_tokens"] == 400  # one token per word
     assert 0 < cut["kept_tokens"] < 400
-    assert f"cut by {400 - cut['kept_tokens']} tokens (kept: {keep})" in result.stdout
+    words = {"head": "kept the head", "tail": "kept the tail", "middle": "kept both ends, cut the middle"}
+    assert f"cut by {400 - cut['kept_tokens']} tokens ({words[keep]})" in result.stdout
     assert records["long"]["prompt_tokens"] <= 200 - 4
     assert records["alpha"]["truncated"] is None
 
