@@ -235,7 +235,13 @@ class EngineConfig:
                     f"{self.buffer_pages} pages but one step may select "
                     f"{self.max_selected_pages} pages (top_k={self.top_k}, "
                     f"sink_tokens={self.sink_tokens}, local_window={self.local_window}, "
-                    f"page_size={self.page_size}); device_buffer must be >= top_k",
+                    f"page_size={self.page_size}); raise device_buffer to at least "
+                    f"{self.max_selected_pages * self.page_size} tokens"
+                    + (
+                        " or lower sink_tokens/local_window"
+                        if self.sink_pages + self.window_pages > self.top_k_pages
+                        else " (>= top_k)"
+                    ),
                 )
             )
         return found

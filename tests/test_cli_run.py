@@ -240,7 +240,7 @@ def test_engine_setting_problems_are_reported_together_where_they_were_set(cli, 
         line for line in lines if line.startswith("  jobs.yaml:4: defaults.engine.device_buffer: ")
     ]
     assert len(located) == 2
-    assert "not a multiple of page_size=16" in located[0] and "must be >= top_k" in located[1]
+    assert "not a multiple of page_size=16" in located[0] and "raise device_buffer to at least" in located[1]
     assert not (tmp_path / "hisparse-out").exists() and cli.factory.engines == []
 
 
@@ -265,7 +265,7 @@ def test_job_and_engine_setting_problems_come_in_one_report(cli, docs, tmp_path)
     assert lines[0] == "2 problem(s) in the jobs; nothing was run:"
     assert any("jobs.yaml:6" in line and "missing.txt" in line for line in lines[1:])
     assert any(
-        line.startswith("  jobs.yaml:3: defaults.engine.device_buffer: ") and "must be >= top_k" in line
+        line.startswith("  jobs.yaml:3: defaults.engine.device_buffer: ") and "raise device_buffer to at least 2048 tokens (>= top_k)" in line
         for line in lines[1:]
     ), lines
     assert cli.factory.engines == []

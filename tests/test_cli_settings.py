@@ -47,7 +47,7 @@ def test_every_problem_is_placed_at_the_highest_layer_that_set_it(monkeypatch):
     with pytest.raises(settings.SettingsError) as info:
         settings.resolve_engine_config("x", {"local_window": 64}, {"top_k": 8192})
     (problem,) = info.value.problems
-    assert problem.field == "--top-k-tokens" and "device_buffer must be >= top_k" in problem.message
+    assert problem.field == "--top-k-tokens" and "raise device_buffer to at least" in problem.message
     with pytest.raises(settings.SettingsError) as info:
         settings.resolve_engine_config("x", {"top_k": 8192})
     (problem,) = info.value.problems
@@ -83,3 +83,15 @@ def test_save_config_writes_json(tmp_path, monkeypatch):
     config = settings.resolve_engine_config("cpu")
     path = settings.save_config(tmp_path, settings.config_document(config, "cpu", None))
     assert json.loads(path.read_text())["engine"]["top_k"] == config.top_k
+
+
+def test_buffer_advice_names_the_window_when_it_dominates():
+    """When sink + window pages exceed top_k, the advice is to shrink them or grow the
+    buffer, not the misleading 'device_buffer must be >= top_k'."""
+    from engine.config import EngineConfig
+
+    (problem,) = EngineConfig(local_window=100_000).problems()
+    assert "raise device_buffer to at least" in problem.message
+    assert "or lower sink_tokens/local_window" in problem.message and ">= top_k" not in problem.message
+    (problem,) = EngineConfig(top_k=8192, device_buffer=4096).problems()
+    assert "(>= top_k)" in problem.message
