@@ -316,12 +316,17 @@ def test_print_config_precedence(cli, docs, tmp_path, monkeypatch):
     assert not (tmp_path / "hisparse-out").exists()
 
 
-def test_truncate_keep_and_extend_method_flags_follow_precedence(cli, docs, tmp_path, monkeypatch):
+@pytest.fixture
+def policy_preset(monkeypatch):
+    """A preset that sets truncate_keep and extend_method (as defaults)."""
     monkeypatch.setattr(
         settings,
         "preset_overrides",
         lambda name: {"truncate_keep": "tail", "extend_method": "linear"},
     )
+
+
+def test_truncate_keep_and_extend_method_flags_follow_precedence(cli, docs, tmp_path, policy_preset):
     (tmp_path / "jobs.yaml").write_text(
         "defaults:\n  engine: {truncate_keep: middle}\njobs:\n  - {input: docs/alpha.txt}\n"
     )
@@ -374,13 +379,8 @@ def test_policy_flag_without_its_policy_exits_2(cli, docs, tmp_path, args, flag,
 
 
 def test_policy_keys_from_a_preset_or_manifest_are_defaults_not_errors(
-    cli, docs, tmp_path, monkeypatch
+    cli, docs, tmp_path, policy_preset, monkeypatch
 ):
-    monkeypatch.setattr(
-        settings,
-        "preset_overrides",
-        lambda name: {"truncate_keep": "tail", "extend_method": "linear"},
-    )
     (tmp_path / "jobs.yaml").write_text(
         "defaults:\n  engine: {context_policy: truncate}\njobs:\n  - {input: docs/alpha.txt}\n"
     )

@@ -154,13 +154,7 @@ def test_pages_from_words_matches_unpack():
 def test_replay_command(tmp_path):
     from hisparse_cli.replay_cmd import register
 
-    path = tmp_path / "t.jsonl"
-    writer = TraceWriter(path, header())
-    for step, sel in enumerate(TEXTBOOK):
-        mask = torch.zeros(1, 2, 8, dtype=torch.bool)
-        mask[0, :, sel] = True
-        writer(fake_plan([0], [8], step), 0, pack_bits(mask))
-    writer.close()
+    path = _textbook_trace(tmp_path / "t.jsonl")
     app = typer.Typer()
     register(app)
 
