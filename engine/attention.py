@@ -58,14 +58,27 @@ class DecodeAttention:
     """Runs decode attention for a batch; owns no state beyond the :class:`KVCache`.
 
     Write-through of the new token (DESIGN.md: the pool stays complete): with the cache's
-    decode copy stream (``KVCache.write_stream``, a pinned host pool on CUDA and
+    copy stream (``KVCache.late_stream``, a pinned host pool on CUDA and
     ``decode_write_stream``) a layer appends in three launches — metadata and a device
     staging row on the compute stream; the host-pool write on the copy stream, overlapping
     the rest of the step; the resident tail slot on the compute stream after the gather
     (a tail page the gather loaded before the host write landed gets the token there).
-    :meth:`KVCache.join_decode_writes` ends the step. Without deferred writes
+    :meth:`KVCache.join_late` ends the step. Without deferred writes
     (``KVCache.deferred_writes``), and for the ``oracle`` indexer (which reads the pool in
     the same layer), one launch writes all.
+
+    Prefetch (``prefetch_pages`` = m > 0, hierarchical): after a layer's attention, the
+    same layer's indexer scores rank ``K_max + m`` pages (:meth:`prefetch`); a second
+    resolve of that wider selection with the same step stamp finds the ``K_max``
+    selected pages resident (hits: no eviction can touch them) and loads the near misses
+    that are not, evicting only least-recently-used slots outside the wider selection.
+    Nothing else reads or writes this layer's hot buffer until the next step's same
+    layer, so on CUDA the whole prefetch runs on the copy stream beside the following
+    layers; the join at the step's end orders it before the next step. Attention always
+    reads the records of the top-``K_max`` selection, from whichever slots hold them, so
+    outputs are bit-identical with and without prefetch; only where records come from
+    changes (fewer misses on the next step if the ranking holds, more host traffic if
+    not). :attr:`prefetched` counts the records loaded this way.
 
     Parameters
     ----------
@@ -84,6 +97,16 @@ class DecodeAttention:
         self.k_max = config.max_selected_pages
         self.hits: torch.Tensor | None = None
         self.misses: torch.Tensor | None = None
+        self.prefetch_pages = (
+            config.prefetch_pages
+            if cache.hierarchical and config.attention == "sparse" and config.indexer != "dense"
+            else 0
+        )
+        # Records loaded by prefetch since the engine started (int64 scalar, on the device;
+        # a fixed buffer so a captured step adds to it on every replay).
+        self.prefetched = torch.zeros((), dtype=torch.int64, device=cache.device)
+        if self.prefetch_pages:
+            cache.enable_late_stream()
 
     def plan(
         self, seq_ids: list[int], seq_lens: list[int], step: int, width: int | None = None
@@ -139,7 +162,8 @@ class DecodeAttention:
             return self.ops.dense_decode_attention(
                 q, c.pool[layer], plan.block_table, plan.seq_lens, self.scale
             )
-        selection = self.select(plan, layer, q)
+        scores = self.scores(plan, layer, q)
+        selection = self.select(plan, layer, q, scores)
         if self.tracer is not None:
             self.tracer(plan, layer + c.layer_offset, selection)  # the model's layer index
         if not hier:
@@ -149,21 +173,10 @@ class DecodeAttention:
             return self.ops.sparse_decode_attention(
                 q, records, selection, slot_list, plan.seq_lens, self.scale
             )
-        slot_list, load_pages, load_slots, hits = self.ops.resolve(
-            selection,
-            plan.slab_ids,
-            c.page_table[layer],
-            c.slot_page[layer],
-            c.slot_last_use[layer],
-            plan.step,
-            c.slots_per_slab,
-            self.k_max,
-        )
+        slot_list, hits, load_slots = self.load(plan, layer, selection, self.k_max)
         if plan.hits is not None and plan.misses is not None:
             plan.hits += hits.sum(-1)
             plan.misses += (load_slots >= 0).sum((-1, -2))
-        if not self.config.skip_host_io:
-            self.ops.gather(c.pool[layer], c.slots[layer], plan.block_table, load_pages, load_slots)
         if deferred:  # the token into its resident tail slot, after the gather
             self.ops.append_kv(
                 k,
@@ -177,38 +190,91 @@ class DecodeAttention:
                 plan.slab_ids,
                 write_pool=False,
             )
-        return self.ops.sparse_decode_attention(
+        out = self.ops.sparse_decode_attention(
             q, c.slots[layer], selection, slot_list, plan.seq_lens, self.scale
         )
+        if self.prefetch_pages and scores is not None:
+            self.prefetch(plan, layer, scores)
+        return out
+
+    def prefetch(self, plan: StepPlan, layer: int, scores: torch.Tensor) -> None:
+        """Load the near misses of ``scores`` (float32 ``[B, Hkv, P_max]``, this step's
+        ranking of ``layer``) into the hot buffer, late (:meth:`KVCache.run_late`: on the
+        copy stream after the work issued so far, this layer's attention included): the
+        top ``K_max + prefetch_pages`` selection is resolved with this step's stamp and its
+        misses gathered. Adds the records loaded to :attr:`prefetched`."""
+        cfg = self.config
+        k_ext = self.k_max + self.prefetch_pages
+
+        def work() -> None:
+            wide = self.ops.select_topk(
+                scores, plan.num_pages, k_ext, cfg.sink_pages, cfg.window_pages
+            )
+            _, _, load_slots = self.load(plan, layer, wide, k_ext)
+            self.prefetched += (load_slots >= 0).sum()
+
+        self.cache.run_late(work, keep=(scores,))
+
+    def load(
+        self, plan: StepPlan, layer: int, selection: torch.Tensor, k_max: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Resolve ``selection`` (int32 ``[B, Hkv, W]``, at most ``k_max`` pages a row)
+        against ``layer``'s hot buffer with this step's stamp, then gather its misses from
+        the pool (skipped with ``skip_host_io``). Returns the resolve's ``slot_list`` and
+        ``load_slots`` (int32 ``[B, Hkv, k_max]``) and ``hits`` (int32 ``[B, Hkv]``); see
+        :func:`kernels.resolve.resolve_ref`."""
+        c = self.cache
+        slot_list, load_pages, load_slots, hits = self.ops.resolve(
+            selection,
+            plan.slab_ids,
+            c.page_table[layer],
+            c.slot_page[layer],
+            c.slot_last_use[layer],
+            plan.step,
+            c.slots_per_slab,
+            k_max,
+        )
+        if not self.config.skip_host_io:
+            self.ops.gather(c.pool[layer], c.slots[layer], plan.block_table, load_pages, load_slots)
+        return slot_list, hits, load_slots
 
     def stage_and_write(self, plan: StepPlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Update the page metadata and stage ``k, v [B, Hkv, D]`` in the cache's token
         staging rows ``plan.row0 : plan.row0 + B`` (compute stream), then write the staged
-        records to the host pool late (:meth:`KVCache.write_late`: on the copy stream,
-        after the staging). The write has landed once :meth:`KVCache.join_decode_writes`
-        has run."""
+        records to the host pool late (:meth:`KVCache.run_late`: on the copy stream,
+        after the staging). The write has landed once :meth:`KVCache.join_late` has run."""
         c = self.cache
         b = k.shape[0]
         staging = c.token_staging[layer, plan.row0 : plan.row0 + b]
         pool, table, pos = c.pool[layer], plan.block_table, plan.positions
         self.ops.append_kv(k, v, pos, table, pool, c.meta[layer], write_pool=False, staging=staging)
         k_st, v_st = staging[:, :, 0], staging[:, :, 1]
-        c.write_late(lambda: self.ops.append_kv(k_st, v_st, pos, table, pool, None))
+        c.run_late(lambda: self.ops.append_kv(k_st, v_st, pos, table, pool, None))
 
-    def select(self, plan: StepPlan, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Selection bitmask int32 ``[B, Hkv, W]`` from the configured indexer."""
-        cfg = self.config
+    def scores(self, plan: StepPlan, layer: int, q: torch.Tensor) -> torch.Tensor | None:
+        """Page scores float32 ``[B, Hkv, P_max]`` of the configured indexer (``None`` for
+        the dense indexer, which ranks nothing)."""
         c = self.cache
-        if cfg.indexer == "dense":
-            return self.ops.dense_selection(
-                plan.num_pages, c.model.num_kv_heads, plan.block_table.shape[1]
-            )
-        if cfg.indexer == "oracle":
-            scores = self.ops.oracle_scores(
+        if self.config.indexer == "dense":
+            return None
+        if self.config.indexer == "oracle":
+            return self.ops.oracle_scores(
                 q, c.pool[layer], plan.block_table, plan.seq_lens, self.scale
             )
-        else:
-            scores = self.ops.quest_scores(q, c.meta[layer], plan.block_table, plan.num_pages)
+        return self.ops.quest_scores(q, c.meta[layer], plan.block_table, plan.num_pages)
+
+    def select(
+        self, plan: StepPlan, layer: int, q: torch.Tensor, scores: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Selection bitmask int32 ``[B, Hkv, W]`` from the configured indexer; ``scores``:
+        :meth:`scores` when already computed."""
+        cfg = self.config
+        if cfg.indexer == "dense":
+            return self.ops.dense_selection(
+                plan.num_pages, self.cache.model.num_kv_heads, plan.block_table.shape[1]
+            )
+        if scores is None:
+            scores = self.scores(plan, layer, q)
         return self.ops.select_topk(
             scores, plan.num_pages, cfg.top_k_pages, cfg.sink_pages, cfg.window_pages
         )

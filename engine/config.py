@@ -127,6 +127,15 @@ class EngineConfig:
         extra launches per layer of the copy stream cost more than they hide
         (docs/performance.md, "Decode write-through"). Either way the pool bytes are
         the same.
+    prefetch_pages: hierarchical only; after each layer's attention, load the next
+        ``prefetch_pages`` pages of this step's indexer ranking (ranks ``top_k`` +1 ..
+        +``prefetch_pages``, the near misses) into the hot buffer when they are not resident,
+        so that the next step finds them if it selects them. With a pinned host pool on CUDA
+        the ranking, resolve and gather run on the cache's copy stream, overlapping the
+        following layers, and the step ends by waiting for them (see
+        :class:`engine.attention.DecodeAttention`). Outputs do not change: attention reads
+        the same records either way. Needs a top-k indexer and ``device_buffer`` of at least
+        (pages one step may select + ``prefetch_pages``) pages. 0 (the default) is off.
     """
 
     device: str = "cpu"
@@ -145,6 +154,7 @@ class EngineConfig:
     prefill_chunk: int = 1024
     prefill_copy_stream: bool = True
     decode_write_stream: bool = False
+    prefetch_pages: int = 0
     host_pool_gb: float = 8.0
     memory_budget_gb: float | None = None
     context_policy: str = "refuse"
@@ -244,7 +254,33 @@ class EngineConfig:
                     ),
                 )
             )
+        elif self.prefetch_pages and self.attention == "sparse" and self.hierarchical:
+            found += self._prefetch_problems()
         return found
+
+    def _prefetch_problems(self) -> list[SettingProblem]:
+        """What stops ``prefetch_pages`` from working with the other settings."""
+        if self.indexer == "dense":
+            return [
+                SettingProblem(
+                    ("prefetch_pages", "indexer"),
+                    "prefetch_pages needs a ranking indexer (quest or oracle); the dense "
+                    "indexer selects every page",
+                )
+            ]
+        need = self.max_selected_pages + self.prefetch_pages
+        if self.buffer_pages >= need:
+            return []
+        return [
+            SettingProblem(
+                ("prefetch_pages", *_SELECTION_FIELDS),
+                f"prefetch_pages={self.prefetch_pages} on top of the {self.max_selected_pages} "
+                f"pages one step may select needs {need} hot-buffer pages but "
+                f"device_buffer={self.device_buffer_tokens} tokens holds {self.buffer_pages}; "
+                f"raise device_buffer to at least {need * self.page_size} tokens or lower "
+                "prefetch_pages",
+            )
+        ]
 
 
 _SELECTION_FIELDS = (
@@ -341,6 +377,7 @@ SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "prefill_chunk": _positive,
     "prefill_copy_stream": _flag,
     "decode_write_stream": _flag,
+    "prefetch_pages": _non_negative,
     "host_pool_gb": _gib,
     "memory_budget_gb": _gib_or_none,
     "context_policy": _choice(CONTEXT_POLICIES),

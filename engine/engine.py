@@ -488,8 +488,8 @@ class Engine:
                 q, k, v = m.qkv(layer, h, plan.positions)
                 a = self.attn.run(plan, layer - offset, q, k, v)
                 h = m.finish_layer(layer, h, a)
-        finally:  # the step's late pool writes land before anything else uses the pool
-            self.cache.join_decode_writes()
+        finally:  # the step's late pool writes and prefetches land before anything else
+            self.cache.join_late()
         return h
 
     def memory_snapshots(self) -> list[ev.MemorySnapshot]:

@@ -271,13 +271,15 @@ class KVCache:
         self._staging_done: list = [None, None]  # per buffer: event of its last copy
         self._next_staging = 0
         self._pending: dict[int, torch.cuda.Event] = {}  # seq_id -> event of its last copy
-        # Decode write-through on a copy stream (``decode_write_stream``): each layer's new
-        # tokens are staged on the device, one row per batch row.
+        # Late work of a decode step on a copy stream (``late_stream``): decode
+        # write-through (``decode_write_stream``; new tokens staged on the device, one row
+        # per batch row) and prefetch (``prefetch_pages``).
         self.deferred_writes = False
-        self.write_stream: torch.cuda.Stream | None = None
+        self.late_stream: torch.cuda.Stream | None = None
         self.token_staging: torch.Tensor | None = None
-        self._queued_writes: list = []
-        self._forked = False  # write_late put work on write_stream since the last join
+        self._queued: list = []  # without a stream: late work run at the join
+        self._keep: list = []  # tensors late work reads, alive until the join
+        self._forked = False  # run_late put work on late_stream since the last join
         if pin and config.decode_write_stream:
             self.defer_decode_writes()
         self.closed = False
@@ -304,45 +306,54 @@ class KVCache:
         staging = self.token_staging.nbytes if self.token_staging is not None else 0
         return sum(t.nbytes for t in self.meta) + staging
 
+    def enable_late_stream(self) -> None:
+        """Create :attr:`late_stream`, the copy stream of :meth:`run_late`, where the pool
+        is pinned host memory on CUDA (idempotent; elsewhere late work is queued on the host
+        and run by :meth:`join_late`). Call outside a CUDA-graph capture."""
+        if self.pinned and self.late_stream is None:
+            self.late_stream = torch.cuda.Stream(self.device)
+
     def defer_decode_writes(self) -> None:
-        """Write decode tokens to the pool late: from :attr:`write_stream` on CUDA (set up
-        by the constructor for a pinned pool with ``decode_write_stream``); elsewhere (CPU
-        tests) queued on the host and run by :meth:`join_decode_writes`, the latest a copy
-        stream's write may land. Allocates the token staging buffer ``[L, max_batch, Hkv,
-        2, D]`` (``kv_dtype``, on the compute device)."""
+        """Write decode tokens to the pool late (:meth:`run_late`): from
+        :attr:`late_stream` on CUDA; elsewhere (CPU tests) queued on the host and run by
+        :meth:`join_late`, the latest a copy stream's write may land. Allocates the token
+        staging buffer ``[L, max_batch, Hkv, 2, D]`` (``kv_dtype``, on the compute device)."""
         hkv, d = self.model.num_kv_heads, self.model.head_dim
         self.deferred_writes = True
-        if self.device.type == "cuda":
-            self.write_stream = torch.cuda.Stream(self.device)
+        self.enable_late_stream()
         self.token_staging = torch.zeros(
             self.num_layers, self.config.max_batch, hkv, 2, d, dtype=self.dtype, device=self.device
         )
 
-    def write_late(self, write) -> None:
-        """Run ``write()`` (a pool write of staged tokens) on :attr:`write_stream`, after
-        the work queued so far on the current stream; without a stream, at the next
-        :meth:`join_decode_writes`."""
-        if self.write_stream is None:
-            self._queued_writes.append(write)
+    def run_late(self, work, keep: Sequence[torch.Tensor] = ()) -> None:
+        """Run ``work()`` (a decode step's pool write-through or prefetch) on
+        :attr:`late_stream`, after the work queued so far on the current stream; without a
+        stream, at the next :meth:`join_late`. ``keep``: tensors of the current stream that
+        ``work`` reads, kept alive until the join so the caching allocator cannot hand
+        their memory to the current stream while the copy stream may still read it."""
+        self._keep.extend(keep)
+        if self.late_stream is None:
+            self._queued.append(work)
             return
-        self.write_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.late_stream.wait_stream(torch.cuda.current_stream(self.device))
         self._forked = True
-        with torch.cuda.stream(self.write_stream):
-            write()
+        with torch.cuda.stream(self.late_stream):
+            work()
 
-    def join_decode_writes(self) -> None:
-        """Make the current stream wait, on the device, for every decode write-through
-        issued by :meth:`write_late` (without a stream: run the queued writes now). Called
-        at the end of each decode step, so the next step's gathers, a prefill reusing a
-        freed page and host reads after a device synchronisation all see the records;
+    def join_late(self) -> None:
+        """Make the current stream wait, on the device, for every piece of late work issued
+        by :meth:`run_late` (without a stream: run the queued work now). Called at the end
+        of each decode step, so the next step's resolve and gathers, a prefill reusing a
+        freed page and host reads after a device synchronisation all see its results;
         inside a captured step it is the join that ends the copy stream's fork."""
         # Only after a fork: inside a graph capture, waiting on a stream that took no part
         # in the capture would invalidate it (a step that wrote inline).
-        if self.write_stream is not None and self._forked:
-            torch.cuda.current_stream(self.device).wait_stream(self.write_stream)
+        if self.late_stream is not None and self._forked:
+            torch.cuda.current_stream(self.device).wait_stream(self.late_stream)
             self._forked = False
-        while self._queued_writes:
-            self._queued_writes.pop(0)()
+        while self._queued:
+            self._queued.pop(0)()
+        self._keep.clear()
 
     def can_admit(self, num_tokens: int) -> bool:
         """Whether a request that will hold ``num_tokens`` tokens fits now."""
@@ -492,8 +503,8 @@ class KVCache:
         writes calls it."""
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
-        if self.write_stream is not None:
-            self.write_stream.synchronize()
+        if self.late_stream is not None:
+            self.late_stream.synchronize()
         self._pending.clear()
 
     def close(self) -> None:

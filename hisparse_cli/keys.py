@@ -34,6 +34,7 @@ OUTPUT_NEUTRAL_SETTINGS = frozenset(
         "prefill_chunk",
         "prefill_copy_stream",
         "decode_write_stream",
+        "prefetch_pages",
         "cuda_graph",
         "decode_overlap",
         "host_pool_gb",

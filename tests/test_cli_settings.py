@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from engine.config import ConfigError
+from engine.config import ConfigError, EngineConfig
 from hisparse_cli import settings
 
 
@@ -88,10 +88,23 @@ def test_save_config_writes_json(tmp_path, monkeypatch):
 def test_buffer_advice_names_the_window_when_it_dominates():
     """When sink + window pages exceed top_k, the advice is to shrink them or grow the
     buffer, not the misleading 'device_buffer must be >= top_k'."""
-    from engine.config import EngineConfig
-
     (problem,) = EngineConfig(local_window=100_000).problems()
     assert "raise device_buffer to at least" in problem.message
     assert "or lower sink_tokens/local_window" in problem.message and ">= top_k" not in problem.message
     (problem,) = EngineConfig(top_k=8192, device_buffer=4096).problems()
     assert "(>= top_k)" in problem.message
+
+
+def test_prefetch_needs_room_and_a_ranking():
+    """``prefetch_pages`` beyond the hot buffer's spare pages, or with the dense indexer,
+    is one problem naming the fix; within the room it is fine."""
+    base = EngineConfig(top_k=256, page_size=16, sink_tokens=16, local_window=32, device_buffer=320)
+    assert not base.replace(prefetch_pages=4).problems()  # 16 selected + 4 = 20 pages
+    (problem,) = base.replace(prefetch_pages=5).problems()
+    assert problem.fields[0] == "prefetch_pages"
+    assert "needs 21 hot-buffer pages" in problem.message and "336 tokens" in problem.message
+    (problem,) = base.replace(prefetch_pages=2, indexer="dense").problems()
+    assert problem.fields == ("prefetch_pages", "indexer")
+    (problem,) = EngineConfig(prefetch_pages=-1).problems()
+    assert problem.fields == ("prefetch_pages",) and "integer >= 0" in problem.message
+    assert not base.replace(prefetch_pages=64, hierarchical=False).problems()  # ignored there

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import bits_equal
 
 from engine.config import EngineConfig, SamplingParams
 from engine.events import Job
-from kernel_cases import bits_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -126,12 +126,19 @@ def test_sparse_all_pages_equals_dense(weights_path, dense_engine, corpus_dir):
     assert diff < SPARSE_DENSE_ATOL, f"sparse(all pages) vs dense: max |diff| {diff:.2e}"
 
 
-@pytest.mark.parametrize("deferred", [False, True], ids=["write-through", "late-writes"])
-def test_hierarchical_bit_identical_to_resident(weights_path, corpus_dir, deferred):
+@pytest.mark.parametrize(
+    "deferred,prefetch",
+    [(False, 0), (True, 0), (False, 4), (True, 4)],
+    ids=["write-through", "late-writes", "prefetch", "late-writes-prefetch"],
+)
+def test_hierarchical_bit_identical_to_resident(weights_path, corpus_dir, deferred, prefetch):
     """``late-writes``: decode tokens reach the host pool only at the end of each step
     (:meth:`KVCache.defer_decode_writes`, the latest a GPU copy stream's write lands), so a
     tail page gathered from the pool mid-step lacks the token until the slot write after
-    the gather; the result must not change, and the pool must end up complete."""
+    the gather; the result must not change, and the pool must end up complete.
+    ``prefetch``: near misses are loaded after each layer's attention, at the step's end
+    (the latest the copy stream's prefetch lands); the next steps then hit some of them,
+    and every record they read must still be the right one."""
     common = dict(
         attention="sparse",
         indexer="quest",
@@ -141,7 +148,9 @@ def test_hierarchical_bit_identical_to_resident(weights_path, corpus_dir, deferr
         local_window=32,
     )
     resident = make_engine(weights_path, hierarchical=False, **common)
-    hier = make_engine(weights_path, hierarchical=True, device_buffer=320, **common)
+    hier = make_engine(
+        weights_path, hierarchical=True, device_buffer=320, prefetch_pages=prefetch, **common
+    )
     if deferred:
         hier.cache.defer_decode_writes()
     ids = prompts(resident.tokenizer, corpus_dir)[2]
@@ -165,6 +174,7 @@ def test_hierarchical_bit_identical_to_resident(weights_path, corpus_dir, deferr
         hier.cache.check_integrity()
     assert req.generated == tokens_r
     assert hits > 0 and misses > 0, (hits, misses)
+    assert (int(hier.attn.prefetched) > 0) == bool(prefetch)
     n = hier.cache.seqs[req.seq_id].num_tokens
     assert n == resident.cache.seqs[res_req.seq_id].num_tokens
     for layer in range(hier.cache.num_layers):  # every record of every token, bit for bit
@@ -184,22 +194,32 @@ def _records_of(cache, seq_id: int, layer: int, num_tokens: int) -> torch.Tensor
 
 
 @pytest.mark.parametrize(
-    "attention,split,deferred",
-    [("sparse", False, False), ("dense", False, False), ("sparse", True, False), ("sparse", True, True)],
+    "attention,split,deferred,prefetch",
+    [
+        ("sparse", False, False, 0),
+        ("dense", False, False, 0),
+        ("sparse", True, False, 0),
+        ("sparse", True, True, 0),
+        ("sparse", True, True, 3),
+    ],
 )
-def test_static_graph_step_equals_eager_step(weights_path, corpus_dir, attention, split, deferred):
+def test_static_graph_step_equals_eager_step(
+    weights_path, corpus_dir, attention, split, deferred, prefetch
+):
     """The function a CUDA graph captures (static buffers, padded page-table width, plan
     tensors computed on the device; :mod:`engine.cuda_graph`), run eagerly on the CPU,
     gives the eager engine's logits, tokens, hits and misses bit for bit — for a batch of
     two requests of different lengths, with a hot buffer small enough to force misses.
     ``split``: the batch as two micro-batches (``decode_overlap``; one after the other here,
     on two streams on a GPU). ``deferred``: the static engine writes decode tokens to the
-    pool late (each micro-batch stages its rows at its own offset)."""
+    pool late (each micro-batch stages its rows at its own offset). ``prefetch``: both
+    engines prefetch near misses (the static one at the step's end), and load the same
+    records."""
     from engine.cuda_graph import DecodeGraphs
 
     common = dict(attention=attention, top_k=128, page_size=16, sink_tokens=16, local_window=32)
     if attention == "sparse":
-        common["device_buffer"] = 192
+        common.update(device_buffer=192, prefetch_pages=prefetch)
     eager = make_engine(weights_path, **common)
     static = make_engine(weights_path, **common)
     static.graphs = DecodeGraphs(static, capture=False, split=split)
@@ -230,8 +250,10 @@ def test_static_graph_step_equals_eager_step(weights_path, corpus_dir, attention
         if attention == "sparse":
             assert torch.equal(eager.attn.hits, static.attn.hits)
             assert torch.equal(eager.attn.misses, static.attn.misses)
+            assert torch.equal(eager.attn.prefetched, static.attn.prefetched)
             misses += int(static.attn.misses.sum())
             static.cache.check_integrity()
     assert static.graphs.entries, "the static step was not used"
     if attention == "sparse":
         assert misses > 0
+        assert (int(static.attn.prefetched) > 0) == bool(prefetch)
