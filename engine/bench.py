@@ -17,6 +17,13 @@ Modes (:data:`MODES`), all built on ONE placed :class:`engine.model.LlamaModel`:
   instead of the append kernel on the compute stream (the default); ``copystream`` vs
   ``hierarchical`` is the step time with and without the copy stream hiding the
   write-through.
+* ``prefetch`` (not in the default sweep) — ``hierarchical`` with ``prefetch_pages`` (the
+  base config's, else :data:`DEFAULT_PREFETCH_FRACTION` of the top-k pages): after each
+  layer's attention the near misses of its ranking are loaded on the copy stream
+  (:meth:`engine.attention.DecodeAttention.prefetch`); ``prefetch`` vs ``hierarchical``
+  is the step time with and without the copy stream hiding prefetch. Its ``misses`` are
+  the selected records still missing; ``prefetched`` counts the records prefetched, and
+  both cross the host link (``h2d_bytes``).
 
 Budget (:mod:`engine.budget`): every mode gets ``--memory-budget`` GiB; device-resident
 pools get what the planner's arithmetic leaves after weights, activations and reserve, so
@@ -103,8 +110,9 @@ from engine.planner import GIB, format_context
 from engine.profiling import PHASES, PhaseTimer, kernel_breakdown, timed_model, timed_ops
 from kernels.dispatch import Ops
 
-MODES = ("dense", "sparse", "hierarchical", "noio", "copystream")
+MODES = ("dense", "sparse", "hierarchical", "noio", "copystream", "prefetch")
 DEFAULT_MODES = MODES[:4]
+DEFAULT_PREFETCH_FRACTION = 0.25  # prefetch mode: near-miss pages per top-k page
 PREFILL_METHODS = ("auto", "full", "window")
 # DESIGN.md, H200: device copy 4.23 TB/s (read + write) -> ~2.1 TB/s of reads; pinned
 # host->device copy 55.2 GB/s.
@@ -158,6 +166,7 @@ RUN_FIELDS = (
     "prefill_method",
     "hits",
     "misses",
+    "prefetched",
     "hit_rate",
     "h2d_bytes",
     "h2d_gbps",
@@ -249,7 +258,9 @@ class BenchSpec:
 
 
 def mode_config(base: EngineConfig, mode: str) -> EngineConfig:
-    """The engine config of ``mode`` (see the module notes)."""
+    """The engine config of ``mode`` (see the module notes); only ``prefetch`` keeps or
+    sets ``prefetch_pages``."""
+    prefetch = base.prefetch_pages or max(1, round(base.top_k_pages * DEFAULT_PREFETCH_FRACTION))
     changes = {
         "dense": {"attention": "dense", "hierarchical": False, "skip_host_io": False},
         "sparse": {"attention": "sparse", "hierarchical": False, "skip_host_io": False},
@@ -261,8 +272,14 @@ def mode_config(base: EngineConfig, mode: str) -> EngineConfig:
             "skip_host_io": False,
             "decode_write_stream": True,
         },
+        "prefetch": {
+            "attention": "sparse",
+            "hierarchical": True,
+            "skip_host_io": False,
+            "prefetch_pages": prefetch,
+        },
     }[mode]
-    return base.replace(**changes)
+    return base.replace(**{"prefetch_pages": 0, **changes})
 
 
 def parse_int_list(text: str, parse: Callable[[str], int] = int) -> tuple[int, ...]:
@@ -309,11 +326,15 @@ def _open_jobs(
     return reqs
 
 
-def _decode_timed(engine: Engine, reqs: list[Request], steps: int) -> tuple[list[float], int, int]:
-    """Step wall times (s) and the hits / misses over ``steps`` steps."""
+def _decode_timed(
+    engine: Engine, reqs: list[Request], steps: int
+) -> tuple[list[float], int, int, int]:
+    """Step wall times (s) and the hits / misses / prefetched records over ``steps``
+    steps."""
     dev = engine.cache.device
     hits = torch.zeros((), dtype=torch.int64, device=dev)
     misses = torch.zeros((), dtype=torch.int64, device=dev)
+    prefetched0 = int(engine.attn.prefetched)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -323,7 +344,18 @@ def _decode_timed(engine: Engine, reqs: list[Request], steps: int) -> tuple[list
         if step_hits is not None and step_misses is not None:
             hits += step_hits.sum()
             misses += step_misses.sum()
-    return times, int(hits), int(misses)
+    return times, int(hits), int(misses), int(engine.attn.prefetched) - prefetched0
+
+
+def _step_loaded_bytes(engine: Engine, reqs: list[Request]) -> int:
+    """One decode step; the bytes it moved host -> device (missed and prefetched records;
+    0 with ``skip_host_io``)."""
+    before = int(engine.attn.prefetched)
+    _step(engine, reqs)
+    if engine.config.skip_host_io or engine.attn.misses is None:
+        return 0
+    loaded = int(engine.attn.misses.sum()) + int(engine.attn.prefetched) - before
+    return loaded * engine.cache.record_bytes
 
 
 def _profile(engine: Engine, reqs: list[Request], steps: int) -> dict[str, Any]:
@@ -338,9 +370,7 @@ def _profile(engine: Engine, reqs: list[Request], steps: int) -> dict[str, Any]:
     moved = [0]
 
     def one_step() -> None:
-        _step(engine, reqs)
-        if not engine.config.skip_host_io and engine.attn.misses is not None:
-            moved[0] += int(engine.attn.misses.sum()) * engine.cache.record_bytes
+        moved[0] += _step_loaded_bytes(engine, reqs)
 
     try:
         kb = kernel_breakdown(one_step, steps)
@@ -374,14 +404,12 @@ def _profile_eager(engine: Engine, reqs: list[Request], steps: int) -> dict[str,
         timer.reset()
         sync(engine.cache.device)
         t0 = time.perf_counter()
-        _step(prof, reqs)
+        moved += _step_loaded_bytes(prof, reqs)
         wall_ms = (time.perf_counter() - t0) * 1e3
         phases = timer.totals_ms()
         for p in PHASES:
             sums[p] += phases.get(p, 0.0)
         sums["total"] += wall_ms
-        if prof.attn.misses is not None and not engine.config.skip_host_io:
-            moved += int(prof.attn.misses.sum()) * engine.cache.record_bytes
     engine.step = prof.step
     mean = {p: sums[p] / steps for p in (*PHASES, "total")}
     mean["other"] = max(mean["total"] - sum(mean[p] for p in PHASES), 0.0)
@@ -416,8 +444,8 @@ def run_point(
     try:
         for _ in range(spec.warmup_steps):
             _step(engine, reqs)
-        times, hits, misses = _decode_timed(engine, reqs, spec.decode_steps)
-        row.update(_decode_fields(me, reqs, times, hits, misses, spec))
+        times, hits, misses, prefetched = _decode_timed(engine, reqs, spec.decode_steps)
+        row.update(_decode_fields(me, reqs, times, hits, misses, prefetched, spec))
         row.update(_profile(engine, reqs, spec.profile_steps))
         row["cuda_graph"] = engine.graphs is not None and not engine.graphs.disabled_reason
         row["token_sha256"] = [_sha(r.generated) for r in reqs]
@@ -432,10 +460,11 @@ def run_point(
     return row
 
 
-def _decode_fields(me, reqs, times, hits, misses, spec) -> dict[str, Any]:
+def _decode_fields(me, reqs, times, hits, misses, prefetched, spec) -> dict[str, Any]:
     cfg, cache = me.engine.config, me.engine.cache
     total_s = sum(times)
-    moved = 0 if (cfg.skip_host_io or not cache.hierarchical) else misses * cache.record_bytes
+    loaded = misses + prefetched
+    moved = 0 if (cfg.skip_host_io or not cache.hierarchical) else loaded * cache.record_bytes
     ms = sorted(t * 1e3 for t in times)
     mean_ms = total_s * 1e3 / len(times)
     pages = [cache.pages_for(r.num_tokens) for r in reqs]
@@ -446,11 +475,12 @@ def _decode_fields(me, reqs, times, hits, misses, spec) -> dict[str, Any]:
         "step_ms_p99": _percentile(ms, 99),
         "hits": hits if cache.hierarchical else None,
         "misses": misses if cache.hierarchical else None,
+        "prefetched": prefetched if cache.hierarchical else None,
         "hit_rate": hits / (hits + misses) if cache.hierarchical and hits + misses else None,
         "h2d_bytes": moved,
         "h2d_gbps": moved / total_s / 1e9,
         "roofline": roofline(
-            me.engine.model, cfg, pages, misses / len(times), mean_ms, spec.hbm_gbps, spec.link_gbps
+            me.engine.model, cfg, pages, loaded / len(times), mean_ms, spec.hbm_gbps, spec.link_gbps
         ),
     }
 

@@ -46,7 +46,17 @@ ModesOpt = Annotated[
     str,
     typer.Option(
         help="dense, sparse, hierarchical, noio, copystream (hierarchical with the decode "
-        "write-through on a copy stream) — comma list.",
+        "write-through on a copy stream), prefetch (hierarchical with near-miss prefetch on "
+        "the copy stream) — comma list.",
+        rich_help_panel=BENCH,
+    ),
+]
+PrefetchOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=0,
+        help="Near-miss pages per (job, layer, KV head) the prefetch mode loads "
+        "(default: a quarter of the top-k pages).",
         rich_help_panel=BENCH,
     ),
 ]
@@ -146,6 +156,7 @@ def bench_command(
     contexts: ContextsOpt = "32K,128K",
     concurrency: ConcurrencyOpt = "1,2,4,8",
     modes: ModesOpt = "dense,sparse,hierarchical,noio",
+    prefetch_pages: PrefetchOpt = None,
     decode_steps: DecodeStepsOpt = 32,
     warmup_steps: WarmupOpt = 4,
     profile_steps: ProfileStepsOpt = 4,
@@ -206,6 +217,7 @@ def bench_command(
         "device_buffer": device_buffer,
         "sink_tokens": sink_tokens,
         "local_window": local_window,
+        "prefetch_pages": prefetch_pages,
     }
     try:
         config = resolve_config(preset or _default_preset(), {}, overrides)

@@ -19,9 +19,13 @@
 #            host pool holds (40 GiB of bf16 KV each); the planner's answer is printed.
 #   quick    qwen2.5-7b, 32K and 128K, concurrency 1, 4, 8 (a smoke run, ~3 min).
 #   overlap  qwen2.5-7b, 128K, concurrency 1, 4, 8: the hierarchy with the decode
-#            write-through on the compute stream (hierarchical, the default) and on a
-#            copy stream (copystream), and the no-IO oracle; 64 timed steps per run.
-# MODES overrides the modes of any scenario (comma list, see `hisparse bench --help`).
+#            write-through on the compute stream (hierarchical, the default), on a copy
+#            stream (copystream), with near-miss prefetch on the copy stream (prefetch;
+#            PREFETCH pages, default a quarter of top-k), and the no-IO oracle; 64 timed
+#            steps per run.
+# MODES overrides the modes of any scenario (comma list, see `hisparse bench --help`);
+# DEVICE_BUFFER sets the hot buffer in tokens per (job, layer, KV head) (default: the h200
+# preset's 4096 = 2 x top_k; the dual4090 preset uses 8192).
 # Files back: bench.json, bench.log, gpu.txt and the PNG plots.
 #
 # On virtual machines whose memory grows on demand (MemAvailable reads far less than the
@@ -52,6 +56,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/gpu.
 free -g >>"$OUT/gpu.txt"
 
 SOAK=()
+EXTRA=()
+[ -n "${PREFETCH:-}" ] && EXTRA+=(--prefetch-pages "$PREFETCH")
+[ -n "${DEVICE_BUFFER:-}" ] && EXTRA+=(--device-buffer "$DEVICE_BUFFER")
 MASTER=24
 DOCS=2
 case "$SCENARIO" in
@@ -69,7 +76,7 @@ case "$SCENARIO" in
     MODEL=synthetic:qwen2.5-7b; CONTEXTS="${CONTEXTS:-32K,128K}"; LEVELS="${LEVELS:-1,4,8}" ;;
   overlap)
     MODEL=synthetic:qwen2.5-7b; CONTEXTS="${CONTEXTS:-128K}"; LEVELS="${LEVELS:-1,4,8}"
-    MODES="${MODES:-hierarchical,copystream,noio}"; STEPS="${STEPS:-64}" ;;
+    MODES="${MODES:-hierarchical,copystream,prefetch,noio}"; STEPS="${STEPS:-64}" ;;
   *) echo "unknown scenario $SCENARIO (qwen, llama31, seed, quick, overlap, prep)" >&2; exit 2 ;;
 esac
 
@@ -79,6 +86,6 @@ timeout "${TIMEOUT:-570}" "$PY" -m hisparse_cli.bench_cmd \
   --modes "${MODES:-dense,sparse,hierarchical,noio}" \
   --decode-steps "${STEPS:-16}" --warmup-steps 3 --profile-steps 2 \
   --docs "$DOCS" --master-gb "$MASTER" --prefill window --prefill-window 1024 \
-  --host-pool "${HOST_POOL:-56}" "${SOAK[@]}" \
+  --host-pool "${HOST_POOL:-56}" "${SOAK[@]}" "${EXTRA[@]}" \
   --time-limit "${LIMIT:-420}" --corpus-tokens "$TOKENS" 2>&1 | tee "$OUT/bench.log"
 exit "${PIPESTATUS[0]}"

@@ -146,6 +146,11 @@ def test_hierarchy_is_exact_and_misses(cli_report):
         hier, sparse = by[("hierarchical", c)], by[("sparse", c)]
         assert hier["token_sha256"] == sparse["token_sha256"]
         assert by[("copystream", c)]["token_sha256"] == hier["token_sha256"]
+        pre = by[("prefetch", c)]
+        assert pre["token_sha256"] == hier["token_sha256"]
+        assert pre["prefetched"] > 0 and hier["prefetched"] == 0
+        record_bytes = hier["h2d_bytes"] // hier["misses"]
+        assert pre["h2d_bytes"] == (pre["misses"] + pre["prefetched"]) * record_bytes
         assert hier["misses"] > 0 and 0 < hier["hit_rate"] < 1
         assert hier["h2d_bytes"] > 0 and by[("noio", c)]["h2d_bytes"] == 0
         assert by[("noio", c)]["misses"] > 0
