@@ -30,8 +30,9 @@ class StepPlan:
     num_pages int32 ``[B]``; positions int64 ``[B]`` (the new token's position);
     slab_ids int32 ``[B, Hkv]`` (hierarchical only); hits, misses int64 ``[B]``: records
     found in / loaded into the hot buffer this step, summed over layers (filled by
-    :meth:`DecodeAttention.run`); row0: the first row of the cache's token staging buffer
-    this plan's rows use (a micro-batch's offset in its step's batch).
+    :meth:`DecodeAttention.run`); prefetched int64 ``[B]``: records loaded by prefetch this
+    step (:meth:`DecodeAttention.prefetch`); row0: the first row of the cache's token
+    staging buffer this plan's rows use (a micro-batch's offset in its step's batch).
     """
 
     seq_ids: list[int]
@@ -43,6 +44,7 @@ class StepPlan:
     step: int | torch.Tensor
     hits: torch.Tensor | None = None
     misses: torch.Tensor | None = None
+    prefetched: torch.Tensor | None = None
     row0: int = 0
 
 
@@ -78,7 +80,8 @@ class DecodeAttention:
     reads the records of the top-``K_max`` selection, from whichever slots hold them, so
     outputs are bit-identical with and without prefetch; only where records come from
     changes (fewer misses on the next step if the ranking holds, more host traffic if
-    not). :attr:`prefetched` counts the records loaded this way.
+    not). :attr:`prefetched` counts the records loaded this way, per request, like
+    :attr:`misses`.
 
     Parameters
     ----------
@@ -102,9 +105,7 @@ class DecodeAttention:
             if cache.hierarchical and config.attention == "sparse" and config.indexer != "dense"
             else 0
         )
-        # Records loaded by prefetch since the engine started (int64 scalar, on the device;
-        # a fixed buffer so a captured step adds to it on every replay).
-        self.prefetched = torch.zeros((), dtype=torch.int64, device=cache.device)
+        self.prefetched: torch.Tensor | None = None
         if self.prefetch_pages:
             cache.enable_late_stream()
 
@@ -122,6 +123,7 @@ class DecodeAttention:
         b = len(seq_ids)
         self.hits = torch.zeros(b, dtype=torch.int64, device=dev)
         self.misses = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.prefetched = torch.zeros(b, dtype=torch.int64, device=dev)
         return StepPlan(
             seq_ids=seq_ids,
             block_table=self.cache.block_table(seq_ids, width),
@@ -132,6 +134,7 @@ class DecodeAttention:
             step=step,
             hits=self.hits,
             misses=self.misses,
+            prefetched=self.prefetched,
         )
 
     def run(
@@ -202,7 +205,7 @@ class DecodeAttention:
         ranking of ``layer``) into the hot buffer, late (:meth:`KVCache.run_late`: on the
         copy stream after the work issued so far, this layer's attention included): the
         top ``K_max + prefetch_pages`` selection is resolved with this step's stamp and its
-        misses gathered. Adds the records loaded to :attr:`prefetched`."""
+        misses gathered. Adds the records loaded to ``plan.prefetched``."""
         cfg = self.config
         k_ext = self.k_max + self.prefetch_pages
 
@@ -211,7 +214,8 @@ class DecodeAttention:
                 scores, plan.num_pages, k_ext, cfg.sink_pages, cfg.window_pages
             )
             _, _, load_slots = self.load(plan, layer, wide, k_ext)
-            self.prefetched += (load_slots >= 0).sum()
+            if plan.prefetched is not None:
+                plan.prefetched += (load_slots >= 0).sum((-1, -2))
 
         self.cache.run_late(work, keep=(scores,))
 

@@ -71,6 +71,7 @@ def split_plan(plan: StepPlan, half: int) -> tuple[StepPlan, StepPlan]:
             step=plan.step,
             hits=plan.hits[sl] if plan.hits is not None else None,
             misses=plan.misses[sl] if plan.misses is not None else None,
+            prefetched=plan.prefetched[sl] if plan.prefetched is not None else None,
             row0=plan.row0 + (sl.start or 0),
         )
 
@@ -96,6 +97,7 @@ class _Entry:
     batch_ints: torch.Tensor  # device int64 [B*W + B*Hkv]
     hits: torch.Tensor  # device int64 [B]
     misses: torch.Tensor  # device int64 [B]
+    prefetched: torch.Tensor  # device int64 [B]
     seq_ids: tuple[int, ...] = ()
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # float32 [B, V]
@@ -170,7 +172,7 @@ class DecodeGraphs:
         entry = self._entry(b, table_width(cache, seq_ids))
         self._upload(entry, seq_ids, tokens, seq_lens, step)
         attn = self.engine.attn
-        attn.hits, attn.misses = entry.hits, entry.misses
+        attn.hits, attn.misses, attn.prefetched = entry.hits, entry.misses, entry.prefetched
         if not self.capture:
             logits, greedy = self._forward(entry)
             return logits, greedy.tolist()
@@ -217,6 +219,7 @@ class DecodeGraphs:
             batch_ints=torch.zeros(n_batch, dtype=torch.int64, device=dev),
             hits=torch.zeros(b, dtype=torch.int64, device=dev),
             misses=torch.zeros(b, dtype=torch.int64, device=dev),
+            prefetched=torch.zeros(b, dtype=torch.int64, device=dev),
         )
         self.entries[key] = entry
         return entry
@@ -272,9 +275,11 @@ class DecodeGraphs:
             step=ints[2 * b :],
             hits=e.hits,
             misses=e.misses,
+            prefetched=e.prefetched,
         )
         e.hits.zero_()
         e.misses.zero_()
+        e.prefetched.zero_()
         side = self._side_stream() if m.device.type == "cuda" and self.overlap else None
         h = eng.decode_batch(plan, m.embed_tokens(tokens), self.overlap, side)
         logits = m.logits(h)
@@ -302,14 +307,14 @@ class DecodeGraphs:
         greedy_list = greedy.tolist()
         logits = logits.clone()
         # Counters of this (eager) step survive the capture below, which does not run.
-        hits, misses = e.hits.clone(), e.misses.clone()
+        counters = [t.clone() for t in (e.hits, e.misses, e.prefetched)]
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             e.logits, e.greedy = self._forward(e)
-        e.hits.copy_(hits)
-        e.misses.copy_(misses)
+        for t, saved in zip((e.hits, e.misses, e.prefetched), counters, strict=True):
+            t.copy_(saved)
         e.graph = graph
         self.captures += 1
         return logits, greedy_list

@@ -52,6 +52,7 @@ class Request:
     t_prefill_s: float = 0.0
     hits: int = 0
     misses: int = 0
+    prefetched: int = 0
     finish_reason: str = ""
     text: str = ""
     logits: torch.Tensor | None = None
@@ -257,12 +258,15 @@ class Engine:
                 yield from self._fail(r, running, f"decode failed: {e}")
             return
         step_s = time.monotonic() - t0
-        hits = self.attn.hits.tolist() if self.attn.hits is not None else [0] * len(batch)
-        misses = self.attn.misses.tolist() if self.attn.misses is not None else [0] * len(batch)
-        for r, tok, h, m in zip(batch, tokens, hits, misses, strict=False):
+        hits, misses, prefetched = (
+            t.tolist() if t is not None else [0] * len(batch)
+            for t in (self.attn.hits, self.attn.misses, self.attn.prefetched)
+        )
+        for r, tok, h, m, p in zip(batch, tokens, hits, misses, prefetched, strict=False):
             r.generated.append(tok)
             r.hits += h
             r.misses += m
+            r.prefetched += p
         rb = self.cache.record_bytes
         yield ev.DecodeStep(
             time.monotonic(),
@@ -273,7 +277,8 @@ class Engine:
             {r.job.id: r.job.sampling.max_tokens for r in batch},
             int(sum(hits)),
             int(sum(misses)),
-            int(sum(misses)) * rb,
+            int(sum(misses) + sum(prefetched)) * rb,
+            int(sum(prefetched)),
         )
         for r in batch:
             yield from self._check_finished(r, running)
@@ -312,7 +317,12 @@ class Engine:
             ttft_s=(req.t_first - req.t_admit) if req.t_first else 0.0,
             prefill_tok_s=n_prompt / req.t_prefill_s if req.t_prefill_s else 0.0,
             decode_tok_s=n_dec / decode_s if decode_s > 0 else 0.0,
-            cache=ev.CacheStats(req.hits, req.misses, req.misses * self.cache.record_bytes),
+            cache=ev.CacheStats(
+                req.hits,
+                req.misses,
+                (req.misses + req.prefetched) * self.cache.record_bytes,
+                req.prefetched,
+            ),
         )
         return ev.JobFinished(now, result)
 

@@ -31,13 +31,16 @@ class Job:
 class CacheStats:
     """Hot-buffer traffic of one job (sums over layers, KV heads and steps).
 
-    hits / misses count records (one page of one layer and KV head);
-    ``h2d_bytes`` is bytes copied host pool -> hot buffer by gathers.
+    hits / misses count records (one page of one layer and KV head) that attention
+    selected; ``prefetched`` counts records loaded ahead of selection (``prefetch_pages``);
+    ``h2d_bytes`` is bytes copied host pool -> hot buffer by gathers (misses and
+    prefetched records).
     """
 
     hits: int = 0
     misses: int = 0
     h2d_bytes: int = 0
+    prefetched: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -117,6 +120,7 @@ class DecodeStep(Event):
     hits: int = 0
     misses: int = 0
     h2d_bytes: int = 0
+    prefetched: int = 0
 
 
 @dataclass(frozen=True)

@@ -269,11 +269,12 @@ class PipelineEngine(Engine):
             tokens = torch.tensor([r.generated[-1] for r in group], dtype=torch.long)
             h = self.decode_layers(plan, m.embed_tokens(tokens))
             self.link.isend(h, 1)
-            self.link.isend(torch.stack([self.attn.hits, self.attn.misses]), 1)
-        out = [self.link.recv((3, len(g)), torch.int64, self.last_stage).cpu() for g in groups]
+            counters = [self.attn.hits, self.attn.misses, self.attn.prefetched]
+            self.link.isend(torch.stack(counters), 1)
+        out = [self.link.recv((4, len(g)), torch.int64, self.last_stage).cpu() for g in groups]
         self.link.flush()
         tokens_hits_misses = torch.cat(out, dim=1)
-        self.attn.hits, self.attn.misses = tokens_hits_misses[1], tokens_hits_misses[2]
+        self.attn.hits, self.attn.misses, self.attn.prefetched = tokens_hits_misses[1:]
         for r in batch:
             self.cache.seqs[r.seq_id].num_tokens += 1
         return tokens_hits_misses[0].tolist()
@@ -394,9 +395,9 @@ class StageFollower:
             ids, lens = [s for s, _ in group], [n for _, n in group]
             plan = eng.attn.plan(ids, lens, step)
             h = self.link.recv((len(ids), m.config.hidden_size), m.dtype, self.rank - 1)
-            stats = self.link.recv((2, len(ids)), torch.int64, self.rank - 1)
+            stats = self.link.recv((3, len(ids)), torch.int64, self.rank - 1)
             h = eng.decode_layers(plan, h)
-            stats = stats + torch.stack([eng.attn.hits, eng.attn.misses])
+            stats = stats + torch.stack([eng.attn.hits, eng.attn.misses, eng.attn.prefetched])
             if self.is_last:
                 tokens = torch.tensor([self._sample(ids, m.logits(h))])
                 self.link.isend(torch.cat([tokens, stats.cpu()]), 0)

@@ -212,6 +212,7 @@ def result_record(base: dict[str, Any], result: JobResult) -> dict[str, Any]:
             "hits": cache.hits,
             "misses": cache.misses,
             "hit_rate": cache.hit_rate,
+            "prefetched": cache.prefetched,
             "h2d_bytes": cache.h2d_bytes,
         },
         "error": result.error,

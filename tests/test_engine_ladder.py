@@ -159,7 +159,7 @@ def test_hierarchical_bit_identical_to_resident(weights_path, corpus_dir, deferr
     req = hier.open_request(Job("h", tuple(ids), SamplingParams(max_tokens=steps + 1)))
     hier.prefill(req)
     assert torch.equal(req.logits, logits_r)
-    hits = misses = 0
+    hits = misses = prefetched = 0
     res_req = resident.open_request(Job("r", tuple(ids), SamplingParams(max_tokens=steps + 1)))
     resident.prefill(res_req)
     for step in range(steps - 1):
@@ -171,10 +171,11 @@ def test_hierarchical_bit_identical_to_resident(weights_path, corpus_dir, deferr
         res_req.generated.append(t_r)
         hits += int(hier.attn.hits.sum())
         misses += int(hier.attn.misses.sum())
+        prefetched += int(hier.attn.prefetched.sum())
         hier.cache.check_integrity()
     assert req.generated == tokens_r
     assert hits > 0 and misses > 0, (hits, misses)
-    assert (int(hier.attn.prefetched) > 0) == bool(prefetch)
+    assert (prefetched > 0) == bool(prefetch)
     n = hier.cache.seqs[req.seq_id].num_tokens
     assert n == resident.cache.seqs[res_req.seq_id].num_tokens
     for layer in range(hier.cache.num_layers):  # every record of every token, bit for bit
@@ -237,7 +238,7 @@ def test_static_graph_step_equals_eager_step(
             eng.prefill(r)
             rs.append(r)
         reqs[name] = rs
-    misses = 0
+    misses = prefetched = 0
     for step in range(24):
         tokens = {}
         for name, eng in (("eager", eager), ("static", static)):
@@ -252,8 +253,35 @@ def test_static_graph_step_equals_eager_step(
             assert torch.equal(eager.attn.misses, static.attn.misses)
             assert torch.equal(eager.attn.prefetched, static.attn.prefetched)
             misses += int(static.attn.misses.sum())
+            prefetched += int(static.attn.prefetched.sum())
             static.cache.check_integrity()
     assert static.graphs.entries, "the static step was not used"
     if attention == "sparse":
         assert misses > 0
-        assert (int(static.attn.prefetched) > 0) == bool(prefetch)
+        assert (prefetched > 0) == bool(prefetch)
+
+
+def test_prefetch_traffic_reaches_the_results(weights_path, corpus_dir):
+    """A job's results count prefetched records, and its ``h2d_bytes`` (like the decode
+    steps' events) cover misses and prefetched records alike."""
+    from engine import events as ev
+
+    eng = make_engine(
+        weights_path,
+        attention="sparse",
+        top_k=256,
+        page_size=16,
+        sink_tokens=16,
+        local_window=32,
+        device_buffer=320,
+        prefetch_pages=4,
+    )
+    ids = prompts(eng.tokenizer, corpus_dir)[2]
+    events = list(eng.run([Job("p", tuple(ids), SamplingParams(max_tokens=12))]))
+    (done,) = [e for e in events if isinstance(e, ev.JobFinished)]
+    cache = done.result.cache
+    steps = [e for e in events if isinstance(e, ev.DecodeStep)]
+    assert cache.prefetched > 0 and cache.prefetched == sum(e.prefetched for e in steps)
+    rb = eng.cache.record_bytes
+    assert cache.h2d_bytes == (cache.misses + cache.prefetched) * rb
+    assert sum(e.h2d_bytes for e in steps) == cache.h2d_bytes

@@ -113,7 +113,7 @@ def test_result_and_failure_records_have_all_fields():
         "settings_hash": "s",
         "model": "m",
     }
-    result = JobResult("j", "hi", (5, 6, 7), 40, "stop", 0.5, 80.0, 12.0, CacheStats(3, 1, 4096))
+    result = JobResult("j", "hi", (5, 6, 7), 40, "stop", 0.5, 80.0, 12.0, CacheStats(3, 1, 12288, 2))
     record = result_record(base, result)
     expected = {
         "id",
@@ -137,7 +137,13 @@ def test_result_and_failure_records_have_all_fields():
     }
     assert expected <= set(record)
     assert record["generated_tokens"] == 3 and record["ok"] is True
-    assert record["cache"] == {"hits": 3, "misses": 1, "hit_rate": 0.75, "h2d_bytes": 4096}
+    assert record["cache"] == {
+        "hits": 3,
+        "misses": 1,
+        "hit_rate": 0.75,
+        "prefetched": 2,
+        "h2d_bytes": 12288,
+    }
     failed = failure_record(base, "too long")
     assert (
         failed["ok"] is False
