@@ -17,8 +17,8 @@ Modes (:data:`MODES`), all built on ONE placed :class:`engine.model.LlamaModel`:
   instead of the append kernel on the compute stream (the default); ``copystream`` vs
   ``hierarchical`` is the step time with and without the copy stream hiding the
   write-through.
-* ``prefetch`` (not in the default sweep) — ``hierarchical`` with ``prefetch_pages`` (the
-  base config's, else :data:`DEFAULT_PREFETCH_FRACTION` of the top-k pages): after each
+* ``prefetch`` (not in the default sweep) — ``hierarchical`` with ``prefetch_pages``
+  (``--prefetch-pages``, else the base config's, else :func:`default_prefetch_pages`): after each
   layer's attention the near misses of its ranking are loaded on the copy stream
   (:meth:`engine.attention.DecodeAttention.prefetch`); ``prefetch`` vs ``hierarchical``
   is the step time with and without the copy stream hiding prefetch. Its ``misses`` are
@@ -220,6 +220,7 @@ class BenchSpec:
     time_limit_s: float | None = None
     corpus_dir: Path | None = None
     corpus_tokens: Path | None = None
+    prefetch_pages: int | None = None
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the bad setting."""
@@ -228,6 +229,7 @@ class BenchSpec:
             raise ConfigError(f"modes {bad or '(none)'}: choose from {', '.join(MODES)}")
         if self.soak_steps and self.soak_mode not in MODES:
             raise ConfigError(f"soak mode {self.soak_mode!r} is not one of {', '.join(MODES)}")
+        self._validate_prefetch()
         if self.prefill not in PREFILL_METHODS:
             raise ConfigError(
                 f"prefill {self.prefill!r} is not one of {', '.join(PREFILL_METHODS)}"
@@ -247,6 +249,34 @@ class BenchSpec:
                     f"context {t} leaves no prompt after {self.decode_reserve} decode tokens"
                 )
 
+    def _validate_prefetch(self) -> None:
+        """``--prefetch-pages`` only with the prefetch mode, >= 1, and every mode's
+        config consistent (the prefetch mode's pages must fit the hot buffer)."""
+        runs = set(self.modes) | ({self.soak_mode} if self.soak_steps else set())
+        if self.prefetch_pages is not None:
+            if self.prefetch_pages < 1:
+                raise ConfigError(f"--prefetch-pages must be >= 1, got {self.prefetch_pages}")
+            if "prefetch" not in runs:
+                raise ConfigError(
+                    "--prefetch-pages applies to the prefetch mode only; add prefetch to --modes"
+                )
+        for mode in sorted(runs):
+            problems = mode_config(self.config, mode, self.prefetch_pages).problems()
+            if not problems:
+                continue
+            where = f"mode {mode}"
+            if mode == "prefetch":
+                m = mode_config(self.config, mode, self.prefetch_pages).prefetch_pages
+                if self.prefetch_pages is not None:
+                    source = "--prefetch-pages"
+                elif self.config.prefetch_pages:
+                    source = "the preset's prefetch_pages"
+                else:
+                    source = "the default: a quarter of the top-k pages, at most the hot "
+                    source += "buffer's spare pages"
+                where = f"mode prefetch with {m} prefetch pages ({source})"
+            raise ConfigError(f"{where}: " + "; ".join(p.message for p in problems))
+
     @property
     def decode_reserve(self) -> int:
         """Tokens each job may decode (warm-up, timed, instrumented and soak steps), whole
@@ -257,10 +287,21 @@ class BenchSpec:
         return -(-(max(sweep, soak) + 1) // s) * s
 
 
-def mode_config(base: EngineConfig, mode: str) -> EngineConfig:
-    """The engine config of ``mode`` (see the module notes); only ``prefetch`` keeps or
-    sets ``prefetch_pages``."""
-    prefetch = base.prefetch_pages or max(1, round(base.top_k_pages * DEFAULT_PREFETCH_FRACTION))
+def default_prefetch_pages(base: EngineConfig) -> int:
+    """Prefetch pages of the ``prefetch`` mode when none are given:
+    :data:`DEFAULT_PREFETCH_FRACTION` of the top-k pages, at most the hot buffer's pages
+    beyond what one step selects, at least 1."""
+    share = round(base.top_k_pages * DEFAULT_PREFETCH_FRACTION)
+    return max(1, min(share, base.buffer_pages - base.max_selected_pages))
+
+
+def mode_config(
+    base: EngineConfig, mode: str, prefetch_pages: int | None = None
+) -> EngineConfig:
+    """The engine config of ``mode`` (see the module notes); only ``prefetch`` has
+    ``prefetch_pages``: ``prefetch_pages`` if given, else the base config's, else
+    :func:`default_prefetch_pages`."""
+    prefetch = prefetch_pages or base.prefetch_pages or default_prefetch_pages(base)
     changes = {
         "dense": {"attention": "dense", "hierarchical": False, "skip_host_io": False},
         "sparse": {"attention": "sparse", "hierarchical": False, "skip_host_io": False},
@@ -334,7 +375,7 @@ def _decode_timed(
     dev = engine.cache.device
     hits = torch.zeros((), dtype=torch.int64, device=dev)
     misses = torch.zeros((), dtype=torch.int64, device=dev)
-    prefetched0 = int(engine.attn.prefetched)
+    prefetched = torch.zeros((), dtype=torch.int64, device=dev)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -344,18 +385,19 @@ def _decode_timed(
         if step_hits is not None and step_misses is not None:
             hits += step_hits.sum()
             misses += step_misses.sum()
-    return times, int(hits), int(misses), int(engine.attn.prefetched) - prefetched0
+        if engine.attn.prefetched is not None:
+            prefetched += engine.attn.prefetched.sum()
+    return times, int(hits), int(misses), int(prefetched)
 
 
 def _step_loaded_bytes(engine: Engine, reqs: list[Request]) -> int:
     """One decode step; the bytes it moved host -> device (missed and prefetched records;
     0 with ``skip_host_io``)."""
-    before = int(engine.attn.prefetched)
     _step(engine, reqs)
-    if engine.config.skip_host_io or engine.attn.misses is None:
+    attn = engine.attn
+    if engine.config.skip_host_io or attn.misses is None or attn.prefetched is None:
         return 0
-    loaded = int(engine.attn.misses.sum()) + int(engine.attn.prefetched) - before
-    return loaded * engine.cache.record_bytes
+    return int(attn.misses.sum() + attn.prefetched.sum()) * engine.cache.record_bytes
 
 
 def _profile(engine: Engine, reqs: list[Request], steps: int) -> dict[str, Any]:
@@ -568,7 +610,7 @@ def build_mode_engine(
 ) -> ModeEngine:
     """The engine of ``mode`` for ``context``: resident modes get a fresh budget-sized
     pool; the hierarchical modes share one host pool for the whole run (``shared``)."""
-    cfg = mode_config(spec.config, mode)
+    cfg = mode_config(spec.config, mode, spec.prefetch_pages)
     pages_per_job = context // cfg.page_size
     if not cfg.hierarchical or cfg.attention == "dense":
         cfg, cache, sizing = budget_cache(model, cfg, context)
@@ -949,7 +991,9 @@ def _report_skeleton(
         "torch": torch.__version__,
         "memory_budget_gb": spec.config.memory_budget_gb,
         "modes": list(spec.modes),
-        "mode_configs": {m: mode_config(spec.config, m).to_dict() for m in spec.modes},
+        "mode_configs": {
+            m: mode_config(spec.config, m, spec.prefetch_pages).to_dict() for m in spec.modes
+        },
         "contexts_requested": list(spec.contexts),
         "concurrency": list(spec.concurrency),
         "decode_steps": spec.decode_steps,

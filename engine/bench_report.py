@@ -150,6 +150,8 @@ def point_line(row: dict[str, Any]) -> str:
         f"{row['peak_gpu_bytes'] / GIB:6.2f} GiB" if row["peak_gpu_bytes"] is not None else "   -  "
     )
     roof = row["roofline"]["measured_over_roofline"]
+    prefetched = row.get("prefetched")
+    pf = f"  prefetched {prefetched / row['decode_steps']:.0f}/step" if prefetched else ""
     stop = (
         f"  [admission stopped at {row['admitted']}]"
         if row["status"] == "admission_stopped"
@@ -158,7 +160,7 @@ def point_line(row: dict[str, Any]) -> str:
     return (
         f"{head} {row['decode_tok_s']:9.1f} tok/s  step p50 {row['step_ms_p50']:7.2f} ms p99 "
         f"{row['step_ms_p99']:7.2f} ms  hit {hit}  h2d {row['h2d_gbps']:6.2f} GB/s  peak {peak}"
-        f"  x{roof:.1f} roofline{stop}"
+        f"  x{roof:.1f} roofline{pf}{stop}"
     )
 
 

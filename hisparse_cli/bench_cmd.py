@@ -54,9 +54,10 @@ ModesOpt = Annotated[
 PrefetchOpt = Annotated[
     int | None,
     typer.Option(
-        min=0,
-        help="Near-miss pages per (job, layer, KV head) the prefetch mode loads "
-        "(default: a quarter of the top-k pages).",
+        min=1,
+        help="Near-miss pages per (job, layer, KV head) the prefetch mode loads, >= 1 "
+        "(default: a quarter of the top-k pages, at most the hot buffer's spare pages); "
+        "only with --modes ...,prefetch.",
         rich_help_panel=BENCH,
     ),
 ]
@@ -217,7 +218,6 @@ def bench_command(
         "device_buffer": device_buffer,
         "sink_tokens": sink_tokens,
         "local_window": local_window,
-        "prefetch_pages": prefetch_pages,
     }
     try:
         config = resolve_config(preset or _default_preset(), {}, overrides)
@@ -244,6 +244,7 @@ def bench_command(
             host_pool_gb=host_pool,
             time_limit_s=time_limit,
             corpus_tokens=corpus_tokens,
+            prefetch_pages=prefetch_pages,
         )
         spec.validate()
         if model.startswith("synthetic:"):

@@ -330,6 +330,41 @@ def test_bad_arguments_exit_2(tmp_path):
     assert result.exit_code == 2 and "cannot replot" in result.output
 
 
+def test_prefetch_arguments(tmp_path):
+    """``--prefetch-pages`` must be >= 1 and come with the prefetch mode; a prefetch that
+    does not fit the hot buffer (given or default) is refused up front, naming where the
+    value came from; the default shrinks to the buffer's spare pages."""
+    from engine.bench import BenchSpec, default_prefetch_pages, mode_config
+    from engine.config import ConfigError, EngineConfig
+
+    app = typer.Typer()
+    register(app)
+
+    @app.callback()
+    def main() -> None:
+        """Keep ``bench`` a named sub-command."""
+
+    base = ["bench", "--out", str(tmp_path), "--preset", "cpu", "--memory-budget", "2"]
+    small = ["--top-k-tokens", "256", "--device-buffer", "256"]  # no spare slot
+    cases = [
+        ([*base, "--modes", "prefetch", "--prefetch-pages", "0"], "--prefetch-pages"),
+        ([*base, "--modes", "hierarchical", "--prefetch-pages", "4"], "add prefetch to --modes"),
+        ([*base, *small, "--modes", "hierarchical,prefetch"], "(the default"),
+        ([*base, *small, "--modes", "prefetch", "--prefetch-pages", "2"], "(--prefetch-pages)"),
+    ]
+    for args, words in cases:
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and words in result.output, (args, result.output)
+    cfg = EngineConfig(top_k=256, device_buffer=320, page_size=16, local_window=32)
+    assert default_prefetch_pages(cfg) == 4  # a quarter of 16 pages; 4 spare slots
+    assert default_prefetch_pages(cfg.replace(device_buffer=288)) == 2  # 2 spare slots
+    assert mode_config(cfg, "prefetch", 3).prefetch_pages == 3
+    assert mode_config(cfg.replace(prefetch_pages=3), "hierarchical").prefetch_pages == 0
+    spec = BenchSpec("synthetic:tiny", cfg, (4096,), (1,), tmp_path, modes=("prefetch",))
+    with pytest.raises(ConfigError, match="memory-budget"):
+        spec.validate()  # the prefetch checks pass; the next one fails
+
+
 def test_pretokenized_corpus_needs_no_tokenizer(tmp_path, tiny, corpus_dir):
     from engine.bench_kv import read_corpus_tokens, write_corpus_tokens
 
