@@ -53,19 +53,38 @@ DEFAULT_CONFIGS = (
 
 
 def parse_configs(text: str) -> tuple[tuple[int, int, int], ...]:
-    """``"256:512:0,256:512:4"`` -> ``((256, 512, 0), (256, 512, 4))``."""
-    out = []
+    """``"256:512:0,256:512:4"`` -> ``((256, 512, 0), (256, 512, 4))``, each a valid engine
+    config, each (top_k, buffer) pair's baseline (prefetch 0) first.
+
+    Raises
+    ------
+    argparse.ArgumentTypeError
+        Naming the bad item (argparse then exits with status 2).
+    """
+    out: list[tuple[int, int, int]] = []
     for item in text.split(","):
         parts = item.strip().split(":")
-        if len(parts) != 3:
-            raise SystemExit(f"--configs item {item!r} is not TOP_K:BUFFER:PREFETCH")
-        out.append(tuple(int(p) for p in parts))
+        try:
+            top_k, buffer, prefetch = (int(p) for p in parts)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"item {item!r} is not TOP_K:BUFFER:PREFETCH (three integers)"
+            ) from None
+        problems = config_for(top_k, buffer, prefetch).problems()
+        if problems:
+            raise argparse.ArgumentTypeError(f"item {item!r}: {problems[0]}")
+        if prefetch and (top_k, buffer, 0) not in out:
+            raise argparse.ArgumentTypeError(
+                f"item {item!r} needs its baseline {top_k}:{buffer}:0 before it"
+            )
+        out.append((top_k, buffer, prefetch))
     return tuple(out)
 
 
-def decode_run(ids: list[int], top_k: int, buffer: int, prefetch: int, steps: int, warmup: int):
-    """Greedy tokens and (misses, hits, prefetched) over the steps after ``warmup``."""
-    cfg = EngineConfig(
+def config_for(top_k: int, buffer: int, prefetch: int) -> EngineConfig:
+    """The hierarchical CPU engine config of one measured point (page 16, sink 16,
+    window 32, one request)."""
+    return EngineConfig(
         attention="sparse",
         hierarchical=True,
         indexer="quest",
@@ -78,17 +97,20 @@ def decode_run(ids: list[int], top_k: int, buffer: int, prefetch: int, steps: in
         host_pool_gb=1.0,
         max_batch=1,
     )
-    eng = load_engine(cfg, None)
+
+
+def decode_run(ids: list[int], top_k: int, buffer: int, prefetch: int, steps: int, warmup: int):
+    """Greedy tokens and (hits, misses, prefetched) over the steps after ``warmup``."""
+    eng = load_engine(config_for(top_k, buffer, prefetch), None)
     req = eng.open_request(Job("p", tuple(ids), SamplingParams(max_tokens=steps + 1)))
     eng.prefill(req)
     hits = misses = prefetched = 0
     for step in range(steps):
-        before = int(eng.attn.prefetched)
         req.generated.append(eng.decode_step([req])[0])
         if step >= warmup:
             hits += int(eng.attn.hits.sum())
             misses += int(eng.attn.misses.sum())
-            prefetched += int(eng.attn.prefetched) - before
+            prefetched += int(eng.attn.prefetched.sum())
     eng.cache.check_integrity()
     tokens = list(req.generated)
     eng.close_request(req)
@@ -99,23 +121,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--doc", default="howto-sorting.txt", help="corpus file name")
     ap.add_argument("--chars", type=int, default=40000, help="characters of the document kept")
-    ap.add_argument("--steps", type=int, default=48)
-    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument(
+        "--steps", type=int, default=48, help="greedy decode steps per point (default 48)"
+    )
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=8,
+        help="first steps left out of the counts (default 8; counted = steps - warmup)",
+    )
     ap.add_argument(
         "--configs",
         type=parse_configs,
         default=DEFAULT_CONFIGS,
         help="TOP_K:BUFFER:PREFETCH,... in tokens, tokens, pages (each top_k/buffer pair "
-        "needs a PREFETCH=0 entry first: the baseline)",
+        "needs a PREFETCH=0 entry first: the baseline; default "
+        + ",".join(":".join(map(str, c)) for c in DEFAULT_CONFIGS)
+        + ")",
     )
-    ap.add_argument("--out", type=Path, default=Path("prefetch_cpu.json"))
+    ap.add_argument("--out", type=Path, default=Path("prefetch_cpu.json"), help="JSON report path")
     args = ap.parse_args()
+    if not 0 <= args.warmup < args.steps:
+        ap.error(f"--warmup {args.warmup} must be >= 0 and below --steps {args.steps}")
 
     text = (corpus_dir() / args.doc).read_text(encoding="utf-8")[: args.chars]
     tok = load_engine(EngineConfig(), None).tokenizer
     ids = tok.encode_chat([{"role": "user", "content": "Summarize this document:\n\n" + text}])
     rows, base = [], {}
-    print(f"{args.doc}: {len(ids)} prompt tokens, {args.steps} steps ({args.warmup} warm-up)")
+    counted = args.steps - args.warmup
+    print(f"{args.doc}: {len(ids)} prompt tokens, {counted} steps counted after {args.warmup}")
     print(
         f"{'top_k':>6} {'buffer':>7} {'pf':>4} {'miss rate':>9} {'misses':>7} "
         f"{'prefetched':>10} {'saved':>6} {'loads/saved':>11} same"
