@@ -140,6 +140,16 @@ def int4_linear_ref(
 
 
 @triton.jit
+def _load_repeated(rows, idx, mask, BLOCK_N: tl.constexpr, N: tl.constexpr, REP: tl.constexpr):
+    """Per-row values ``rows[:, idx]`` (``rows`` ``[BLOCK_N, 1]`` pointers, ``idx`` ``[N]``,
+    0 where ``mask`` is false) as float32, each repeated ``REP`` times along the row:
+    ``[BLOCK_N, N * REP]`` (a scale or minimum per block or group, spread over its bytes
+    in registers)."""
+    v = tl.load(rows + idx[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.reshape(tl.broadcast_to(v[:, :, None], [BLOCK_N, N, REP]), [BLOCK_N, N * REP])
+
+
+@triton.jit
 def _q4_linear_kernel(
     x_ptr,
     qs_ptr,
@@ -222,14 +232,8 @@ def _q4_linear_kernel(
                 NG: tl.constexpr = BLOCK_K // GROUP
                 cols = kt * NG + tl.arange(0, NG)
                 mask_c = mask_n[:, None] & (cols < K // GROUP)[None, :]
-                scale = tl.load(d_rows + cols[None, :], mask=mask_c, other=0.0).to(tl.float32)
-                scale = tl.reshape(
-                    tl.broadcast_to(scale[:, :, None], [BLOCK_N, NG, GROUP // 2]), [BLOCK_N, HALF]
-                )
-                low = tl.load(m_rows + cols[None, :], mask=mask_c, other=0.0).to(tl.float32)
-                low = tl.reshape(
-                    tl.broadcast_to(low[:, :, None], [BLOCK_N, NG, GROUP // 2]), [BLOCK_N, HALF]
-                )
+                scale = _load_repeated(d_rows, cols, mask_c, BLOCK_N, NG, GROUP // 2)
+                low = _load_repeated(m_rows, cols, mask_c, BLOCK_N, NG, GROUP // 2)
             w_lo = (qb & 15).to(tl.float32) * scale + low
             w_hi = (qb >> 4).to(tl.float32) * scale + low
             # Elements 2j and 2j + 1 of the tile: one contiguous load, split in registers.
@@ -245,20 +249,14 @@ def _q4_linear_kernel(
                 # One scale per byte, gathered (the repeats hit L1): no register reshuffle.
                 scale = tl.load(d_rows + blk_i[None, :], mask=mask_ni, other=0.0).to(tl.float32)
             else:
-                scale = tl.load(d_rows + blk[None, :], mask=mask_nb, other=0.0).to(tl.float32)
-                scale = tl.reshape(
-                    tl.broadcast_to(scale[:, :, None], [BLOCK_N, NB, 16]), [BLOCK_N, HALF]
-                )
+                scale = _load_repeated(d_rows, blk, mask_nb, BLOCK_N, NB, 16)
             lo = (qb & 15).to(tl.float32)
             hi = (qb >> 4).to(tl.float32)
             if HAS_MIN:
                 if GATHER_SCALES:
                     low = tl.load(m_rows + blk_i[None, :], mask=mask_ni, other=0.0).to(tl.float32)
                 else:
-                    low = tl.load(m_rows + blk[None, :], mask=mask_nb, other=0.0).to(tl.float32)
-                    low = tl.reshape(
-                        tl.broadcast_to(low[:, :, None], [BLOCK_N, NB, 16]), [BLOCK_N, HALF]
-                    )
+                    low = _load_repeated(m_rows, blk, mask_nb, BLOCK_N, NB, 16)
                 w_lo = lo * scale + low
                 w_hi = hi * scale + low
             else:
