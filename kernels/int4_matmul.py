@@ -277,113 +277,10 @@ def _q4_linear_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-# Exact small integers as 16-bit floats from integer ops alone: ``bits | q`` read as the
-# float is ``MAGIC + q`` for ``q`` in 0..15 (bf16 has 7 mantissa bits at 128, fp16 10 at
-# 1024), so no int->float conversion instruction (a sixteenth of the FMA rate on recent
-# GPUs) runs per weight. The same trick as FasterTransformer's and Marlin's int4 kernels
-# (Frantar et al., "MARLIN", 2024, section 4).
-_MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
-
-
-@triton.jit
-def _group_q4_dot_kernel(
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    o_ptr,
-    y_ptr,
-    M,
-    N,
-    K,
-    stride_x_m,
-    stride_q_n,
-    stride_s_n,
-    stride_o_n,
-    stride_y_s,
-    stride_y_m,
-    split_k,
-    MAGIC_BITS: tl.constexpr,
-    MAGIC: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """One (M tile, N tile, K split) of ``x @ W.T`` for the :class:`engine.quant.Int4Weight`
-    layout with 16-bit ``x``, the scales applied after the dot.
-
-    Per group ``G`` of a row ``n``: ``sum_k x_k (s q_k + o) = s * sum_k x_k q_k + o *
-    sum_k x_k``. The nibbles become ``MAGIC + q`` in ``x``'s dtype by integer ops, the
-    tensor cores take ``x . (MAGIC + q)`` in fp32, and the group's term is ``s * dot + (o -
-    MAGIC * s) * sum(x)``. A tile holds ``NG = BLOCK_K / GS`` group slices (``GS = min(GROUP,
-    BLOCK_K)``), one batched dot of ``NG`` each.
-    """
-    pid_mn = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid_mn // grid_n
-    pid_n = pid_mn % grid_n
-    HALF: tl.constexpr = BLOCK_K // 2
-    GS: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
-    NG: tl.constexpr = BLOCK_K // GS
-    HG: tl.constexpr = GS // 2
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_i = tl.arange(0, HALF)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kt in range(pid_k, tl.cdiv(K, BLOCK_K), split_k):
-        byte_i = kt * HALF + offs_i
-        qb = tl.load(
-            q_ptr + offs_n[:, None] * stride_q_n + byte_i[None, :],
-            mask=mask_n[:, None] & (byte_i < K // 2)[None, :],
-            other=0,
-        )
-        lo = ((qb & 15).to(tl.int16) | MAGIC_BITS).to(x_ptr.dtype.element_ty, bitcast=True)
-        hi = ((qb >> 4).to(tl.int16) | MAGIC_BITS).to(x_ptr.dtype.element_ty, bitcast=True)
-        offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-        x_tile = tl.load(
-            x_ptr + offs_m[:, None] * stride_x_m + offs_k[None, :],
-            mask=mask_m[:, None] & (offs_k < K)[None, :],
-            other=0.0,
-        )
-        x_lo, x_hi = tl.split(tl.reshape(x_tile, [BLOCK_M, HALF, 2]))
-        cols = (kt * BLOCK_K) // GROUP + (tl.arange(0, NG) * GS) // GROUP  # [NG]
-        mask_c = mask_n[:, None] & (cols < K // GROUP)[None, :]
-        scale = tl.load(s_ptr + offs_n[:, None] * stride_s_n + cols[None, :], mask=mask_c, other=0.0)
-        low = tl.load(o_ptr + offs_n[:, None] * stride_o_n + cols[None, :], mask=mask_c, other=0.0)
-        scale = scale.to(tl.float32)  # [BLOCK_N, NG]
-        shift = low.to(tl.float32) - MAGIC * scale
-        if NG == 1:
-            part = tl.dot(x_lo, tl.trans(lo))
-            part = tl.dot(x_hi, tl.trans(hi), part)
-            xsum = tl.sum(x_lo.to(tl.float32) + x_hi.to(tl.float32), axis=1)  # [BLOCK_M]
-            acc += part * tl.reshape(scale, [1, BLOCK_N]) + xsum[:, None] * tl.reshape(
-                shift, [1, BLOCK_N]
-            )
-        else:
-            w_lo = tl.permute(tl.reshape(lo, [BLOCK_N, NG, HG]), (1, 2, 0))  # [NG, HG, BN]
-            w_hi = tl.permute(tl.reshape(hi, [BLOCK_N, NG, HG]), (1, 2, 0))
-            a_lo = tl.permute(tl.reshape(x_lo, [BLOCK_M, NG, HG]), (1, 0, 2))  # [NG, BM, HG]
-            a_hi = tl.permute(tl.reshape(x_hi, [BLOCK_M, NG, HG]), (1, 0, 2))
-            part = tl.dot(a_lo, w_lo)
-            part = tl.dot(a_hi, w_hi, part)  # [NG, BM, BN]
-            xsum = tl.sum(a_lo.to(tl.float32) + a_hi.to(tl.float32), axis=2)  # [NG, BM]
-            term = part * tl.trans(scale)[:, None, :] + xsum[:, :, None] * tl.trans(shift)[:, None, :]
-            acc += tl.sum(term, axis=0)
-    y = y_ptr + pid_k * stride_y_s + offs_m[:, None] * stride_y_m + offs_n[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
 @dataclass(frozen=True)
 class Q4Config:
-    """Tile shape of :func:`int4_linear` and :func:`group_int4_linear` (``BLOCK_K`` a
-    multiple of 32); ``gather_scales`` loads one scale per weight byte instead of
-    broadcasting one per block in registers (block layout only); ``scale_after_dot``
-    runs :func:`group_int4_linear` with 16-bit activations and groups of 32 or more through
-    the kernel that applies the scales after the dot (``False``: dequantise each weight in
-    fp32 first, the older kernel, kept for comparison)."""
+    """Tile shape of :func:`int4_linear` (``BLOCK_K`` a multiple of 32); ``gather_scales``
+    loads one scale per weight byte instead of broadcasting one per block in registers."""
 
     block_m: int
     block_n: int
@@ -392,7 +289,6 @@ class Q4Config:
     num_warps: int = 4
     num_stages: int = 3
     gather_scales: bool = False
-    scale_after_dot: bool = True
 
 
 def q4_config(m: int, n: int, k: int, device: torch.device) -> Q4Config:
@@ -460,36 +356,6 @@ def _launch(x, qs, d, m, config, *, interleaved: bool, group: int) -> torch.Tens
     split = cfg.split_k
     y = out if split == 1 else torch.empty((split, rows, n), dtype=torch.float32, device=x.device)
     grid = (-(-rows // cfg.block_m) * -(-n // cfg.block_n), split)
-    if interleaved and cfg.scale_after_dot and x.dtype in _MAGIC and group >= 32:
-        bits, magic = _MAGIC[x.dtype]
-        _group_q4_dot_kernel[grid](
-            x2,
-            qs,
-            d,
-            m,
-            y,
-            rows,
-            n,
-            k,
-            x2.stride(0),
-            qs.stride(0),
-            d.stride(0),
-            m.stride(0),
-            0 if split == 1 else y.stride(0),
-            y.stride(-2),
-            split,
-            MAGIC_BITS=bits,
-            MAGIC=magic,
-            GROUP=group,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
-        if split > 1:
-            out = y.sum(0).to(x.dtype)
-        return out.reshape(*x.shape[:-1], n)
     _q4_linear_kernel[grid](
         x2,
         qs,

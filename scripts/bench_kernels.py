@@ -15,11 +15,7 @@ Sections (``--sections``, comma-separated; all by default):
   Q4_0/Q4_1 kernel on SmolLM2-135M and 8B-class shapes;
 * ``int4_decode`` — one layer's four linears of qwen2.5-7b and llama3.1-8b through the
   engine's ``Int4Linear`` regimes (tinygemm, Triton over the source weight, dequantise +
-  GEMM) at decode batch sizes 1-48: where ``TRITON_MIN_ROWS`` belongs;
-* ``int4_tune`` (not in the default list) — each linear of qwen2.5-7b and the
-  seed's llama2-13b (8 KV heads) at decode batch sizes 1-32: tinygemm, the fp32-dequantising
-  Triton kernel and a tile sweep of the scale-after-dot kernel, with the weight bytes over
-  the time against the device-copy ceiling: where ``q4_config``'s defaults come from.
+  GEMM) at decode batch sizes 1-48: where ``TRITON_MIN_ROWS`` belongs.
 
 Timing: CUDA events around CUDA-graph replays of ``inner`` calls (launch gaps removed),
 after warm-up, median of ``reps``; inputs rotate over enough copies to exceed the L2 cache.
@@ -613,119 +609,6 @@ def bench_int4_decode(out: dict) -> None:
         torch.cuda.empty_cache()
 
 
-# --- int4 tile sweep (scale after the dot) ----------------------------------------------
-
-TUNE_LAYERS = {
-    "qwen2.5-7b": DECODE_LAYERS["qwen2.5-7b"],
-    "llama2-13b": [(5120 + 2 * 1024, 5120), (5120, 5120), (2 * 13824, 5120), (5120, 13824)],
-}
-TUNE_MS = [1, 4, 8, 16, 32]
-
-
-def tune_candidates(m: int, n: int, k: int) -> list[Q4Config]:
-    """Tiles of the scale-after-dot kernel tried for one ``(M, N, K)``: N tile x K tile x
-    split-K at 4 warps and 3 stages (split-K capped to the K tiles)."""
-    bm = 16 if m <= 16 else 32
-    cands = []
-    for bn in (64, 128):
-        for bk in (128, 256):
-            tiles = -(-k // bk)
-            for split in (1, 4, 16):
-                if split <= tiles:
-                    cands.append(Q4Config(bm, bn, bk, split, num_warps=4, num_stages=3))
-    return cands
-
-
-def bench_int4_tune(out: dict, ceiling_gbps: float) -> None:
-    """Per linear and decode batch size: tinygemm, the fp32-dequantising Triton kernel
-    (``scale_after_dot=False``, default tiles), the scale-after-dot kernel at the default
-    tiles, and the best tile of :func:`tune_candidates`, then that tile at 8 warps and at 4
-    stages. GB/s counts the 4-bit weight and its fp32 scales and minimums once."""
-    from engine.quant import Int4Linear, quantize_int4
-    from kernels.int4_matmul import group_int4_linear
-
-    gen = torch.Generator(device=DEV).manual_seed(9)
-    rows = out.setdefault("int4_tune", [])
-    for model, shapes in TUNE_LAYERS.items():
-        for n, k in shapes:
-            w = quantize_int4(torch.randn(n, k, generator=gen, device=DEV) * 0.02)
-            wbytes = w.q.nbytes + w.scale.nbytes + w.offset.nbytes
-            lins = [Int4Linear(w, None, torch.device(DEV), torch.bfloat16)]
-            lins += [
-                Int4Linear(
-                    quantize_int4(torch.randn(n, k, generator=gen, device=DEV) * 0.02),
-                    None,
-                    torch.device(DEV),
-                    torch.bfloat16,
-                )
-                for _ in range(copies_for(wbytes, cap=8) - 1)
-            ]
-            for m in TUNE_MS:
-                x = torch.randn(m, k, generator=gen, device=DEV).bfloat16()
-                ref = x.float() @ lins[0].source.dequantize().T
-
-                def tri(cfg, lins=lins, x=x):
-                    return [
-                        lambda s=lin.source: group_int4_linear(
-                            x, s.q, s.scale, s.offset, s.group_size, config=cfg
-                        )
-                        for lin in lins
-                    ]
-
-                default = q4_config(m, n, k, DEV)
-                row = {"model": model, "n": n, "k": k, "m": m, "weight_bytes": wbytes}
-                row["tinygemm_us"] = time_us(
-                    [
-                        lambda lin=lin, x=x: torch.ops.aten._weight_int4pack_mm(
-                            x, lin.packed, lin.group_size, lin.scales_and_zeros
-                        )
-                        for lin in lins
-                    ],
-                    reps=5,
-                )
-                old = dataclasses.replace(default, scale_after_dot=False)
-                row["fp32_dequant_us"] = time_us(tri(old), reps=5)
-                row["default"] = dataclasses.asdict(default)
-                row["default_us"] = time_us(tri(default), reps=5)
-                y = tri(default)[0]()
-                row["rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
-                best = (math.inf, default)
-                failed = row.setdefault("failed", [])
-
-                def consider(cfg, best, failed=failed, tri=tri):
-                    try:
-                        us = time_us(tri(cfg), reps=5)
-                    except Exception as err:  # noqa: BLE001 - e.g. out of shared memory
-                        failed.append([dataclasses.asdict(cfg), type(err).__name__])
-                        torch.cuda.synchronize()
-                        return best
-                    return (us, cfg) if us < best[0] else best
-
-                for cfg in tune_candidates(m, n, k):
-                    best = consider(cfg, best)
-                base = best[1]
-                for cfg in (
-                    dataclasses.replace(base, num_warps=8),
-                    dataclasses.replace(base, num_stages=4),
-                    dataclasses.replace(base, num_stages=2),
-                ):
-                    best = consider(cfg, best)
-                row["best_us"], row["best"] = best[0], dataclasses.asdict(best[1])
-                row["best_gbps"] = wbytes / best[0] / 1e3
-                row["best_of_ceiling"] = row["best_gbps"] / ceiling_gbps
-                rows.append(row)
-                b = best[1]
-                print(
-                    f"  {model} {n}x{k} M={m:2d}: tinygemm {row['tinygemm_us']:6.1f} | fp32-deq "
-                    f"{row['fp32_dequant_us']:6.1f} | default {row['default_us']:6.1f} | best "
-                    f"{best[0]:6.1f} ({b.block_m},{b.block_n},{b.block_k}) split {b.split_k} "
-                    f"w{b.num_warps} s{b.num_stages} | {row['best_gbps']:5.0f} GB/s",
-                    flush=True,
-                )
-            del lins
-            torch.cuda.empty_cache()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="write results as JSON here")
@@ -769,8 +652,6 @@ def main() -> int:
                 bench_int4(res)
             elif name == "int4_decode":
                 bench_int4_decode(res)
-            elif name == "int4_tune":
-                bench_int4_tune(res, res["ceilings"]["device_copy_gbps"])
             else:
                 raise ValueError(f"unknown section {name}")
         except Exception:  # noqa: BLE001 - keep the other sections
