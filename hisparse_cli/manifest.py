@@ -119,7 +119,11 @@ class Manifest:
     engine_origin: Entry | None = None
 
 
-def load_manifest(path: Path | str, overrides: Mapping[str, Any] | None = None) -> Manifest:
+def load_manifest(
+    path: Path | str,
+    overrides: Mapping[str, Any] | None = None,
+    earlier_ids: Mapping[Path, str] | None = None,
+) -> Manifest:
     """Read and validate a YAML or JSONL manifest.
 
     Parameters
@@ -129,6 +133,9 @@ def load_manifest(path: Path | str, overrides: Mapping[str, Any] | None = None) 
     overrides
         Job fields from command-line flags (``None`` values are ignored); they beat
         the manifest.
+    earlier_ids
+        Ids earlier runs in the output directory derived, by resolved first input
+        (:func:`hisparse_cli.results.earlier_ids`): jobs without an ``id`` keep them.
 
     Raises
     ------
@@ -136,13 +143,14 @@ def load_manifest(path: Path | str, overrides: Mapping[str, Any] | None = None) 
         With every problem found.
     """
     path = Path(path)
-    return _build(read_manifest_file(path), path.parent, overrides)
+    return _build(read_manifest_file(path), path.parent, overrides, earlier_ids)
 
 
 def jobs_from_paths(
     patterns: Sequence[str],
     overrides: Mapping[str, Any] | None = None,
     base: Path | None = None,
+    earlier_ids: Mapping[Path, str] | None = None,
 ) -> Manifest:
     """One job per document (the short form ``hisparse run docs/*.txt``).
 
@@ -153,6 +161,8 @@ def jobs_from_paths(
         given twice yields one job.
     overrides
         Job fields from command-line flags.
+    earlier_ids
+        As for :func:`load_manifest`: a document keeps the id an earlier run gave it.
 
     Raises
     ------
@@ -166,7 +176,7 @@ def jobs_from_paths(
         entry = Entry(COMMAND_LINE, "", None, {"input": pattern})
         found = _expand(pattern, base, entry, raw.problems)
         files.extend(f for f in found if f not in files)
-    for ident, path in zip(derive_ids(files), files, strict=True):
+    for ident, path in zip(derive_ids(files, earlier=earlier_ids), files, strict=True):
         values = {"id": ident, "input": glob.escape(str(path))}
         raw.jobs.append(Entry(COMMAND_LINE, f"document {path}", None, values))
     return _build(raw, base, overrides)
@@ -175,7 +185,12 @@ def jobs_from_paths(
 # ----------------------------------------------------------------------------- build
 
 
-def _build(raw: RawManifest, base: Path, overrides: Mapping[str, Any] | None) -> Manifest:
+def _build(
+    raw: RawManifest,
+    base: Path,
+    overrides: Mapping[str, Any] | None,
+    earlier_ids: Mapping[Path, str] | None = None,
+) -> Manifest:
     problems = raw.problems
     values = {k: v for k, v in (overrides or {}).items() if v is not None}
     cli = _clean(Entry(COMMAND_LINE, "", None, values), problems, allowed=CLI_FLAGS)
@@ -184,7 +199,7 @@ def _build(raw: RawManifest, base: Path, overrides: Mapping[str, Any] | None) ->
     jobs = [_clean(e, problems, allowed=JOB_FIELDS) for e in raw.jobs]
     merged = [_merge([defaults, job, cli]) for job in jobs]
     inputs = [_job_inputs(m, job, base, problems) for m, job in zip(merged, jobs, strict=True)]
-    _assign_ids(merged, inputs, jobs)
+    _assign_ids(merged, inputs, jobs, earlier_ids)
     specs = [
         _spec(m, job, paths, problems) for m, job, paths in zip(merged, jobs, inputs, strict=True)
     ]
@@ -283,13 +298,18 @@ def _absolute(base: Path, path: str) -> Path:
     return Path(os.path.abspath(base / path))
 
 
-def _assign_ids(merged: list[Merged], inputs: list[list[Path]], jobs: list[Entry]) -> None:
+def _assign_ids(
+    merged: list[Merged],
+    inputs: list[list[Path]],
+    jobs: list[Entry],
+    earlier_ids: Mapping[Path, str] | None,
+) -> None:
     """Give jobs without an ``id`` one derived from their first input (a job whose
     ``id`` is invalid gets none, so it adds no follow-on problems)."""
     missing = [i for i, m in enumerate(merged) if "id" not in m and "id" not in jobs[i].invalid]
     missing = [i for i in missing if inputs[i]]
     taken = [m["id"][0] for m in merged if "id" in m]
-    derived = derive_ids([inputs[i][0] for i in missing], taken=taken)
+    derived = derive_ids([inputs[i][0] for i in missing], taken=taken, earlier=earlier_ids)
     for i, ident in zip(missing, derived, strict=True):
         merged[i]["id"] = (ident, jobs[i])
 

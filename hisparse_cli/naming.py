@@ -7,7 +7,9 @@ paths are slugs of the file stem (``_`` appended to a reserved device name:
 ``nul.bin`` -> ``nul_``); when two documents in different folders give the
 same slug, parent folder names are prepended one at a time until they differ; ids
 that still collide (same folder, e.g. ``a.txt`` and ``a.md``) get a short hash of the
-resolved path appended.
+resolved path appended. An id an earlier run in the same output directory derived for
+a document is kept while it is still free, so adding documents to a batch never renames
+(and so redoes) jobs already run.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 MAX_NAME_CHARS = 128
@@ -71,7 +73,9 @@ def slugify(text: str) -> str:
     return slug[:SLUG_MAX_CHARS].strip("-") or "doc"
 
 
-def derive_ids(paths: Sequence[Path], taken: Iterable[str] = ()) -> list[str]:
+def derive_ids(
+    paths: Sequence[Path], taken: Iterable[str] = (), earlier: Mapping[Path, str] | None = None
+) -> list[str]:
     """Unique ids for documents, one per path, stable for the same set of paths.
 
     Parameters
@@ -80,6 +84,11 @@ def derive_ids(paths: Sequence[Path], taken: Iterable[str] = ()) -> list[str]:
         Document paths (distinct files).
     taken
         Ids already in use (explicit ids from a manifest); derived ids avoid them.
+    earlier
+        Resolved document path -> the id an earlier run in the same output directory
+        gave its job. Such an id is kept when this function could have derived it for
+        that path (so never a manifest's own id) and it is neither taken nor kept for
+        another path; the other paths' ids avoid it.
 
     Returns
     -------
@@ -88,6 +97,16 @@ def derive_ids(paths: Sequence[Path], taken: Iterable[str] = ()) -> list[str]:
     """
     resolved = [Path(p).resolve() for p in paths]
     taken_set = {t.casefold() for t in taken}
+    kept: dict[int, str] = {}
+    for i, path in enumerate(resolved):
+        ident = (earlier or {}).get(path)
+        if ident is not None and ident.casefold() not in taken_set and derivable(path, ident):
+            kept[i] = ident
+            taken_set.add(ident.casefold())
+    if kept:
+        rest = [i for i in range(len(resolved)) if i not in kept]
+        fresh = derive_ids([resolved[i] for i in rest], taken_set)
+        return [kept[i] if i in kept else fresh[rest.index(i)] for i in range(len(resolved))]
     depths = [0] * len(resolved)
     while True:
         ids = [_candidate(p, d) for p, d in zip(resolved, depths, strict=True)]
@@ -103,6 +122,16 @@ def derive_ids(paths: Sequence[Path], taken: Iterable[str] = ()) -> list[str]:
         f"{ident}-{_short_hash(p)}" if i in clashing else ident
         for i, (ident, p) in enumerate(zip(ids, resolved, strict=True))
     ]
+
+
+def derivable(path: Path, ident: str) -> bool:
+    """Whether :func:`derive_ids` can give ``ident`` to the resolved ``path`` (its slug
+    with 0..all parent folders, with or without the path's short hash)."""
+    for depth in range(len(path.parent.parts)):
+        candidate = _candidate(path, depth)
+        if ident in (candidate, f"{candidate}-{_short_hash(path)}"):
+            return True
+    return False
 
 
 def _candidate(path: Path, depth: int) -> str:

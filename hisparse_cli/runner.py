@@ -48,6 +48,7 @@ from hisparse_cli.reporters import Reporter, make_reporter
 from hisparse_cli.results import (
     OutputDirBusy,
     ResultsLog,
+    earlier_ids,
     failure_record,
     lock_output_dir,
     result_record,
@@ -203,9 +204,10 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
         Everything that makes the run impossible, before anything is written.
     """
     check_request(request)
+    earlier = earlier_ids(request.output_dir) if request.output_dir.is_dir() else {}
     if request.manifest is not None:
         try:
-            manifest = load_manifest(request.manifest, request.job_overrides)
+            manifest = load_manifest(request.manifest, request.job_overrides, earlier)
         except ManifestError as exc:  # add the combined engine settings' problems, if any
             try:
                 resolve_engine_config(
@@ -217,7 +219,7 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
                 pass  # an unknown setting: already among the manifest's problems
             raise
     elif request.docs:
-        manifest = jobs_from_paths(request.docs, request.job_overrides)
+        manifest = jobs_from_paths(request.docs, request.job_overrides, earlier_ids=earlier)
     else:
         manifest = Manifest((), {})
     config = resolve_engine_config(

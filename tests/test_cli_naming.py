@@ -63,6 +63,20 @@ def test_same_stem_same_folder_falls_back_to_hash(tmp_path):
     assert len(set(ids)) == 3 and all(i.startswith("a") for i in ids)
 
 
+def test_earlier_ids_are_kept_when_documents_are_added(tmp_path):
+    a, b, c = tmp_path / "docs" / "a.txt", tmp_path / "other" / "a.txt", tmp_path / "docs" / "a.md"
+    assert derive_ids([a]) == ["a"]
+    assert derive_ids([a, b]) == ["docs-a", "other-a"]  # without the earlier run's names
+    assert derive_ids([a, b], earlier={a: "a"}) == ["a", "other-a"]
+    assert derive_ids([b, a, c], earlier={a: "a"}) == ["other-a", "a", "docs-a"]
+    # Never a name derive_ids could not give that path (a manifest's own id), nor a
+    # name an explicit id now takes.
+    assert derive_ids([a], earlier={a: "contract-1"}) == ["a"]
+    assert derive_ids([a], taken=["a"], earlier={a: "a"}) == ["docs-a"]
+    hashed = derive_ids([a, c])
+    assert derive_ids([a, c, b], earlier={a: hashed[0], c: hashed[1]})[:2] == hashed
+
+
 def test_derived_ids_avoid_taken(tmp_path):
     (derived,) = derive_ids([tmp_path / "sub" / "intro.txt"], taken=["intro"])
     assert derived == "sub-intro"

@@ -53,6 +53,21 @@ def test_changed_input_redoes_only_that_job(run, tmp_path):
     assert [r["id"] for r in lines(tmp_path)] == ["a", "b", "c", "b"]
 
 
+def test_adding_a_same_named_document_keeps_earlier_ids(run, tmp_path):
+    """Without the earlier run's names, ``docs/a.txt`` would become ``docs-a`` beside
+    ``other-a`` and be redone; it keeps ``a`` and is skipped."""
+    run()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "a.txt").write_text("another document a\n")
+    result, seen = run("other/a.txt")
+    assert result.exit_code == 0 and seen == ["other-a"]
+    assert [r["id"] for r in lines(tmp_path)] == ["a", "b", "c", "other-a"]
+    assert {p.name for p in (tmp_path / "hisparse-out").glob("*.txt")} == {
+        "a.txt", "b.txt", "c.txt", "other-a.txt"
+    }
+    assert run("other/a.txt")[1] == []
+
+
 def test_changed_settings_redo_all(run):
     run()
     assert run("--temperature", "0.3")[1] == ["a", "b", "c"]
