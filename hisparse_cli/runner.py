@@ -707,6 +707,8 @@ class BatchRun:
         record = result_record(base, result)
         if record["ok"]:
             write_text_atomic(self.output_dir / base["output"], result.text)
+        else:
+            self._flag_earlier_output(record)
         self.log.append(record)
 
     def _write_failure(self, job_id: str, error: str) -> None:
@@ -715,7 +717,22 @@ class BatchRun:
         if base is not None:
             row = self.tracker.state.jobs.get(job_id)
             tokens = self.prompt_tokens.get(job_id) or (row.prompt_tokens if row else 0)
-            self.log.append(failure_record({**base, "prompt_tokens": tokens or None}, error))
+            record = failure_record({**base, "prompt_tokens": tokens or None}, error)
+            self._flag_earlier_output(record)
+            self.log.append(record)
+
+    def _flag_earlier_output(self, record: dict[str, Any]) -> None:
+        """A job that ended without text leaves an earlier run's ``<output>`` as it was (its
+        text is on that run's results line): say so in ``record`` (``earlier_output``)
+        and in a warning, so the file is not taken for this run's result."""
+        path = self.output_dir / record["output"]
+        if path.is_file():
+            record["earlier_output"] = True
+            self.reporter.note(
+                f"{record['id']}: {path} is an earlier run's output, not this run's "
+                f"({record['finish_reason']})",
+                "warning",
+            )
 
     def _unadmitted_after_cancel(self, job_id: str) -> bool:
         row = self.tracker.state.jobs.get(job_id)

@@ -82,6 +82,17 @@ def test_failed_jobs_are_redone(run):
     assert result.exit_code == 0 and seen == ["b"]
 
 
+def test_failed_rerun_flags_the_earlier_output(run, tmp_path):
+    run()
+    before = (tmp_path / "hisparse-out" / "b.txt").read_text()
+    result, _ = run("--temperature", "0.3", engine_kwargs={"fail": {"b": "boom"}})
+    assert result.exit_code == 1
+    last = lines(tmp_path)[-3:]
+    assert {r["id"]: r.get("earlier_output") for r in last} == {"a": None, "b": True, "c": None}
+    assert (tmp_path / "hisparse-out" / "b.txt").read_text() == before  # nothing lost
+    assert "b.txt is an earlier run's output" in " ".join(result.stdout.split())
+
+
 def test_force_redoes_everything(run):
     run()
     assert run("--force")[1] == ["a", "b", "c"]
