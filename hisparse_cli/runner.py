@@ -56,6 +56,7 @@ from hisparse_cli.results import (
     write_text_atomic,
 )
 from hisparse_cli.settings import (
+    CONFIG_FILE,
     SettingsError,
     config_document,
     engine_flag,
@@ -490,9 +491,8 @@ class BatchRun:
             )
         try:
             with self.sigterm, lock_output_dir(self.output_dir):
-                save_config(self.output_dir, config_doc)
                 with ResultsLog(self.output_dir) as self.log:
-                    return self._run_locked()
+                    return self._run_locked(config_doc)
         except OutputDirBusy as exc:
             return _usage_failure(self.err_console, f"error: {exc}", [])
         except KeyboardInterrupt:
@@ -504,7 +504,7 @@ class BatchRun:
         first = self.cancel.signals[0] if self.cancel is not None and self.cancel.signals else None
         return first == signal.SIGTERM or (first is None and self.sigterm.received)
 
-    def _run_locked(self) -> int:
+    def _run_locked(self, config_doc: dict[str, Any]) -> int:
         planned = plan_jobs(
             self.manifest.jobs,
             self.config,
@@ -514,6 +514,11 @@ class BatchRun:
             self.request.force,
             self.request.allow_binary,
         )
+        runs = any(job.status != SKIP for job in planned)
+        if runs or not (self.output_dir / CONFIG_FILE).exists():
+            # config.json describes the run that wrote the latest results: a run that only
+            # skips jobs leaves the earlier one in place.
+            save_config(self.output_dir, config_doc)
         self.reporter = make_reporter(
             self.console, self.tracker, self.request.json_progress, self.clock
         )

@@ -75,6 +75,16 @@ def test_changed_settings_redo_all(run):
     assert run("--temperature", "0.3", "--top-k-tokens", "1024", "--max-batch", "2")[1] == []
 
 
+def test_all_skipped_run_keeps_the_config_of_the_run_that_wrote_the_results(run, tmp_path):
+    config = tmp_path / "hisparse-out" / "config.json"
+    run()
+    first = config.read_text()
+    assert run("--max-batch", "2")[1] == []  # output-neutral: every job skipped
+    assert config.read_text() == first
+    assert run("--temperature", "0.3", "--max-batch", "2")[1] == ["a", "b", "c"]
+    assert json.loads(config.read_text())["engine"]["max_batch"] == 2
+
+
 def test_failed_jobs_are_redone(run):
     result, _ = run(engine_kwargs={"fail": {"b": "boom"}})
     assert result.exit_code == 1
