@@ -48,6 +48,18 @@ _ACCEPTED_TYPES: dict[str, tuple[type, ...]] = {
     "dict[str, Any]": (dict,),
     "tuple[str, ...]": (list, tuple),
 }
+# The same words as the manifest's and the flags' messages ("must be an integer ...").
+_TYPE_WORDS = {
+    "str": "a string",
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "int | None": "an integer or null",
+    "float | None": "a number or null",
+    "bool | None": "true, false or null",
+    "dict[str, Any]": "a mapping",
+    "tuple[str, ...]": "a list of strings",
+}
 
 
 class PresetError(ConfigError):
@@ -280,14 +292,14 @@ def _check_keys(
 def _check_types(path: Path, prefix: str, block: dict[str, Any], cls: type) -> None:
     declared = {f.name: f.type for f in dataclasses.fields(cls)}
     for key, value in block.items():
-        accepted = _ACCEPTED_TYPES.get(str(declared[key]))
+        kind = str(declared[key])
+        accepted = _ACCEPTED_TYPES.get(kind)
         if accepted is None:
             continue
         wrong_bool = isinstance(value, bool) and bool not in accepted
         if wrong_bool or not isinstance(value, accepted):
             raise PresetError(
-                f"{path}: {prefix}{key} must be {declared[key]}, "
-                f"got {type(value).__name__} {value!r}"
+                f"{path}: {prefix}{key} must be {_TYPE_WORDS.get(kind, kind)}, got {value!r}"
             )
 
 

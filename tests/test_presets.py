@@ -172,7 +172,7 @@ def test_unknown_key_names_file_and_key(tmp_path, old, new, key):
 
 def test_wrong_type_names_file_and_key(tmp_path):
     path = _write(tmp_path, GOOD.replace("page_size: 32", "page_size: '32'"))
-    with pytest.raises(PresetError, match=r"mine\.yaml: engine\.page_size must be int"):
+    with pytest.raises(PresetError, match=r"mine\.yaml: engine\.page_size must be an integer, got"):
         load_preset(str(path))
 
 
