@@ -122,7 +122,7 @@ class Manifest:
 def load_manifest(
     path: Path | str,
     overrides: Mapping[str, Any] | None = None,
-    earlier_ids: Mapping[Path, str] | None = None,
+    earlier_ids: Mapping[tuple[Path, ...], str] | None = None,
 ) -> Manifest:
     """Read and validate a YAML or JSONL manifest.
 
@@ -134,8 +134,9 @@ def load_manifest(
         Job fields from command-line flags (``None`` values are ignored); they beat
         the manifest.
     earlier_ids
-        Ids earlier runs in the output directory derived, by resolved first input
-        (:func:`hisparse_cli.results.earlier_ids`): jobs without an ``id`` keep them.
+        Ids earlier runs in the output directory gave, by resolved inputs
+        (:func:`hisparse_cli.results.earlier_ids`): jobs without an ``id`` keep theirs
+        and avoid the others.
 
     Raises
     ------
@@ -150,7 +151,7 @@ def jobs_from_paths(
     patterns: Sequence[str],
     overrides: Mapping[str, Any] | None = None,
     base: Path | None = None,
-    earlier_ids: Mapping[Path, str] | None = None,
+    earlier_ids: Mapping[tuple[Path, ...], str] | None = None,
 ) -> Manifest:
     """One job per document (the short form ``hisparse run docs/*.txt``).
 
@@ -189,7 +190,7 @@ def _build(
     raw: RawManifest,
     base: Path,
     overrides: Mapping[str, Any] | None,
-    earlier_ids: Mapping[Path, str] | None = None,
+    earlier_ids: Mapping[tuple[Path, ...], str] | None = None,
 ) -> Manifest:
     problems = raw.problems
     values = {k: v for k, v in (overrides or {}).items() if v is not None}
@@ -302,14 +303,19 @@ def _assign_ids(
     merged: list[Merged],
     inputs: list[list[Path]],
     jobs: list[Entry],
-    earlier_ids: Mapping[Path, str] | None,
+    earlier_ids: Mapping[tuple[Path, ...], str] | None,
 ) -> None:
     """Give jobs without an ``id`` one derived from their first input (a job whose
     ``id`` is invalid gets none, so it adds no follow-on problems)."""
     missing = [i for i, m in enumerate(merged) if "id" not in m and "id" not in jobs[i].invalid]
     missing = [i for i in missing if inputs[i]]
     taken = [m["id"][0] for m in merged if "id" in m]
-    derived = derive_ids([inputs[i][0] for i in missing], taken=taken, earlier=earlier_ids)
+    derived = derive_ids(
+        [inputs[i][0] for i in missing],
+        taken=taken,
+        earlier=earlier_ids,
+        inputs=[inputs[i] for i in missing],
+    )
     for i, ident in zip(missing, derived, strict=True):
         merged[i]["id"] = (ident, jobs[i])
 

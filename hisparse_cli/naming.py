@@ -74,21 +74,29 @@ def slugify(text: str) -> str:
 
 
 def derive_ids(
-    paths: Sequence[Path], taken: Iterable[str] = (), earlier: Mapping[Path, str] | None = None
+    paths: Sequence[Path],
+    taken: Iterable[str] = (),
+    earlier: Mapping[tuple[Path, ...], str] | None = None,
+    inputs: Sequence[Sequence[Path]] | None = None,
 ) -> list[str]:
     """Unique ids for documents, one per path, stable for the same set of paths.
 
     Parameters
     ----------
     paths
-        Document paths (distinct files).
+        Document paths (distinct files): each job's first input.
     taken
         Ids already in use (explicit ids from a manifest); derived ids avoid them.
     earlier
-        Resolved document path -> the id an earlier run in the same output directory
-        gave its job. Such an id is kept when this function could have derived it for
-        that path (so never a manifest's own id) and it is neither taken nor kept for
-        another path; the other paths' ids avoid it.
+        A job's resolved inputs -> the id an earlier run in the same output directory
+        gave it (:func:`hisparse_cli.results.earlier_ids`). A job with the same inputs
+        keeps that id when this function could have derived it from its first input (so
+        never a manifest's own id) and it is neither taken nor kept for another job. The
+        ids of earlier jobs not in this batch whose first input still exists are avoided,
+        so a new document never takes over another document's output; a moved or deleted
+        document frees its id.
+    inputs
+        Each job's inputs, to look ``earlier`` up by (default: ``paths[i]`` alone).
 
     Returns
     -------
@@ -97,9 +105,18 @@ def derive_ids(
     """
     resolved = [Path(p).resolve() for p in paths]
     taken_set = {t.casefold() for t in taken}
+    earlier = earlier or {}
+    keys = [
+        tuple(Path(p).resolve() for p in job) if inputs is not None else (path,)
+        for job, path in zip(inputs if inputs is not None else resolved, resolved, strict=True)
+    ]
+    batch = set(keys)
+    taken_set |= {
+        ident.casefold() for key, ident in earlier.items() if key not in batch and key[0].is_file()
+    }
     kept: dict[int, str] = {}
-    for i, path in enumerate(resolved):
-        ident = (earlier or {}).get(path)
+    for i, (path, key) in enumerate(zip(resolved, keys, strict=True)):
+        ident = earlier.get(key)
         if ident is not None and ident.casefold() not in taken_set and derivable(path, ident):
             kept[i] = ident
             taken_set.add(ident.casefold())

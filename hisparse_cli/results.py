@@ -131,21 +131,21 @@ def read_results(path: Path) -> ExistingResults:
     return ExistingResults(latest, tuple(warnings), bool(data) and not data.endswith(b"\n"))
 
 
-def earlier_ids(output_dir: Path) -> dict[Path, str]:
-    """Resolved first input -> id, from the last line of each id in ``output_dir``'s
-    ``results.jsonl`` (empty when there is none): what earlier runs named each document's
-    job, so that :func:`hisparse_cli.naming.derive_ids` can keep those names. Lines
-    without a list of inputs are ignored; an unreadable file gives none (the run reports
-    it when it opens the file)."""
-    found: dict[Path, str] = {}
+def earlier_ids(output_dir: Path) -> dict[tuple[Path, ...], str]:
+    """Resolved inputs -> id, from the last line of each id in ``output_dir``'s
+    ``results.jsonl`` (empty when there is none): what earlier runs named each job, so
+    that :func:`hisparse_cli.naming.derive_ids` can keep those names and keep new jobs
+    off them. Lines whose ``input`` is not a non-empty list of strings are ignored; an
+    unreadable file gives none (the run reports it when it opens the file)."""
+    found: dict[tuple[Path, ...], str] = {}
     try:
         latest = read_results(Path(output_dir) / RESULTS_FILE).latest
     except OSError:
         return found
     for ident, record in latest.items():
         inputs = record.get("input")
-        if isinstance(inputs, list) and inputs and isinstance(inputs[0], str):
-            found[Path(inputs[0]).resolve()] = ident
+        if isinstance(inputs, list) and inputs and all(isinstance(p, str) for p in inputs):
+            found[tuple(Path(p).resolve() for p in inputs)] = ident
     return found
 
 

@@ -46,6 +46,7 @@ from hisparse_cli.plan import INVALID, RUN, SKIP, PlannedJob, plan_jobs
 from hisparse_cli.progress import ProgressTracker, RunSummary, summarize
 from hisparse_cli.reporters import Reporter, make_reporter
 from hisparse_cli.results import (
+    RESULTS_FILE,
     OutputDirBusy,
     ResultsLog,
     earlier_ids,
@@ -551,6 +552,8 @@ class BatchRun:
             self.records[job.spec.id] = job.base_record(self.model_name)
         self.reporter.skipped([j.spec.id for j in planned if j.status == SKIP])
         for job in planned:
+            if job.status != SKIP:
+                self._warn_replaced_output(job)
             if job.status == INVALID:
                 self._handle(JobFailed(self.clock(), job.spec.id, job.error))
             elif job.status == RUN:
@@ -563,6 +566,25 @@ class BatchRun:
                         "warning",
                     )
         return [j for j in planned if j.status == RUN]
+
+    def _warn_replaced_output(self, job: PlannedJob) -> None:
+        """Warn when a job's id last wrote ``<output>`` for other inputs (an explicit id
+        equal to an earlier job's, or the id of a document since moved or deleted): that
+        file will be replaced (the earlier text stays on its ``results.jsonl`` line)."""
+        record = self.log.existing.latest.get(job.spec.id)
+        earlier = record.get("input") if record is not None else None
+        if not isinstance(earlier, list) or record.get("output") != job.spec.output:
+            return
+        mine = [str(Path(p).resolve()) for p in job.spec.inputs]
+        theirs = [str(Path(p).resolve()) if isinstance(p, str) else p for p in earlier]
+        path = self.output_dir / job.spec.output
+        if theirs != mine and path.is_file():
+            self.reporter.note(
+                f"{job.spec.id}: {path} holds an earlier job's result for "
+                f"{', '.join(map(str, earlier))}; this run replaces it (that text stays in "
+                f"{RESULTS_FILE})",
+                "warning",
+            )
 
     def _run_engine(self, pending: list[PlannedJob]) -> bool:
         """Load the engine and consume its events; return whether Ctrl-C was pressed."""

@@ -67,14 +67,32 @@ def test_earlier_ids_are_kept_when_documents_are_added(tmp_path):
     a, b, c = tmp_path / "docs" / "a.txt", tmp_path / "other" / "a.txt", tmp_path / "docs" / "a.md"
     assert derive_ids([a]) == ["a"]
     assert derive_ids([a, b]) == ["docs-a", "other-a"]  # without the earlier run's names
-    assert derive_ids([a, b], earlier={a: "a"}) == ["a", "other-a"]
-    assert derive_ids([b, a, c], earlier={a: "a"}) == ["other-a", "a", "docs-a"]
+    assert derive_ids([a, b], earlier={(a,): "a"}) == ["a", "other-a"]
+    assert derive_ids([b, a, c], earlier={(a,): "a"}) == ["other-a", "a", "docs-a"]
     # Never a name derive_ids could not give that path (a manifest's own id), nor a
     # name an explicit id now takes.
-    assert derive_ids([a], earlier={a: "contract-1"}) == ["a"]
-    assert derive_ids([a], taken=["a"], earlier={a: "a"}) == ["docs-a"]
+    assert derive_ids([a], earlier={(a,): "contract-1"}) == ["a"]
+    assert derive_ids([a], taken=["a"], earlier={(a,): "a"}) == ["docs-a"]
     hashed = derive_ids([a, c])
-    assert derive_ids([a, c, b], earlier={a: hashed[0], c: hashed[1]})[:2] == hashed
+    assert derive_ids([a, c, b], earlier={(a,): hashed[0], (c,): hashed[1]})[:2] == hashed
+    # A job over several inputs keeps its id only for the same inputs.
+    assert derive_ids([a], earlier={(a, c): "a"}, inputs=[[a, c]]) == ["a"]
+    assert derive_ids([a], earlier={(a, c): "docs-a"}, inputs=[[a]]) == ["a"]
+
+
+def test_new_documents_avoid_ids_of_earlier_documents_that_still_exist(tmp_path):
+    a, b, gone = tmp_path / "docs" / "a.txt", tmp_path / "other" / "a.txt", tmp_path / "old" / "a.txt"
+    for path in (a, b):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+    assert derive_ids([b], earlier={(a,): "a"}) == ["other-a"]
+    upper = tmp_path / "docs" / "A.md"
+    upper.write_text("x")
+    assert derive_ids([upper], earlier={(a,): "a"}) == ["docs-a"]  # not "a": a.txt holds it
+    # A moved or deleted document frees its id.
+    assert derive_ids([b], earlier={(gone,): "a"}) == ["a"]
+    # Also when the earlier job joined several inputs.
+    assert derive_ids([b], earlier={(a, b): "a"}) == ["other-a"]
 
 
 def test_derived_ids_avoid_taken(tmp_path):

@@ -68,6 +68,32 @@ def test_adding_a_same_named_document_keeps_earlier_ids(run, tmp_path):
     assert run("other/a.txt")[1] == []
 
 
+def test_a_new_document_never_takes_an_earlier_documents_id(tmp_path, monkeypatch):
+    """``hisparse run docs/a.txt`` then ``hisparse run other/a.txt``: the second must not
+    overwrite ``a.txt``; an explicit id that does replace another document's output warns."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(settings, "preset_overrides", lambda name: {})
+    for folder in ("docs", "other"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "a.txt").write_text(f"document in {folder}\n")
+
+    def invoke(*args):
+        monkeypatch.setattr(runner_module, "load_engine", testing.fake_engine_factory())
+        return CliRunner().invoke(app, ["run", "--max-new-tokens", "3", *args])
+
+    out = tmp_path / "hisparse-out"
+    assert invoke("docs/a.txt").exit_code == 0
+    first = (out / "a.txt").read_text()
+    assert invoke("other/a.txt").exit_code == 0
+    assert (out / "a.txt").read_text() == first
+    assert [r["id"] for r in lines(tmp_path)] == ["a", "other-a"]
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text("jobs:\n  - id: a\n    input: other/a.txt\n")
+    result = invoke("--manifest", str(manifest))
+    assert result.exit_code == 0
+    assert "holds an earlier job's result" in " ".join(result.stdout.split())
+
+
 def test_changed_settings_redo_all(run):
     run()
     assert run("--temperature", "0.3")[1] == ["a", "b", "c"]
