@@ -7,9 +7,10 @@ paths are slugs of the file stem (``_`` appended to a reserved device name:
 ``nul.bin`` -> ``nul_``); when two documents in different folders give the
 same slug, parent folder names are prepended one at a time until they differ; ids
 that still collide (same folder, e.g. ``a.txt`` and ``a.md``) get a short hash of the
-resolved path appended. An id an earlier run in the same output directory derived for
-a document is kept while it is still free, so adding documents to a batch never renames
-(and so redoes) jobs already run.
+resolved path appended. Given the ids earlier runs in the same output directory gave,
+a job keeps its own while it is still free, and new jobs avoid those of documents that
+still exist: adding documents never renames (and so redoes) jobs already run, and never
+takes over another document's output.
 """
 
 from __future__ import annotations

@@ -551,9 +551,13 @@ class BatchRun:
             self.tracker.add_job(job.spec.id, "skipped" if job.status == SKIP else "queued")
             self.records[job.spec.id] = job.base_record(self.model_name)
         self.reporter.skipped([j.spec.id for j in planned if j.status == SKIP])
+        writers: dict[str, list[list[Any]]] = {}  # output file -> inputs of the jobs that wrote it
+        for record in self.log.existing.latest.values():
+            if isinstance(record.get("output"), str) and isinstance(record.get("input"), list):
+                writers.setdefault(record["output"], []).append(record["input"])
         for job in planned:
-            if job.status != SKIP:
-                self._warn_replaced_output(job)
+            if job.status == RUN:
+                self._warn_replaced_output(job, writers.get(job.spec.output, []))
             if job.status == INVALID:
                 self._handle(JobFailed(self.clock(), job.spec.id, job.error))
             elif job.status == RUN:
@@ -567,24 +571,23 @@ class BatchRun:
                     )
         return [j for j in planned if j.status == RUN]
 
-    def _warn_replaced_output(self, job: PlannedJob) -> None:
-        """Warn when a job's id last wrote ``<output>`` for other inputs (an explicit id
-        equal to an earlier job's, or the id of a document since moved or deleted): that
-        file will be replaced (the earlier text stays on its ``results.jsonl`` line)."""
-        record = self.log.existing.latest.get(job.spec.id)
-        earlier = record.get("input") if record is not None else None
-        if not isinstance(earlier, list) or record.get("output") != job.spec.output:
-            return
+    def _warn_replaced_output(self, job: PlannedJob, writers: list[list[Any]]) -> None:
+        """Warn when ``<output>`` holds an earlier job's result for other inputs
+        (``writers``: the inputs of each earlier job that wrote it) — an explicit id or
+        output equal to another job's, or the id of a document since moved or deleted:
+        this run replaces the file (the earlier text stays on its ``results.jsonl`` line)."""
         mine = [str(Path(p).resolve()) for p in job.spec.inputs]
-        theirs = [str(Path(p).resolve()) if isinstance(p, str) else p for p in earlier]
         path = self.output_dir / job.spec.output
-        if theirs != mine and path.is_file():
-            self.reporter.note(
-                f"{job.spec.id}: {path} holds an earlier job's result for "
-                f"{', '.join(map(str, earlier))}; this run replaces it (that text stays in "
-                f"{RESULTS_FILE})",
-                "warning",
-            )
+        for inputs in writers:
+            theirs = [str(Path(p).resolve()) if isinstance(p, str) else p for p in inputs]
+            if theirs != mine and path.is_file():
+                self.reporter.note(
+                    f"{job.spec.id}: {path} holds an earlier job's result for "
+                    f"{', '.join(map(str, inputs))}; this run replaces it (that text stays in "
+                    f"{RESULTS_FILE})",
+                    "warning",
+                )
+                return
 
     def _run_engine(self, pending: list[PlannedJob]) -> bool:
         """Load the engine and consume its events; return whether Ctrl-C was pressed."""

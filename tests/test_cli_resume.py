@@ -92,6 +92,11 @@ def test_a_new_document_never_takes_an_earlier_documents_id(tmp_path, monkeypatc
     result = invoke("--manifest", str(manifest))
     assert result.exit_code == 0
     assert "holds an earlier job's result" in " ".join(result.stdout.split())
+    # Another id writing the same file (an explicit output) warns too.
+    manifest.write_text("jobs:\n  - id: z\n    input: docs/a.txt\n    output: other-a\n")
+    result = invoke("--manifest", str(manifest))
+    assert result.exit_code == 0
+    assert "other-a.txt holds an earlier job's result" in " ".join(result.stdout.split())
 
 
 def test_changed_settings_redo_all(run):
