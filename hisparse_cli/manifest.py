@@ -37,7 +37,7 @@ from hisparse_cli.manifest_source import (
     RawManifest,
     read_manifest_file,
 )
-from hisparse_cli.naming import derive_ids, name_problem, output_filename
+from hisparse_cli.naming import EarlierJob, derive_ids, name_problem, output_filename
 from hisparse_cli.tasks import TASKS, TaskSpec, template_problem
 
 JOB_FIELDS = (
@@ -122,7 +122,7 @@ class Manifest:
 def load_manifest(
     path: Path | str,
     overrides: Mapping[str, Any] | None = None,
-    earlier_ids: Mapping[tuple[Path, ...], str] | None = None,
+    earlier_jobs: Sequence[EarlierJob] = (),
 ) -> Manifest:
     """Read and validate a YAML or JSONL manifest.
 
@@ -133,10 +133,10 @@ def load_manifest(
     overrides
         Job fields from command-line flags (``None`` values are ignored); they beat
         the manifest.
-    earlier_ids
-        Ids earlier runs in the output directory gave, by resolved inputs
-        (:func:`hisparse_cli.results.earlier_ids`): jobs without an ``id`` keep theirs
-        and avoid the others.
+    earlier_jobs
+        Jobs earlier runs recorded in the output directory
+        (:func:`hisparse_cli.results.earlier_jobs`): jobs without an ``id`` over the same
+        inputs keep their ids; other derived ids avoid their ids and output files.
 
     Raises
     ------
@@ -144,14 +144,14 @@ def load_manifest(
         With every problem found.
     """
     path = Path(path)
-    return _build(read_manifest_file(path), path.parent, overrides, earlier_ids)
+    return _build(read_manifest_file(path), path.parent, overrides, earlier_jobs)
 
 
 def jobs_from_paths(
     patterns: Sequence[str],
     overrides: Mapping[str, Any] | None = None,
     base: Path | None = None,
-    earlier_ids: Mapping[tuple[Path, ...], str] | None = None,
+    earlier_jobs: Sequence[EarlierJob] = (),
 ) -> Manifest:
     """One job per document (the short form ``hisparse run docs/*.txt``).
 
@@ -162,7 +162,7 @@ def jobs_from_paths(
         given twice yields one job.
     overrides
         Job fields from command-line flags.
-    earlier_ids
+    earlier_jobs
         As for :func:`load_manifest`: a document keeps the id an earlier run gave it.
 
     Raises
@@ -177,7 +177,7 @@ def jobs_from_paths(
         entry = Entry(COMMAND_LINE, "", None, {"input": pattern})
         found = _expand(pattern, base, entry, raw.problems)
         files.extend(f for f in found if f not in files)
-    for ident, path in zip(derive_ids(files, earlier=earlier_ids), files, strict=True):
+    for ident, path in zip(derive_ids(files, earlier=earlier_jobs), files, strict=True):
         values = {"id": ident, "input": glob.escape(str(path))}
         raw.jobs.append(Entry(COMMAND_LINE, f"document {path}", None, values))
     return _build(raw, base, overrides)
@@ -190,7 +190,7 @@ def _build(
     raw: RawManifest,
     base: Path,
     overrides: Mapping[str, Any] | None,
-    earlier_ids: Mapping[tuple[Path, ...], str] | None = None,
+    earlier_jobs: Sequence[EarlierJob] = (),
 ) -> Manifest:
     problems = raw.problems
     values = {k: v for k, v in (overrides or {}).items() if v is not None}
@@ -200,7 +200,7 @@ def _build(
     jobs = [_clean(e, problems, allowed=JOB_FIELDS) for e in raw.jobs]
     merged = [_merge([defaults, job, cli]) for job in jobs]
     inputs = [_job_inputs(m, job, base, problems) for m, job in zip(merged, jobs, strict=True)]
-    _assign_ids(merged, inputs, jobs, earlier_ids)
+    _assign_ids(merged, inputs, jobs, earlier_jobs)
     specs = [
         _spec(m, job, paths, problems) for m, job, paths in zip(merged, jobs, inputs, strict=True)
     ]
@@ -303,7 +303,7 @@ def _assign_ids(
     merged: list[Merged],
     inputs: list[list[Path]],
     jobs: list[Entry],
-    earlier_ids: Mapping[tuple[Path, ...], str] | None,
+    earlier_jobs: Sequence[EarlierJob],
 ) -> None:
     """Give jobs without an ``id`` one derived from their first input (a job whose
     ``id`` is invalid gets none, so it adds no follow-on problems)."""
@@ -313,7 +313,7 @@ def _assign_ids(
     derived = derive_ids(
         [inputs[i][0] for i in missing],
         taken=taken,
-        earlier=earlier_ids,
+        earlier=earlier_jobs,
         inputs=[inputs[i] for i in missing],
     )
     for i, ident in zip(missing, derived, strict=True):

@@ -7,10 +7,10 @@ paths are slugs of the file stem (``_`` appended to a reserved device name:
 ``nul.bin`` -> ``nul_``); when two documents in different folders give the
 same slug, parent folder names are prepended one at a time until they differ; ids
 that still collide (same folder, e.g. ``a.txt`` and ``a.md``) get a short hash of the
-resolved path appended. Given the ids earlier runs in the same output directory gave,
-a job keeps its own while it is still free, and new jobs avoid those of documents that
-still exist: adding documents never renames (and so redoes) jobs already run, and never
-takes over another document's output.
+resolved path appended. Given the jobs earlier runs recorded in the same output
+directory, a job over the same inputs keeps its earlier id and every other derived id
+avoids theirs and their output names: adding documents never renames (and so redoes) jobs
+already run, and never takes over a file an earlier run wrote.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 MAX_NAME_CHARS = 128
@@ -74,10 +75,23 @@ def slugify(text: str) -> str:
     return slug[:SLUG_MAX_CHARS].strip("-") or "doc"
 
 
+@dataclass(frozen=True)
+class EarlierJob:
+    """A job an earlier run recorded in the output directory (its last results line).
+
+    inputs: resolved paths (empty when the line's ``input`` was unreadable);
+    output: the file name it wrote (or would have written) there.
+    """
+
+    id: str
+    inputs: tuple[Path, ...]
+    output: str
+
+
 def derive_ids(
     paths: Sequence[Path],
     taken: Iterable[str] = (),
-    earlier: Mapping[tuple[Path, ...], str] | None = None,
+    earlier: Sequence[EarlierJob] = (),
     inputs: Sequence[Sequence[Path]] | None = None,
 ) -> list[str]:
     """Unique ids for documents, one per path, stable for the same set of paths.
@@ -89,15 +103,15 @@ def derive_ids(
     taken
         Ids already in use (explicit ids from a manifest); derived ids avoid them.
     earlier
-        A job's resolved inputs -> the id an earlier run in the same output directory
-        gave it (:func:`hisparse_cli.results.earlier_ids`). A job with the same inputs
-        keeps that id when this function could have derived it from its first input (so
-        never a manifest's own id) and it is neither taken nor kept for another job. The
-        ids of earlier jobs not in this batch whose first input still exists are avoided,
-        so a new document never takes over another document's output; a moved or deleted
-        document frees its id.
+        Jobs earlier runs recorded in the same output directory
+        (:func:`hisparse_cli.results.earlier_jobs`). A job whose inputs equal an earlier
+        job's keeps that job's id when this function could have derived it from its
+        first input and the job wrote ``<id>.txt`` (so never a manifest's own id or
+        output), unless ``taken`` holds it. Every other derived id avoids every earlier
+        job's id and output name, whether or not its document still exists: a new,
+        moved or renamed document never takes over a file an earlier run wrote.
     inputs
-        Each job's inputs, to look ``earlier`` up by (default: ``paths[i]`` alone).
+        Each job's inputs, to match ``earlier`` by (default: ``paths[i]`` alone).
 
     Returns
     -------
@@ -106,22 +120,25 @@ def derive_ids(
     """
     resolved = [Path(p).resolve() for p in paths]
     taken_set = {t.casefold() for t in taken}
-    earlier = earlier or {}
-    keys = [
-        tuple(Path(p).resolve() for p in job) if inputs is not None else (path,)
-        for job, path in zip(inputs if inputs is not None else resolved, resolved, strict=True)
-    ]
-    batch = set(keys)
-    taken_set |= {
-        ident.casefold() for key, ident in earlier.items() if key not in batch and key[0].is_file()
-    }
-    kept: dict[int, str] = {}
-    for i, (path, key) in enumerate(zip(resolved, keys, strict=True)):
-        ident = earlier.get(key)
-        if ident is not None and ident.casefold() not in taken_set and derivable(path, ident):
-            kept[i] = ident
-            taken_set.add(ident.casefold())
-    if kept:
+    if earlier:
+        keys = [(p,) for p in resolved]
+        if inputs is not None:
+            keys = [tuple(Path(p).resolve() for p in job) for job in inputs]
+        owners: dict[tuple[Path, ...], list[EarlierJob]] = {}
+        for job in sorted(earlier, key=lambda e: e.id):
+            owners.setdefault(job.inputs, []).append(job)
+        kept: dict[int, str] = {}
+        for i, (path, key) in enumerate(zip(resolved, keys, strict=True)):
+            for job in owners.get(key, []):
+                free = job.id.casefold() not in taken_set
+                if free and job.output == output_filename(job.id) and derivable(path, job.id):
+                    kept[i] = job.id
+                    taken_set.add(job.id.casefold())
+                    break
+        for job in earlier:
+            taken_set.add(job.id.casefold())
+            stem = job.output[:-4] if job.output.lower().endswith(".txt") else job.output
+            taken_set.add(stem.casefold())
         rest = [i for i in range(len(resolved)) if i not in kept]
         fresh = derive_ids([resolved[i] for i in rest], taken_set)
         return [kept[i] if i in kept else fresh[rest.index(i)] for i in range(len(resolved))]

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from engine.events import JobResult
+from hisparse_cli.naming import EarlierJob
 
 RESULTS_FILE = "results.jsonl"
 LOCK_FILE = ".hisparse.lock"
@@ -131,21 +132,24 @@ def read_results(path: Path) -> ExistingResults:
     return ExistingResults(latest, tuple(warnings), bool(data) and not data.endswith(b"\n"))
 
 
-def earlier_ids(output_dir: Path) -> dict[tuple[Path, ...], str]:
-    """Resolved inputs -> id, from the last line of each id in ``output_dir``'s
-    ``results.jsonl`` (empty when there is none): what earlier runs named each job, so
-    that :func:`hisparse_cli.naming.derive_ids` can keep those names and keep new jobs
-    off them. Lines whose ``input`` is not a non-empty list of strings are ignored; an
-    unreadable file gives none (the run reports it when it opens the file)."""
-    found: dict[tuple[Path, ...], str] = {}
+def earlier_jobs(output_dir: Path) -> list[EarlierJob]:
+    """The jobs earlier runs recorded in ``output_dir``'s ``results.jsonl`` (the last
+    line of each id; none when there is no file or it cannot be read — the run reports
+    that when it opens it), for :func:`hisparse_cli.naming.derive_ids`. A line whose
+    ``input`` is not a non-empty list of strings keeps no inputs; its id and output are
+    still avoided."""
+    found: list[EarlierJob] = []
     try:
         latest = read_results(Path(output_dir) / RESULTS_FILE).latest
     except OSError:
         return found
     for ident, record in latest.items():
         inputs = record.get("input")
+        paths: tuple[Path, ...] = ()
         if isinstance(inputs, list) and inputs and all(isinstance(p, str) for p in inputs):
-            found[tuple(Path(p).resolve() for p in inputs)] = ident
+            paths = tuple(Path(p).resolve() for p in inputs)
+        output = record.get("output")
+        found.append(EarlierJob(ident, paths, output if isinstance(output, str) else ident))
     return found
 
 

@@ -49,7 +49,7 @@ from hisparse_cli.results import (
     RESULTS_FILE,
     OutputDirBusy,
     ResultsLog,
-    earlier_ids,
+    earlier_jobs,
     failure_record,
     lock_output_dir,
     result_record,
@@ -206,7 +206,7 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
         Everything that makes the run impossible, before anything is written.
     """
     check_request(request)
-    earlier = earlier_ids(request.output_dir) if request.output_dir.is_dir() else {}
+    earlier = earlier_jobs(request.output_dir) if request.output_dir.is_dir() else []
     if request.manifest is not None:
         try:
             manifest = load_manifest(request.manifest, request.job_overrides, earlier)
@@ -221,7 +221,7 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
                 pass  # an unknown setting: already among the manifest's problems
             raise
     elif request.docs:
-        manifest = jobs_from_paths(request.docs, request.job_overrides, earlier_ids=earlier)
+        manifest = jobs_from_paths(request.docs, request.job_overrides, earlier_jobs=earlier)
     else:
         manifest = Manifest((), {})
     config = resolve_engine_config(

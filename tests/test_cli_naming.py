@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hisparse_cli.naming import derive_ids, name_problem, output_filename, slugify
+from hisparse_cli.naming import (
+    EarlierJob,
+    derive_ids,
+    name_problem,
+    output_filename,
+    slugify,
+)
 
 
 @pytest.mark.parametrize("name", ["report", "job-1", "a.b_c", "X" * 128])
@@ -63,36 +69,42 @@ def test_same_stem_same_folder_falls_back_to_hash(tmp_path):
     assert len(set(ids)) == 3 and all(i.startswith("a") for i in ids)
 
 
+def _earlier(ident, *inputs, output=None):
+    return EarlierJob(ident, tuple(p.resolve() for p in inputs), output or f"{ident}.txt")
+
+
 def test_earlier_ids_are_kept_when_documents_are_added(tmp_path):
     a, b, c = tmp_path / "docs" / "a.txt", tmp_path / "other" / "a.txt", tmp_path / "docs" / "a.md"
     assert derive_ids([a]) == ["a"]
     assert derive_ids([a, b]) == ["docs-a", "other-a"]  # without the earlier run's names
-    assert derive_ids([a, b], earlier={(a,): "a"}) == ["a", "other-a"]
-    assert derive_ids([b, a, c], earlier={(a,): "a"}) == ["other-a", "a", "docs-a"]
-    # Never a name derive_ids could not give that path (a manifest's own id), nor a
-    # name an explicit id now takes.
-    assert derive_ids([a], earlier={(a,): "contract-1"}) == ["a"]
-    assert derive_ids([a], taken=["a"], earlier={(a,): "a"}) == ["docs-a"]
+    assert derive_ids([a, b], earlier=[_earlier("a", a)]) == ["a", "other-a"]
+    assert derive_ids([b, a, c], earlier=[_earlier("a", a)]) == ["other-a", "a", "docs-a"]
+    # Never a name derive_ids could not give that path (a manifest's own id or output),
+    # nor a name an explicit id now takes.
+    assert derive_ids([a], earlier=[_earlier("contract-1", a)]) == ["a"]
+    assert derive_ids([a], earlier=[_earlier("a", a, output="summary.txt")]) == ["docs-a"]
+    assert derive_ids([a], taken=["a"], earlier=[_earlier("a", a)]) == ["docs-a"]
     hashed = derive_ids([a, c])
-    assert derive_ids([a, c, b], earlier={(a,): hashed[0], (c,): hashed[1]})[:2] == hashed
+    earlier = [_earlier(hashed[0], a), _earlier(hashed[1], c)]
+    assert derive_ids([a, c, b], earlier=earlier)[:2] == hashed
     # A job over several inputs keeps its id only for the same inputs.
-    assert derive_ids([a], earlier={(a, c): "a"}, inputs=[[a, c]]) == ["a"]
-    assert derive_ids([a], earlier={(a, c): "docs-a"}, inputs=[[a]]) == ["a"]
+    assert derive_ids([a], earlier=[_earlier("a", a, c)], inputs=[[a, c]]) == ["a"]
+    assert derive_ids([a], earlier=[_earlier("a", a, c)], inputs=[[a]]) == ["docs-a"]
 
 
-def test_new_documents_avoid_ids_of_earlier_documents_that_still_exist(tmp_path):
-    a, b, gone = tmp_path / "docs" / "a.txt", tmp_path / "other" / "a.txt", tmp_path / "old" / "a.txt"
-    for path in (a, b):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("x")
-    assert derive_ids([b], earlier={(a,): "a"}) == ["other-a"]
-    upper = tmp_path / "docs" / "A.md"
-    upper.write_text("x")
-    assert derive_ids([upper], earlier={(a,): "a"}) == ["docs-a"]  # not "a": a.txt holds it
-    # A moved or deleted document frees its id.
-    assert derive_ids([b], earlier={(gone,): "a"}) == ["a"]
-    # Also when the earlier job joined several inputs.
-    assert derive_ids([b], earlier={(a, b): "a"}) == ["other-a"]
+def test_new_documents_avoid_every_earlier_id_and_output(tmp_path):
+    a, b = tmp_path / "docs" / "a.txt", tmp_path / "other" / "a.txt"
+    upper, gone = tmp_path / "docs2" / "A.md", tmp_path / "old" / "a.txt"
+    assert derive_ids([b], earlier=[_earlier("a", a)]) == ["other-a"]
+    assert derive_ids([upper], earlier=[_earlier("a", a)]) == ["docs2-a"]
+    # Also when that document is gone (its a.txt is still there), ran under two ids, or
+    # its line's input was unreadable; and an explicit output file name counts as taken.
+    assert derive_ids([b], earlier=[_earlier("a", gone)]) == ["other-a"]
+    assert derive_ids([b], earlier=[_earlier("foo", a), _earlier("a", a)]) == ["other-a"]
+    assert derive_ids([b], earlier=[EarlierJob("a", (), "a.txt")]) == ["other-a"]
+    assert derive_ids([b], earlier=[_earlier("yy", a, output="a.txt")]) == ["other-a"]
+    # The document itself keeps its id even when it also ran under another.
+    assert derive_ids([a, b], earlier=[_earlier("foo", a), _earlier("a", a)]) == ["a", "other-a"]
 
 
 def test_derived_ids_avoid_taken(tmp_path):

@@ -92,6 +92,14 @@ def test_a_new_document_never_takes_an_earlier_documents_id(tmp_path, monkeypatc
     result = invoke("--manifest", str(manifest))
     assert result.exit_code == 0
     assert "holds an earlier job's result" in " ".join(result.stdout.split())
+    # A document moved away leaves its id and a.txt behind: a new document still avoids it.
+    (tmp_path / "moved").mkdir()
+    (tmp_path / "docs" / "a.txt").rename(tmp_path / "moved" / "a.txt")
+    (tmp_path / "third").mkdir()
+    (tmp_path / "third" / "a.txt").write_text("a third document\n")
+    assert invoke("third/a.txt").exit_code == 0
+    assert lines(tmp_path)[-1]["id"] == "third-a"
+    (tmp_path / "moved" / "a.txt").rename(tmp_path / "docs" / "a.txt")
     # Another id writing the same file (an explicit output) warns too.
     manifest.write_text("jobs:\n  - id: z\n    input: docs/a.txt\n    output: other-a\n")
     result = invoke("--manifest", str(manifest))
