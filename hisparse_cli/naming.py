@@ -140,8 +140,8 @@ def derive_ids(
             stem = job.output[:-4] if job.output.lower().endswith(".txt") else job.output
             taken_set.add(stem.casefold())
         rest = [i for i in range(len(resolved)) if i not in kept]
-        fresh = derive_ids([resolved[i] for i in rest], taken_set)
-        return [kept[i] if i in kept else fresh[rest.index(i)] for i in range(len(resolved))]
+        fresh = iter(derive_ids([resolved[i] for i in rest], taken_set))
+        return [kept[i] if i in kept else next(fresh) for i in range(len(resolved))]
     depths = [0] * len(resolved)
     while True:
         ids = [_candidate(p, d) for p, d in zip(resolved, depths, strict=True)]

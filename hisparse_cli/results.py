@@ -138,11 +138,18 @@ def earlier_jobs(output_dir: Path) -> list[EarlierJob]:
     that when it opens it), for :func:`hisparse_cli.naming.derive_ids`. A line whose
     ``input`` is not a non-empty list of strings keeps no inputs; its id and output are
     still avoided."""
-    found: list[EarlierJob] = []
     try:
         latest = read_results(Path(output_dir) / RESULTS_FILE).latest
     except OSError:
-        return found
+        return []
+    return jobs_of(latest)
+
+
+def jobs_of(latest: dict[str, dict[str, Any]]) -> list[EarlierJob]:
+    """:class:`~hisparse_cli.naming.EarlierJob` of each id's last line (``latest`` as in
+    :class:`ExistingResults`): inputs resolved, or none when ``input`` is not a non-empty
+    list of strings; output ``output``, or the id when that is not a string."""
+    found: list[EarlierJob] = []
     for ident, record in latest.items():
         inputs = record.get("input")
         paths: tuple[Path, ...] = ()

@@ -42,6 +42,7 @@ from engine.workers import WorkerDied
 from hisparse_cli import settings
 from hisparse_cli.keys import DEFAULT_MODEL_ID, model_fingerprint
 from hisparse_cli.manifest import Manifest, ManifestError, jobs_from_paths, load_manifest
+from hisparse_cli.naming import EarlierJob
 from hisparse_cli.plan import INVALID, RUN, SKIP, PlannedJob, plan_jobs
 from hisparse_cli.progress import ProgressTracker, RunSummary, summarize
 from hisparse_cli.reporters import Reporter, make_reporter
@@ -51,6 +52,7 @@ from hisparse_cli.results import (
     ResultsLog,
     earlier_jobs,
     failure_record,
+    jobs_of,
     lock_output_dir,
     result_record,
     utc_now,
@@ -551,10 +553,9 @@ class BatchRun:
             self.tracker.add_job(job.spec.id, "skipped" if job.status == SKIP else "queued")
             self.records[job.spec.id] = job.base_record(self.model_name)
         self.reporter.skipped([j.spec.id for j in planned if j.status == SKIP])
-        writers: dict[str, list[list[Any]]] = {}  # output file -> inputs of the jobs that wrote it
-        for record in self.log.existing.latest.values():
-            if isinstance(record.get("output"), str) and isinstance(record.get("input"), list):
-                writers.setdefault(record["output"], []).append(record["input"])
+        writers: dict[str, list[EarlierJob]] = {}  # output file -> earlier jobs that wrote it
+        for earlier in jobs_of(self.log.existing.latest):
+            writers.setdefault(earlier.output, []).append(earlier)
         for job in planned:
             if job.status == RUN:
                 self._warn_replaced_output(job, writers.get(job.spec.output, []))
@@ -571,20 +572,19 @@ class BatchRun:
                     )
         return [j for j in planned if j.status == RUN]
 
-    def _warn_replaced_output(self, job: PlannedJob, writers: list[list[Any]]) -> None:
-        """Warn when ``<output>`` holds an earlier job's result for other inputs
-        (``writers``: the inputs of each earlier job that wrote it) — an explicit id or
-        output equal to another job's, or the id of a document since moved or deleted:
-        this run replaces the file (the earlier text stays on its ``results.jsonl`` line)."""
-        mine = [str(Path(p).resolve()) for p in job.spec.inputs]
+    def _warn_replaced_output(self, job: PlannedJob, writers: list[EarlierJob]) -> None:
+        """Warn when ``<output>`` holds the result of an earlier job over other inputs
+        (``writers``: the earlier jobs that wrote it) — an explicit id or output equal to
+        another job's: this run replaces the file (the earlier text stays on that job's
+        ``results.jsonl`` line)."""
+        mine = tuple(Path(p).resolve() for p in job.spec.inputs)
         path = self.output_dir / job.spec.output
-        for inputs in writers:
-            theirs = [str(Path(p).resolve()) if isinstance(p, str) else p for p in inputs]
-            if theirs != mine and path.is_file():
+        for earlier in writers:
+            if earlier.inputs != mine and path.is_file():
+                inputs = ", ".join(map(str, earlier.inputs)) or "unrecorded inputs"
                 self.reporter.note(
-                    f"{job.spec.id}: {path} holds an earlier job's result for "
-                    f"{', '.join(map(str, inputs))}; this run replaces it (that text stays in "
-                    f"{RESULTS_FILE})",
+                    f"{job.spec.id}: {path} holds earlier job {earlier.id}'s result for "
+                    f"{inputs}; this run replaces it (that text stays in {RESULTS_FILE})",
                     "warning",
                 )
                 return

@@ -91,7 +91,7 @@ def test_a_new_document_never_takes_an_earlier_documents_id(tmp_path, monkeypatc
     manifest.write_text("jobs:\n  - id: a\n    input: other/a.txt\n")
     result = invoke("--manifest", str(manifest))
     assert result.exit_code == 0
-    assert "holds an earlier job's result" in " ".join(result.stdout.split())
+    assert "a.txt holds earlier job a's result" in " ".join(result.stdout.split())
     # A document moved away leaves its id and a.txt behind: a new document still avoids it.
     (tmp_path / "moved").mkdir()
     (tmp_path / "docs" / "a.txt").rename(tmp_path / "moved" / "a.txt")
@@ -104,7 +104,7 @@ def test_a_new_document_never_takes_an_earlier_documents_id(tmp_path, monkeypatc
     manifest.write_text("jobs:\n  - id: z\n    input: docs/a.txt\n    output: other-a\n")
     result = invoke("--manifest", str(manifest))
     assert result.exit_code == 0
-    assert "other-a.txt holds an earlier job's result" in " ".join(result.stdout.split())
+    assert "other-a.txt holds earlier job other-a's result" in " ".join(result.stdout.split())
 
 
 def test_changed_settings_redo_all(run):
