@@ -105,23 +105,23 @@ class EngineConfig:
         ``truncate`` (keep ``truncate_keep`` part of the document).
     cuda_graph: on CUDA with the Triton kernels, replay each decode step from a captured
         CUDA graph (one per batch size and page-table width bucket; see
-        :mod:`engine.cuda_graph`); False launches every kernel eagerly.
+        :mod:`engine.decode.cuda_graph`); False launches every kernel eagerly.
     decode_overlap: with CUDA graphs and the hierarchy, decode a batch of two or more as
         two micro-batches on two streams, so the host->device gathers of one can overlap
         the compute of the other. Off by default: on an H200 it did not pay (the SM-driven
         gather kernel leaves the other stream no room; see docs/performance.md).
     prefill_chunk: prompt tokens per prefill step of one layer.
     prefill_copy_stream: write each prefill chunk's K/V records to the KV pool as soon as
-        they exist (:meth:`engine.kv_cache.KVCache.write_prefill_chunk`); with a pinned host
+        they exist (:meth:`engine.kv.cache.KVCache.write_prefill_chunk`); with a pinned host
         pool on CUDA the device->host copies run on a dedicated copy stream, double-buffered,
         overlapping the compute of the next chunk and layer. False: one blocking copy of the
-        whole layer after its last chunk (:meth:`engine.kv_cache.KVCache.write_prefill`).
+        whole layer after its last chunk (:meth:`engine.kv.cache.KVCache.write_prefill`).
         Either way the pool bytes are the same.
     decode_write_stream: with a pinned host pool on CUDA, write each decode step's new
         K/V records to the pool from a copy stream: the compute stream updates the page
         metadata and stages the token on the device, the copy stream writes it to host
         memory while the following layers compute, and the step ends by waiting for it
-        (see :class:`engine.attention.DecodeAttention`). False (the default): the append
+        (see :class:`engine.decode.attention.DecodeAttention`). False (the default): the append
         kernel writes the pool itself on the compute stream — posted writes through
         unified addressing, about 0.1 ms of a 7-22 ms step on an H200, which the two
         extra launches per layer of the copy stream cost more than they hide
@@ -133,7 +133,7 @@ class EngineConfig:
         so that the next step finds them if it selects them. With a pinned host pool on CUDA
         the ranking, resolve and gather run on the cache's copy stream, overlapping the
         following layers, and the step ends by waiting for them (see
-        :class:`engine.attention.DecodeAttention`). Outputs do not change: attention reads
+        :class:`engine.decode.attention.DecodeAttention`). Outputs do not change: attention reads
         the same records either way. Needs a top-k indexer and ``device_buffer`` of at least
         (pages one step may select + ``prefetch_pages``) pages. 0 (the default) is off.
     """

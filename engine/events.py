@@ -145,7 +145,7 @@ class MemorySnapshot(Event):
 
     CUDA only (0 on CPU): peak_allocated / peak_reserved are
     ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` of this process on the
-    device (a worker resets them once its model is loaded, see :mod:`engine.workers`);
+    device (a worker resets them once its model is loaded, see :mod:`engine.serve.workers`);
     device_used is the device's total less ``cudaMemGetInfo``'s free bytes (every
     process, CUDA contexts included); pinned_host is what torch's pinned host allocator
     holds in this process (``torch.cuda.host_memory_stats``, power-of-two blocks; 0 where

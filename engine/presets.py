@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from engine.config import ConfigError, EngineConfig, SamplingParams
-from engine.planner import Hardware
+from engine.capacity.planner import Hardware
 
 TOP_LEVEL_KEYS = ("description", "model", "hardware", "engine", "sampling")
 ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineConfig))

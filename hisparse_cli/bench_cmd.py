@@ -1,6 +1,6 @@
 """``hisparse bench``: decode throughput against concurrency for every KV mode under one
-memory budget, with a soak test. Thin: flags -> :class:`engine.bench.BenchSpec` ->
-:func:`engine.bench.run_bench` (imported inside the command, so ``--help`` stays fast).
+memory budget, with a soak test. Thin: flags -> :class:`engine.measure.bench.BenchSpec` ->
+:func:`engine.measure.bench.run_bench` (imported inside the command, so ``--help`` stays fast).
 """
 
 from __future__ import annotations
@@ -191,9 +191,11 @@ def bench_command(
     Writes OUT/bench.json (rewritten after every run), OUT/throughput_<context>.png and
     OUT/soak_step_latency.png. Exit code 2 on bad arguments.
     """
-    from engine import bench, bench_kv, bench_report
+    from engine.measure import bench, bench_kv
+    from engine.measure import report as bench_report
+    from hisparse_cli import bench_plots
     from engine.config import ConfigError
-    from engine.planner import parse_context
+    from engine.capacity.planner import parse_context
     from engine.presets import resolve_config
 
     if write_corpus_tokens is not None:
@@ -201,7 +203,7 @@ def bench_command(
         return
     if replot:
         try:
-            plots = bench_report.replot(out)
+            plots = bench_plots.replot(out)
         except (OSError, ValueError) as exc:  # no bench.json, or a cut/corrupt one
             typer.echo(f"error: cannot replot {out / bench_report.REPORT_FILE}: {exc}", err=True)
             raise typer.Exit(EXIT_USAGE) from None
@@ -248,17 +250,20 @@ def bench_command(
         )
         spec.validate()
         if model.startswith("synthetic:"):
-            from engine.synthetic import synthetic_shape
+            from engine.weights.synthetic import synthetic_shape
 
             synthetic_shape(model)  # an unknown name raises ValueError listing the known ones
     except (ConfigError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
     try:
-        bench.run_bench(spec, log=typer.echo)
+        report = bench.run_bench(spec, log=typer.echo)
     except (ConfigError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
+    report["plots"] = bench_plots.make_plots(report, spec.out_dir)
+    bench_report.write_report(report, spec.out_dir)
+    typer.echo(f"plots: {', '.join(report['plots']) or 'none'}")
 
 
 def _default_preset() -> str:

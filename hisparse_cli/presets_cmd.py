@@ -1,7 +1,7 @@
 """``hisparse presets`` (list / show) and ``hisparse plan`` (capacity planner).
 
 The main app calls :func:`register`; the commands stay thin: parse flags, call
-:mod:`engine.presets` / :mod:`engine.planner`, render.
+:mod:`engine.presets` / :mod:`engine.capacity.planner`, render.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.config import DTYPES, ConfigError
-from engine.model_shapes import get_model_shape
-from engine.planner import (
+from engine.capacity.shapes import get_model_shape
+from engine.capacity.planner import (
     GIB,
     LRU_MISS_RATE,
     Plan,

@@ -1,7 +1,7 @@
 """``hisparse quantize``: a 4-bit copy of a Hugging Face model folder.
 
 The main app calls :func:`register`. The command is thin: it parses flags, calls
-:func:`engine.quantize_cmd.quantize_folder` (imported inside, so ``--help`` stays fast)
+:func:`engine.weights.quantize.quantize_folder` (imported inside, so ``--help`` stays fast)
 and prints the sizes before and after.
 """
 
@@ -56,7 +56,7 @@ def quantize_command(
 
     Exit code: 0 written, 2 refused (unsupported model, bad group size, OUT exists).
     """
-    from engine.quantize_cmd import quantize_folder
+    from engine.weights.quantize import quantize_folder
 
     console = Console(stderr=True)
     progress = None if quiet else (lambda name: console.print(f"  {name}", highlight=False))

@@ -1,7 +1,7 @@
 """``hisparse replay``: miss rates of hot-buffer policies on a recorded selection trace.
 
 Record a trace with ``hisparse run --trace FILE``; this command replays it through LRU
-(the engine's policy), FIFO, random and Bélády's optimum (:mod:`engine.replay`) and
+(the engine's policy), FIFO, random and Bélády's optimum (:mod:`engine.measure.replay`) and
 prints policy x buffer -> miss rate. A run on several devices writes one file per worker
 (``FILE.w0.jsonl``, ...: jobs in data mode, layers in pipeline mode); give them all and
 they are replayed as one trace. The engine is imported inside the command.
@@ -20,8 +20,8 @@ from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:
-    from engine.replay import ReplayResult
-    from engine.trace import TraceHeader
+    from engine.measure.replay import ReplayResult
+    from engine.measure.trace import TraceHeader
 
 EXIT_BAD_INPUT = 2
 DEFAULT_MULTIPLES = (1.0, 2.0, 4.0)
@@ -79,8 +79,8 @@ def replay_command(
     Miss rate = misses / selected pages; "warm" leaves out cold misses (first selection
     of a page). Example: `hisparse replay trace.jsonl --buffer-multiple 1,2,4 --json out.json`
     """
-    from engine.replay import POLICIES, capacities_from_multiples, load_streams, replay
-    from engine.trace import read_traces
+    from engine.measure.replay import POLICIES, capacities_from_multiples, load_streams, replay
+    from engine.measure.trace import read_traces
 
     policies = _split(policy) or list(POLICIES)
     unknown = sorted(set(policies) - set(POLICIES))

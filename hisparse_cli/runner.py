@@ -10,7 +10,7 @@ Lifecycle of one run:
    whose documents are unusable as failed.
 4. Load the engine (:func:`load_engine`, a hook tests replace) and feed it
    :class:`~engine.events.Job` objects lazily (document -> chat messages ->
-   ``engine.tokenizer.encode_chat``). A load failure caused by a setting, path or
+   ``engine.text.tokenizer.encode_chat``). A load failure caused by a setting, path or
    config (:func:`is_config_error`: bad device, host pool larger than memory, budget
    without room for the weights, missing or non-GGUF model) exits 2; others exit 1.
 5. Fold every event into the progress state, show it, and write each result as its
@@ -38,7 +38,7 @@ from rich.console import Console
 
 from engine.config import ConfigError, EngineConfig
 from engine.events import Event, Job, JobAdmitted, JobFailed, JobFinished, JobResult
-from engine.workers import WorkerDied
+from engine.serve.workers import WorkerDied
 from hisparse_cli import settings
 from hisparse_cli.keys import DEFAULT_MODEL_ID, model_fingerprint
 from hisparse_cli.manifest import Manifest, ManifestError, jobs_from_paths, load_manifest
@@ -116,13 +116,13 @@ class RunRequest:
 
 
 def load_engine(config: EngineConfig, model: str | None) -> Any:
-    """``engine.api.load_engine``, imported on first use (tests replace this hook).
+    """``engine.load.load_engine``, imported on first use (tests replace this hook).
 
     Checks the host KV pool against the memory available (:func:`check_host_pool`)
     before any weights are read.
     """
     check_host_pool(config)
-    from engine.api import load_engine as _load_engine
+    from engine.load import load_engine as _load_engine
 
     return _load_engine(config, model)
 
@@ -136,7 +136,7 @@ def check_host_pool(config: EngineConfig) -> None:
         config.attention == "sparse" and config.hierarchical
     )
     if on_host:
-        from engine.kv_cache import check_host_memory
+        from engine.kv.cache import check_host_memory
 
         check_host_memory(int(config.host_pool_gb * 2**30))
 
@@ -148,7 +148,7 @@ def is_config_error(exc: BaseException) -> bool:
     file, bad environment value)."""
     if isinstance(exc, ConfigError | FileNotFoundError | ValueError):
         return True
-    return type(exc).__name__ == "CacheFullError" and type(exc).__module__ == "engine.kv_cache"
+    return type(exc).__name__ == "CacheFullError" and type(exc).__module__ == "engine.kv.cache"
 
 
 def cuda_device_count() -> int:
@@ -673,7 +673,7 @@ class BatchRun:
         if config is None or config.context_policy != "truncate":
             self._refuse_if_too_long(engine, spec, messages(document))
         else:
-            from engine.prompting import fit_document
+            from engine.text.prompting import fit_document
 
             limit = engine.prompt_limit() - spec.sampling.max_tokens
             document, cut = fit_document(

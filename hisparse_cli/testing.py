@@ -1,4 +1,4 @@
-"""A scripted stand-in for ``engine.api.Engine``: no model, same events.
+"""A scripted stand-in for ``engine.load.Engine``: no model, same events.
 
 Used by the CLI tests and handy for trying the dashboard::
 
@@ -11,7 +11,7 @@ admits up to ``max_batch`` at a time (``JobAdmitted``, ``PrefillProgress``,
 ``FirstToken``), decodes them together (``DecodeStep``, ``MemorySnapshot``) and ends
 each with ``JobFinished`` or ``JobFailed``; ``cancel()`` stops admission, ends the
 running jobs with ``finish_reason='cancelled'`` and fails the queued ones with
-``"cancelled before admission"`` (as ``engine.engine.Engine`` does).
+``"cancelled before admission"`` (as ``engine.serve.engine.Engine`` does).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class FakeEngine:
         for job in jobs:
             self.seen.append(job)
             need = len(job.prompt_ids) + job.sampling.max_tokens
-            if need > self.limit:  # as engine.engine.Engine._check_job: never queued
+            if need > self.limit:  # as engine.serve.engine.Engine._check_job: never queued
                 yield JobFailed(
                     self.clock(),
                     job.id,

@@ -9,7 +9,7 @@ min/max.
 
 Each of the three writes can be switched off, and the token can be copied to a small
 device staging buffer instead, so a decode step can split the append in three launches
-(:class:`engine.attention.DecodeAttention` with a write-through copy stream):
+(:class:`engine.decode.attention.DecodeAttention` with a write-through copy stream):
 
 1. compute stream: metadata + staging (``write_pool=False``, ``staging=...``);
 2. copy stream: staging -> pool (``meta=None``), overlapping the layers that follow;

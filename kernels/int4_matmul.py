@@ -12,7 +12,7 @@ Two CUDA paths, both measured by ``scripts/bench_kernels.py``:
 
 * :func:`int4_linear` — a Triton dequant-matmul that reads the blocks directly
   (nibbles and scales unpacked in registers, fp32 accumulation, split-K for small M);
-* :func:`group_int4_linear` — the same kernel reading :class:`engine.quant.Int4Weight`
+* :func:`group_int4_linear` — the same kernel reading :class:`engine.weights.quant.Int4Weight`
   (interleaved nibbles, group ``g``, float scales and minimums) in place;
 * :func:`int4pack_linear` — torch's tinygemm kernel ``aten._weight_int4pack_mm`` on
   weights converted by :func:`to_int4pack` (bf16 scales and zeros, group 32, so
@@ -180,7 +180,7 @@ def _q4_linear_kernel(
     A tile's ``BLOCK_K / 2`` bytes per row unpack to two halves: the low nibbles are
     elements ``32*blk + i`` and the high nibbles ``32*blk + 16 + i`` (``i < 16``), so the
     activations are loaded with the matching column order and two ``tl.dot`` run per tile.
-    ``INTERLEAVED`` (the :class:`engine.quant.Int4Weight` layout): byte ``j`` holds
+    ``INTERLEAVED`` (the :class:`engine.weights.quant.Int4Weight` layout): byte ``j`` holds
     elements ``2j`` (low) and ``2j + 1`` (high), one scale and minimum per ``GROUP``
     elements (``GROUP`` and ``BLOCK_K`` powers of two).
     """
@@ -391,7 +391,7 @@ def _launch(x, qs, d, m, config, *, interleaved: bool, group: int) -> torch.Tens
 def group_int4_linear_ref(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """``x @ W.T`` for the :class:`engine.quant.Int4Weight` layout, dequantising to fp32:
+    """``x @ W.T`` for the :class:`engine.weights.quant.Int4Weight` layout, dequantising to fp32:
     ``W[n, k] = scale[n, k // g] * q[n, k] + offset[n, k // g]``, element ``2j`` in the
     low nibble of byte ``j`` and ``2j + 1`` in its high nibble.
 
@@ -420,7 +420,7 @@ def group_int4_linear(
     config: Q4Config | None = None,
 ) -> torch.Tensor:
     """Triton :func:`group_int4_linear_ref`: the dequant-matmul of :func:`int4_linear`
-    reading the :class:`engine.quant.Int4Weight` layout (interleaved nibbles, any group
+    reading the :class:`engine.weights.quant.Int4Weight` layout (interleaved nibbles, any group
     size, float scales and minimums) in place — no repacking, so the engine can run the
     same device copy of a weight through this kernel or dequantise it for prefill.
 

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from engine.api import load_engine
+from engine.load import load_engine
 from engine.config import EngineConfig, SamplingParams
-from engine.embedded import default_model_path
+from engine.weights.embedded import default_model_path
 from engine.events import Job
 
 CORPUS = Path(
@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench_cpu.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from engine.tokenizer import TextTokenizer
+    from engine.text.tokenizer import TextTokenizer
 
     tok = TextTokenizer.from_gguf(default_model_path(), reference="llama.cpp")
     ids = prompt_ids(tok, args.doc)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.quant import Int4Linear, quantize_int4
+from engine.weights.quant import Int4Linear, quantize_int4
 
 SHAPES = ((576, 576), (1536, 576), (576, 1536))  # (N, K)
 ROWS = (1, 8, 256)

@@ -552,11 +552,11 @@ DECODE_MS = [1, 4, 8, 12, 16, 24, 32, 48]
 
 
 def bench_int4_decode(out: dict) -> None:
-    """One layer's four linears of a real shape through :class:`engine.quant.Int4Linear`
+    """One layer's four linears of a real shape through :class:`engine.weights.quant.Int4Linear`
     (group-128 weights as ``quantize_int4`` makes them) in each regime, forced: tinygemm,
     the Triton dequant-matmul over the source (``group_int4_linear``) and dequantise +
     dense GEMM, at decode batch sizes ``DECODE_MS``."""
-    from engine.quant import Int4Linear, quantize_int4
+    from engine.weights.quant import Int4Linear, quantize_int4
     from kernels.int4_matmul import group_int4_linear
 
     gen = torch.Generator(device=DEV).manual_seed(5)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.api import load_engine
+from engine.load import load_engine
 from engine.config import EngineConfig, SamplingParams
 from engine.events import Job
 
@@ -35,7 +35,7 @@ BATCHES = (1, 8, 32)
 
 def make(model: str, **kw):
     """An engine with settings ``kw``; weights are loaded once and shared."""
-    from engine.engine import Engine
+    from engine.serve.engine import Engine
     from kernels.dispatch import get_ops
 
     cfg = EngineConfig(

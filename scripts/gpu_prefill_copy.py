@@ -40,21 +40,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.config import EngineConfig, SamplingParams
-from engine.engine import Engine
+from engine.serve.engine import Engine
 from engine.events import Job
-from engine.kv_cache import KVCache
+from engine.kv.cache import KVCache
 
 MODES = ("blocking", "copy_stream", "no_write")
 
 
 def load_model(name: str, device: torch.device, dtype: torch.dtype, cfg: EngineConfig):
     """``(model, context_limit)``: synthetic weights for ``synthetic:NAME`` (no tokenizer
-    needed), else a GGUF file or model folder through :func:`engine.api.load_weights`."""
-    from engine.api import context_limit_and_rope, load_weights, pick_weight_format
-    from engine.model import LlamaModel
+    needed), else a GGUF file or model folder through :func:`engine.load.load_weights`."""
+    from engine.load import context_limit_and_rope, load_weights, pick_weight_format
+    from engine.model.llama import LlamaModel
 
     if name.startswith("synthetic:"):
-        from engine.synthetic import synthetic_shape, synthetic_weights
+        from engine.weights.synthetic import synthetic_shape, synthetic_weights
 
         weights = synthetic_weights(synthetic_shape(name), device=device)
     else:

@@ -1,8 +1,8 @@
 """Plan vs measured peak memory per device (issue 6).
 
 For each scenario this plans the run with the capacity planner
-(:func:`engine.planner.plan`, what ``hisparse plan`` prints) and then runs it for real
-(:class:`engine.workers.ParallelEngine`: one worker process per device, data-parallel or
+(:func:`engine.capacity.planner.plan`, what ``hisparse plan`` prints) and then runs it for real
+(:class:`engine.serve.workers.ParallelEngine`: one worker process per device, data-parallel or
 a layer pipeline, a single device included), and records per device:
 
 * planned bytes by part: weights, hot KV slab pool, page metadata, activations/scratch,
@@ -14,7 +14,7 @@ a layer pipeline, a single device included), and records per device:
   worker resets them once its model is loaded; the load's own peaks are kept apart), the
   device's used memory (``cudaMemGetInfo``: every process and CUDA context) and the
   process's pinned host bytes (``torch.cuda.host_memory_stats``);
-* with ``--memory-budget``, each worker's budget split (:class:`engine.budget.KVSizing`);
+* with ``--memory-budget``, each worker's budget split (:class:`engine.capacity.budget.KVSizing`);
 * the pinned host pool: planned (the jobs' KV, and the pool) vs allocated (the workers'
   pools) and what the pinned allocator holds (it rounds each layer's block up to a power
   of two).
@@ -33,7 +33,7 @@ reason. Every job is ``--context`` positions (prompt + ``--max-tokens``), greedy
 host pool is sized to hold exactly the scenario's jobs (``<fits>``). The run settings are
 the preset's, with ``max_batch`` set to the scenario's jobs: ``max_batch`` is the whole
 box's, so a data-parallel worker decodes ``ceil(max_batch / n)`` rows, in the planner and
-in the run (:func:`engine.workers.worker_config`).
+in the run (:func:`engine.serve.workers.worker_config`).
 
 Documents: ``--corpus-tokens FILE`` (pre-tokenised with the embedded tokenizer on the CPU
 box: ``bash scripts/bench_capacity.sh prep`` writes ``.bench/corpus_tokens.json``) or the
@@ -83,15 +83,15 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from engine import events as ev  # noqa: E402
-from engine.bench_kv import (  # noqa: E402
+from engine.measure.bench_kv import (  # noqa: E402
     corpus_dir,
     corpus_streams,
     document_ids,
     read_corpus_tokens,
 )
-from engine.budget import pool_page_bytes  # noqa: E402
+from engine.capacity.budget import pool_page_bytes  # noqa: E402
 from engine.config import EngineConfig, ModelConfig, SamplingParams  # noqa: E402
-from engine.planner import GIB, Plan, job_host_bytes, parse_context, plan  # noqa: E402
+from engine.capacity.planner import GIB, Plan, job_host_bytes, parse_context, plan  # noqa: E402
 from engine.presets import load_preset_full, resolve_config  # noqa: E402
 
 FORMAT = "hisparse-memory"
@@ -197,10 +197,10 @@ CPU_SCENARIOS = (
 def model_shape(model: str | None) -> ModelConfig:
     """The shape the planner uses for ``model`` (``None``: the embedded SmolLM2-135M)."""
     if model is not None and model.startswith("synthetic:"):
-        from engine.synthetic import synthetic_shape
+        from engine.weights.synthetic import synthetic_shape
 
         return synthetic_shape(model)
-    from engine.model_shapes import get_model_shape
+    from engine.capacity.shapes import get_model_shape
 
     return get_model_shape(model or "smollm2-135m")
 
@@ -302,7 +302,7 @@ def load_streams(args, vocab_size: int, tokenizer) -> tuple[str, list[list[int]]
 
 def make_jobs(sc: Scenario, streams: list[list[int]], s: Settings) -> list[ev.Job]:
     """``sc.jobs`` greedy jobs of ``s.prompt_tokens`` corpus tokens, document ``i`` from
-    file ``i`` on (:func:`engine.bench_kv.document_ids`)."""
+    file ``i`` on (:func:`engine.measure.bench_kv.document_ids`)."""
     sampling = SamplingParams(max_tokens=s.max_tokens, temperature=0.0)
     return [
         ev.Job(f"{sc.name}-{i}", document_ids(streams, i, s.prompt_tokens), sampling)
@@ -337,7 +337,7 @@ def run_scenario(
     RuntimeError
         A worker failed to start (its error in the message).
     """
-    from engine.workers import JobPlaced, ParallelEngine
+    from engine.serve.workers import JobPlaced, ParallelEngine
 
     t0 = time.monotonic()
     engine = ParallelEngine(s.run_config, model, sc.devices, sc.parallel, tokenizer=tokenizer)
@@ -657,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
             _write(args.out, report)
             continue
         if tokenizer is None:
-            from engine.api import load_tokenizer
+            from engine.load import load_tokenizer
 
             tokenizer = load_tokenizer(model, "ids" if ids else None)[0]
             source, streams = load_streams(args, shape.vocab_size, tokenizer)

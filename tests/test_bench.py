@@ -12,10 +12,10 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from engine.bench import MODES, RUN_FIELDS, BenchSpec, hierarchical_pool_pages, run_bench
-from engine.bench_kv import export_kv, page_runs, prefill_window
-from engine.bench_report import roofline, selected_pages
-from engine.budget import (
+from engine.measure.bench import MODES, RUN_FIELDS, BenchSpec, hierarchical_pool_pages, run_bench
+from engine.measure.bench_kv import export_kv, page_runs, prefill_window
+from engine.measure.report import roofline, selected_pages
+from engine.capacity.budget import (
     cache_device_bytes,
     meta_page_bytes,
     pool_page_bytes,
@@ -23,7 +23,7 @@ from engine.budget import (
 )
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.events import Job
-from engine.planner import GIB
+from engine.capacity.planner import GIB
 from hisparse_cli.bench_cmd import register
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -46,9 +46,9 @@ SMALL = dict(
 def tiny():
     """The placed two-layer synthetic model and its tokenizer (skips without the embedded
     model, whose tokenizer it uses)."""
-    from engine.api import load_weights
-    from engine.model import LlamaModel
-    from engine.rope import Rope
+    from engine.load import load_weights
+    from engine.model.llama import LlamaModel
+    from engine.model.rope import Rope
 
     try:
         weights, tokenizer, _ = load_weights("synthetic:tiny")
@@ -199,12 +199,15 @@ def test_dense_admission_stops_at_a_tiny_budget(tmp_path, tiny, corpus_dir):
     assert report["contexts"][0]["capacity"]["dense"]["max_jobs"] == 1
     hier = [r for r in report["runs"] if r["mode"] == "hierarchical"]
     assert [r["admitted"] for r in hier] == [1, 2, 4]  # same budget, host pool: no wall
+    from hisparse_cli.bench_plots import make_plots  # the CLI draws the plots of a report
+
+    assert f"throughput_{CONTEXT}.png" in make_plots(report, tmp_path)
     assert (tmp_path / f"throughput_{CONTEXT}.png").exists()
 
 
 def test_window_prefill_with_full_window_is_the_engine_prefill(tiny):
-    from engine.engine import Engine
-    from engine.kv_cache import KVCache
+    from engine.serve.engine import Engine
+    from engine.kv.cache import KVCache
     from kernels.dispatch import get_ops
 
     model, tokenizer = tiny
@@ -249,7 +252,7 @@ def test_budget_sizing_resident_and_hierarchical(tiny):
 
 
 def test_load_engine_sizes_the_pool_from_the_budget(tiny):
-    from engine.api import load_engine
+    from engine.load import load_engine
 
     cfg = EngineConfig(**SMALL, attention="sparse", hierarchical=False, memory_budget_gb=1.1)
     engine = load_engine(cfg, "synthetic:tiny")
@@ -260,7 +263,7 @@ def test_load_engine_sizes_the_pool_from_the_budget(tiny):
 
 def test_page_runs_and_pool_rounding():
     assert page_runs([0, 1, 2, 7, 8, 3]) == [(0, 0, 3), (3, 7, 2), (5, 3, 1)]
-    from engine.model_shapes import MODEL_SHAPES
+    from engine.capacity.shapes import MODEL_SHAPES
 
     qwen = MODEL_SHAPES["qwen2.5-7b"]
     cfg = EngineConfig(page_size=64, kv_dtype="bfloat16", top_k=2048, device_buffer=4096)
@@ -334,7 +337,7 @@ def test_prefetch_arguments(tmp_path):
     """``--prefetch-pages`` must be >= 1 and come with the prefetch mode; a prefetch that
     does not fit the hot buffer (given or default) is refused up front, naming where the
     value came from; the default shrinks to the buffer's spare pages."""
-    from engine.bench import BenchSpec, default_prefetch_pages, mode_config
+    from engine.measure.bench import BenchSpec, default_prefetch_pages, mode_config
     from engine.config import ConfigError, EngineConfig
 
     app = typer.Typer()
@@ -366,7 +369,7 @@ def test_prefetch_arguments(tmp_path):
 
 
 def test_pretokenized_corpus_needs_no_tokenizer(tmp_path, tiny, corpus_dir):
-    from engine.bench_kv import read_corpus_tokens, write_corpus_tokens
+    from engine.measure.bench_kv import read_corpus_tokens, write_corpus_tokens
 
     if not sorted(corpus_dir.glob("*.txt")):
         pytest.skip(f"no corpus in {corpus_dir}")
@@ -391,7 +394,7 @@ def test_pretokenized_corpus_needs_no_tokenizer(tmp_path, tiny, corpus_dir):
 
 
 def test_kernel_phase_names():
-    from engine.profiling import kernel_phase
+    from engine.measure.profiling import kernel_phase
 
     assert kernel_phase("_sparse_decode_split_kernel") == "attention"
     assert kernel_phase("_resolve_kernel") == "resolve"

@@ -63,7 +63,7 @@ def test_help_lists_commands_and_is_typer_only():
 
 def test_help_does_not_import_the_engine_runtime():
     code = (
-        "import sys, hisparse_cli.main; print('engine.api' in sys.modules, 'torch' in sys.modules)"
+        "import sys, hisparse_cli.main; print('engine.load' in sys.modules, 'torch' in sys.modules)"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=os.getcwd()
@@ -638,10 +638,10 @@ def test_config_errors_at_model_load_exit_2_without_traceback(cli, docs, error):
 
 
 def test_host_pool_larger_than_memory_exits_2_before_loading(cli, docs, monkeypatch):
-    import engine.api
+    import engine.load
 
     monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "24")
-    monkeypatch.setattr(engine.api, "load_engine", lambda *a: pytest.fail("model was loaded"))
+    monkeypatch.setattr(engine.load, "load_engine", lambda *a: pytest.fail("model was loaded"))
     result = cli("docs/alpha.txt", "--host-pool", "1000", engine=REAL_LOAD_ENGINE)
     assert result.exit_code == 2
     assert "host KV pool needs 1000.0 GiB but only 24.0 GiB" in result.stderr

@@ -1,4 +1,4 @@
-"""CUDA-graph replay of the decode step (:mod:`engine.cuda_graph`) on a GPU: the same
+"""CUDA-graph replay of the decode step (:mod:`engine.decode.cuda_graph`) on a GPU: the same
 tokens, logits (bit for bit), hits and misses as eager launches, for every attention mode,
 through batch changes (a new graph per batch size / width bucket) and forced misses; with
 the hierarchy the replay runs two micro-batches on two streams (``decode_overlap``).
@@ -27,9 +27,9 @@ SHAPE = dict(num_layers=3, hidden_size=256, num_heads=8, num_kv_heads=2, head_di
 def model():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from engine.model import LlamaModel
-    from engine.rope import Rope
-    from engine.synthetic import TINY, synthetic_weights
+    from engine.model.llama import LlamaModel
+    from engine.model.rope import Rope
+    from engine.weights.synthetic import TINY, synthetic_weights
 
     cfg = dataclasses.replace(TINY, intermediate_size=512, vocab_size=4096, **SHAPE)
     weights = synthetic_weights(cfg, device="cuda")
@@ -38,7 +38,7 @@ def model():
 
 
 def _engine(model, cuda_graph: bool, **kw):
-    from engine.engine import Engine
+    from engine.serve.engine import Engine
     from kernels.dispatch import get_ops
 
     cfg = EngineConfig(

@@ -30,7 +30,7 @@ def weights_path(smollm2_gguf_path):
 
 
 def make_engine(path, **overrides):
-    from engine.api import load_engine
+    from engine.load import load_engine
 
     cfg = EngineConfig(host_pool_gb=1.0, max_batch=2, **overrides)
     eng = load_engine(cfg, str(path))
@@ -208,7 +208,7 @@ def test_static_graph_step_equals_eager_step(
     weights_path, corpus_dir, attention, split, deferred, prefetch
 ):
     """The function a CUDA graph captures (static buffers, padded page-table width, plan
-    tensors computed on the device; :mod:`engine.cuda_graph`), run eagerly on the CPU,
+    tensors computed on the device; :mod:`engine.decode.cuda_graph`), run eagerly on the CPU,
     gives the eager engine's logits, tokens, hits and misses bit for bit — for a batch of
     two requests of different lengths, with a hot buffer small enough to force misses.
     ``split``: the batch as two micro-batches (``decode_overlap``; one after the other here,
@@ -216,7 +216,7 @@ def test_static_graph_step_equals_eager_step(
     pool late (each micro-batch stages its rows at its own offset). ``prefetch``: both
     engines prefetch near misses (the static one at the step's end), and load the same
     records."""
-    from engine.cuda_graph import DecodeGraphs
+    from engine.decode.cuda_graph import DecodeGraphs
 
     common = dict(attention=attention, top_k=128, page_size=16, sink_tokens=16, local_window=32)
     if attention == "sparse":

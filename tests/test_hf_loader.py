@@ -1,8 +1,8 @@
 """Hugging Face folder loader and ``hisparse quantize``, against transformers.
 
 Tiny random Llama / Qwen2 / Mistral models are built with transformers, saved as
-safetensors, loaded with :func:`engine.hf_loader.load_hf_folder` and run through
-:class:`engine.model.LlamaModel`; the logits must match ``model(ids).logits`` at fp32.
+safetensors, loaded with :func:`engine.weights.hf.load_hf_folder` and run through
+:class:`engine.model.llama.LlamaModel`; the logits must match ``model(ids).logits`` at fp32.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.hf_loader import (
+from engine.weights.hf import (
     HFModelError,
     load_hf_folder,
     read_hf_config,
     rope_from_hf,
 )
-from engine.model import LlamaModel, prefill_attention
-from engine.quant import Int4Weight, quantize_int4
-from engine.rope import Rope
-from engine.weights import LINEAR_NAMES, ModelWeights
+from engine.model.llama import LlamaModel, prefill_attention
+from engine.weights.quant import Int4Weight, quantize_int4
+from engine.model.rope import Rope
+from engine.weights.types import LINEAR_NAMES, ModelWeights
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,7 +60,7 @@ def _save_tokenizer(folder: Path) -> None:
     """A 256-token byte-level BPE (no merges), enough for TextTokenizer.from_folder."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from engine.tokenizer import bytes_to_unicode
+    from engine.text.tokenizer import bytes_to_unicode
 
     vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -184,7 +184,7 @@ def test_sharded_bf16_checkpoint(tmp_path):
 
 
 def test_load_weights_through_api(llama):
-    from engine.api import load_weights
+    from engine.load import load_weights
 
     folder, _ = llama
     weights, tokenizer, name = load_weights(str(folder))
@@ -311,7 +311,7 @@ def test_yarn_raises_trained_context(llama_copy):
 
 
 def test_quantize_round_trip(llama, tmp_path):
-    from engine.quantize_cmd import quantize_folder
+    from engine.weights.quantize import quantize_folder
 
     src, model = llama
     out = tmp_path / "q"
@@ -343,7 +343,7 @@ def test_quantize_round_trip(llama, tmp_path):
 
 
 def test_quantize_refuses_existing_and_requantising(llama, tmp_path):
-    from engine.quantize_cmd import quantize_folder
+    from engine.weights.quantize import quantize_folder
 
     quantize_folder(llama[0], tmp_path / "q", group_size=64)
     with pytest.raises(FileExistsError):

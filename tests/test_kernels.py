@@ -447,7 +447,7 @@ def test_group_int4_linear_matches_reference(m, n, k, g, dtype):
     """(bf16 runs natively only: the interpreter's bf16 dot is not a reference.)"""
     """The Int4Weight layout (interleaved nibbles, group g, fp32 scale and minimum) read in
     place; K not a multiple of the K tile, N not a multiple of the N tile, split-K."""
-    from engine.quant import quantize_int4
+    from engine.weights.quant import quantize_int4
 
     gen = torch.Generator().manual_seed(m * n + k + g)
     w = quantize_int4(torch.randn(n, k, generator=gen) * 0.05, group_size=g)

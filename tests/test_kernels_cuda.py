@@ -306,7 +306,7 @@ def test_int4_linear_cuda(kind, m, n, k):
 def test_int4_linear_regimes_on_cuda(m, g):
     """Int4Linear on CUDA picks tinygemm, the Triton dequant-matmul or the dense GEMM by
     the row count; every regime matches the fp32 product of the dequantised weight."""
-    from engine.quant import DEQUANT_MIN_ROWS, TRITON_MIN_ROWS, Int4Linear, quantize_int4
+    from engine.weights.quant import DEQUANT_MIN_ROWS, TRITON_MIN_ROWS, Int4Linear, quantize_int4
 
     assert TRITON_MIN_ROWS < DEQUANT_MIN_ROWS
     gen = torch.Generator().manual_seed(m + g)

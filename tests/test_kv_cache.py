@@ -15,9 +15,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.attention import DecodeAttention
+from engine.decode.attention import DecodeAttention
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_cache import KVCache
+from engine.kv.cache import KVCache
 from kernels.bitmask import pack_bits
 from kernels.dispatch import REFERENCE_OPS
 from kernels.resolve import resolve_ref
@@ -204,7 +204,7 @@ test_cache_state_machine = CacheMachine.TestCase
 
 
 def test_declared_host_memory_overrides_meminfo(monkeypatch):
-    from engine.kv_cache import CacheFullError, available_host_bytes, check_host_memory
+    from engine.kv.cache import CacheFullError, available_host_bytes, check_host_memory
 
     monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "2")
     assert available_host_bytes() == 2 * 2**30

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.budget import pool_page_bytes
+from engine.capacity.budget import pool_page_bytes
 from engine.config import EngineConfig
-from engine.planner import job_host_bytes
+from engine.capacity.planner import job_host_bytes
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "measure_memory.py"
 PARTS = ("weights", "kv_slab", "metadata", "activation", "comm", "reserve", "total", "capacity")
@@ -93,7 +93,7 @@ def test_cpu_pipeline_measures_each_stage(tmp_path, corpus_dir):
         assert m["max_batch"] == 2 and m["peak_allocated"] is None  # CUDA-only figures
     # the host pool holds exactly the two jobs, split over the stages by layer
     cfg = EngineConfig(**{k: v for k, v in sc["plan_config"].items() if k != "extra"})
-    from engine.synthetic import TINY
+    from engine.weights.synthetic import TINY
 
     assert sc["host"]["planned_jobs_kv"] == 2 * job_host_bytes(TINY, cfg, 1024)
     assert sc["host"]["allocated_pool"] == sc["host"]["planned_jobs_kv"]

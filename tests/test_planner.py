@@ -9,8 +9,8 @@ import typer
 from typer.testing import CliRunner
 
 from engine.config import ConfigError, EngineConfig
-from engine.model_shapes import MODEL_SHAPES, get_model_shape
-from engine.planner import (
+from engine.capacity.shapes import MODEL_SHAPES, get_model_shape
+from engine.capacity.planner import (
     GIB,
     Hardware,
     admit,

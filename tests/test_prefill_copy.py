@@ -17,7 +17,7 @@ from test_kv_cache import TINY
 
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.events import Job
-from engine.kv_cache import KVCache, page_runs
+from engine.kv.cache import KVCache, page_runs
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -174,11 +174,11 @@ def test_prefill_copy_stream_is_validated():
 
 
 def _engine(device: str, dtype: torch.dtype, **kw):
-    from engine.engine import Engine
-    from engine.model import LlamaModel
-    from engine.rope import Rope
-    from engine.synthetic import TINY as SHAPE
-    from engine.synthetic import synthetic_weights
+    from engine.serve.engine import Engine
+    from engine.model.llama import LlamaModel
+    from engine.model.rope import Rope
+    from engine.weights.synthetic import TINY as SHAPE
+    from engine.weights.synthetic import synthetic_weights
     from kernels.dispatch import get_ops
 
     cfg = EngineConfig(

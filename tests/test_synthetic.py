@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.synthetic as syn
-from engine.model import LlamaModel, prefill_attention
-from engine.quant import Int4Weight
-from engine.rope import Rope
-from engine.weights import LINEAR_NAMES
+import engine.weights.synthetic as syn
+from engine.model.llama import LlamaModel, prefill_attention
+from engine.weights.quant import Int4Weight
+from engine.model.rope import Rope
+from engine.weights.types import LINEAR_NAMES
 
 
 def test_unknown_name_lists_known():
@@ -101,13 +101,13 @@ def test_tokenizer_maps_ids_into_vocabularies(tiny):
 def test_ids_tokenizer_needs_no_embedded_model(monkeypatch):
     """``extra.tokenizer: ids``: a synthetic model without the embedded GGUF (a GPU machine
     fed pre-tokenised jobs); text cannot be encoded, results are ids as text."""
-    from engine.api import load_tokenizer
+    from engine.load import load_tokenizer
     from engine.config import ConfigError
 
     def no_model():
         raise FileNotFoundError("not installed")
 
-    monkeypatch.setattr("engine.embedded.default_model_path", no_model)
+    monkeypatch.setattr("engine.weights.embedded.default_model_path", no_model)
     tok, name = load_tokenizer("synthetic:qwen2.5-7b", "ids")
     assert name == "synthetic:qwen2.5-7b" and tok.vocab_size == 152064 and not tok.eos_ids
     assert tok.decode([5, 151000]) == "5 151000"
@@ -121,7 +121,7 @@ def test_ids_tokenizer_needs_no_embedded_model(monkeypatch):
 
 def _tiny_engine(**overrides):
     from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.serve.engine import Engine
     from kernels.dispatch import REFERENCE_OPS
 
     cfg = syn.TINY
@@ -161,7 +161,7 @@ def test_context_advice_follows_the_policy():
 def test_max_context_above_training_needs_extend():
     """Under refuse and truncate, max_context can only lower the trained context; a value
     above it used to be silently ignored and is now a ConfigError (exit 2 in the CLI)."""
-    from engine.api import context_limit_and_rope
+    from engine.load import context_limit_and_rope
     from engine.config import ConfigError, EngineConfig
 
     cfg = syn.synthetic_shape("tiny")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.embedded import EMBEDDED_INSTALL_COMMAND, default_model_path
-from engine.tokenizer import (
+from engine.weights.embedded import EMBEDDED_INSTALL_COMMAND, default_model_path
+from engine.text.tokenizer import (
     IncrementalDecoder,
     TextTokenizer,
     bytes_to_unicode,

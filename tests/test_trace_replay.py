@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from engine.replay import POLICIES, load_streams, replay, replay_stream, replay_trace
-from engine.trace import TraceHeader, TraceWriter, pages_from_words, read_header, read_trace
+from engine.measure.replay import POLICIES, load_streams, replay, replay_stream, replay_trace
+from engine.measure.trace import TraceHeader, TraceWriter, pages_from_words, read_header, read_trace
 from kernels.bitmask import pack_bits, unpack_bits
 from kernels.resolve import resolve_ref
 
@@ -180,7 +180,7 @@ def test_stage_traces_replay_as_one(tmp_path):
     """Two pipeline stages' files (layers 0 and 1) read as one trace: the merged header
     holds every layer and the CLI replays them together; a header that disagrees or a
     file given twice is refused."""
-    from engine.trace import merge_headers, read_traces
+    from engine.measure.trace import merge_headers, read_traces
     from hisparse_cli.replay_cmd import register
 
     paths = []
@@ -299,7 +299,7 @@ def test_replay_rejects_buffer_sizes_that_are_not_positive(tmp_path, args, phras
 def test_lru_replay_equals_engine_counts(tmp_path, smollm2_gguf_path, corpus_dir):
     """A real-model run with --trace: LRU replay of the trace at the engine's
     device_buffer reproduces each job's CacheStats exactly."""
-    from engine.api import load_engine
+    from engine.load import load_engine
     from engine.config import EngineConfig, SamplingParams
     from engine.events import Job, JobFinished
 

@@ -19,8 +19,8 @@ import torch
 
 from engine.config import EngineConfig, SamplingParams
 from engine.events import DecodeStep, Job, JobFailed, JobFinished, JobQueued, MemorySnapshot
-from engine.pipeline import split_batch
-from engine.workers import (
+from engine.serve.pipeline import split_batch
+from engine.serve.workers import (
     JobPlaced,
     ParallelEngine,
     WorkerDied,
@@ -87,7 +87,7 @@ def results(events):
 @pytest.fixture(scope="module")
 def single():
     """One in-process engine: the reference."""
-    from engine.api import load_engine
+    from engine.load import load_engine
 
     torch.set_num_threads(1)
     return load_engine(CONFIG)
@@ -213,10 +213,10 @@ def test_pipeline_budget_sizes_each_stage_and_traces_every_layer(single, jobs, r
     max_batch 2, from the planner's rows for their layers, and give the reference tokens
     (max_batch 2). The two stage traces, replayed together through LRU at the engine's
     buffer, give every job's hit and miss counts."""
-    from engine.budget import stage_sizing
-    from engine.planner import GIB, Hardware, device_tables, stage_layers, weight_bytes
-    from engine.replay import load_streams, replay
-    from engine.trace import read_traces
+    from engine.capacity.budget import stage_sizing
+    from engine.capacity.planner import GIB, Hardware, device_tables, stage_layers, weight_bytes
+    from engine.measure.replay import load_streams, replay
+    from engine.measure.trace import read_traces
 
     mc, limit = single.model_config, single.prompt_limit()
     ranges = stage_layers(mc.num_layers, 2)
@@ -362,7 +362,7 @@ def test_lost_stage_fails_the_pipeline_jobs(pipeline_engine, jobs):
 def _one_gpu_reference():
     """A small bf16 config on ``cuda:0`` (max_batch 1), the test jobs, and one engine's
     results for them (the reference the multi-worker runs must reproduce)."""
-    from engine.api import load_engine
+    from engine.load import load_engine
 
     cfg = EngineConfig(
         device="cuda:0",

@@ -1,7 +1,7 @@
 """Time the phases of a decode step without touching the normal path.
 
 :func:`timed_ops` wraps every op of a :class:`kernels.dispatch.Ops` set and
-:func:`timed_model` every linear layer of a :class:`engine.model.LlamaModel` (a shallow
+:func:`timed_model` every linear layer of a :class:`engine.model.llama.LlamaModel` (a shallow
 copy; the weights are shared) with a :class:`PhaseTimer`: CUDA events around each call on
 CUDA (GPU time between the events, read after a synchronisation), ``perf_counter``
 elsewhere. An engine built on them (sharing the measured engine's cache) gives the
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from engine.model import LlamaModel
-from engine.quant import Linear
+from engine.model.llama import LlamaModel
+from engine.weights.quant import Linear
 from kernels.dispatch import Ops
 
 

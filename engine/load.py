@@ -1,4 +1,4 @@
-"""Build an :class:`engine.engine.Engine` from a model path (or the embedded default) and a
+"""Build an :class:`engine.serve.engine.Engine` from a model path (or the embedded default) and a
 resolved :class:`EngineConfig`. This is the one entry point front ends use."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import ConfigError, EngineConfig, ModelConfig, RopeScaling
-from engine.engine import Engine
-from engine.rope import Rope
-from engine.weights import ModelWeights
+from engine.serve.engine import Engine
+from engine.model.rope import Rope
+from engine.weights.types import ModelWeights
 
 if TYPE_CHECKING:
-    from engine.workers import ParallelEngine
+    from engine.serve.workers import ParallelEngine
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -34,7 +34,7 @@ def load_weights(model: str | None, tokenizer: str | None = None) -> tuple[Model
         embedded SmolLM2-135M-Instruct Q4_1, ``synthetic:NAME`` for random weights of a
         published shape.
     tokenizer : ``config.extra["tokenizer"]``: ``None`` (the model's own), or for a
-        synthetic model ``ids`` (no text: jobs as token ids; see :mod:`engine.synthetic`).
+        synthetic model ``ids`` (no text: jobs as token ids; see :mod:`engine.weights.synthetic`).
 
     Returns
     -------
@@ -47,25 +47,25 @@ def load_weights(model: str | None, tokenizer: str | None = None) -> tuple[Model
     ConfigError
         ``tokenizer`` given for a model that is not synthetic.
     """
-    from engine.tokenizer import TextTokenizer
+    from engine.text.tokenizer import TextTokenizer
 
     _check_tokenizer_choice(model, tokenizer)
     if model is None:
-        from engine.embedded import default_model_path
+        from engine.weights.embedded import default_model_path
 
         model = str(default_model_path())
     if model.startswith("synthetic:"):
-        from engine.synthetic import load_synthetic
+        from engine.weights.synthetic import load_synthetic
 
         return load_synthetic(model.split(":", 1)[1], tokenizer=tokenizer)
     path = Path(model)
     if path.is_dir():
-        from engine.hf_loader import load_hf_folder
+        from engine.weights.hf import load_hf_folder
 
         return load_hf_folder(path), TextTokenizer.from_folder(path), path.name
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
-    from engine.gguf_loader import load_gguf
+    from engine.weights.gguf import load_gguf
 
     return load_gguf(path), TextTokenizer.from_gguf(path, reference="llama.cpp"), path.stem
 
@@ -74,15 +74,15 @@ def load_tokenizer(model: str | None, tokenizer: str | None = None) -> tuple[obj
     """The tokenizer and model name of ``model`` (``model`` and ``tokenizer`` as
     :func:`load_weights` takes them) without reading the weights; what a multi-device
     parent process needs."""
-    from engine.tokenizer import TextTokenizer
+    from engine.text.tokenizer import TextTokenizer
 
     _check_tokenizer_choice(model, tokenizer)
     if model is None:
-        from engine.embedded import default_model_path
+        from engine.weights.embedded import default_model_path
 
         model = str(default_model_path())
     if model.startswith("synthetic:"):
-        from engine.synthetic import PREFIX, make_tokenizer, synthetic_shape
+        from engine.weights.synthetic import PREFIX, make_tokenizer, synthetic_shape
 
         cfg = synthetic_shape(model.split(":", 1)[1])
         return make_tokenizer(cfg.vocab_size, tokenizer), f"{PREFIX}{cfg.name}"
@@ -148,31 +148,31 @@ def load_engine(
 
     When ``config.extra["devices"]`` names more than one device (``--devices cuda:0,cuda:1``
     or a preset's ``hardware.devices``) this starts one worker per device and returns an
-    :class:`engine.workers.ParallelEngine` (same surface) running ``config.extra["parallel"]``
+    :class:`engine.serve.workers.ParallelEngine` (same surface) running ``config.extra["parallel"]``
     (``data``, the default, or ``pipeline``).
 
-    ``tracer`` is a selection recorder (see :class:`engine.trace.TraceWriter`); without
+    ``tracer`` is a selection recorder (see :class:`engine.measure.trace.TraceWriter`); without
     one, ``config.extra["trace_path"]`` (``hisparse run --trace FILE``) makes a
-    :class:`~engine.trace.TraceWriter` there, closed when ``Engine.run`` ends.
+    :class:`~engine.measure.trace.TraceWriter` there, closed when ``Engine.run`` ends.
 
     With ``config.memory_budget_gb`` (``--memory-budget``) the KV cache is sized by
-    :func:`engine.budget.budget_cache`: the device pool (all-resident) or ``max_batch``
+    :func:`engine.capacity.budget.budget_cache`: the device pool (all-resident) or ``max_batch``
     (hierarchical) is what the budget leaves after weights, activations and reserve;
     the split is ``engine.budget_sizing``. With several devices the budget caps each
     one: a data worker sizes its cache this way, a pipeline stage for its own layers
-    (:func:`engine.pipeline.stage_budget_cache`).
+    (:func:`engine.serve.pipeline.stage_budget_cache`).
 
     Raises
     ------
     ConfigError, FileNotFoundError, ValueError (unsupported model files)
     """
-    from engine.model import LlamaModel
+    from engine.model.llama import LlamaModel
     from kernels.dispatch import get_ops
 
     config.validate()
     devices = config.extra.get("devices") or ()
     if devices:
-        from engine.workers import ParallelEngine, parse_devices
+        from engine.serve.workers import ParallelEngine, parse_devices
 
         devices = parse_devices(devices)
         if len(devices) > 1:
@@ -188,13 +188,13 @@ def load_engine(
     llm = LlamaModel(weights, device, dtype, fmt, rope)
     ops = get_ops(device, config.use_triton)
     if tracer is None and config.extra.get("trace_path"):
-        from engine.trace import TraceHeader, TraceWriter
+        from engine.measure.trace import TraceHeader, TraceWriter
 
         header = TraceHeader.for_engine(name, weights.config, config)
         tracer = TraceWriter(config.extra["trace_path"], header)
     cache, sizing = None, None
     if config.memory_budget_gb is not None:  # pool / max_batch from the budget
-        from engine.budget import budget_cache
+        from engine.capacity.budget import budget_cache
 
         config, cache, sizing = budget_cache(llm, config, limit)
     engine = Engine(llm, tokenizer, config, ops, limit, tracer, cache=cache)

@@ -1,9 +1,9 @@
 """Selection traces: what the indexer selected, per (job, decode step, layer, KV head).
 
-A :class:`TraceWriter` is the ``tracer`` of :class:`engine.attention.DecodeAttention`:
+A :class:`TraceWriter` is the ``tracer`` of :class:`engine.decode.attention.DecodeAttention`:
 the engine calls ``tracer.bind({seq_id: job_id})`` before each decode step and
 ``tracer(plan, layer, selection)`` in every layer, and :meth:`TraceWriter.close` when
-``Engine.run`` ends. :mod:`engine.replay` replays a trace through cache policies.
+``Engine.run`` ends. :mod:`engine.measure.replay` replays a trace through cache policies.
 
 File format (JSON Lines, UTF-8; gzip-compressed when the name ends in ``.gz``)
 -------------------------------------------------------------------------------
@@ -33,7 +33,7 @@ line per (request, decode step, layer) (:class:`TraceRecord`)::
 Lines of one step appear in layer order (in a pipeline stage, per micro-batch); the file
 is flushed once per decode step.
 
-Several devices write one file per worker (:func:`engine.workers.worker_config`:
+Several devices write one file per worker (:func:`engine.serve.workers.worker_config`:
 ``run.jsonl`` -> ``run.w0.jsonl``, ``run.w1.jsonl``): data-parallel workers each hold
 their jobs, pipeline stages each their layers of every job. :func:`read_traces` reads
 them together as one trace (``hisparse replay run.w0.jsonl run.w1.jsonl``).
@@ -176,7 +176,7 @@ class TraceWriter:
 
         Parameters
         ----------
-        plan : :class:`engine.attention.StepPlan` (``seq_ids``, ``num_pages [B]``, ``step``)
+        plan : :class:`engine.decode.attention.StepPlan` (``seq_ids``, ``num_pages [B]``, ``step``)
         layer : layer index
         selection : int32 ``[B, Hkv, W]`` bitmask
         """

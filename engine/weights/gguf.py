@@ -2,7 +2,7 @@
 
 Format: GGUF spec (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md); tensor names
 and metadata keys as written by llama.cpp's ``convert_hf_to_gguf.py``. Q4_0/Q4_1 linear
-weights are kept as 4-bit blocks (:func:`engine.quant.int4_from_gguf_blocks`); F32, F16,
+weights are kept as 4-bit blocks (:func:`engine.weights.quant.int4_from_gguf_blocks`); F32, F16,
 BF16 and Q8_0 tensors are dequantised to float32 with ``gguf.quants.dequantize``.
 """
 
@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig, RopeScaling
-from engine.quant import int4_from_gguf_blocks
-from engine.weights import LayerWeights, ModelWeights, unpermute_qk_rows
+from engine.weights.quant import int4_from_gguf_blocks
+from engine.weights.types import LayerWeights, ModelWeights, unpermute_qk_rows
 
 SUPPORTED_ARCHS = ("llama",)
 FLOAT_TYPES = ("F32", "F16", "BF16", "Q8_0")

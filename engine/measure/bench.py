@@ -4,7 +4,7 @@ The question (DESIGN.md, "Figures that matter"; the HiSparse paper's throughput-
 concurrency figure): under the same per-device memory budget, how far does each KV layout
 scale before admission stops?
 
-Modes (:data:`MODES`), all built on ONE placed :class:`engine.model.LlamaModel`:
+Modes (:data:`MODES`), all built on ONE placed :class:`engine.model.llama.LlamaModel`:
 
 * ``dense`` — dense attention, every record resident in a device KV pool;
 * ``sparse`` — the same sparse attention as the hierarchy, KV pool resident on the device
@@ -20,12 +20,12 @@ Modes (:data:`MODES`), all built on ONE placed :class:`engine.model.LlamaModel`:
 * ``prefetch`` (not in the default sweep) — ``hierarchical`` with ``prefetch_pages``
   (``--prefetch-pages``, else the base config's, else :func:`default_prefetch_pages`): after each
   layer's attention the near misses of its ranking are loaded on the copy stream
-  (:meth:`engine.attention.DecodeAttention.prefetch`); ``prefetch`` vs ``hierarchical``
+  (:meth:`engine.decode.attention.DecodeAttention.prefetch`); ``prefetch`` vs ``hierarchical``
   is the step time with and without the copy stream hiding prefetch. Its ``misses`` are
   the selected records still missing; ``prefetched`` counts the records prefetched, and
   both cross the host link (``h2d_bytes``).
 
-Budget (:mod:`engine.budget`): every mode gets ``--memory-budget`` GiB; device-resident
+Budget (:mod:`engine.capacity.budget`): every mode gets ``--memory-budget`` GiB; device-resident
 pools get what the planner's arithmetic leaves after weights, activations and reserve, so
 the resident baselines stop admitting at their wall; their concurrency sweep ends at the
 first level where admission stops ("admission stopped": the admitted jobs are decoded,
@@ -60,9 +60,9 @@ roofline: weight bytes / HBM + selected KV bytes / HBM + missed KV bytes / host 
 Soak (``--soak N``): one batch decoded N steps: memory drift, P99/mean step latency and
 ``cache.check_integrity()`` every ``--soak-every`` steps.
 
-Companions: :mod:`engine.bench_kv` (corpus, master copies, prefill),
-:mod:`engine.profiling` (timed ops and linears), :mod:`engine.bench_report` (roofline,
-printed lines, ``bench.json``, plots), :mod:`engine.budget` (the budget split).
+Companions: :mod:`engine.measure.bench_kv` (corpus, master copies, prefill),
+:mod:`engine.measure.profiling` (timed ops and linears), :mod:`engine.measure.report` (roofline,
+printed lines, ``bench.json``), :mod:`engine.capacity.budget` (the budget split).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ from typing import Any
 
 import torch
 
-from engine.bench_kv import (
+from engine.measure.bench_kv import (
     MasterKV,
     corpus_dir,
     corpus_streams,
@@ -92,22 +92,21 @@ from engine.bench_kv import (
     read_corpus_tokens,
     sync,
 )
-from engine.bench_report import (
+from engine.measure.report import (
     header_lines,
-    make_plots,
     point_line,
     roofline,
     seed_scenario,
     write_report,
 )
-from engine.budget import KVSizing, budget_cache, pool_page_bytes
+from engine.capacity.budget import KVSizing, budget_cache, pool_page_bytes
 from engine.config import ConfigError, EngineConfig, SamplingParams
-from engine.engine import Engine, Request
+from engine.serve.engine import Engine, Request
 from engine.events import Job
-from engine.kv_cache import CacheFullError, KVCache, available_host_bytes
-from engine.model import LlamaModel
-from engine.planner import GIB, format_context
-from engine.profiling import PHASES, PhaseTimer, kernel_breakdown, timed_model, timed_ops
+from engine.kv.cache import CacheFullError, KVCache, available_host_bytes
+from engine.model.llama import LlamaModel
+from engine.capacity.planner import GIB, format_context
+from engine.measure.profiling import PHASES, PhaseTimer, kernel_breakdown, timed_model, timed_ops
 from kernels.dispatch import Ops
 
 MODES = ("dense", "sparse", "hierarchical", "noio", "copystream", "prefetch")
@@ -576,7 +575,7 @@ def hierarchical_pool_pages(
 ) -> int:
     """Host pool pages for the hierarchical modes: ``need_pages`` capped by ``cap_bytes``.
 
-    Pinned pools are registered at their exact size (:func:`engine.kv_cache._pin_chunked`),
+    Pinned pools are registered at their exact size (:func:`engine.kv.cache._pin_chunked`),
     so no rounding applies; ``pinned`` is kept for callers and reports.
     """
     layer_page = pool_page_bytes(model_cfg, config) // model_cfg.num_layers
@@ -739,7 +738,7 @@ class _Run:
 
 
 def run_bench(spec: BenchSpec, log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
-    """Run the whole benchmark; writes ``bench.json`` (after every run) and the plots.
+    """Run the whole benchmark; writes ``bench.json`` (after every run; the CLI adds the plots).
 
     Raises
     ------
@@ -748,7 +747,7 @@ def run_bench(spec: BenchSpec, log: Callable[[str], None] = lambda line: None) -
     FileNotFoundError
         Model or corpus missing.
     """
-    from engine.api import context_limit_and_rope, load_weights, pick_weight_format, resolve_device
+    from engine.load import context_limit_and_rope, load_weights, pick_weight_format, resolve_device
     from kernels.dispatch import get_ops
 
     spec.validate()
@@ -792,9 +791,9 @@ def run_bench(spec: BenchSpec, log: Callable[[str], None] = lambda line: None) -
     run.shared.clear()
     free_device_memory()
     report["elapsed_s"] = time.monotonic() - t_start
-    report["plots"] = make_plots(report, spec.out_dir)
+    report.setdefault("plots", [])
     path = write_report(report, spec.out_dir)
-    log(f"wrote {path} and {', '.join(report['plots']) or 'no plots'}")
+    log(f"wrote {path}")
     return report
 
 
@@ -1026,7 +1025,7 @@ def _load(spec: BenchSpec, load_weights) -> tuple[Any, Any, str]:
         return load_weights(spec.model)
     if not spec.model.startswith("synthetic:"):
         raise ConfigError("--corpus-tokens holds embedded-tokenizer ids: synthetic models only")
-    from engine.synthetic import synthetic_shape, synthetic_weights
+    from engine.weights.synthetic import synthetic_shape, synthetic_weights
 
     cfg = synthetic_shape(spec.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -53,7 +53,7 @@ INT4_GROUP_SIZE = 128
 INT4_GROUP_OVERHEAD_BYTES = 4  # one bf16 scale + one bf16 zero point per group
 # On CUDA each int4 linear also keeps its source blocks (uint8 nibbles + float32 scale and
 # offset per group) for prefill-sized calls, which dequantise them to bf16 for the dense
-# GEMM (engine.quant.Int4Linear): another 0.5 B/param + 8 B per group.
+# GEMM (engine.weights.quant.Int4Linear): another 0.5 B/param + 8 B per group.
 INT4_CUDA_SOURCE_GROUP_BYTES = 8
 # Prefill-sized int4 calls on CUDA dequantise the layer's weight to bf16 first; the
 # transient (int32 nibbles, float32 weight, bf16 copy) peaks near 12 B per element of the

@@ -428,7 +428,7 @@ class KVCache:
         set those pages' metadata; blocking: the pool holds the records on return.
 
         The whole-layer write (``prefill_copy_stream=False`` and tools such as
-        :mod:`engine.bench_kv`); :meth:`write_prefill_chunk` is the overlapped one. Both
+        :mod:`engine.measure.bench_kv`); :meth:`write_prefill_chunk` is the overlapped one. Both
         leave the same bytes in the pool and metadata.
 
         Parameters

@@ -9,7 +9,7 @@ Request lifecycle:
    K/V written to the KV pool page by page with page metadata; decode steps of the
    running batch go on between turns.
 4. decode — every running request advances one token per step through
-   :class:`engine.attention.DecodeAttention`.
+   :class:`engine.decode.attention.DecodeAttention`.
 5. finished — stop token / stop string / max_tokens (or cancelled / failed); pages and
    slabs are released and the next job is admitted.
 """
@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import events as ev
-from engine.attention import DecodeAttention, StepPlan
+from engine.decode.attention import DecodeAttention, StepPlan
 from engine.config import EngineConfig
-from engine.cuda_graph import DecodeGraphs, split_plan, table_width
-from engine.kv_cache import KVCache
-from engine.model import LlamaModel, prefill_attention
-from engine.sampling import make_generator, sample
+from engine.decode.cuda_graph import DecodeGraphs, split_plan, table_width
+from engine.kv.cache import KVCache
+from engine.model.llama import LlamaModel, prefill_attention
+from engine.decode.sampling import make_generator, sample
 
 _END = object()  # end-of-source marker for Engine._pull
 
@@ -68,11 +68,11 @@ class Engine:
 
     Parameters
     ----------
-    model : placed model; tokenizer : ``engine.tokenizer.TextTokenizer``;
+    model : placed model; tokenizer : ``engine.text.tokenizer.TextTokenizer``;
     config : validated :class:`EngineConfig`; ops : kernel set; context_limit : max
     tokens (prompt + generated) per request under the context policy; cache : a
-    prebuilt :class:`KVCache` (sized for a memory budget by :mod:`engine.budget`, or
-    shared with another engine over the same model, as :mod:`engine.bench` does for
+    prebuilt :class:`KVCache` (sized for a memory budget by :mod:`engine.capacity.budget`, or
+    shared with another engine over the same model, as :mod:`engine.measure.bench` does for
     its no-IO and instrumented passes); built from ``config`` when omitted.
     """
 
@@ -429,7 +429,7 @@ class Engine:
         """Feed each request's last token, return the next token of each.
 
         On CUDA with the Triton kernels the step replays a captured CUDA graph
-        (:mod:`engine.cuda_graph`); otherwise it launches eagerly. Both compute the same
+        (:mod:`engine.decode.cuda_graph`); otherwise it launches eagerly. Both compute the same
         function of the same inputs.
         """
         m = self.model

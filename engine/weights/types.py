@@ -1,6 +1,6 @@
 """Source weights of a Llama-family model, as read from a checkpoint (before placement).
 
-Linear weights are float ``[N, K]`` tensors or :class:`engine.quant.Int4Weight`;
+Linear weights are float ``[N, K]`` tensors or :class:`engine.weights.quant.Int4Weight`;
 norms, biases and embeddings are float32 tensors. Names follow the Hugging Face layout
 (``wq`` = ``q_proj`` ...). Q and K rows are in Hugging Face order (rotate-half RoPE).
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import ModelConfig
-from engine.quant import Int4Weight
+from engine.weights.quant import Int4Weight
 
 WeightT = torch.Tensor | Int4Weight
 

@@ -1,21 +1,21 @@
 """Size the KV cache for a per-device memory budget (``memory_budget_gb``).
 
-The planner (:mod:`engine.planner`) answers "how many jobs fit" from shapes alone; this
-module turns the same arithmetic into the sizes :class:`engine.kv_cache.KVCache` is built
+The planner (:mod:`engine.capacity.planner`) answers "how many jobs fit" from shapes alone; this
+module turns the same arithmetic into the sizes :class:`engine.kv.cache.KVCache` is built
 with, so ``hisparse run --memory-budget`` and ``hisparse bench`` hold the same budget:
 
     room = budget - weights - activations - communication - reserve
 
-* weights: the bytes of the placed model (:attr:`engine.model.LlamaModel.weight_bytes`);
-* activations: :func:`engine.planner.activation_bytes` for ``max_batch`` decode rows and
+* weights: the bytes of the placed model (:attr:`engine.model.llama.LlamaModel.weight_bytes`);
+* activations: :func:`engine.capacity.planner.activation_bytes` for ``max_batch`` decode rows and
   the layer-by-layer prefill of one ``context_limit``-token prompt;
-* communication: pipeline stages only, :func:`engine.planner.stage_comm_bytes`;
-* reserve: :func:`engine.planner.device_reserve_bytes` (max(5 %, 1 GiB)).
+* communication: pipeline stages only, :func:`engine.capacity.planner.stage_comm_bytes`;
+* reserve: :func:`engine.capacity.planner.device_reserve_bytes` (max(5 %, 1 GiB)).
 
 A pipeline stage (:func:`stage_sizing`) holds only its layers ``L_d``: its weights, the
 KV, page metadata and slabs of those layers, the logits only on the last stage, plus
 the hand-off buffers; this is the planner's table for that stage
-(:func:`engine.planner.device_tables`). Every stage must build the same page and slab
+(:func:`engine.capacity.planner.device_tables`). Every stage must build the same page and slab
 counts, so the stages take the smallest of their sizings (:func:`common_sizing`).
 
 All-resident (``attention=dense`` or ``hierarchical=False``): the KV pool lives on the
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.planner import (
+from engine.capacity.planner import (
     GIB,
     activation_bytes,
     device_reserve_bytes,
@@ -134,7 +134,7 @@ def cache_device_bytes(
     max_pages_per_seq: int,
     num_layers: int | None = None,
 ) -> int:
-    """Device bytes a :class:`engine.kv_cache.KVCache` of these sizes over ``num_layers``
+    """Device bytes a :class:`engine.kv.cache.KVCache` of these sizes over ``num_layers``
     layers (default all) allocates."""
     meta = num_pool_pages * meta_page_bytes(model, config, num_layers)
     if not _hierarchical(config):
@@ -144,7 +144,7 @@ def cache_device_bytes(
 
 
 def default_pool_pages(model: ModelConfig, config: EngineConfig) -> int:
-    """Pool pages from ``host_pool_gb``, as :class:`engine.kv_cache.KVCache` computes them."""
+    """Pool pages from ``host_pool_gb``, as :class:`engine.kv.cache.KVCache` computes them."""
     return max(1, int(config.host_pool_gb * GIB) // pool_page_bytes(model, config))
 
 
@@ -166,7 +166,7 @@ def size_kv_for_budget(
     weights_bytes : bytes of the weights on the device
     context_limit : most tokens per request (sizes page tables and the prefill scratch)
     num_pool_pages : hierarchical only: host pool pages (default from ``host_pool_gb``,
-        whole-model pages, as :class:`engine.kv_cache.KVCache` counts them)
+        whole-model pages, as :class:`engine.kv.cache.KVCache` counts them)
     layers : ``[start, end)`` of the layers on this device (a pipeline stage); default
         all. Metadata, slabs and the device pool count these layers only; the logits
         scratch counts only when the stage holds the last layer.
@@ -257,7 +257,7 @@ def stage_sizing(
 ) -> KVSizing:
     """:func:`size_kv_for_budget` for one pipeline stage holding ``layers`` (``[start,
     end)``): its layers' KV, metadata and slabs, logits only on the last stage, and the
-    hand-off buffers :func:`engine.planner.stage_comm_bytes` for ``max_batch`` rows, as the
+    hand-off buffers :func:`engine.capacity.planner.stage_comm_bytes` for ``max_batch`` rows, as the
     planner's table for that stage counts them.
 
     Raises
@@ -304,7 +304,7 @@ def budget_cache(
 
     Parameters
     ----------
-    model : :class:`engine.model.LlamaModel` (its ``config``, ``device``, ``weight_bytes``,
+    model : :class:`engine.model.llama.LlamaModel` (its ``config``, ``device``, ``weight_bytes``,
         ``layer_range``: a pipeline stage's cache holds only those layers)
     config : settings with ``memory_budget_gb``
     context_limit : most tokens per request
@@ -314,14 +314,14 @@ def budget_cache(
 
     Returns
     -------
-    (config with the sized ``max_batch``, :class:`engine.kv_cache.KVCache`, :class:`KVSizing`)
+    (config with the sized ``max_batch``, :class:`engine.kv.cache.KVCache`, :class:`KVSizing`)
 
     Raises
     ------
     ConfigError
         The budget leaves no room (see :func:`size_kv_for_budget`).
     """
-    from engine.kv_cache import KVCache
+    from engine.kv.cache import KVCache
 
     if sizing is None:
         sizing = size_kv_for_budget(

@@ -1,7 +1,7 @@
 """``hisparse quantize``: write a 4-bit copy of a Hugging Face model folder.
 
 Every linear weight ``model.layers.<i>.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj}
-.weight`` ``[N, K]`` is quantised with :func:`engine.quant.quantize_int4` (asymmetric
+.weight`` ``[N, K]`` is quantised with :func:`engine.weights.quant.quantize_int4` (asymmetric
 min/max groups of ``g`` along K) and stored as three tensors of the module:
 
 * ``<module>.qweight``: uint8 ``[N, K/2]``, two nibbles per byte (element ``2i`` low);
@@ -21,7 +21,7 @@ The output folder holds ``model.safetensors`` (one file; safetensors ``__metadat
 ``{"format": "pt", "hisparse_format": "int4-g<G>", "hisparse_group_size": "<G>"}``) and
 copies of ``config.json``, ``tokenizer.json``, ``tokenizer_config.json``,
 ``generation_config.json`` and ``chat_template.jinja`` where present.
-:func:`engine.hf_loader.load_hf_folder` reads it back as :class:`engine.quant.Int4Weight`.
+:func:`engine.weights.hf.load_hf_folder` reads it back as :class:`engine.weights.quant.Int4Weight`.
 
 The safetensors file is streamed: its header is built from the source shapes, then one
 tensor at a time is read, quantised and written, so memory stays near one tensor.
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from engine.hf_loader import (
+from engine.weights.hf import (
     FORMAT_KEY,
     GROUP_SIZE_KEY,
     GROUP_SIZES,
@@ -55,7 +55,7 @@ from engine.hf_loader import (
     quantized_group_size,
     read_hf_config,
 )
-from engine.quant import quantize_int4
+from engine.weights.quant import quantize_int4
 
 COPIED_FILES = (
     "config.json",
@@ -131,7 +131,7 @@ def quantize_folder(
     FileExistsError
         ``out/model.safetensors`` exists and ``overwrite`` is False.
     HFModelError (a ValueError)
-        What :func:`engine.hf_loader.load_hf_folder` refuses, an already quantised
+        What :func:`engine.weights.hf.load_hf_folder` refuses, an already quantised
         source, a bad ``group_size`` or a K not divisible by 32 (names the tensor).
     """
     src, out = Path(src), Path(out)

@@ -10,15 +10,15 @@ Sharded checkpoints list their files in ``model.safetensors.index.json`` (``weig
 
 Architectures: ``LlamaForCausalLM`` (Llama 2/3/3.1, SmolLM), ``MistralForCausalLM`` and
 ``Qwen2ForCausalLM`` (q/k/v biases). Q/K rows of Hugging Face checkpoints are already in
-rotate-half order, as :mod:`engine.model` expects: no permutation.
+rotate-half order, as :mod:`engine.model.llama` expects: no permutation.
 
 Tensors are read lazily (``safetensors.safe_open``, memory-mapped), one at a time:
 float (F32/F16/BF16) tensors become float32 tensors; linear weights stay float unless
 ``int4_group_size`` asks to quantise them on load (4-bit quantisation otherwise happens at
-placement, :func:`engine.quant.make_linear`). Folders written by ``hisparse quantize``
-(:mod:`engine.quantize_cmd`, safetensors metadata ``hisparse_format: int4-g<G>``) hold
+placement, :func:`engine.weights.quant.make_linear`). Folders written by ``hisparse quantize``
+(:mod:`engine.weights.quantize`, safetensors metadata ``hisparse_format: int4-g<G>``) hold
 per linear ``<module>.qweight`` / ``.scales`` / ``.offsets`` and load as
-:class:`engine.quant.Int4Weight` without re-quantising.
+:class:`engine.weights.quant.Int4Weight` without re-quantising.
 
 Sliding-window attention (Mistral 7B v0.1 ``sliding_window: 4096``; Qwen2 with
 ``use_sliding_window``) is not implemented. Within the window, full causal attention is
@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig, RopeScaling
-from engine.quant import Int4Weight
-from engine.weights import LayerWeights, ModelWeights, WeightT
+from engine.weights.quant import Int4Weight
+from engine.weights.types import LayerWeights, ModelWeights, WeightT
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -184,7 +184,7 @@ def rope_from_hf(raw: dict, path: Path | str = "config.json") -> tuple[float, Ro
       original_max_position=original_max_position_embeddings)`` (required).
     * ``linear`` -> ``factor``.
     * ``dynamic`` -> ``factor``, ``original_max_position = max_position_embeddings``
-      (:class:`engine.rope.Rope` uses one fixed NTK base for every length, where
+      (:class:`engine.model.rope.Rope` uses one fixed NTK base for every length, where
       transformers rescales only past the original context).
     * ``yarn`` -> ``factor`` (default ``max_position_embeddings / original``),
       ``original_max_position_embeddings`` (default ``max_position_embeddings``),
@@ -459,7 +459,7 @@ def _read_linear(
     dtype = tensors.dtype(name)
     w = tensors.read_float(name, shape)
     if int4_group_size:
-        from engine.quant import quantize_int4
+        from engine.weights.quant import quantize_int4
 
         try:
             g = group_size_for(shape[1], int4_group_size)

@@ -1,5 +1,5 @@
 """The Llama-family decoder as per-layer steps, so prefill and decode can drive attention
-through the KV hierarchy (``engine.attention``) between the projections.
+through the KV hierarchy (``engine.decode.attention``) between the projections.
 
 Shapes: T tokens, H hidden, Hq/Hkv heads, D head dim, F FFN width, V vocab.
 Math as in Hugging Face ``LlamaForCausalLM`` (RMSNorm, SwiGLU MLP, rotate-half RoPE);
@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.quant import Linear, make_linear
-from engine.rope import Rope, apply_rope
-from engine.weights import ModelWeights
+from engine.weights.quant import Linear, make_linear
+from engine.model.rope import Rope, apply_rope
+from engine.weights.types import ModelWeights
 
 
 @dataclass
@@ -38,7 +38,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _cat_weights(ws, dtype_like):
     """Concatenate linear weights along N (fused qkv / gate-up). Int4 kept as Int4."""
-    from engine.quant import Int4Weight
+    from engine.weights.quant import Int4Weight
 
     if all(isinstance(w, Int4Weight) for w in ws) and len({w.group_size for w in ws}) == 1:
         return Int4Weight(
@@ -57,7 +57,7 @@ class LlamaModel:
     ----------
     weights : source weights (consumed)
     device : compute device; dtype : activation dtype (float32 on CPU, bfloat16 on CUDA)
-    weight_format : ``float`` or ``int4`` (see :func:`engine.quant.make_linear`)
+    weight_format : ``float`` or ``int4`` (see :func:`engine.weights.quant.make_linear`)
     rope : the RoPE table (carries any context-extension scaling)
     layers : the decoder layers to place (a pipeline stage), default all. The token
         embedding is placed only with layer 0, the final norm and LM head only with the

@@ -1,6 +1,6 @@
 """Pipeline parallelism: the model's layers in contiguous stages, one process per stage.
 
-Stage ``i`` of ``n`` holds layers ``engine.planner.stage_layers(L, n)[i]``: their weights,
+Stage ``i`` of ``n`` holds layers ``engine.capacity.planner.stage_layers(L, n)[i]``: their weights,
 KV pool pages, page metadata and hot-buffer slabs (``LlamaModel(layers=...)``,
 ``KVCache(layers=...)``); stage 0 also holds the token embedding, the last stage the final
 norm and the LM head. Every stage has the same number of pool pages (sized from the whole
@@ -9,7 +9,7 @@ allocate / release sequences give identical page and slab ids on every stage.
 
 Roles
 -----
-* Stage 0, :class:`PipelineEngine` (an :class:`~engine.engine.Engine`), runs the scheduler
+* Stage 0, :class:`PipelineEngine` (an :class:`~engine.serve.engine.Engine`), runs the scheduler
   (``Engine.run``: admission, layer-major prefill turns, decode steps) over its layers and
   broadcasts every decision that touches another stage's state as a small command:
 
@@ -60,18 +60,18 @@ asynchronous decode turn in the scheduler.
 Memory budget and traces
 ------------------------
 With ``memory_budget_gb`` each stage sizes its cache from the budget for its own layers
-(:func:`engine.budget.stage_sizing`: the planner's table for that stage: its weights,
+(:func:`engine.capacity.budget.stage_sizing`: the planner's table for that stage: its weights,
 activations with the logits only on the last stage, hand-off buffers, reserve); the
 stages exchange their sizings (``all_gather_object``) and all build the smallest pool and
 ``max_batch`` so page and slab ids stay identical; a stage that has no room fails every
 stage's start with the reasons. With ``extra["trace_path"]`` (one file per stage, named by
-:func:`engine.workers.worker_config`) each stage records the selections of its layers,
+:func:`engine.serve.workers.worker_config`) each stage records the selections of its layers,
 under the model's layer index; the header's ``layers`` names them, and ``hisparse
 replay`` reads the stage files together.
 
 Any failure inside a pipelined prefill or decode (including a lost peer) raises
 :class:`StageError`, which ``Engine.run`` does not catch: the stages are no longer in
-lockstep, so the stage process ends and the parent (``engine.workers``) reports it.
+lockstep, so the stage process ends and the parent (``engine.serve.workers``) reports it.
 """
 
 from __future__ import annotations
@@ -86,9 +86,9 @@ import torch.distributed as dist
 
 from engine import events as ev
 from engine.config import ConfigError, EngineConfig, SamplingParams
-from engine.engine import Engine, Request
-from engine.planner import stage_layers
-from engine.sampling import make_generator, sample
+from engine.serve.engine import Engine, Request
+from engine.capacity.planner import stage_layers
+from engine.decode.sampling import make_generator, sample
 
 MICRO_BATCHES = 2
 
@@ -185,13 +185,13 @@ def split_batch(batch: list, parts: int) -> list[list]:
 
 
 class PipelineEngine(Engine):
-    """Stage 0: the scheduler of :class:`~engine.engine.Engine` over layers ``ranges[0]``,
+    """Stage 0: the scheduler of :class:`~engine.serve.engine.Engine` over layers ``ranges[0]``,
     driving stages ``1 .. n-1`` (see the module docstring).
 
     Parameters
     ----------
     link : this stage's :class:`StageLink`; ranges : every stage's layers (``n >= 2``);
-    other parameters as :class:`~engine.engine.Engine` (``tracer`` records stage 0's
+    other parameters as :class:`~engine.serve.engine.Engine` (``tracer`` records stage 0's
     layers, ``cache`` holds them).
     """
 
@@ -285,7 +285,7 @@ class PipelineEngine(Engine):
 
     def memory_snapshots(self) -> list[ev.MemorySnapshot]:
         """One snapshot per stage, in stage order (``stage`` set): each stage's device and
-        its layers' share of the host pool (``engine.workers`` sums the shares)."""
+        its layers' share of the host pool (``engine.serve.workers`` sums the shares)."""
         self._command("memory")
         try:
             return list(self.link.gather(self.memory_snapshot()) or [])
@@ -309,7 +309,7 @@ class StageFollower:
 
     Parameters
     ----------
-    engine : an :class:`~engine.engine.Engine` over this stage's layers (its cache and
+    engine : an :class:`~engine.serve.engine.Engine` over this stage's layers (its cache and
         execution helpers are used; its scheduler is not)
     link : this stage's :class:`StageLink`; ranges : every stage's layers
     """
@@ -436,8 +436,8 @@ def load_stage(
         Fewer than 2 stages, more stages than the model has layers, or a memory budget
         that leaves some stage no room (every stage raises, naming the stages).
     """
-    from engine.api import context_limit_and_rope, load_weights, pick_weight_format, resolve_device
-    from engine.model import LlamaModel
+    from engine.load import context_limit_and_rope, load_weights, pick_weight_format, resolve_device
+    from engine.model.llama import LlamaModel
     from kernels.dispatch import get_ops
 
     config.validate()
@@ -476,21 +476,21 @@ def load_stage(
 def stage_budget_cache(llm, config: EngineConfig, context_limit: int, link: StageLink):
     """The budget-sized cache of this stage's layers, agreed with the other stages.
 
-    Every stage computes :func:`engine.budget.stage_sizing` for its layers and shares it
+    Every stage computes :func:`engine.capacity.budget.stage_sizing` for its layers and shares it
     (``all_gather_object``); each then builds the smallest pool and ``max_batch`` of all
-    (:func:`engine.budget.common_sizing`).
+    (:func:`engine.capacity.budget.common_sizing`).
 
     Returns
     -------
-    (config with the agreed ``max_batch``, :class:`engine.kv_cache.KVCache`,
-    :class:`engine.budget.KVSizing`)
+    (config with the agreed ``max_batch``, :class:`engine.kv.cache.KVCache`,
+    :class:`engine.capacity.budget.KVSizing`)
 
     Raises
     ------
     ConfigError
         Some stage has no room; on every stage, naming each stage that has none.
     """
-    from engine.budget import budget_cache, common_sizing, stage_sizing
+    from engine.capacity.budget import budget_cache, common_sizing, stage_sizing
 
     r = llm.layer_range
     try:
@@ -508,12 +508,12 @@ def stage_budget_cache(llm, config: EngineConfig, context_limit: int, link: Stag
 
 
 def stage_tracer(model_name: str, llm, config: EngineConfig):
-    """A :class:`engine.trace.TraceWriter` at ``config.extra["trace_path"]`` whose header
+    """A :class:`engine.measure.trace.TraceWriter` at ``config.extra["trace_path"]`` whose header
     names this stage's layers; ``None`` without a trace path."""
     path = config.extra.get("trace_path")
     if not path:
         return None
-    from engine.trace import TraceHeader, TraceWriter
+    from engine.measure.trace import TraceHeader, TraceWriter
 
     r = llm.layer_range
     header = TraceHeader.for_engine(model_name, llm.config, config, layers=(r.start, r.stop))

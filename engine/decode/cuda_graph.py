@@ -3,7 +3,7 @@
 A decode step launches some fifteen kernels per layer (norms, projections, RoPE, append,
 Quest scores, top-k, resolve, gather, sparse attention, MLP); at small batch the GPU then
 waits on the host between launches. :class:`DecodeGraphs` captures the whole step —
-embedding lookup, every layer of :meth:`engine.engine.Engine.decode_layers`, the final
+embedding lookup, every layer of :meth:`engine.serve.engine.Engine.decode_layers`, the final
 norm, LM head and greedy argmax — once per *(batch size B, page-table width bucket W)*
 and replays it (PyTorch's ``torch.cuda.CUDAGraph``; NVIDIA, "CUDA Graphs", CUDA C++
 Programming Guide).
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import StepPlan
+from engine.decode.attention import StepPlan
 
 
 def width_bucket(pages: int, limit: int) -> int:
@@ -105,7 +105,7 @@ class _Entry:
 
 
 class DecodeGraphs:
-    """Captured decode steps of one :class:`engine.engine.Engine`.
+    """Captured decode steps of one :class:`engine.serve.engine.Engine`.
 
     Parameters
     ----------
@@ -253,7 +253,7 @@ class DecodeGraphs:
         """The decode step as a function of the static inputs only (captured as is).
 
         With :attr:`overlap` the batch runs as two micro-batches, the second on a side
-        stream (:meth:`engine.engine.Engine.decode_batch`).
+        stream (:meth:`engine.serve.engine.Engine.decode_batch`).
         """
         eng = self.engine
         m, cache = eng.model, eng.cache

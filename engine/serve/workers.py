@@ -3,7 +3,7 @@
 :class:`ParallelEngine` has the surface front ends use (``tokenizer``, ``model_config``,
 ``config``, ``run(jobs)``, ``cancel()``, ``prompt_limit()``) and yields one merged stream
 of :mod:`engine.events`, so the CLI and the dashboard work unchanged.
-``engine.api.load_engine`` returns one when ``config.extra["devices"]`` names more than one
+``engine.load.load_engine`` returns one when ``config.extra["devices"]`` names more than one
 device (``config.extra["parallel"]``: ``data``, the default, or ``pipeline``).
 
 Process layout
@@ -14,8 +14,8 @@ its environment and ignores SIGINT (Ctrl-C reaches the parent, which forwards a 
 
 * ``data``: worker ``i`` loads the whole model on ``devices[i]`` (``load_engine`` with
   ``device=devices[i]`` and ``host_pool_gb / n``: its own slab pool and share of the host
-  pool) and runs its own :class:`~engine.engine.Engine`. No collectives are needed.
-* ``pipeline``: stage ``i`` holds ``stage_layers(L, n)[i]`` (:mod:`engine.pipeline`); stage
+  pool) and runs its own :class:`~engine.serve.engine.Engine`. No collectives are needed.
+* ``pipeline``: stage ``i`` holds ``stage_layers(L, n)[i]`` (:mod:`engine.serve.pipeline`); stage
   0 schedules and drives the others over ``torch.distributed`` (gloo on CPU, NCCL between
   distinct GPUs). Only stage 0 takes jobs.
 
@@ -191,12 +191,12 @@ def _load(spec: WorkerSpec) -> Any:
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     if spec.mode == "pipeline":
-        from engine.pipeline import load_stage
+        from engine.serve.pipeline import load_stage
 
         return load_stage(
             spec.config, spec.model, spec.rank, spec.world_size, spec.init_method, spec.nccl
         )
-    from engine.api import load_engine
+    from engine.load import load_engine
 
     return load_engine(spec.config, spec.model)
 
@@ -204,7 +204,7 @@ def _load(spec: WorkerSpec) -> Any:
 def _info(engine: Any, spec: WorkerSpec) -> dict[str, Any]:
     """What a worker tells the parent once loaded (``ParallelEngine.workers[i].info``):
     its limits and shape, its layers, its budget split (``budget_sizing``, a dict of
-    :class:`engine.budget.KVSizing`, or ``None``), and on CUDA the peaks of loading
+    :class:`engine.capacity.budget.KVSizing`, or ``None``), and on CUDA the peaks of loading
     (``load_peak_allocated`` / ``load_peak_reserved``, bytes)."""
     inner = getattr(engine, "engine", engine)  # a StageFollower wraps its Engine
     sizing = getattr(inner, "budget_sizing", None)
@@ -377,7 +377,7 @@ class ParallelEngine:
             for rank in range(len(devices)):
                 self.workers.append(self._start(rank))
             if tokenizer is None:
-                from engine.api import load_tokenizer
+                from engine.load import load_tokenizer
 
                 tokenizer = load_tokenizer(model, config.extra.get("tokenizer"))[0]
             self.tokenizer = tokenizer

@@ -1,4 +1,4 @@
-"""Replay selection traces (:mod:`engine.trace`) through hot-buffer policies.
+"""Replay selection traces (:mod:`engine.measure.trace`) through hot-buffer policies.
 
 Each (job, seq, layer, KV head) of a trace is one *stream*: per decode step, the set of
 pages the indexer selected. A stream owns ``capacity`` slots, as a slab of the hot buffer
@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.trace import TraceHeader, TraceRecord, read_traces
+from engine.measure.trace import TraceHeader, TraceRecord, read_traces
 
 POLICIES = ("lru", "fifo", "random", "belady")
 
@@ -203,7 +203,7 @@ def replay_trace(
     """Read a trace once and replay it for each (policy, capacity), policies outermost.
 
     ``path`` may list the files of one run on several devices (one per worker, see
-    :func:`engine.trace.read_traces`); they are replayed as one trace.
+    :func:`engine.measure.trace.read_traces`); they are replayed as one trace.
 
     Raises
     ------

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache
+from engine.kv.cache import KVCache
 from kernels.dispatch import Ops
 
 

@@ -1,4 +1,4 @@
-"""Documents and their KV for :mod:`engine.bench`.
+"""Documents and their KV for :mod:`engine.measure.bench`.
 
 * Corpus: ``*.txt`` files (``$HISPARSE_CORPUS``, else ``shared/corpus`` beside the checkout)
   sorted by name and tokenized; document ``i`` starts at file ``i mod F`` and wraps around
@@ -9,7 +9,7 @@
   on the compute device (:class:`MasterKV`); :func:`import_kv` copies them into the pool
   pages of a request in any engine (device pool or pinned host pool), one copy per run of
   consecutive pool pages and layer.
-* Prefill: ``full`` is the engine's own (:meth:`engine.engine.Engine.prefill`); ``window``
+* Prefill: ``full`` is the engine's own (:meth:`engine.serve.engine.Engine.prefill`); ``window``
   (the shortcut for synthetic models, :func:`prefill_window`) runs the same layers (the
   linears as the model runs prefill-sized calls: bf16 GEMM on dequantised 4-bit weights
   on CUDA) with attention over a local window instead of the whole prefix.
@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from engine.config import ConfigError, EngineConfig, SamplingParams
-from engine.engine import Engine
+from engine.serve.engine import Engine
 from engine.events import Job
-from engine.kv_cache import KVCache, page_runs
-from engine.model import LlamaModel, prefill_attention
+from engine.kv.cache import KVCache, page_runs
+from engine.model.llama import LlamaModel, prefill_attention
 from kernels.dispatch import Ops
 
 CORPUS_ENV = "HISPARSE_CORPUS"
@@ -64,8 +64,8 @@ def write_corpus_tokens(path: Path, directory: Path | None = None) -> Path:
     """Tokenize the corpus with the embedded SmolLM2 tokenizer into a JSON file that
     ``--corpus-tokens`` reads, for machines without the embedded model (its GGUF is the
     tokenizer's source)."""
-    from engine.embedded import default_model_path
-    from engine.tokenizer import TextTokenizer
+    from engine.weights.embedded import default_model_path
+    from engine.text.tokenizer import TextTokenizer
 
     tokenizer = TextTokenizer.from_gguf(default_model_path())
     source = corpus_dir(directory)
@@ -85,7 +85,7 @@ def write_corpus_tokens(path: Path, directory: Path | None = None) -> Path:
 
 def read_corpus_tokens(path: Path, vocab_size: int) -> tuple[list[str], list[list[int]]]:
     """Files and token streams of a :func:`write_corpus_tokens` file, ids taken
-    ``id % vocab_size`` (as :class:`engine.synthetic.SyntheticTokenizer` does).
+    ``id % vocab_size`` (as :class:`engine.weights.synthetic.SyntheticTokenizer` does).
 
     Raises
     ------

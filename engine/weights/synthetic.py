@@ -1,7 +1,7 @@
 """Synthetic models: deterministic random 4-bit weights of a published shape.
 
 ``--model synthetic:NAME`` runs the engine on a model of the shape ``NAME`` (a key of
-:data:`engine.model_shapes.MODEL_SHAPES` or ``tiny``) without downloading weights, to
+:data:`engine.capacity.shapes.MODEL_SHAPES` or ``tiny``) without downloading weights, to
 measure throughput, memory and the KV hierarchy at the sizes the presets are made for.
 The weights are synthetic: attention patterns (hence selection locality, hit and miss
 rates) and the generated text differ from those of a trained model; use them for speed
@@ -10,7 +10,7 @@ and memory figures only, never for quality.
 Weights (all seeded per tensor and row block from a hash of ``NAME/tensor/block``):
 
 * linears: normal, std 0.02, generated ``BLOCK_ELEMENTS`` at a time and quantised with
-  :func:`engine.quant.quantize_int4` (group 128, or 64/32 where K needs it) as they are
+  :func:`engine.weights.quant.quantize_int4` (group 128, or 64/32 where K needs it) as they are
   made, so a 13B shape never exists in float32 at once (host memory ~4.5 bits/weight);
 * embedding (float32 ``[V, H]``) and untied ``lm_head`` (4-bit): normal, std 0.02;
 * norms: ones; q/k/v biases (Qwen2 shapes): normal, std 0.02.
@@ -38,11 +38,11 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
-from engine.hf_loader import group_size_for
-from engine.model_shapes import MODEL_SHAPES
-from engine.quant import Int4Weight, quantize_int4
-from engine.tokenizer import TextTokenizer
-from engine.weights import LayerWeights, ModelWeights
+from engine.weights.hf import group_size_for
+from engine.capacity.shapes import MODEL_SHAPES
+from engine.weights.quant import Int4Weight, quantize_int4
+from engine.text.tokenizer import TextTokenizer
+from engine.weights.types import LayerWeights, ModelWeights
 
 PREFIX = "synthetic:"
 LINEAR_STD = 0.02
@@ -274,7 +274,7 @@ class SyntheticTokenizer(TextTokenizer):
 
 @functools.lru_cache(maxsize=1)
 def _embedded_tokenizer() -> TextTokenizer:
-    from engine.embedded import default_model_path
+    from engine.weights.embedded import default_model_path
 
     return TextTokenizer.from_gguf(default_model_path())
 

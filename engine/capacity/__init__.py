@@ -1,0 +1,1 @@
+"""Memory arithmetic only: the capacity planner, published model shapes and the budget split."""

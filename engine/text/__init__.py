@@ -1,0 +1,1 @@
+"""Step 2: text to token ids. Tokenizers (GGUF and HF), chat templates and prompt building."""
