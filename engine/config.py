@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 
 class ConfigError(ValueError):
     """A setting is out of range or inconsistent; the message names the field."""
+
+
+class CacheFullError(RuntimeError):
+    """Not enough free pool pages or slabs for a request, or a host pool larger than the
+    memory available (raised by :mod:`engine.kv.cache`; defined here so front ends can
+    catch it without importing torch)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,9 @@ EXTEND_METHODS = ("yarn", "dynamic", "linear")
 TRUNCATE_KEEP = ("head", "tail", "middle")
 WEIGHT_FORMATS = ("auto", "int4", "float")
 DTYPES = ("float32", "bfloat16", "float16")
+PARALLEL_MODES = ("data", "pipeline")
+EVICTION_POLICIES = ("lru",)
+TOKENIZER_CHOICES = (None, "ids")
 
 
 @dataclass(frozen=True)
@@ -136,6 +146,23 @@ class EngineConfig:
         :class:`engine.decode.attention.DecodeAttention`). Outputs do not change: attention reads
         the same records either way. Needs a top-k indexer and ``device_buffer`` of at least
         (pages one step may select + ``prefetch_pages``) pages. 0 (the default) is off.
+    eviction: which resident record a miss replaces when its hot buffer is full; ``lru``
+        (least recently used among the unselected slots) is the one policy now, the seam
+        for another is :data:`kernels.dispatch.RESOLVERS`.
+    devices: the devices of a multi-device run (``--devices``, a preset's
+        ``hardware.devices``); empty: the one ``device``.
+    parallel: with several ``devices``: ``data`` (a worker per device, each the whole
+        model) or ``pipeline`` (layers split across devices).
+    trace_path: write every selection to this JSONL file (``hisparse run --trace``); one
+        file per worker with several devices.
+    tokenizer: ``None`` (the model's own) or, for a synthetic model, ``ids`` (jobs given
+        as token ids; see :mod:`engine.weights.synthetic`).
+    int4_triton_min_rows: decode batches of at least this many rows run 4-bit linears
+        with the Triton dequant-matmul instead of torch's tinygemm (CUDA); environment
+        ``HISPARSE_INT4_TRITON_MIN_ROWS``.
+    host_memory_gb: host memory the KV pool may use, declared (GiB) for virtual machines
+        whose ``MemAvailable`` reads low; ``None`` reads ``/proc/meminfo``; environment
+        ``HISPARSE_HOST_MEMORY_GB``. The pool is refused above 90% of it.
     """
 
     device: str = "cpu"
@@ -166,7 +193,18 @@ class EngineConfig:
     skip_host_io: bool = False
     cuda_graph: bool = True
     decode_overlap: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    eviction: str = "lru"
+    devices: tuple[str, ...] = ()
+    parallel: str = "data"
+    trace_path: str | None = None
+    tokenizer: str | None = None
+    int4_triton_min_rows: int = 8
+    host_memory_gb: float | None = None
+
+    def __post_init__(self) -> None:
+        # YAML and JSON give lists; the config stays hashable and immutable.
+        if isinstance(self.devices, list):
+            object.__setattr__(self, "devices", tuple(self.devices))
 
     @property
     def device_buffer_tokens(self) -> int:
@@ -312,7 +350,7 @@ class SettingProblem:
 def setting_problem(name: str, value: Any) -> str | None:
     """What is wrong with ``value`` for :class:`EngineConfig` field ``name`` on its own
     (type, range or choice), or ``None``; the message leaves the name out ("must be one
-    of dense, sparse, got 'fuzzy'"). Fields without a check (``device``, ``extra``) pass."""
+    of dense, sparse, got 'fuzzy'"). Fields without a check (``device``) pass."""
     check = SETTING_CHECKS.get(name)
     return check(value) if check else None
 
@@ -361,6 +399,16 @@ def _flag_or_none(value: Any) -> str | None:
     return None if value is None else _flag(value)
 
 
+def _devices(value: Any) -> str | None:
+    ok = isinstance(value, tuple | list) and all(isinstance(d, str) and d for d in value)
+    return None if ok else f"must be a list of device names (cuda:0, cuda:1), got {value!r}"
+
+
+def _path_or_none(value: Any) -> str | None:
+    ok = value is None or (isinstance(value, str) and value)
+    return None if ok else f"must be a file path, got {value!r}"
+
+
 SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "dtype": _choice(DTYPES),
     "kv_dtype": _choice(DTYPES),
@@ -389,8 +437,70 @@ SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "skip_host_io": _flag,
     "cuda_graph": _flag,
     "decode_overlap": _flag,
+    "eviction": _choice(EVICTION_POLICIES),
+    "devices": _devices,
+    "parallel": _choice(PARALLEL_MODES),
+    "trace_path": _path_or_none,
+    "tokenizer": _choice(TOKENIZER_CHOICES),
+    "int4_triton_min_rows": _positive,
+    "host_memory_gb": _gib_or_none,
 }
 """EngineConfig field -> check of one value (see :func:`setting_problem`)."""
+
+
+ENV_SETTINGS = {
+    "HISPARSE_INT4_TRITON_MIN_ROWS": ("int4_triton_min_rows", int),
+    "HISPARSE_HOST_MEMORY_GB": ("host_memory_gb", float),
+}
+"""Environment variable -> (EngineConfig field, type): machine facts and tuning switches
+that are read once, here, into the config (so ``config.json`` records them)."""
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The :data:`ENV_SETTINGS` set in ``environ`` (default ``os.environ``) as overrides.
+
+    Raises
+    ------
+    ConfigError
+        A value that is not a number of the field's type (naming the variable).
+    """
+    environ = os.environ if environ is None else environ
+    found: dict[str, Any] = {}
+    for var, (name, kind) in ENV_SETTINGS.items():
+        raw = environ.get(var, "").strip()
+        if not raw:
+            continue
+        try:
+            found[name] = kind(raw)
+        except ValueError:
+            raise ConfigError(f"{var}={raw!r} is not a {kind.__name__}") from None
+    return found
+
+
+def given(flags: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The flags actually given: ``None`` (a Typer option left unset) dropped."""
+    return {k: v for k, v in (flags or {}).items() if v is not None}
+
+
+def layered_config(layers: Iterable[tuple[str, Mapping[str, Any]]]) -> EngineConfig:
+    """THE precedence chain of every command: built-in defaults < environment
+    (:func:`env_overrides`) < each of ``layers`` in order (preset < manifest
+    ``defaults.engine`` < flags). Pass flags through :func:`given` first, so a flag left
+    unset (``None``) never masks a lower layer. Not validated: callers report
+    :meth:`EngineConfig.problems` in their own words (see :mod:`hisparse_cli.settings`).
+
+    Raises
+    ------
+    ConfigError
+        An unknown field, naming the layer (``source``) it came from.
+    """
+    config = EngineConfig()
+    for source, overrides in (("environment", env_overrides()), *layers):
+        try:
+            config = config.replace(**overrides)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+    return config
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,25 @@
-"""Build an :class:`engine.serve.engine.Engine` from a model path (or the embedded default) and a
-resolved :class:`EngineConfig`. This is the one entry point front ends use."""
+"""The one engine builder: a model path (or the embedded default) and a resolved
+:class:`EngineConfig` become a placed model (:func:`place_model`) and an engine
+(:func:`load_engine`). ``hisparse run``, the data-parallel workers, the pipeline stages, the
+bench and the scripts all build through here."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import ConfigError, EngineConfig, ModelConfig, RopeScaling
-from engine.serve.engine import Engine
 from engine.model.rope import Rope
+from engine.serve.base import BatchEngine
+from engine.serve.engine import Engine
 from engine.weights.types import ModelWeights
 
 if TYPE_CHECKING:
-    from engine.serve.workers import ParallelEngine
+    from engine.model.llama import LlamaModel
+    from kernels.dispatch import Ops
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -33,7 +38,7 @@ def load_weights(model: str | None, tokenizer: str | None = None) -> tuple[Model
     model : path to a ``.gguf`` file or a Hugging Face model folder; ``None`` for the
         embedded SmolLM2-135M-Instruct Q4_1, ``synthetic:NAME`` for random weights of a
         published shape.
-    tokenizer : ``config.extra["tokenizer"]``: ``None`` (the model's own), or for a
+    tokenizer : ``config.tokenizer``: ``None`` (the model's own), or for a
         synthetic model ``ids`` (no text: jobs as token ids; see :mod:`engine.weights.synthetic`).
 
     Returns
@@ -141,64 +146,126 @@ def pick_weight_format(config: EngineConfig, device: torch.device) -> str:
     return "int4" if device.type == "cuda" else "float"
 
 
-def load_engine(
-    config: EngineConfig, model: str | None = None, tracer=None
-) -> Engine | ParallelEngine:
-    """Load a model and build the engine.
+@dataclass(frozen=True)
+class PlacedModel:
+    """A model read, placed on its device and ready to build an engine around.
 
-    When ``config.extra["devices"]`` names more than one device (``--devices cuda:0,cuda:1``
-    or a preset's ``hardware.devices``) this starts one worker per device and returns an
-    :class:`engine.serve.workers.ParallelEngine` (same surface) running ``config.extra["parallel"]``
-    (``data``, the default, or ``pipeline``).
+    Attributes
+    ----------
+    model : the placed :class:`engine.model.llama.LlamaModel` (all layers, or a stage's)
+    tokenizer : the model's tokenizer (``None`` for a synthetic model run on token ids)
+    name : model name for results and reports (file stem, folder name or ``synthetic:NAME``)
+    context_limit : tokens (prompt + generated) per request under the context policy
+    weight_format : ``int4`` or ``float``, as :func:`pick_weight_format` chose
+    ops : the kernel set of the device (:func:`kernels.dispatch.get_ops`)
+    """
 
-    ``tracer`` is a selection recorder (see :class:`engine.measure.trace.TraceWriter`); without
-    one, ``config.extra["trace_path"]`` (``hisparse run --trace FILE``) makes a
+    model: LlamaModel
+    tokenizer: object
+    name: str
+    context_limit: int
+    weight_format: str
+    ops: Ops
+
+
+def place_model(
+    config: EngineConfig,
+    model: str | None = None,
+    *,
+    stage: tuple[int, int] | None = None,
+    rope_config: EngineConfig | None = None,
+    weights: tuple[ModelWeights, object, str] | None = None,
+) -> PlacedModel:
+    """The one load sequence every engine is built from: validate -> device -> threads ->
+    weights -> context limit and RoPE -> weight format -> placed model -> kernel set.
+
+    Parameters
+    ----------
+    config : the resolved settings (validated here)
+    model : as :func:`load_weights` takes it
+    stage : ``(rank, world_size)`` of a pipeline: place only that stage's layers
+        (:func:`engine.capacity.planner.stage_layers`)
+    rope_config : settings whose context policy sizes the RoPE table instead of ``config``'s
+        (the bench extends RoPE to its longest context)
+    weights : already read ``(weights, tokenizer, name)``, skipping :func:`load_weights`
+
+    Raises
+    ------
+    ConfigError
+        Bad settings, CUDA missing, or a pipeline of fewer than 2 or more stages than layers.
+    FileNotFoundError, ValueError
+        Missing or unsupported model files.
+    """
+    from engine.capacity.planner import stage_layers
+    from engine.model.llama import LlamaModel
+    from engine.weights.quant import Int4Linear
+    from kernels.dispatch import get_ops
+
+    config.validate()
+    device = resolve_device(config)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    weights, tokenizer, name = weights or load_weights(model, config.tokenizer)
+    layers = None
+    if stage is not None:
+        rank, world_size = stage
+        num_layers = weights.config.num_layers
+        if not 2 <= world_size <= num_layers:
+            raise ConfigError(
+                f"pipeline of {world_size} stages: needs 2 to {num_layers} devices for this model"
+            )
+        layers = range(*stage_layers(num_layers, world_size)[rank])
+    limit, rope = context_limit_and_rope(weights.config, rope_config or config)
+    fmt = pick_weight_format(config, device)
+    llm = LlamaModel(weights, device, getattr(torch, config.dtype), fmt, rope, layers=layers)
+    for layer in llm.layers:
+        for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
+            if isinstance(lin, Int4Linear):
+                lin.triton_min_rows = config.int4_triton_min_rows
+    return PlacedModel(llm, tokenizer, name, limit, fmt, get_ops(device, config.use_triton))
+
+
+def load_engine(config: EngineConfig, model: str | None = None, tracer=None) -> BatchEngine:
+    """Load a model and build the engine (the one builder of run, workers and scripts).
+
+    When ``config.devices`` names more than one device (``--devices cuda:0,cuda:1`` or a
+    preset's ``hardware.devices``) this starts one worker per device and returns an
+    :class:`engine.serve.workers.ParallelEngine` (same :class:`BatchEngine` surface)
+    running ``config.parallel`` (``data``, the default, or ``pipeline``).
+
+    ``tracer`` is a selection recorder (see :class:`engine.measure.trace.TraceWriter`);
+    without one, ``config.trace_path`` (``hisparse run --trace FILE``) makes a
     :class:`~engine.measure.trace.TraceWriter` there, closed when ``Engine.run`` ends.
 
     With ``config.memory_budget_gb`` (``--memory-budget``) the KV cache is sized by
-    :func:`engine.capacity.budget.budget_cache`: the device pool (all-resident) or ``max_batch``
-    (hierarchical) is what the budget leaves after weights, activations and reserve;
-    the split is ``engine.budget_sizing``. With several devices the budget caps each
-    one: a data worker sizes its cache this way, a pipeline stage for its own layers
-    (:func:`engine.serve.pipeline.stage_budget_cache`).
+    :func:`engine.capacity.budget.budget_cache`: the device pool (all-resident) or
+    ``max_batch`` (hierarchical) is what the budget leaves after weights, activations and
+    reserve; the split is the engine's ``budget_sizing``. With several devices the budget
+    caps each one: a data worker sizes its cache this way, a pipeline stage for its own
+    layers (:func:`engine.serve.pipeline.stage_budget_cache`).
 
     Raises
     ------
     ConfigError, FileNotFoundError, ValueError (unsupported model files)
     """
-    from engine.model.llama import LlamaModel
-    from kernels.dispatch import get_ops
-
     config.validate()
-    devices = config.extra.get("devices") or ()
+    devices = config.devices
     if devices:
         from engine.serve.workers import ParallelEngine, parse_devices
 
         devices = parse_devices(devices)
         if len(devices) > 1:
-            return ParallelEngine(config, model, devices, config.extra.get("parallel") or "data")
+            return ParallelEngine(config, model, devices, config.parallel or "data")
         config = config.replace(device=devices[0])
-    device = resolve_device(config)
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    weights, tokenizer, name = load_weights(model, config.extra.get("tokenizer"))
-    limit, rope = context_limit_and_rope(weights.config, config)
-    dtype = getattr(torch, config.dtype)
-    fmt = pick_weight_format(config, device)
-    llm = LlamaModel(weights, device, dtype, fmt, rope)
-    ops = get_ops(device, config.use_triton)
-    if tracer is None and config.extra.get("trace_path"):
+    placed = place_model(config, model)
+    if tracer is None and config.trace_path:
         from engine.measure.trace import TraceHeader, TraceWriter
 
-        header = TraceHeader.for_engine(name, weights.config, config)
-        tracer = TraceWriter(config.extra["trace_path"], header)
+        header = TraceHeader.for_engine(placed.name, placed.model.config, config)
+        tracer = TraceWriter(config.trace_path, header)
     cache, sizing = None, None
     if config.memory_budget_gb is not None:  # pool / max_batch from the budget
         from engine.capacity.budget import budget_cache
 
-        config, cache, sizing = budget_cache(llm, config, limit)
-    engine = Engine(llm, tokenizer, config, ops, limit, tracer, cache=cache)
-    engine.budget_sizing = sizing
-    engine.model_name = name
-    engine.weight_format = fmt
-    return engine
+        config, cache, sizing = budget_cache(placed.model, config, placed.context_limit)
+    return Engine.from_placed(placed, config, tracer=tracer, cache=cache, budget_sizing=sizing)

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import ConfigError, EngineConfig, SamplingParams
+from engine.config import ConfigError, EngineConfig, SamplingParams, given, layered_config
 from engine.capacity.planner import Hardware
 
 TOP_LEVEL_KEYS = ("description", "model", "hardware", "engine", "sampling")
@@ -198,16 +198,13 @@ def resolve_config(
         An unknown field (naming the layer it came from) or a setting that fails
         :meth:`EngineConfig.validate`.
     """
-    config = EngineConfig()
-    for source, overrides in (
-        ("preset", _preset_engine(preset)),
-        ("manifest defaults", manifest_defaults or {}),
-        ("command-line flags", _given(cli_overrides)),
-    ):
-        try:
-            config = config.replace(**overrides)
-        except ConfigError as exc:
-            raise ConfigError(f"{source}: {exc}") from None
+    config = layered_config(
+        (
+            ("preset", _preset_engine(preset)),
+            ("manifest defaults", manifest_defaults or {}),
+            ("command-line flags", given(cli_overrides)),
+        )
+    )
     config.validate()
     return config
 
@@ -223,7 +220,7 @@ def resolve_sampling(
         loaded = preset if isinstance(preset, Preset) else load_preset_full(preset)
         values.update(loaded.sampling)
     values.update(manifest_defaults or {})
-    values.update(_given(cli_overrides))
+    values.update(given(cli_overrides))
     unknown = sorted(set(values) - set(SAMPLING_KEYS))
     if unknown:
         raise ConfigError(f"unknown sampling setting(s): {', '.join(unknown)}")
@@ -313,10 +310,6 @@ def _preset_engine(
     if isinstance(preset, dict):
         return dict(preset)
     return load_preset(preset)
-
-
-def _given(overrides: dict[str, Any] | None) -> dict[str, Any]:
-    return {k: v for k, v in (overrides or {}).items() if v is not None}
 
 
 def _sampling(values: dict[str, Any]) -> SamplingParams:

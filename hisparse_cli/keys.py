@@ -41,7 +41,11 @@ OUTPUT_NEUTRAL_SETTINGS = frozenset(
         "memory_budget_gb",
         "use_triton",
         "num_threads",
-        "extra",
+        "devices",
+        "parallel",
+        "trace_path",
+        "int4_triton_min_rows",
+        "host_memory_gb",
     }
 )
 

@@ -99,7 +99,9 @@ def run(
         "host_pool_gb": host_pool,
         "num_threads": threads,
         "device": device,
-        "extra": _extra_overrides(trace, devices, parallel),
+        "trace_path": str(trace) if trace is not None else None,
+        "devices": _device_list(devices),
+        "parallel": parallel,
     }
     request = RunRequest(
         docs=tuple(docs or ()),
@@ -119,16 +121,10 @@ def run(
     raise typer.Exit(execute(request))
 
 
-def _extra_overrides(trace: Path | None, devices: str | None, parallel: str | None) -> dict | None:
-    """``EngineConfig.extra`` entries set by flags (``None`` when none is given)."""
-    extra: dict = {}
-    if trace is not None:
-        extra["trace_path"] = str(trace)
-    if devices:
-        extra["devices"] = [d.strip() for d in devices.split(",") if d.strip()]
-    if parallel:
-        extra["parallel"] = parallel
-    return extra or None
+def _device_list(devices: str | None) -> tuple[str, ...] | None:
+    """``--devices cuda:0,cuda:1`` as ``EngineConfig.devices`` (``None`` when not given)."""
+    names = tuple(d.strip() for d in (devices or "").split(",") if d.strip())
+    return names or None
 
 
 presets_cmd.register(app)

@@ -36,9 +36,10 @@ from typing import Any, Self
 
 from rich.console import Console
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import CacheFullError, ConfigError, EngineConfig
 from engine.events import Event, Job, JobAdmitted, JobFailed, JobFinished, JobResult
 from engine.serve.workers import WorkerDied
+from engine.serve.base import BatchEngine
 from hisparse_cli import settings
 from hisparse_cli.keys import DEFAULT_MODEL_ID, model_fingerprint
 from hisparse_cli.manifest import Manifest, ManifestError, jobs_from_paths, load_manifest
@@ -131,14 +132,14 @@ def check_host_pool(config: EngineConfig) -> None:
     """Raise ``CacheFullError`` when the host KV pool (``host_pool_gb``, shared by all
     workers) cannot fit in the host memory available now; the pool lives on the host
     on CPU devices and with the hierarchical sparse cache."""
-    devices = [str(d) for d in config.extra.get("devices") or ()] or [config.device]
+    devices = list(config.devices) or [config.device]
     on_host = any(d.split(":")[0] == "cpu" for d in devices) or (
         config.attention == "sparse" and config.hierarchical
     )
     if on_host:
         from engine.kv.cache import check_host_memory
 
-        check_host_memory(int(config.host_pool_gb * 2**30))
+        check_host_memory(int(config.host_pool_gb * 2**30), config.host_memory_gb)
 
 
 def is_config_error(exc: BaseException) -> bool:
@@ -148,7 +149,7 @@ def is_config_error(exc: BaseException) -> bool:
     file, bad environment value)."""
     if isinstance(exc, ConfigError | FileNotFoundError | ValueError):
         return True
-    return type(exc).__name__ == "CacheFullError" and type(exc).__module__ == "engine.kv.cache"
+    return isinstance(exc, CacheFullError)
 
 
 def cuda_device_count() -> int:
@@ -280,8 +281,8 @@ def _policy_source(preset: str, manifest_engine: dict[str, Any], flags: dict[str
 def with_preset_devices(config: EngineConfig, preset: str, flags: dict[str, Any]) -> EngineConfig:
     """Run on the preset's ``hardware.devices`` (``hardware.parallel`` unless
     ``--parallel`` is given) when it names several and neither ``--device`` nor
-    ``--devices`` (or a manifest's ``engine.extra.devices``) chose the devices."""
-    if "devices" in config.extra or flags.get("device") is not None:
+    ``--devices`` (or a manifest's ``defaults.engine.devices``) chose the devices."""
+    if config.devices or flags.get("device") is not None:
         return config
     try:
         from engine.presets import load_preset_full
@@ -291,8 +292,8 @@ def with_preset_devices(config: EngineConfig, preset: str, flags: dict[str, Any]
         return config
     if hardware.num_devices < 2:
         return config
-    extra = {"devices": list(hardware.devices), "parallel": hardware.parallel, **config.extra}
-    return config.replace(extra=extra)
+    parallel = config.parallel if flags.get("parallel") else hardware.parallel
+    return config.replace(devices=tuple(hardware.devices), parallel=parallel)
 
 
 def check_devices(
@@ -303,11 +304,11 @@ def check_devices(
 ) -> None:
     """Raise :class:`ConfigError` when the run asks for a CUDA device this machine lacks.
 
-    The devices are ``extra["devices"]`` (``--devices``, the manifest or the preset's
+    The devices are ``config.devices`` (``--devices``, the manifest or the preset's
     hardware) or else ``config.device``; the message names where they came from and
     what to pass instead.
     """
-    devices = [str(d) for d in config.extra.get("devices") or ()] or [config.device]
+    devices = list(config.devices) or [config.device]
     cuda = [d for d in devices if d.split(":")[0] == "cuda"]
     if not cuda:
         return
@@ -315,7 +316,7 @@ def check_devices(
     missing = [d for d in cuda if count == 0 or _cuda_index(d) >= count]
     if not missing:
         return
-    source, fix = _device_source(preset, manifest_engine, flags, "devices" in config.extra)
+    source, fix = _device_source(preset, manifest_engine, flags, bool(config.devices))
     have = "CUDA is not available"
     if count:
         have = f"there are only {count} CUDA device(s)"
@@ -326,7 +327,7 @@ def check_devices(
 def check_device_names(config: EngineConfig) -> None:
     """Raise :class:`ConfigError` for a device that is not ``cpu``, ``cuda`` or ``cuda:N``
     (before torch is imported, instead of torch's error at model load)."""
-    devices = [str(d) for d in config.extra.get("devices") or ()] or [config.device]
+    devices = list(config.devices) or [config.device]
     for device in devices:
         kind, colon, index = device.partition(":")
         if kind not in DEVICE_KINDS or (colon and not (kind == "cuda" and index.isdigit())):
@@ -348,10 +349,10 @@ def _device_source(
     """Where the device choice came from (flag, manifest or preset), and what to use instead
     on a machine without CUDA."""
     if several:
-        if (flags.get("extra") or {}).get("devices"):
+        if flags.get("devices"):
             return "--devices", "use --devices cpu (or cpu,cpu)"
-        if (manifest_engine.get("extra") or {}).get("devices"):
-            return "the manifest's defaults.engine.extra.devices", "set them to cpu there"
+        if manifest_engine.get("devices"):
+            return "the manifest's defaults.engine.devices", "set them to cpu there"
         return f"preset {preset!r} (hardware.devices)", "use --preset cpu"
     if flags.get("device") is not None:
         return "--device", "use --device cpu"
@@ -385,9 +386,9 @@ def check_request(request: RunRequest) -> None:
 
 
 def check_trace_path(config: EngineConfig) -> None:
-    """Raise :class:`UsageError` when the ``--trace`` file (``extra.trace_path``; several
+    """Raise :class:`UsageError` when the ``--trace`` file (``trace_path``; several
     workers write ``STEM.wN.jsonl`` beside it) cannot be written, before the model loads."""
-    trace = config.extra.get("trace_path")
+    trace = config.trace_path
     if not trace:
         return
     path = Path(trace)
@@ -601,8 +602,8 @@ class BatchRun:
             self.reporter.note(f"cannot load the model: {exc}", "error")
             return False
         self.reporter.note(f"model loaded in {self.clock() - started:.1f}s")
-        traces = getattr(engine, "trace_paths", None)  # several devices: one file per worker
-        if traces:
+        traces = engine.trace_paths
+        if len(traces) > 1:  # several devices: one file per worker
             self.reporter.note(
                 f"selection traces: {', '.join(traces)} (hisparse replay reads them together)"
             )
@@ -617,12 +618,10 @@ class BatchRun:
                 self.err_console.print_exception()
                 self.reporter.note(f"the engine stopped with an error: {exc}", "error")
             finally:
-                close = getattr(engine, "close", None)  # worker processes of several devices
-                if callable(close):
-                    close()
+                engine.close()  # worker processes of several devices, trace files
             return self.cancel.count > 0
 
-    def _jobs(self, engine: Any, pending: list[PlannedJob]) -> Iterator[Job]:
+    def _jobs(self, engine: BatchEngine, pending: list[PlannedJob]) -> Iterator[Job]:
         """Jobs for ``engine.run``, built one at a time; stops feeding after Ctrl-C."""
         for planned in pending:
             if self.cancel is not None and self.cancel.count:
@@ -631,7 +630,7 @@ class BatchRun:
             if job is not None:
                 yield job
 
-    def _make_job(self, engine: Any, planned: PlannedJob) -> Job | None:
+    def _make_job(self, engine: BatchEngine, planned: PlannedJob) -> Job | None:
         spec = planned.spec
         try:
             documents = read_documents(
@@ -650,7 +649,7 @@ class BatchRun:
         meta = {"key": planned.key, "output": spec.output}
         return Job(spec.id, prompt_ids, spec.sampling, str(spec.inputs[0]), meta)
 
-    def _prompt_ids(self, engine: Any, spec: Any, document: str) -> tuple[int, ...]:
+    def _prompt_ids(self, engine: BatchEngine, spec: Any, document: str) -> tuple[int, ...]:
         """Render the chat prompt; with ``context_policy=truncate`` cut the document so
         prompt + max_tokens fits the engine's context limit (the cut is marked in the text,
         reported, and recorded as the job's ``truncated`` field). Under the other policies
@@ -669,8 +668,8 @@ class BatchRun:
         def render(text: str) -> list[int]:
             return engine.tokenizer.encode_chat(messages(text))
 
-        config = getattr(engine, "config", None)
-        if config is None or config.context_policy != "truncate":
+        config = engine.config
+        if config.context_policy != "truncate":
             self._refuse_if_too_long(engine, spec, messages(document))
         else:
             from engine.text.prompting import fit_document
@@ -688,19 +687,18 @@ class BatchRun:
                 )
         return tuple(render(document))
 
-    def _refuse_if_too_long(self, engine: Any, spec: Any, messages: list[dict]) -> None:
+    def _refuse_if_too_long(self, engine: BatchEngine, spec: Any, messages: list[dict]) -> None:
         """Raise :class:`PromptTooLong` when the rendered prompt needs more tokens than
         the context limit leaves beside ``max_tokens``, judged from its size alone
         (``tokenizer.min_tokens``, a lower bound: a prompt that would fit is never
-        refused). Tokenisers without such a bound are left to the engine's own check."""
+        refused). Where the tokenizer knows no bound (``None``) the engine's own check of
+        the tokenised prompt decides."""
         tokenizer = engine.tokenizer
-        if not hasattr(tokenizer, "min_tokens") or not hasattr(engine, "prompt_limit"):
-            return
         at_least = tokenizer.min_tokens(tokenizer.render_chat(messages))
         max_tokens, limit = spec.sampling.max_tokens, engine.prompt_limit()
         if at_least is None or at_least + max_tokens <= limit:
             return
-        if getattr(getattr(engine, "config", None), "context_policy", None) == "extend":
+        if engine.config.context_policy == "extend":
             advice = "raise --max-context above that, or use --context-policy truncate"
         else:
             advice = "use --context-policy extend (RoPE scaling) or --context-policy truncate"

@@ -1,8 +1,8 @@
 """The resolved engine config: defaults < preset < manifest ``defaults.engine`` < flags.
 
-Each layer is a dict of :class:`~engine.config.EngineConfig` field overrides applied with
-``EngineConfig.replace``; ``extra`` dicts are merged key by key rather than replaced.
-The result is validated once, at the end: every problem is reported together
+The layers are applied by the engine's one precedence chain
+(:func:`engine.config.layered_config`: defaults < environment < preset < manifest < flags);
+this module validates the result once, at the end, and reports every problem together
 (:class:`SettingsError`), each where the setting at fault was given.
 """
 
@@ -13,7 +13,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.config import ConfigError, EngineConfig, SettingProblem
+from engine.config import (
+    ENV_SETTINGS,
+    ConfigError,
+    EngineConfig,
+    SettingProblem,
+    env_overrides,
+    given,
+    layered_config,
+)
 from hisparse_cli.manifest_source import COMMAND_LINE, Entry, Problem
 from hisparse_cli.results import write_text_atomic
 
@@ -93,17 +101,15 @@ def resolve_engine_config(
         Every problem :meth:`EngineConfig.problems` finds, each placed at the
         highest-precedence layer that set one of the settings involved.
     """
-    config = EngineConfig()
     layers = (
         (f"preset {preset!r}", preset_overrides(preset)),
         ("manifest defaults.engine", dict(manifest_engine or {})),
-        ("command-line flags", {k: v for k, v in (cli or {}).items() if v is not None}),
+        ("command-line flags", given(cli)),
     )
-    for source, overrides in layers:
-        config = _apply(config, source, overrides)
+    config = layered_config(layers)
     found = config.problems()
     if found:
-        sources = [overrides for _, overrides in layers]
+        sources = [env_overrides(), *(overrides for _, overrides in layers)]
         raise SettingsError([_place(p, preset, sources, manifest_origin) for p in found])
     return config
 
@@ -115,33 +121,28 @@ def _place(
     manifest_origin: Entry | None,
 ) -> Problem:
     """``problem`` as a located :class:`Problem`: at the field of ``problem.fields`` set by
-    the highest layer (flags > manifest > preset > built-in defaults)."""
+    the highest layer (flags > manifest > preset > environment > built-in defaults)."""
     name = max(problem.fields, key=lambda f: _layer_of(f, layers))  # first of the highest
     rank, message = _layer_of(name, layers), problem.message
-    if rank == 3:
+    if rank == 4:
         return Problem(COMMAND_LINE, None, engine_flag(name), message)
-    if rank == 2 and manifest_origin is not None:
+    if rank == 3 and manifest_origin is not None:
         label = f"{manifest_origin.label}.{name}"
         return Problem(manifest_origin.file, manifest_origin.where(name), label, message)
-    if rank == 2:
+    if rank == 3:
         return Problem("manifest", None, f"defaults.engine.{name}", message)
-    if rank == 1:
+    if rank == 2:
         return Problem(f"preset {preset!r}", None, f"engine.{name}", message)
+    if rank == 1:
+        var = next(v for v, (field, _) in ENV_SETTINGS.items() if field == name)
+        return Problem("environment", None, var, message)
     return Problem("built-in defaults", None, name, message)
 
 
 def _layer_of(name: str, layers: list[dict[str, Any]]) -> int:
-    """0 built-in default, 1 preset, 2 manifest, 3 flags: the last layer setting ``name``."""
+    """0 built-in default, 1 environment, 2 preset, 3 manifest, 4 flags: the last layer
+    setting ``name``."""
     return max((i + 1 for i, layer in enumerate(layers) if name in layer), default=0)
-
-
-def _apply(config: EngineConfig, source: str, overrides: dict[str, Any]) -> EngineConfig:
-    if isinstance(overrides.get("extra"), dict):
-        overrides = {**overrides, "extra": {**config.extra, **overrides["extra"]}}
-    try:
-        return config.replace(**overrides)
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
 
 
 def config_document(config: EngineConfig, preset: str, model: str | None) -> dict[str, Any]:

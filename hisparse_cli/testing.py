@@ -62,6 +62,10 @@ class FakeTokenizer:
         """Token ids of :meth:`render_chat`."""
         return self.encode(self.render_chat(messages))
 
+    def min_tokens(self, text: str) -> int | None:
+        """No lower bound from the size alone (``None``): prompts are tokenised."""
+        return None
+
 
 @dataclass
 class _Running:
@@ -90,12 +94,24 @@ class FakeEngine:
     clock: Callable[[], float] = time.monotonic
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     model_config: Any = None
+    model_name: str = "fake"
+    weight_format: str = "float"
     cancelled: bool = False
+    closed: bool = False
     seen: list[Job] = field(default_factory=list)
+
+    @property
+    def trace_paths(self) -> list[str]:
+        """No selection traces."""
+        return []
 
     def cancel(self) -> None:
         """Stop admitting; running jobs end as ``cancelled``."""
         self.cancelled = True
+
+    def close(self) -> None:
+        """Nothing to release; recorded for tests."""
+        self.closed = True
 
     def prompt_limit(self) -> int:
         """Most tokens (prompt + max_tokens) a job may hold."""

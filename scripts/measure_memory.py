@@ -256,8 +256,9 @@ def scenario_settings(
     host_gb = (sc.jobs * per_job + pool_page_bytes(shape, base) // 2) / GIB
     plan_config = base.replace(host_pool_gb=max(host_gb, 1e-3))
     per_worker = -(-sc.jobs // n) if sc.parallel == "data" else sc.jobs
-    extra = {"tokenizer": "ids"} if ids_tokenizer else {}
-    run_config = plan_config.replace(device=sc.devices[0], extra=extra)
+    run_config = plan_config.replace(
+        device=sc.devices[0], tokenizer="ids" if ids_tokenizer else None
+    )
     hardware = loaded.hardware.replace(devices=sc.devices, parallel=sc.parallel)
     return Settings(
         plan_config, run_config, hardware, context, context - max_tokens, max_tokens, per_worker

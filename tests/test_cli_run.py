@@ -312,7 +312,7 @@ def test_print_config_precedence(cli, docs, tmp_path, monkeypatch):
     assert engine["page_size"] == 32  # preset
     assert engine["top_k"] == 1024  # manifest beats preset
     assert engine["max_batch"] == 16  # flag beats manifest
-    assert engine["extra"] == {"trace_path": "t.json"}
+    assert engine["trace_path"] == "t.json"
     assert not (tmp_path / "hisparse-out").exists()
 
 

@@ -13,13 +13,15 @@ from hisparse_cli import settings
 
 def test_layers_apply_in_order(monkeypatch):
     monkeypatch.setattr(
-        settings, "preset_overrides", lambda name: {"top_k": 256, "extra": {"a": 1}}
+        settings, "preset_overrides", lambda name: {"top_k": 256, "devices": ["cpu", "cpu"]}
     )
     config = settings.resolve_engine_config(
-        "x", {"top_k": 512, "page_size": 32}, {"page_size": 64, "extra": {"b": 2}, "indexer": None}
+        "x",
+        {"top_k": 512, "page_size": 32},
+        {"page_size": 64, "trace_path": "t.jsonl", "indexer": None},
     )
     assert (config.top_k, config.page_size, config.indexer) == (512, 64, "quest")
-    assert config.extra == {"a": 1, "b": 2}
+    assert (config.devices, config.trace_path) == (("cpu", "cpu"), "t.jsonl")
 
 
 def test_unknown_field_names_the_layer(monkeypatch):

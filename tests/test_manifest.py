@@ -349,5 +349,5 @@ def test_every_engine_setting_has_a_value_check():
     from engine.config import SETTING_CHECKS, EngineConfig
 
     names = {f.name for f in dataclasses.fields(EngineConfig)}
-    assert names - set(SETTING_CHECKS) == {"device", "extra"}  # checked by the runner
+    assert names - set(SETTING_CHECKS) == {"device"}  # checked by the runner
     assert EngineConfig().problems() == []

@@ -92,7 +92,7 @@ def test_cpu_pipeline_measures_each_stage(tmp_path, corpus_dir):
         assert sizing["activation_bytes"] == p["activation"]
         assert m["max_batch"] == 2 and m["peak_allocated"] is None  # CUDA-only figures
     # the host pool holds exactly the two jobs, split over the stages by layer
-    cfg = EngineConfig(**{k: v for k, v in sc["plan_config"].items() if k != "extra"})
+    cfg = EngineConfig(**sc["plan_config"])
     from engine.weights.synthetic import TINY
 
     assert sc["host"]["planned_jobs_kv"] == 2 * job_host_bytes(TINY, cfg, 1024)

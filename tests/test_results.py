@@ -193,7 +193,7 @@ def test_settings_hash_tracks_what_changes_output():
         settings_hash(task, sampling, "m", config, {"encoding": "latin-1", "errors": "strict"}),
     ]
     assert base not in changed and len(set(changed)) == len(changed)
-    neutral = config.replace(max_batch=2, device_buffer=8192, extra={"trace_path": "t"})
+    neutral = config.replace(max_batch=2, device_buffer=8192, trace_path="t")
     assert settings_hash(task, sampling, "m", neutral, opts) == base
 
 

@@ -315,7 +315,7 @@ def test_lru_replay_equals_engine_counts(tmp_path, smollm2_gguf_path, corpus_dir
         device_buffer=160,
         host_pool_gb=0.25,
         max_batch=2,
-        extra={"trace_path": str(path)},
+        trace_path=str(path),
     )
     eng = load_engine(cfg, str(smollm2_gguf_path))
     tok = eng.tokenizer

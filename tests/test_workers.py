@@ -161,15 +161,15 @@ def test_split_batch_and_worker_settings():
     assert split_batch([1], 2) == [[1]]
     assert parse_devices("cuda:0, cuda:1") == ["cuda:0", "cuda:1"]
     cfg = CONFIG.replace(
-        num_threads=None, extra={"devices": ["cpu", "cpu"], "trace_path": "/t/run.jsonl"}
+        num_threads=None, devices=("cpu", "cpu"), trace_path="/t/run.jsonl"
     )
     w1 = worker_config(cfg, "cpu", 1, ["cpu", "cpu"], "data")
     assert w1.host_pool_gb == CONFIG.host_pool_gb / 2 and w1.device == "cpu"
-    assert w1.extra == {"trace_path": "/t/run.w1.jsonl"} and w1.num_threads >= 1
+    assert w1.trace_path == "/t/run.w1.jsonl" and w1.num_threads >= 1
+    assert w1.devices == () and w1.parallel == "data"  # a worker runs one device
     stage = worker_config(cfg, "cpu", 1, ["cpu", "cpu"], "pipeline")
-    assert stage.host_pool_gb == CONFIG.host_pool_gb and stage.extra == {
-        "trace_path": "/t/run.w1.jsonl"
-    }
+    assert stage.host_pool_gb == CONFIG.host_pool_gb and stage.trace_path == "/t/run.w1.jsonl"
+    assert stage.devices == ()
     assert worker_trace_path("/t/sel.jsonl.gz", 0) == "/t/sel.w0.jsonl.gz"
     budget = worker_config(cfg.replace(memory_budget_gb=48.0), "cpu", 0, ["cpu", "cpu"], "pipeline")
     assert budget.memory_budget_gb == 48.0  # every stage is capped, for its own layers
@@ -239,7 +239,7 @@ def test_pipeline_budget_sizes_each_stage_and_traces_every_layer(single, jobs, r
         s1.room_bytes - s1.num_pool_pages * s1.meta_page_bytes - 2.5 * s1.per_request_device_bytes
     )
     cfg = probe.replace(
-        memory_budget_gb=3.0 - spare / GIB, extra={"trace_path": str(tmp_path / "sel.jsonl")}
+        memory_budget_gb=3.0 - spare / GIB, trace_path=str(tmp_path / "sel.jsonl")
     )
     with ParallelEngine(cfg, None, "cpu,cpu", "pipeline", tokenizer=single.tokenizer) as eng:
         infos = [w.info for w in eng.workers]
@@ -282,10 +282,15 @@ def test_cli_run_drives_parallel_engine(data_engine, tmp_path, monkeypatch):
     from hisparse_cli.main import app
 
     borrowed = SimpleNamespace(  # the module's workers, without letting the runner close them
+        config=data_engine.config,
         tokenizer=data_engine.tokenizer,
+        model_name=data_engine.model_name,
+        weight_format=data_engine.weight_format,
+        trace_paths=data_engine.trace_paths,
         run=data_engine.run,
         cancel=data_engine.cancel,
         prompt_limit=data_engine.prompt_limit,
+        close=lambda: None,
     )
     configs = []
     monkeypatch.setattr(settings, "preset_overrides", lambda name: dict(CONFIG.to_dict()))
@@ -296,7 +301,7 @@ def test_cli_run_drives_parallel_engine(data_engine, tmp_path, monkeypatch):
     args = ["run", "alpha.txt", "beta.txt", "gamma.txt", "--devices", "cpu,cpu"]
     result = CliRunner().invoke(app, [*args, "--max-new-tokens", "4"], catch_exceptions=False)
     assert result.exit_code == 0, result.stdout
-    assert configs[0].extra["devices"] == ["cpu", "cpu"]
+    assert configs[0].devices == ("cpu", "cpu")
     rows = [
         json.loads(x)
         for x in (tmp_path / "hisparse-out/results.jsonl").read_text().split("\n")

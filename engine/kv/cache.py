@@ -43,11 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
-
-
-class CacheFullError(RuntimeError):
-    """Not enough free pool pages or slabs for a request."""
+from engine.config import CacheFullError, EngineConfig, ModelConfig, env_overrides
 
 
 @dataclass
@@ -61,26 +57,26 @@ class SeqCache:
     num_tokens: int = 0
 
 
-def available_host_bytes() -> int | None:
-    """Host memory available for the KV pool, in bytes: ``$HISPARSE_HOST_MEMORY_GB`` (GiB)
-    when set — for virtual machines whose memory grows on demand, where ``MemAvailable``
-    reads far below what can be used — else ``MemAvailable`` of ``/proc/meminfo``
-    (``None`` where it cannot be read).
+def available_host_bytes(declared_gb: float | None = None) -> int | None:
+    """Host memory available for the KV pool, in bytes: ``declared_gb`` (GiB;
+    ``EngineConfig.host_memory_gb``, from ``$HISPARSE_HOST_MEMORY_GB`` through
+    :func:`engine.config.env_overrides` when not given) — for virtual machines whose memory
+    grows on demand, where ``MemAvailable`` reads far below what can be used — else
+    ``MemAvailable`` of ``/proc/meminfo`` (``None`` where it cannot be read).
 
     Raises
     ------
+    ConfigError
+        ``HISPARSE_HOST_MEMORY_GB`` is not a number (a ``ValueError``).
     ValueError
-        ``HISPARSE_HOST_MEMORY_GB`` is not a positive number.
+        The declared size is not positive.
     """
-    declared = os.environ.get("HISPARSE_HOST_MEMORY_GB")
-    if declared:
-        try:
-            gib = float(declared)
-        except ValueError:
-            gib = -1.0
-        if gib <= 0:
-            raise ValueError(f"HISPARSE_HOST_MEMORY_GB={declared!r} is not a positive number")
-        return int(gib * 2**30)
+    if declared_gb is None:
+        declared_gb = env_overrides().get("host_memory_gb")
+    if declared_gb is not None:
+        if declared_gb <= 0:
+            raise ValueError(f"HISPARSE_HOST_MEMORY_GB={declared_gb!r} is not a positive number")
+        return int(declared_gb * 2**30)
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -91,7 +87,7 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def check_host_memory(pool_bytes: int) -> None:
+def check_host_memory(pool_bytes: int, declared_gb: float | None = None) -> None:
     """Refuse a host pool larger than 90% of the memory available now.
 
     Raises
@@ -99,7 +95,7 @@ def check_host_memory(pool_bytes: int) -> None:
     CacheFullError
         Naming the pool size, what is available and the setting to lower.
     """
-    avail = available_host_bytes()
+    avail = available_host_bytes(declared_gb)
     if avail is not None and pool_bytes > 0.9 * avail:
         raise CacheFullError(
             f"the host KV pool needs {pool_bytes / 2**30:.1f} GiB but only "
@@ -239,7 +235,7 @@ class KVCache:
         self.max_pages_per_seq = max_pages_per_seq
         pool_dev = torch.device("cpu") if self.hierarchical else device
         if pool_dev.type == "cpu":
-            check_host_memory(num_pool_pages * self.page_bytes)
+            check_host_memory(num_pool_pages * self.page_bytes, config.host_memory_gb)
         self.pinned = pin = self.hierarchical and device.type == "cuda"
         shape = (num_pool_pages, hkv, 2, s, d)
         if pool_dev.type == "cpu":

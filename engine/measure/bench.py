@@ -747,23 +747,19 @@ def run_bench(spec: BenchSpec, log: Callable[[str], None] = lambda line: None) -
     FileNotFoundError
         Model or corpus missing.
     """
-    from engine.load import context_limit_and_rope, load_weights, pick_weight_format, resolve_device
-    from kernels.dispatch import get_ops
+    from engine.load import load_weights, place_model
 
     spec.validate()
     batch = max(*spec.concurrency, spec.soak_batch or 1)
     spec = dataclasses.replace(spec, config=spec.config.replace(max_batch=batch))
     t_start = time.monotonic()
     config = spec.config
-    device = resolve_device(config)
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    weights, tokenizer, name = _load(spec, load_weights)
-    rope_cfg = _rope_config(config, weights.config, max(spec.contexts))
-    _, rope = context_limit_and_rope(weights.config, rope_cfg)
-    fmt = pick_weight_format(config, device)
-    model = LlamaModel(weights, device, getattr(torch, config.dtype), fmt, rope)
-    del weights  # the placed model holds what it needs
+    loaded = _load(spec, load_weights)
+    rope_cfg = _rope_config(config, loaded[0].config, max(spec.contexts))
+    placed = place_model(config, spec.model, rope_config=rope_cfg, weights=loaded)
+    del loaded  # the placed model holds what it needs
+    model, tokenizer, name, fmt = placed.model, placed.tokenizer, placed.name, placed.weight_format
+    device = model.device
     spec, spec_bandwidths = _bandwidths(spec, device)
     free_device_memory()
     synthetic = name.startswith("synthetic:")
@@ -779,7 +775,7 @@ def run_bench(spec: BenchSpec, log: Callable[[str], None] = lambda line: None) -
         spec,
         model,
         tokenizer,
-        get_ops(device, config.use_triton),
+        placed.ops,
         streams,
         method,
         report,

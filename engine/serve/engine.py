@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +33,10 @@ from engine.decode.cuda_graph import DecodeGraphs, split_plan, table_width
 from engine.kv.cache import KVCache
 from engine.model.llama import LlamaModel, prefill_attention
 from engine.decode.sampling import make_generator, sample
+
+if TYPE_CHECKING:
+    from engine.capacity.budget import KVSizing
+    from engine.load import PlacedModel
 
 _END = object()  # end-of-source marker for Engine._pull
 
@@ -85,8 +90,15 @@ class Engine:
         context_limit: int,
         tracer=None,
         cache: KVCache | None = None,
+        *,
+        model_name: str = "",
+        weight_format: str = "",
+        budget_sizing: KVSizing | None = None,
     ):
         self.model = model
+        self.model_name = model_name or model.config.name
+        self.weight_format = weight_format
+        self.budget_sizing = budget_sizing
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.config = config
@@ -114,10 +126,36 @@ class Engine:
         self.graphs = DecodeGraphs(self) if not why_not else None
         self.graphs_off_reason = why_not
 
-    # ----- public API --------------------------------------------------------------
+    @classmethod
+    def from_placed(cls, placed: PlacedModel, config: EngineConfig, **kwargs: Any) -> Engine:
+        """The engine of a :class:`engine.load.PlacedModel` (``kwargs``: ``tracer``,
+        ``cache``, ``budget_sizing`` and, for subclasses, their own arguments)."""
+        return cls(
+            placed.model,
+            placed.tokenizer,
+            config,
+            placed.ops,
+            placed.context_limit,
+            model_name=placed.name,
+            weight_format=placed.weight_format,
+            **kwargs,
+        )
+
+    # ----- public API (engine.serve.base.BatchEngine) -------------------------------
     def prompt_limit(self) -> int:
         """Most tokens (prompt + max_tokens) a request may hold."""
         return self.context_limit
+
+    @property
+    def trace_paths(self) -> list[str]:
+        """The selection trace file (``--trace``), or none."""
+        path = getattr(self.tracer, "path", None)
+        return [str(path)] if path else []
+
+    def close(self) -> None:
+        """Close the trace file if one is open (``run`` closes it too); idempotent."""
+        if self.tracer is not None and hasattr(self.tracer, "close"):
+            self.tracer.close()
 
     def cancel(self) -> None:
         """Stop admitting; running requests end with finish_reason ``cancelled``."""

@@ -64,7 +64,7 @@ With ``memory_budget_gb`` each stage sizes its cache from the budget for its own
 activations with the logits only on the last stage, hand-off buffers, reserve); the
 stages exchange their sizings (``all_gather_object``) and all build the smallest pool and
 ``max_batch`` so page and slab ids stay identical; a stage that has no room fails every
-stage's start with the reasons. With ``extra["trace_path"]`` (one file per stage, named by
+stage's start with the reasons. With ``trace_path`` (one file per stage, named by
 :func:`engine.serve.workers.worker_config`) each stage records the selections of its layers,
 under the model's layer index; the header's ``layers`` names them, and ``hisparse
 replay`` reads the stage files together.
@@ -196,9 +196,10 @@ class PipelineEngine(Engine):
     """
 
     def __init__(
-        self, model, tokenizer, config, ops, context_limit, link, ranges, tracer=None, cache=None
+        self, model, tokenizer, config, ops, context_limit, tracer=None, cache=None, *,
+        link, ranges, **identity,
     ):
-        super().__init__(model, tokenizer, config, ops, context_limit, tracer, cache=cache)
+        super().__init__(model, tokenizer, config, ops, context_limit, tracer, cache, **identity)
         self.link = link
         self.ranges: list[range] = list(ranges)
         self.last_stage = len(self.ranges) - 1
@@ -428,7 +429,7 @@ def load_stage(
 
     With ``config.memory_budget_gb`` the stage's cache is sized from the budget (see the
     module docstring; the split is the engine's ``budget_sizing``); with
-    ``config.extra["trace_path"]`` the stage records its layers' selections there.
+    ``config.trace_path`` the stage records its layers' selections there.
 
     Raises
     ------
@@ -436,40 +437,21 @@ def load_stage(
         Fewer than 2 stages, more stages than the model has layers, or a memory budget
         that leaves some stage no room (every stage raises, naming the stages).
     """
-    from engine.load import context_limit_and_rope, load_weights, pick_weight_format, resolve_device
-    from engine.model.llama import LlamaModel
-    from kernels.dispatch import get_ops
+    from engine.capacity.planner import stage_layers
+    from engine.load import place_model
 
-    config.validate()
-    device = resolve_device(config)
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    weights, tokenizer, name = load_weights(model, config.extra.get("tokenizer"))
-    num_layers = weights.config.num_layers
-    if not 2 <= world_size <= num_layers:
-        raise ConfigError(
-            f"pipeline of {world_size} stages: needs 2 to {num_layers} devices for this model"
-        )
-    ranges = [range(a, b) for a, b in stage_layers(num_layers, world_size)]
-    limit, rope = context_limit_and_rope(weights.config, config)
-    fmt = pick_weight_format(config, device)
-    dtype = getattr(torch, config.dtype)
-    llm = LlamaModel(weights, device, dtype, fmt, rope, layers=ranges[rank])
-    del weights
-    ops = get_ops(device, config.use_triton)
-    link = StageLink(rank, world_size, device, init_method, nccl)
+    placed = place_model(config, model, stage=(rank, world_size))
+    llm = placed.model
+    ranges = [range(a, b) for a, b in stage_layers(llm.config.num_layers, world_size)]
+    link = StageLink(rank, world_size, llm.device, init_method, nccl)
     cache, sizing = None, None
     if config.memory_budget_gb is not None:
-        config, cache, sizing = stage_budget_cache(llm, config, limit, link)
-    tracer = stage_tracer(name, llm, config)
+        config, cache, sizing = stage_budget_cache(llm, config, placed.context_limit, link)
+    tracer = stage_tracer(placed.name, llm, config)
+    kwargs = {"tracer": tracer, "cache": cache, "budget_sizing": sizing}
     if rank == 0:
-        engine = PipelineEngine(
-            llm, tokenizer, config, ops, limit, link, ranges, tracer=tracer, cache=cache
-        )
-    else:
-        engine = Engine(llm, tokenizer, config, ops, limit, tracer, cache=cache)
-    engine.budget_sizing = sizing
-    engine.model_name, engine.weight_format = name, fmt
+        return PipelineEngine.from_placed(placed, config, link=link, ranges=ranges, **kwargs)
+    engine = Engine.from_placed(placed, config, **kwargs)
     return engine if rank == 0 else StageFollower(engine, link, ranges)
 
 
@@ -508,9 +490,9 @@ def stage_budget_cache(llm, config: EngineConfig, context_limit: int, link: Stag
 
 
 def stage_tracer(model_name: str, llm, config: EngineConfig):
-    """A :class:`engine.measure.trace.TraceWriter` at ``config.extra["trace_path"]`` whose header
+    """A :class:`engine.measure.trace.TraceWriter` at ``config.trace_path`` whose header
     names this stage's layers; ``None`` without a trace path."""
-    path = config.extra.get("trace_path")
+    path = config.trace_path
     if not path:
         return None
     from engine.measure.trace import TraceHeader, TraceWriter

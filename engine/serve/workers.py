@@ -1,10 +1,10 @@
 """Several devices behind one engine surface: data-parallel workers or a layer pipeline.
 
-:class:`ParallelEngine` has the surface front ends use (``tokenizer``, ``model_config``,
-``config``, ``run(jobs)``, ``cancel()``, ``prompt_limit()``) and yields one merged stream
+:class:`ParallelEngine` has the surface front ends use (:class:`engine.serve.base.BatchEngine`:
+``tokenizer``, ``config``, ``run(jobs)``, ``cancel()``, ``prompt_limit()``, ``close()``) and yields one merged stream
 of :mod:`engine.events`, so the CLI and the dashboard work unchanged.
-``engine.load.load_engine`` returns one when ``config.extra["devices"]`` names more than one
-device (``config.extra["parallel"]``: ``data``, the default, or ``pipeline``).
+:func:`engine.load.load_engine` returns one when ``config.devices`` names more than one
+device (``config.parallel``: ``data``, the default, or ``pipeline``).
 
 Process layout
 --------------
@@ -76,7 +76,6 @@ from engine.config import ConfigError, EngineConfig
 
 MODES = ("data", "pipeline")
 WORKER_ENV = {"NCCL_NVLS_ENABLE": "0"}
-PARALLEL_KEYS = ("devices", "parallel")
 POLL_S = 0.2
 JOIN_TIMEOUT_S = 10.0
 
@@ -143,10 +142,9 @@ def worker_config(
     (:func:`worker_trace_path`: a data worker records its jobs, a pipeline stage its
     layers), and no ``devices`` / ``parallel``. ``memory_budget_gb`` stays: it caps each
     worker's device (a pipeline stage sizes it for its layers)."""
-    extra = {k: v for k, v in config.extra.items() if k not in PARALLEL_KEYS}
-    if extra.get("trace_path"):
-        extra["trace_path"] = worker_trace_path(str(extra["trace_path"]), rank)
-    changes: dict[str, Any] = {"device": device, "extra": extra}
+    changes: dict[str, Any] = {"device": device, "devices": (), "parallel": "data"}
+    if config.trace_path:
+        changes["trace_path"] = worker_trace_path(config.trace_path, rank)
     if mode == "data":
         changes["host_pool_gb"] = config.host_pool_gb / len(devices)
         # max_batch is the whole box's, as the planner reads it (ceil(max_batch / n) rows
@@ -169,7 +167,9 @@ def _worker_main(spec: WorkerSpec, conn: Connection) -> None:
         info = _info(engine, spec)
         _reset_peaks(spec.device)  # the snapshots' peaks are the runs', not the load's
         conn.send(("ready", info))
-        if hasattr(engine, "serve"):  # a pipeline stage other than 0
+        from engine.serve.pipeline import StageFollower
+
+        if isinstance(engine, StageFollower):  # a pipeline stage other than 0
             engine.serve()
             return
         _serve(engine, conn)
@@ -206,19 +206,21 @@ def _info(engine: Any, spec: WorkerSpec) -> dict[str, Any]:
     its limits and shape, its layers, its budget split (``budget_sizing``, a dict of
     :class:`engine.capacity.budget.KVSizing`, or ``None``), and on CUDA the peaks of loading
     (``load_peak_allocated`` / ``load_peak_reserved``, bytes)."""
-    inner = getattr(engine, "engine", engine)  # a StageFollower wraps its Engine
-    sizing = getattr(inner, "budget_sizing", None)
+    from engine.serve.pipeline import StageFollower
+
+    inner = engine.engine if isinstance(engine, StageFollower) else engine
+    sizing = inner.budget_sizing
     info = {
         "pid": os.getpid(),
         "prompt_limit": inner.prompt_limit(),
         "model_config": inner.model_config,
-        "model_name": getattr(inner, "model_name", ""),
-        "weight_format": getattr(inner, "weight_format", ""),
+        "model_name": inner.model_name,
+        "weight_format": inner.weight_format,
         "layers": (inner.model.layer_range.start, inner.model.layer_range.stop),
         "max_batch": inner.config.max_batch,
         "host_pool_bytes": inner.cache.pool_bytes_total,
         "budget_sizing": sizing.to_dict() if sizing is not None else None,
-        "trace_path": inner.config.extra.get("trace_path"),
+        "trace_path": inner.config.trace_path,
     }
     import torch
 
@@ -379,7 +381,7 @@ class ParallelEngine:
             if tokenizer is None:
                 from engine.load import load_tokenizer
 
-                tokenizer = load_tokenizer(model, config.extra.get("tokenizer"))[0]
+                tokenizer = load_tokenizer(model, config.tokenizer)[0]
             self.tokenizer = tokenizer
             self._wait_ready()
         except BaseException:

@@ -25,7 +25,6 @@ Compute formats (:func:`make_linear`):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,8 +134,10 @@ DEQUANT_MIN_ROWS = 64
 # layer's four linears, mean us per linear: tinygemm 20.7 / 45.4 / 74.6 / 135.7 at 1 / 8 /
 # 16 / 32 rows, Triton 34.2 / 33.9 / 36.7 / 41.2; llama3.1-8b alike; crossover at 8 rows:
 # scripts/bench_kernels.py --sections int4_decode, docs/performance.md "W4A16 for decode
-# batches"). HISPARSE_INT4_TRITON_MIN_ROWS overrides it (a large value keeps tinygemm).
-TRITON_MIN_ROWS = int(os.environ.get("HISPARSE_INT4_TRITON_MIN_ROWS", "8"))
+# batches"). The default of EngineConfig.int4_triton_min_rows (environment
+# HISPARSE_INT4_TRITON_MIN_ROWS; a large value keeps tinygemm), set on each linear by
+# engine.load.place_model.
+TRITON_MIN_ROWS = 8
 
 
 class Linear:
@@ -173,8 +174,8 @@ class DenseLinear(Linear):
 class Int4Linear(Linear):
     """4-bit weight run by torch's int4 kernels (``_weight_int4pack_mm[_for_cpu]``).
 
-    On CUDA by the number of rows ``M`` of ``x``: ``M < TRITON_MIN_ROWS`` tinygemm;
-    ``TRITON_MIN_ROWS <= M < DEQUANT_MIN_ROWS`` the Triton dequant-matmul over the source
+    On CUDA by the number of rows ``M`` of ``x``: ``M < triton_min_rows`` tinygemm;
+    ``triton_min_rows <= M < DEQUANT_MIN_ROWS`` the Triton dequant-matmul over the source
     weight kept on the device (:func:`kernels.int4_matmul.group_int4_linear`); larger ``M``
     (prefill) dequantises the source to the compute dtype and runs the dense GEMM. On CPU
     always ``_weight_int4pack_mm_for_cpu``.
@@ -207,6 +208,7 @@ class Int4Linear(Linear):
             self.source = None
         self.scales_and_zeros = sz.to(device, dtype)
         self.bias = bias
+        self.triton_min_rows = TRITON_MIN_ROWS  # EngineConfig.int4_triton_min_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -215,7 +217,7 @@ class Int4Linear(Linear):
         if self.source is not None and rows >= DEQUANT_MIN_ROWS:
             y = F.linear(x2, self.source.dequantize(self.dtype), self.bias)
             return y.view(*shape[:-1], self.out_features).to(x.dtype)
-        if self.source is not None and rows >= TRITON_MIN_ROWS:
+        if self.source is not None and rows >= self.triton_min_rows:
             from kernels.int4_matmul import group_int4_linear
 
             w = self.source

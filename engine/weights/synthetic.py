@@ -24,7 +24,7 @@ Tokenizer: the embedded SmolLM2 one (vocabulary 49152). A shape keeps its publis
 vocabulary V: encoded ids are taken ``id % V`` (matters when V < 49152, e.g. Llama 2's
 32000) and generated ids are decoded as ``id % 49152`` (when V > 49152). Where the
 embedded model is not installed (a GPU machine without the GGUF), ``tokenizer="ids"``
-(``EngineConfig.extra["tokenizer"]``) puts an :class:`IdsTokenizer` in front instead:
+(``EngineConfig.tokenizer``) puts an :class:`IdsTokenizer` in front instead:
 jobs then come as token ids (a pre-tokenised corpus) and results are ids as text.
 """
 
@@ -301,6 +301,15 @@ class IdsTokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Raises ``ValueError`` (see :meth:`encode`)."""
         return self.encode("")
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Raises ``ValueError`` (see :meth:`encode`)."""
+        self.encode("")
+        return ""
+
+    def min_tokens(self, text: str) -> int | None:
+        """No bound without a vocabulary (``None``)."""
+        return None
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """``[5, 17]`` -> ``"5 17"``."""
