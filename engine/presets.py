@@ -28,8 +28,8 @@ from typing import Any
 
 import yaml
 
-from engine.config import ConfigError, EngineConfig, SamplingParams, given, layered_config
 from engine.capacity.planner import Hardware
+from engine.config import ConfigError, EngineConfig, SamplingParams, given, layered_config
 
 TOP_LEVEL_KEYS = ("description", "model", "hardware", "engine", "sampling")
 ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineConfig))

@@ -191,12 +191,12 @@ def bench_command(
     Writes OUT/bench.json (rewritten after every run), OUT/throughput_<context>.png and
     OUT/soak_step_latency.png. Exit code 2 on bad arguments.
     """
+    from engine.capacity.planner import parse_context
+    from engine.config import ConfigError
     from engine.measure import bench, bench_kv
     from engine.measure import report as bench_report
-    from hisparse_cli import bench_plots
-    from engine.config import ConfigError
-    from engine.capacity.planner import parse_context
     from engine.presets import resolve_config
+    from hisparse_cli import bench_plots
 
     if write_corpus_tokens is not None:
         typer.echo(f"wrote {bench_kv.write_corpus_tokens(write_corpus_tokens)}")

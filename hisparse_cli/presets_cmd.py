@@ -14,8 +14,6 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from engine.config import DTYPES, ConfigError
-from engine.capacity.shapes import get_model_shape
 from engine.capacity.planner import (
     GIB,
     LRU_MISS_RATE,
@@ -24,6 +22,8 @@ from engine.capacity.planner import (
     parse_context,
     plan,
 )
+from engine.capacity.shapes import get_model_shape
+from engine.config import DTYPES, ConfigError
 from engine.presets import (
     list_presets,
     load_preset_full,

@@ -38,8 +38,8 @@ from rich.console import Console
 
 from engine.config import CacheFullError, ConfigError, EngineConfig
 from engine.events import Event, Job, JobAdmitted, JobFailed, JobFinished, JobResult
-from engine.serve.workers import WorkerDied
 from engine.serve.base import BatchEngine
+from engine.serve.workers import WorkerDied
 from hisparse_cli import settings
 from hisparse_cli.keys import DEFAULT_MODEL_ID, model_fingerprint
 from hisparse_cli.manifest import Manifest, ManifestError, jobs_from_paths, load_manifest

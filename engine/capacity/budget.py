@@ -38,18 +38,24 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.capacity.planner import (
-    GIB,
     activation_bytes,
     device_reserve_bytes,
-    dtype_bytes,
     stage_comm_bytes,
 )
-
-# KVCache per-slot LRU state: slot_page int32 + slot_last_use int64.
-LRU_BYTES_PER_SLOT = 4 + 8
-PAGE_TABLE_ENTRY_BYTES = 4
+from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.kv.sizing import (  # noqa: F401 - re-exported for the bench and scripts
+    GIB,
+    LRU_BYTES_PER_SLOT,
+    PAGE_TABLE_ENTRY_BYTES,
+    cache_device_bytes,
+    default_pool_pages,
+    hierarchical,
+    meta_page_bytes,
+    per_request_device_bytes,
+    pool_page_bytes,
+    record_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -88,64 +94,16 @@ class KVSizing:
         return dataclasses.asdict(self)
 
 
-def record_bytes(model: ModelConfig, config: EngineConfig) -> int:
-    """One record, K and V of one page, layer and KV head: ``2 x S x D x b_kv``."""
-    return 2 * config.page_size * model.head_dim * dtype_bytes(config.kv_dtype)
 
 
-def meta_page_bytes(model: ModelConfig, config: EngineConfig, num_layers: int | None = None) -> int:
-    """Page metadata of one pool page over ``num_layers`` layers (default all):
-    ``L x Hkv x 2 x D x b_kv``."""
-    nl = model.num_layers if num_layers is None else num_layers
-    return nl * model.num_kv_heads * 2 * model.head_dim * dtype_bytes(config.kv_dtype)
 
 
-def pool_page_bytes(model: ModelConfig, config: EngineConfig, num_layers: int | None = None) -> int:
-    """One pool page over ``num_layers`` layers (default all) and the KV heads:
-    ``L x Hkv x record``."""
-    nl = model.num_layers if num_layers is None else num_layers
-    return nl * model.num_kv_heads * record_bytes(model, config)
 
 
-def per_request_device_bytes(
-    model: ModelConfig,
-    config: EngineConfig,
-    max_pages_per_seq: int,
-    num_layers: int | None = None,
-) -> int:
-    """Hierarchical only: the slabs of one request (``Hkv`` per layer, over ``num_layers``
-    layers, default all) with their page tables and LRU state; 0 when all-resident."""
-    if not _hierarchical(config):
-        return 0
-    nl = model.num_layers if num_layers is None else num_layers
-    slots = config.buffer_pages
-    per_slab_layer = (
-        slots * record_bytes(model, config)
-        + max_pages_per_seq * PAGE_TABLE_ENTRY_BYTES
-        + slots * LRU_BYTES_PER_SLOT
-    )
-    return nl * model.num_kv_heads * per_slab_layer
 
 
-def cache_device_bytes(
-    model: ModelConfig,
-    config: EngineConfig,
-    num_pool_pages: int,
-    max_pages_per_seq: int,
-    num_layers: int | None = None,
-) -> int:
-    """Device bytes a :class:`engine.kv.cache.KVCache` of these sizes over ``num_layers``
-    layers (default all) allocates."""
-    meta = num_pool_pages * meta_page_bytes(model, config, num_layers)
-    if not _hierarchical(config):
-        return meta + num_pool_pages * pool_page_bytes(model, config, num_layers)
-    per_req = per_request_device_bytes(model, config, max_pages_per_seq, num_layers)
-    return meta + config.max_batch * per_req
 
 
-def default_pool_pages(model: ModelConfig, config: EngineConfig) -> int:
-    """Pool pages from ``host_pool_gb``, as :class:`engine.kv.cache.KVCache` computes them."""
-    return max(1, int(config.host_pool_gb * GIB) // pool_page_bytes(model, config))
 
 
 def size_kv_for_budget(
@@ -199,7 +157,7 @@ def size_kv_for_budget(
         f"reserve {reserve / GIB:.2f} GiB"
     )
     stage = {"comm_bytes": comm_bytes, "layers": (start, end) if layers is not None else None}
-    if not _hierarchical(config):
+    if not hierarchical(config):
         pages = max(room, 0) // (page + meta)
         if pages < 1:
             raise ConfigError(
@@ -337,5 +295,3 @@ def budget_cache(
     return sized, cache, sizing
 
 
-def _hierarchical(config: EngineConfig) -> bool:
-    return config.attention == "sparse" and config.hierarchical

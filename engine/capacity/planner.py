@@ -45,10 +45,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import DTYPES, ConfigError, EngineConfig, ModelConfig
+from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.kv.sizing import (  # noqa: F401 - re-exported: the planner's vocabulary
+    DTYPE_BYTES,
+    GIB,
+    all_resident,
+    context_pages,
+    dtype_bytes,
+    kv_bytes_per_token,
+)
 
-GIB = 1 << 30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 INT4_GROUP_SIZE = 128
 INT4_GROUP_OVERHEAD_BYTES = 4  # one bf16 scale + one bf16 zero point per group
 # On CUDA each int4 linear also keeps its source blocks (uint8 nibbles + float32 scale and
@@ -189,11 +195,6 @@ def format_context(tokens: int) -> str:
     return str(tokens)
 
 
-def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of ``dtype`` (one of :data:`engine.config.DTYPES`)."""
-    if dtype not in DTYPE_BYTES:
-        raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    return DTYPE_BYTES[dtype]
 
 
 def weight_format(config: EngineConfig) -> str:
@@ -203,14 +204,8 @@ def weight_format(config: EngineConfig) -> str:
     return "float" if config.device.split(":")[0] == "cpu" else "int4"
 
 
-def all_resident(config: EngineConfig) -> bool:
-    """True when every record stays on the device (dense attention or no host tier)."""
-    return config.attention == "dense" or not config.hierarchical
 
 
-def context_pages(config: EngineConfig, context: int) -> int:
-    """P = ceil(T / S): pages holding ``context`` positions."""
-    return -(-context // config.page_size)
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
@@ -295,18 +290,6 @@ def weight_bytes(
 # ----------------------------------------------------------------------------- KV
 
 
-def kv_bytes_per_token(
-    model: ModelConfig, config: EngineConfig, num_layers: int | None = None
-) -> int:
-    """K and V of one position over ``num_layers`` layers: L x Hkv x D x 2 x b_kv."""
-    num_layers = model.num_layers if num_layers is None else num_layers
-    return (
-        num_layers
-        * model.num_kv_heads
-        * model.head_dim
-        * 2
-        * dtype_bytes(config.kv_dtype)
-    )
 
 
 def job_kv_bytes(model: ModelConfig, config: EngineConfig, context: int) -> int:

@@ -36,7 +36,6 @@ chunked path copies synchronously on the current stream.
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import CacheFullError, EngineConfig, ModelConfig, env_overrides
+from engine.kv import sizing
 
 
 @dataclass
@@ -226,11 +226,10 @@ class KVCache:
         layers = layers if layers is not None else range(model.num_layers)
         self.layer_offset, self.num_layers = layers.start, len(layers)
         hkv, d, nl = model.num_kv_heads, model.head_dim, self.num_layers
-        self.record_bytes = 2 * s * d * self.dtype.itemsize
-        self.page_bytes = nl * hkv * self.record_bytes
-        if num_pool_pages is None:
-            model_page_bytes = model.num_layers * hkv * self.record_bytes
-            num_pool_pages = max(1, int(config.host_pool_gb * 2**30) // model_page_bytes)
+        self.record_bytes = sizing.record_bytes(model, config)
+        self.page_bytes = sizing.pool_page_bytes(model, config, nl)
+        if num_pool_pages is None:  # whole-model pages, as the planner counts them
+            num_pool_pages = sizing.default_pool_pages(model, config)
         self.num_pool_pages = num_pool_pages
         self.max_pages_per_seq = max_pages_per_seq
         pool_dev = torch.device("cpu") if self.hierarchical else device
@@ -282,7 +281,8 @@ class KVCache:
 
     # ----- sizes -------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        """Pages holding ``num_tokens`` positions (:func:`engine.kv.sizing.pages_for`)."""
+        return sizing.pages_for(num_tokens, self.page_size)
 
     @property
     def pool_bytes_total(self) -> int:

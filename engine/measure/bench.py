@@ -81,6 +81,11 @@ from typing import Any
 
 import torch
 
+from engine.capacity.budget import KVSizing, budget_cache, pool_page_bytes
+from engine.capacity.planner import GIB, format_context
+from engine.config import ConfigError, EngineConfig, SamplingParams
+from engine.events import Job
+from engine.kv.cache import CacheFullError, KVCache, available_host_bytes
 from engine.measure.bench_kv import (
     MasterKV,
     corpus_dir,
@@ -92,6 +97,7 @@ from engine.measure.bench_kv import (
     read_corpus_tokens,
     sync,
 )
+from engine.measure.profiling import PHASES, PhaseTimer, kernel_breakdown, timed_model, timed_ops
 from engine.measure.report import (
     header_lines,
     point_line,
@@ -99,14 +105,8 @@ from engine.measure.report import (
     seed_scenario,
     write_report,
 )
-from engine.capacity.budget import KVSizing, budget_cache, pool_page_bytes
-from engine.config import ConfigError, EngineConfig, SamplingParams
-from engine.serve.engine import Engine, Request
-from engine.events import Job
-from engine.kv.cache import CacheFullError, KVCache, available_host_bytes
 from engine.model.llama import LlamaModel
-from engine.capacity.planner import GIB, format_context
-from engine.measure.profiling import PHASES, PhaseTimer, kernel_breakdown, timed_model, timed_ops
+from engine.serve.engine import Engine, Request
 from kernels.dispatch import Ops
 
 MODES = ("dense", "sparse", "hierarchical", "noio", "copystream", "prefetch")

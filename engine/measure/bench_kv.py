@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from engine.config import ConfigError, EngineConfig, SamplingParams
-from engine.serve.engine import Engine
 from engine.events import Job
 from engine.kv.cache import KVCache, page_runs
 from engine.model.llama import LlamaModel, prefill_attention
+from engine.serve.engine import Engine
 from kernels.dispatch import Ops
 
 CORPUS_ENV = "HISPARSE_CORPUS"
@@ -64,8 +64,8 @@ def write_corpus_tokens(path: Path, directory: Path | None = None) -> Path:
     """Tokenize the corpus with the embedded SmolLM2 tokenizer into a JSON file that
     ``--corpus-tokens`` reads, for machines without the embedded model (its GGUF is the
     tokenizer's source)."""
-    from engine.weights.embedded import default_model_path
     from engine.text.tokenizer import TextTokenizer
+    from engine.weights.embedded import default_model_path
 
     tokenizer = TextTokenizer.from_gguf(default_model_path())
     source = corpus_dir(directory)

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.capacity.budget import record_bytes
+from engine.capacity.planner import GIB, format_context
 from engine.config import ConfigError, EngineConfig
 from engine.model.llama import LlamaModel
-from engine.capacity.planner import GIB, format_context
 
 REPORT_FILE = "bench.json"
 
@@ -95,8 +95,8 @@ def roofline(
 
 def seed_scenario() -> dict[str, Any]:
     """The planner's seed scenario (llama2-13b shape, 4-bit, 8 x 256K on ``dual4090``)."""
-    from engine.capacity.shapes import get_model_shape
     from engine.capacity.planner import plan
+    from engine.capacity.shapes import get_model_shape
     from engine.presets import load_preset_full, resolve_config
 
     command = "hisparse plan --preset dual4090 --model llama2-13b --jobs 8 --context 256K"

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.weights.quant import Linear, make_linear
 from engine.model.rope import Rope, apply_rope
+from engine.weights.quant import Linear, make_linear
 from engine.weights.types import ModelWeights
 
 

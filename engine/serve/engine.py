@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine import events as ev
-from engine.decode.attention import DecodeAttention, StepPlan
 from engine.config import EngineConfig
+from engine.decode.attention import DecodeAttention, StepPlan
 from engine.decode.cuda_graph import DecodeGraphs, split_plan, table_width
+from engine.decode.sampling import make_generator, sample
 from engine.kv.cache import KVCache
 from engine.model.llama import LlamaModel, prefill_attention
-from engine.decode.sampling import make_generator, sample
 
 if TYPE_CHECKING:
     from engine.capacity.budget import KVSizing
@@ -151,11 +151,6 @@ class Engine:
         """The selection trace file (``--trace``), or none."""
         path = getattr(self.tracer, "path", None)
         return [str(path)] if path else []
-
-    def close(self) -> None:
-        """Close the trace file if one is open (``run`` closes it too); idempotent."""
-        if self.tracer is not None and hasattr(self.tracer, "close"):
-            self.tracer.close()
 
     def cancel(self) -> None:
         """Stop admitting; running requests end with finish_reason ``cancelled``."""
@@ -392,7 +387,10 @@ class Engine:
     def close(self) -> None:
         """Free the KV cache now (:meth:`KVCache.close`: pending copies are waited for, the
         pinned host pool is returned to the system). Not for an engine whose cache another
-        engine still uses; the engine admits nothing afterwards."""
+        engine still uses; the engine admits nothing afterwards. Closes the trace file too
+        (``run`` already does); idempotent."""
+        if self.tracer is not None and hasattr(self.tracer, "close"):
+            self.tracer.close()
         self.cache.close()
 
     # ----- model execution ---------------------------------------------------------

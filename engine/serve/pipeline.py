@@ -85,10 +85,10 @@ import torch
 import torch.distributed as dist
 
 from engine import events as ev
-from engine.config import ConfigError, EngineConfig, SamplingParams
-from engine.serve.engine import Engine, Request
 from engine.capacity.planner import stage_layers
+from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.decode.sampling import make_generator, sample
+from engine.serve.engine import Engine, Request
 
 MICRO_BATCHES = 2
 
@@ -437,7 +437,6 @@ def load_stage(
         Fewer than 2 stages, more stages than the model has layers, or a memory budget
         that leaves some stage no room (every stage raises, naming the stages).
     """
-    from engine.capacity.planner import stage_layers
     from engine.load import place_model
 
     placed = place_model(config, model, stage=(rank, world_size))

@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelConfig
-from engine.weights.hf import group_size_for
 from engine.capacity.shapes import MODEL_SHAPES
-from engine.weights.quant import Int4Weight, quantize_int4
+from engine.config import ModelConfig
 from engine.text.tokenizer import TextTokenizer
+from engine.weights.hf import group_size_for
+from engine.weights.quant import Int4Weight, quantize_int4
 from engine.weights.types import LayerWeights, ModelWeights
 
 PREFIX = "synthetic:"

@@ -1,0 +1,125 @@
+"""Every byte formula of the KV hierarchy, in one place.
+
+The capacity planner (:mod:`engine.capacity.planner`), the budget split
+(:mod:`engine.capacity.budget`) and the cache itself (:class:`engine.kv.cache.KVCache`)
+all size records, pages, metadata, slabs, page tables and LRU state with these functions,
+so what ``hisparse plan`` counts is what the cache allocates. Arithmetic only: no torch.
+
+Shape symbols: ``L`` layers (``L_d`` on one pipeline stage), ``Hkv`` KV heads, ``D`` head
+dim, ``T`` tokens, ``S`` page size, ``P = ceil(T / S)`` pages, ``b_kv`` bytes per KV
+element. Bytes everywhere; GiB (2**30 bytes) only in :data:`GIB`.
+"""
+
+from __future__ import annotations
+
+from engine.config import DTYPES, ConfigError, EngineConfig, ModelConfig
+
+GIB = 1 << 30
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# KVCache per-slot LRU state: slot_page int32 + slot_last_use int64.
+LRU_BYTES_PER_SLOT = 4 + 8
+
+PAGE_TABLE_ENTRY_BYTES = 4
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (one of :data:`engine.config.DTYPES`)."""
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def all_resident(config: EngineConfig) -> bool:
+    """True when every record stays on the device (dense attention or no host tier)."""
+    return config.attention == "dense" or not config.hierarchical
+
+
+def context_pages(config: EngineConfig, context: int) -> int:
+    """P = ceil(T / S): pages holding ``context`` positions."""
+    return -(-context // config.page_size)
+
+
+def kv_bytes_per_token(
+    model: ModelConfig, config: EngineConfig, num_layers: int | None = None
+) -> int:
+    """K and V of one position over ``num_layers`` layers: L x Hkv x D x 2 x b_kv."""
+    num_layers = model.num_layers if num_layers is None else num_layers
+    return (
+        num_layers
+        * model.num_kv_heads
+        * model.head_dim
+        * 2
+        * dtype_bytes(config.kv_dtype)
+    )
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """ceil(T / S): pages holding ``num_tokens`` positions."""
+    return -(-num_tokens // page_size)
+
+
+def hierarchical(config: EngineConfig) -> bool:
+    """True when records live in the host pool and only a hot buffer on the device."""
+    return config.attention == "sparse" and config.hierarchical
+
+
+def record_bytes(model: ModelConfig, config: EngineConfig) -> int:
+    """One record, K and V of one page, layer and KV head: ``2 x S x D x b_kv``."""
+    return 2 * config.page_size * model.head_dim * dtype_bytes(config.kv_dtype)
+
+
+def meta_page_bytes(model: ModelConfig, config: EngineConfig, num_layers: int | None = None) -> int:
+    """Page metadata of one pool page over ``num_layers`` layers (default all):
+    ``L x Hkv x 2 x D x b_kv``."""
+    nl = model.num_layers if num_layers is None else num_layers
+    return nl * model.num_kv_heads * 2 * model.head_dim * dtype_bytes(config.kv_dtype)
+
+
+def pool_page_bytes(model: ModelConfig, config: EngineConfig, num_layers: int | None = None) -> int:
+    """One pool page over ``num_layers`` layers (default all) and the KV heads:
+    ``L x Hkv x record``."""
+    nl = model.num_layers if num_layers is None else num_layers
+    return nl * model.num_kv_heads * record_bytes(model, config)
+
+
+def per_request_device_bytes(
+    model: ModelConfig,
+    config: EngineConfig,
+    max_pages_per_seq: int,
+    num_layers: int | None = None,
+) -> int:
+    """Hierarchical only: the slabs of one request (``Hkv`` per layer, over ``num_layers``
+    layers, default all) with their page tables and LRU state; 0 when all-resident."""
+    if not hierarchical(config):
+        return 0
+    nl = model.num_layers if num_layers is None else num_layers
+    slots = config.buffer_pages
+    per_slab_layer = (
+        slots * record_bytes(model, config)
+        + max_pages_per_seq * PAGE_TABLE_ENTRY_BYTES
+        + slots * LRU_BYTES_PER_SLOT
+    )
+    return nl * model.num_kv_heads * per_slab_layer
+
+
+def cache_device_bytes(
+    model: ModelConfig,
+    config: EngineConfig,
+    num_pool_pages: int,
+    max_pages_per_seq: int,
+    num_layers: int | None = None,
+) -> int:
+    """Device bytes a :class:`engine.kv.cache.KVCache` of these sizes over ``num_layers``
+    layers (default all) allocates."""
+    meta = num_pool_pages * meta_page_bytes(model, config, num_layers)
+    if not hierarchical(config):
+        return meta + num_pool_pages * pool_page_bytes(model, config, num_layers)
+    per_req = per_request_device_bytes(model, config, max_pages_per_seq, num_layers)
+    return meta + config.max_batch * per_req
+
+
+def default_pool_pages(model: ModelConfig, config: EngineConfig) -> int:
+    """Pool pages from ``host_pool_gb``, as :class:`engine.kv.cache.KVCache` computes them."""
+    return max(1, int(config.host_pool_gb * GIB) // pool_page_bytes(model, config))
