@@ -8,7 +8,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.capacity.shapes import MODEL_SHAPES, get_model_shape
 from engine.capacity.planner import (
     GIB,
@@ -17,6 +17,7 @@ from engine.capacity.planner import (
     job_device_bytes,
     job_host_bytes,
     max_concurrent_jobs,
+    shared_device_bytes,
     parse_context,
     plan,
     weight_bytes,
@@ -67,31 +68,40 @@ def test_int4_weights_keep_embeddings_and_head_in_bf16():
     assert 5.5 * GIB < expected < 6.5 * GIB
 
 
-def test_job_device_bytes_is_hot_slabs_plus_metadata():
+def test_job_device_bytes_is_a_whole_slab_and_its_tables():
+    """A hierarchical job claims one slab of device_buffer slots per (layer, KV head) with
+    its page table and LRU state; the page metadata belongs to the host pool's pages."""
     config, _ = _preset("dual4090")
-    slabs = 40 * 8 * config.device_buffer_tokens * 128 * 2 * 2
-    metadata = (K256 // 64) * 40 * 8 * 2 * 128 * 2
-    assert metadata == 40 * GIB // 64
-    assert job_device_bytes(LLAMA13, config, K256) == slabs + metadata
-    staging = 40 * 8 * 2 * 128 * 2  # one token's row for the decode write-through
+    slots = config.device_buffer_tokens // 64
+    slabs = 40 * 8 * slots * 64 * 128 * 2 * 2
+    tables = 40 * 8 * (K256 // 64) * 4  # page table: int32 per page
+    lru = 40 * 8 * slots * (4 + 8)  # slot page int32 + last use int64
+    assert job_device_bytes(LLAMA13, config, K256) == slabs + tables + lru
+    pool_pages = int(config.host_pool_gb * GIB) // (40 * 8 * 64 * 128 * 2 * 2)
+    metadata = pool_pages * 40 * 8 * 2 * 128 * 2
+    assert shared_device_bytes(LLAMA13, config, pool_pages) == metadata
+    staging = 40 * config.max_batch * 8 * 2 * 128 * 2  # decode write-through rows
     late = config.replace(decode_write_stream=True)
-    assert job_device_bytes(LLAMA13, late, K256) == slabs + metadata + staging
+    assert shared_device_bytes(LLAMA13, late, pool_pages) == metadata + staging
 
 
-def test_short_job_claims_only_its_pages_of_hot_buffer():
+def test_short_job_claims_a_whole_slab_as_the_cache_does():
+    """The cache reserves a full slab per KV head for any job, so the planner does too
+    (only its page table is shorter)."""
     config, _ = _preset("dual4090")
-    per_token = 40 * 8 * 128 * 2 * 2
-    # 16 pages of 64 tokens in the hot buffer and their metadata
-    assert job_device_bytes(LLAMA13, config, 1000) == 16 * 64 * per_token * (1 + 1 / 64)
+    long_job = job_device_bytes(LLAMA13, config, K256)
+    short_job = job_device_bytes(LLAMA13, config, 1000)
+    assert long_job - short_job == 40 * 8 * (K256 // 64 - 16) * 4
 
 
 def test_dual4090_8x256k_13b_fits_and_host_memory_binds():
     config, hardware = _preset("dual4090")
     result = plan(LLAMA13, config, hardware, 8, K256)
     assert result.feasible, result.reasons
-    assert result.capacity.binding == "host"
+    # the pool holds 8 x 40 GiB and the slab pools max_batch = 8 jobs (4 per card)
+    assert result.capacity.binding == "device+host"
     assert result.capacity.max_jobs == result.capacity.host_limit == 8
-    assert result.capacity.device_limit > 8
+    assert result.capacity.device_limit == 8
     assert [d.num_jobs for d in result.devices] == [4, 4]
     assert result.host_needed_bytes == 320 * GIB
     assert all(d.free_bytes > 0 for d in result.devices)
@@ -101,7 +111,7 @@ def test_dense_baseline_cannot_hold_one_256k_13b_job_in_48gb():
     config, hardware = _preset("dual4090")
     result = plan(LLAMA13, config, hardware, 8, K256)
     assert result.dense.max_jobs == 0
-    assert result.dense_job_device_bytes == 40 * GIB
+    assert result.dense_job_device_bytes == 40 * GIB + 40 * GIB // 64  # KV + its metadata
     # the same on an H200 capped to 48 GiB
     config, hardware = _preset("h200", memory_budget_gb=48.0)
     assert plan(LLAMA13, config, hardware, 1, K256).dense.max_jobs == 0
@@ -157,7 +167,7 @@ def test_pipeline_splits_layers_and_adds_comm_buffers():
 def test_all_resident_config_has_no_host_tier():
     config = EngineConfig(attention="dense", kv_dtype="bfloat16")
     assert job_host_bytes(LLAMA13, config, K256) == 0
-    assert job_device_bytes(LLAMA13, config, K256) == 40 * GIB
+    assert job_device_bytes(LLAMA13, config, K256) == 40 * GIB + 40 * GIB // 16  # + metadata
     hardware = Hardware(devices=("cuda:0",), memory_gb=48)
     assert max_concurrent_jobs(LLAMA13, config, hardware, K256).host_limit is None
 
@@ -286,7 +296,7 @@ def test_cli_plan_bad_context_exits_2():
 
 
 def test_weights_that_do_not_fit_are_refused_with_hints():
-    config, hardware = _preset("dual4090", memory_budget_gb=20.0)
+    config, hardware = _preset("dual4090", memory_budget_gb=24.0)
     config = config.replace(weight_format="float")
     result = plan(LLAMA13, config, hardware, 1, K256)
     assert not result.feasible
@@ -299,3 +309,92 @@ def test_no_gather_when_the_hot_buffer_holds_every_page():
     config, hardware = _preset("dual4090")
     assert plan(LLAMA13, config, hardware, 8, 8192).gather_bytes_per_step == 0
     assert plan(LLAMA13, config, hardware, 8, K256).gather_bytes_per_step > 0
+
+
+# ----------------------------------------------------------------------------- plan == admission
+
+TINY = ModelConfig(
+    arch="llama",
+    num_layers=4,
+    hidden_size=256,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    intermediate_size=512,
+    vocab_size=1000,
+    max_position=65536,
+    name="tiny-planner",
+)
+
+
+def _admitted(model, config, hardware, context) -> int:
+    """Jobs of ``context`` tokens the run's caches admit: each device's cache sized from
+    the budget exactly as a run builds it (``size_kv_for_budget`` over that device's
+    settings, then ``KVCache``), filled with ``allocate`` until ``can_admit`` says no."""
+    import torch
+
+    from engine.capacity.budget import size_kv_for_budget
+    from engine.capacity.planner import device_config, stage_layers
+    from engine.kv.cache import KVCache
+
+    here = device_config(config, hardware)
+    pipeline = hardware.parallel == "pipeline" and hardware.num_devices > 1
+    n = hardware.num_devices
+    ranges = stage_layers(model.num_layers, n) if pipeline else [(0, model.num_layers)] * n
+    counts = []
+    for i, layers in enumerate(ranges):
+        first, last = (i == 0, i == n - 1) if pipeline else (True, True)
+        weights = weight_bytes(model, here, layers, embed=first, head=last)
+        try:
+            sizing = size_kv_for_budget(
+                model, here, weights, context, layers=layers if pipeline else None
+            )
+        except ConfigError:
+            counts.append(0)
+            continue
+        cache = KVCache(
+            model,
+            here.replace(max_batch=sizing.max_batch),
+            torch.device("cpu"),
+            -(-context // here.page_size),
+            num_pool_pages=sizing.num_pool_pages,
+            layers=range(*layers),
+        )
+        admitted = 0
+        while cache.can_admit(context):
+            cache.allocate(admitted, context)
+            admitted += 1
+        cache.close()
+        counts.append(admitted)
+    return min(counts) if pipeline else sum(counts)
+
+
+@pytest.mark.parametrize("preset", ["cpu", "h200", "dual4090"])
+@pytest.mark.parametrize(
+    "budget_gb,host_pool_gb,max_batch",
+    [(1.08, 0.25, 64), (1.2, 0.5, 64), (1.6, 0.05, 64), (1.6, 1.0, 3)],
+    ids=["device-bound", "roomier", "host-bound", "batch-bound"],
+)
+@pytest.mark.parametrize("context", [4096, 16384])
+@pytest.mark.parametrize("mode", ["hierarchical", "dense"])
+def test_plan_equals_what_admission_admits(preset, budget_gb, host_pool_gb, max_batch, context, mode):
+    """``hisparse plan``'s job count is the number of jobs the caches of a run with the
+    same settings admit, for every bound (device room, host pool, slab pool) and mode."""
+    loaded = load_preset_full(preset)
+    overrides = {
+        "device": "cpu",
+        "memory_budget_gb": budget_gb,
+        "host_pool_gb": host_pool_gb,
+        "max_batch": max_batch,
+        "max_context": context,
+        "top_k": 256,
+        "device_buffer": 1024,
+        "local_window": 64,
+        "sink_tokens": 64,
+    }
+    if mode == "dense":
+        overrides.update(attention="dense", hierarchical=False)
+    config = resolve_config(loaded, {}, overrides)
+    hardware = loaded.hardware.replace(host_memory_gb=64.0, memory_gb=budget_gb)
+    planned = max_concurrent_jobs(TINY, config, hardware, context).max_jobs
+    assert planned == _admitted(TINY, config, hardware, context)

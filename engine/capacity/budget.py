@@ -55,6 +55,7 @@ from engine.kv.sizing import (  # noqa: F401 - re-exported for the bench and scr
     per_request_device_bytes,
     pool_page_bytes,
     record_bytes,
+    shared_device_bytes,
 )
 
 
@@ -180,7 +181,8 @@ def size_kv_for_budget(
         )
     pages = num_pool_pages if num_pool_pages is not None else default_pool_pages(model, config)
     per_req = per_request_device_bytes(model, config, max_pages, nl)
-    batch = min(config.max_batch, max(room - pages * meta, 0) // per_req)
+    shared = shared_device_bytes(model, config, pages, nl)
+    batch = min(config.max_batch, max(room - shared, 0) // per_req)
     if batch < 1:
         raise ConfigError(
             f"memory_budget_gb={config.memory_budget_gb}: {fixed} + page metadata of "

@@ -1,10 +1,11 @@
 """Capacity planner: what fits on the devices and in the host pool, by arithmetic alone.
 
 No torch is needed: every figure comes from the model's shape (:class:`ModelConfig`),
-the run settings (:class:`EngineConfig`) and the box (:class:`Hardware`). The engine's
-scheduler uses the same functions for admission (:func:`job_host_bytes`,
-:func:`job_device_bytes`, :func:`admit`, :func:`max_concurrent_jobs`), so ``hisparse
-plan`` and ``hisparse run`` agree.
+the run settings (:class:`EngineConfig`) and the box (:class:`Hardware`). Every byte
+count comes from :mod:`engine.kv.sizing`, the formulas :class:`engine.kv.cache.KVCache`
+allocates by, and the device split is the one :func:`engine.capacity.budget.size_kv_for_budget`
+builds a cache with, so the jobs ``hisparse plan`` says fit are the jobs the cache admits
+(``KVCache.can_admit``; ``tests/test_planner.py`` puts both side by side).
 
 Shape symbols: ``L`` layers (``L_d`` on one pipeline stage), ``H`` hidden, ``Hq``/``Hkv``
 query/KV heads, ``D`` head dim, ``F`` FFN size, ``V`` vocabulary, ``T`` context tokens,
@@ -19,8 +20,12 @@ weights             int4: linear layers at 0.5 B/param plus a bf16 scale and a
                     bf16 zero per group of 128 (``_weight_int4pack_mm`` layout),
                     i.e. 0.53125 B/param; embeddings, lm_head, norms and biases stay
                     in ``dtype``. float: every parameter in ``dtype``.
-hot KV slab pool    jobs x L_d x Hkv x min(device_buffer, P*S) x D x 2 (K,V) x b_kv
-page metadata       jobs x P x L_d x Hkv x 2 (min,max) x D x b_kv  (= full KV / S)
+hot KV slab pool    jobs x L_d x Hkv x (device_buffer x D x 2 (K,V) x b_kv + page
+                    table P x 4 + LRU state slots x 12): a whole slab per (layer, KV
+                    head) for every job, however short (all-resident: the job's P pages)
+page metadata       hierarchical: every host pool page, pool_pages x L_d x Hkv x 2
+                    (min,max) x D x b_kv (= host pool / S), allocated with the pool;
+                    all-resident: the job's P pages of it
 activations         decode: B x (4H + (Hq+2Hkv)D + 2F) x b, logits B x V x 4;
   and scratch       prefill chunk: C x (4H + (Hq+2Hkv)D + 2F) x b; layer-by-layer
                     prefill of one job: that layer's K/V 2 x Hkv x T x D x b_kv plus
@@ -51,8 +56,13 @@ from engine.kv.sizing import (  # noqa: F401 - re-exported: the planner's vocabu
     GIB,
     all_resident,
     context_pages,
+    default_pool_pages,
     dtype_bytes,
+    hierarchical,
+    job_device_bytes,
     kv_bytes_per_token,
+    meta_page_bytes,
+    shared_device_bytes,
 )
 
 INT4_GROUP_SIZE = 128
@@ -312,47 +322,6 @@ def job_host_bytes(model: ModelConfig, config: EngineConfig, context: int) -> in
     return 0 if all_resident(config) else job_kv_bytes(model, config, context)
 
 
-def job_device_bytes(
-    model: ModelConfig,
-    config: EngineConfig,
-    context: int,
-    num_layers: int | None = None,
-) -> int:
-    """Device bytes one job needs: hot KV slabs plus page metadata.
-
-    Parameters
-    ----------
-    context
-        Positions the job will hold (prompt + generated tokens).
-    num_layers
-        Layers on this device (a pipeline stage); all layers when ``None``.
-
-    Returns
-    -------
-    int
-        Hierarchical sparse: L_d x Hkv x min(device_buffer, P x S) x D x 2 x b_kv slabs
-        plus P x L_d x Hkv x 2 x D x b_kv metadata and one token's L_d x Hkv x 2 x D x
-        b_kv staging row (decode write-through, ``decode_write_stream`` on CUDA). All-resident:
-        the full paged KV of those layers, plus the metadata when the attention is sparse.
-    """
-    slabs, metadata = _slab_and_metadata(model, config, context, num_layers)
-    return slabs + metadata
-
-
-def _slab_and_metadata(model, config, context, num_layers) -> tuple[int, int]:
-    num_layers = model.num_layers if num_layers is None else num_layers
-    pages = context_pages(config, context)
-    per_token = kv_bytes_per_token(model, config, num_layers)
-    if all_resident(config):
-        resident_tokens = pages * config.page_size
-    else:
-        resident_tokens = min(config.buffer_pages, pages) * config.page_size
-    metadata = 0 if config.attention == "dense" else pages * per_token  # [2, D] per page
-    if not all_resident(config) and config.decode_write_stream and "cuda" in config.device:
-        metadata += per_token  # the job's token staging row (pinned pools: CUDA only)
-    return resident_tokens * per_token, metadata
-
-
 # ----------------------------------------------------------------------------- scratch
 
 
@@ -472,8 +441,11 @@ def host_pool_bytes(config: EngineConfig, hardware: Hardware) -> int:
 class DeviceMemory:
     """One device's memory table, in bytes.
 
-    ``per_job_bytes`` is :func:`job_device_bytes` for this device's layers;
-    ``kv_slab_bytes + metadata_bytes == num_jobs * per_job_bytes``.
+    ``per_job_bytes`` is :func:`engine.kv.sizing.job_device_bytes` for this device's
+    layers and ``shared_kv_bytes`` what the cache allocates whatever the jobs
+    (:func:`engine.kv.sizing.shared_device_bytes`: the host pool's page metadata);
+    ``kv_slab_bytes + metadata_bytes == num_jobs * per_job_bytes + shared_kv_bytes``.
+    ``job_cap`` is the slab pool's ``max_batch`` (hierarchical), ``None`` all-resident.
     """
 
     device: str
@@ -487,6 +459,8 @@ class DeviceMemory:
     comm_bytes: int
     reserve_bytes: int
     per_job_bytes: int
+    shared_kv_bytes: int = 0
+    job_cap: int | None = None
 
     @property
     def fixed_bytes(self) -> int:
@@ -509,9 +483,11 @@ class DeviceMemory:
 
     @property
     def max_jobs(self) -> int:
-        """Jobs whose slabs and metadata fit next to the fixed parts."""
-        room = self.capacity_bytes - self.fixed_bytes
-        return max(0, room // self.per_job_bytes) if self.per_job_bytes else 0
+        """Jobs whose slabs (or pages) fit next to the fixed parts and the shared KV
+        bytes, at most ``job_cap``."""
+        room = self.capacity_bytes - self.fixed_bytes - self.shared_kv_bytes
+        fit = max(0, room // self.per_job_bytes) if self.per_job_bytes else 0
+        return fit if self.job_cap is None else min(fit, self.job_cap)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -523,6 +499,17 @@ class DeviceMemory:
             max_jobs=self.max_jobs,
         )
         return out
+
+
+def device_config(config: EngineConfig, hardware: Hardware) -> EngineConfig:
+    """The settings one device's cache is built with (as
+    :func:`engine.serve.workers.worker_config` gives a worker): in data mode each of ``n``
+    devices holds ``host_pool_gb / n`` of the host pool and ``ceil(max_batch / n)`` slabs;
+    a pipeline stage keeps both (it holds every job, for its layers)."""
+    n = hardware.num_devices
+    if n < 2 or hardware.parallel == "pipeline":
+        return config
+    return config.replace(host_pool_gb=config.host_pool_gb / n, max_batch=-(-config.max_batch // n))
 
 
 def device_tables(
@@ -543,12 +530,18 @@ def device_tables(
     ranges = (
         stage_layers(model.num_layers, n) if pipeline else [(0, model.num_layers)] * n
     )
-    batch = config.max_batch if pipeline else -(-config.max_batch // n)
+    here = device_config(config, hardware)
+    batch = here.max_batch
+    pool_pages = default_pool_pages(model, here)
     tables = []
     for i, (device, layers) in enumerate(zip(hardware.devices, ranges, strict=True)):
         first, last = (i == 0, i == n - 1) if pipeline else (True, True)
         jobs_here = jobs if pipeline else jobs // n + (1 if i < jobs % n else 0)
-        slab, meta = _slab_and_metadata(model, config, context, layers[1] - layers[0])
+        nl = layers[1] - layers[0]
+        per_job = job_device_bytes(model, here, context, nl)
+        shared = shared_device_bytes(model, here, pool_pages, nl)
+        pages = context_pages(config, context)
+        meta = 0 if shared else jobs_here * pages * meta_page_bytes(model, config, nl)
         tables.append(
             DeviceMemory(
                 device=device,
@@ -558,14 +551,16 @@ def device_tables(
                 weights_bytes=weight_bytes(
                     model, config, layers, embed=first, head=last
                 ),
-                kv_slab_bytes=jobs_here * slab,
-                metadata_bytes=jobs_here * meta,
+                kv_slab_bytes=jobs_here * per_job - meta,
+                metadata_bytes=meta + shared,
                 activation_bytes=activation_bytes(
                     model, config, context, batch, head=last
                 ),
                 comm_bytes=comm_bytes(model, config, batch, hardware),
                 reserve_bytes=device_reserve_bytes(capacity),
-                per_job_bytes=slab + meta,
+                per_job_bytes=per_job,
+                shared_kv_bytes=shared,
+                job_cap=batch if shared or hierarchical(here) else None,
             )
         )
     return tables
@@ -603,9 +598,11 @@ def max_concurrent_jobs(
     else:
         device_limit = sum(t.max_jobs for t in tables)
     per_job_host = job_host_bytes(model, config, context)
-    host_limit = (
-        host_pool_bytes(config, hardware) // per_job_host if per_job_host else None
-    )
+    host_limit = None
+    if per_job_host:
+        pool = host_pool_bytes(config, hardware)
+        workers = 1 if hardware.parallel == "pipeline" else hardware.num_devices
+        host_limit = workers * ((pool // workers) // per_job_host)  # each worker its share
     if host_limit is None or device_limit < host_limit:
         return Capacity(device_limit, device_limit, host_limit, "device")
     binding = "host" if host_limit < device_limit else "device+host"

@@ -294,7 +294,10 @@ class KVCache:
 
     @property
     def hot_buffer_bytes(self) -> int:
-        return sum(t.nbytes for t in self.slots)
+        """The slab pool on the device: slots, page tables and LRU state (what
+        :func:`engine.kv.sizing.per_request_device_bytes` counts per request)."""
+        tensors = (*self.slots, *self.page_table, *self.slot_page, *self.slot_last_use)
+        return sum(t.nbytes for t in tensors)
 
     @property
     def metadata_bytes(self) -> int:

@@ -117,9 +117,44 @@ def cache_device_bytes(
     if not hierarchical(config):
         return meta + num_pool_pages * pool_page_bytes(model, config, num_layers)
     per_req = per_request_device_bytes(model, config, max_pages_per_seq, num_layers)
-    return meta + config.max_batch * per_req
+    shared = shared_device_bytes(model, config, num_pool_pages, num_layers)
+    return shared + config.max_batch * per_req
 
 
 def default_pool_pages(model: ModelConfig, config: EngineConfig) -> int:
     """Pool pages from ``host_pool_gb``, as :class:`engine.kv.cache.KVCache` computes them."""
     return max(1, int(config.host_pool_gb * GIB) // pool_page_bytes(model, config))
+
+
+def token_staging_bytes(model: ModelConfig, config: EngineConfig, num_layers: int | None = None) -> int:
+    """The decode write-through staging rows ``[L_d, max_batch, Hkv, 2, D]`` that a
+    pinned (hierarchical, CUDA) cache allocates with ``decode_write_stream``; 0 otherwise."""
+    if not (hierarchical(config) and config.decode_write_stream and "cuda" in config.device):
+        return 0
+    nl = model.num_layers if num_layers is None else num_layers
+    return nl * config.max_batch * model.num_kv_heads * 2 * model.head_dim * dtype_bytes(config.kv_dtype)
+
+
+def shared_device_bytes(
+    model: ModelConfig, config: EngineConfig, num_pool_pages: int, num_layers: int | None = None
+) -> int:
+    """Hierarchical: what the cache allocates on the device whatever the jobs: page
+    metadata of every host pool page plus :func:`token_staging_bytes`; 0 all-resident
+    (there the metadata grows with the device pool, one page at a time)."""
+    if not hierarchical(config):
+        return 0
+    meta = num_pool_pages * meta_page_bytes(model, config, num_layers)
+    return meta + token_staging_bytes(model, config, num_layers)
+
+
+def job_device_bytes(
+    model: ModelConfig, config: EngineConfig, context: int, num_layers: int | None = None
+) -> int:
+    """Device bytes one more job of ``context`` positions claims, as the cache allocates:
+    hierarchical, one slab of ``device_buffer`` slots per (layer, KV head) with its page
+    table and LRU state, whatever the job's length (:func:`per_request_device_bytes`);
+    all-resident, its ``P`` pages of the device pool and their metadata."""
+    pages = pages_for(context, config.page_size)
+    if hierarchical(config):
+        return per_request_device_bytes(model, config, pages, num_layers)
+    return pages * (pool_page_bytes(model, config, num_layers) + meta_page_bytes(model, config, num_layers))
