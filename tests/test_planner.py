@@ -8,8 +8,6 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.capacity.shapes import MODEL_SHAPES, get_model_shape
 from engine.capacity.planner import (
     GIB,
     Hardware,
@@ -17,11 +15,13 @@ from engine.capacity.planner import (
     job_device_bytes,
     job_host_bytes,
     max_concurrent_jobs,
-    shared_device_bytes,
     parse_context,
     plan,
+    shared_device_bytes,
     weight_bytes,
 )
+from engine.capacity.shapes import MODEL_SHAPES, get_model_shape
+from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.presets import load_preset_full, resolve_config
 from hisparse_cli.presets_cmd import register
 
