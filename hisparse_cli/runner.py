@@ -192,6 +192,10 @@ def execute(
         return _usage_failure(err_console, f"error: {exc}", [])
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    for warning in manifest.warnings:
+        err_console.print(
+            f"warning: {warning}", style="yellow", markup=False, highlight=False, soft_wrap=True
+        )
     document = config_document(config, request.preset, request.model)
     if request.print_config:
         console.file.write(json.dumps(document, indent=2, sort_keys=True, default=str) + "\n")

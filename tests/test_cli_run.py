@@ -722,3 +722,22 @@ def test_unwritable_output_dir_exits_2_before_loading(cli, docs, tmp_path, monke
     result = cli("docs/alpha.txt", "--output-dir", "ro")
     assert result.exit_code == 2 and "ro is not writable" in result.stderr
     assert cli.factory.engines == [] and not (out / "results.jsonl").exists()
+
+
+def test_glob_over_two_symlink_loops_returns_and_warns(tmp_path):
+    """Issue #19.3: with ``d/s/l -> ..`` and ``d/t -> ../d`` even ``--print-config`` never
+    returned (glob followed the loops). It must return at once, run one input, and say
+    which links it skipped."""
+    (tmp_path / "d" / "s").mkdir(parents=True)
+    (tmp_path / "d" / "a.txt").write_text("x\n")
+    (tmp_path / "d" / "s" / "l").symlink_to("..")
+    (tmp_path / "d" / "t").symlink_to("../d")
+    (tmp_path / "jobs.yaml").write_text('jobs:\n  - id: all\n    input: "d/**/*.txt"\n')
+    env = {**os.environ, "PYTHONPATH": str(Path(runner_module.__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-m", "hisparse_cli", "run", "--manifest", "jobs.yaml", "--print-config"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "skipped symbolic link d/s/l -> .." in done.stderr
+    assert "skipped symbolic link d/t -> ../d" in done.stderr
