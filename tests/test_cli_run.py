@@ -741,3 +741,67 @@ def test_glob_over_two_symlink_loops_returns_and_warns(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "skipped symbolic link d/s/l -> .." in done.stderr
     assert "skipped symbolic link d/t -> ../d" in done.stderr
+
+
+def test_output_that_is_an_input_is_refused_and_the_input_kept(cli, tmp_path):
+    """Issue #19.1: ``--output-dir o o/n.txt`` replaced the input with the summary, exit 0."""
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "n.txt").write_text("some text\n")
+    (tmp_path / "other.txt").write_text("other text\n")
+    result = cli("--output-dir", "o", "o/n.txt", "other.txt")
+    assert result.exit_code == 1, result.output
+    assert (tmp_path / "o" / "n.txt").read_text() == "some text\n"
+    records = {r["id"]: r for r in read_results(tmp_path / "o")}
+    error = records["n"]["error"]
+    assert "output " + str(Path("o") / "n.txt") in error and str(tmp_path / "o" / "n.txt") in error
+    assert "earlier_output" not in records["n"]
+    assert records["other"]["ok"]
+    assert [job.id for job in cli.factory.engines[0].seen] == ["other"]
+
+
+def test_manifest_output_over_an_input_is_refused_before_loading(cli, tmp_path):
+    """Issue #19.1: ``output: doc`` over ``out/doc.txt``; and two jobs each writing the
+    other's input."""
+    (tmp_path / "out").mkdir()
+    for name in ("doc", "x", "y"):
+        (tmp_path / "out" / f"{name}.txt").write_text(f"the document {name}\n")
+    (tmp_path / "jobs.yaml").write_text(
+        "jobs:\n  - id: own\n    input: out/doc.txt\n    output: doc\n"
+        "  - id: xy\n    input: out/x.txt\n    output: y\n"
+        "  - id: yx\n    input: out/y.txt\n    output: x\n"
+    )
+    result = cli(
+        "--manifest", "jobs.yaml", "--output-dir", "out", engine=lambda *a: pytest.fail("loaded")
+    )
+    assert result.exit_code == 1, result.output
+    for name in ("doc", "x", "y"):
+        assert (tmp_path / "out" / f"{name}.txt").read_text() == f"the document {name}\n"
+    records = {r["id"]: r for r in read_results(tmp_path / "out")}
+    assert "is its own input" in records["own"]["error"]
+    assert "an input of job 'yx'" in records["xy"]["error"]
+    assert str(tmp_path / "out" / "y.txt") in records["xy"]["error"]
+    assert "an input of job 'xy'" in records["yx"]["error"]
+
+
+def test_run_files_as_inputs_exit_2_before_anything_is_written(cli, tmp_path):
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "config.json").write_text('{"my": "config"}\n')
+    result = cli("--output-dir", "o", "o/config.json", engine=lambda *a: pytest.fail("loaded"))
+    assert result.exit_code == 2
+    assert "config.json" in result.stderr and "'config'" in result.stderr
+    assert (tmp_path / "o" / "config.json").read_text() == '{"my": "config"}\n'
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["config.json"]
+
+
+def test_removed_control_characters_name_the_file_and_offset(cli, tmp_path):
+    """Issue #19.8: the warning named neither the file nor where; in a job over several
+    files the user could not tell which."""
+    (tmp_path / "a.txt").write_text("clean text\n")
+    (tmp_path / "b.txt").write_bytes(b"line one\nsome \x1b[1mbold\x1b[0m\x00 text\n")
+    (tmp_path / "jobs.yaml").write_text("jobs:\n  - id: both\n    input: [a.txt, b.txt]\n")
+    result = cli("--manifest", "jobs.yaml", "--allow-binary")
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.stdout.split())
+    assert f"removed 3 control character(s) from {tmp_path / 'b.txt'}" in out
+    assert "(the first at byte offset 14, line 2)" in out
+    assert str(tmp_path / "a.txt") not in out.split("removed")[1]
