@@ -501,3 +501,18 @@ def test_min_tokens_is_unknown_where_text_may_shrink(tok):
     mask = variant(lambda b: b.add_special_tokens([AddedToken("<mask>", lstrip=True)]))
     assert mask.min_tokens(" " * 1000 + "<mask>") is None
     assert len(mask.encode(" " * 1000 + "<mask>")) == 1
+
+
+@pytest.mark.parametrize("declared", [[2, 7, 11], 11])
+def test_from_folder_reads_stop_ids_from_config_json(tmp_path, tok, declared):
+    """Issue #19.5: with no generation_config.json, ``config.json``'s ``eos_token_id``
+    (int or list) was ignored, losing ids not found by name."""
+    tok.backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": declared, "bos_token_id": 1}))
+    loaded = TextTokenizer.from_folder(tmp_path)
+    wanted = set(declared) if isinstance(declared, list) else {declared}
+    assert wanted | {tok.token_to_id("<|im_end|>")} <= loaded.eos_ids
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 13}))
+    from_generation = TextTokenizer.from_folder(tmp_path).eos_ids
+    assert 13 in from_generation and 11 not in from_generation  # generation_config first

@@ -201,9 +201,13 @@ class TextTokenizer:
 
         Reads ``tokenizer.json`` (required), ``tokenizer_config.json`` (``chat_template``,
         ``bos_token``, ``eos_token``, ``add_bos_token``), ``chat_template.jinja`` if present
-        (newer transformers save the template there) and ``generation_config.json``
-        (``eos_token_id``: an int or a list). When ``add_bos_token`` is absent it is read
-        off the tokenizer's post-processor (does it put BOS in front).
+        (newer transformers save the template there) and the declared ids
+        ``eos_token_id`` / ``bos_token_id`` (an int or a list) from
+        ``generation_config.json``, else from ``config.json`` (as transformers'
+        ``GenerationConfig.from_model_config`` falls back). Generation ends at every
+        declared id, the tokenizer's ``eos_token`` and the known end-of-turn added tokens.
+        When ``add_bos_token`` is absent it is read off the tokenizer's post-processor
+        (does it put BOS in front).
 
         Parameters
         ----------
@@ -225,14 +229,16 @@ class TextTokenizer:
         backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
         config = _read_json(folder / "tokenizer_config.json")
         generation = _read_json(folder / "generation_config.json")
+        model_config = _read_json(folder / "config.json")
         names = {key: _token_content(config.get(key)) for key in _SPECIAL_KEYS}
         specials = {key: value for key, value in names.items() if value is not None}
-        bos_id = _token_id(backend, specials.get("bos_token"), generation.get("bos_token_id"))
+        bos_declared = _declared(generation, model_config, "bos_token_id")
+        bos_id = _token_id(backend, specials.get("bos_token"), bos_declared)
         add_bos = config.get("add_bos_token")
         if add_bos is None:
             add_bos = bos_id is not None and backend.encode("").ids[:1] == [bos_id]
         eos = [_token_id(backend, specials.get("eos_token"), None)]
-        eos += _as_list(generation.get("eos_token_id"))
+        eos += _as_list(_declared(generation, model_config, "eos_token_id"))
         return cls(
             backend,
             bos_id=bos_id,
@@ -627,6 +633,12 @@ def _token_id(backend: Tokenizer, token: str | None, fallback: Any) -> int | Non
     """Id of ``token`` in the vocabulary, else the first of ``fallback`` (int or list)."""
     token_id = backend.token_to_id(token) if token is not None else None
     return token_id if token_id is not None else next(iter(_as_list(fallback)), None)
+
+
+def _declared(generation: dict, model_config: dict, key: str) -> Any:
+    """``key`` of ``generation_config.json`` when it sets one, else of ``config.json``."""
+    value = generation.get(key)
+    return model_config.get(key) if value is None else value
 
 
 def _as_list(value: Any) -> list[int]:
