@@ -805,3 +805,62 @@ def test_removed_control_characters_name_the_file_and_offset(cli, tmp_path):
     assert f"removed 3 control character(s) from {tmp_path / 'b.txt'}" in out
     assert "(the first at byte offset 14, line 2)" in out
     assert str(tmp_path / "a.txt") not in out.split("removed")[1]
+
+
+def _small_gguf(path, q8_row=192):
+    """A two-tensor GGUF (a Q8_0 ``token_embd.weight`` of 4 rows, an F32 norm) written with
+    gguf-py's GGUFWriter; ``q8_row`` other than a multiple of 32 is patched into the
+    tensor's ``ne0`` afterwards (GGUFWriter itself refuses to write it)."""
+    import struct
+
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    q8 = np.zeros((4, 34 * 6), dtype=np.uint8)  # 6 blocks of 32 = 192 elements a row
+    writer.add_tensor(
+        "token_embd.weight", q8, raw_shape=q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0
+    )
+    writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if q8_row != 192:
+        data = bytearray(path.read_bytes())
+        at = data.index(b"token_embd.weight") + len(b"token_embd.weight") + 4  # after n_dims
+        assert struct.unpack_from("<Q", data, at)[0] == 192
+        struct.pack_into("<Q", data, at, q8_row)
+        path.write_bytes(bytes(data))
+    return path
+
+
+def test_broken_gguf_tensors_are_named_before_reading_data(tmp_path):
+    """Issue #19.7: a Q8_0 row of 172 gave "not a readable GGUF file" naming no tensor; a
+    truncated file gave a numpy reshape error."""
+    from engine.weights.gguf import GGUFError, load_gguf
+
+    bad_row = _small_gguf(tmp_path / "row.gguf", q8_row=172)
+    with pytest.raises(GGUFError) as info:
+        load_gguf(bad_row)
+    message = str(info.value)
+    assert "tensor token_embd.weight (Q8_0, shape [172, 4]" in message
+    assert "row length 172 is not a multiple of the Q8_0 block size 32" in message
+    whole = _small_gguf(tmp_path / "whole.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(whole[:-16])  # half of the last tensor
+    with pytest.raises(GGUFError) as info:
+        load_gguf(tmp_path / "cut.gguf")
+    message = str(info.value)
+    assert "tensor output_norm.weight (F32, shape [8]" in message and "truncated" in message
+    assert "reshape" not in message
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
+    with pytest.raises(GGUFError, match="not a readable GGUF file"):
+        load_gguf(tmp_path / "junk.gguf")
+
+
+def test_broken_gguf_model_exits_2_naming_the_tensor(cli, docs, tmp_path):
+    model = _small_gguf(tmp_path / "m.gguf", q8_row=172)
+    result = cli("docs/alpha.txt", "--model", str(model), engine=REAL_LOAD_ENGINE)
+    assert result.exit_code == 2, result.output
+    assert "tensor token_embd.weight (Q8_0" in " ".join(result.stderr.split())
