@@ -466,7 +466,8 @@ class TextTokenizer:
         contents = [str(messages[marks[p]]["content"]) if p in marks else None for p in parts]
         pieces = _align_contents(text, parts, contents)
         if pieces is None:  # the template changed the content beyond trimming
-            pieces = [(c, True) if c is not None else (p, False) for p, c in zip(parts, contents, strict=True)]
+            pairs = zip(parts, contents, strict=True)
+            pieces = [(c, True) if c is not None else (p, False) for p, c in pairs]
         return [(piece, is_content) for piece, is_content in pieces if piece]
 
     @cached_property
