@@ -60,6 +60,7 @@ def run(
     allow_binary: opt.AllowBinary = False,
     print_config: opt.PrintConfig = False,
     force: opt.Force = False,
+    retry_failed: opt.RetryFailed = False,
 ) -> None:
     """Run a task over documents and write one result per job.
 
@@ -117,6 +118,7 @@ def run(
         allow_binary=allow_binary,
         print_config=print_config,
         force=force,
+        retry_failed=retry_failed,
     )
     raise typer.Exit(execute(request))
 

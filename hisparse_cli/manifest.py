@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import glob
 import math
 import os
@@ -112,11 +113,14 @@ class Manifest:
 
     engine_origin: where ``defaults.engine`` was read (file and line of each setting), for
     problems found once the settings meet the preset and the flags.
+    warnings: notes for the user that do not stop the run (a symbolic link a glob did not
+    follow because it leads back into a folder already searched).
     """
 
     jobs: tuple[JobSpec, ...]
     engine: dict[str, Any]
     engine_origin: Entry | None = None
+    warnings: tuple[str, ...] = ()
 
 
 def load_manifest(
@@ -158,8 +162,9 @@ def jobs_from_paths(
     Parameters
     ----------
     patterns
-        Paths or globs, relative to ``base`` (default: the current directory). A path
-        given twice yields one job.
+        Paths or globs, relative to ``base`` (default: the current directory). A file
+        named twice (also through a symbolic link or another spelling) yields one job;
+        the check is linear in the number of paths.
     overrides
         Job fields from command-line flags.
     earlier_jobs
@@ -172,15 +177,16 @@ def jobs_from_paths(
     """
     base = base or Path.cwd()
     raw = RawManifest()
-    files: list[Path] = []
+    warnings: list[str] = []
+    found = _Unique()
     for pattern in patterns:
         entry = Entry(COMMAND_LINE, "", None, {"input": pattern})
-        found = _expand(pattern, base, entry, raw.problems)
-        files.extend(f for f in found if f not in files)
+        found.extend(_expand(pattern, base, entry, raw.problems, warnings))
+    files = found.files
     for ident, path in zip(derive_ids(files, earlier=earlier_jobs), files, strict=True):
         values = {"id": ident, "input": glob.escape(str(path))}
         raw.jobs.append(Entry(COMMAND_LINE, f"document {path}", None, values))
-    return _build(raw, base, overrides)
+    return _build(raw, base, overrides, warnings=warnings)
 
 
 # ----------------------------------------------------------------------------- build
@@ -191,15 +197,19 @@ def _build(
     base: Path,
     overrides: Mapping[str, Any] | None,
     earlier_jobs: Sequence[EarlierJob] = (),
+    warnings: list[str] | None = None,
 ) -> Manifest:
     problems = raw.problems
+    warnings = [] if warnings is None else warnings
     values = {k: v for k, v in (overrides or {}).items() if v is not None}
     cli = _clean(Entry(COMMAND_LINE, "", None, values), problems, allowed=CLI_FLAGS)
     defaults = raw.defaults and _clean(raw.defaults, problems, allowed=_DEFAULT_FIELDS)
     engine = _engine_settings(raw.engine, problems)
     jobs = [_clean(e, problems, allowed=JOB_FIELDS) for e in raw.jobs]
     merged = [_merge([defaults, job, cli]) for job in jobs]
-    inputs = [_job_inputs(m, job, base, problems) for m, job in zip(merged, jobs, strict=True)]
+    inputs = [
+        _job_inputs(m, job, base, problems, warnings) for m, job in zip(merged, jobs, strict=True)
+    ]
     _assign_ids(merged, inputs, jobs, earlier_jobs)
     specs = [
         _spec(m, job, paths, problems) for m, job, paths in zip(merged, jobs, inputs, strict=True)
@@ -207,7 +217,8 @@ def _build(
     _check_unique(specs, merged, problems)
     if problems:
         raise ManifestError(list(dict.fromkeys(problems)), engine, raw.engine)
-    return Manifest(tuple(s for s in specs if s is not None), engine, raw.engine)
+    jobs_ = tuple(s for s in specs if s is not None)
+    return Manifest(jobs_, engine, raw.engine, tuple(dict.fromkeys(warnings)))
 
 
 _DEFAULT_FIELDS = tuple(f for f in JOB_FIELDS if f not in PER_JOB_ONLY)
@@ -257,25 +268,54 @@ def _merge(entries: Sequence[Entry | None]) -> Merged:
     return {k: (v, entry) for k, (v, entry) in merged.items() if v is not None}
 
 
-def _job_inputs(merged: Merged, job: Entry, base: Path, problems: list[Problem]) -> list[Path]:
+def _job_inputs(
+    merged: Merged, job: Entry, base: Path, problems: list[Problem], warnings: list[str]
+) -> list[Path]:
     if "input" not in merged:
         if "input" not in job.invalid:
             problems.append(_problem(job, "input", "is required (a path, a glob or a list)"))
         return []
     value, entry = merged["input"]
     patterns = [value] if isinstance(value, str) else value
-    files: list[Path] = []
+    files = _Unique()
     for pattern in patterns:
-        files.extend(f for f in _expand(pattern, base, entry, problems) if f not in files)
-    return files
+        files.extend(_expand(pattern, base, entry, problems, warnings))
+    return files.files
 
 
-def _expand(pattern: str, base: Path, entry: Entry, problems: list[Problem]) -> list[Path]:
-    """Files matching ``pattern`` (relative to ``base``), reporting missing ones."""
+class _Unique:
+    """Files in the order first met, each real file once: two paths that resolve to the
+    same file (a symbolic link, ``a/../b``) count once. A set makes it linear."""
+
+    def __init__(self) -> None:
+        self.files: list[Path] = []
+        self._seen: set[Path] = set()
+
+    def extend(self, paths: Iterable[Path]) -> None:
+        for path in paths:
+            real = path.resolve()
+            if real not in self._seen:
+                self._seen.add(real)
+                self.files.append(path)
+
+
+def _expand(
+    pattern: str,
+    base: Path,
+    entry: Entry,
+    problems: list[Problem],
+    warnings: list[str] | None = None,
+) -> list[Path]:
+    """Files matching ``pattern`` (relative to ``base``), reporting missing ones; a
+    symbolic link a ``**`` glob did not follow (:func:`walk_glob`) is noted in
+    ``warnings``."""
     text = os.path.expanduser(pattern)
     if _GLOB_CHARS.search(text):
-        matches = sorted(glob.glob(text, root_dir=base, recursive=True))
-        files = [_absolute(base, m) for m in matches if _absolute(base, m).is_file()]
+        matches, skipped = walk_glob(text, base)
+        if warnings is not None:
+            where = f"{entry.file}:{entry.where('input')}" if entry.where("input") else entry.file
+            warnings.extend(f"{where}: input glob {pattern!r}: {note}" for note in skipped)
+        files = [f for f in (_absolute(base, m) for m in matches) if f.is_file()]
         if not files:
             problems.append(
                 _problem(entry, "input", f"glob {pattern!r} matches no files (in {base})")
@@ -297,6 +337,123 @@ def _expand(pattern: str, base: Path, entry: Entry, problems: list[Problem]) -> 
 
 def _absolute(base: Path, path: str) -> Path:
     return Path(os.path.abspath(base / path))
+
+
+def walk_glob(pattern: str, base: Path) -> tuple[list[str], list[str]]:
+    """Paths matching ``pattern`` as :func:`glob.glob` (``recursive=True``, relative to
+    ``base``) finds them, but safe from symbolic-link loops.
+
+    A pattern without a ``**`` part goes to :func:`glob.glob` (it cannot recurse). With
+    ``**``, the folders are walked here: symbolic links to folders are followed, but no
+    folder is searched twice for the same part of the pattern (folders are told apart by
+    device and inode), so a link back to a parent (``d/s/l -> ..``) neither repeats files
+    nor makes the walk endless. Folders reached through a link are searched after all
+    others, so the link, not the real folder, is what is skipped. As in :mod:`glob`, ``*``/``?``/``[...]`` match within one
+    name and never a leading ``.`` unless the part starts with one, and ``**`` skips
+    hidden folders.
+
+    Parameters
+    ----------
+    pattern
+        Glob, absolute or relative to ``base``.
+    base
+        Folder relative patterns start from.
+
+    Returns
+    -------
+    matches : list of str
+        Matching paths (files and folders), sorted; relative to ``base`` for a relative
+        pattern.
+    skipped : list of str
+        One note per symbolic link not followed: the link, where it leads, and why.
+    """
+    parts = pattern.split("/")
+    if "**" not in parts:
+        return sorted(glob.glob(pattern, root_dir=base, recursive=True)), []
+    absolute = pattern.startswith("/")
+    if absolute:
+        parts = parts[1:]
+    parts = [p for p in parts if p]  # "a//b" and a trailing "/" as glob treats them
+    lead = 0
+    while lead < len(parts) and not _GLOB_CHARS.search(parts[lead]):
+        lead += 1
+    start = "/" + "/".join(parts[:lead]) if absolute else "/".join(parts[:lead])
+    pats = parts[lead:]
+    root = os.path.join(base, start) if start else str(base)
+    matches: list[str] = []
+    skipped: list[str] = []
+    seen: set[tuple[int, int, int]] = set()
+    stack: list[tuple[str, str, int]] = [(root, start, 0)]  # (real path, shown path, part)
+    links: list[tuple[str, str, int]] = []  # folders reached through a link: searched last
+    while stack or links:
+        where, shown, i = stack.pop() if stack else links.pop()
+        if i == len(pats):
+            matches.append(shown)
+            continue
+        try:
+            info = os.stat(where)
+        except OSError:
+            continue
+        key = (info.st_dev, info.st_ino, i)
+        if key in seen:
+            if os.path.islink(where):
+                skipped.append(
+                    f"skipped symbolic link {shown} -> {os.readlink(where)} (leads back into "
+                    f"{os.path.realpath(where)}, already searched)"
+                )
+            continue
+        seen.add(key)
+        part = pats[i]
+        entries = _entries(where)
+        if part == "**":
+            stack.append((where, shown, i + 1))  # ** matching no folder
+            for name, is_dir, is_link in entries:
+                if name.startswith("."):
+                    continue
+                path, child = os.path.join(where, name), _join(shown, name)
+                if is_dir:
+                    (links if is_link else stack).append((path, child, i))
+                elif i + 1 == len(pats):
+                    matches.append(child)
+            continue
+        if _GLOB_CHARS.search(part):
+            hidden_ok = part.startswith(".")
+            names = [
+                e
+                for e in entries
+                if (hidden_ok or not e[0].startswith(".")) and fnmatch.fnmatchcase(e[0], part)
+            ]
+        else:
+            names = [e for e in entries if e[0] == part]
+        for name, is_dir, is_link in names:
+            path, child = os.path.join(where, name), _join(shown, name)
+            if i + 1 == len(pats):
+                matches.append(child)
+            elif is_dir:
+                (links if is_link else stack).append((path, child, i + 1))
+    return sorted(set(matches)), skipped
+
+
+def _entries(folder: str) -> list[tuple[str, bool, bool]]:
+    """(name, is a folder (following links), is a symbolic link) of each entry of
+    ``folder``; none if it cannot be read."""
+    try:
+        with os.scandir(folder) as it:
+            found = []
+            for e in it:
+                try:
+                    found.append((e.name, e.is_dir(), e.is_symlink()))
+                except OSError:
+                    found.append((e.name, False, False))
+            return found
+    except OSError:
+        return []
+
+
+def _join(shown: str, name: str) -> str:
+    if not shown:
+        return name
+    return shown + name if shown.endswith("/") else f"{shown}/{name}"
 
 
 def _assign_ids(

@@ -200,6 +200,14 @@ PrintConfig = Annotated[
 Force = Annotated[
     bool, typer.Option(help="Redo jobs already done in results.jsonl.", rich_help_panel=OUTPUT)
 ]
+RetryFailed = Annotated[
+    bool,
+    typer.Option(
+        help="Try again jobs whose last failure will recur with the same inputs and settings "
+        "(document refused for its content, prompt too long); they are skipped otherwise.",
+        rich_help_panel=OUTPUT,
+    ),
+]
 
 Encoding = Annotated[
     str, typer.Option(help="Text encoding of the documents.", rich_help_panel=TEXT)

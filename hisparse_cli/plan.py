@@ -4,30 +4,44 @@ Every input is read and checked here (:func:`~hisparse_cli.textio.read_document`
 unreadable, binary or empty documents are reported before any model is loaded; such
 a job fails on its own and the rest of the batch runs. A job whose last line in
 ``results.jsonl`` succeeded with the same resume key is skipped unless ``force``.
+
+A job whose inputs are refused for their content (binary, undecodable, empty) gets a
+resume key from the bytes refused and is marked ``final``: those bytes fail again with
+the same settings. A job whose last line is such a final failure with the same key
+(or a prompt refused for its length, recorded by the runner) is not tried again:
+status ``failed-before``, no new line, unless ``retry_failed`` or ``force``.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
 from hisparse_cli.keys import job_key, settings_hash
 from hisparse_cli.manifest import JobSpec
-from hisparse_cli.results import ResultsLog
+from hisparse_cli.results import FINAL_INPUT, FINAL_PROMPT, ResultsLog
 from hisparse_cli.textio import Document, DocumentError, read_documents
 
-RUN, SKIP, INVALID = "run", "skip", "invalid"
+RUN, SKIP, INVALID, FAILED_BEFORE = "run", "skip", "invalid", "failed-before"
 
 
 @dataclass(frozen=True)
 class PlannedJob:
     """A job and what to do with it.
 
-    status: ``run``, ``skip`` (already done) or ``invalid`` (see ``error``).
+    status: ``run``, ``skip`` (already done), ``invalid`` (see ``error``) or
+        ``failed-before`` (its last line is a final failure with the same key; ``error``
+        is that line's error).
     removed_controls: control characters dropped from its inputs (worth a warning).
-    warnings: notes on inputs read despite looking binary (``--allow-binary``).
+    warnings: notes on inputs read despite looking binary (``--allow-binary``) and on
+        control characters removed (file, count, byte offset and line of the first).
+    final: ``"input"`` when the failure (``invalid``) follows from the bytes of the
+        inputs and the settings the key covers, so it would fail again (recorded as the
+        line's ``final``); else ``None``.
     """
 
     spec: JobSpec
@@ -38,6 +52,7 @@ class PlannedJob:
     error: str = ""
     removed_controls: int = 0
     warnings: tuple[str, ...] = ()
+    final: str | None = None
 
     def with_documents(self, documents: Sequence[Document]) -> PlannedJob:
         """The same job keyed by ``documents`` (their content may have changed since planning)."""
@@ -48,7 +63,9 @@ class PlannedJob:
             input_sha256=hashes,
             key=job_key(hashes, self.settings_hash),
             removed_controls=removed,
-            warnings=tuple(d.warning for d in documents if d.warning),
+            warnings=tuple(
+                note for d in documents for note in (d.warning, d.control_note) if note
+            ),
         )
 
     def base_record(self, model: str) -> dict[str, Any]:
@@ -74,6 +91,7 @@ def plan_jobs(
     log: ResultsLog,
     force: bool = False,
     allow_binary: bool = False,
+    retry_failed: bool = False,
 ) -> list[PlannedJob]:
     """Read every job's inputs, compute its resume key and decide its status.
 
@@ -93,10 +111,16 @@ def plan_jobs(
         Run every valid job even when already done.
     allow_binary
         Read inputs that look binary anyway (``--allow-binary``). Not part of the resume
-        key: it only changes the text of documents that fail without it.
+        key: it only changes the text of documents that fail without it, so a final
+        failure recorded without it is tried again with it.
+    retry_failed
+        Try jobs again whose last line is a final failure with the same key
+        (``--retry-failed``; ``force`` does too).
     """
+    retry = force or retry_failed
     return [
-        _plan_one(spec, config, model_id, text_options, log, force, allow_binary) for spec in specs
+        _plan_one(spec, config, model_id, text_options, log, force, allow_binary, retry)
+        for spec in specs
     ]
 
 
@@ -108,14 +132,41 @@ def _plan_one(
     log: ResultsLog,
     force: bool,
     allow_binary: bool,
+    retry: bool,
 ) -> PlannedJob:
     settings = settings_hash(spec.task, spec.sampling, model_id, config, text_options)
     planned = PlannedJob(spec, RUN, settings)
     try:
         documents = read_documents(spec.inputs, **text_options, allow_binary=allow_binary)
     except DocumentError as exc:
-        return replace(planned, status=INVALID, error=str(exc))
+        hashes = _content_hashes(spec.inputs) if exc.sha256 is not None else None
+        if hashes is None:  # unreadable: may work next time
+            return replace(planned, status=INVALID, error=str(exc))
+        key = job_key(hashes, planned.settings_hash)
+        planned = replace(planned, input_sha256=hashes, key=key, final=FINAL_INPUT)
+        return _unless_failed_before(planned, log, retry, INVALID, str(exc), FINAL_INPUT)
     planned = planned.with_documents(documents)
     if not force and log.is_done(spec.id, planned.key):
         return replace(planned, status=SKIP)
-    return planned
+    return _unless_failed_before(planned, log, retry, RUN, "", FINAL_PROMPT)
+
+
+def _unless_failed_before(
+    planned: PlannedJob, log: ResultsLog, retry: bool, status: str, error: str, kind: str
+) -> PlannedJob:
+    """``planned`` with ``status`` and ``error``, or ``failed-before`` when its last line
+    is a final failure of ``kind`` with the same key (and ``retry`` is off): a document
+    refused without ``--allow-binary`` that now reads is tried again, as its key is the
+    same but the kind of failure it could meet is not."""
+    earlier = None if retry else log.final_failure(planned.spec.id, planned.key, kind)
+    if earlier is not None:
+        return replace(planned, status=FAILED_BEFORE, error=str(earlier.get("error") or ""))
+    return replace(planned, status=status, error=error)
+
+
+def _content_hashes(paths: Sequence[Path]) -> tuple[str, ...] | None:
+    """SHA-256 of each file's bytes, or ``None`` if one cannot be read."""
+    try:
+        return tuple(hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths)
+    except OSError:
+        return None

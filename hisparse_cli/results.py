@@ -10,7 +10,9 @@ Durability:
   truncated; :func:`read_results` ignores it with a warning and the next append
   starts with a newline so the damage never spreads.
 - Lines are never rewritten: a redone job appends a new line and readers take the
-  last line per id.
+  last line per id. The one exception is :meth:`ResultsLog.compact`, which drops
+  failure lines without text that a later line of the same id superseded (so jobs
+  that fail on every run do not grow the file), replacing the file atomically.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from hisparse_cli.naming import EarlierJob
 RESULTS_FILE = "results.jsonl"
 LOCK_FILE = ".hisparse.lock"
 SUCCESS_REASONS = ("stop", "length")
+FINAL_INPUT, FINAL_PROMPT = "input", "prompt"
+"""Values of a failure line's ``final``: the inputs were refused for their content, or
+the prompt for its length. Either fails again with the same resume key."""
 
 
 class OutputDirBusy(Exception):
@@ -47,12 +52,17 @@ def write_text_atomic(path: Path, text: str) -> None:
 
     Hidden temp file in the same folder -> write -> fsync -> ``os.replace`` -> fsync the folder.
     """
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically and durably (as :func:`write_text_atomic`)."""
     path = Path(path)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # mode as umask allows
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -190,6 +200,49 @@ class ResultsLog:
         output = record.get("output")
         return not isinstance(output, str) or (self.path.parent / output).is_file()
 
+    def final_failure(self, job_id: str, key: str, kind: str) -> dict[str, Any] | None:
+        """The last line for ``job_id`` when it is a final failure (``final`` equal to
+        ``kind``, :data:`FINAL_INPUT` or :data:`FINAL_PROMPT`) with resume key ``key``:
+        the job would fail the same way again. Otherwise ``None``."""
+        record = self.existing.latest.get(job_id)
+        if record is None or not key or record.get("key") != key or is_success(record):
+            return None
+        return record if record.get("final") == kind else None
+
+    def compact(self) -> int:
+        """Drop superseded failure lines from ``results.jsonl``: a line without text
+        (``text`` empty) that did not succeed and has a later line with the same id.
+        Successful lines, lines with text (a cancelled job's partial text) and lines that
+        cannot be read stay, in order. The file is replaced atomically (same folder,
+        fsync, ``os.replace``) and only when a line is dropped; call it while holding the
+        output dir's lock, before :meth:`append`.
+
+        Returns
+        -------
+        int
+            Lines dropped.
+        """
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return 0
+        lines = data.split(b"\n")
+        records = [_parse_line(line) if line.strip() else None for line in lines]
+        last: dict[str, int] = {}
+        for number, record in enumerate(records):
+            if record is not None:
+                last[record["id"]] = number
+        dropped = {
+            n
+            for n, r in enumerate(records)
+            if r is not None and last[r["id"]] != n and not is_success(r) and not r.get("text")
+        }
+        if not dropped:
+            return 0
+        kept = b"\n".join(line for n, line in enumerate(lines) if n not in dropped)
+        write_bytes_atomic(self.path, kept)
+        return len(dropped)
+
     def append(self, record: dict[str, Any]) -> None:
         """Append ``record`` as one line: a single ``write`` then ``fsync``."""
         if self._fd is None:
@@ -254,8 +307,10 @@ def failure_record(base: dict[str, Any], error: str) -> dict[str, Any]:
 
     ``prompt_tokens`` is ``base["prompt_tokens"]``: the prompt's length when it was
     tokenised (e.g. a prompt longer than the context), ``None`` (JSON ``null``) when it
-    never was (an unreadable document). Resume (:meth:`ResultsLog.is_done`) reads only
-    ``id``, ``key``, ``finish_reason`` and ``error``.
+    never was (an unreadable document). ``final`` is ``base["final"]``
+    (:data:`FINAL_INPUT`, :data:`FINAL_PROMPT`) when the same key would fail again, else
+    ``None``. Resume (:meth:`ResultsLog.is_done`, :meth:`ResultsLog.final_failure`)
+    reads only ``id``, ``key``, ``finish_reason``, ``error`` and ``final``.
     """
     return {
         **base,
@@ -265,6 +320,7 @@ def failure_record(base: dict[str, Any], error: str) -> dict[str, Any]:
         "text": "",
         "finish_reason": "error",
         "error": error,
+        "final": base.get("final"),
         "finished_at": utc_now(),
     }
 

@@ -6,8 +6,11 @@ Lifecycle of one run:
    config, including that its devices exist here (a ``cuda`` preset on a CPU-only box);
    any problem -> messages on stderr, exit 2, nothing written.
 2. Create the output dir, lock it, write ``config.json``, read ``results.jsonl``.
-3. Plan: read every input, compute resume keys; skip jobs already done; record jobs
-   whose documents are unusable as failed.
+3. Plan: drop superseded failure lines from ``results.jsonl``; read every input,
+   compute resume keys; skip jobs already done; record jobs whose documents are unusable
+   or whose output file is an input of the run as failed; jobs whose last line is a final
+   failure with the same key (documents refused for their content, prompts too long) are
+   shown as failed without a new line, unless ``--retry-failed`` or ``--force``.
 4. Load the engine (:func:`load_engine`, a hook tests replace) and feed it
    :class:`~engine.events.Job` objects lazily (document -> chat messages ->
    ``engine.text.tokenizer.encode_chat``). A load failure caused by a setting, path or
@@ -24,6 +27,7 @@ Lifecycle of one run:
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import os
 import signal
@@ -44,10 +48,12 @@ from hisparse_cli import settings
 from hisparse_cli.keys import DEFAULT_MODEL_ID, model_fingerprint
 from hisparse_cli.manifest import Manifest, ManifestError, jobs_from_paths, load_manifest
 from hisparse_cli.naming import EarlierJob
-from hisparse_cli.plan import INVALID, RUN, SKIP, PlannedJob, plan_jobs
+from hisparse_cli.plan import FAILED_BEFORE, INVALID, RUN, SKIP, PlannedJob, plan_jobs
 from hisparse_cli.progress import ProgressTracker, RunSummary, summarize
 from hisparse_cli.reporters import Reporter, make_reporter
 from hisparse_cli.results import (
+    FINAL_PROMPT,
+    LOCK_FILE,
     RESULTS_FILE,
     OutputDirBusy,
     ResultsLog,
@@ -109,6 +115,7 @@ class RunRequest:
     allow_binary: bool = False
     print_config: bool = False
     force: bool = False
+    retry_failed: bool = False
 
     @property
     def text_options(self) -> dict[str, str]:
@@ -193,6 +200,10 @@ def execute(
         return _usage_failure(err_console, f"error: {exc}", [])
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    for warning in manifest.warnings:
+        err_console.print(
+            f"warning: {warning}", style="yellow", markup=False, highlight=False, soft_wrap=True
+        )
     document = config_document(config, request.preset, request.model)
     if request.print_config:
         console.file.write(json.dumps(document, indent=2, sort_keys=True, default=str) + "\n")
@@ -236,7 +247,46 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
         check_device_names(config)
         check_devices(config, request.preset, manifest.engine, request.engine_overrides)
         check_trace_path(config)
+        check_run_files(manifest, request.output_dir)
     return manifest, config
+
+
+def check_run_files(manifest: Manifest, output_dir: Path) -> None:
+    """Raise :class:`UsageError` when an input of the run is one of the files every run
+    writes in ``output_dir`` (``config.json``, ``results.jsonl``, the lock file): the run
+    could not record anything without changing an input."""
+    own = {(output_dir / name).resolve(): name for name in (CONFIG_FILE, RESULTS_FILE, LOCK_FILE)}
+    for job in manifest.jobs:
+        for path in job.inputs:
+            name = own.get(path.resolve())
+            if name is not None:
+                raise UsageError(
+                    f"job {job.id!r} ({job.origin}) reads {path}, which is the run's own "
+                    f"{name} in --output-dir {output_dir}; a run writes that file, so copy the "
+                    "input elsewhere or choose another --output-dir"
+                )
+
+
+def output_collisions(jobs: list[PlannedJob], output_dir: Path) -> dict[str, str]:
+    """Jobs whose output file is an input of the run: job id -> the error to fail it with,
+    naming the output and the job (and path) that reads it. Paths are compared resolved,
+    so a link or another spelling of the same file counts."""
+    readers: dict[Path, tuple[str, Path]] = {}
+    for job in jobs:
+        for path in job.spec.inputs:
+            readers.setdefault(path.resolve(), (job.spec.id, path))
+    found = {}
+    for job in jobs:
+        target = output_dir / job.spec.output
+        reader = readers.get(target.resolve())
+        if reader is not None:
+            owner, path = reader
+            whose = "its own input" if owner == job.spec.id else f"an input of job {owner!r}"
+            found[job.spec.id] = (
+                f"output {target} is {whose} ({path}); refusing to write over an input of "
+                "the run: choose another --output-dir, or set the job's output (or id)"
+            )
+    return found
 
 
 KEPT_WORDS = {
@@ -475,6 +525,10 @@ class BatchRun:
         self.tracker = ProgressTracker(clock())
         self.records: dict[str, dict[str, Any]] = {}
         self.prompt_tokens: dict[str, int] = {}  # job id -> tokens of the prompt it was given
+        self.specs: dict[str, Any] = {}  # job id -> JobSpec
+        self.final: dict[str, str] = {}  # job id -> why its failure is final (results.FINAL_*)
+        self.input_paths: set[Path] = set()  # every input of the run, resolved
+        self.prompt_limit: int | None = None  # the engine's context limit, once loaded
         self.cancel: _SigintCanceller | None = None
         self.sigterm = _SigtermAsInterrupt()
         self._announced = False
@@ -509,6 +563,7 @@ class BatchRun:
         return first == signal.SIGTERM or (first is None and self.sigterm.received)
 
     def _run_locked(self, config_doc: dict[str, Any]) -> int:
+        self.log.compact()  # superseded failure lines of earlier runs
         planned = plan_jobs(
             self.manifest.jobs,
             self.config,
@@ -517,8 +572,17 @@ class BatchRun:
             self.log,
             self.request.force,
             self.request.allow_binary,
+            self.request.retry_failed,
         )
-        runs = any(job.status != SKIP for job in planned)
+        collisions = output_collisions(planned, self.output_dir)
+        planned = [
+            dataclasses.replace(j, status=INVALID, error=collisions[j.spec.id], final=None)
+            if j.spec.id in collisions
+            else j
+            for j in planned
+        ]
+        self.input_paths = {p.resolve() for j in planned for p in j.spec.inputs}
+        runs = any(job.status not in (SKIP, FAILED_BEFORE) for job in planned)
         if runs or not (self.output_dir / CONFIG_FILE).exists():
             # config.json describes the run that wrote the latest results: a run that only
             # skips jobs leaves the earlier one in place.
@@ -553,7 +617,20 @@ class BatchRun:
         for job in planned:
             self.tracker.add_job(job.spec.id, "skipped" if job.status == SKIP else "queued")
             self.records[job.spec.id] = job.base_record(self.model_name)
+            self.specs[job.spec.id] = job.spec
+            if job.final is not None:
+                self.final[job.spec.id] = job.final
         self.reporter.skipped([j.spec.id for j in planned if j.status == SKIP])
+        for job in planned:
+            if job.status == FAILED_BEFORE:  # shown as failed; no new line
+                self.tracker.update(JobFailed(self.clock(), job.spec.id, job.error))
+                self.reporter.on_event(JobFailed(self.clock(), job.spec.id, job.error))
+                self.reporter.note(
+                    f"{job.spec.id}: not tried again: it failed this way before with the same "
+                    f"inputs and settings (see {RESULTS_FILE}); --retry-failed (or --force) "
+                    "tries it again",
+                    "warning",
+                )
         writers: dict[str, list[EarlierJob]] = {}  # output file -> earlier jobs that wrote it
         for earlier in jobs_of(self.log.existing.latest):
             writers.setdefault(earlier.output, []).append(earlier)
@@ -563,14 +640,8 @@ class BatchRun:
             if job.status == INVALID:
                 self._handle(JobFailed(self.clock(), job.spec.id, job.error))
             elif job.status == RUN:
-                for warning in job.warnings:
+                for warning in job.warnings:  # binary read anyway; controls removed (where)
                     self.reporter.note(f"{job.spec.id}: {warning}", "warning")
-                if job.removed_controls:
-                    self.reporter.note(
-                        f"{job.spec.id}: removed {job.removed_controls} control character(s) "
-                        "from the input",
-                        "warning",
-                    )
         return [j for j in planned if j.status == RUN]
 
     def _warn_replaced_output(self, job: PlannedJob, writers: list[EarlierJob]) -> None:
@@ -602,6 +673,7 @@ class BatchRun:
             self.reporter.note(f"cannot load the model: {exc}", "error")
             return False
         self.reporter.note(f"model loaded in {self.clock() - started:.1f}s")
+        self.prompt_limit = engine.prompt_limit()
         traces = engine.trace_paths
         if len(traces) > 1:  # several devices: one file per worker
             self.reporter.note(
@@ -641,6 +713,7 @@ class BatchRun:
             prompt_ids = self._prompt_ids(engine, spec, join_documents(documents))
             self.prompt_tokens[spec.id] = len(prompt_ids)
         except PromptTooLong as exc:
+            self.final[spec.id] = FINAL_PROMPT  # the same key fails the same way again
             self._handle(JobFailed(self.clock(), spec.id, str(exc)))
             return None
         except Exception as exc:  # noqa: BLE001 - one bad job must not stop the batch
@@ -733,8 +806,12 @@ class BatchRun:
         if base is None:
             return
         record = result_record(base, result)
-        if record["ok"]:
-            write_text_atomic(self.output_dir / base["output"], result.text)
+        target = self.output_dir / base["output"]
+        if record["ok"] and target.resolve() in self.input_paths:  # never write over an input
+            error = f"output {target} is an input of the run; its text was not written"
+            record = {**record, "ok": False, "finish_reason": "error", "error": error}
+        elif record["ok"]:
+            write_text_atomic(target, result.text)
         else:
             self._flag_earlier_output(record)
         self.log.append(record)
@@ -745,16 +822,27 @@ class BatchRun:
         if base is not None:
             row = self.tracker.state.jobs.get(job_id)
             tokens = self.prompt_tokens.get(job_id) or (row.prompt_tokens if row else 0)
-            record = failure_record({**base, "prompt_tokens": tokens or None}, error)
+            final = self.final.get(job_id) or self._too_long(job_id, tokens)
+            record = failure_record({**base, "prompt_tokens": tokens or None, "final": final}, error)
             self._flag_earlier_output(record)
             self.log.append(record)
+
+    def _too_long(self, job_id: str, tokens: int) -> str | None:
+        """:data:`FINAL_PROMPT` when the job's tokenised prompt + ``max_tokens`` exceeds the
+        engine's context limit (the engine refused it for its length: the same key, which
+        covers the model, the context settings and ``max_tokens``, fails again)."""
+        spec = self.specs.get(job_id)
+        if not tokens or self.prompt_limit is None or spec is None:
+            return None
+        max_tokens = spec.sampling.max_tokens
+        return FINAL_PROMPT if tokens + max_tokens > self.prompt_limit else None
 
     def _flag_earlier_output(self, record: dict[str, Any]) -> None:
         """A job that ended without text leaves an earlier run's ``<output>`` as it was (its
         text is on that run's results line): say so in ``record`` (``earlier_output``)
         and in a warning, so the file is not taken for this run's result."""
         path = self.output_dir / record["output"]
-        if path.is_file():
+        if path.is_file() and path.resolve() not in self.input_paths:
             record["earlier_output"] = True
             self.reporter.note(
                 f"{record['id']}: {path} is an earlier run's output, not this run's "

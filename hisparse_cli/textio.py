@@ -59,12 +59,17 @@ class DocumentError(Exception):
         The offending file.
     reason : str
         What is wrong with it, and what to do about it when there is a fix.
+    sha256 : str or None
+        Hex digest of the bytes that were refused: set when the refusal follows from the
+        content (binary, undecodable, empty), so reading the same bytes with the same
+        options fails again; ``None`` when the file could not be read at all.
     """
 
-    def __init__(self, path: Path | str, reason: str) -> None:
+    def __init__(self, path: Path | str, reason: str, sha256: str | None = None) -> None:
         super().__init__(f"{path}: {reason}")
         self.path = Path(path)
         self.reason = reason
+        self.sha256 = sha256
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,9 @@ class Document:
 
     sha256: hex digest of the file's bytes as stored on disk.
     removed_controls: how many control characters step 5 of the policy removed.
+    first_control: where the first of them was in the file, ``(byte offset, line)``
+        (offset 0-based, counted in the file as stored, BOM included; line 1-based), or
+        ``None`` when none was removed.
     warning: set when the document looked binary and was read anyway (``allow_binary``);
         names the file and says what was done.
     """
@@ -82,6 +90,18 @@ class Document:
     sha256: str
     removed_controls: int = 0
     warning: str = ""
+    first_control: tuple[int, int] | None = None
+
+    @property
+    def control_note(self) -> str:
+        """``""``, or what step 5 removed from this file and where the first one was."""
+        if not self.removed_controls:
+            return ""
+        where = ""
+        if self.first_control is not None:
+            offset, line = self.first_control
+            where = f" (the first at byte offset {offset}, line {line})"
+        return f"removed {self.removed_controls} control character(s) from {self.path}{where}"
 
 
 def read_document(
@@ -110,9 +130,10 @@ def read_document(
     path = Path(path)
     data = _read_bytes(path)
     codec = codecs.lookup(encoding).name
+    digest = hashlib.sha256(data).hexdigest()
     refused = format_reason(data, codec)
     if refused:
-        raise DocumentError(path, refused)
+        raise DocumentError(path, refused, digest)
     warning = ""
     binary = looks_binary(data, codec)
     if binary and not allow_binary:
@@ -120,6 +141,7 @@ def read_document(
             path,
             f"{binary}; pass --allow-binary to read it as text anyway "
             "(invalid bytes become U+FFFD, control characters are removed)",
+            digest,
         )
     if binary:
         errors = "replace"
@@ -128,11 +150,51 @@ def read_document(
     try:
         text = decode_bytes(data, codec, errors)
     except ValueError as exc:
-        raise DocumentError(path, str(exc)) from None
+        raise DocumentError(path, str(exc), digest) from None
+    first = first_control(data, text, codec) if _CONTROL_CHARS.search(text) else None
     text, removed = normalise_text(text)
     if not text.strip():
-        raise DocumentError(path, "is empty or only whitespace")
-    return Document(path, text, hashlib.sha256(data).hexdigest(), removed, warning)
+        raise DocumentError(path, "is empty or only whitespace", digest)
+    return Document(path, text, digest, removed, warning, first if removed else None)
+
+
+_CONTROL_BYTE = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_REMOVED_CHAR = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def first_control(data: bytes, text: str, codec: str) -> tuple[int, int] | None:
+    """Where the first control character that :func:`normalise_text` removes sits in the
+    file: ``(byte offset, line)``, or ``None`` if there is none.
+
+    Parameters
+    ----------
+    data
+        The file's bytes.
+    text
+        ``data`` decoded with ``codec`` (before :func:`normalise_text`).
+    codec
+        Normalised codec name. In an ASCII-compatible codec (UTF-8, Latin-1, cp1252...) a
+        byte below 0x20 or 0x7F is that control character and never part of another
+        character, so the offset is exact; in others (UTF-16...) it is the length of the
+        encoded text before it.
+    """
+    if _ascii_compatible(codec):
+        match = _CONTROL_BYTE.search(data)
+        if match is None:
+            return None
+        at = match.start()
+        return at, data[:at].count(b"\n") + 1
+    match = _REMOVED_CHAR.search(text)
+    if match is None:
+        return None
+    before = text[: match.start()]
+    try:
+        own_bom = len("".encode(codec))  # utf-16/utf-32 put a BOM in front of every encode
+        bom = len(data) - (len(text.encode(codec, "surrogatepass")) - own_bom)
+        at = max(bom, 0) + len(before.encode(codec, "surrogatepass")) - own_bom
+    except (UnicodeEncodeError, LookupError):
+        at = len(before)
+    return at, before.count("\n") + before.count("\r") - before.count("\r\n") + 1
 
 
 def read_documents(

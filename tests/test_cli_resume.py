@@ -183,3 +183,50 @@ def test_deleted_output_file_is_redone(run, tmp_path):
     assert result.exit_code == 0 and seen == ["b"]
     assert (tmp_path / "hisparse-out" / "b.txt").is_file()
     assert run()[1] == []
+
+
+def test_prompt_too_long_is_final_and_not_retried(run, tmp_path):
+    """Issue #19.6: a job refused for its length was re-attempted on every resume (model
+    reloaded, one more line each time). Now it is recorded as final for its key, shown
+    as failed without a new line, and retried only with --retry-failed or --force."""
+    result, seen = run(engine_kwargs={"limit": 6})  # prompts are longer than 6 - 3 words
+    assert result.exit_code == 1 and seen == ["a", "b", "c"]
+    first = lines(tmp_path)
+    assert [r["final"] for r in first] == ["prompt"] * 3
+    result, seen = run(engine_kwargs={"limit": 6})
+    assert result.exit_code == 1, result.output
+    assert seen == [] and "loading model" not in result.stdout
+    assert "not tried again" in result.stdout and "--retry-failed" in result.stdout
+    assert lines(tmp_path) == first
+    result, seen = run("--retry-failed")  # a longer context: they run now
+    assert result.exit_code == 0 and seen == ["a", "b", "c"]
+    assert len(lines(tmp_path)) == 6
+    result, seen = run("--max-new-tokens", "4")  # next run compacts the superseded failures
+    assert seen == ["a", "b", "c"]
+    assert [r["ok"] for r in lines(tmp_path)] == [True] * 6
+
+
+def test_runtime_errors_stay_retryable(run, tmp_path):
+    result, seen = run(engine_kwargs={"fail": {"b": "device lost"}})
+    assert result.exit_code == 1
+    assert [r.get("final") for r in lines(tmp_path) if r["id"] == "b"] == [None]
+    result, seen = run()
+    assert result.exit_code == 0 and seen == ["b"]
+
+
+def test_document_refused_for_its_content_is_final_until_it_changes(run, tmp_path):
+    (tmp_path / "docs" / "b.txt").write_text("   \n")
+    result, seen = run()
+    assert result.exit_code == 1 and seen == ["a", "c"]
+    (failed,) = [r for r in lines(tmp_path) if not r["ok"]]
+    assert failed["id"] == "b" and failed["final"] == "input" and failed["key"]
+    result, seen = run()
+    assert result.exit_code == 1 and seen == [] and len(lines(tmp_path)) == 3
+    assert "only whitespace" in result.stdout and "not tried again" in result.stdout
+    result, seen = run("--force")
+    assert result.exit_code == 1 and len([r for r in lines(tmp_path) if r["id"] == "b"]) == 2
+    (tmp_path / "docs" / "b.txt").write_text("document b, now with text\n")
+    result, seen = run()
+    assert result.exit_code == 0 and seen == ["b"]
+    b_lines = [r for r in lines(tmp_path) if r["id"] == "b"]  # the first failure compacted
+    assert [r["ok"] for r in b_lines] == [False, True]

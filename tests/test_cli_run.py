@@ -722,3 +722,145 @@ def test_unwritable_output_dir_exits_2_before_loading(cli, docs, tmp_path, monke
     result = cli("docs/alpha.txt", "--output-dir", "ro")
     assert result.exit_code == 2 and "ro is not writable" in result.stderr
     assert cli.factory.engines == [] and not (out / "results.jsonl").exists()
+
+
+def test_glob_over_two_symlink_loops_returns_and_warns(tmp_path):
+    """Issue #19.3: with ``d/s/l -> ..`` and ``d/t -> ../d`` even ``--print-config`` never
+    returned (glob followed the loops). It must return at once, run one input, and say
+    which links it skipped."""
+    (tmp_path / "d" / "s").mkdir(parents=True)
+    (tmp_path / "d" / "a.txt").write_text("x\n")
+    (tmp_path / "d" / "s" / "l").symlink_to("..")
+    (tmp_path / "d" / "t").symlink_to("../d")
+    (tmp_path / "jobs.yaml").write_text('jobs:\n  - id: all\n    input: "d/**/*.txt"\n')
+    env = {**os.environ, "PYTHONPATH": str(Path(runner_module.__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-m", "hisparse_cli", "run", "--manifest", "jobs.yaml", "--print-config"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "skipped symbolic link d/s/l -> .." in done.stderr
+    assert "skipped symbolic link d/t -> ../d" in done.stderr
+
+
+def test_output_that_is_an_input_is_refused_and_the_input_kept(cli, tmp_path):
+    """Issue #19.1: ``--output-dir o o/n.txt`` replaced the input with the summary, exit 0."""
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "n.txt").write_text("some text\n")
+    (tmp_path / "other.txt").write_text("other text\n")
+    result = cli("--output-dir", "o", "o/n.txt", "other.txt")
+    assert result.exit_code == 1, result.output
+    assert (tmp_path / "o" / "n.txt").read_text() == "some text\n"
+    records = {r["id"]: r for r in read_results(tmp_path / "o")}
+    error = records["n"]["error"]
+    assert "output " + str(Path("o") / "n.txt") in error and str(tmp_path / "o" / "n.txt") in error
+    assert "earlier_output" not in records["n"]
+    assert records["other"]["ok"]
+    assert [job.id for job in cli.factory.engines[0].seen] == ["other"]
+
+
+def test_manifest_output_over_an_input_is_refused_before_loading(cli, tmp_path):
+    """Issue #19.1: ``output: doc`` over ``out/doc.txt``; and two jobs each writing the
+    other's input."""
+    (tmp_path / "out").mkdir()
+    for name in ("doc", "x", "y"):
+        (tmp_path / "out" / f"{name}.txt").write_text(f"the document {name}\n")
+    (tmp_path / "jobs.yaml").write_text(
+        "jobs:\n  - id: own\n    input: out/doc.txt\n    output: doc\n"
+        "  - id: xy\n    input: out/x.txt\n    output: y\n"
+        "  - id: yx\n    input: out/y.txt\n    output: x\n"
+    )
+    result = cli(
+        "--manifest", "jobs.yaml", "--output-dir", "out", engine=lambda *a: pytest.fail("loaded")
+    )
+    assert result.exit_code == 1, result.output
+    for name in ("doc", "x", "y"):
+        assert (tmp_path / "out" / f"{name}.txt").read_text() == f"the document {name}\n"
+    records = {r["id"]: r for r in read_results(tmp_path / "out")}
+    assert "is its own input" in records["own"]["error"]
+    assert "an input of job 'yx'" in records["xy"]["error"]
+    assert str(tmp_path / "out" / "y.txt") in records["xy"]["error"]
+    assert "an input of job 'xy'" in records["yx"]["error"]
+
+
+def test_run_files_as_inputs_exit_2_before_anything_is_written(cli, tmp_path):
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "config.json").write_text('{"my": "config"}\n')
+    result = cli("--output-dir", "o", "o/config.json", engine=lambda *a: pytest.fail("loaded"))
+    assert result.exit_code == 2
+    assert "config.json" in result.stderr and "'config'" in result.stderr
+    assert (tmp_path / "o" / "config.json").read_text() == '{"my": "config"}\n'
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["config.json"]
+
+
+def test_removed_control_characters_name_the_file_and_offset(cli, tmp_path):
+    """Issue #19.8: the warning named neither the file nor where; in a job over several
+    files the user could not tell which."""
+    (tmp_path / "a.txt").write_text("clean text\n")
+    (tmp_path / "b.txt").write_bytes(b"line one\nsome \x1b[1mbold\x1b[0m\x00 text\n")
+    (tmp_path / "jobs.yaml").write_text("jobs:\n  - id: both\n    input: [a.txt, b.txt]\n")
+    result = cli("--manifest", "jobs.yaml", "--allow-binary")
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.stdout.split())
+    assert f"removed 3 control character(s) from {tmp_path / 'b.txt'}" in out
+    assert "(the first at byte offset 14, line 2)" in out
+    assert str(tmp_path / "a.txt") not in out.split("removed")[1]
+
+
+def _small_gguf(path, q8_row=192):
+    """A two-tensor GGUF (a Q8_0 ``token_embd.weight`` of 4 rows, an F32 norm) written with
+    gguf-py's GGUFWriter; ``q8_row`` other than a multiple of 32 is patched into the
+    tensor's ``ne0`` afterwards (GGUFWriter itself refuses to write it)."""
+    import struct
+
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    q8 = np.zeros((4, 34 * 6), dtype=np.uint8)  # 6 blocks of 32 = 192 elements a row
+    writer.add_tensor(
+        "token_embd.weight", q8, raw_shape=q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0
+    )
+    writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if q8_row != 192:
+        data = bytearray(path.read_bytes())
+        at = data.index(b"token_embd.weight") + len(b"token_embd.weight") + 4  # after n_dims
+        assert struct.unpack_from("<Q", data, at)[0] == 192
+        struct.pack_into("<Q", data, at, q8_row)
+        path.write_bytes(bytes(data))
+    return path
+
+
+def test_broken_gguf_tensors_are_named_before_reading_data(tmp_path):
+    """Issue #19.7: a Q8_0 row of 172 gave "not a readable GGUF file" naming no tensor; a
+    truncated file gave a numpy reshape error."""
+    from engine.weights.gguf import GGUFError, load_gguf
+
+    bad_row = _small_gguf(tmp_path / "row.gguf", q8_row=172)
+    with pytest.raises(GGUFError) as info:
+        load_gguf(bad_row)
+    message = str(info.value)
+    assert "tensor token_embd.weight (Q8_0, shape [172, 4]" in message
+    assert "row length 172 is not a multiple of the Q8_0 block size 32" in message
+    whole = _small_gguf(tmp_path / "whole.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(whole[:-16])  # half of the last tensor
+    with pytest.raises(GGUFError) as info:
+        load_gguf(tmp_path / "cut.gguf")
+    message = str(info.value)
+    assert "tensor output_norm.weight (F32, shape [8]" in message and "truncated" in message
+    assert "reshape" not in message
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
+    with pytest.raises(GGUFError, match="not a readable GGUF file"):
+        load_gguf(tmp_path / "junk.gguf")
+
+
+def test_broken_gguf_model_exits_2_naming_the_tensor(cli, docs, tmp_path):
+    model = _small_gguf(tmp_path / "m.gguf", q8_row=172)
+    result = cli("docs/alpha.txt", "--model", str(model), engine=REAL_LOAD_ENGINE)
+    assert result.exit_code == 2, result.output
+    assert "tensor token_embd.weight (Q8_0" in " ".join(result.stderr.split())

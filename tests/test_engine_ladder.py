@@ -285,3 +285,25 @@ def test_prefetch_traffic_reaches_the_results(weights_path, corpus_dir):
     rb = eng.cache.record_bytes
     assert cache.h2d_bytes == (cache.misses + cache.prefetched) * rb
     assert sum(e.h2d_bytes for e in steps) == cache.h2d_bytes
+
+
+def test_top_k_keeps_exactly_k_lowest_ids_on_ties():
+    """Issue #19.4: with two logits tied at the maximum, top_k=1 at temperature 1 picked
+    either at random; it must be greedy (lowest id), and top_k keeps exactly k."""
+    from engine.decode.sampling import sample
+
+    logits = torch.tensor([0.0, 5.0, 5.0, 1.0, 5.0])
+    greedy = sample(logits, SamplingParams(temperature=0.0), torch.Generator())
+    picks_k1, picks_k2 = set(), set()
+    for seed in range(200):
+        g = torch.Generator().manual_seed(seed)
+        picks_k1.add(sample(logits, SamplingParams(temperature=1.0, top_k=1), g))
+        picks_k2.add(sample(logits, SamplingParams(temperature=1.0, top_k=2), g))
+    assert picks_k1 == {greedy} == {1}
+    assert picks_k2 == {1, 2}
+    flat = torch.zeros(8)  # every logit tied: top_p keeps the lowest ids first
+    picks_p = {
+        sample(flat, SamplingParams(temperature=1.0, top_p=0.25), torch.Generator().manual_seed(s))
+        for s in range(100)
+    }
+    assert picks_p == {0, 1}

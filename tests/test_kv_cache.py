@@ -216,6 +216,21 @@ def test_declared_host_memory_overrides_meminfo(monkeypatch):
         available_host_bytes()
 
 
+def test_host_pool_refusal_states_the_rule_and_the_settings(monkeypatch):
+    """Issue #19.10: 8.0 GiB of 8.6 GiB available is refused; the message says why (90% of
+    what is available) and what to change."""
+    from engine.kv.cache import CacheFullError, check_host_memory
+
+    monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "8.6")
+    with pytest.raises(CacheFullError) as info:
+        check_host_memory(8 * 2**30)
+    message = str(info.value)
+    assert "needs 8.0 GiB but only 8.6 GiB" in message
+    assert "90%" in message and "7.7 GiB" in message
+    for setting in ("--host-pool", "host_pool_gb", "HISPARSE_HOST_MEMORY_GB"):
+        assert setting in message
+
+
 def test_dense_reference_ignores_unwritten_pool_memory():
     """Pool positions past seq_len (never written: any bits, NaN included) must not reach
     the dense reference's output (NaN * a 0 softmax weight is NaN)."""

@@ -351,3 +351,73 @@ def test_every_engine_setting_has_a_value_check():
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     assert names - set(SETTING_CHECKS) == {"device"}  # checked by the runner
     assert EngineConfig().problems() == []
+
+
+def _loop_tree(tmp_path):
+    """``d/a.txt`` plus ``d/s/l -> ..`` (a link back to ``d``), the issue #19.3 tree."""
+    (tmp_path / "d" / "s").mkdir(parents=True)
+    (tmp_path / "d" / "a.txt").write_text("x\n")
+    (tmp_path / "d" / "s" / "l").symlink_to("..")
+    return tmp_path
+
+
+def test_glob_through_a_symlink_loop_matches_each_file_once(tmp_path):
+    path = write_yaml(_loop_tree(tmp_path), 'jobs:\n  - id: all\n    input: "d/**/*.txt"\n')
+    manifest = load_manifest(path)
+    (job,) = manifest.jobs
+    assert job.inputs == (tmp_path / "d" / "a.txt",)
+    (warning,) = manifest.warnings
+    assert "jobs.yaml:3" in warning and "d/**/*.txt" in warning
+    assert "d/s/l -> .." in warning and "already searched" in warning
+
+
+def test_same_file_through_a_link_or_another_spelling_is_one_input(docs, monkeypatch):
+    monkeypatch.chdir(docs)
+    (docs / "alias.txt").symlink_to(docs / "docs" / "one.txt")
+    manifest = jobs_from_paths(["docs/one.txt", "alias.txt", "docs/a/../one.txt", "docs/two.txt"])
+    assert [job.inputs for job in manifest.jobs] == [
+        (docs / "docs" / "one.txt",),
+        (docs / "docs" / "two.txt",),
+    ]
+    path = write_yaml(docs, "jobs:\n  - id: j\n    input: [docs/one.txt, alias.txt, 'docs/*.txt']\n")
+    (job,) = load_manifest(path).jobs
+    assert job.inputs == (docs / "docs" / "one.txt", docs / "docs" / "two.txt")
+
+
+def test_walk_glob_matches_glob_on_a_tree_without_links(tmp_path):
+    import glob as globlib
+
+    from hisparse_cli.manifest import walk_glob
+
+    for name in ("a.txt", "b.md", ".hidden.txt", "x/c.txt", "x/y/d.txt", "x/.h/e.txt", ".g/f.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("t\n")
+    for pattern in ("**/*.txt", "x/**/*.txt", "**/.*.txt", "x/**", "**/y/*.txt", "*/**/d.txt"):
+        expected = sorted(p.rstrip("/") for p in globlib.glob(pattern, root_dir=tmp_path, recursive=True))
+        assert walk_glob(pattern, tmp_path) == (expected, []), pattern
+    absolute = f"{tmp_path}/x/**/*.txt"
+    assert walk_glob(absolute, tmp_path)[0] == sorted(globlib.glob(absolute, recursive=True))
+
+
+def test_duplicate_paths_are_found_without_comparing_every_pair(tmp_path, monkeypatch):
+    """Issue #19.9: the duplicate check was quadratic (list membership; 10,000 files took
+    25 s). Count path comparisons: linear means a few per path, not n^2 / 2."""
+    import pathlib
+
+    monkeypatch.chdir(tmp_path)
+    names = [f"f{i}.txt" for i in range(2000)]
+    for name in names:
+        (tmp_path / name).write_text("t\n")
+    calls = 0
+    original = pathlib.PurePath.__eq__
+
+    def counting(self, other):
+        nonlocal calls
+        calls += 1
+        return original(self, other)
+
+    monkeypatch.setattr(pathlib.PurePath, "__eq__", counting)
+    manifest = jobs_from_paths([*names, *names[:10]])
+    monkeypatch.undo()
+    assert len(manifest.jobs) == 2000
+    assert calls < 10 * len(names), calls

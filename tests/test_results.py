@@ -218,3 +218,49 @@ def test_done_needs_the_output_file(tmp_path):
     (tmp_path / "a.txt").write_text("t")
     log = ResultsLog(tmp_path)
     assert log.is_done("a", "k") and not log.is_done("b", "k")
+
+
+def fail_line(job_id, key="k", error="boom", text="", final=None):
+    return {
+        "id": job_id, "key": key, "finish_reason": "error", "error": error, "text": text,
+        "final": final,
+    }
+
+
+def test_compact_drops_only_superseded_failure_lines_without_text(tmp_path):
+    """Issue #19.6: a job failing on every run appended a line each time; the superseded
+    failure lines go, nothing with a result or text does."""
+    lines = [
+        fail_line("a"),
+        ok_line("a"),
+        fail_line("b", error="first"),
+        fail_line("b", error="second"),
+        {**fail_line("c", text="partial"), "finish_reason": "cancelled"},
+        ok_line("c"),
+        ok_line("d", key="old"),
+        ok_line("d", key="new"),
+    ]
+    path = tmp_path / "results.jsonl"
+    body = "".join(json.dumps(x) + "\n" for x in lines) + "not json\n"
+    path.write_text(body)
+    log = ResultsLog(tmp_path)
+    assert log.compact() == 2
+    kept = path.read_text().splitlines()
+    assert kept[-1] == "not json"
+    assert [json.loads(x) for x in kept[:-1]] == [lines[1], lines[3], *lines[4:]]
+    assert ResultsLog(tmp_path).compact() == 0
+    assert read_results(path).latest == ResultsLog(tmp_path).existing.latest
+
+
+def test_final_failure_needs_same_key_and_kind(tmp_path):
+    path = tmp_path / "results.jsonl"
+    rows = [fail_line("a", final="prompt"), fail_line("b"), fail_line("c", final="input")]
+    path.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    log = ResultsLog(tmp_path)
+    assert log.final_failure("a", "k", "prompt")["error"] == "boom"
+    assert log.final_failure("a", "other", "prompt") is None
+    assert log.final_failure("a", "k", "input") is None
+    assert log.final_failure("b", "k", "prompt") is None  # a runtime error: retried
+    assert log.final_failure("c", "k", "input") is not None
+    assert failure_record({"id": "x", "final": "prompt"}, "e")["final"] == "prompt"
+    assert failure_record({"id": "x"}, "e")["final"] is None

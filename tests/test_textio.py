@@ -153,3 +153,22 @@ def test_normalise_leaves_only_tab_and_newline_controls(text):
     assert "\r" not in cleaned
     assert all(c in "\t\n" or ord(c) >= 32 and ord(c) != 127 for c in cleaned)
     assert removed >= 0
+
+
+@pytest.mark.parametrize("codec", ["utf-8", "utf-16", "latin-1"])
+def test_removed_controls_say_where_the_first_was(tmp_path, codec):
+    """Issue #19.8: the byte offset (in the file as stored) and line of the first removed
+    control character."""
+    from hisparse_cli.textio import read_document
+
+    text = "first line\r\nsecond \x1b[0m line\n"
+    raw = text.encode(codec)
+    path = tmp_path / "doc.txt"
+    path.write_bytes(raw)
+    doc = read_document(path, encoding=codec)
+    assert doc.removed_controls == 1
+    assert doc.first_control == (raw.index("\x1b".encode(codec).removeprefix(b"\xff\xfe")), 2)
+    assert f"from {path} (the first at byte offset {doc.first_control[0]}, line 2)" in doc.control_note
+    (tmp_path / "clean.txt").write_text("ok\n")
+    clean = read_document(tmp_path / "clean.txt")
+    assert clean.first_control is None and clean.control_note == ""

@@ -20,18 +20,30 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Pick one token from float32 ``logits [V]``.
 
     Greedy (argmax, lowest id on ties) when ``temperature == 0``; otherwise softmax of
-    ``logits / temperature`` restricted to the ``top_k`` most likely tokens (when > 0) and
-    to the smallest set whose probability reaches ``top_p``.
+    ``logits / temperature`` restricted to exactly the ``top_k`` most likely tokens (when
+    > 0; among equal logits the lowest ids are kept, so ``top_k=1`` is greedy) and to the
+    smallest set whose probability reaches ``top_p`` (ties again in id order).
+
+    Runs on the CPU copy of ``logits`` with tensor operations only (a stable sort, no
+    data-dependent Python branches); the CUDA-graph decode step never calls it (it takes
+    the greedy argmax on the device), so it adds no device synchronisation there beyond
+    the copy of one row of logits.
+
+    Returns
+    -------
+    int
+        The token id, in ``[0, V)``.
     """
     if params.temperature == 0:
         return int(torch.argmax(logits))
     x = logits.float().cpu() / params.temperature
-    if params.top_k and params.top_k > 0:
-        kth = torch.topk(x, min(params.top_k, x.numel())).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_k and 0 < params.top_k < x.numel():
+        # stable: among tied logits the lower id comes first, and exactly top_k survive
+        keep = torch.sort(x, descending=True, stable=True).indices[: params.top_k]
+        x = torch.full_like(x, float("-inf")).scatter(0, keep, x[keep])
     probs = torch.softmax(x, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
+        sorted_p, order = torch.sort(probs, descending=True, stable=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p
         mask = torch.zeros_like(probs, dtype=torch.bool)
         mask[order[keep]] = True

@@ -87,20 +87,41 @@ def available_host_bytes(declared_gb: float | None = None) -> int | None:
     return None
 
 
+HOST_POOL_SHARE = 0.9
+"""Largest share of the available host memory (:func:`available_host_bytes`) the pool may take."""
+
+
 def check_host_memory(pool_bytes: int, declared_gb: float | None = None) -> None:
-    """Refuse a host pool larger than 90% of the memory available now.
+    """Refuse a host pool larger than 90% (:data:`HOST_POOL_SHARE`) of the memory
+    available now.
+
+    Parameters
+    ----------
+    pool_bytes
+        Size of the whole host pool, in bytes.
+    declared_gb
+        ``EngineConfig.host_memory_gb`` (``HISPARSE_HOST_MEMORY_GB``), if declared.
 
     Raises
     ------
     CacheFullError
-        Naming the pool size, what is available and the setting to lower.
+        Naming the pool size, what is available (and where that figure came from), the
+        90% rule and the settings to change (``--host-pool``, ``host_pool_gb``,
+        ``HISPARSE_HOST_MEMORY_GB``).
     """
+    if declared_gb is None:
+        declared_gb = env_overrides().get("host_memory_gb")
     avail = available_host_bytes(declared_gb)
-    if avail is not None and pool_bytes > 0.9 * avail:
+    if avail is not None and pool_bytes > HOST_POOL_SHARE * avail:
+        source = f"HISPARSE_HOST_MEMORY_GB={declared_gb:g}" if declared_gb else "MemAvailable"
         raise CacheFullError(
             f"the host KV pool needs {pool_bytes / 2**30:.1f} GiB but only "
-            f"{avail / 2**30:.1f} GiB of host memory is available; lower host_pool_gb "
-            "(--host-pool GB, shared by all workers)"
+            f"{avail / 2**30:.1f} GiB of host memory is available ({source}), and the pool "
+            f"may take at most {HOST_POOL_SHARE:.0%} of it "
+            f"({HOST_POOL_SHARE * avail / 2**30:.1f} GiB); lower the pool with --host-pool GB "
+            "(host_pool_gb in a preset or a manifest's defaults.engine; shared by all "
+            "workers), or, where MemAvailable reads low (memory that grows on demand), "
+            "declare the real size with HISPARSE_HOST_MEMORY_GB"
         )
 
 

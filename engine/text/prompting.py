@@ -66,7 +66,8 @@ def fit_document(
 
     Parameters
     ----------
-    tokenizer : has ``encode`` / ``decode``
+    tokenizer : has ``encode`` / ``decode`` (and ``encode_text``, special-token matching
+        off, used for the document when present)
     render : document text -> full prompt ids (chat template applied)
     limit : token budget for the prompt (context limit - max_tokens)
     keep : which part survives (:func:`cut_tokens`); the cut is marked in the text
@@ -83,7 +84,8 @@ def fit_document(
     prompt_len = len(render(document))
     if prompt_len <= limit:
         return document, None
-    doc_ids = tokenizer.encode(document)
+    encode = getattr(tokenizer, "encode_text", tokenizer.encode)  # special tokens as text
+    doc_ids = encode(document)
     overhead = prompt_len - len(doc_ids)
     budget = limit - overhead - 16
     while budget > 0:

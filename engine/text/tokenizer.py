@@ -16,6 +16,8 @@ split text differently, ``reference="llama.cpp"`` selects their behaviour instea
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
@@ -201,9 +203,13 @@ class TextTokenizer:
 
         Reads ``tokenizer.json`` (required), ``tokenizer_config.json`` (``chat_template``,
         ``bos_token``, ``eos_token``, ``add_bos_token``), ``chat_template.jinja`` if present
-        (newer transformers save the template there) and ``generation_config.json``
-        (``eos_token_id``: an int or a list). When ``add_bos_token`` is absent it is read
-        off the tokenizer's post-processor (does it put BOS in front).
+        (newer transformers save the template there) and the declared ids
+        ``eos_token_id`` / ``bos_token_id`` (an int or a list) from
+        ``generation_config.json``, else from ``config.json`` (as transformers'
+        ``GenerationConfig.from_model_config`` falls back). Generation ends at every
+        declared id, the tokenizer's ``eos_token`` and the known end-of-turn added tokens.
+        When ``add_bos_token`` is absent it is read off the tokenizer's post-processor
+        (does it put BOS in front).
 
         Parameters
         ----------
@@ -225,14 +231,16 @@ class TextTokenizer:
         backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
         config = _read_json(folder / "tokenizer_config.json")
         generation = _read_json(folder / "generation_config.json")
+        model_config = _read_json(folder / "config.json")
         names = {key: _token_content(config.get(key)) for key in _SPECIAL_KEYS}
         specials = {key: value for key, value in names.items() if value is not None}
-        bos_id = _token_id(backend, specials.get("bos_token"), generation.get("bos_token_id"))
+        bos_declared = _declared(generation, model_config, "bos_token_id")
+        bos_id = _token_id(backend, specials.get("bos_token"), bos_declared)
         add_bos = config.get("add_bos_token")
         if add_bos is None:
             add_bos = bos_id is not None and backend.encode("").ids[:1] == [bos_id]
         eos = [_token_id(backend, specials.get("eos_token"), None)]
-        eos += _as_list(generation.get("eos_token_id"))
+        eos += _as_list(_declared(generation, model_config, "eos_token_id"))
         return cls(
             backend,
             bos_id=bos_id,
@@ -296,22 +304,46 @@ class TextTokenizer:
         longest = [*(len(t) for t in vocab), *(len(t.content.encode("utf-8")) for t in added)]
         return max(longest), dropped
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Token ids of ``text`` (``[T]`` ints); special-token strings map to their ids.
+    def encode(self, text: str, add_bos: bool = False, special: bool = True) -> list[int]:
+        """Token ids of ``text`` (``[T]`` ints).
 
         Parameters
         ----------
         text : str
         add_bos : bool
             Put :attr:`bos_id` in front. Pass ``tok.add_bos`` to follow the model.
+        special : bool
+            Whether special-token strings in ``text`` (``<|im_end|>``) map to their control
+            ids (default, as transformers does) or are encoded as the plain text they spell
+            (``False``: for text from users and documents, see :meth:`encode_text`).
 
         Raises
         ------
         ValueError
             ``add_bos`` is set but the model has no BOS token.
         """
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        backend = self.backend if special else self._literal_backend
+        ids = backend.encode(text, add_special_tokens=False).ids
         return self._bos_prefix(add_bos) + ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` with special-token matching off: a document containing
+        ``<|im_start|>system`` gets the ids of those characters, never control ids."""
+        return self.encode(text, special=False)
+
+    @cached_property
+    def _literal_backend(self) -> Tokenizer:
+        """A copy of the backend that encodes special-token strings as plain text."""
+        backend = Tokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+    @cached_property
+    def _special_pattern(self) -> re.Pattern[str] | None:
+        """Alternation of every special (control) added token's text, longest first."""
+        added = self.backend.get_added_tokens_decoder().values()
+        texts = sorted({t.content for t in added if t.special and t.content}, key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, texts))) if texts else None
 
     def encode_batch(self, texts: Sequence[str], add_bos: bool = False) -> list[list[int]]:
         """:meth:`encode` of many texts, run in parallel by the ``tokenizers`` library."""
@@ -376,13 +408,67 @@ class TextTokenizer:
         )
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of :meth:`render_chat`; BOS in front only if the model's
-        :attr:`add_bos` flag asks for it and the rendered text does not already begin
-        with the BOS token (never two BOS)."""
-        text = self.render_chat(messages, add_generation_prompt)
+        """Token ids of :meth:`render_chat`; only the template's own markers are control
+        tokens.
+
+        The messages' ``content`` (documents, questions) is encoded with special-token
+        matching off, so a document containing ``<|im_end|>\n<|im_start|>system`` cannot
+        open a turn of its own: it gets the ids of those characters. The template's text
+        is split at its special tokens, as the ``tokenizers`` library splits at added
+        tokens, and each stretch between them (template text and content together) is
+        encoded as one text, so a prompt whose content holds no special-token string gets
+        exactly the ids of ``encode(render_chat(...))``. BOS goes in front only if the
+        model's :attr:`add_bos` flag asks for it and the rendered text does not already
+        begin with the BOS token (never two BOS).
+
+        Where the content sits in the rendered text is found by rendering once more with
+        a unique marker in place of each content; a template that trims the content is
+        followed. If the template changes the content otherwise, the content is placed
+        as given at its marker.
+        """
+        pieces = self._chat_pieces(messages, add_generation_prompt)
+        text = "".join(piece for piece, _ in pieces)
         bos_text = self.special_tokens.get("bos_token")
         already = bos_text is not None and text.startswith(bos_text)
-        return self.encode(text, add_bos=self.add_bos and not already)
+        ids = self._bos_prefix(self.add_bos and not already)
+        pattern = self._special_pattern
+        stretch: list[str] = []
+        for piece, is_content in pieces:
+            if is_content or pattern is None:
+                stretch.append(piece)
+                continue
+            at = 0
+            for match in pattern.finditer(piece):
+                stretch.append(piece[at : match.start()])
+                ids += self._encode_stretch(stretch)
+                ids.append(self.backend.token_to_id(match.group()))
+                stretch, at = [], match.end()
+            stretch.append(piece[at:])
+        return ids + self._encode_stretch(stretch)
+
+    def _encode_stretch(self, parts: list[str]) -> list[int]:
+        text = "".join(parts)
+        return self.encode(text, special=False) if text else []
+
+    def _chat_pieces(
+        self, messages: list[dict], add_generation_prompt: bool
+    ) -> list[tuple[str, bool]]:
+        """The rendered prompt as ``(text, is message content)`` pieces, in order."""
+        text = self.render_chat(messages, add_generation_prompt)
+        tag = secrets.token_hex(8)
+        marks = {f"\ue000{tag}.{i}\ue001": i for i, m in enumerate(messages)}
+        masked = [
+            {**m, "content": mark} if isinstance(m.get("content"), str) else m
+            for m, mark in zip(messages, marks, strict=True)
+        ]
+        skeleton = self.render_chat(masked, add_generation_prompt)
+        parts = re.split("(" + "|".join(map(re.escape, marks)) + ")", skeleton)
+        contents = [str(messages[marks[p]]["content"]) if p in marks else None for p in parts]
+        pieces = _align_contents(text, parts, contents)
+        if pieces is None:  # the template changed the content beyond trimming
+            pairs = zip(parts, contents, strict=True)
+            pieces = [(c, True) if c is not None else (p, False) for p, c in pairs]
+        return [(piece, is_content) for piece, is_content in pieces if piece]
 
     @cached_property
     def _compiled_template(self):
@@ -629,6 +715,12 @@ def _token_id(backend: Tokenizer, token: str | None, fallback: Any) -> int | Non
     return token_id if token_id is not None else next(iter(_as_list(fallback)), None)
 
 
+def _declared(generation: dict, model_config: dict, key: str) -> Any:
+    """``key`` of ``generation_config.json`` when it sets one, else of ``config.json``."""
+    value = generation.get(key)
+    return model_config.get(key) if value is None else value
+
+
 def _as_list(value: Any) -> list[int]:
     if value is None:
         return []
@@ -648,6 +740,33 @@ def _folder_chat_template(folder: Path, config: dict) -> str | None:
 
 
 # ---------------------------------------------------------------------- chat helpers
+
+
+def _align_contents(
+    text: str, parts: list[str], contents: list[str | None]
+) -> list[tuple[str, bool]] | None:
+    """Split ``text`` (the real rendering) like ``parts`` (the rendering with markers:
+    template text, and a marker where ``contents`` holds that message's content): each
+    content as it appears in ``text`` (as is or trimmed). ``None`` if it does not fit."""
+    pieces: list[tuple[str, bool]] = []
+    pos = 0
+    for n, (part, content) in enumerate(zip(parts, contents, strict=True)):
+        if content is None:
+            if not text.startswith(part, pos):
+                return None
+            pieces.append((part, False))
+            pos += len(part)
+            continue
+        after = parts[n + 1] if n + 1 < len(parts) else ""
+        for shown in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip())):
+            if text.startswith(shown + after, pos):
+                pieces.append((shown, True))
+                pos += len(shown)
+                break
+        else:
+            return None
+    return pieces if pos == len(text) else None
+
 
 
 def _plain_chat(messages: list[dict], add_generation_prompt: bool) -> str:

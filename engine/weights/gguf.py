@@ -39,6 +39,77 @@ class GGUFError(ValueError):
     """The file is not a GGUF model this engine runs; the message names file and field."""
 
 
+def open_reader(path: Path):
+    """``gguf.GGUFReader`` on ``path``, checking every tensor's description before any
+    tensor data is mapped.
+
+    Each tensor's type must be known, its row length (``ne0``, elements) a multiple of
+    its type's block size (32 for Q8_0/Q4_0/Q4_1), and its data must lie inside the file
+    (a truncated download). Those checks run on the tensor-info section the reader has
+    parsed, before it shapes the data, so the error names the tensor instead of
+    surfacing as a numpy reshape error.
+
+    Raises
+    ------
+    GGUFError
+        ``"{path}: tensor {name} ({type}, shape [...]): ..."`` for a bad tensor, or
+        ``"{path}: not a readable GGUF file (...)"`` when the header itself cannot be
+        parsed.
+    """
+    import gguf
+
+    class CheckedReader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            for field in fields:
+                _check_tensor_info(path, len(self.data), start_offs, field.parts)
+            super()._build_tensors(start_offs, fields)
+
+    try:
+        return CheckedReader(str(path))
+    except GGUFError:
+        raise
+    except Exception as e:  # gguf raises ValueError/struct errors on bad files
+        raise GGUFError(f"{path}: not a readable GGUF file ({e})") from e
+
+
+def _check_tensor_info(path: Path, file_bytes: int, data_start: int, parts: list) -> None:
+    """Raise :class:`GGUFError` when one tensor-info record (the reader's field parts:
+    name length, name, n_dims, dims, type, offset) describes data the file cannot hold."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        _name_len, name_data, _n_dims, dims, raw_type, offset = parts
+    except ValueError:  # another gguf-py layout: leave the checks to the reader
+        return
+    name = bytes(name_data).decode("utf-8", "replace")
+    shape = [int(d) for d in dims]  # ggml order: ne0 (the row length) first
+    try:
+        kind = GGMLQuantizationType(int(raw_type[0]))
+    except ValueError:
+        raise GGUFError(
+            f"{path}: tensor {name} (shape {shape}) has unknown ggml type id "
+            f"{int(raw_type[0])}; the file is damaged or newer than this gguf package"
+        ) from None
+    where = f"{path}: tensor {name} ({kind.name}, shape {shape}, ne0 first)"
+    block, type_bytes = GGML_QUANT_SIZES[kind]
+    if shape and shape[0] % block:
+        raise GGUFError(
+            f"{where}: row length {shape[0]} is not a multiple of the {kind.name} block size "
+            f"{block}; the file is damaged or was written wrongly"
+        )
+    elements = 1
+    for d in shape:
+        elements *= d
+    need = elements // block * type_bytes
+    begin = data_start + int(offset[0])
+    if begin + need > file_bytes:
+        raise GGUFError(
+            f"{where}: needs {need} bytes at offset {begin} but the file ends at {file_bytes} "
+            f"bytes ({begin + need - file_bytes} missing); the file is truncated (an "
+            "interrupted download or copy?)"
+        )
+
+
 def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
     if f is None:
@@ -130,17 +201,18 @@ def load_gguf(path: str | Path) -> ModelWeights:
 
     Raises
     ------
-    FileNotFoundError, GGUFError
+    FileNotFoundError
+        No such file.
+    GGUFError
+        Not a readable GGUF file; a tensor whose type is unknown, whose row length is not a
+        multiple of its block size, or whose data lies past the end of the file (named
+        with its type and shape, before any data is read; :func:`open_reader`); an
+        unsupported architecture, a missing key or tensor, or a wrong shape.
     """
-    import gguf
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # gguf raises ValueError/struct errors on bad files
-        raise GGUFError(f"{path}: not a readable GGUF file ({e})") from e
+    reader = open_reader(path)
     cfg = read_config(reader, path)
     cfg.validate()
     by_name = {t.name: t for t in reader.tensors}
