@@ -222,7 +222,7 @@ def place_model(
         for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
             if isinstance(lin, Int4Linear):
                 lin.triton_min_rows = config.int4_triton_min_rows
-    return PlacedModel(llm, tokenizer, name, limit, fmt, get_ops(device, config.use_triton))
+    return PlacedModel(llm, tokenizer, name, limit, fmt, get_ops(device, config.use_triton, config.eviction))
 
 
 def load_engine(config: EngineConfig, model: str | None = None, tracer=None) -> BatchEngine:

@@ -1,11 +1,15 @@
 """Pick the kernel set for a device: Triton on CUDA, the PyTorch references elsewhere.
 
 The engine calls only :func:`get_ops`; every field of :class:`Ops` has the signature of
-the matching ``*_ref`` function.
+the matching ``*_ref`` function. The eviction policy is a seam: :data:`RESOLVERS` maps a
+policy name (``EngineConfig.eviction``) to its resolve step, a reference and a kernel of
+:func:`kernels.resolve.resolve_ref`'s signature; a new policy is one entry here plus its
+two functions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,7 +23,8 @@ from kernels.quest_select import (
     quest_scores_ref,
     select_topk_ref,
 )
-from kernels.resolve import resident_slot_list, resolve_ref
+from kernels.resolve import resolve_ref
+from kernels.slot_list import resident_slot_list
 from kernels.sparse_attention import dense_decode_attention_ref, sparse_decode_attention_ref
 
 
@@ -55,7 +60,21 @@ REFERENCE_OPS = Ops(
 )
 
 
-def get_ops(device: torch.device | str, use_triton: bool | None = None) -> Ops:
+def _lru_triton() -> Callable:
+    from kernels.resolve import resolve
+
+    return resolve
+
+
+RESOLVERS: dict[str, tuple[Callable, Callable[[], Callable]]] = {
+    "lru": (resolve_ref, _lru_triton),
+}
+"""Eviction policy -> (reference resolve, loader of its Triton kernel)."""
+
+
+def get_ops(
+    device: torch.device | str, use_triton: bool | None = None, eviction: str = "lru"
+) -> Ops:
     """Kernel set for ``device``.
 
     Parameters
@@ -63,12 +82,23 @@ def get_ops(device: torch.device | str, use_triton: bool | None = None) -> Ops:
     device : compute device
     use_triton : ``None`` picks Triton exactly when ``device`` is CUDA; ``True`` forces it
         (e.g. under ``TRITON_INTERPRET=1`` in tests); ``False`` forces the references.
+    eviction : the resolve step's eviction policy, a key of :data:`RESOLVERS`
+
+    Raises
+    ------
+    ValueError
+        An unknown eviction policy (naming the known ones).
     """
+    if eviction not in RESOLVERS:
+        raise ValueError(f"unknown eviction policy {eviction!r}; known: {', '.join(RESOLVERS)}")
     device = torch.device(device)
     if use_triton is None:
         use_triton = device.type == "cuda"
+    ref, triton = RESOLVERS[eviction]
     if not use_triton:
-        return REFERENCE_OPS
+        ops = REFERENCE_OPS
+        return ops if ops.resolve is ref else dataclasses.replace(ops, resolve=ref)
     from kernels.triton_ops import TRITON_OPS
 
-    return TRITON_OPS
+    kernel = triton()
+    return TRITON_OPS if TRITON_OPS.resolve is kernel else dataclasses.replace(TRITON_OPS, resolve=kernel)

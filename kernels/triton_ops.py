@@ -15,7 +15,8 @@ from kernels.append_kv import append_kv
 from kernels.dispatch import Ops
 from kernels.gather import gather
 from kernels.quest_select import dense_selection, oracle_scores_ref, quest_scores, select_topk
-from kernels.resolve import resident_slot_list_triton, resolve
+from kernels.resolve import resolve
+from kernels.slot_list import resident_slot_list_triton
 from kernels.sparse_attention import dense_decode_attention, sparse_decode_attention
 
 TRITON_OPS = Ops(

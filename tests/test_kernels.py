@@ -39,7 +39,8 @@ from kernels.int4_matmul import (
     split_gguf_blocks,
 )
 from kernels.quest_select import quest_scores, quest_scores_ref, select_topk, select_topk_ref
-from kernels.resolve import resident_slot_list, resident_slot_list_triton, resolve, resolve_ref
+from kernels.resolve import resolve, resolve_ref
+from kernels.slot_list import resident_slot_list, resident_slot_list_triton
 from kernels.sparse_attention import (
     dense_decode_attention,
     dense_decode_attention_ref,
@@ -583,3 +584,14 @@ def test_decode_step_hierarchical_equals_resident(buffer_pages):
         )
         assert_close(out_hier, out_ref, ATOL[torch.float32])
         assert bits_equal(out_hier.cpu(), out_res.cpu()), f"step {step}: hierarchical != resident"
+
+
+def test_eviction_policies_are_one_registry():
+    """Every eviction policy a config accepts has a resolve step (reference and kernel)."""
+    from engine.config import EVICTION_POLICIES
+    from kernels.dispatch import RESOLVERS
+
+    assert set(EVICTION_POLICIES) == set(RESOLVERS)
+    assert get_ops("cpu", eviction="lru").resolve is RESOLVERS["lru"][0]
+    with pytest.raises(ValueError, match="unknown eviction policy 'fifo'"):
+        get_ops("cpu", eviction="fifo")
