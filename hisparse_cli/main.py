@@ -34,7 +34,7 @@ def run(
     seed: opt.Seed = None,
     stop: opt.Stop = None,
     output_dir: opt.OutputDir = Path("hisparse-out"),
-    preset: opt.Preset = "cpu",
+    preset: opt.Preset = "auto",
     attention: opt.Attention = None,
     indexer: opt.Indexer = None,
     page_size: opt.PageSize = None,

@@ -74,7 +74,12 @@ Stop = Annotated[
 ]
 
 Preset = Annotated[
-    str, typer.Option(help="Hardware preset (see `hisparse presets`).", rich_help_panel=ENGINE)
+    str,
+    typer.Option(
+        help="Hardware preset name or YAML file (see `hisparse presets`); auto picks the "
+        "preset matching this machine's CUDA devices (cpu without CUDA).",
+        rich_help_panel=ENGINE,
+    ),
 ]
 Attention = Annotated[
     Literal["dense", "sparse"] | None, typer.Option(help="Attention mode.", rich_help_panel=ENGINE)

@@ -24,12 +24,13 @@ Lifecycle of one run:
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -40,6 +41,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.events import Event, Job, JobAdmitted, JobFailed, JobFinished, JobResult
 from engine.serve.workers import WorkerDied
 from hisparse_cli import settings
+from hisparse_cli.auto_preset import AUTO, AutoChoice, choose_preset
 from hisparse_cli.keys import DEFAULT_MODEL_ID, model_fingerprint
 from hisparse_cli.manifest import Manifest, ManifestError, jobs_from_paths, load_manifest
 from hisparse_cli.naming import EarlierJob
@@ -100,7 +102,7 @@ class RunRequest:
     model: str | None = None
     job_overrides: dict[str, Any] = field(default_factory=dict)
     engine_overrides: dict[str, Any] = field(default_factory=dict)
-    preset: str = "cpu"
+    preset: str = AUTO
     output_dir: Path = Path("hisparse-out")
     json_progress: bool = False
     encoding: str = "utf-8"
@@ -158,6 +160,33 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def cuda_device_memory_gib(index: int) -> float:
+    """Total memory of CUDA device ``index`` in GiB; tests replace this hook."""
+    import torch
+
+    return torch.cuda.get_device_properties(index).total_memory / 2**30
+
+
+def auto_preset(device_flags: Sequence[str] = ()) -> AutoChoice:
+    """What ``--preset auto`` means on this machine (:func:`choose_preset` over the probes
+    :func:`cuda_device_count` and :func:`cuda_device_memory_gib`); ``device_flags``: the
+    ``--device`` / ``--devices`` values given."""
+    memories = [cuda_device_memory_gib(i) for i in range(cuda_device_count())]
+    return choose_preset(memories, device_flags)
+
+
+def with_auto_preset(request: RunRequest) -> tuple[RunRequest, AutoChoice | None]:
+    """``request`` with ``--preset auto`` replaced by the preset it stands for here."""
+    if request.preset != AUTO:
+        return request, None
+    flags = request.engine_overrides
+    named = list((flags.get("extra") or {}).get("devices") or ()) or (
+        [flags["device"]] if flags.get("device") else []
+    )
+    choice = auto_preset([str(d) for d in named])
+    return dataclasses.replace(request, preset=choice.name), choice
+
+
 def execute(
     request: RunRequest, console: Console | None = None, err_console: Console | None = None
 ) -> int:
@@ -175,6 +204,7 @@ def execute(
     console = console or Console()
     err_console = err_console or Console(stderr=True)
     try:
+        request, choice = with_auto_preset(request)
         manifest, config = prepare(request)
     except ManifestError as exc:
         return _usage_failure(
@@ -193,10 +223,20 @@ def execute(
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     document = config_document(config, request.preset, request.model)
+    if choice is not None:
+        document["preset_auto"] = choice.reason
     if request.print_config:
         console.file.write(json.dumps(document, indent=2, sort_keys=True, default=str) + "\n")
         return EXIT_OK
-    return BatchRun(request, manifest, config, console, err_console).run(document)
+    batch = BatchRun(request, manifest, config, console, err_console)
+    batch.preset_line = preset_line(request.preset, choice)
+    return batch.run(document)
+
+
+def preset_line(preset: str, choice: AutoChoice | None) -> str:
+    """How the progress output and the summary name the preset: ``cpu`` or
+    ``cpu (auto: no CUDA device)``."""
+    return preset if choice is None else f"{preset} (auto: {choice.reason})"
 
 
 def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
@@ -471,6 +511,7 @@ class BatchRun:
         self.console, self.err_console, self.clock = console, err_console, clock
         self.output_dir = request.output_dir
         self.model_name = request.model or DEFAULT_MODEL_ID
+        self.preset_line = request.preset  # with the reason when it was --preset auto
         self.tracker = ProgressTracker(clock())
         self.records: dict[str, dict[str, Any]] = {}
         self.prompt_tokens: dict[str, int] = {}  # job id -> tokens of the prompt it was given
@@ -542,7 +583,9 @@ class BatchRun:
             return _usage_failure(
                 self.err_console, f"error: cannot load the model: {config_error}", []
             )
-        summary = summarize(self.tracker.state, self.clock(), str(self.output_dir), interrupted)
+        summary = summarize(
+            self.tracker.state, self.clock(), str(self.output_dir), interrupted, self.preset_line
+        )
         self.reporter.summary(summary)
         code = exit_code(summary)
         return EXIT_TERMINATED if code == EXIT_INTERRUPTED and self.terminated else code
@@ -591,7 +634,10 @@ class BatchRun:
 
     def _run_engine(self, pending: list[PlannedJob]) -> bool:
         """Load the engine and consume its events; return whether Ctrl-C was pressed."""
-        self.reporter.note(f"loading model {self.model_name} ({len(pending)} job(s) to run)")
+        self.reporter.note(
+            f"loading model {self.model_name} ({len(pending)} job(s) to run; "
+            f"preset {self.preset_line})"
+        )
         started = self.clock()
         try:
             engine = load_engine(self.config, self.request.model)
