@@ -40,7 +40,7 @@ from rich.console import Console
 from engine.config import ConfigError, EngineConfig
 from engine.events import Event, Job, JobAdmitted, JobFailed, JobFinished, JobResult
 from engine.serve.workers import WorkerDied
-from hisparse_cli import settings
+from hisparse_cli import preflight, settings
 from hisparse_cli.auto_preset import AUTO, AutoChoice, choose_preset
 from hisparse_cli.keys import DEFAULT_MODEL_ID, model_fingerprint
 from hisparse_cli.manifest import Manifest, ManifestError, jobs_from_paths, load_manifest
@@ -226,7 +226,14 @@ def execute(
     if choice is not None:
         document["preset_auto"] = choice.reason
     if request.print_config:
-        console.file.write(json.dumps(document, indent=2, sort_keys=True, default=str) + "\n")
+        problems = machine_problems(config, request, manifest)
+        printed = {**document, "problems": problems} if problems else document
+        console.file.write(json.dumps(printed, indent=2, sort_keys=True, default=str) + "\n")
+        for problem in problems:
+            err_console.print(
+                f"warning: a run would be refused here: {problem}",
+                style="yellow", markup=False, highlight=False, soft_wrap=True,
+            )  # fmt: skip
         return EXIT_OK
     batch = BatchRun(request, manifest, config, console, err_console)
     batch.preset_line = preset_line(request.preset, choice)
@@ -275,7 +282,42 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
         check_device_names(config)
         check_devices(config, request.preset, manifest.engine, request.engine_overrides)
         check_trace_path(config)
+        check_max_context(config, request, manifest)
     return manifest, config
+
+
+def check_max_context(config: EngineConfig, request: RunRequest, manifest: Manifest) -> None:
+    """Raise :class:`UsageError` when ``max_context`` is above the model's trained context
+    without ``--context-policy extend`` (read from the model's header, before loading)."""
+    problem = preflight.max_context_problem(
+        config, request.model, request.preset, manifest.engine, request.engine_overrides
+    )
+    if problem:
+        raise UsageError(problem)
+
+
+def machine_problems(config: EngineConfig, request: RunRequest, manifest: Manifest) -> list[str]:
+    """What would stop this config from running here, each in words; ``--print-config``
+    reports them (``problems``) since it skips the checks that refuse a run."""
+    flags, engine = request.engine_overrides, manifest.engine
+    checks: list[Callable[[], None]] = [
+        lambda: check_device_names(config),
+        lambda: check_devices(config, request.preset, engine, flags),
+        lambda: check_trace_path(config),
+        lambda: check_max_context(config, request, manifest),
+        lambda: check_host_pool(config),
+    ]
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except (UsageError, ValueError) as exc:  # ConfigError is a ValueError
+            problems.append(str(exc))
+        except Exception as exc:  # noqa: BLE001 - CacheFullError: not a ValueError
+            if not is_config_error(exc):
+                raise
+            problems.append(str(exc))
+    return problems
 
 
 KEPT_WORDS = {
@@ -632,8 +674,25 @@ class BatchRun:
                 )
                 return
 
+    def _warn_oversized(self, pending: list[PlannedJob]) -> None:
+        """Before the model loads: name the documents whose size alone shows they exceed
+        the context limit under ``refuse``/``extend`` (they would fail only after the
+        load), with the choices."""
+        if self.config.context_policy == "truncate":
+            return
+        trained = preflight.trained_context(self.request.model)
+        if trained is None:
+            return
+        limit = preflight.context_limit(self.config, trained)
+        jobs = [(j.spec.id, j.spec.inputs, j.spec.sampling.max_tokens) for j in pending]
+        found = preflight.oversized_documents(jobs, limit)
+        if found:
+            statement = preflight.oversized_statement(found, limit, self.config.context_policy)
+            self.reporter.note(statement, "warning")
+
     def _run_engine(self, pending: list[PlannedJob]) -> bool:
         """Load the engine and consume its events; return whether Ctrl-C was pressed."""
+        self._warn_oversized(pending)
         self.reporter.note(
             f"loading model {self.model_name} ({len(pending)} job(s) to run; "
             f"preset {self.preset_line})"
