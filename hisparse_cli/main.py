@@ -5,6 +5,7 @@ Commands are thin: they turn flags into a request and hand it over. Heavy module
 """
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -15,8 +16,46 @@ app = typer.Typer(
     name="hisparse",
     help="Offline long-document LLM batch processor with sparse hierarchical KV decoding.",
     no_args_is_help=True,
-    add_completion=False,
 )
+
+
+def version() -> str:
+    """The installed ``hisparse`` version, else the checkout's ``pyproject.toml`` one."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("hisparse")
+    except PackageNotFoundError:
+        import tomllib
+
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["version"]
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"hisparse {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            metavar="",
+            help="Print the version and exit.",
+        ),
+    ] = False,
+) -> None:
+    """Offline long-document LLM batch processor with sparse hierarchical KV decoding.
+
+    Shell completion: `hisparse --install-completion` (bash, zsh, fish, PowerShell).
+    """
 
 
 @app.command()

@@ -13,6 +13,18 @@ import typer
 
 JOBS, SAMPLING, ENGINE, OUTPUT, TEXT = "Jobs", "Sampling", "Engine", "Output", "Input text"
 
+
+def default_is(value: str) -> str:
+    """`` [default: VALUE]`` for the help text of an option whose real default is ``None``
+    ("not given": a preset or manifest may set it), shown as a value (Typer's
+    ``show_default="..."`` would print it in parentheses); the bracket is escaped so
+    Rich markup keeps it."""
+    return f" \\[default: {value}]"
+
+
+FLAG = ""
+"""``metavar`` of on/off flags: no ``<bool>`` placeholder in ``--help``."""
+
 Docs = Annotated[
     list[str] | None,
     typer.Argument(
@@ -51,14 +63,23 @@ Question = Annotated[
 
 MaxNewTokens = Annotated[
     int | None,
-    typer.Option(help="New tokens per job.", show_default="256", rich_help_panel=SAMPLING),
+    typer.Option(
+        help="New tokens per job." + default_is("256"), show_default=False, rich_help_panel=SAMPLING
+    ),
 ]
 Temperature = Annotated[
-    float | None, typer.Option(help="0 = greedy.", show_default="0", rich_help_panel=SAMPLING)
+    float | None,
+    typer.Option(
+        help="0 = greedy." + default_is("0"), show_default=False, rich_help_panel=SAMPLING
+    ),
 ]
 TopP = Annotated[
     float | None,
-    typer.Option(help="Nucleus sampling mass.", show_default="1", rich_help_panel=SAMPLING),
+    typer.Option(
+        help="Nucleus sampling mass." + default_is("1"),
+        show_default=False,
+        rich_help_panel=SAMPLING,
+    ),
 ]
 TopK = Annotated[
     int | None,
@@ -102,7 +123,7 @@ TopKTokens = Annotated[
 DeviceBuffer = Annotated[
     int | None,
     typer.Option(
-        help="Hot-buffer tokens per layer and KV head [default: 2 x budget].",
+        help="Hot-buffer tokens per layer and KV head." + default_is("2 x --top-k-tokens"),
         rich_help_panel=ENGINE,
     ),
 ]
@@ -128,8 +149,8 @@ MaxContext = Annotated[
 ExtendMethod = Annotated[
     Literal["yarn", "dynamic", "linear"] | None,
     typer.Option(
-        help="RoPE scaling for --context-policy extend.",
-        show_default="yarn",
+        help="RoPE scaling for --context-policy extend." + default_is("yarn"),
+        show_default=False,
         rich_help_panel=ENGINE,
     ),
 ]
@@ -137,8 +158,8 @@ TruncateKeep = Annotated[
     Literal["head", "tail", "middle"] | None,
     typer.Option(
         help="What --context-policy truncate keeps: head, tail, or middle (both ends; "
-        "the middle is cut).",
-        show_default="head",
+        "the middle is cut)." + default_is("head"),
+        show_default=False,
         rich_help_panel=ENGINE,
     ),
 ]
@@ -160,8 +181,8 @@ Threads = Annotated[
         "--threads",
         min=1,
         help="CPU threads for torch (num_threads); 1 avoids oversubscription on a shared or "
-        "small CPU box.",
-        show_default="torch's default (all cores; split between CPU workers)",
+        "small CPU box." + default_is("torch's default (all cores; split between CPU workers)"),
+        show_default=False,
         rich_help_panel=ENGINE,
     ),
 ]
@@ -169,8 +190,9 @@ Device = Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N.", rich_he
 Devices = Annotated[
     str | None,
     typer.Option(
-        help="Several devices, comma-separated (cuda:0,cuda:1 or cpu,cpu): one worker each.",
-        show_default="the preset's hardware devices",
+        help="Several devices, comma-separated (cuda:0,cuda:1 or cpu,cpu): one worker each."
+        + default_is("the preset's hardware devices"),
+        show_default=False,
         rich_help_panel=ENGINE,
     ),
 ]
@@ -178,8 +200,8 @@ Parallel = Annotated[
     Literal["data", "pipeline"] | None,
     typer.Option(
         help="With several devices: data (whole jobs per device) or pipeline (layers split "
-        "across devices).",
-        show_default="the preset's",
+        "across devices)." + default_is("the preset's"),
+        show_default=False,
         rich_help_panel=ENGINE,
     ),
 ]
@@ -197,13 +219,31 @@ OutputDir = Annotated[
     typer.Option(help="Where results.jsonl, config.json and <job>.txt go.", rich_help_panel=OUTPUT),
 ]
 JsonProgress = Annotated[
-    bool, typer.Option(help="Progress as JSON lines on stdout.", rich_help_panel=OUTPUT)
+    bool,
+    typer.Option(
+        metavar=FLAG,
+        show_default=False,
+        help="Progress as JSON lines on stdout.",
+        rich_help_panel=OUTPUT,
+    ),
 ]
 PrintConfig = Annotated[
-    bool, typer.Option(help="Print the resolved config and exit.", rich_help_panel=OUTPUT)
+    bool,
+    typer.Option(
+        metavar=FLAG,
+        show_default=False,
+        help="Print the resolved config and exit.",
+        rich_help_panel=OUTPUT,
+    ),
 ]
 Force = Annotated[
-    bool, typer.Option(help="Redo jobs already done in results.jsonl.", rich_help_panel=OUTPUT)
+    bool,
+    typer.Option(
+        metavar=FLAG,
+        show_default=False,
+        help="Redo jobs already done in results.jsonl.",
+        rich_help_panel=OUTPUT,
+    ),
 ]
 
 Encoding = Annotated[
@@ -218,6 +258,8 @@ Errors = Annotated[
 AllowBinary = Annotated[
     bool,
     typer.Option(
+        metavar=FLAG,
+        show_default=False,
         help="Read documents that look binary (NUL or control bytes) anyway: invalid bytes "
         "become U+FFFD, control characters are removed, and a warning names the file.",
         rich_help_panel=TEXT,
