@@ -66,6 +66,7 @@ def run(
     prompt: opt.Prompt = None,
     task: opt.Task = None,
     question: opt.Question = None,
+    fields: opt.Fields = None,
     max_new_tokens: opt.MaxNewTokens = None,
     temperature: opt.Temperature = None,
     top_p: opt.TopP = None,
@@ -114,6 +115,7 @@ def run(
         "task": task,
         "prompt": prompt,
         "question": question,
+        "fields": _field_names(fields),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "top_p": top_p,
@@ -156,6 +158,13 @@ def run(
         force=force,
     )
     raise typer.Exit(execute(request))
+
+
+def _field_names(fields: str | None) -> list[str] | None:
+    """``--fields a,b`` -> ``["a", "b"]`` (an empty list, refused as such, for ``","``)."""
+    if fields is None:
+        return None
+    return [name.strip() for name in fields.split(",") if name.strip()]
 
 
 def _extra_overrides(trace: Path | None, devices: str | None, parallel: str | None) -> dict | None:

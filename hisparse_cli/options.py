@@ -57,6 +57,14 @@ Prompt = Annotated[
     str | None,
     typer.Option(help="Custom prompt template; must contain ${document}.", rich_help_panel=JOBS),
 ]
+Fields = Annotated[
+    str | None,
+    typer.Option(
+        help="Comma-separated field names for --task extract (e.g. title,date,total): the "
+        "reply is parsed into a JSON object with these keys, the results line's data.",
+        rich_help_panel=JOBS,
+    ),
+]
 Question = Annotated[
     str | None, typer.Option(help="Question for --task answer.", rich_help_panel=JOBS)
 ]

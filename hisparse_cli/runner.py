@@ -42,6 +42,7 @@ from engine.events import Event, Job, JobAdmitted, JobFailed, JobFinished, JobRe
 from engine.serve.workers import WorkerDied
 from hisparse_cli import preflight, settings
 from hisparse_cli.auto_preset import AUTO, AutoChoice, choose_preset
+from hisparse_cli.extract import parse_extracted
 from hisparse_cli.keys import DEFAULT_MODEL_ID, model_fingerprint
 from hisparse_cli.manifest import Manifest, ManifestError, jobs_from_paths, load_manifest
 from hisparse_cli.naming import EarlierJob
@@ -557,6 +558,7 @@ class BatchRun:
         self.tracker = ProgressTracker(clock())
         self.records: dict[str, dict[str, Any]] = {}
         self.prompt_tokens: dict[str, int] = {}  # job id -> tokens of the prompt it was given
+        self.extract_fields: dict[str, Any] = {}  # extract job id -> its fields (or None)
         self.cancel: _SigintCanceller | None = None
         self.sigterm = _SigtermAsInterrupt()
         self._announced = False
@@ -637,6 +639,8 @@ class BatchRun:
         for job in planned:
             self.tracker.add_job(job.spec.id, "skipped" if job.status == SKIP else "queued")
             self.records[job.spec.id] = job.base_record(self.model_name)
+            if job.spec.task.task == "extract":
+                self.extract_fields[job.spec.id] = job.spec.task.fields
         self.reporter.skipped([j.spec.id for j in planned if j.status == SKIP])
         writers: dict[str, list[EarlierJob]] = {}  # output file -> earlier jobs that wrote it
         for earlier in jobs_of(self.log.existing.latest):
@@ -840,6 +844,11 @@ class BatchRun:
         if base is None:
             return
         record = result_record(base, result)
+        if result.job_id in self.extract_fields:  # --task extract: the reply as data
+            data, error = parse_extracted(result.text, self.extract_fields[result.job_id])
+            record["data"], record["data_error"] = data, error
+            if error and record["ok"]:
+                self.reporter.note(f"{result.job_id}: no data extracted: {error}", "warning")
         if record["ok"]:
             write_text_atomic(self.output_dir / base["output"], result.text)
         else:
