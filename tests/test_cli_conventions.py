@@ -4,9 +4,9 @@ list that reads at 80 columns."""
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
+import tomllib
 from typer.testing import CliRunner
 
 from engine.presets import list_presets

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from test_cli_run import cli, docs, read_results  # noqa: F401 - fixtures
 
 from hisparse_cli import testing
 from hisparse_cli.extract import parse_extracted
 from hisparse_cli.tasks import TaskSpec, build_messages
-from test_cli_run import cli, docs, read_results  # noqa: F401 - fixtures
 
 
 @pytest.mark.parametrize(

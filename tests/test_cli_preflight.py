@@ -9,11 +9,11 @@ import struct
 
 import gguf
 import pytest
+from test_cli_run import cli, docs  # noqa: F401 - fixtures
 
 from engine.weights.header import GGUFHeaderError, read_gguf_fields
 from hisparse_cli import preflight
 from hisparse_cli import runner as runner_module
-from test_cli_run import cli, docs  # noqa: F401 - fixtures
 
 
 def tiny_gguf(path, context=2048, arch="llama"):
