@@ -22,9 +22,11 @@ ModelOpt = Annotated[
     ),
 ]
 PresetOpt = Annotated[
-    str | None,
+    str,
     typer.Option(
-        help="Hardware preset (default: h200 with CUDA, else cpu).", rich_help_panel=BENCH
+        help="Hardware preset name or YAML file; auto picks the preset matching this "
+        "machine's CUDA devices (cpu without CUDA), as in `hisparse run`.",
+        rich_help_panel=BENCH,
     ),
 ]
 ContextsOpt = Annotated[
@@ -171,7 +173,7 @@ def bench_command(
     soak_batch: SoakBatchOpt = None,
     soak_every: SoakEveryOpt = 100,
     soak_mode: SoakModeOpt = "hierarchical",
-    preset: PresetOpt = None,
+    preset: PresetOpt = "auto",
     device: opt.Device = None,
     page_size: opt.PageSize = None,
     top_k_tokens: opt.TopKTokens = None,
@@ -222,7 +224,7 @@ def bench_command(
         "local_window": local_window,
     }
     try:
-        config = resolve_config(preset or _default_preset(), {}, overrides)
+        config = resolve_config(_chosen_preset(preset, device), {}, overrides)
         spec = bench.BenchSpec(
             model=model,
             config=config,
@@ -266,10 +268,17 @@ def bench_command(
     typer.echo(f"plots: {', '.join(report['plots']) or 'none'}")
 
 
-def _default_preset() -> str:
-    import torch
+def _chosen_preset(preset: str, device: str | None) -> str:
+    """``preset``, or for ``auto`` the preset matching this machine's CUDA devices
+    (:func:`hisparse_cli.runner.auto_preset`; said on stdout)."""
+    from hisparse_cli.auto_preset import AUTO
+    from hisparse_cli.runner import auto_preset
 
-    return "h200" if torch.cuda.is_available() else "cpu"
+    if preset != AUTO:
+        return preset
+    choice = auto_preset([device] if device else [])
+    typer.echo(f"preset {choice.name} (auto: {choice.reason})")
+    return choice.name
 
 
 if __name__ == "__main__":  # python -m hisparse_cli.bench_cmd (before main.py registers it)

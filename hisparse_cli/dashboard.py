@@ -278,6 +278,8 @@ def render_summary(summary: RunSummary) -> Table:
         "time", f"{fmt_seconds(summary.wall_s)} ({fmt_rate(summary.decode_tok_s)} decode)"
     )
     table.add_row("output", summary.output_dir)
+    if summary.preset:
+        table.add_row("preset", summary.preset)
     return table
 
 

@@ -5,6 +5,7 @@ Commands are thin: they turn flags into a request and hand it over. Heavy module
 """
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -15,8 +16,46 @@ app = typer.Typer(
     name="hisparse",
     help="Offline long-document LLM batch processor with sparse hierarchical KV decoding.",
     no_args_is_help=True,
-    add_completion=False,
 )
+
+
+def version() -> str:
+    """The installed ``hisparse`` version, else the checkout's ``pyproject.toml`` one."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("hisparse")
+    except PackageNotFoundError:
+        import tomllib
+
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["version"]
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"hisparse {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            metavar="",
+            help="Print the version and exit.",
+        ),
+    ] = False,
+) -> None:
+    """Offline long-document LLM batch processor with sparse hierarchical KV decoding.
+
+    Shell completion: `hisparse --install-completion` (bash, zsh, fish, PowerShell).
+    """
 
 
 @app.command()
@@ -27,6 +66,7 @@ def run(
     prompt: opt.Prompt = None,
     task: opt.Task = None,
     question: opt.Question = None,
+    fields: opt.Fields = None,
     max_new_tokens: opt.MaxNewTokens = None,
     temperature: opt.Temperature = None,
     top_p: opt.TopP = None,
@@ -34,7 +74,7 @@ def run(
     seed: opt.Seed = None,
     stop: opt.Stop = None,
     output_dir: opt.OutputDir = Path("hisparse-out"),
-    preset: opt.Preset = "cpu",
+    preset: opt.Preset = "auto",
     attention: opt.Attention = None,
     indexer: opt.Indexer = None,
     page_size: opt.PageSize = None,
@@ -76,6 +116,7 @@ def run(
         "task": task,
         "prompt": prompt,
         "question": question,
+        "fields": _field_names(fields),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "top_p": top_p,
@@ -127,6 +168,13 @@ def _device_list(devices: str | None) -> tuple[str, ...] | None:
     """``--devices cuda:0,cuda:1`` as ``EngineConfig.devices`` (``None`` when not given)."""
     names = tuple(d.strip() for d in (devices or "").split(",") if d.strip())
     return names or None
+
+
+def _field_names(fields: str | None) -> list[str] | None:
+    """``--fields a,b`` -> ``["a", "b"]`` (an empty list, refused as such, for ``","``)."""
+    if fields is None:
+        return None
+    return [name.strip() for name in fields.split(",") if name.strip()]
 
 
 presets_cmd.register(app)

@@ -62,6 +62,7 @@ CLI_FLAGS = {
     "task": "--task",
     "prompt": "--prompt",
     "question": "--question",
+    "fields": "--fields",
     "max_new_tokens": "--max-new-tokens",
     "temperature": "--temperature",
     "top_p": "--top-p",

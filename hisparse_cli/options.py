@@ -13,6 +13,18 @@ import typer
 
 JOBS, SAMPLING, ENGINE, OUTPUT, TEXT = "Jobs", "Sampling", "Engine", "Output", "Input text"
 
+
+def default_is(value: str) -> str:
+    """`` [default: VALUE]`` for the help text of an option whose real default is ``None``
+    ("not given": a preset or manifest may set it), shown as a value (Typer's
+    ``show_default="..."`` would print it in parentheses); the bracket is escaped so
+    Rich markup keeps it."""
+    return f" \\[default: {value}]"
+
+
+FLAG = ""
+"""``metavar`` of on/off flags: no ``<bool>`` placeholder in ``--help``."""
+
 Docs = Annotated[
     list[str] | None,
     typer.Argument(
@@ -45,20 +57,37 @@ Prompt = Annotated[
     str | None,
     typer.Option(help="Custom prompt template; must contain ${document}.", rich_help_panel=JOBS),
 ]
+Fields = Annotated[
+    str | None,
+    typer.Option(
+        help="Comma-separated field names for --task extract (e.g. title,date,total): the "
+        "reply is parsed into a JSON object with these keys, the results line's data.",
+        rich_help_panel=JOBS,
+    ),
+]
 Question = Annotated[
     str | None, typer.Option(help="Question for --task answer.", rich_help_panel=JOBS)
 ]
 
 MaxNewTokens = Annotated[
     int | None,
-    typer.Option(help="New tokens per job.", show_default="256", rich_help_panel=SAMPLING),
+    typer.Option(
+        help="New tokens per job." + default_is("256"), show_default=False, rich_help_panel=SAMPLING
+    ),
 ]
 Temperature = Annotated[
-    float | None, typer.Option(help="0 = greedy.", show_default="0", rich_help_panel=SAMPLING)
+    float | None,
+    typer.Option(
+        help="0 = greedy." + default_is("0"), show_default=False, rich_help_panel=SAMPLING
+    ),
 ]
 TopP = Annotated[
     float | None,
-    typer.Option(help="Nucleus sampling mass.", show_default="1", rich_help_panel=SAMPLING),
+    typer.Option(
+        help="Nucleus sampling mass." + default_is("1"),
+        show_default=False,
+        rich_help_panel=SAMPLING,
+    ),
 ]
 TopK = Annotated[
     int | None,
@@ -74,7 +103,12 @@ Stop = Annotated[
 ]
 
 Preset = Annotated[
-    str, typer.Option(help="Hardware preset (see `hisparse presets`).", rich_help_panel=ENGINE)
+    str,
+    typer.Option(
+        help="Hardware preset name or YAML file (see `hisparse presets`); auto picks the "
+        "preset matching this machine's CUDA devices (cpu without CUDA).",
+        rich_help_panel=ENGINE,
+    ),
 ]
 Attention = Annotated[
     Literal["dense", "sparse"] | None, typer.Option(help="Attention mode.", rich_help_panel=ENGINE)
@@ -97,7 +131,7 @@ TopKTokens = Annotated[
 DeviceBuffer = Annotated[
     int | None,
     typer.Option(
-        help="Hot-buffer tokens per layer and KV head [default: 2 x budget].",
+        help="Hot-buffer tokens per layer and KV head." + default_is("2 x --top-k-tokens"),
         rich_help_panel=ENGINE,
     ),
 ]
@@ -123,8 +157,8 @@ MaxContext = Annotated[
 ExtendMethod = Annotated[
     Literal["yarn", "dynamic", "linear"] | None,
     typer.Option(
-        help="RoPE scaling for --context-policy extend.",
-        show_default="yarn",
+        help="RoPE scaling for --context-policy extend." + default_is("yarn"),
+        show_default=False,
         rich_help_panel=ENGINE,
     ),
 ]
@@ -132,8 +166,8 @@ TruncateKeep = Annotated[
     Literal["head", "tail", "middle"] | None,
     typer.Option(
         help="What --context-policy truncate keeps: head, tail, or middle (both ends; "
-        "the middle is cut).",
-        show_default="head",
+        "the middle is cut)." + default_is("head"),
+        show_default=False,
         rich_help_panel=ENGINE,
     ),
 ]
@@ -155,8 +189,8 @@ Threads = Annotated[
         "--threads",
         min=1,
         help="CPU threads for torch (num_threads); 1 avoids oversubscription on a shared or "
-        "small CPU box.",
-        show_default="torch's default (all cores; split between CPU workers)",
+        "small CPU box." + default_is("torch's default (all cores; split between CPU workers)"),
+        show_default=False,
         rich_help_panel=ENGINE,
     ),
 ]
@@ -164,8 +198,9 @@ Device = Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N.", rich_he
 Devices = Annotated[
     str | None,
     typer.Option(
-        help="Several devices, comma-separated (cuda:0,cuda:1 or cpu,cpu): one worker each.",
-        show_default="the preset's hardware devices",
+        help="Several devices, comma-separated (cuda:0,cuda:1 or cpu,cpu): one worker each."
+        + default_is("the preset's hardware devices"),
+        show_default=False,
         rich_help_panel=ENGINE,
     ),
 ]
@@ -173,8 +208,8 @@ Parallel = Annotated[
     Literal["data", "pipeline"] | None,
     typer.Option(
         help="With several devices: data (whole jobs per device) or pipeline (layers split "
-        "across devices).",
-        show_default="the preset's",
+        "across devices)." + default_is("the preset's"),
+        show_default=False,
         rich_help_panel=ENGINE,
     ),
 ]
@@ -192,13 +227,31 @@ OutputDir = Annotated[
     typer.Option(help="Where results.jsonl, config.json and <job>.txt go.", rich_help_panel=OUTPUT),
 ]
 JsonProgress = Annotated[
-    bool, typer.Option(help="Progress as JSON lines on stdout.", rich_help_panel=OUTPUT)
+    bool,
+    typer.Option(
+        metavar=FLAG,
+        show_default=False,
+        help="Progress as JSON lines on stdout.",
+        rich_help_panel=OUTPUT,
+    ),
 ]
 PrintConfig = Annotated[
-    bool, typer.Option(help="Print the resolved config and exit.", rich_help_panel=OUTPUT)
+    bool,
+    typer.Option(
+        metavar=FLAG,
+        show_default=False,
+        help="Print the resolved config and exit.",
+        rich_help_panel=OUTPUT,
+    ),
 ]
 Force = Annotated[
-    bool, typer.Option(help="Redo jobs already done in results.jsonl.", rich_help_panel=OUTPUT)
+    bool,
+    typer.Option(
+        metavar=FLAG,
+        show_default=False,
+        help="Redo jobs already done in results.jsonl.",
+        rich_help_panel=OUTPUT,
+    ),
 ]
 RetryFailed = Annotated[
     bool,
@@ -221,6 +274,8 @@ Errors = Annotated[
 AllowBinary = Annotated[
     bool,
     typer.Option(
+        metavar=FLAG,
+        show_default=False,
         help="Read documents that look binary (NUL or control bytes) anyway: invalid bytes "
         "become U+FFFD, control characters are removed, and a warning names the file.",
         rich_help_panel=TEXT,

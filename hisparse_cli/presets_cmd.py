@@ -13,6 +13,7 @@ import typer
 import yaml
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from engine.capacity.planner import (
     GIB,
@@ -196,31 +197,30 @@ def plan_command(
 
 
 def _presets_table() -> Table:
-    table = Table(title="presets", title_justify="left")
-    for column in (
-        "name",
-        "devices",
-        "memory / device",
-        "host RAM",
-        "model",
-        "description",
-    ):
-        table.add_column(column)
+    """One row per preset: its name, then the hardware on one line and the description
+    wrapped below it, so the list reads at 80 columns."""
+    table = Table(title="presets", title_justify="left", box=None, show_header=False)
+    table.add_column("name", style="bold", no_wrap=True)
+    table.add_column("preset", overflow="fold", ratio=1)
     for name in list_presets():
         try:
             p = load_preset_full(name)
         except ConfigError as exc:
-            table.add_row(name, "", "", "", "", f"[red]{exc}[/]")
+            table.add_row(name, Text(str(exc), "red"))
             continue
         hw = p.hardware
-        table.add_row(
-            name,
-            f"{hw.num_devices} x {hw.device_name or hw.devices[0]}",
-            f"{hw.memory_gb:g} GiB",
-            f"{hw.host_memory_gb:g} GiB",
-            p.model or "",
-            p.description,
+        hardware = (
+            f"{hw.num_devices} x {hw.device_name or hw.devices[0]}, {hw.memory_gb:g} GiB each; "
+            f"host RAM {hw.host_memory_gb:g} GiB; {hw.parallel} parallel"
+            + (f"; model {p.model}" if p.model else "")
         )
+        table.add_row(name, Text.assemble((hardware, "cyan"), "\n", p.description))
+        table.add_row("", "")
+    table.add_row(
+        "auto",
+        "the default of `hisparse run` and `hisparse bench`: the preset matching this "
+        "machine's CUDA devices (count and memory), cpu without CUDA",
+    )
     return table
 
 

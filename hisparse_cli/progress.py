@@ -332,12 +332,13 @@ class RunSummary:
     decode_tok_s: float
     output_dir: str
     interrupted: bool = False
+    preset: str = ""
 
 
 def summarize(
-    state: RunState, now: float, output_dir: str, interrupted: bool = False
+    state: RunState, now: float, output_dir: str, interrupted: bool = False, preset: str = ""
 ) -> RunSummary:
-    """Summary of ``state`` at time ``now``."""
+    """Summary of ``state`` at time ``now``; ``preset``: the preset the run used."""
     counts = phase_counts(state)
     ran = [r for r in state.jobs.values() if r.phase in ("done", "failed", "cancelled")]
     return RunSummary(
@@ -352,4 +353,5 @@ def summarize(
         decode_tok_s=decode_tok_s_run(state, now),
         output_dir=output_dir,
         interrupted=interrupted,
+        preset=preset,
     )

@@ -33,7 +33,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -44,7 +44,9 @@ from engine.config import CacheFullError, ConfigError, EngineConfig
 from engine.events import Event, Job, JobAdmitted, JobFailed, JobFinished, JobResult
 from engine.serve.base import BatchEngine
 from engine.serve.workers import WorkerDied
-from hisparse_cli import settings
+from hisparse_cli import preflight, settings
+from hisparse_cli.auto_preset import AUTO, AutoChoice, choose_preset
+from hisparse_cli.extract import parse_extracted
 from hisparse_cli.keys import DEFAULT_MODEL_ID, model_fingerprint
 from hisparse_cli.manifest import Manifest, ManifestError, jobs_from_paths, load_manifest
 from hisparse_cli.naming import EarlierJob
@@ -107,7 +109,7 @@ class RunRequest:
     model: str | None = None
     job_overrides: dict[str, Any] = field(default_factory=dict)
     engine_overrides: dict[str, Any] = field(default_factory=dict)
-    preset: str = "cpu"
+    preset: str = AUTO
     output_dir: Path = Path("hisparse-out")
     json_progress: bool = False
     encoding: str = "utf-8"
@@ -166,6 +168,33 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def cuda_device_memory_gib(index: int) -> float:
+    """Total memory of CUDA device ``index`` in GiB; tests replace this hook."""
+    import torch
+
+    return torch.cuda.get_device_properties(index).total_memory / 2**30
+
+
+def auto_preset(device_flags: Sequence[str] = ()) -> AutoChoice:
+    """What ``--preset auto`` means on this machine (:func:`choose_preset` over the probes
+    :func:`cuda_device_count` and :func:`cuda_device_memory_gib`); ``device_flags``: the
+    ``--device`` / ``--devices`` values given."""
+    memories = [cuda_device_memory_gib(i) for i in range(cuda_device_count())]
+    return choose_preset(memories, device_flags)
+
+
+def with_auto_preset(request: RunRequest) -> tuple[RunRequest, AutoChoice | None]:
+    """``request`` with ``--preset auto`` replaced by the preset it stands for here."""
+    if request.preset != AUTO:
+        return request, None
+    flags = request.engine_overrides
+    named = list(flags.get("devices") or ()) or (
+        [flags["device"]] if flags.get("device") else []
+    )
+    choice = auto_preset([str(d) for d in named])
+    return dataclasses.replace(request, preset=choice.name), choice
+
+
 def execute(
     request: RunRequest, console: Console | None = None, err_console: Console | None = None
 ) -> int:
@@ -183,6 +212,7 @@ def execute(
     console = console or Console()
     err_console = err_console or Console(stderr=True)
     try:
+        request, choice = with_auto_preset(request)
         manifest, config = prepare(request)
     except ManifestError as exc:
         return _usage_failure(
@@ -205,10 +235,27 @@ def execute(
             f"warning: {warning}", style="yellow", markup=False, highlight=False, soft_wrap=True
         )
     document = config_document(config, request.preset, request.model)
+    if choice is not None:
+        document["preset_auto"] = choice.reason
     if request.print_config:
-        console.file.write(json.dumps(document, indent=2, sort_keys=True, default=str) + "\n")
+        problems = machine_problems(config, request, manifest)
+        printed = {**document, "problems": problems} if problems else document
+        console.file.write(json.dumps(printed, indent=2, sort_keys=True, default=str) + "\n")
+        for problem in problems:
+            err_console.print(
+                f"warning: a run would be refused here: {problem}",
+                style="yellow", markup=False, highlight=False, soft_wrap=True,
+            )  # fmt: skip
         return EXIT_OK
-    return BatchRun(request, manifest, config, console, err_console).run(document)
+    batch = BatchRun(request, manifest, config, console, err_console)
+    batch.preset_line = preset_line(request.preset, choice)
+    return batch.run(document)
+
+
+def preset_line(preset: str, choice: AutoChoice | None) -> str:
+    """How the progress output and the summary name the preset: ``cpu`` or
+    ``cpu (auto: no CUDA device)``."""
+    return preset if choice is None else f"{preset} (auto: {choice.reason})"
 
 
 def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
@@ -248,6 +295,7 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
         check_devices(config, request.preset, manifest.engine, request.engine_overrides)
         check_trace_path(config)
         check_run_files(manifest, request.output_dir)
+        check_max_context(config, request, manifest)
     return manifest, config
 
 
@@ -287,6 +335,40 @@ def output_collisions(jobs: list[PlannedJob], output_dir: Path) -> dict[str, str
                 "the run: choose another --output-dir, or set the job's output (or id)"
             )
     return found
+
+
+def check_max_context(config: EngineConfig, request: RunRequest, manifest: Manifest) -> None:
+    """Raise :class:`UsageError` when ``max_context`` is above the model's trained context
+    without ``--context-policy extend`` (read from the model's header, before loading)."""
+    problem = preflight.max_context_problem(
+        config, request.model, request.preset, manifest.engine, request.engine_overrides
+    )
+    if problem:
+        raise UsageError(problem)
+
+
+def machine_problems(config: EngineConfig, request: RunRequest, manifest: Manifest) -> list[str]:
+    """What would stop this config from running here, each in words; ``--print-config``
+    reports them (``problems``) since it skips the checks that refuse a run."""
+    flags, engine = request.engine_overrides, manifest.engine
+    checks: list[Callable[[], None]] = [
+        lambda: check_device_names(config),
+        lambda: check_devices(config, request.preset, engine, flags),
+        lambda: check_trace_path(config),
+        lambda: check_max_context(config, request, manifest),
+        lambda: check_host_pool(config),
+    ]
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except (UsageError, ValueError) as exc:  # ConfigError is a ValueError
+            problems.append(str(exc))
+        except Exception as exc:  # noqa: BLE001 - CacheFullError: not a ValueError
+            if not is_config_error(exc):
+                raise
+            problems.append(str(exc))
+    return problems
 
 
 KEPT_WORDS = {
@@ -522,6 +604,7 @@ class BatchRun:
         self.console, self.err_console, self.clock = console, err_console, clock
         self.output_dir = request.output_dir
         self.model_name = request.model or DEFAULT_MODEL_ID
+        self.preset_line = request.preset  # with the reason when it was --preset auto
         self.tracker = ProgressTracker(clock())
         self.records: dict[str, dict[str, Any]] = {}
         self.prompt_tokens: dict[str, int] = {}  # job id -> tokens of the prompt it was given
@@ -529,6 +612,7 @@ class BatchRun:
         self.final: dict[str, str] = {}  # job id -> why its failure is final (results.FINAL_*)
         self.input_paths: set[Path] = set()  # every input of the run, resolved
         self.prompt_limit: int | None = None  # the engine's context limit, once loaded
+        self.extract_fields: dict[str, Any] = {}  # extract job id -> its fields (or None)
         self.cancel: _SigintCanceller | None = None
         self.sigterm = _SigtermAsInterrupt()
         self._announced = False
@@ -607,7 +691,9 @@ class BatchRun:
             return _usage_failure(
                 self.err_console, f"error: cannot load the model: {config_error}", []
             )
-        summary = summarize(self.tracker.state, self.clock(), str(self.output_dir), interrupted)
+        summary = summarize(
+            self.tracker.state, self.clock(), str(self.output_dir), interrupted, self.preset_line
+        )
         self.reporter.summary(summary)
         code = exit_code(summary)
         return EXIT_TERMINATED if code == EXIT_INTERRUPTED and self.terminated else code
@@ -620,6 +706,8 @@ class BatchRun:
             self.specs[job.spec.id] = job.spec
             if job.final is not None:
                 self.final[job.spec.id] = job.final
+            if job.spec.task.task == "extract":
+                self.extract_fields[job.spec.id] = job.spec.task.fields
         self.reporter.skipped([j.spec.id for j in planned if j.status == SKIP])
         for job in planned:
             if job.status == FAILED_BEFORE:  # shown as failed; no new line
@@ -661,9 +749,29 @@ class BatchRun:
                 )
                 return
 
+    def _warn_oversized(self, pending: list[PlannedJob]) -> None:
+        """Before the model loads: name the documents whose size alone shows they exceed
+        the context limit under ``refuse``/``extend`` (they would fail only after the
+        load), with the choices."""
+        if self.config.context_policy == "truncate":
+            return
+        trained = preflight.trained_context(self.request.model)
+        if trained is None:
+            return
+        limit = preflight.context_limit(self.config, trained)
+        jobs = [(j.spec.id, j.spec.inputs, j.spec.sampling.max_tokens) for j in pending]
+        found = preflight.oversized_documents(jobs, limit)
+        if found:
+            statement = preflight.oversized_statement(found, limit, self.config.context_policy)
+            self.reporter.note(statement, "warning")
+
     def _run_engine(self, pending: list[PlannedJob]) -> bool:
         """Load the engine and consume its events; return whether Ctrl-C was pressed."""
-        self.reporter.note(f"loading model {self.model_name} ({len(pending)} job(s) to run)")
+        self._warn_oversized(pending)
+        self.reporter.note(
+            f"loading model {self.model_name} ({len(pending)} job(s) to run; "
+            f"preset {self.preset_line})"
+        )
         started = self.clock()
         try:
             engine = load_engine(self.config, self.request.model)
@@ -806,6 +914,11 @@ class BatchRun:
         if base is None:
             return
         record = result_record(base, result)
+        if result.job_id in self.extract_fields:  # --task extract: the reply as data
+            data, error = parse_extracted(result.text, self.extract_fields[result.job_id])
+            record["data"], record["data_error"] = data, error
+            if error and record["ok"]:
+                self.reporter.note(f"{result.job_id}: no data extracted: {error}", "warning")
         target = self.output_dir / base["output"]
         if record["ok"] and target.resolve() in self.input_paths:  # never write over an input
             error = f"output {target} is an input of the run; its text was not written"

@@ -81,6 +81,7 @@ class FakeEngine:
     fail: job id -> error (the job yields ``JobFailed`` at admission).
     limit: context limit; a longer prompt + ``max_tokens`` fails before it is queued.
     tokens: job id -> tokens to generate (default: the job's ``max_tokens``).
+    texts: job id -> the reply text (default ``output of <id>: <n> tokens``).
     on_step: called with the step number before each decode step (tests send
         SIGINT from here).
     """
@@ -88,6 +89,7 @@ class FakeEngine:
     config: EngineConfig = field(default_factory=EngineConfig)
     fail: dict[str, str] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)
     limit: int = 100_000
     step_delay_s: float = 0.0
     on_step: Callable[[int], None] | None = None
@@ -200,7 +202,9 @@ class FakeEngine:
 
     def _result(self, running: _Running, reason: str) -> JobResult:
         ids = tuple(range(running.generated))
-        text = f"output of {running.job.id}: {running.generated} tokens"
+        text = self.texts.get(
+            running.job.id, f"output of {running.job.id}: {running.generated} tokens"
+        )
         stats = CacheStats(
             hits=3 * running.generated,
             misses=running.generated,

@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# The test suite on a CPU machine: everything except tests that need a CUDA GPU.
+# The test suite on a CPU machine: everything except tests that need a CUDA GPU (what CI
+# runs). `scripts/test.sh --fast` leaves out the slow ones too (the real embedded model,
+# big sweeps; marked in tests/conftest.py): a few minutes on 2 cores.
 # Triton kernels run under TRITON_INTERPRET=1 (set by tests/conftest.py for test_kernels.py).
+# Further arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
-exec "$VENV/bin/python" -m pytest -q -m "not cuda" "$@"
+MARKS="not cuda"
+if [[ "${1:-}" == "--fast" ]]; then
+  shift
+  MARKS="not cuda and not slow"
+fi
+exec "$VENV/bin/python" -m pytest -q -m "$MARKS" "$@"

@@ -92,3 +92,67 @@ def _collects(config: pytest.Config, target: Path) -> bool:
         if path == target.resolve() or path in target.resolve().parents:
             return True
     return False
+
+
+# --- slow tests: marked here, not in each file (scripts/test.sh --fast leaves them out) ---
+
+MODEL_PATH_FIXTURE = "smollm2_gguf_path"
+VOCABULARY_ONLY = {"smollm2_gguf_reader"}
+"""Fixtures that take the embedded model's path but read only its metadata and vocabulary
+(once per session), never the weights: their users are not slow on that account."""
+MODEL_FIXTURES = {("test_bench.py", "tiny"), ("test_workers.py", "single")}
+"""(file, fixture) that load from the embedded model's file without taking its path
+fixture (``tiny`` builds a synthetic model with the embedded model's tokenizer; ``single``
+loads the embedded model, and the worker fixtures built on it start engines of it)."""
+SLOW_TESTS = (
+    "test_bench.py::test_pretokenized_corpus_needs_no_tokenizer",  # 5 s
+    "test_kv_cache.py::test_cache_state_machine",  # hypothesis state machine, 11 s
+    "test_measure_memory.py::test_cpu_pipeline_measures_each_stage",  # 2 processes, 59 s
+    "test_measure_memory.py::test_dry_run_plans_every_gpu_scenario",  # a process, 6 s
+    "test_tokenizer.py::test_min_tokens_is_unknown_where_text_may_shrink",  # 5 s
+    "test_slow_marks.py",  # inner pytest runs, 10-20 s
+)
+"""Node ids (or their prefixes, e.g. a parametrized test's name) measured over ~5 s on a
+shared 2-core box (``--durations``, OMP_NUM_THREADS=1) that load no model fixture."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``slow`` every test that loads or runs the real embedded model (through a
+    fixture that takes ``smollm2_gguf_path``, other than the vocabulary-only ones, or
+    through :data:`MODEL_FIXTURES`) and every test in :data:`SLOW_TESTS`."""
+    for item in items:
+        if _loads_the_model(item) or _listed_slow(item):
+            item.add_marker(pytest.mark.slow)
+
+
+def _loads_the_model(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:  # not a Python test function
+        return False
+    if MODEL_PATH_FIXTURE in info.argnames:
+        return True
+    for name in item.fixturenames:
+        for fixture in info.name2fixturedefs.get(name, ())[-1:]:
+            where = Path(fixture.func.__code__.co_filename).name
+            if (where, name) in MODEL_FIXTURES:
+                return True
+            if MODEL_PATH_FIXTURE in fixture.argnames and name not in VOCABULARY_ONLY:
+                return True
+    return False
+
+
+def _listed_slow(item: pytest.Item) -> bool:
+    node = item.nodeid.rsplit("/", 1)[-1]  # test_x.py::test_y[param] or ::Class::method
+    return any(node == s or node.startswith((s + "[", s + "::")) for s in SLOW_TESTS)  # noqa: E501
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A marker filter that leaves nothing to run here (``-m "not cuda"`` over a file of
+    CUDA tests) is not a failure: exit 0 instead of 5, saying so. Nothing collected at
+    all (a wrong path) stays exit 5."""
+    deselected = session.config.pluginmanager.get_plugin("terminalreporter")
+    count = len(deselected.stats.get("deselected", ())) if deselected is not None else 0
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and count:
+        session.exitstatus = pytest.ExitCode.OK
+        if deselected is not None:
+            deselected.write_line(f"all {count} test(s) here were deselected by -m; nothing to run")

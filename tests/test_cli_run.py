@@ -27,6 +27,9 @@ def cli(tmp_path, monkeypatch):
     """Run ``hisparse`` in ``tmp_path`` with a fake engine and an empty preset."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(settings, "preset_overrides", lambda name: {})
+    monkeypatch.setattr(runner_module, "cuda_device_count", lambda: 0)  # --preset auto -> cpu
+    monkeypatch.setattr(runner_module, "cuda_device_memory_gib", lambda index: 24.0)
+    monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "256")  # host-pool checks: not this machine's
     factory = testing.fake_engine_factory()
     monkeypatch.setattr(runner_module, "load_engine", factory)
 
@@ -314,6 +317,79 @@ def test_print_config_precedence(cli, docs, tmp_path, monkeypatch):
     assert engine["max_batch"] == 16  # flag beats manifest
     assert engine["trace_path"] == "t.json"
     assert not (tmp_path / "hisparse-out").exists()
+
+
+@pytest.mark.parametrize(
+    "memories, flags, name",
+    [
+        ([], [], "cpu"),
+        ([139.8], [], "h200"),
+        ([139.8, 139.8], [], "h200x2"),
+        ([47.4, 47.4], [], "dual4090"),
+        ([23.6, 23.6], [], "dual4090-24"),
+        ([47.4, 23.6], [], "dual4090-24"),  # the smaller card decides
+        ([23.6, 23.6, 23.6, 23.6], [], "dual4090-24"),
+        ([23.6], [], "h200"),  # one smaller card: the single-GPU preset
+        ([10.0, 10.0], [], "h200"),
+        ([139.8, 139.8], ["cuda:1"], "h200"),  # one device asked for
+        ([139.8, 139.8], ["cpu"], "cpu"),
+        ([47.4, 47.4], ["cuda:0", "cuda:1"], "dual4090"),
+    ],
+)
+def test_auto_preset_matches_the_devices(memories, flags, name):
+    from hisparse_cli.auto_preset import choose_preset
+
+    assert choose_preset(memories, flags).name == name
+
+
+def test_auto_preset_for_a_small_single_card_says_what_to_do():
+    from hisparse_cli.auto_preset import choose_preset
+
+    choice = choose_preset([23.6])
+    assert "--memory-budget 23" in choice.reason and "h200" in choice.reason
+
+
+def fake_cuda(monkeypatch, *memories):
+    monkeypatch.setattr(runner_module, "cuda_device_count", lambda: len(memories))
+    monkeypatch.setattr(runner_module, "cuda_device_memory_gib", lambda i: memories[i])
+
+
+@pytest.mark.parametrize(
+    "memories, name, devices",
+    [
+        ((), "cpu", []),
+        ((139.8,), "h200", []),
+        ((139.8, 139.8), "h200x2", ["cuda:0", "cuda:1"]),
+        ((23.6, 23.6), "dual4090-24", ["cuda:0", "cuda:1"]),
+    ],
+)
+def test_auto_is_the_default_preset_and_print_config_names_it(
+    cli, docs, monkeypatch, memories, name, devices
+):
+    fake_cuda(monkeypatch, *memories)
+    result = cli("docs/alpha.txt", "--print-config")
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert document["preset"] == name and document["preset_auto"]
+    assert document["engine"]["devices"] == devices
+
+
+def test_auto_preset_is_recorded_in_config_json_and_shown_in_the_summary(cli, docs, tmp_path):
+    result = cli("docs/alpha.txt")
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "hisparse-out" / "config.json").read_text())
+    assert config["preset"] == "cpu" and config["preset_auto"] == "no CUDA device"
+    assert "preset cpu (auto: no CUDA device)" in result.stdout  # loading line
+    summary = result.stdout[result.stdout.index("summary") :]
+    assert "cpu (auto: no CUDA device)" in summary
+    progress = cli("docs/beta.txt", "--json-progress").stdout.splitlines()
+    assert json.loads(progress[-1])["preset"] == "cpu (auto: no CUDA device)"
+
+
+def test_an_explicit_preset_is_not_probed(cli, docs, monkeypatch):
+    monkeypatch.setattr(runner_module, "cuda_device_count", lambda: pytest.fail("probed"))
+    result = cli("docs/alpha.txt", "--preset", "cpu", "--print-config")
+    assert result.exit_code == 0 and "preset_auto" not in json.loads(result.stdout)
 
 
 @pytest.fixture

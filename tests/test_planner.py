@@ -107,6 +107,24 @@ def test_dual4090_8x256k_13b_fits_and_host_memory_binds():
     assert all(d.free_bytes > 0 for d in result.devices)
 
 
+def test_dual4090_24_fits_six_128k_8b_jobs_and_host_memory_binds():
+    config, hardware = _preset("dual4090-24")
+    llama8 = MODEL_SHAPES["llama3.1-8b"]
+    result = plan(llama8, config, hardware, 6, 128 * 1024)
+    assert result.feasible, result.reasons
+    assert result.capacity.binding == "host" and result.capacity.max_jobs == 6
+    assert [d.num_jobs for d in result.devices] == [3, 3]
+    assert all(d.free_bytes > 0 for d in result.devices)
+    assert result.host_pool_bytes <= result.host_usable_bytes
+    assert not plan(llama8, config, hardware, 7, 128 * 1024).feasible  # 7 x 16 GiB > 96 GiB
+
+
+def test_cli_plan_dual4090_24_refuses_eight_128k_jobs_naming_the_fix():
+    args = ("plan", "-p", "dual4090-24", "-m", "llama3.1-8b", "-n", "8", "-c", "128K")
+    result = _invoke(*args)
+    assert result.exit_code == 2 and "--jobs 6" in result.output
+
+
 def test_dense_baseline_cannot_hold_one_256k_13b_job_in_48gb():
     config, hardware = _preset("dual4090")
     result = plan(LLAMA13, config, hardware, 8, K256)

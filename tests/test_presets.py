@@ -41,7 +41,7 @@ REQUIRED_ENGINE_KEYS = [
     "host_pool_gb",
     "memory_budget_gb",
 ]
-SHIPPED = ("cpu", "h200", "h200x2", "dual4090")
+SHIPPED = ("cpu", "h200", "h200x2", "dual4090", "dual4090-24")
 
 
 def test_presets_dir_is_next_to_the_engine_package():
@@ -88,6 +88,13 @@ def test_dual4090_preset_hardware():
     hw = load_preset_full("dual4090").hardware
     assert hw.devices == ("cuda:0", "cuda:1")
     assert (hw.memory_gb, hw.compute_capability, hw.host_link_gbps) == (48, "8.9", 25)
+
+
+def test_dual4090_24_preset_is_the_stock_card():
+    hw = load_preset_full("dual4090-24").hardware
+    assert hw.devices == ("cuda:0", "cuda:1") and hw.parallel == "data"
+    assert hw.memory_gb < 24 and hw.compute_capability == "8.9"  # 24 GB read as GiB, less free
+    assert load_preset_full("dual4090-24").engine["host_pool_gb"] < 0.9 * hw.host_memory_gb
 
 
 def test_precedence_defaults_preset_manifest_cli():

@@ -1,0 +1,103 @@
+"""GGUF metadata without the tensors: the few header values a caller needs before loading.
+
+``gguf.GGUFReader`` parses every tensor record and builds numpy views of the whole file
+(seconds even for a 135M model); checks made before the weights load (the trained
+context, the architecture) need only a handful of key/value pairs from the header.
+Layout (GGUF v2/v3, little-endian): magic ``GGUF``, ``u32`` version, ``u64`` tensor
+count, ``u64`` key/value count, then each pair: key (``u64`` length + UTF-8), ``u32``
+value type, value (arrays: ``u32`` element type, ``u64`` count, elements).
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from pathlib import Path
+from typing import Any
+
+_SCALARS = {  # GGUF value type -> struct format
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+    10: "<Q", 11: "<q", 12: "<d",
+}  # fmt: skip
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFHeaderError(ValueError):
+    """The file is not a GGUF file, or its header is cut off or malformed."""
+
+
+def read_gguf_fields(path: str | Path, keys: set[str] | frozenset[str]) -> dict[str, Any]:
+    """The values of ``keys`` found in the GGUF header of ``path`` (missing keys absent).
+
+    Scalars and strings are returned as Python values; array values are skipped (never
+    returned), so ask only for scalar keys.
+
+    Raises
+    ------
+    GGUFHeaderError
+        Not a GGUF file (bad magic), unsupported version, or a cut-off header.
+    OSError
+        The file cannot be read.
+    """
+    path = Path(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        try:
+            return _read(buf, path, keys)
+        except (struct.error, IndexError, UnicodeDecodeError) as exc:
+            raise GGUFHeaderError(f"{path}: malformed or cut-off GGUF header ({exc})") from None
+
+
+def _read(buf: mmap.mmap, path: Path, keys: set[str] | frozenset[str]) -> dict[str, Any]:
+    if buf[:4] != b"GGUF":
+        raise GGUFHeaderError(f"{path}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
+    (version,) = struct.unpack_from("<I", buf, 4)
+    if version not in (2, 3):
+        raise GGUFHeaderError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+    count = struct.unpack_from("<Q", buf, 16)[0]
+    pos, found = 24, {}
+    for _ in range(count):
+        key, pos = _string(buf, pos)
+        (kind,) = struct.unpack_from("<I", buf, pos)
+        pos += 4
+        if key in keys and kind != _ARRAY:
+            value, pos = _value(buf, pos, kind)
+            found[key] = value
+            if len(found) == len(keys):
+                break
+        else:
+            pos = _skip(buf, pos, kind)
+    return found
+
+
+def _string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", buf, pos)
+    end = pos + 8 + length
+    if end > len(buf):
+        raise IndexError("string past the end of the file")
+    return bytes(buf[pos + 8 : end]).decode("utf-8"), end
+
+
+def _value(buf: mmap.mmap, pos: int, kind: int) -> tuple[Any, int]:
+    if kind == _STRING:
+        return _string(buf, pos)
+    fmt = _SCALARS.get(kind)
+    if fmt is None:
+        raise struct.error(f"unknown value type {kind}")
+    return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+
+
+def _skip(buf: mmap.mmap, pos: int, kind: int) -> int:
+    if kind == _STRING:
+        return pos + 8 + struct.unpack_from("<Q", buf, pos)[0]
+    if kind == _ARRAY:
+        element, n = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        if element in _SCALARS:
+            return pos + n * struct.calcsize(_SCALARS[element])
+        for _ in range(n):
+            pos = _skip(buf, pos, element)
+        return pos
+    fmt = _SCALARS.get(kind)
+    if fmt is None:
+        raise struct.error(f"unknown value type {kind}")
+    return pos + struct.calcsize(fmt)

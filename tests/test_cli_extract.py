@@ -1,0 +1,74 @@
+"""``--task extract`` as data: ``--fields a,b`` and the parsed reply on the results line."""
+
+from __future__ import annotations
+
+import pytest
+from test_cli_run import cli, docs, read_results  # noqa: F401 - fixtures
+
+from hisparse_cli import testing
+from hisparse_cli.extract import parse_extracted
+from hisparse_cli.tasks import TaskSpec, build_messages
+
+
+@pytest.mark.parametrize(
+    "text, fields, data",
+    [
+        ('{"title": "Sorting", "year": 2024}', ("title", "year"), {"title": "Sorting", "year": 2024}),
+        ('Here it is:\n```json\n{"title": "A {b}", "year": null}\n```', ("title", "year"),
+         {"title": "A {b}", "year": None}),
+        ('{"title": "x", "extra": 1}', ("title",), {"title": "x", "extra": 1}),
+        ('{bad} then {"a": 1}', None, {"a": 1}),
+        ('[1, 2] {"a": [1]}', "schema text", {"a": [1]}),
+    ],
+)  # fmt: skip
+def test_replies_that_hold_the_object(text, fields, data):
+    assert parse_extracted(text, fields) == (data, None)
+
+
+@pytest.mark.parametrize(
+    "text, fields, phrase",
+    [
+        ("I cannot find that.", ("title",), "no JSON object in the reply"),
+        ('{"title": "cut', ("title",), "invalid JSON at character"),
+        ('{"title": "x"}', ("title", "date"), "lacks field(s) 'date'"),
+        ("[1, 2]", None, "no JSON object"),
+    ],
+)
+def test_replies_without_the_object_name_the_reason(text, fields, phrase):
+    data, error = parse_extracted(text, fields)
+    assert data is None and phrase in error
+
+
+def test_fields_flag_reaches_the_prompt_and_the_data_reaches_the_results(cli, docs, tmp_path):
+    replies = {"alpha": '```json\n{"topic": "sorting", "year": null}\n```', "beta": "No idea."}
+    factory = testing.fake_engine_factory(texts=replies)
+    result = cli(
+        "docs/alpha.txt", "docs/beta.txt", "--task", "extract", "--fields", "topic, year",
+        engine=factory,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    spec = TaskSpec(task="extract", fields=("topic", "year"))
+    document = (docs / "alpha.txt").read_text()
+    messages = build_messages(spec, document, "alpha", "alpha.txt")
+    assert "fields from the document above: topic, year." in messages[-1]["content"]
+    expected = testing.FakeTokenizer().encode_chat(messages)
+    assert list(factory.engines[0].seen[0].prompt_ids) == expected
+    by_id = {r["id"]: r for r in read_results(tmp_path / "hisparse-out")}
+    assert by_id["alpha"]["data"] == {"topic": "sorting", "year": None}
+    assert by_id["alpha"]["data_error"] is None
+    assert by_id["beta"]["data"] is None and "no JSON object" in by_id["beta"]["data_error"]
+    assert by_id["beta"]["ok"]  # the text is still the job's result
+    assert "beta: no data extracted: no JSON object in the reply" in result.stdout
+
+
+def test_other_tasks_have_no_data_field(cli, docs, tmp_path):
+    assert cli("docs/alpha.txt").exit_code == 0
+    assert "data" not in read_results(tmp_path / "hisparse-out")[0]
+
+
+def test_fields_flag_without_extract_is_refused_naming_the_flag(cli, docs, tmp_path):
+    result = cli("docs/alpha.txt", "--fields", "a,b")
+    assert result.exit_code == 2 and "--fields" in result.stderr
+    assert "only used with tasks 'extract' and 'custom'" in result.stderr
+    empty = cli("docs/alpha.txt", "--task", "extract", "--fields", ",")
+    assert empty.exit_code == 2 and "--fields" in empty.stderr

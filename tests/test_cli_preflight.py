@@ -1,0 +1,159 @@
+"""Checks ``hisparse run`` makes before the model loads: ``--max-context`` against the
+model's trained context (read from its header), documents too long for the context, and
+what ``--print-config`` reports about this machine."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import gguf
+import pytest
+from test_cli_run import cli, docs  # noqa: F401 - fixtures
+
+from engine.weights.header import GGUFHeaderError, read_gguf_fields
+from hisparse_cli import preflight
+from hisparse_cli import runner as runner_module
+
+
+def tiny_gguf(path, context=2048, arch="llama"):
+    """A GGUF file holding only metadata (no tensors): enough for the header checks."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    if context is not None:
+        writer.add_context_length(context)
+    writer.add_token_list(["a", "bb", "ccc"])  # an array of strings to skip
+    writer.add_array("tokenizer.ggml.scores", [0.0, 1.0, 2.0])  # an array of floats
+    writer.add_string("general.name", "tiny")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+def never_load(*args):
+    pytest.fail("the model was loaded")
+
+
+def test_header_reader_reads_scalars_past_arrays(tmp_path):
+    path = tiny_gguf(tmp_path / "m.gguf")
+    keys = {"general.architecture", "llama.context_length", "general.name", "absent"}
+    assert read_gguf_fields(path, keys) == {
+        "general.architecture": "llama",
+        "llama.context_length": 2048,
+        "general.name": "tiny",
+    }
+
+
+def test_header_reader_refuses_what_is_not_gguf(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(32))
+    with pytest.raises(GGUFHeaderError, match="not a GGUF file"):
+        read_gguf_fields(tmp_path / "x.gguf", {"general.architecture"})
+    whole = tiny_gguf(tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(whole[:40])
+    with pytest.raises(GGUFHeaderError, match="cut-off"):
+        read_gguf_fields(tmp_path / "cut.gguf", {"llama.context_length"})
+    (tmp_path / "v9.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 9, 0, 0))
+    with pytest.raises(GGUFHeaderError, match="version 9"):
+        read_gguf_fields(tmp_path / "v9.gguf", {"general.architecture"})
+
+
+def test_trained_context_of_each_kind_of_model(tmp_path):
+    assert preflight.trained_context(str(tiny_gguf(tmp_path / "m.gguf", 3000))) == 3000
+    assert preflight.trained_context(str(tiny_gguf(tmp_path / "d.gguf", None))) == 4096
+    assert preflight.trained_context(str(tiny_gguf(tmp_path / "g.gguf", arch="gpt2"))) is None
+    assert preflight.trained_context(str(tmp_path / "missing.gguf")) is None
+    assert preflight.trained_context("synthetic:tiny") > 0
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100,
+                "max_position_embeddings": 1536, "rms_norm_eps": 1e-5,
+            }
+        )
+    )  # fmt: skip
+    assert preflight.trained_context(str(folder)) == 1536
+
+
+def test_embedded_model_context_is_read_from_its_header():
+    from engine.weights.embedded import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    assert preflight.trained_context(None) == 8192
+
+
+@pytest.mark.parametrize(
+    "extra, source",
+    [
+        (["--max-context", "4096"], "--max-context 4096 is above"),
+        (["--max-context", "4096", "--context-policy", "truncate"], "--max-context 4096 is above"),
+    ],
+)
+def test_max_context_above_training_exits_2_before_loading(cli, docs, tmp_path, extra, source):
+    model = tiny_gguf(tmp_path / "m.gguf")
+    result = cli("docs/alpha.txt", "--model", str(model), *extra, engine=never_load)
+    assert result.exit_code == 2, result.output
+    assert source in result.stderr and "trained context of 2048 tokens" in result.stderr
+    assert "--context-policy extend" in result.stderr
+    assert not (tmp_path / "hisparse-out").exists()
+
+
+def test_max_context_from_a_manifest_is_named_there(cli, docs, tmp_path):
+    model = tiny_gguf(tmp_path / "m.gguf")
+    (tmp_path / "jobs.yaml").write_text(
+        "defaults:\n  engine: {max_context: 9000}\njobs:\n  - {input: docs/alpha.txt}\n"
+    )
+    result = cli("--manifest", "jobs.yaml", "--model", str(model), engine=never_load)
+    assert result.exit_code == 2
+    assert "the manifest's defaults.engine.max_context 9000 is above" in result.stderr
+
+
+def test_max_context_within_training_or_with_extend_runs(cli, docs, tmp_path):
+    model = str(tiny_gguf(tmp_path / "m.gguf"))
+    assert cli("docs/alpha.txt", "--model", model, "--max-context", "2048").exit_code == 0
+    extend = ("--context-policy", "extend", "--max-context", "8192")
+    assert cli("docs/beta.txt", "--model", model, *extend).exit_code == 0
+
+
+def test_documents_longer_than_the_context_are_named_before_the_model_loads(cli, docs, tmp_path):
+    model = str(tiny_gguf(tmp_path / "m.gguf"))
+    (docs / "big.txt").write_text("A long line of prose about sorting things.\n" * 400)  # 17.2 KB
+    result = cli("docs/big.txt", "docs/alpha.txt", "--model", model, "--max-new-tokens", "8")
+    out = result.stdout
+    statement = "1 document(s) look longer than the model's context of 2,048 tokens"
+    assert statement in out
+    line = out[out.index(statement) :].splitlines()[0]
+    assert "big (~3,822 tokens)" in line and "alpha" not in line  # 17200 bytes / 4.5
+    assert "--context-policy extend" in out and "--context-policy truncate" in out
+    assert out.index(statement) < out.index("loading model")
+    truncate = cli("docs/big.txt", "--model", model, "--context-policy", "truncate", "--force")
+    assert "look longer" not in truncate.stdout
+
+
+def test_print_config_reports_what_would_refuse_the_run(cli, docs, tmp_path, monkeypatch):
+    model = str(tiny_gguf(tmp_path / "m.gguf"))
+    monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "24")
+    monkeypatch.setattr(runner_module, "cuda_device_count", lambda: 0)
+    args = ("--model", model, "--max-context", "4096", "--host-pool", "1000", "--device", "cuda")
+    result = cli("docs/alpha.txt", *args, "--print-config")
+    assert result.exit_code == 0, result.output
+    problems = json.loads(result.stdout)["problems"]
+    assert len(problems) == 3, problems
+    assert any("--device asks for cuda" in p for p in problems)
+    assert any("--max-context 4096 is above" in p for p in problems)
+    assert any("--host-pool" in p and "1000.0 GiB" in p for p in problems)
+    assert result.stderr.count("a run would be refused here") == 3
+    clean = cli("docs/alpha.txt", "--model", model, "--print-config")
+    assert "problems" not in json.loads(clean.stdout)
+
+
+def test_device_cuda_without_cuda_exits_2_before_loading(cli, docs, tmp_path, monkeypatch):
+    monkeypatch.setattr(runner_module, "cuda_device_count", lambda: 0)
+    result = cli("docs/alpha.txt", "--device", "cuda", engine=never_load)
+    assert result.exit_code == 2 and "--device asks for cuda" in result.stderr
