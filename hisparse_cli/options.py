@@ -256,6 +256,8 @@ Force = Annotated[
 RetryFailed = Annotated[
     bool,
     typer.Option(
+        metavar=FLAG,
+        show_default=False,
         help="Try again jobs whose last failure will recur with the same inputs and settings "
         "(document refused for its content, prompt too long); they are skipped otherwise.",
         rich_help_panel=OUTPUT,
