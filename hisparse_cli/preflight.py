@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import ConfigError, EngineConfig
+from engine.text.context import context_limit as engine_context_limit
 
 BYTES_PER_TOKEN = 4.5
 """Bytes of text per token used to estimate a document's length before the tokenizer is
@@ -143,8 +144,10 @@ def oversized_statement(found: Sequence[Oversized], limit: int, policy: str) -> 
 
 
 def context_limit(config: EngineConfig, trained: int) -> int:
-    """The engine's context limit for ``trained`` under the config's policy (as
-    :func:`engine.load.context_limit_and_rope` computes it)."""
-    if config.context_policy == "extend":
-        return config.max_context or 4 * trained
-    return min(config.max_context or trained, trained)
+    """The engine's context limit for ``trained`` under the config's policy
+    (:func:`engine.text.context.context_limit`; a ``max_context`` it would refuse counts
+    as the trained context here, :func:`max_context_problem` reports it)."""
+    try:
+        return engine_context_limit(config, trained)
+    except ConfigError:
+        return trained

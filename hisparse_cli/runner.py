@@ -44,6 +44,7 @@ from engine.config import CacheFullError, ConfigError, EngineConfig
 from engine.events import Event, Job, JobAdmitted, JobFailed, JobFinished, JobResult
 from engine.serve.base import BatchEngine
 from engine.serve.workers import WorkerDied
+from engine.text.context import PromptTooLong, fit_prompt
 from hisparse_cli import preflight, settings
 from hisparse_cli.auto_preset import AUTO, AutoChoice, choose_preset
 from hisparse_cli.extract import parse_extracted
@@ -90,10 +91,6 @@ class UsageError(Exception):
 
 class LoadConfigError(Exception):
     """The model could not be loaded because of a setting, path or config (exit 2)."""
-
-
-class PromptTooLong(Exception):
-    """A job's prompt cannot fit the context limit (the job fails; the batch goes on)."""
 
 
 @dataclass(frozen=True)
@@ -831,11 +828,8 @@ class BatchRun:
         return Job(spec.id, prompt_ids, spec.sampling, str(spec.inputs[0]), meta)
 
     def _prompt_ids(self, engine: BatchEngine, spec: Any, document: str) -> tuple[int, ...]:
-        """Render the chat prompt; with ``context_policy=truncate`` cut the document so
-        prompt + max_tokens fits the engine's context limit (the cut is marked in the text,
-        reported, and recorded as the job's ``truncated`` field). Under the other policies
-        a prompt that cannot fit is refused before it is tokenised
-        (:meth:`_refuse_if_too_long`).
+        """The chat prompt under the context policy (:func:`engine.text.context.fit_prompt`):
+        with ``truncate`` the cut is reported and recorded as the job's ``truncated`` field.
 
         Raises
         ------
@@ -846,47 +840,16 @@ class BatchRun:
         def messages(text: str) -> list[dict]:
             return build_messages(spec.task, text, spec.id, spec.inputs[0].name)
 
-        def render(text: str) -> list[int]:
-            return engine.tokenizer.encode_chat(messages(text))
-
-        config = engine.config
-        if config.context_policy != "truncate":
-            self._refuse_if_too_long(engine, spec, messages(document))
-        else:
-            from engine.text.prompting import fit_document
-
-            limit = engine.prompt_limit() - spec.sampling.max_tokens
-            document, cut = fit_document(
-                engine.tokenizer, document, render, limit, config.truncate_keep
+        limit, max_tokens = engine.prompt_limit(), spec.sampling.max_tokens
+        ids, cut = fit_prompt(engine.tokenizer, messages, document, limit, max_tokens, engine.config)
+        if cut is not None:
+            self.records[spec.id]["truncated"] = cut.to_dict()
+            self.reporter.note(
+                f"{spec.id}: document cut by {cut.dropped_tokens} tokens "
+                f"({KEPT_WORDS[cut.keep]}) to fit {limit - max_tokens} prompt tokens",
+                "warning",
             )
-            if cut is not None:
-                self.records[spec.id]["truncated"] = cut.to_dict()
-                self.reporter.note(
-                    f"{spec.id}: document cut by {cut.dropped_tokens} tokens "
-                    f"({KEPT_WORDS[cut.keep]}) to fit {limit} prompt tokens",
-                    "warning",
-                )
-        return tuple(render(document))
-
-    def _refuse_if_too_long(self, engine: BatchEngine, spec: Any, messages: list[dict]) -> None:
-        """Raise :class:`PromptTooLong` when the rendered prompt needs more tokens than
-        the context limit leaves beside ``max_tokens``, judged from its size alone
-        (``tokenizer.min_tokens``, a lower bound: a prompt that would fit is never
-        refused). Where the tokenizer knows no bound (``None``) the engine's own check of
-        the tokenised prompt decides."""
-        tokenizer = engine.tokenizer
-        at_least = tokenizer.min_tokens(tokenizer.render_chat(messages))
-        max_tokens, limit = spec.sampling.max_tokens, engine.prompt_limit()
-        if at_least is None or at_least + max_tokens <= limit:
-            return
-        if engine.config.context_policy == "extend":
-            advice = "raise --max-context above that, or use --context-policy truncate"
-        else:
-            advice = "use --context-policy extend (RoPE scaling) or --context-policy truncate"
-        raise PromptTooLong(
-            f"prompt of at least {at_least} tokens (judged from its size; not tokenised) + "
-            f"max_tokens {max_tokens} exceeds the context limit of {limit} tokens; {advice}"
-        )
+        return tuple(ids)
 
     def _handle(self, event: Event) -> None:
         """Fold ``event`` into the state, write results, and show it.

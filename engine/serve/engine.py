@@ -33,6 +33,7 @@ from engine.decode.cuda_graph import DecodeGraphs, split_plan, table_width
 from engine.decode.sampling import make_generator, sample
 from engine.kv.cache import KVCache
 from engine.model.llama import LlamaModel, prefill_attention
+from engine.text.context import too_long_message
 
 if TYPE_CHECKING:
     from engine.capacity.budget import KVSizing
@@ -205,13 +206,11 @@ class Engine:
         if not job.prompt_ids:
             return "empty prompt"
         if need > self.context_limit:
-            if self.config.context_policy == "extend":
-                advice = f"raise --max-context to at least {need}, or use --context-policy truncate"
-            else:
-                advice = "use --context-policy extend (RoPE scaling) or --context-policy truncate"
-            return (
-                f"prompt of {len(job.prompt_ids)} tokens + max_tokens {job.sampling.max_tokens} "
-                f"exceeds the context limit of {self.context_limit} tokens; {advice}"
+            return too_long_message(
+                len(job.prompt_ids),
+                job.sampling.max_tokens,
+                self.context_limit,
+                self.config.context_policy,
             )
         if not self.cache.fits_ever(need):
             return (
