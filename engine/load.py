@@ -130,7 +130,7 @@ def context_limit_and_rope(cfg: ModelConfig, config: EngineConfig) -> tuple[int,
                 f"(--context-policy extend), {config.context_policy!r} can only lower the limit"
             )
         limit = config.max_context
-    return limit, Rope(cfg.head_dim, cfg.rope_theta, scaling)
+    return limit, Rope(cfg.head_dim, cfg.rope_theta, scaling, cfg.rope_freq_factors)
 
 
 def pick_weight_format(config: EngineConfig, device: torch.device) -> str:

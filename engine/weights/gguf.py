@@ -85,6 +85,7 @@ def read_config(reader, path: Path) -> ModelConfig:
             ),
         )
     names = {t.name for t in reader.tensors}
+    freq_factors = _rope_freq_factors(reader, path, head_dim)
     return ModelConfig(
         arch=arch,
         num_layers=int(req("block_count")),
@@ -101,7 +102,37 @@ def read_config(reader, path: Path) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
         name=str(_field(reader, "general.name", path.stem)),
+        rope_freq_factors=freq_factors,
     )
+
+
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def _rope_freq_factors(reader, path: Path, head_dim: int) -> tuple[float, ...] | None:
+    """The ``rope_freqs.weight`` tensor (``[D/2]`` float divisors of the RoPE inverse
+    frequencies; llama.cpp's converter writes Llama 3.1's ``llama3`` scaling this way and
+    ``ggml_rope_ext`` divides by it), or ``None`` when the file has none.
+
+    Raises
+    ------
+    GGUFError
+        The tensor does not hold ``D/2`` positive values.
+    """
+    t = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if t is None:
+        return None
+    import gguf
+
+    values = np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), np.float32)
+    values = values.reshape(-1)
+    if values.size != head_dim // 2 or not (values > 0).all():
+        raise GGUFError(
+            f"{path}: tensor {ROPE_FREQS} has {values.size} values "
+            f"(min {values.min() if values.size else None}); expected {head_dim // 2} "
+            f"positive RoPE frequency factors for head_dim={head_dim}"
+        )
+    return tuple(float(v) for v in values)
 
 
 def _load_tensor(t, path: Path):
