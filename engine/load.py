@@ -166,7 +166,7 @@ def load_engine(
     ------
     ConfigError, FileNotFoundError, ValueError (unsupported model files)
     """
-    from engine.model.llama import LlamaModel
+    from engine.model.registry import build_model
     from kernels.dispatch import get_ops
 
     config.validate()
@@ -185,7 +185,7 @@ def load_engine(
     limit, rope = context_limit_and_rope(weights.config, config)
     dtype = getattr(torch, config.dtype)
     fmt = pick_weight_format(config, device)
-    llm = LlamaModel(weights, device, dtype, fmt, rope)
+    llm = build_model(weights, device, dtype, fmt, rope)
     ops = get_ops(device, config.use_triton)
     if tracer is None and config.extra.get("trace_path"):
         from engine.measure.trace import TraceHeader, TraceWriter

@@ -188,13 +188,16 @@ def write_gguf(
 def reference_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """transformers' float32 logits ``[T, V]`` for one sequence ``ids [T]``."""
     with torch.no_grad():
-        return model.float()(ids[None]).logits[0].float()
+        return model(ids[None]).logits[0].float()
 
 
 def greedy_reference(model, ids: torch.Tensor, steps: int) -> list[int]:
-    """transformers' greedy continuation of ``ids`` (``steps`` new tokens)."""
-    with torch.no_grad():
-        out = model.generate(
-            ids[None], max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None
-        )
-    return out[0, len(ids) :].tolist()
+    """transformers' greedy continuation of ``ids`` (``steps`` new tokens), each step the
+    argmax of a full forward over the sequence so far."""
+    seq = ids.clone()
+    out: list[int] = []
+    for _ in range(steps):
+        nxt = int(reference_logits(model, seq)[-1].argmax())
+        out.append(nxt)
+        seq = torch.cat([seq, torch.tensor([nxt])])
+    return out

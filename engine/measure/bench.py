@@ -748,6 +748,7 @@ def run_bench(spec: BenchSpec, log: Callable[[str], None] = lambda line: None) -
         Model or corpus missing.
     """
     from engine.load import context_limit_and_rope, load_weights, pick_weight_format, resolve_device
+    from engine.model.registry import build_model
     from kernels.dispatch import get_ops
 
     spec.validate()
@@ -762,7 +763,7 @@ def run_bench(spec: BenchSpec, log: Callable[[str], None] = lambda line: None) -
     rope_cfg = _rope_config(config, weights.config, max(spec.contexts))
     _, rope = context_limit_and_rope(weights.config, rope_cfg)
     fmt = pick_weight_format(config, device)
-    model = LlamaModel(weights, device, getattr(torch, config.dtype), fmt, rope)
+    model = build_model(weights, device, getattr(torch, config.dtype), fmt, rope)
     del weights  # the placed model holds what it needs
     spec, spec_bandwidths = _bandwidths(spec, device)
     free_device_memory()

@@ -437,7 +437,7 @@ def load_stage(
         that leaves some stage no room (every stage raises, naming the stages).
     """
     from engine.load import context_limit_and_rope, load_weights, pick_weight_format, resolve_device
-    from engine.model.llama import LlamaModel
+    from engine.model.registry import build_model
     from kernels.dispatch import get_ops
 
     config.validate()
@@ -454,7 +454,7 @@ def load_stage(
     limit, rope = context_limit_and_rope(weights.config, config)
     fmt = pick_weight_format(config, device)
     dtype = getattr(torch, config.dtype)
-    llm = LlamaModel(weights, device, dtype, fmt, rope, layers=ranges[rank])
+    llm = build_model(weights, device, dtype, fmt, rope, layers=ranges[rank])
     del weights
     ops = get_ops(device, config.use_triton)
     link = StageLink(rank, world_size, device, init_method, nccl)

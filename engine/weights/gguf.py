@@ -1,7 +1,11 @@
-"""Load a Llama-architecture GGUF file with the ``gguf`` package.
+"""Load a GGUF file of a registered architecture (:mod:`engine.model.registry`: ``llama``,
+``mistral``, ``qwen2``, ``qwen3``) with the ``gguf`` package.
 
 Format: GGUF spec (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md); tensor names
-and metadata keys as written by llama.cpp's ``convert_hf_to_gguf.py``. Q4_0/Q4_1 linear
+and metadata keys as written by llama.cpp's ``convert_hf_to_gguf.py``: Q/K rows are
+permuted for ``llama`` (undone here) and not for ``qwen2`` / ``qwen3``; Qwen2's q/k/v
+biases are ``attn_{q,k,v}.bias``, Qwen3's per-head norms ``attn_{q,k}_norm.weight``.
+A tensor the architecture does not use is refused (never silently dropped). Q4_0/Q4_1 linear
 weights are kept as 4-bit blocks (:func:`engine.weights.quant.int4_from_gguf_blocks`); F32, F16,
 BF16 and Q8_0 tensors are dequantised to float32 with ``gguf.quants.dequantize``.
 """
@@ -14,10 +18,11 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig, RopeScaling
+from engine.model import registry
 from engine.weights.quant import int4_from_gguf_blocks
 from engine.weights.types import LayerWeights, ModelWeights, unpermute_qk_rows
 
-SUPPORTED_ARCHS = ("llama",)
+SUPPORTED_ARCHS = tuple(n for a in registry.ARCHITECTURES.values() for n in a.gguf_names)
 FLOAT_TYPES = ("F32", "F16", "BF16", "Q8_0")
 INT4_TYPES = ("Q4_0", "Q4_1")
 
@@ -33,6 +38,8 @@ _LAYER_TENSORS = {
     "w_down": "ffn_down.weight",
 }
 _OPTIONAL = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
+_QK_NORMS = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}
+_GLOBAL = ("token_embd.weight", "output_norm.weight", "output.weight")
 
 
 class GGUFError(ValueError):
@@ -55,11 +62,10 @@ def read_config(reader, path: Path) -> ModelConfig:
         Unsupported ``general.architecture`` or a missing required key.
     """
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise GGUFError(
-            f"{path}: general.architecture={arch!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
-        )
+    try:
+        entry = registry.for_gguf(arch)
+    except registry.UnsupportedArchitecture as exc:
+        raise GGUFError(f"{path}: {exc}") from None
 
     def req(key: str):
         v = _field(reader, f"{arch}.{key}")
@@ -87,7 +93,7 @@ def read_config(reader, path: Path) -> ModelConfig:
     names = {t.name for t in reader.tensors}
     freq_factors = _rope_freq_factors(reader, path, head_dim)
     return ModelConfig(
-        arch=arch,
+        arch=entry.name,
         num_layers=int(req("block_count")),
         hidden_size=hidden,
         num_heads=heads,
@@ -100,9 +106,10 @@ def read_config(reader, path: Path) -> ModelConfig:
         max_position=ctx,
         rope_scaling=scaling,
         tie_word_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names,
+        qkv_bias=entry.qkv_bias or "blk.0.attn_q.bias" in names,
         name=str(_field(reader, "general.name", path.stem)),
         rope_freq_factors=freq_factors,
+        qk_norm=entry.qk_norm,
     )
 
 
@@ -183,23 +190,45 @@ def load_gguf(path: str | Path) -> ModelWeights:
             raise GGUFError(f"{path}: missing tensor {name}")
         return _load_tensor(t, path)
 
+    _check_names(cfg, by_name, path)
+    permuted = registry.get(cfg.arch).gguf_permuted_qk
     q_index = unpermute_qk_rows(cfg.num_heads * cfg.head_dim, cfg.num_heads)
     k_index = unpermute_qk_rows(cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads)
     layers = []
     for i in range(cfg.num_layers):
         parts = {k: get(f"blk.{i}.{v}") for k, v in _LAYER_TENSORS.items()}
         for k, v in _OPTIONAL.items():
-            parts[k] = get(f"blk.{i}.{v}") if f"blk.{i}.{v}" in by_name else None
-        parts["wq"] = _permute(parts["wq"], q_index)
-        parts["wk"] = _permute(parts["wk"], k_index)
-        if parts["bq"] is not None:
-            parts["bq"] = parts["bq"][q_index]
-            parts["bk"] = parts["bk"][k_index]
+            parts[k] = get(f"blk.{i}.{v}") if cfg.qkv_bias else None
+        if cfg.qk_norm:
+            parts.update({k: get(f"blk.{i}.{v}") for k, v in _QK_NORMS.items()})
+        if permuted:
+            parts["wq"] = _permute(parts["wq"], q_index)
+            parts["wk"] = _permute(parts["wk"], k_index)
+            if parts["bq"] is not None:
+                parts["bq"] = parts["bq"][q_index]
+                parts["bk"] = parts["bk"][k_index]
         _check_layer(cfg, i, parts, path)
         layers.append(LayerWeights(**parts))
     embed = get("token_embd.weight")
     lm_head = None if cfg.tie_word_embeddings else get("output.weight")
     return ModelWeights(cfg, embed, get("output_norm.weight"), layers, lm_head, formats)
+
+
+def _check_names(cfg: ModelConfig, by_name: dict, path: Path) -> None:
+    """Refuse tensors this architecture would not use (an unknown tensor may carry math
+    the engine would otherwise silently skip, as ``rope_freqs`` once was)."""
+    known = set(_GLOBAL) | {ROPE_FREQS}
+    per_layer = list(_LAYER_TENSORS.values())
+    per_layer += list(_OPTIONAL.values()) if cfg.qkv_bias else []
+    per_layer += list(_QK_NORMS.values()) if cfg.qk_norm else []
+    known |= {f"blk.{i}.{t}" for i in range(cfg.num_layers) for t in per_layer}
+    unknown = sorted(set(by_name) - known)
+    if unknown:
+        more = f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else ""
+        raise GGUFError(
+            f"{path}: tensor(s) {', '.join(unknown[:5])}{more} are not used by a {cfg.arch} "
+            f"model ({registry.get(cfg.arch).description}); refusing rather than ignoring them"
+        )
 
 
 def _permute(w, index: torch.Tensor):
@@ -217,6 +246,11 @@ def _check_layer(cfg: ModelConfig, i: int, parts: dict, path: Path) -> None:
         "w_up": (cfg.intermediate_size, h),
         "w_down": (h, cfg.intermediate_size),
     }
+    if cfg.qkv_bias:
+        kv = cfg.num_kv_heads * d
+        want |= {"bq": (cfg.num_heads * d,), "bk": (kv,), "bv": (kv,)}
+    if cfg.qk_norm:
+        want |= {"q_norm": (d,), "k_norm": (d,)}
     for name, shape in want.items():
         got = tuple(parts[name].shape)
         if got != shape:

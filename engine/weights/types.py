@@ -22,7 +22,8 @@ LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 @dataclass
 class LayerWeights:
     """One decoder layer. Shapes: wq ``[Hq*D, H]``, wk/wv ``[Hkv*D, H]``, wo ``[H, Hq*D]``,
-    w_gate/w_up ``[F, H]``, w_down ``[H, F]``, norms ``[H]``, biases ``[N]``."""
+    w_gate/w_up ``[F, H]``, w_down ``[H, F]``, norms ``[H]``, biases ``[N]``; q_norm /
+    k_norm ``[D]`` per-head RMSNorm weights of q and k (Qwen3), ``None`` otherwise."""
 
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
@@ -36,6 +37,8 @@ class LayerWeights:
     bq: torch.Tensor | None = None
     bk: torch.Tensor | None = None
     bv: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass
