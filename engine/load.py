@@ -11,7 +11,7 @@ import torch
 from engine.config import ConfigError, EngineConfig, ModelConfig, RopeScaling
 from engine.serve.engine import Engine
 from engine.model.rope import Rope
-from engine.weights.types import ModelWeights
+from engine.weights.types import ModelWeights, describe_placement
 
 if TYPE_CHECKING:
     from engine.serve.workers import ParallelEngine
@@ -201,4 +201,5 @@ def load_engine(
     engine.budget_sizing = sizing
     engine.model_name = name
     engine.weight_format = fmt
+    engine.weights_info = describe_placement(weights.formats, fmt, config.dtype)
     return engine

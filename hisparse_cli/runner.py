@@ -600,7 +600,10 @@ class BatchRun:
                 raise LoadConfigError(str(exc)) from exc
             self.reporter.note(f"cannot load the model: {exc}", "error")
             return False
-        self.reporter.note(f"model loaded in {self.clock() - started:.1f}s")
+        info = getattr(engine, "weights_info", "")  # what each tensor type became
+        self.reporter.note(
+            f"model loaded in {self.clock() - started:.1f}s" + (f" ({info})" if info else "")
+        )
         traces = getattr(engine, "trace_paths", None)  # several devices: one file per worker
         if traces:
             self.reporter.note(

@@ -88,3 +88,132 @@ def test_rope_freqs_wrong_length_is_refused(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", model, "llama", rope_freqs=np.ones(5, np.float32))
     with pytest.raises(ValueError, match=r"m\.gguf.*rope_freqs\.weight.*8"):
         load_weights(str(path))
+
+
+# ----------------------------------------------------------------------------- K-quants
+
+# A llama whose every K is a multiple of the 256-element K-quant super-block.
+KQ_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_hidden_layers=1,
+)
+# GGUF name -> type: Q4_K linears (kept 4-bit), other types decoded by gguf-py; a Q4_K
+# token embedding must be dequantised for the lookup.
+KQ_TYPES = {
+    "blk.0.attn_q.weight": "Q4_K",
+    "blk.0.attn_k.weight": "Q4_K",
+    "blk.0.attn_v.weight": "Q6_K",
+    "blk.0.attn_output.weight": "Q4_K",
+    "blk.0.ffn_gate.weight": "Q4_K",
+    "blk.0.ffn_up.weight": "Q5_K",
+    "blk.0.ffn_down.weight": "Q4_K",
+    "token_embd.weight": "Q4_K",
+    "output.weight": "Q6_K",
+}
+HF_NAME = {
+    "blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj.weight",
+    "blk.0.attn_k.weight": "model.layers.0.self_attn.k_proj.weight",
+    "blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj.weight",
+    "blk.0.attn_output.weight": "model.layers.0.self_attn.o_proj.weight",
+    "blk.0.ffn_gate.weight": "model.layers.0.mlp.gate_proj.weight",
+    "blk.0.ffn_up.weight": "model.layers.0.mlp.up_proj.weight",
+    "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@pytest.fixture(scope="module")
+def kquant(tmp_path_factory):
+    """A tiny llama whose weights are random K-quant blocks (decoded with gguf-py into the
+    transformers reference) and its GGUF holding those blocks."""
+    from tiny_models import dequantize_blocks, random_quant_blocks
+
+    folder = tmp_path_factory.mktemp("kquant")
+    model = build_hf(folder, "llama", **KQ_SHAPE)
+    params = dict(model.named_parameters())
+    raw = {}
+    with torch.no_grad():
+        for seed, (name, kind) in enumerate(KQ_TYPES.items()):
+            p = params[HF_NAME[name]]
+            raw[name] = random_quant_blocks(kind, p.shape[0], p.shape[1], seed)
+            p.copy_(dequantize_blocks(*raw[name], p.shape[1]))
+    model.save_pretrained(folder)
+    path = write_gguf(folder / "kq.gguf", model, "llama", raw_tensors=raw)
+    return model, path, raw
+
+
+def test_q4_k_kept_exact_as_int4(kquant):
+    from engine.weights.gguf import load_gguf
+    from engine.weights.quant import Int4Weight
+
+    model, path, _ = kquant
+    weights = load_gguf(path)
+    layer = weights.layers[0]
+    for field in ("wq", "wk", "wo", "w_gate", "w_down"):
+        w = getattr(layer, field)
+        assert isinstance(w, Int4Weight) and w.group_size == 32, field
+    ref = dict(model.named_parameters())
+    # Bit-exact against gguf-py's dequantisation (Q/K after undoing llama.cpp's permutation).
+    for field, hf in (("wq", "q_proj"), ("wk", "k_proj"), ("wo", "o_proj")):
+        got = getattr(layer, field).dequantize()
+        assert torch.equal(got, ref[f"model.layers.0.self_attn.{hf}.weight"]), field
+    assert torch.equal(layer.w_down.dequantize(), ref["model.layers.0.mlp.down_proj.weight"])
+    # Q5_K / Q6_K linears and the Q4_K embedding: decoded to float32 exactly.
+    assert torch.equal(layer.wv, ref["model.layers.0.self_attn.v_proj.weight"])
+    assert torch.equal(layer.w_up, ref["model.layers.0.mlp.up_proj.weight"])
+    assert torch.equal(weights.embed, ref["model.embed_tokens.weight"])
+    assert torch.equal(weights.lm_head, ref["lm_head.weight"])
+    assert weights.formats["blk.0.attn_q.weight"] == "Q4_K"
+    assert weights.formats["output.weight"] == "Q6_K"
+
+
+def test_q4_k_int4_matmul_matches_dense(kquant):
+    from engine.weights.gguf import load_gguf
+    from engine.weights.quant import Int4Linear, make_linear
+
+    _, path, _ = kquant
+    w = load_gguf(path).layers[0].w_gate
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(0))
+    lin = make_linear(w, None, "int4", torch.device("cpu"), torch.float32)
+    assert isinstance(lin, Int4Linear) and lin.group_size == 32
+    torch.testing.assert_close(lin(x), x @ w.dequantize().T, atol=1e-4, rtol=1e-4)
+
+
+def test_k_quant_model_matches_transformers(kquant):
+    model, path, _ = kquant
+    ids = IDS % 256
+    torch.testing.assert_close(
+        engine_logits(path, ids), reference_logits(model, ids), atol=ATOL, rtol=ATOL
+    )
+
+
+def test_undecodable_type_names_tensor(tmp_path):
+    """A type gguf-py cannot decode (Q8_1, an activation format) is an error naming the
+    tensor and its type."""
+    model = build_hf(tmp_path, "llama")
+    n, k = model.model.layers[0].self_attn.q_proj.weight.shape
+    blocks = np.random.default_rng(0).integers(0, 256, (n, k // 32 * 40), dtype=np.uint8)
+    raw = {"blk.0.attn_q.weight": (gguf.GGMLQuantizationType.Q8_1, blocks)}
+    path = write_gguf(tmp_path / "m.gguf", model, "llama", raw_tensors=raw)
+    with pytest.raises(ValueError, match=r"m\.gguf: tensor blk\.0\.attn_q\.weight has type Q8_1"):
+        load_weights(str(path))
+
+
+def test_model_line_says_what_each_type_became(kquant):
+    from engine.weights.gguf import load_gguf
+    from engine.weights.types import describe_placement
+
+    formats = load_gguf(kquant[1]).formats
+    assert describe_placement(formats, "int4", "bfloat16") == (
+        "linears: Q4_K x5 -> int4 as stored; Q5_K x1, Q6_K x1 -> re-quantised to int4; "
+        "other: F32 x3, Q4_K x1, Q6_K x1 -> float"
+    )
+    assert describe_placement(formats, "float", "float32") == (
+        "linears: Q4_K x5 -> dequantised to float32; Q5_K x1, Q6_K x1 -> float32 (exact "
+        "decode); other: F32 x3, Q4_K x1, Q6_K x1 -> float"
+    )

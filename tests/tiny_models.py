@@ -115,6 +115,7 @@ def write_gguf(
     rope_freqs: np.ndarray | None = None,
     permute: bool | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
+    raw_tensors: dict[str, tuple] | None = None,
 ) -> Path:
     """Write ``model``'s weights as a GGUF of ``general.architecture = arch``.
 
@@ -124,6 +125,10 @@ def write_gguf(
     rope_freqs : optional ``[D/2]`` float32 written as ``rope_freqs.weight``
     permute : permute Q/K rows as llama.cpp does; default: only for ``llama``/``mistral``
     extra_tensors : more tensors to write as they are (to test refusals)
+    raw_tensors : GGUF name -> ``(GGMLQuantizationType, uint8 [N, bytes])`` quantised
+        blocks written instead of the model's float tensor (rows in Hugging Face order;
+        Q/K rows are permuted like the float ones). The model's weight should hold their
+        dequantised values.
     """
     import gguf
 
@@ -156,7 +161,17 @@ def write_gguf(
 
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
 
+    raw_tensors = raw_tensors or {}
+
     def put(name: str, a: np.ndarray) -> None:
+        if name in raw_tensors:
+            qtype, blocks = raw_tensors[name]
+            if permute and ".attn_q." in name:
+                blocks = permute_qk(blocks, cfg.num_attention_heads)
+            elif permute and ".attn_k." in name:
+                blocks = permute_qk(blocks, cfg.num_key_value_heads)
+            w.add_tensor(name, np.ascontiguousarray(blocks), raw_dtype=qtype)
+            return
         a = np.ascontiguousarray(a)
         w.add_tensor(name, a.astype(linear_dtype) if a.ndim == 2 else a.astype(np.float32))
 
@@ -171,7 +186,9 @@ def write_gguf(
             a = sd.get(f"model.layers.{i}.{hf}")
             if a is None:
                 continue
-            if permute and gg.startswith("attn_q."):
+            if f"blk.{i}.{gg}" in raw_tensors:
+                pass  # put() permutes the blocks
+            elif permute and gg.startswith("attn_q."):
                 a = permute_qk(a, cfg.num_attention_heads)
             elif permute and gg.startswith("attn_k."):
                 a = permute_qk(a, cfg.num_key_value_heads)
@@ -183,6 +200,36 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# Byte offsets of the fp16 super-block scales (``d`` / ``dmin``) in ggml's block structs
+# (ggml-common.h) and a value range for them keeping weights near 0.05.
+_F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,)}
+_F16_SCALE = {"Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 1e-5, "Q8_0": 3e-4, "Q4_0": 5e-3}
+
+
+def random_quant_blocks(type_name: str, n: int, k: int, seed: int) -> tuple:
+    """Random but valid GGUF blocks of ``type_name`` for an ``[n, k]`` tensor: random
+    bytes for codes and packed sub-scales, finite positive fp16 super-block scales.
+
+    Returns ``(GGMLQuantizationType, uint8 [n, k / block * type_size])``."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    for off in _F16_FIELDS[type_name]:
+        d = (_F16_SCALE[type_name] * rng.uniform(0.5, 1.5, size=(n, k // block))).astype(np.float16)
+        raw[:, :, off : off + 2] = d.view(np.uint8).reshape(n, k // block, 2)
+    return qtype, raw.reshape(n, -1)
+
+
+def dequantize_blocks(qtype, blocks: np.ndarray, k: int) -> torch.Tensor:
+    """gguf-py's decoding of ``blocks`` as float32 ``[n, k]`` (the independent reference)."""
+    import gguf
+
+    return torch.from_numpy(np.array(gguf.quants.dequantize(blocks, qtype), np.float32)).reshape(-1, k)
 
 
 def reference_logits(model, ids: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,15 @@ Format: GGUF spec (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md); t
 and metadata keys as written by llama.cpp's ``convert_hf_to_gguf.py``: Q/K rows are
 permuted for ``llama`` (undone here) and not for ``qwen2`` / ``qwen3``; Qwen2's q/k/v
 biases are ``attn_{q,k,v}.bias``, Qwen3's per-head norms ``attn_{q,k}_norm.weight``.
-A tensor the architecture does not use is refused (never silently dropped). Q4_0/Q4_1 linear
+A tensor the architecture does not use is refused (never silently dropped).
+
+Tensor types: Q4_0, Q4_1 and Q4_K linear weights are kept as their 4-bit codes
+(:func:`engine.weights.quant.int4_from_gguf_blocks`, exact); every other type gguf-py
+decodes (F32, F16, BF16, Q8_0, Q5_0/Q5_1, Q2_K..Q6_K, IQ*, ...) and every embedding, norm
+and bias is dequantised to float32 with ``gguf.quants.dequantize``. Placement then keeps
+float linears float (``weight_format=float``) or re-quantises them group-wise to int4
+(``int4``; see :func:`engine.weights.quant.make_linear` and docs/performance.md for the
+error). ``ModelWeights.formats`` records each tensor's GGUF type. Q4_0/Q4_1 linear
 weights are kept as 4-bit blocks (:func:`engine.weights.quant.int4_from_gguf_blocks`); F32, F16,
 BF16 and Q8_0 tensors are dequantised to float32 with ``gguf.quants.dequantize``.
 """
@@ -20,11 +28,10 @@ import torch
 from engine.config import ModelConfig, RopeScaling
 from engine.model import registry
 from engine.weights.quant import int4_from_gguf_blocks
-from engine.weights.types import LayerWeights, ModelWeights, unpermute_qk_rows
+from engine.weights.types import LINEAR_NAMES, LayerWeights, ModelWeights, unpermute_qk_rows
 
 SUPPORTED_ARCHS = tuple(n for a in registry.ARCHITECTURES.values() for n in a.gguf_names)
-FLOAT_TYPES = ("F32", "F16", "BF16", "Q8_0")
-INT4_TYPES = ("Q4_0", "Q4_1")
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # linears kept as 4-bit codes
 
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm.weight",
@@ -142,20 +149,31 @@ def _rope_freq_factors(reader, path: Path, head_dim: int) -> tuple[float, ...] |
     return tuple(float(v) for v in values)
 
 
-def _load_tensor(t, path: Path):
-    """float32 tensor (numpy dims reversed to row-major ``[N, K]``) or Int4Weight."""
-    kind = t.tensor_type.name
-    shape = tuple(int(x) for x in reversed(t.shape))  # ggml ne0 is the inner dim
-    if kind in INT4_TYPES:
-        return int4_from_gguf_blocks(np.asarray(t.data), kind, shape)
-    if kind not in FLOAT_TYPES:
-        raise GGUFError(
-            f"{path}: tensor {t.name} has type {kind}; supported: "
-            f"{', '.join(FLOAT_TYPES + INT4_TYPES)}"
-        )
+def _load_tensor(t, path: Path, keep_int4: bool = False):
+    """One tensor, numpy dims reversed to row-major (``[N, K]`` for a linear).
+
+    ``keep_int4``: a Q4_0 / Q4_1 / Q4_K tensor becomes an :class:`Int4Weight` (linears);
+    otherwise, and for every other type, a float32 tensor from ``gguf.quants.dequantize``.
+
+    Raises
+    ------
+    GGUFError
+        A type gguf-py cannot decode, or blocks that do not fit the shape (names tensor).
+    """
     import gguf
 
-    arr = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+    kind = t.tensor_type.name
+    shape = tuple(int(x) for x in reversed(t.shape))  # ggml ne0 is the inner dim
+    try:
+        if keep_int4 and kind in INT4_TYPES and len(shape) == 2:
+            return int4_from_gguf_blocks(np.asarray(t.data), kind, shape)
+        arr = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+    except NotImplementedError as exc:
+        raise GGUFError(
+            f"{path}: tensor {t.name} has type {kind}, which gguf-py cannot decode ({exc})"
+        ) from None
+    except ValueError as exc:
+        raise GGUFError(f"{path}: tensor {t.name} ({kind}, shape {shape}): {exc}") from None
     return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)
 
 
@@ -184,11 +202,11 @@ def load_gguf(path: str | Path) -> ModelWeights:
     by_name = {t.name: t for t in reader.tensors}
     formats = {name: t.tensor_type.name for name, t in by_name.items()}
 
-    def get(name: str):
+    def get(name: str, keep_int4: bool = False):
         t = by_name.get(name)
         if t is None:
             raise GGUFError(f"{path}: missing tensor {name}")
-        return _load_tensor(t, path)
+        return _load_tensor(t, path, keep_int4)
 
     _check_names(cfg, by_name, path)
     permuted = registry.get(cfg.arch).gguf_permuted_qk
@@ -196,7 +214,9 @@ def load_gguf(path: str | Path) -> ModelWeights:
     k_index = unpermute_qk_rows(cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads)
     layers = []
     for i in range(cfg.num_layers):
-        parts = {k: get(f"blk.{i}.{v}") for k, v in _LAYER_TENSORS.items()}
+        parts = {
+            k: get(f"blk.{i}.{v}", keep_int4=k in LINEAR_NAMES) for k, v in _LAYER_TENSORS.items()
+        }
         for k, v in _OPTIONAL.items():
             parts[k] = get(f"blk.{i}.{v}") if cfg.qkv_bias else None
         if cfg.qk_norm:
@@ -210,7 +230,7 @@ def load_gguf(path: str | Path) -> ModelWeights:
         _check_layer(cfg, i, parts, path)
         layers.append(LayerWeights(**parts))
     embed = get("token_embd.weight")
-    lm_head = None if cfg.tie_word_embeddings else get("output.weight")
+    lm_head = None if cfg.tie_word_embeddings else get("output.weight", keep_int4=True)
     return ModelWeights(cfg, embed, get("output_norm.weight"), layers, lm_head, formats)
 
 
