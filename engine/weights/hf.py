@@ -157,6 +157,15 @@ def _architecture(raw: dict, path: Path) -> registry.Architecture:
 
 
 def _check_unsupported(raw: dict, arch: registry.Architecture, path: Path) -> None:
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise HFModelError(
+            f"{path}: quantization_config (quant_method={method!r}) is not supported: "
+            "pre-quantised AWQ/GPTQ/bitsandbytes/FP8 folders are not read. Use the original "
+            "float checkpoint (4-bit at load, or once with `hisparse quantize`) or a GGUF "
+            "file (Q4_0, Q4_1, Q4_K run as stored)"
+        )
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise HFModelError(f"{path}: hidden_act={act!r} is not supported (only 'silu')")
