@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 import transformers
 
 VOCAB = 256
@@ -229,7 +228,9 @@ def dequantize_blocks(qtype, blocks: np.ndarray, k: int) -> torch.Tensor:
     """gguf-py's decoding of ``blocks`` as float32 ``[n, k]`` (the independent reference)."""
     import gguf
 
-    return torch.from_numpy(np.array(gguf.quants.dequantize(blocks, qtype), np.float32)).reshape(-1, k)
+    return torch.from_numpy(np.array(gguf.quants.dequantize(blocks, qtype), np.float32)).reshape(
+        -1, k
+    )
 
 
 def reference_logits(model, ids: torch.Tensor) -> torch.Tensor:

@@ -182,8 +182,7 @@ def for_hf(architectures: list[str] | None, model_type: Any) -> Architecture:
                 return arch
     known = ", ".join(n for a in ARCHITECTURES.values() for n in a.hf_architectures)
     raise UnsupportedArchitecture(
-        f"architectures={names!r} (model_type={model_type!r}) is not supported; "
-        f"supported: {known}"
+        f"architectures={names!r} (model_type={model_type!r}) is not supported; supported: {known}"
     )
 
 
