@@ -62,12 +62,14 @@ def load_weights(model: str | None, tokenizer: str | None = None) -> tuple[Model
     if path.is_dir():
         from engine.weights.hf import load_hf_folder
 
-        return load_hf_folder(path), TextTokenizer.from_folder(path), path.name
+        tokenizer = TextTokenizer.from_folder(path)  # refused before any weight is read
+        return load_hf_folder(path), tokenizer, path.name
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
-    from engine.weights.gguf import load_gguf
+    from engine.weights import gguf
 
-    return load_gguf(path), TextTokenizer.from_gguf(path, reference="llama.cpp"), path.stem
+    tokenizer = TextTokenizer.from_gguf(path, reference="llama.cpp")  # before the weights
+    return gguf.load_gguf(path), tokenizer, path.stem
 
 
 def load_tokenizer(model: str | None, tokenizer: str | None = None) -> tuple[object, str]:
