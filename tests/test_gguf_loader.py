@@ -217,3 +217,16 @@ def test_model_line_says_what_each_type_became(kquant):
         "linears: Q4_K x5 -> dequantised to float32; Q5_K x1, Q6_K x1 -> float32 (exact "
         "decode); other: F32 x3, Q4_K x1, Q6_K x1 -> float"
     )
+
+
+@pytest.mark.slow
+def test_embedded_model_line_and_registry(smollm2_gguf_path):
+    """The real Q4_1 model loads through the registry (no unused tensor refused) and its
+    model line names its tensor types."""
+    from engine.load import load_engine
+
+    engine = load_engine(EngineConfig(host_pool_gb=1.0, max_batch=1), str(smollm2_gguf_path))
+    assert type(engine.model).__name__ == "LlamaModel" and engine.model.config.arch == "llama"
+    assert engine.weights_info == (
+        "linears: Q4_1 x210 -> dequantised to float32; other: F32 x61, Q8_0 x1 -> float"
+    )
