@@ -46,9 +46,14 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2/2.5, SmolLM).
+    """Shape of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, SmolLM).
 
     ``max_position`` is the context the model was trained for (tokens).
+    ``rope_freq_factors``: per-frequency divisors of the RoPE inverse frequencies
+    (``D / 2`` floats), as a GGUF file's ``rope_freqs.weight`` stores them (llama.cpp
+    writes Llama 3.1's ``llama3`` scaling this way); ``None`` when the file has none.
+    ``qkv_bias``: q/k/v projections carry biases (Qwen2). ``qk_norm``: per-head RMSNorm
+    of q and k before RoPE (Qwen3).
     """
 
     arch: str
@@ -66,6 +71,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     name: str = ""
+    rope_freq_factors: tuple[float, ...] | None = None
+    qk_norm: bool = False
 
     @property
     def group_size(self) -> int:

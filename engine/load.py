@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.config import ConfigError, EngineConfig, ModelConfig, RopeScaling
-from engine.model.rope import Rope
+from engine.config import ConfigError, EngineConfig
 from engine.serve.base import BatchEngine
 from engine.serve.engine import Engine
-from engine.weights.types import ModelWeights
+from engine.text.context import context_limit_and_rope  # noqa: F401 - scripts import it here
+from engine.weights.types import ModelWeights, describe_placement
 
 if TYPE_CHECKING:
     from engine.model.llama import LlamaModel
@@ -67,12 +67,14 @@ def load_weights(model: str | None, tokenizer: str | None = None) -> tuple[Model
     if path.is_dir():
         from engine.weights.hf import load_hf_folder
 
-        return load_hf_folder(path), TextTokenizer.from_folder(path), path.name
+        tokenizer = TextTokenizer.from_folder(path)  # refused before any weight is read
+        return load_hf_folder(path), tokenizer, path.name
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
-    from engine.weights.gguf import load_gguf
+    from engine.weights import gguf
 
-    return load_gguf(path), TextTokenizer.from_gguf(path, reference="llama.cpp"), path.stem
+    tokenizer = TextTokenizer.from_gguf(path, reference="llama.cpp")  # before the weights
+    return gguf.load_gguf(path), tokenizer, path.stem
 
 
 def load_tokenizer(model: str | None, tokenizer: str | None = None) -> tuple[object, str]:
@@ -107,37 +109,6 @@ def _check_tokenizer_choice(model: str | None, tokenizer: str | None) -> None:
         )
 
 
-def context_limit_and_rope(cfg: ModelConfig, config: EngineConfig) -> tuple[int, Rope]:
-    """Tokens per request and the RoPE table under the context policy.
-
-    ``refuse`` and ``truncate`` keep the trained context (``max_context`` may lower it);
-    ``extend`` raises it to ``max_context`` (default 4x trained) with ``extend_method``
-    scaling of factor ``max_context / trained`` (quality not guaranteed past training).
-
-    Raises
-    ------
-    ConfigError
-        ``max_context`` above the trained context without ``extend`` (it would be ignored).
-    """
-    trained = cfg.max_position
-    scaling = cfg.rope_scaling
-    limit = trained
-    if config.context_policy == "extend":
-        limit = config.max_context or 4 * trained
-        factor = limit / trained
-        if factor > 1 and scaling is None:
-            scaling = RopeScaling(kind=config.extend_method, factor=factor, original_max_position=trained)
-    elif config.max_context:
-        if config.max_context > trained:
-            raise ConfigError(
-                f"max_context={config.max_context} is above the model's trained context of "
-                f"{trained} tokens; only context_policy extend goes past it "
-                f"(--context-policy extend), {config.context_policy!r} can only lower the limit"
-            )
-        limit = config.max_context
-    return limit, Rope(cfg.head_dim, cfg.rope_theta, scaling)
-
-
 def pick_weight_format(config: EngineConfig, device: torch.device) -> str:
     """``auto``: int4 (torch's int4 kernel) on CUDA, float on CPU, where torch's CPU int4
     GEMM is slower than fp32 GEMM for these shapes (see docs/performance.md)."""
@@ -158,6 +129,7 @@ class PlacedModel:
     context_limit : tokens (prompt + generated) per request under the context policy
     weight_format : ``int4`` or ``float``, as :func:`pick_weight_format` chose
     ops : the kernel set of the device (:func:`kernels.dispatch.get_ops`)
+    weights_info : what each source tensor type became (the run's model line)
     """
 
     model: LlamaModel
@@ -166,6 +138,7 @@ class PlacedModel:
     context_limit: int
     weight_format: str
     ops: Ops
+    weights_info: str = ""
 
 
 def place_model(
@@ -197,7 +170,7 @@ def place_model(
         Missing or unsupported model files.
     """
     from engine.capacity.planner import stage_layers
-    from engine.model.llama import LlamaModel
+    from engine.model.registry import build_model
     from engine.weights.quant import Int4Linear
     from kernels.dispatch import get_ops
 
@@ -217,12 +190,14 @@ def place_model(
         layers = range(*stage_layers(num_layers, world_size)[rank])
     limit, rope = context_limit_and_rope(weights.config, rope_config or config)
     fmt = pick_weight_format(config, device)
-    llm = LlamaModel(weights, device, getattr(torch, config.dtype), fmt, rope, layers=layers)
+    llm = build_model(weights, device, getattr(torch, config.dtype), fmt, rope, layers=layers)
     for layer in llm.layers:
         for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
             if isinstance(lin, Int4Linear):
                 lin.triton_min_rows = config.int4_triton_min_rows
-    return PlacedModel(llm, tokenizer, name, limit, fmt, get_ops(device, config.use_triton, config.eviction))
+    ops = get_ops(device, config.use_triton, config.eviction)
+    info = describe_placement(weights.formats, fmt, config.dtype)
+    return PlacedModel(llm, tokenizer, name, limit, fmt, ops, info)
 
 
 def load_engine(config: EngineConfig, model: str | None = None, tracer=None) -> BatchEngine:

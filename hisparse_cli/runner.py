@@ -777,7 +777,8 @@ class BatchRun:
                 raise LoadConfigError(str(exc)) from exc
             self.reporter.note(f"cannot load the model: {exc}", "error")
             return False
-        self.reporter.note(f"model loaded in {self.clock() - started:.1f}s")
+        info = f" ({engine.weights_info})" if engine.weights_info else ""  # tensor types
+        self.reporter.note(f"model loaded in {self.clock() - started:.1f}s{info}")
         self.prompt_limit = engine.prompt_limit()
         traces = engine.trace_paths
         if len(traces) > 1:  # several devices: one file per worker

@@ -98,6 +98,7 @@ class FakeEngine:
     model_config: Any = None
     model_name: str = "fake"
     weight_format: str = "float"
+    weights_info: str = ""
     cancelled: bool = False
     closed: bool = False
     seen: list[Job] = field(default_factory=list)

@@ -381,3 +381,11 @@ def test_quantize_cli(qwen2, tmp_path):
 
     again = CliRunner().invoke(app, ["quantize", str(folder), str(out)])
     assert again.exit_code == 2 and "exists" in again.output
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_prequantised_folder_is_refused(llama_copy, method):
+    _edit_config(llama_copy, quantization_config={"quant_method": method, "bits": 4})
+    want = rf"config\.json: quantization_config \(quant_method='{method}'\).*hisparse quantize"
+    with pytest.raises(HFModelError, match=want):
+        load_hf_folder(llama_copy)

@@ -304,9 +304,10 @@ def corpus_file_text(corpus_dir: Path) -> str:
     return files[0].read_text(encoding="utf-8")[:20_000] if files else ""
 
 
-def test_sentencepiece_gguf_is_refused(tmp_path, small_vocab):
-    path = _write_gguf(tmp_path / "spm.gguf", *small_vocab, model="llama", pre="default")
-    with pytest.raises(ValueError, match="tokenizer.ggml.model='llama'"):
+def test_unsupported_tokenizer_model_is_refused(tmp_path, small_vocab):
+    # Sentencepiece ('llama') vocabularies are rebuilt now (tests/test_tokenizer_spm.py).
+    path = _write_gguf(tmp_path / "wpm.gguf", *small_vocab, model="bert", pre="default")
+    with pytest.raises(ValueError, match="tokenizer.ggml.model='bert' is not supported"):
         TextTokenizer.from_gguf(path)
 
 

@@ -286,6 +286,7 @@ def test_cli_run_drives_parallel_engine(data_engine, tmp_path, monkeypatch):
         tokenizer=data_engine.tokenizer,
         model_name=data_engine.model_name,
         weight_format=data_engine.weight_format,
+        weights_info=data_engine.weights_info,
         trace_paths=data_engine.trace_paths,
         run=data_engine.run,
         cancel=data_engine.cancel,

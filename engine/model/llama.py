@@ -3,7 +3,9 @@ through the KV hierarchy (``engine.decode.attention``) between the projections.
 
 Shapes: T tokens, H hidden, Hq/Hkv heads, D head dim, F FFN width, V vocab.
 Math as in Hugging Face ``LlamaForCausalLM`` (RMSNorm, SwiGLU MLP, rotate-half RoPE);
-Qwen2 adds q/k/v biases.
+Qwen2 adds q/k/v biases, Qwen3 a per-head RMSNorm of q and k before RoPE
+(``Qwen3Attention``: ``q_norm`` / ``k_norm`` over D). Built through
+:func:`engine.model.registry.build_model`, which maps architectures to this family.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class Layer:
     wo: Linear
     w_gate_up: Linear
     w_down: Linear
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,6 +52,10 @@ def _cat_weights(ws, dtype_like):
             ws[0].group_size,
         )
     return torch.cat([w.dequantize() if isinstance(w, Int4Weight) else w.float() for w in ws])
+
+
+def _norm_on(w: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if w is None else w.to(device, torch.float32)
 
 
 class LlamaModel:
@@ -102,6 +110,8 @@ class LlamaModel:
                         _cat_weights([lw.w_gate, lw.w_up], dtype), None, weight_format, device, dtype
                     ),
                     w_down=make_linear(lw.w_down, None, weight_format, device, dtype),
+                    q_norm=_norm_on(lw.q_norm, device),
+                    k_norm=_norm_on(lw.k_norm, device),
                 )
             )
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -117,6 +127,7 @@ class LlamaModel:
             total += self.lm_head.nbytes
         for layer in self.layers:
             total += layer.attn_norm.nbytes + layer.ffn_norm.nbytes
+            total += sum(n.nbytes for n in (layer.q_norm, layer.k_norm) if n is not None)
             total += sum(x.nbytes for x in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
         return total
 
@@ -140,6 +151,9 @@ class LlamaModel:
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if layer.q_norm is not None:  # Qwen3: per-head RMSNorm over D before RoPE
+            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
         cos, sin = self.rope.cos_sin(positions.to(self.device), h.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 

@@ -10,6 +10,13 @@ as in Hugging Face transformers, with the frequency scalings of ``RopeScaling``:
 * ``yarn``: YaRN (Peng et al. 2023, arXiv:2309.00071): NTK-by-parts interpolation with
   ramp between ``beta_fast`` and ``beta_slow`` and attention temperature
   ``0.1 * ln(factor) + 1`` folded into cos/sin.
+
+Frequency factors (GGUF ``rope_freqs.weight``, llama.cpp ``ggml_rope_ext``'s
+``freq_factors``): each inverse frequency is divided by its factor before any scaling
+above, as ggml's rope does (``theta / freq_factor``). llama.cpp's ``convert_hf_to_gguf.py``
+stores Llama 3.1's ``llama3`` scaling this way: factor ``1`` for short wavelengths,
+``factor`` for long ones and ``1 / ((1 - smooth) / factor + smooth)`` in between, which is
+the ratio of the unscaled to transformers' ``llama3`` inverse frequencies.
 """
 
 from __future__ import annotations
@@ -27,13 +34,34 @@ class Rope:
     Parameters
     ----------
     head_dim : D; theta : base; scaling : optional :class:`RopeScaling`
+    freq_factors : optional ``D / 2`` divisors of the inverse frequencies (GGUF
+        ``rope_freqs.weight``; see the module docstring), applied before ``scaling``
+
+    Raises
+    ------
+    ValueError
+        ``freq_factors`` of another length than ``D / 2`` or with a value <= 0.
     """
 
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None):
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: RopeScaling | None = None,
+        freq_factors: tuple[float, ...] | torch.Tensor | None = None,
+    ):
         self.head_dim = head_dim
         self.attention_factor = 1.0
         self.position_divisor = 1.0
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        if freq_factors is not None:
+            ff = torch.as_tensor(freq_factors, dtype=torch.float64).reshape(-1)
+            if ff.numel() != head_dim // 2 or not bool((ff > 0).all()):
+                raise ValueError(
+                    f"rope freq_factors: expected {head_dim // 2} positive values for "
+                    f"head_dim={head_dim}, got {ff.tolist()}"
+                )
+            inv = inv / ff
         if scaling is not None:
             inv = self._scale(inv, theta, scaling)
         self.inv_freq = inv.float()

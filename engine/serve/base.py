@@ -23,6 +23,7 @@ class BatchEngine(Protocol):
         and decodes tokens
     model_name : for results and reports
     weight_format : ``int4`` or ``float`` (what the linears run as)
+    weights_info : what each source tensor type became, for the model line ("" unknown)
     trace_paths : the selection trace files written (``--trace``), one per worker; empty
         without a trace
     """
@@ -31,6 +32,7 @@ class BatchEngine(Protocol):
     tokenizer: Any
     model_name: str
     weight_format: str
+    weights_info: str
 
     @property
     def trace_paths(self) -> list[str]: ...

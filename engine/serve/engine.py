@@ -94,11 +94,13 @@ class Engine:
         *,
         model_name: str = "",
         weight_format: str = "",
+        weights_info: str = "",
         budget_sizing: KVSizing | None = None,
     ):
         self.model = model
         self.model_name = model_name or model.config.name
         self.weight_format = weight_format
+        self.weights_info = weights_info
         self.budget_sizing = budget_sizing
         self.model_config = model.config
         self.tokenizer = tokenizer
@@ -139,6 +141,7 @@ class Engine:
             placed.context_limit,
             model_name=placed.name,
             weight_format=placed.weight_format,
+            weights_info=placed.weights_info,
             **kwargs,
         )
 

@@ -216,6 +216,7 @@ def _info(engine: Any, spec: WorkerSpec) -> dict[str, Any]:
         "model_config": inner.model_config,
         "model_name": inner.model_name,
         "weight_format": inner.weight_format,
+        "weights_info": inner.weights_info,
         "layers": (inner.model.layer_range.start, inner.model.layer_range.stop),
         "max_batch": inner.config.max_batch,
         "host_pool_bytes": inner.cache.pool_bytes_total,
@@ -391,6 +392,7 @@ class ParallelEngine:
         self.model_config = info["model_config"]
         self.model_name = info["model_name"]
         self.weight_format = info["weight_format"]
+        self.weights_info = info["weights_info"]
         self._prompt_limit = info["prompt_limit"]
 
     # ----- public API --------------------------------------------------------------

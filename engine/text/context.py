@@ -6,7 +6,7 @@ does not fit gets (refused, or its document cut), and the words that say so.
 * ``refuse`` — the model's trained context is the limit (``max_context`` may lower it);
   a longer prompt fails with advice.
 * ``extend`` — the limit is ``max_context`` (default 4x trained) and RoPE is scaled by
-  ``extend_method`` (:func:`engine.load.context_limit_and_rope`); quality past training is
+  ``extend_method`` (:func:`context_limit_and_rope`); quality past training is
   not guaranteed.
 * ``truncate`` — the trained limit; the document is cut (``truncate_keep`` head, tail or
   middle, the cut marked in the text) so prompt + ``max_tokens`` fits
@@ -18,9 +18,13 @@ Torch-free, so the CLI can judge documents before the model loads.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, ModelConfig, RopeScaling
 from engine.text.prompting import Truncation, fit_document
+
+if TYPE_CHECKING:
+    from engine.model.rope import Rope
 
 
 class PromptTooLong(ValueError):
@@ -45,6 +49,29 @@ def context_limit(config: EngineConfig, trained: int) -> int:
             f"(--context-policy extend), {config.context_policy!r} can only lower the limit"
         )
     return config.max_context or trained
+
+
+def context_limit_and_rope(cfg: ModelConfig, config: EngineConfig) -> tuple[int, Rope]:
+    """Tokens per request (:func:`context_limit`) and the RoPE table under the context
+    policy: ``extend`` scales RoPE by ``extend_method`` with factor ``limit / trained``
+    unless the model has its own scaling; the model's frequency factors (GGUF
+    ``rope_freqs``) always apply.
+
+    Raises
+    ------
+    ConfigError
+        ``max_context`` above the trained context without ``extend`` (it would be ignored).
+    """
+    from engine.model.rope import Rope
+
+    trained = cfg.max_position
+    limit = context_limit(config, trained)
+    scaling = cfg.rope_scaling
+    if config.context_policy == "extend" and limit > trained and scaling is None:
+        scaling = RopeScaling(
+            kind=config.extend_method, factor=limit / trained, original_max_position=trained
+        )
+    return limit, Rope(cfg.head_dim, cfg.rope_theta, scaling, cfg.rope_freq_factors)
 
 
 def too_long_advice(policy: str, need: int | None = None) -> str:

@@ -46,6 +46,8 @@ END_TOKEN_NAMES = (
 )
 
 REFERENCES = ("transformers", "llama.cpp")
+# tokenizer.ggml.model values from_gguf rebuilds: byte-level BPE, sentencepiece (engine.text.spm).
+GGUF_TOKENIZER_MODELS = ("gpt2", "llama")
 
 # Pre-tokenizer split patterns, keyed by tokenizer.ggml.pre (same strings as transformers'
 # GGUF_PRE_TOKENIZER_SPLITS and llama.cpp's llama-vocab.cpp).
@@ -170,29 +172,47 @@ class TextTokenizer:
         -------
         TextTokenizer
 
+        ``tokenizer.ggml.model = llama`` (sentencepiece: tokens, scores, byte fallback) is
+        rebuilt by :func:`engine.text.spm.sentencepiece_bpe` as transformers converts it,
+        for either ``reference`` (llama.cpp's own sentencepiece tokenizer was not run
+        here; see :mod:`engine.text.spm`); ``add_bos_token`` defaults to true for it.
+
         Raises
         ------
         ValueError
-            ``tokenizer.ggml.model`` is not ``gpt2`` (byte-level BPE; e.g. ``llama``
-            sentencepiece vocabularies are not supported here: load them with
-            :meth:`from_folder`), ``tokenizer.ggml.pre`` is unknown, required keys are
-            missing, or ``reference`` is not one of ``REFERENCES``.
+            ``tokenizer.ggml.model`` is not ``gpt2`` (byte-level BPE) or ``llama``
+            (sentencepiece), ``tokenizer.ggml.pre`` is unknown, required keys are
+            missing (a sentencepiece vocabulary without merges needs its scores), or
+            ``reference`` is not one of ``REFERENCES``.
         """
         if reference not in REFERENCES:
             raise ValueError(f"reference={reference!r}; expected one of {REFERENCES}")
         meta = _GGUFMetadata(path_or_reader)
         model_type = meta.get("tokenizer.ggml.model")
-        if model_type != "gpt2":
+        if model_type not in GGUF_TOKENIZER_MODELS:
             raise ValueError(
-                f"{meta.source}: tokenizer.ggml.model={model_type!r} is not supported; only "
-                "'gpt2' (byte-level BPE) GGUF vocabularies can be rebuilt. Sentencepiece "
-                "('llama') and other models: use TextTokenizer.from_folder with the model's "
+                f"{meta.source}: tokenizer.ggml.model={model_type!r} is not supported; "
+                "supported: 'gpt2' (byte-level BPE), 'llama' (sentencepiece BPE with byte "
+                "fallback). Other models: use TextTokenizer.from_folder with the model's "
                 "tokenizer.json."
             )
         pre = meta.get("tokenizer.ggml.pre") or "default"
         tokens = meta.require("tokenizer.ggml.tokens")
         token_types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         merges = meta.get("tokenizer.ggml.merges") or []
+        if model_type == "llama":
+            from engine.text.spm import sentencepiece_bpe
+
+            prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+            try:
+                backend = sentencepiece_bpe(
+                    tokens, meta.get("tokenizer.ggml.scores"), merges, bool(prefix)
+                )
+            except ValueError as exc:
+                raise ValueError(f"{meta.source}: {exc}") from None
+            _add_gguf_added_tokens(backend, tokens, token_types, byte_level=False)
+            settings = _gguf_settings(meta, tokens, backend, pre, default_bos=True)
+            return cls(**settings, vocab_size=len(tokens))
         backend = _byte_level_bpe(tokens, merges, pre, reference)
         _add_gguf_added_tokens(backend, tokens, token_types)
         return cls(**_gguf_settings(meta, tokens, backend, pre), vocab_size=len(tokens))
@@ -641,23 +661,34 @@ def _pre_tokenizer(pre: str, reference: str):
     return byte_level
 
 
-def _add_gguf_added_tokens(backend: Tokenizer, tokens: list[str], types: list[int]) -> None:
+def _add_gguf_added_tokens(
+    backend: Tokenizer, tokens: list[str], types: list[int], byte_level: bool = True
+) -> None:
     """Control tokens -> special added tokens; user-defined -> plain added tokens.
 
-    A control token spelled outside the byte alphabet is a llama.cpp mislabel and is
-    skipped, as transformers does (it could not be a real byte-level token).
+    In a byte-level vocabulary a control token spelled outside the byte alphabet is a
+    llama.cpp mislabel and is skipped, as transformers does (it could not be a real
+    byte-level token); ``byte_level=False`` (sentencepiece) keeps every control token.
     """
     alphabet = set(bytes_to_unicode().values())
     pairs = list(zip(tokens, types, strict=True))
-    control = [t for t, k in pairs if k == TOKEN_TYPE_CONTROL and set(t) <= alphabet]
+    control = [
+        t for t, k in pairs if k == TOKEN_TYPE_CONTROL and (not byte_level or set(t) <= alphabet)
+    ]
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     vocab = backend.get_vocab(with_added_tokens=True)
     user = [t for t, k in pairs if k == TOKEN_TYPE_USER_DEFINED and t in vocab]
     backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
 
 
-def _gguf_settings(meta: _GGUFMetadata, tokens: list[str], backend: Tokenizer, pre: str) -> dict:
-    """Constructor arguments besides the backend: ids, flags, template, template variables."""
+def _gguf_settings(
+    meta: _GGUFMetadata, tokens: list[str], backend: Tokenizer, pre: str, default_bos=None
+) -> dict:
+    """Constructor arguments besides the backend: ids, flags, template, template variables.
+
+    ``default_bos``: whether to add BOS when ``tokenizer.ggml.add_bos_token`` is absent
+    (sentencepiece vocabularies: True, as llama.cpp and transformers do); by default True
+    only for the converted-tiktoken pre-tokenizers."""
 
     def token_id(name: str) -> int | None:
         value = meta.get(f"tokenizer.ggml.{name}")
@@ -665,7 +696,9 @@ def _gguf_settings(meta: _GGUFMetadata, tokens: list[str], backend: Tokenizer, p
 
     ids = {key: token_id(name) for key, name in _GGUF_SPECIAL_IDS.items()}
     specials = {key: tokens[i] for key, i in ids.items() if i is not None}
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", pre in _TIKTOKEN_FAMILY)
+    if default_bos is None:
+        default_bos = pre in _TIKTOKEN_FAMILY
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", default_bos)
     ends = [ids["eos_token"], token_id("eot_token_id"), token_id("eom_token_id")]
     return {
         "backend": backend,

@@ -1,7 +1,19 @@
-"""Load a Llama-architecture GGUF file with the ``gguf`` package.
+"""Load a GGUF file of a registered architecture (:mod:`engine.model.registry`: ``llama``,
+``mistral``, ``qwen2``, ``qwen3``) with the ``gguf`` package.
 
 Format: GGUF spec (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md); tensor names
-and metadata keys as written by llama.cpp's ``convert_hf_to_gguf.py``. Q4_0/Q4_1 linear
+and metadata keys as written by llama.cpp's ``convert_hf_to_gguf.py``: Q/K rows are
+permuted for ``llama`` (undone here) and not for ``qwen2`` / ``qwen3``; Qwen2's q/k/v
+biases are ``attn_{q,k,v}.bias``, Qwen3's per-head norms ``attn_{q,k}_norm.weight``.
+A tensor the architecture does not use is refused (never silently dropped).
+
+Tensor types: Q4_0, Q4_1 and Q4_K linear weights are kept as their 4-bit codes
+(:func:`engine.weights.quant.int4_from_gguf_blocks`, exact); every other type gguf-py
+decodes (F32, F16, BF16, Q8_0, Q5_0/Q5_1, Q2_K..Q6_K, IQ*, ...) and every embedding, norm
+and bias is dequantised to float32 with ``gguf.quants.dequantize``. Placement then keeps
+float linears float (``weight_format=float``) or re-quantises them group-wise to int4
+(``int4``; see :func:`engine.weights.quant.make_linear` and docs/performance.md for the
+error). ``ModelWeights.formats`` records each tensor's GGUF type. Q4_0/Q4_1 linear
 weights are kept as 4-bit blocks (:func:`engine.weights.quant.int4_from_gguf_blocks`); F32, F16,
 BF16 and Q8_0 tensors are dequantised to float32 with ``gguf.quants.dequantize``.
 """
@@ -14,12 +26,12 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig, RopeScaling
+from engine.model import registry
 from engine.weights.quant import int4_from_gguf_blocks
-from engine.weights.types import LayerWeights, ModelWeights, unpermute_qk_rows
+from engine.weights.types import LINEAR_NAMES, LayerWeights, ModelWeights, unpermute_qk_rows
 
-SUPPORTED_ARCHS = ("llama",)
-FLOAT_TYPES = ("F32", "F16", "BF16", "Q8_0")
-INT4_TYPES = ("Q4_0", "Q4_1")
+SUPPORTED_ARCHS = tuple(n for a in registry.ARCHITECTURES.values() for n in a.gguf_names)
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # linears kept as 4-bit codes
 
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm.weight",
@@ -33,6 +45,8 @@ _LAYER_TENSORS = {
     "w_down": "ffn_down.weight",
 }
 _OPTIONAL = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
+_QK_NORMS = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}
+_GLOBAL = ("token_embd.weight", "output_norm.weight", "output.weight")
 
 
 class GGUFError(ValueError):
@@ -126,11 +140,10 @@ def read_config(reader, path: Path) -> ModelConfig:
         Unsupported ``general.architecture`` or a missing required key.
     """
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise GGUFError(
-            f"{path}: general.architecture={arch!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
-        )
+    try:
+        entry = registry.for_gguf(arch)
+    except registry.UnsupportedArchitecture as exc:
+        raise GGUFError(f"{path}: {exc}") from None
 
     def req(key: str):
         v = _field(reader, f"{arch}.{key}")
@@ -156,8 +169,9 @@ def read_config(reader, path: Path) -> ModelConfig:
             ),
         )
     names = {t.name for t in reader.tensors}
+    freq_factors = _rope_freq_factors(reader, path, head_dim)
     return ModelConfig(
-        arch=arch,
+        arch=entry.name,
         num_layers=int(req("block_count")),
         hidden_size=hidden,
         num_heads=heads,
@@ -170,25 +184,67 @@ def read_config(reader, path: Path) -> ModelConfig:
         max_position=ctx,
         rope_scaling=scaling,
         tie_word_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names,
+        qkv_bias=entry.qkv_bias or "blk.0.attn_q.bias" in names,
         name=str(_field(reader, "general.name", path.stem)),
+        rope_freq_factors=freq_factors,
+        qk_norm=entry.qk_norm,
     )
 
 
-def _load_tensor(t, path: Path):
-    """float32 tensor (numpy dims reversed to row-major ``[N, K]``) or Int4Weight."""
-    kind = t.tensor_type.name
-    shape = tuple(int(x) for x in reversed(t.shape))  # ggml ne0 is the inner dim
-    if kind in INT4_TYPES:
-        return int4_from_gguf_blocks(np.asarray(t.data), kind, shape)
-    if kind not in FLOAT_TYPES:
-        raise GGUFError(
-            f"{path}: tensor {t.name} has type {kind}; supported: "
-            f"{', '.join(FLOAT_TYPES + INT4_TYPES)}"
-        )
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def _rope_freq_factors(reader, path: Path, head_dim: int) -> tuple[float, ...] | None:
+    """The ``rope_freqs.weight`` tensor (``[D/2]`` float divisors of the RoPE inverse
+    frequencies; llama.cpp's converter writes Llama 3.1's ``llama3`` scaling this way and
+    ``ggml_rope_ext`` divides by it), or ``None`` when the file has none.
+
+    Raises
+    ------
+    GGUFError
+        The tensor does not hold ``D/2`` positive values.
+    """
+    t = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if t is None:
+        return None
     import gguf
 
-    arr = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+    values = np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), np.float32)
+    values = values.reshape(-1)
+    if values.size != head_dim // 2 or not (values > 0).all():
+        raise GGUFError(
+            f"{path}: tensor {ROPE_FREQS} has {values.size} values "
+            f"(min {values.min() if values.size else None}); expected {head_dim // 2} "
+            f"positive RoPE frequency factors for head_dim={head_dim}"
+        )
+    return tuple(float(v) for v in values)
+
+
+def _load_tensor(t, path: Path, keep_int4: bool = False):
+    """One tensor, numpy dims reversed to row-major (``[N, K]`` for a linear).
+
+    ``keep_int4``: a Q4_0 / Q4_1 / Q4_K tensor becomes an :class:`Int4Weight` (linears);
+    otherwise, and for every other type, a float32 tensor from ``gguf.quants.dequantize``.
+
+    Raises
+    ------
+    GGUFError
+        A type gguf-py cannot decode, or blocks that do not fit the shape (names tensor).
+    """
+    import gguf
+
+    kind = t.tensor_type.name
+    shape = tuple(int(x) for x in reversed(t.shape))  # ggml ne0 is the inner dim
+    try:
+        if keep_int4 and kind in INT4_TYPES and len(shape) == 2:
+            return int4_from_gguf_blocks(np.asarray(t.data), kind, shape)
+        arr = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+    except NotImplementedError as exc:
+        raise GGUFError(
+            f"{path}: tensor {t.name} has type {kind}, which gguf-py cannot decode ({exc})"
+        ) from None
+    except ValueError as exc:
+        raise GGUFError(f"{path}: tensor {t.name} ({kind}, shape {shape}): {exc}") from None
     return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)
 
 
@@ -218,29 +274,53 @@ def load_gguf(path: str | Path) -> ModelWeights:
     by_name = {t.name: t for t in reader.tensors}
     formats = {name: t.tensor_type.name for name, t in by_name.items()}
 
-    def get(name: str):
+    def get(name: str, keep_int4: bool = False):
         t = by_name.get(name)
         if t is None:
             raise GGUFError(f"{path}: missing tensor {name}")
-        return _load_tensor(t, path)
+        return _load_tensor(t, path, keep_int4)
 
+    _check_names(cfg, by_name, path)
+    permuted = registry.get(cfg.arch).gguf_permuted_qk
     q_index = unpermute_qk_rows(cfg.num_heads * cfg.head_dim, cfg.num_heads)
     k_index = unpermute_qk_rows(cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads)
     layers = []
     for i in range(cfg.num_layers):
-        parts = {k: get(f"blk.{i}.{v}") for k, v in _LAYER_TENSORS.items()}
+        parts = {
+            k: get(f"blk.{i}.{v}", keep_int4=k in LINEAR_NAMES) for k, v in _LAYER_TENSORS.items()
+        }
         for k, v in _OPTIONAL.items():
-            parts[k] = get(f"blk.{i}.{v}") if f"blk.{i}.{v}" in by_name else None
-        parts["wq"] = _permute(parts["wq"], q_index)
-        parts["wk"] = _permute(parts["wk"], k_index)
-        if parts["bq"] is not None:
-            parts["bq"] = parts["bq"][q_index]
-            parts["bk"] = parts["bk"][k_index]
+            parts[k] = get(f"blk.{i}.{v}") if cfg.qkv_bias else None
+        if cfg.qk_norm:
+            parts.update({k: get(f"blk.{i}.{v}") for k, v in _QK_NORMS.items()})
+        if permuted:
+            parts["wq"] = _permute(parts["wq"], q_index)
+            parts["wk"] = _permute(parts["wk"], k_index)
+            if parts["bq"] is not None:
+                parts["bq"] = parts["bq"][q_index]
+                parts["bk"] = parts["bk"][k_index]
         _check_layer(cfg, i, parts, path)
         layers.append(LayerWeights(**parts))
     embed = get("token_embd.weight")
-    lm_head = None if cfg.tie_word_embeddings else get("output.weight")
+    lm_head = None if cfg.tie_word_embeddings else get("output.weight", keep_int4=True)
     return ModelWeights(cfg, embed, get("output_norm.weight"), layers, lm_head, formats)
+
+
+def _check_names(cfg: ModelConfig, by_name: dict, path: Path) -> None:
+    """Refuse tensors this architecture would not use (an unknown tensor may carry math
+    the engine would otherwise silently skip, as ``rope_freqs`` once was)."""
+    known = set(_GLOBAL) | {ROPE_FREQS}
+    per_layer = list(_LAYER_TENSORS.values())
+    per_layer += list(_OPTIONAL.values()) if cfg.qkv_bias else []
+    per_layer += list(_QK_NORMS.values()) if cfg.qk_norm else []
+    known |= {f"blk.{i}.{t}" for i in range(cfg.num_layers) for t in per_layer}
+    unknown = sorted(set(by_name) - known)
+    if unknown:
+        more = f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else ""
+        raise GGUFError(
+            f"{path}: tensor(s) {', '.join(unknown[:5])}{more} are not used by a {cfg.arch} "
+            f"model ({registry.get(cfg.arch).description}); refusing rather than ignoring them"
+        )
 
 
 def _permute(w, index: torch.Tensor):
@@ -258,6 +338,11 @@ def _check_layer(cfg: ModelConfig, i: int, parts: dict, path: Path) -> None:
         "w_up": (cfg.intermediate_size, h),
         "w_down": (h, cfg.intermediate_size),
     }
+    if cfg.qkv_bias:
+        kv = cfg.num_kv_heads * d
+        want |= {"bq": (cfg.num_heads * d,), "bk": (kv,), "bv": (kv,)}
+    if cfg.qk_norm:
+        want |= {"q_norm": (d,), "k_norm": (d,)}
     for name, shape in want.items():
         got = tuple(parts[name].shape)
         if got != shape:

@@ -8,8 +8,9 @@ both are read) and the safetensors format (https://github.com/huggingface/safete
 data_offsets}}`` plus an optional ``__metadata__`` string map, then the raw data).
 Sharded checkpoints list their files in ``model.safetensors.index.json`` (``weight_map``).
 
-Architectures: ``LlamaForCausalLM`` (Llama 2/3/3.1, SmolLM), ``MistralForCausalLM`` and
-``Qwen2ForCausalLM`` (q/k/v biases). Q/K rows of Hugging Face checkpoints are already in
+Architectures: those of :mod:`engine.model.registry` (``LlamaForCausalLM`` for Llama
+2/3/3.1 and SmolLM, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` with q/k/v biases,
+``Qwen3ForCausalLM`` with per-head ``self_attn.q_norm`` / ``k_norm``). Q/K rows of Hugging Face checkpoints are already in
 rotate-half order, as :mod:`engine.model.llama` expects: no permutation.
 
 Tensors are read lazily (``safetensors.safe_open``, memory-mapped), one at a time:
@@ -38,13 +39,12 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig, RopeScaling
+from engine.model import registry
 from engine.weights.quant import Int4Weight
 from engine.weights.types import LayerWeights, ModelWeights, WeightT
 
 SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
+    name: a.name for a in registry.ARCHITECTURES.values() for name in a.hf_architectures
 }
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 ROPE_KINDS = ("default", "llama3", "linear", "dynamic", "yarn")
@@ -78,6 +78,7 @@ BIAS_TENSORS = {
     "bk": "self_attn.k_proj.bias",
     "bv": "self_attn.v_proj.bias",
 }
+QK_NORM_TENSORS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
 EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 # Buffers some older checkpoints carry; recomputed from the config, never read.
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
@@ -114,8 +115,9 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
     if not path.is_file():
         raise FileNotFoundError(f"{Path(folder)}: no config.json in this model folder")
     raw = json.loads(path.read_text())
-    arch = _architecture(raw, path)
-    _check_unsupported(raw, arch, path)
+    entry = _architecture(raw, path)
+    arch = entry.name
+    _check_unsupported(raw, entry, path)
     heads = int(_require(raw, "num_attention_heads", path))
     hidden = int(_require(raw, "hidden_size", path))
     theta, scaling = rope_from_hf(raw, path)
@@ -130,11 +132,12 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         vocab_size=int(_require(raw, "vocab_size", path)),
         rope_theta=theta,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position=_max_position(raw, arch, scaling),
+        max_position=_max_position(raw, entry, scaling),
         rope_scaling=scaling,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2",
+        qkv_bias=entry.qkv_bias,
         name=path.parent.resolve().name,
+        qk_norm=entry.qk_norm,
     )
     cfg.validate()
     return cfg
@@ -146,27 +149,29 @@ def _require(raw: dict, key: str, where: Path | str) -> Any:
     return raw[key]
 
 
-def _architecture(raw: dict, path: Path) -> str:
-    names = raw.get("architectures") or []
-    for name in names:
-        if name in SUPPORTED_ARCHITECTURES:
-            return SUPPORTED_ARCHITECTURES[name]
-    model_type = raw.get("model_type")
-    if not names and model_type in SUPPORTED_ARCHITECTURES.values():
-        return str(model_type)
-    raise HFModelError(
-        f"{path}: architectures={names!r} (model_type={model_type!r}) is not supported; "
-        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
+def _architecture(raw: dict, path: Path) -> registry.Architecture:
+    try:
+        return registry.for_hf(raw.get("architectures"), raw.get("model_type"))
+    except registry.UnsupportedArchitecture as exc:
+        raise HFModelError(f"{path}: {exc}") from None
 
 
-def _check_unsupported(raw: dict, arch: str, path: Path) -> None:
+def _check_unsupported(raw: dict, arch: registry.Architecture, path: Path) -> None:
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise HFModelError(
+            f"{path}: quantization_config (quant_method={method!r}) is not supported: "
+            "pre-quantised AWQ/GPTQ/bitsandbytes/FP8 folders are not read. Use the original "
+            "float checkpoint (4-bit at load, or once with `hisparse quantize`) or a GGUF "
+            "file (Q4_0, Q4_1, Q4_K run as stored)"
+        )
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise HFModelError(f"{path}: hidden_act={act!r} is not supported (only 'silu')")
     if raw.get("mlp_bias"):
         raise HFModelError(f"{path}: mlp_bias=true is not supported")
-    if arch != "qwen2" and raw.get("attention_bias"):
+    if not arch.qkv_bias and raw.get("attention_bias"):
         raise HFModelError(f"{path}: attention_bias=true (o_proj bias) is not supported")
     partial = raw.get("partial_rotary_factor", 1.0)
     if partial not in (None, 1, 1.0):
@@ -244,7 +249,7 @@ def rope_from_hf(raw: dict, path: Path | str = "config.json") -> tuple[float, Ro
     return theta, RopeScaling(kind=kind, factor=factor, original_max_position=original)
 
 
-def _max_position(raw: dict, arch: str, scaling: RopeScaling | None) -> int:
+def _max_position(raw: dict, arch: registry.Architecture, scaling: RopeScaling | None) -> int:
     """Trained context: ``max_position_embeddings``, raised to ``original * factor`` for
     yarn / dynamic scaling (Qwen2.5 keeps 32768 there and declares yarn x4 for 128K),
     capped at the sliding window when the model uses one."""
@@ -252,8 +257,8 @@ def _max_position(raw: dict, arch: str, scaling: RopeScaling | None) -> int:
     if scaling is not None and scaling.kind in ("yarn", "dynamic"):
         max_pos = max(max_pos, int(scaling.original_max_position * scaling.factor))
     window = raw.get("sliding_window")
-    uses_window = arch == "mistral" or (
-        arch == "qwen2"
+    uses_window = arch.sliding_window == "always" or (
+        arch.sliding_window == "flag"
         and (raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []))
     )
     if uses_window and window:
@@ -435,6 +440,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qkv_bias:
             for field, tensor in BIAS_TENSORS.items():
                 shapes[prefix + tensor] = (bias_rows[field],)
+        if cfg.qk_norm:
+            for tensor in QK_NORM_TENSORS.values():
+                shapes[prefix + tensor] = (cfg.head_dim,)
     return shapes
 
 
@@ -593,4 +601,7 @@ def _read_layer(tensors, cfg, i, group_size, int4_group_size, read, formats) -> 
     if cfg.qkv_bias:
         for field, tensor in BIAS_TENSORS.items():
             parts[field] = read(prefix + tensor, (parts["w" + field[1]].shape[0],))
+    if cfg.qk_norm:
+        for field, tensor in QK_NORM_TENSORS.items():
+            parts[field] = read(prefix + tensor, (cfg.head_dim,))
     return LayerWeights(**parts)

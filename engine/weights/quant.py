@@ -7,11 +7,19 @@ One representation covers every 4-bit source: :class:`Int4Weight` holds, for a w
 
 * GGUF Q4_1 (blocks of 32: fp16 ``d``, fp16 ``m``, 16 bytes of nibbles): scale = d, offset = m.
 * GGUF Q4_0 (blocks of 32: fp16 ``d``, 16 bytes): scale = d, offset = -8 d.
+* GGUF Q4_K (super-blocks of 256: fp16 ``d``, fp16 ``dmin``, 12 bytes of eight 6-bit
+  scales ``sc`` and mins ``m``, 128 bytes of nibbles): each 32-element sub-block ``s`` is
+  ``d * sc[s] * q - dmin * m[s]``, so group 32 with scale = d * sc[s] and
+  offset = -(dmin * m[s]) (both computed in float32, as gguf-py does: exact).
 * Float checkpoints: asymmetric min/max group quantisation, scale = (max - min) / 15,
   offset = min, q = round((W - min) / scale) (group 128 by default, as gpt-fast does).
 
 Block layouts: ggml ``ggml-common.h`` (``block_q4_0``, ``block_q4_1``): element ``j`` of a
 block is the low nibble of byte ``j`` for j < 16 and the high nibble of byte ``j - 16``.
+``block_q4_K`` (``dequantize_row_q4_K`` in ``ggml-quants.c``): element ``64 c + l`` of a
+super-block is the low nibble of byte ``32 c + l`` and element ``64 c + 32 + l`` its high
+nibble (c < 4, l < 32); the 6-bit scale/min unpacking is gguf-py's
+``gguf.quants.Q4_K.get_scale_min`` (``get_scale_min_k4``).
 
 Compute formats (:func:`make_linear`):
 * ``float``: dequantise once to the compute dtype (exact values of the 4-bit blocks;
@@ -76,12 +84,14 @@ def _nibbles_to_bytes(values: torch.Tensor) -> torch.Tensor:
 
 
 def int4_from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4Weight:
-    """Read GGUF Q4_0 / Q4_1 blocks without re-quantising.
+    """Read GGUF Q4_0 / Q4_1 / Q4_K blocks without re-quantising (group size 32).
 
     Parameters
     ----------
     raw : uint8 ``[N, (K/32) * block_bytes]`` as ``gguf.GGUFReader`` returns it
-    type_name : ``"Q4_0"`` (18-byte blocks) or ``"Q4_1"`` (20-byte blocks)
+        (Q4_K: ``[N, (K/256) * 144]``)
+    type_name : ``"Q4_0"`` (18-byte blocks), ``"Q4_1"`` (20-byte blocks) or ``"Q4_K"``
+        (144-byte super-blocks of 256)
     shape : ``(N, K)``
 
     Raises
@@ -90,6 +100,8 @@ def int4_from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int
         For another type or a shape that is not whole blocks.
     """
     n, k = shape
+    if type_name == "Q4_K":
+        return _int4_from_q4_k(raw, shape)
     if k % 32:
         raise ValueError(f"{type_name} tensor with K={k} is not a multiple of 32")
     head = {"Q4_0": 2, "Q4_1": 4}.get(type_name)
@@ -105,6 +117,36 @@ def int4_from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int
     vals = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, k)  # element order j, j+16
     return Int4Weight(
         _nibbles_to_bytes(vals), torch.from_numpy(d), torch.from_numpy(m), group_size=32
+    )
+
+
+Q4_K_BLOCK, Q4_K_BYTES = 256, 144
+
+
+def _int4_from_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Int4Weight:
+    """GGUF ``block_q4_K`` super-blocks -> :class:`Int4Weight` of group 32 (exact; see the
+    module docstring). Kept here rather than through ``gguf.quants.dequantize`` because
+    that returns floats, and the 4-bit codes and per-group scale/offset are what the int4
+    kernels need."""
+    import gguf
+
+    n, k = shape
+    if k % Q4_K_BLOCK:
+        raise ValueError(f"Q4_K tensor with K={k} is not a multiple of {Q4_K_BLOCK}")
+    nb = k // Q4_K_BLOCK
+    blocks = np.ascontiguousarray(raw).reshape(n * nb, Q4_K_BYTES)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n*nb, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [n*nb, 8] each
+    scale = d * sc.astype(np.float32)
+    offset = -(dmin * m.astype(np.float32))
+    qs = torch.from_numpy(blocks[:, 16:].copy()).view(n * nb, 4, 32)  # [.., chunk, byte]
+    vals = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(n, k)  # chunk: 32 low, 32 high
+    return Int4Weight(
+        _nibbles_to_bytes(vals),
+        torch.from_numpy(scale.reshape(n, k // 32)),
+        torch.from_numpy(offset.reshape(n, k // 32)),
+        group_size=32,
     )
 
 

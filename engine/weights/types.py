@@ -7,6 +7,8 @@ norms, biases and embeddings are float32 tensors. Names follow the Hugging Face 
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +24,8 @@ LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 @dataclass
 class LayerWeights:
     """One decoder layer. Shapes: wq ``[Hq*D, H]``, wk/wv ``[Hkv*D, H]``, wo ``[H, Hq*D]``,
-    w_gate/w_up ``[F, H]``, w_down ``[H, F]``, norms ``[H]``, biases ``[N]``."""
+    w_gate/w_up ``[F, H]``, w_down ``[H, F]``, norms ``[H]``, biases ``[N]``; q_norm /
+    k_norm ``[D]`` per-head RMSNorm weights of q and k (Qwen3), ``None`` otherwise."""
 
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
@@ -36,6 +39,8 @@ class LayerWeights:
     bq: torch.Tensor | None = None
     bk: torch.Tensor | None = None
     bv: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -65,3 +70,54 @@ def unpermute_qk_rows(num_rows: int, num_heads: int) -> torch.Tensor:
     inverse = torch.empty_like(gguf_order)
     inverse[gguf_order] = torch.arange(num_rows)
     return inverse
+
+
+# Source formats whose 4-bit codes placement keeps as they are (GGUF types; ``hisparse
+# quantize`` folders record ``int4-g<G>``).
+INT4_SOURCE_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
+# Decoder-layer linear weights: GGUF tensor names and Hugging Face module names.
+_LINEAR_NAME = re.compile(
+    r"^blk\.\d+\.(attn_[qkv]|attn_output|ffn_(gate|up|down))\.weight$"
+    r"|^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)(\.weight)?$"
+)
+
+
+def describe_placement(formats: dict[str, str], weight_format: str, dtype: str) -> str:
+    """One line saying what each source tensor type became, for the run's model line.
+
+    Parameters
+    ----------
+    formats : ``ModelWeights.formats`` (tensor or module name -> source type: ``Q4_K``,
+        ``Q6_K``, ``F32``, ``BF16``, ``int4-g64`` ...)
+    weight_format : the placement, ``int4`` or ``float``
+    dtype : compute dtype name (``float32``, ``bfloat16``)
+
+    Returns
+    -------
+    e.g. ``"linears: Q4_K x154 -> int4 as stored; Q6_K x14 -> re-quantised to int4;
+    other: F32 x61, Q6_K x1 -> float"``
+    """
+
+    def counts(names: list[str]) -> str:
+        c = Counter(formats[n] for n in names)
+        return ", ".join(f"{k} x{v}" for k, v in sorted(c.items()))
+
+    linears = [n for n in formats if _LINEAR_NAME.match(n)]
+    other = [n for n in formats if n not in set(linears)]
+    kept = [n for n in linears if _is_int4(formats[n])]
+    rest = [n for n in linears if not _is_int4(formats[n])]
+    parts = []
+    if kept:
+        to = "int4 as stored" if weight_format == "int4" else f"dequantised to {dtype}"
+        parts.append(f"{counts(kept)} -> {to}")
+    if rest:
+        to = "re-quantised to int4" if weight_format == "int4" else f"{dtype} (exact decode)"
+        parts.append(f"{counts(rest)} -> {to}")
+    line = "linears: " + "; ".join(parts) if parts else ""
+    if other:
+        line += ("; " if line else "") + f"other: {counts(other)} -> float"
+    return line
+
+
+def _is_int4(fmt: str) -> bool:
+    return fmt in INT4_SOURCE_FORMATS or fmt.startswith("int4-g")

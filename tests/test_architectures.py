@@ -1,0 +1,170 @@
+"""Every registered architecture against transformers, from a Hugging Face folder and a GGUF.
+
+For each family of :data:`tiny_models.FAMILIES` (one per :mod:`engine.model.registry`
+entry): a tiny random transformers model (its own config class, GQA, sizes that are not
+powers of two, randomised norms and biases) is saved as a folder and written as a GGUF in
+llama.cpp's conventions; the engine loads either through :func:`engine.load.load_weights`
+and places it with :func:`engine.model.registry.build_model`. Logits on a teacher-forced
+sequence must match transformers' within fp32 summation-order tolerance, and greedy
+continuations must be identical. The GGUF writer itself is checked against transformers'
+own GGUF reader (an independent implementation of llama.cpp's Q/K permutation).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from tiny_models import FAMILIES, build_hf, greedy_reference, reference_logits, write_gguf  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.load import context_limit_and_rope, load_weights  # noqa: E402
+from engine.model import registry  # noqa: E402
+from engine.model.llama import prefill_attention  # noqa: E402
+
+IDS = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4))
+ATOL = 1e-4
+STEPS = 12
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+class Placed:
+    """A checkpoint loaded and placed as the engine does (CPU, fp32)."""
+
+    def __init__(self, path, fmt: str = "float"):
+        weights, self.tokenizer, _ = load_weights(str(path))
+        self.config = weights.config
+        _, rope = context_limit_and_rope(self.config, EngineConfig())
+        self.model = registry.build_model(weights, torch.device("cpu"), torch.float32, fmt, rope)
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        h = m.embed_tokens(ids)
+        positions = torch.arange(len(ids))
+        for i in range(self.config.num_layers):
+            q, k, v = m.qkv(i, h, positions)
+            h = m.finish_layer(i, h, prefill_attention(q, k, v, 0))
+        return m.logits(h)
+
+    def greedy(self, ids: torch.Tensor, steps: int) -> list[int]:
+        seq = ids.clone()
+        out = []
+        for _ in range(steps):
+            nxt = int(self.logits(seq)[-1].argmax())
+            out.append(nxt)
+            seq = torch.cat([seq, torch.tensor([nxt])])
+        return out
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    name = request.param
+    folder = tmp_path_factory.mktemp(name)
+    model = build_hf(folder, name)
+    gguf_path = write_gguf(folder / f"{name}.gguf", model, GGUF_ARCH[name])
+    return name, folder, gguf_path, model
+
+
+def test_every_registered_architecture_is_tested():
+    assert set(FAMILIES) == set(registry.ARCHITECTURES)
+
+
+def test_hf_folder_matches_transformers(family):
+    name, folder, _, model = family
+    placed = Placed(folder)
+    entry = registry.get(name)
+    assert placed.config.arch == name
+    assert (placed.config.qkv_bias, placed.config.qk_norm) == (entry.qkv_bias, entry.qk_norm)
+    torch.testing.assert_close(
+        placed.logits(IDS), reference_logits(model, IDS), atol=ATOL, rtol=ATOL
+    )
+    assert placed.greedy(IDS, STEPS) == greedy_reference(model, IDS, STEPS)
+
+
+def test_gguf_matches_transformers(family):
+    name, _, gguf_path, model = family
+    placed = Placed(gguf_path)
+    assert placed.config.arch == ("llama" if name == "mistral" else name)
+    assert placed.config.qk_norm == registry.get(name).qk_norm
+    torch.testing.assert_close(
+        placed.logits(IDS), reference_logits(model, IDS), atol=ATOL, rtol=ATOL
+    )
+    assert placed.greedy(IDS, STEPS) == greedy_reference(model, IDS, STEPS)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_gguf_writer_agrees_with_transformers_gguf_reader(tmp_path, name):
+    """transformers' GGUF reader (its own Q/K un-permutation) gives back the same logits
+    from the written file, so the files follow llama.cpp's layout, not just ours."""
+    pytest.importorskip("accelerate")
+    model = build_hf(tmp_path, name)
+    path = write_gguf(tmp_path / "m.gguf", model, name)
+    reread = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    torch.testing.assert_close(
+        reference_logits(reread, IDS), reference_logits(model, IDS), atol=ATOL, rtol=ATOL
+    )
+
+
+def test_gguf_arch_mistral_name(tmp_path):
+    """``general.architecture = mistral`` (transformers' GGUF naming) reads as Mistral."""
+    model = build_hf(tmp_path, "mistral")
+    path = write_gguf(tmp_path / "m.gguf", model, "mistral")
+    placed = Placed(path)
+    assert placed.config.arch == "mistral"
+    torch.testing.assert_close(
+        placed.logits(IDS), reference_logits(model, IDS), atol=ATOL, rtol=ATOL
+    )
+
+
+def test_gguf_f16_weights_and_int4_placement(tmp_path):
+    """F16 linear/embedding tensors decode exactly; ``int4`` placement stays close."""
+    model = build_hf(tmp_path, "qwen3")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.copy_(p.half().float())
+    path = write_gguf(tmp_path / "m.gguf", model, "qwen3", linear_dtype=np.float16)
+    placed = Placed(path)
+    ref = reference_logits(model, IDS)
+    torch.testing.assert_close(placed.logits(IDS), ref, atol=ATOL, rtol=ATOL)
+    int4 = Placed(path, fmt="int4").logits(IDS)
+    assert (int4 - ref).abs().max() < 0.25 * ref.abs().max()
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_unknown_architectures_list_the_supported_ones(tmp_path):
+    with pytest.raises(registry.UnsupportedArchitecture, match="llama, mistral, qwen2, qwen3"):
+        registry.get("gemma3")
+    with pytest.raises(ValueError, match=r"general\.architecture='gemma3'.*qwen3"):
+        registry.for_gguf("gemma3")
+    with pytest.raises(ValueError, match=r"Gemma3ForCausalLM.*Qwen3ForCausalLM"):
+        registry.for_hf(["Gemma3ForCausalLM"], "gemma3")
+    assert registry.for_hf(None, "qwen3").name == "qwen3"
+    model = build_hf(tmp_path, "llama")
+    path = write_gguf(tmp_path / "m.gguf", model, "gemma3")
+    with pytest.raises(ValueError, match=r"m\.gguf: general\.architecture='gemma3'.*llama"):
+        load_weights(str(path))
+
+
+def test_gguf_unused_tensor_is_refused(tmp_path):
+    """A tensor the architecture does not use (here Qwen3's q/k norms in a ``llama`` file)
+    is an error naming it, never silently dropped."""
+    model = build_hf(tmp_path, "qwen3")
+    path = write_gguf(tmp_path / "m.gguf", model, "llama", permute=False)
+    with pytest.raises(ValueError, match=r"m\.gguf: tensor\(s\) blk\.0\.attn_k_norm\.weight"):
+        load_weights(str(path))
+
+
+def test_gguf_qwen2_missing_bias_is_refused(tmp_path):
+    model = build_hf(tmp_path, "llama")
+    path = write_gguf(tmp_path / "m.gguf", model, "qwen2", permute=False)
+    with pytest.raises(ValueError, match=r"m\.gguf: missing tensor blk\.0\.attn_q\.bias"):
+        load_weights(str(path))

@@ -1,0 +1,232 @@
+"""GGUF loader against transformers, on tiny random models written with gguf-py.
+
+Each test saves a transformers model as a Hugging Face folder (the reference), writes the
+same weights as a GGUF in llama.cpp's conventions (:mod:`tiny_models`), loads the GGUF
+through :func:`engine.load.load_weights` and the engine's RoPE
+(:func:`engine.load.context_limit_and_rope`) and compares logits with transformers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from tiny_models import build_hf, reference_logits, write_gguf  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.load import context_limit_and_rope, load_weights  # noqa: E402
+from engine.model.llama import LlamaModel, prefill_attention  # noqa: E402
+
+IDS = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(3))
+ATOL = 1e-4
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,  # puts D=16's wavelengths in all three bands
+    "rope_theta": 10000.0,
+}
+
+
+def engine_logits(path, ids: torch.Tensor, fmt: str = "float") -> torch.Tensor:
+    """Full-sequence forward of the model at ``path`` as the engine places it."""
+    weights, _, _ = load_weights(str(path))
+    cfg = weights.config
+    _, rope = context_limit_and_rope(cfg, EngineConfig())
+    model = LlamaModel(weights, torch.device("cpu"), torch.float32, fmt, rope)
+    h = model.embed_tokens(ids)
+    positions = torch.arange(len(ids))
+    for i in range(cfg.num_layers):
+        q, k, v = model.qkv(i, h, positions)
+        h = model.finish_layer(i, h, prefill_attention(q, k, v, 0))
+    return model.logits(h)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+@pytest.fixture(scope="module")
+def llama31(tmp_path_factory):
+    """A Llama-3.1-style model (``llama3`` RoPE scaling) and its GGUF with
+    ``rope_freqs.weight`` as llama.cpp's converter writes it (no scaling metadata)."""
+    folder = tmp_path_factory.mktemp("llama31")
+    model = build_hf(folder, "llama", rope_parameters=LLAMA3_ROPE)
+    d = model.config.head_dim
+    unscaled = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaled = model.model.rotary_emb.inv_freq.double()  # transformers' _compute_llama3_parameters
+    factors = (unscaled / scaled).float().numpy()
+    path = write_gguf(folder / "m.gguf", model, "llama", rope_freqs=factors)
+    return model, path, factors
+
+
+def test_rope_freqs_factors_direction(llama31):
+    """llama.cpp's factors are >= 1 (1 for short wavelengths, ``factor`` for long ones) and
+    ggml divides each frequency by its factor; the loader keeps them as they are."""
+    _, path, factors = llama31
+    assert factors[0] == pytest.approx(1.0) and factors[-1] == pytest.approx(8.0)
+    assert ((factors > 1) & (factors < 8)).any()  # the smooth band is exercised
+    cfg = load_weights(str(path))[0].config
+    assert cfg.rope_scaling is None
+    np.testing.assert_array_equal(np.array(cfg.rope_freq_factors, dtype=np.float32), factors)
+
+
+def test_rope_freqs_matches_transformers_llama3(llama31):
+    model, path, _ = llama31
+    torch.testing.assert_close(
+        engine_logits(path, IDS), reference_logits(model, IDS), atol=ATOL, rtol=ATOL
+    )
+
+
+def test_rope_freqs_wrong_length_is_refused(tmp_path):
+    model = build_hf(tmp_path, "llama")
+    path = write_gguf(tmp_path / "m.gguf", model, "llama", rope_freqs=np.ones(5, np.float32))
+    with pytest.raises(ValueError, match=r"m\.gguf.*rope_freqs\.weight.*8"):
+        load_weights(str(path))
+
+
+# ----------------------------------------------------------------------------- K-quants
+
+# A llama whose every K is a multiple of the 256-element K-quant super-block.
+KQ_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_hidden_layers=1,
+)
+# GGUF name -> type: Q4_K linears (kept 4-bit), other types decoded by gguf-py; a Q4_K
+# token embedding must be dequantised for the lookup.
+KQ_TYPES = {
+    "blk.0.attn_q.weight": "Q4_K",
+    "blk.0.attn_k.weight": "Q4_K",
+    "blk.0.attn_v.weight": "Q6_K",
+    "blk.0.attn_output.weight": "Q4_K",
+    "blk.0.ffn_gate.weight": "Q4_K",
+    "blk.0.ffn_up.weight": "Q5_K",
+    "blk.0.ffn_down.weight": "Q4_K",
+    "token_embd.weight": "Q4_K",
+    "output.weight": "Q6_K",
+}
+HF_NAME = {
+    "blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj.weight",
+    "blk.0.attn_k.weight": "model.layers.0.self_attn.k_proj.weight",
+    "blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj.weight",
+    "blk.0.attn_output.weight": "model.layers.0.self_attn.o_proj.weight",
+    "blk.0.ffn_gate.weight": "model.layers.0.mlp.gate_proj.weight",
+    "blk.0.ffn_up.weight": "model.layers.0.mlp.up_proj.weight",
+    "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@pytest.fixture(scope="module")
+def kquant(tmp_path_factory):
+    """A tiny llama whose weights are random K-quant blocks (decoded with gguf-py into the
+    transformers reference) and its GGUF holding those blocks."""
+    from tiny_models import dequantize_blocks, random_quant_blocks
+
+    folder = tmp_path_factory.mktemp("kquant")
+    model = build_hf(folder, "llama", **KQ_SHAPE)
+    params = dict(model.named_parameters())
+    raw = {}
+    with torch.no_grad():
+        for seed, (name, kind) in enumerate(KQ_TYPES.items()):
+            p = params[HF_NAME[name]]
+            raw[name] = random_quant_blocks(kind, p.shape[0], p.shape[1], seed)
+            p.copy_(dequantize_blocks(*raw[name], p.shape[1]))
+    model.save_pretrained(folder)
+    path = write_gguf(folder / "kq.gguf", model, "llama", raw_tensors=raw)
+    return model, path, raw
+
+
+def test_q4_k_kept_exact_as_int4(kquant):
+    from engine.weights.gguf import load_gguf
+    from engine.weights.quant import Int4Weight
+
+    model, path, _ = kquant
+    weights = load_gguf(path)
+    layer = weights.layers[0]
+    for field in ("wq", "wk", "wo", "w_gate", "w_down"):
+        w = getattr(layer, field)
+        assert isinstance(w, Int4Weight) and w.group_size == 32, field
+    ref = dict(model.named_parameters())
+    # Bit-exact against gguf-py's dequantisation (Q/K after undoing llama.cpp's permutation).
+    for field, hf in (("wq", "q_proj"), ("wk", "k_proj"), ("wo", "o_proj")):
+        got = getattr(layer, field).dequantize()
+        assert torch.equal(got, ref[f"model.layers.0.self_attn.{hf}.weight"]), field
+    assert torch.equal(layer.w_down.dequantize(), ref["model.layers.0.mlp.down_proj.weight"])
+    # Q5_K / Q6_K linears and the Q4_K embedding: decoded to float32 exactly.
+    assert torch.equal(layer.wv, ref["model.layers.0.self_attn.v_proj.weight"])
+    assert torch.equal(layer.w_up, ref["model.layers.0.mlp.up_proj.weight"])
+    assert torch.equal(weights.embed, ref["model.embed_tokens.weight"])
+    assert torch.equal(weights.lm_head, ref["lm_head.weight"])
+    assert weights.formats["blk.0.attn_q.weight"] == "Q4_K"
+    assert weights.formats["output.weight"] == "Q6_K"
+
+
+def test_q4_k_int4_matmul_matches_dense(kquant):
+    from engine.weights.gguf import load_gguf
+    from engine.weights.quant import Int4Linear, make_linear
+
+    _, path, _ = kquant
+    w = load_gguf(path).layers[0].w_gate
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(0))
+    lin = make_linear(w, None, "int4", torch.device("cpu"), torch.float32)
+    assert isinstance(lin, Int4Linear) and lin.group_size == 32
+    torch.testing.assert_close(lin(x), x @ w.dequantize().T, atol=1e-4, rtol=1e-4)
+
+
+def test_k_quant_model_matches_transformers(kquant):
+    model, path, _ = kquant
+    ids = IDS % 256
+    torch.testing.assert_close(
+        engine_logits(path, ids), reference_logits(model, ids), atol=ATOL, rtol=ATOL
+    )
+
+
+def test_undecodable_type_names_tensor(tmp_path):
+    """A type gguf-py cannot decode (Q8_1, an activation format) is an error naming the
+    tensor and its type."""
+    model = build_hf(tmp_path, "llama")
+    n, k = model.model.layers[0].self_attn.q_proj.weight.shape
+    blocks = np.random.default_rng(0).integers(0, 256, (n, k // 32 * 40), dtype=np.uint8)
+    raw = {"blk.0.attn_q.weight": (gguf.GGMLQuantizationType.Q8_1, blocks)}
+    path = write_gguf(tmp_path / "m.gguf", model, "llama", raw_tensors=raw)
+    with pytest.raises(ValueError, match=r"m\.gguf: tensor blk\.0\.attn_q\.weight has type Q8_1"):
+        load_weights(str(path))
+
+
+def test_model_line_says_what_each_type_became(kquant):
+    from engine.weights.gguf import load_gguf
+    from engine.weights.types import describe_placement
+
+    formats = load_gguf(kquant[1]).formats
+    assert describe_placement(formats, "int4", "bfloat16") == (
+        "linears: Q4_K x5 -> int4 as stored; Q5_K x1, Q6_K x1 -> re-quantised to int4; "
+        "other: F32 x3, Q4_K x1, Q6_K x1 -> float"
+    )
+    assert describe_placement(formats, "float", "float32") == (
+        "linears: Q4_K x5 -> dequantised to float32; Q5_K x1, Q6_K x1 -> float32 (exact "
+        "decode); other: F32 x3, Q4_K x1, Q6_K x1 -> float"
+    )
+
+
+@pytest.mark.slow
+def test_embedded_model_line_and_registry(smollm2_gguf_path):
+    """The real Q4_1 model loads through the registry (no unused tensor refused) and its
+    model line names its tensor types."""
+    from engine.load import load_engine
+
+    engine = load_engine(EngineConfig(host_pool_gb=1.0, max_batch=1), str(smollm2_gguf_path))
+    assert type(engine.model).__name__ == "LlamaModel" and engine.model.config.arch == "llama"
+    assert engine.weights_info == (
+        "linears: Q4_1 x210 -> dequantised to float32; other: F32 x61, Q8_0 x1 -> float"
+    )

@@ -1,0 +1,251 @@
+"""Tiny random checkpoints of each supported family, for the loader and architecture tests.
+
+:func:`build_hf` makes a transformers model from its own config class (few layers, GQA,
+sizes that are not powers of two), randomises norms and biases (transformers initialises
+them to ones / zeros, which would hide a missing norm or bias) and saves it as a Hugging
+Face folder with a 256-token byte-level tokenizer. :func:`write_gguf` writes the same
+weights as a GGUF file with gguf-py's ``GGUFWriter`` in llama.cpp's conventions
+(``convert_hf_to_gguf.py``: tensor names ``blk.<i>.attn_q.weight`` ..., metadata keys
+``<arch>.block_count`` ..., Q/K rows permuted for ``llama`` (``LlamaModel.permute``) and
+left in Hugging Face order for ``qwen2`` / ``qwen3`` (``Qwen2Model`` does not permute),
+Qwen3's per-head norms as ``attn_q_norm`` / ``attn_k_norm``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+VOCAB = 256
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=96,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+# family -> (config class, model class, extra config fields)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=16)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1e6)),
+}
+
+
+def randomise(model, seed: int = 1) -> None:
+    """Norm weights near 1 and biases of scale 0.5, drawn from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+
+
+def save_tokenizer(folder: Path) -> None:
+    """A 256-token byte-level BPE (no merges), enough for ``TextTokenizer.from_folder``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from engine.text.tokenizer import bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+
+
+def build_hf(folder: Path, family: str, seed: int = 0, **overrides):
+    """Save a tiny random ``family`` model to ``folder``; return the float32 model (eval)."""
+    cfg_name, model_name, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cfg_name)(**(BASE | extra | overrides))
+    model = getattr(transformers, model_name)(cfg)
+    randomise(model, seed + 1)
+    model.eval()
+    model.save_pretrained(folder)
+    save_tokenizer(folder)
+    return model
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's Q/K row permutation (``convert_hf_to_gguf.py`` ``LlamaModel.permute``):
+    per head, rotate-half rows ``[x0..x_{D/2-1}, y0..]`` become interleaved pairs."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_gguf(
+    path: Path,
+    model,
+    arch: str,
+    *,
+    linear_dtype=np.float32,
+    rope_freqs: np.ndarray | None = None,
+    permute: bool | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    raw_tensors: dict[str, tuple] | None = None,
+) -> Path:
+    """Write ``model``'s weights as a GGUF of ``general.architecture = arch``.
+
+    Parameters
+    ----------
+    linear_dtype : numpy dtype of the 2-D weights (float32 -> F32, float16 -> F16)
+    rope_freqs : optional ``[D/2]`` float32 written as ``rope_freqs.weight``
+    permute : permute Q/K rows as llama.cpp does; default: only for ``llama``/``mistral``
+    extra_tensors : more tensors to write as they are (to test refusals)
+    raw_tensors : GGUF name -> ``(GGMLQuantizationType, uint8 [N, bytes])`` quantised
+        blocks written instead of the model's float tensor (rows in Hugging Face order;
+        Q/K rows are permuted like the float ones). The model's weight should hold their
+        dequantised values.
+    """
+    import gguf
+
+    from engine.text.tokenizer import bytes_to_unicode
+
+    cfg = model.config
+    if permute is None:
+        permute = arch in ("llama", "mistral")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny-" + arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(list(bytes_to_unicode().values()))
+    w.add_token_types([1] * VOCAB)
+    w.add_token_merges([])
+    w.add_add_bos_token(False)
+
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+
+    raw_tensors = raw_tensors or {}
+
+    def put(name: str, a: np.ndarray) -> None:
+        if name in raw_tensors:
+            qtype, blocks = raw_tensors[name]
+            if permute and ".attn_q." in name:
+                blocks = permute_qk(blocks, cfg.num_attention_heads)
+            elif permute and ".attn_k." in name:
+                blocks = permute_qk(blocks, cfg.num_key_value_heads)
+            w.add_tensor(name, np.ascontiguousarray(blocks), raw_dtype=qtype)
+            return
+        a = np.ascontiguousarray(a)
+        w.add_tensor(name, a.astype(linear_dtype) if a.ndim == 2 else a.astype(np.float32))
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        put("output.weight", sd["lm_head.weight"])
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    for i in range(cfg.num_hidden_layers):
+        for hf, gg in _LAYER.items():
+            a = sd.get(f"model.layers.{i}.{hf}")
+            if a is None:
+                continue
+            if f"blk.{i}.{gg}" in raw_tensors:
+                pass  # put() permutes the blocks
+            elif permute and gg.startswith("attn_q."):
+                a = permute_qk(a, cfg.num_attention_heads)
+            elif permute and gg.startswith("attn_k."):
+                a = permute_qk(a, cfg.num_key_value_heads)
+            put(f"blk.{i}.{gg}", a)
+    for name, a in (extra_tensors or {}).items():
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# Byte offsets of the fp16 super-block scales (``d`` / ``dmin``) in ggml's block structs
+# (ggml-common.h) and a value range for them keeping weights near 0.05.
+_F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,)}
+_F16_SCALE = {"Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 1e-5, "Q8_0": 3e-4, "Q4_0": 5e-3}
+
+
+def random_quant_blocks(type_name: str, n: int, k: int, seed: int) -> tuple:
+    """Random but valid GGUF blocks of ``type_name`` for an ``[n, k]`` tensor: random
+    bytes for codes and packed sub-scales, finite positive fp16 super-block scales.
+
+    Returns ``(GGMLQuantizationType, uint8 [n, k / block * type_size])``."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    for off in _F16_FIELDS[type_name]:
+        d = (_F16_SCALE[type_name] * rng.uniform(0.5, 1.5, size=(n, k // block))).astype(np.float16)
+        raw[:, :, off : off + 2] = d.view(np.uint8).reshape(n, k // block, 2)
+    return qtype, raw.reshape(n, -1)
+
+
+def dequantize_blocks(qtype, blocks: np.ndarray, k: int) -> torch.Tensor:
+    """gguf-py's decoding of ``blocks`` as float32 ``[n, k]`` (the independent reference)."""
+    import gguf
+
+    return torch.from_numpy(np.array(gguf.quants.dequantize(blocks, qtype), np.float32)).reshape(
+        -1, k
+    )
+
+
+def reference_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' float32 logits ``[T, V]`` for one sequence ``ids [T]``."""
+    with torch.no_grad():
+        return model(ids[None]).logits[0].float()
+
+
+def greedy_reference(model, ids: torch.Tensor, steps: int) -> list[int]:
+    """transformers' greedy continuation of ``ids`` (``steps`` new tokens), each step the
+    argmax of a full forward over the sequence so far."""
+    seq = ids.clone()
+    out: list[int] = []
+    for _ in range(steps):
+        nxt = int(reference_logits(model, seq)[-1].argmax())
+        out.append(nxt)
+        seq = torch.cat([seq, torch.tensor([nxt])])
+    return out
