@@ -73,8 +73,9 @@ def load_weights(model: str | None, tokenizer: str | None = None) -> tuple[Model
         raise FileNotFoundError(f"model not found: {path}")
     from engine.weights import gguf
 
-    tokenizer = TextTokenizer.from_gguf(path, reference="llama.cpp")  # before the weights
-    return gguf.load_gguf(path), tokenizer, path.stem
+    reader = gguf.open_reader(path)  # every tensor's description checked, no data read
+    tokenizer = TextTokenizer.from_gguf(reader, reference="llama.cpp")  # before the weights
+    return gguf.load_gguf(path, reader), tokenizer, path.stem
 
 
 def load_tokenizer(model: str | None, tokenizer: str | None = None) -> tuple[object, str]:

@@ -248,8 +248,9 @@ def _load_tensor(t, path: Path, keep_int4: bool = False):
     return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)
 
 
-def load_gguf(path: str | Path) -> ModelWeights:
-    """Read config and weights of a GGUF model.
+def load_gguf(path: str | Path, reader=None) -> ModelWeights:
+    """Read config and weights of a GGUF model (``reader``: one :func:`open_reader` already
+    opened on ``path``, e.g. for its tokenizer).
 
     Returns
     -------
@@ -268,7 +269,7 @@ def load_gguf(path: str | Path) -> ModelWeights:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
-    reader = open_reader(path)
+    reader = reader if reader is not None else open_reader(path)
     cfg = read_config(reader, path)
     cfg.validate()
     by_name = {t.name: t for t in reader.tensors}
