@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from engine.decode.indexers import INDEXERS as INDEXER_REGISTRY
+
 
 class ConfigError(ValueError):
     """A setting is out of range or inconsistent; the message names the field."""
@@ -91,7 +93,7 @@ class ModelConfig:
 
 
 ATTENTION_MODES = ("dense", "sparse")
-INDEXERS = ("quest", "dense", "oracle")
+INDEXERS = tuple(INDEXER_REGISTRY)  # engine.decode.indexers: one entry per indexer
 PAGE_SIZES = (16, 32, 64)
 CONTEXT_POLICIES = ("refuse", "extend", "truncate")
 EXTEND_METHODS = ("yarn", "dynamic", "linear")
@@ -305,7 +307,7 @@ class EngineConfig:
 
     def _prefetch_problems(self) -> list[SettingProblem]:
         """What stops ``prefetch_pages`` from working with the other settings."""
-        if self.indexer == "dense":
+        if not INDEXER_REGISTRY[self.indexer].ranks:
             return [
                 SettingProblem(
                     ("prefetch_pages", "indexer"),
@@ -422,7 +424,7 @@ SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "weight_format": _choice(WEIGHT_FORMATS),
     "attention": _choice(ATTENTION_MODES),
     "hierarchical": _flag,
-    "indexer": _choice(INDEXERS),
+    "indexer": lambda value: _choice(tuple(INDEXER_REGISTRY))(value),  # read at check time
     "page_size": _choice(PAGE_SIZES),
     "top_k": _positive,
     "device_buffer": _positive_or_none,

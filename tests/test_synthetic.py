@@ -173,3 +173,44 @@ def test_max_context_above_training_needs_extend():
             context_limit_and_rope(cfg, EngineConfig(context_policy=policy, max_context=2 * trained))
     limit, _ = context_limit_and_rope(cfg, EngineConfig(context_policy="extend", max_context=2 * trained))
     assert limit == 2 * trained
+
+
+def test_a_new_indexer_is_one_registry_entry(monkeypatch):
+    """The indexer seam: an entry in ``engine.decode.indexers.INDEXERS`` (here a rule that
+    ranks the most recent pages first) is accepted by the config and drives every decode
+    step, with no other change."""
+    from engine.config import EngineConfig, SamplingParams
+    from engine.decode import indexers
+    from engine.events import Job, JobFinished
+
+    calls = []
+
+    def recent(ops, cache, plan, layer, q, config, scale):
+        b, hkv = q.shape[0], cache.model.num_kv_heads
+        p_max = plan.block_table.shape[1]
+        pages = torch.arange(p_max, dtype=torch.float32).expand(b, hkv, p_max).clone()
+        beyond = pages >= plan.num_pages.view(b, 1, 1).float()
+        calls.append(layer)
+        return pages.masked_fill(beyond, float("-inf"))
+
+    entry = indexers.Indexer("recent", ranks=True, reads_pool=False, graph_safe=True, score=recent)
+    monkeypatch.setitem(indexers.INDEXERS, "recent", entry)
+    assert EngineConfig(indexer="recent").problems() == []
+    engine = _tiny_engine(attention="sparse", indexer="recent", top_k=64, local_window=16)
+    engine.tokenizer = syn.make_tokenizer(syn.TINY.vocab_size, "ids")  # decodes ids as text
+    job = Job("j", tuple(range(1, 300)), SamplingParams(max_tokens=3))
+    finished = [e for e in engine.run([job]) if isinstance(e, JobFinished)]
+    assert len(finished) == 1 and finished[0].result.finish_reason in ("length", "stop")
+    assert len(calls) >= 2 * syn.TINY.num_layers  # every layer of every decode step
+    (problem,) = EngineConfig(indexer="nope").problems()
+    assert "recent" in problem.message and "quest" in problem.message
+
+
+def test_indexer_names_are_the_registry():
+    from engine.config import INDEXERS
+    from engine.decode import indexers
+
+    assert set(INDEXERS) == set(indexers.INDEXERS) == {"quest", "dense", "oracle"}
+    assert not indexers.get("dense").ranks and indexers.get("oracle").reads_pool
+    with pytest.raises(KeyError, match="unknown indexer 'nope'"):
+        indexers.get("nope")

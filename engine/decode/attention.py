@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.decode import indexers
 from engine.kv.cache import KVCache
 from kernels.dispatch import Ops
 
@@ -100,9 +101,10 @@ class DecodeAttention:
         self.k_max = config.max_selected_pages
         self.hits: torch.Tensor | None = None
         self.misses: torch.Tensor | None = None
+        self.indexer = indexers.get(config.indexer)
         self.prefetch_pages = (
             config.prefetch_pages
-            if cache.hierarchical and config.attention == "sparse" and config.indexer != "dense"
+            if cache.hierarchical and config.attention == "sparse" and self.indexer.ranks
             else 0
         )
         self.prefetched: torch.Tensor | None = None
@@ -146,7 +148,7 @@ class DecodeAttention:
         c = self.cache
         hier = c.hierarchical
         cfg = self.config
-        deferred = c.deferred_writes and cfg.decode_write_stream and cfg.indexer != "oracle"
+        deferred = c.deferred_writes and cfg.decode_write_stream and not self.indexer.reads_pool
         if deferred:
             self.stage_and_write(plan, layer, k, v)
         else:
@@ -258,14 +260,10 @@ class DecodeAttention:
     def scores(self, plan: StepPlan, layer: int, q: torch.Tensor) -> torch.Tensor | None:
         """Page scores float32 ``[B, Hkv, P_max]`` of the configured indexer (``None`` for
         the dense indexer, which ranks nothing)."""
-        c = self.cache
-        if self.config.indexer == "dense":
+        ix = self.indexer
+        if not ix.ranks:
             return None
-        if self.config.indexer == "oracle":
-            return self.ops.oracle_scores(
-                q, c.pool[layer], plan.block_table, plan.seq_lens, self.scale
-            )
-        return self.ops.quest_scores(q, c.meta[layer], plan.block_table, plan.num_pages)
+        return ix.score(self.ops, self.cache, plan, layer, q, self.config, self.scale)
 
     def select(
         self, plan: StepPlan, layer: int, q: torch.Tensor, scores: torch.Tensor | None = None
@@ -273,7 +271,7 @@ class DecodeAttention:
         """Selection bitmask int32 ``[B, Hkv, W]`` from the configured indexer; ``scores``:
         :meth:`scores` when already computed."""
         cfg = self.config
-        if cfg.indexer == "dense":
+        if not self.indexer.ranks:
             return self.ops.dense_selection(
                 plan.num_pages, self.cache.model.num_kv_heads, plan.block_table.shape[1]
             )

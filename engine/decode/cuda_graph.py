@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.decode import indexers
 from engine.decode.attention import StepPlan
 
 
@@ -140,8 +141,8 @@ class DecodeGraphs:
             return "not a CUDA device"
         if engine.ops.name != "triton":
             return f"kernel set {engine.ops.name!r} is not graph-safe"
-        if cfg.attention == "sparse" and cfg.indexer == "oracle":
-            return "the oracle indexer synchronises with the host"
+        if cfg.attention == "sparse" and not indexers.get(cfg.indexer).graph_safe:
+            return f"the {cfg.indexer} indexer synchronises with the host"
         if engine.tracer is not None:
             return "a selection tracer is attached"
         return ""

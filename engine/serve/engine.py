@@ -28,6 +28,7 @@ import torch
 
 from engine import events as ev
 from engine.config import EngineConfig
+from engine.decode import indexers
 from engine.decode.attention import DecodeAttention, StepPlan
 from engine.decode.cuda_graph import DecodeGraphs, split_plan, table_width
 from engine.decode.sampling import make_generator, sample
@@ -606,7 +607,7 @@ def _check_dense_indexer(config: EngineConfig, context_pages: int) -> None:
     """
     from engine.config import ConfigError
 
-    if config.attention != "sparse" or config.indexer != "dense":
+    if config.attention != "sparse" or indexers.get(config.indexer).ranks:
         return
     if config.max_selected_pages < context_pages or (
         config.hierarchical and config.buffer_pages < context_pages
