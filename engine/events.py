@@ -141,7 +141,9 @@ class MemorySnapshot(Event):
     weights, hot_buffer (slab records), metadata: the bytes of those tensors;
     activations: allocated now less those parts (CUDA; 0 on CPU); total: the device's
     memory (CPU: physical RAM). host_pool_used / host_pool_total: the KV pool (host
-    memory when hierarchical) of this engine's layers.
+    memory when hierarchical) of this engine's layers; host_pool_pinned: the part of it
+    page-locked now (the pool is pinned in chunks as pages are handed out, see
+    :mod:`engine.kv.host_pool`; the whole pool where it is not pinned lazily).
 
     CUDA only (0 on CPU): peak_allocated / peak_reserved are
     ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` of this process on the
@@ -167,3 +169,4 @@ class MemorySnapshot(Event):
     device_used: int = 0
     pinned_host: int = 0
     stage: int = -1
+    host_pool_pinned: int = 0

@@ -137,7 +137,10 @@ def render_memory(state: RunState) -> Table:
         used, total = state.host_pool_used, state.host_pool_total
         parts = [""] * len(MEMORY_PARTS)  # the pool holds KV records, not these parts
         pool_bar = Text(text_bar(used / total), "blue")
-        table.add_row("host pool", *parts, *_totals(used, total - used, total), pool_bar)
+        label = "host pool"
+        if 0 < state.host_pool_pinned < total:  # page-locked in chunks as jobs need it
+            label = f"host pool ({fmt_bytes(state.host_pool_pinned)} pinned)"
+        table.add_row(label, *parts, *_totals(used, total - used, total), pool_bar)
     return table
 
 

@@ -92,6 +92,7 @@ class RunState:
     memory: dict[str, DeviceMemory] = field(default_factory=dict)
     host_pool_used: int = 0
     host_pool_total: int = 0
+    host_pool_pinned: int = 0
     decode_tokens: int = 0
     prefill_tokens: float = 0.0
     decode_steps: int = 0
@@ -214,6 +215,7 @@ class ProgressTracker:
         )
         self.state.host_pool_used = event.host_pool_used
         self.state.host_pool_total = event.host_pool_total
+        self.state.host_pool_pinned = event.host_pool_pinned
 
 
 _HANDLERS = {

@@ -200,7 +200,11 @@ def progress_json(state: RunState, now: float) -> dict[str, Any]:
         "hit_rate": hit_rate(state),
         "h2d_gbps": h2d_gbps_recent(state, now),
         "memory": {d: {**dataclasses.asdict(m), "free": m.free} for d, m in state.memory.items()},
-        "host_pool": {"used": state.host_pool_used, "total": state.host_pool_total},
+        "host_pool": {
+            "used": state.host_pool_used,
+            "pinned": state.host_pool_pinned,
+            "total": state.host_pool_total,
+        },
     }
 
 

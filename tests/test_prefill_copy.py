@@ -297,3 +297,38 @@ def test_cuda_engine_tokens_with_and_without_the_copy_stream():
         assert torch.equal(p1, p2) and torch.equal(m1, m2), f"layer {layer}"
     on.close()
     off.close()
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_pool_pinned_in_chunks_gives_the_same_tokens(monkeypatch):
+    """A host pool page-locked a few pages at a time, as jobs are given pages
+    (:mod:`engine.kv.host_pool`), reads and writes exactly what a pool locked whole does:
+    prefill copies, gathers through unified addressing, and the decoded tokens."""
+    from engine.kv import host_pool
+
+    whole = _engine("cuda", torch.bfloat16, prefill_chunk=256)
+    tok_whole, log_whole, kv_whole = _run(whole, list(range(7, 1507)), 16)
+    assert whole.cache.pool_bytes_pinned == whole.cache.pool_bytes_total  # one chunk holds it
+    whole.close()
+    monkeypatch.setattr(host_pool, "PIN_CHUNK_BYTES", 3 * 4096)  # a few pages per layer
+    lazy = _engine("cuda", torch.bfloat16, prefill_chunk=256)
+    c = lazy.cache
+    assert c.pool[0].is_pinned() and c.pool_bytes_pinned < c.pool_bytes_total
+    tok_lazy, log_lazy, kv_lazy = _run(lazy, list(range(7, 1507)), 16)
+    pages_used = max(p for seq in c.seqs.values() for p in seq.pages) + 1 if c.seqs else 0
+    assert c.host.pinned_pages >= pages_used and c.pool_bytes_pinned < c.pool_bytes_total
+    assert tok_lazy == tok_whole and torch.equal(log_lazy, log_whole)
+    for (p1, m1), (p2, m2) in zip(kv_lazy, kv_whole, strict=True):
+        assert torch.equal(p1, p2) and torch.equal(m1, m2)
+    lazy.close()
+
+
+def test_host_pool_without_pinning_is_whole_and_grows_nothing():
+    """On CPU (or a pool not pinned) every page counts as usable: nothing to lock."""
+    from engine.kv.host_pool import HostPool
+
+    pool = HostPool(2, (10, 2, 2, 16, 8), torch.float32, pin=False)
+    assert pool.pinned_pages == 10 and pool.pinned_bytes == pool.capacity_bytes == 2 * 10 * 2048
+    pool.ensure_pinned(10)  # a no-op
+    assert [tuple(t.shape) for t in pool.layers] == [(10, 2, 2, 16, 8)] * 2

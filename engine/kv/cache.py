@@ -36,7 +36,6 @@ chunked path copies synchronously on the current stream.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -44,6 +43,7 @@ import torch
 
 from engine.config import CacheFullError, EngineConfig, ModelConfig, env_overrides
 from engine.kv import sizing
+from engine.kv.host_pool import HostPool
 
 
 @dataclass
@@ -125,63 +125,6 @@ def check_host_memory(pool_bytes: int, declared_gb: float | None = None) -> None
         )
 
 
-def _pin_layer(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """Allocate one layer of the host pool, page-locked when ``pin`` (one allocation per
-    layer keeps each pinned block moderate).
-
-    Pinning registers an exactly-sized pageable allocation with ``cudaHostRegister``
-    (portable and mapped, so every device can address it through unified virtual
-    addressing): torch's caching host allocator (``pin_memory``) rounds every block up to
-    a power of two, which can nearly double a large pool. A registered layer is
-    unregistered when its tensor is garbage-collected. Where the runtime offers no
-    ``cudaHostRegister``, ``pin_memory()`` is used instead.
-
-    Raises
-    ------
-    CacheFullError
-        The memory could not be page-locked; names the size and the setting to lower.
-    """
-    t = torch.empty(shape, dtype=dtype)
-    if not pin:
-        return t
-    nbytes = t.numel() * t.element_size()
-    try:
-        cudart = torch.cuda.cudart()
-        flags = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
-        err = cudart.cudaHostRegister(t.data_ptr(), nbytes, flags)
-        if getattr(err, "value", err) == 0 and t.is_pinned():
-            weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
-            return t
-        if getattr(err, "value", err) == 0:
-            cudart.cudaHostUnregister(t.data_ptr())
-        reason = f"cudaHostRegister returned {err}"
-    except (AttributeError, RuntimeError) as e:
-        reason = repr(e)
-    try:
-        return t.pin_memory()
-    except RuntimeError as e:
-        raise CacheFullError(
-            f"could not pin {nbytes / 2**30:.2f} GiB of host memory for the KV pool ({reason}; "
-            f"{e}); lower host_pool_gb"
-        ) from e
-
-
-def _alloc_host_pool(
-    num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, pin: bool
-) -> list[torch.Tensor]:
-    """``num_layers`` host pool layers; if one cannot be pinned, the layers pinned so far are
-    released (:func:`release_pinned_cache`) before :class:`CacheFullError` propagates."""
-    pool: list[torch.Tensor] = []
-    try:
-        for _ in range(num_layers):
-            pool.append(_pin_layer(shape, dtype, pin))
-    except CacheFullError:
-        pool.clear()
-        release_pinned_cache()
-        raise
-    return pool
-
-
 def release_pinned_cache() -> None:
     """Return the pinned blocks torch's caching host allocator holds but no tensor uses to
     the system (``torch._C._host_emptyCache``; a no-op where torch lacks it or on CPU)."""
@@ -258,8 +201,14 @@ class KVCache:
             check_host_memory(num_pool_pages * self.page_bytes, config.host_memory_gb)
         self.pinned = pin = self.hierarchical and device.type == "cuda"
         shape = (num_pool_pages, hkv, 2, s, d)
+        self.host: HostPool | None = None
         if pool_dev.type == "cpu":
-            self.pool = _alloc_host_pool(nl, shape, self.dtype, pin)
+            try:
+                self.host = HostPool(nl, shape, self.dtype, pin)
+            except CacheFullError:
+                release_pinned_cache()
+                raise
+            self.pool = self.host.layers
         else:
             self.pool = [torch.empty(shape, dtype=self.dtype, device=pool_dev) for _ in range(nl)]
         self.meta = [
@@ -308,6 +257,12 @@ class KVCache:
     @property
     def pool_bytes_total(self) -> int:
         return self.num_pool_pages * self.page_bytes
+
+    @property
+    def pool_bytes_pinned(self) -> int:
+        """Host pool bytes page-locked now (:class:`engine.kv.host_pool.HostPool`); the
+        whole pool when it is not pinned lazily."""
+        return self.host.pinned_bytes if self.host is not None and self.pinned else self.pool_bytes_total
 
     @property
     def pool_bytes_used(self) -> int:
@@ -401,6 +356,12 @@ class KVCache:
             raise CacheFullError(f"no room for {reserve_tokens} tokens")
         seq = SeqCache(seq_id)
         seq.pages = [self.free_pages.pop() for _ in range(self.pages_for(reserve_tokens))]
+        if self.host is not None and seq.pages:
+            try:  # page-lock the pool up to the highest page handed out
+                self.host.ensure_pinned(max(seq.pages) + 1)
+            except CacheFullError:
+                self.free_pages.extend(reversed(seq.pages))
+                raise
         if self.hierarchical:
             seq.slab_ids = [self.free_slabs.pop() for _ in range(self.model.num_kv_heads)]
         self.seqs[seq_id] = seq

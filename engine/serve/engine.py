@@ -576,6 +576,7 @@ class Engine:
             c.pool_bytes_used,
             c.pool_bytes_total,
             **peaks,
+            host_pool_pinned=c.pool_bytes_pinned,
         )
 
 

@@ -374,7 +374,7 @@ class ParallelEngine:
         self.config, self.model, self.devices, self.mode = config, model, devices, mode
         self._cancel = False
         self._rendezvous = tempfile.mkdtemp(prefix="hisparse-dist-") if mode == "pipeline" else ""
-        self._pool: dict[int, tuple[int, int]] = {}
+        self._pool: dict[int, tuple[int, int, int]] = {}
         self.workers: list[_Worker] = []
         try:
             for rank in range(len(devices)):
@@ -554,13 +554,14 @@ class ParallelEngine:
         figures summed over the workers (a pipeline's stage 0 passes on every stage's
         snapshot, ``stage`` naming it)."""
         rank = snap.stage if snap.stage >= 0 else w.spec.rank
-        self._pool[rank] = (snap.host_pool_used, snap.host_pool_total)
+        self._pool[rank] = (snap.host_pool_used, snap.host_pool_total, snap.host_pool_pinned)
         device = snap.device
         if self.devices.count(self.devices[rank]) > 1:
             device = f"{snap.device}#{rank}"
-        used = sum(u for u, _ in self._pool.values())
-        total = sum(t for _, t in self._pool.values())
-        return dataclasses.replace(snap, device=device, host_pool_used=used, host_pool_total=total)
+        used, total, pinned = (sum(p[i] for p in self._pool.values()) for i in range(3))
+        return dataclasses.replace(
+            snap, device=device, host_pool_used=used, host_pool_total=total, host_pool_pinned=pinned
+        )
 
     def _on_death(self, w: _Worker, pending: list[tuple] | None) -> Iterator[ev.Event]:
         """Report ``w``'s death (after the messages it sent first) and fail its jobs; in a
