@@ -134,6 +134,16 @@ def load_engine(config: EngineConfig, model: str | None) -> Any:
     return _load_engine(config, model)
 
 
+def triton_cache_is_cold() -> str:
+    """The Triton kernel cache folder when it holds nothing yet (kernels will compile on
+    first use: ``$TRITON_CACHE_DIR``, default ``~/.triton/cache``), else ``""``."""
+    folder = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    try:
+        return "" if any(folder.iterdir()) else str(folder)
+    except OSError:  # missing or unreadable
+        return str(folder)
+
+
 def check_host_pool(config: EngineConfig) -> None:
     """Raise ``CacheFullError`` when the host KV pool (``host_pool_gb``, shared by all
     workers) cannot fit in the host memory available now; the pool lives on the host
@@ -769,6 +779,13 @@ class BatchRun:
             f"loading model {self.model_name} ({len(pending)} job(s) to run; "
             f"preset {self.preset_line})"
         )
+        if self.config.device.startswith("cuda") or self.config.devices:
+            cold = triton_cache_is_cold()
+            if cold:
+                self.reporter.note(
+                    f"compiling the GPU kernels on first use ({cold} is empty; later runs "
+                    "reuse it): the first steps take longer"
+                )
         started = self.clock()
         try:
             engine = load_engine(self.config, self.request.model)

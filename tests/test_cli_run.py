@@ -940,3 +940,14 @@ def test_broken_gguf_model_exits_2_naming_the_tensor(cli, docs, tmp_path):
     result = cli("docs/alpha.txt", "--model", str(model), engine=REAL_LOAD_ENGINE)
     assert result.exit_code == 2, result.output
     assert "tensor token_embd.weight (Q8_0" in " ".join(result.stderr.split())
+
+
+def test_cold_triton_cache_is_named(tmp_path, monkeypatch):
+    from hisparse_cli.runner import triton_cache_is_cold
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "none"))
+    assert triton_cache_is_cold() == str(tmp_path / "none")
+    (tmp_path / "warm").mkdir()
+    (tmp_path / "warm" / "k").write_text("x")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "warm"))
+    assert triton_cache_is_cold() == ""
