@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 
 timeout "${TEST_TIMEOUT_S:-300}" "$PY" -m pytest -q -p no:cacheprovider \
-  tests/test_kernels_cuda.py tests/test_kernels.py --junitxml="$OUT/kernels_junit.xml" 2>&1 |
+  tests/kernels/test_kernels_cuda.py tests/kernels/test_kernels.py --junitxml="$OUT/kernels_junit.xml" 2>&1 |
   tee "$OUT/kernels_tests.log" | grep -v "^tests/.*PASSED"
 tests_rc=${PIPESTATUS[0]}
 

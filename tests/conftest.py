@@ -62,9 +62,9 @@ def smollm2_tokenizer(smollm2_gguf_reader):
     return TextTokenizer.from_gguf(smollm2_gguf_reader)
 
 
-# --- kernels: Triton's interpreter for tests/test_kernels.py ---------------------------
+# --- kernels: Triton's interpreter for tests/kernels/test_kernels.py ---------------------------
 
-KERNEL_TESTS = Path(__file__).with_name("test_kernels.py")
+KERNEL_TESTS = Path(__file__).parent / "kernels" / "test_kernels.py"
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -16,7 +16,7 @@ def _pytest(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_model_tests_and_listed_tests_are_marked_slow():
-    files = ("tests/test_workers.py", "tests/test_kv_cache.py", "tests/test_cli_tasks.py")
+    files = ("tests/engine/test_workers.py", "tests/engine/test_kv_cache.py", "tests/cli/test_cli_tasks.py")
     done = _pytest("--collect-only", "-m", "slow", *files)
     assert done.returncode == 0, done.stdout + done.stderr
     collected = done.stdout
@@ -27,7 +27,7 @@ def test_model_tests_and_listed_tests_are_marked_slow():
 
 
 def test_a_marker_filter_that_leaves_nothing_exits_0_but_a_wrong_path_exits_5():
-    done = _pytest("-m", "not cuda", "tests/test_cuda_graph.py")
+    done = _pytest("-m", "not cuda", "tests/engine/test_cuda_graph.py")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "deselected by -m; nothing to run" in done.stdout
     assert _pytest("tests/test_no_such_file.py").returncode in (4, 5)

@@ -5,7 +5,7 @@ the run settings (:class:`EngineConfig`) and the box (:class:`Hardware`). Every 
 count comes from :mod:`engine.kv.sizing`, the formulas :class:`engine.kv.cache.KVCache`
 allocates by, and the device split is the one :func:`engine.capacity.budget.size_kv_for_budget`
 builds a cache with, so the jobs ``hisparse plan`` says fit are the jobs the cache admits
-(``KVCache.can_admit``; ``tests/test_planner.py`` puts both side by side).
+(``KVCache.can_admit``; ``tests/engine/test_planner.py`` puts both side by side).
 
 Shape symbols: ``L`` layers (``L_d`` on one pipeline stage), ``H`` hidden, ``Hq``/``Hkv``
 query/KV heads, ``D`` head dim, ``F`` FFN size, ``V`` vocabulary, ``T`` context tokens,

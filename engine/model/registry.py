@@ -13,7 +13,7 @@ Adding an architecture: one :class:`Architecture` entry in :data:`ARCHITECTURES`
 family module if the math is new (``build`` returns the placed model, with the
 :class:`engine.model.llama.LlamaModel` surface: ``config``, ``embed_tokens``, ``qkv``,
 ``finish_layer``, ``logits``, ``weight_bytes``, ``layers``) and its test
-(``tests/test_architectures.py``).
+(``tests/engine/test_architectures.py``).
 
 Sources of the layout facts: llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute``
 is applied to Q/K for ``llama``; ``Qwen2Model`` / ``Qwen3Model`` write them unpermuted;

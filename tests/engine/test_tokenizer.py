@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.weights.embedded import EMBEDDED_INSTALL_COMMAND, default_model_path
 from engine.text.tokenizer import (
     IncrementalDecoder,
     TextTokenizer,
     bytes_to_unicode,
     find_stop,
 )
+from engine.weights.embedded import EMBEDDED_INSTALL_COMMAND, default_model_path
 
 VARIED = {
     "ascii": "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -305,7 +305,7 @@ def corpus_file_text(corpus_dir: Path) -> str:
 
 
 def test_unsupported_tokenizer_model_is_refused(tmp_path, small_vocab):
-    # Sentencepiece ('llama') vocabularies are rebuilt now (tests/test_tokenizer_spm.py).
+    # Sentencepiece ('llama') vocabularies are rebuilt now (tests/engine/test_tokenizer_spm.py).
     path = _write_gguf(tmp_path / "wpm.gguf", *small_vocab, model="bert", pre="default")
     with pytest.raises(ValueError, match="tokenizer.ggml.model='bert' is not supported"):
         TextTokenizer.from_gguf(path)

@@ -174,9 +174,9 @@ def test_prefill_copy_stream_is_validated():
 
 
 def _engine(device: str, dtype: torch.dtype, **kw):
-    from engine.serve.engine import Engine
     from engine.model.llama import LlamaModel
     from engine.model.rope import Rope
+    from engine.serve.engine import Engine
     from engine.weights.synthetic import TINY as SHAPE
     from engine.weights.synthetic import synthetic_weights
     from kernels.dispatch import get_ops

@@ -12,18 +12,18 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from engine.measure.bench import MODES, RUN_FIELDS, BenchSpec, hierarchical_pool_pages, run_bench
-from engine.measure.bench_kv import export_kv, page_runs, prefill_window
-from engine.measure.report import roofline, selected_pages
 from engine.capacity.budget import (
     cache_device_bytes,
     meta_page_bytes,
     pool_page_bytes,
     size_kv_for_budget,
 )
+from engine.capacity.planner import GIB
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.events import Job
-from engine.capacity.planner import GIB
+from engine.measure.bench import MODES, RUN_FIELDS, BenchSpec, hierarchical_pool_pages, run_bench
+from engine.measure.bench_kv import export_kv, page_runs, prefill_window
+from engine.measure.report import roofline, selected_pages
 from hisparse_cli.bench_cmd import register
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -206,8 +206,8 @@ def test_dense_admission_stops_at_a_tiny_budget(tmp_path, tiny, corpus_dir):
 
 
 def test_window_prefill_with_full_window_is_the_engine_prefill(tiny):
-    from engine.serve.engine import Engine
     from engine.kv.cache import KVCache
+    from engine.serve.engine import Engine
     from kernels.dispatch import get_ops
 
     model, tokenizer = tiny
@@ -337,8 +337,8 @@ def test_prefetch_arguments(tmp_path):
     """``--prefetch-pages`` must be >= 1 and come with the prefetch mode; a prefetch that
     does not fit the hot buffer (given or default) is refused up front, naming where the
     value came from; the default shrinks to the buffer's spare pages."""
-    from engine.measure.bench import BenchSpec, default_prefetch_pages, mode_config
     from engine.config import ConfigError, EngineConfig
+    from engine.measure.bench import BenchSpec, default_prefetch_pages, mode_config
 
     app = typer.Typer()
     register(app)

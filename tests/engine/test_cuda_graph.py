@@ -5,7 +5,7 @@ the hierarchy the replay runs two micro-batches on two streams (``decode_overlap
 
 Weights are synthetic (a small random 4-bit model generated on the device), so the test
 needs no model file. The CPU counterpart (the captured function run eagerly against the
-eager step) is ``tests/test_engine_ladder.py::test_static_graph_step_equals_eager_step``.
+eager step) is ``tests/engine/test_engine_ladder.py::test_static_graph_step_equals_eager_step``.
 """
 
 from __future__ import annotations

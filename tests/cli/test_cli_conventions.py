@@ -17,7 +17,7 @@ WIDE = {"COLUMNS": "200"}
 
 def test_version_prints_the_package_version():
     result = CliRunner().invoke(app, ["--version"])
-    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     expected = tomllib.loads(pyproject.read_text())["project"]["version"]
     assert result.exit_code == 0 and result.stdout.strip() == f"hisparse {expected}"
 

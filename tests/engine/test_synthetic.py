@@ -10,8 +10,8 @@ import torch
 
 import engine.weights.synthetic as syn
 from engine.model.llama import LlamaModel, prefill_attention
-from engine.weights.quant import Int4Weight
 from engine.model.rope import Rope
+from engine.weights.quant import Int4Weight
 from engine.weights.types import LINEAR_NAMES
 
 
@@ -101,8 +101,8 @@ def test_tokenizer_maps_ids_into_vocabularies(tiny):
 def test_ids_tokenizer_needs_no_embedded_model(monkeypatch):
     """``extra.tokenizer: ids``: a synthetic model without the embedded GGUF (a GPU machine
     fed pre-tokenised jobs); text cannot be encoded, results are ids as text."""
-    from engine.load import load_tokenizer
     from engine.config import ConfigError
+    from engine.load import load_tokenizer
 
     def no_model():
         raise FileNotFoundError("not installed")
@@ -161,8 +161,8 @@ def test_context_advice_follows_the_policy():
 def test_max_context_above_training_needs_extend():
     """Under refuse and truncate, max_context can only lower the trained context; a value
     above it used to be silently ignored and is now a ConfigError (exit 2 in the CLI)."""
-    from engine.load import context_limit_and_rope
     from engine.config import ConfigError, EngineConfig
+    from engine.load import context_limit_and_rope
 
     cfg = syn.synthetic_shape("tiny")
     trained = cfg.max_position

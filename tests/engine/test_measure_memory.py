@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from engine.capacity.budget import pool_page_bytes
-from engine.config import EngineConfig
 from engine.capacity.planner import job_host_bytes
+from engine.config import EngineConfig
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "measure_memory.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "measure_memory.py"
 PARTS = ("weights", "kv_slab", "metadata", "activation", "comm", "reserve", "total", "capacity")
 
 

@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.model.llama import LlamaModel, prefill_attention
+from engine.model.rope import Rope
 from engine.weights.hf import (
     HFModelError,
     load_hf_folder,
     read_hf_config,
     rope_from_hf,
 )
-from engine.model.llama import LlamaModel, prefill_attention
 from engine.weights.quant import Int4Weight, quantize_int4
-from engine.model.rope import Rope
 from engine.weights.types import LINEAR_NAMES, ModelWeights
 
 transformers = pytest.importorskip("transformers")

@@ -299,9 +299,9 @@ def test_replay_rejects_buffer_sizes_that_are_not_positive(tmp_path, args, phras
 def test_lru_replay_equals_engine_counts(tmp_path, smollm2_gguf_path, corpus_dir):
     """A real-model run with --trace: LRU replay of the trace at the engine's
     device_buffer reproduces each job's CacheStats exactly."""
-    from engine.load import load_engine
     from engine.config import EngineConfig, SamplingParams
     from engine.events import Job, JobFinished
+    from engine.load import load_engine
 
     doc = corpus_dir / "howto-sorting.txt"
     if not doc.exists():

@@ -15,8 +15,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.decode.attention import DecodeAttention
 from engine.config import EngineConfig, ModelConfig
+from engine.decode.attention import DecodeAttention
 from engine.kv.cache import KVCache
 from kernels.bitmask import pack_bits
 from kernels.dispatch import REFERENCE_OPS
