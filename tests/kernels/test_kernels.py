@@ -29,15 +29,7 @@ from kernels.append_kv import append_kv, append_kv_ref
 from kernels.bitmask import pack_bits
 from kernels.dispatch import get_ops
 from kernels.gather import gather, gather_ref
-from kernels.int4_matmul import (
-    Q4Config,
-    group_int4_linear,
-    group_int4_linear_ref,
-    int4_linear,
-    int4_linear_ref,
-    quantize_q4,
-    split_gguf_blocks,
-)
+from kernels.int4_matmul import Q4Config, group_int4_linear, group_int4_linear_ref
 from kernels.quest_select import quest_scores, quest_scores_ref, select_topk, select_topk_ref
 from kernels.resolve import resolve, resolve_ref
 from kernels.slot_list import resident_slot_list, resident_slot_list_triton
@@ -426,54 +418,76 @@ def test_select_topk_same_bitmask(top_k, sink, window, ties):
 # --- int4 linear --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
-@pytest.mark.parametrize("m,n,k", [(1, 64, 96), (5, 96, 576), (33, 40, 128)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_int4_linear_matches_reference(kind, m, n, k, dtype):
-    gen = torch.Generator().manual_seed(m * n + k)
-    qs, d, mins = quantize_q4(torch.randn(n, k, generator=gen) * 0.05, kind)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    ref = int4_linear_ref(x, qs, d, mins)
-    dev = [t.to(DEVICE) if t is not None else None for t in (x, qs, d, mins)]
-    tol = 1e-6 if dtype == torch.float32 else 1e-3
-    for cfg in (None, Q4Config(16, 32, 64, 3), Q4Config(16, 64, 64, 2, gather_scales=True)):
-        out = int4_linear(*dev, config=cfg).cpu()
+def _check_group_int4_linear(w, x, configs, tol):
+    """``group_int4_linear`` on the Int4Weight ``w`` matches :func:`group_int4_linear_ref`
+    under each tile config, and the reference is the product of the engine's own
+    dequantised weight."""
+    g = w.group_size
+    ref = group_int4_linear_ref(x, w.q, w.scale, w.offset, g)
+    exact = (x.float() @ w.dequantize(torch.float32).T).to(x.dtype)  # engine's own dequantiser
+    assert torch.equal(ref, exact)
+    dev = [t.to(DEVICE) for t in (x, w.q, w.scale, w.offset)]
+    for cfg in configs:
+        out = group_int4_linear(*dev, g, config=cfg).cpu()
+        assert out.dtype == x.dtype and out.shape == ref.shape
         rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         assert rel < tol, f"relative error {rel:.3g} with {cfg}"
+    return dev
 
 
-@pytest.mark.parametrize("m,n,k,g", [(1, 64, 96, 32), (5, 40, 192, 64), (33, 72, 384, 128), (16, 48, 256, 128)])
+@pytest.mark.parametrize(
+    "m,n,k,g",
+    [
+        (1, 64, 96, 32),
+        (5, 96, 576, 32),
+        (5, 40, 192, 64),
+        (3, 40, 576, 64),
+        (33, 72, 384, 128),
+        (16, 48, 256, 128),
+        (7, 24, 512, 256),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16_NATIVE], ids=str)
 def test_group_int4_linear_matches_reference(m, n, k, g, dtype):
-    """(bf16 runs natively only: the interpreter's bf16 dot is not a reference.)"""
-    """The Int4Weight layout (interleaved nibbles, group g, fp32 scale and minimum) read in
-    place; K not a multiple of the K tile, N not a multiple of the N tile, split-K."""
+    """The Int4Weight layout (interleaved nibbles, group g, fp32 scale and offset, as
+    ``quantize_int4`` makes it) read in place: odd M, K not a multiple of the K tile, N not
+    a multiple of the N tile, groups smaller and larger than the K tile, split-K. (bf16
+    runs natively only: the interpreter's bf16 dot is not a reference.)"""
     from engine.weights.quant import quantize_int4
 
     gen = torch.Generator().manual_seed(m * n + k + g)
     w = quantize_int4(torch.randn(n, k, generator=gen) * 0.05, group_size=g)
     x = torch.randn(m, k, generator=gen).to(dtype)
-    ref = group_int4_linear_ref(x, w.q, w.scale, w.offset, g)
-    exact = (x.float() @ w.dequantize(torch.float32).T).to(dtype)  # engine's own dequantiser
-    assert torch.equal(ref, exact)
-    dev = [t.to(DEVICE) for t in (x, w.q, w.scale, w.offset)]
     tol = 1e-6 if dtype == torch.float32 else 1e-2
-    for cfg in (None, Q4Config(16, 32, 64, 3), Q4Config(16, 64, 128, 1)):
-        out = group_int4_linear(*dev, g, config=cfg).cpu()
-        rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        assert rel < tol, f"relative error {rel:.3g} with {cfg}"
+    configs = (None, Q4Config(16, 32, 64, 3), Q4Config(16, 64, 128, 1), Q4Config(32, 16, 32, 2))
+    dev = _check_group_int4_linear(w, x, configs, tol)
     with pytest.raises(ValueError, match="group_size"):
         group_int4_linear(*dev, 3)
+    with pytest.raises(ValueError, match="block_k"):
+        group_int4_linear(*dev, g, config=Q4Config(16, 32, 48, 1))
 
 
-def test_split_gguf_blocks_roundtrip():
-    qs, d, m = quantize_q4(torch.randn(8, 64), "q4_1")
-    raw = torch.cat(
-        [d.view(torch.uint8).view(8, 2, 2), m.view(torch.uint8).view(8, 2, 2), qs.view(8, 2, 16)],
-        -1,
-    )
-    got = split_gguf_blocks(raw.reshape(8, -1), "q4_1")
-    assert torch.equal(got[0], qs) and torch.equal(got[1], d) and torch.equal(got[2], m)
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_group_int4_linear_on_gguf_blocks(kind):
+    """GGUF ``Q4_0``/``Q4_1`` weights as the engine keeps them (converted to Int4Weight,
+    group 32, by ``int4_from_gguf_blocks``; Q4_0's offset is ``-8 d``) through the kernel."""
+    import numpy as np
+
+    from engine.weights.quant import int4_from_gguf_blocks
+
+    gen = torch.Generator().manual_seed(7)
+    n, k, m = 40, 160, 3
+    nb = k // 32
+    d = (torch.rand(n, nb, 1, generator=gen) * 0.01 + 1e-3).half()
+    head = [d.view(torch.uint8)]
+    if kind == "Q4_1":
+        head.append((torch.randn(n, nb, 1, generator=gen) * 0.05).half().view(torch.uint8))
+    qs = torch.randint(0, 256, (n, nb, 16), generator=gen, dtype=torch.uint8)
+    raw = torch.cat([*head, qs], dim=-1).reshape(n, -1)
+    w = int4_from_gguf_blocks(np.ascontiguousarray(raw.numpy()), kind, (n, k))
+    assert w.group_size == 32
+    x = torch.randn(m, k, generator=gen)
+    _check_group_int4_linear(w, x, (None, Q4Config(16, 32, 64, 2)), 1e-6)
 
 
 # --- dispatch, launcher checks, the whole decode step -------------------------------------
