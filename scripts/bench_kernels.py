@@ -11,8 +11,10 @@ Sections (``--sections``, comma-separated; all by default):
   the same layer (target <= 10%);
 * ``gather`` — GB/s for 16/32/64 KiB records from pinned host memory against the pinned
   ``cudaMemcpy`` ceiling (target >= 90%);
-* ``int4`` — W4A16 linear: bf16 ``F.linear``, torch's ``_weight_int4pack_mm`` and the Triton
-  Q4_0/Q4_1 kernel on SmolLM2-135M and 8B-class shapes;
+* ``int4`` — W4A16 linear on the engine's ``Int4Weight`` (group 32, the GGUF Q4_0/Q4_1
+  group): bf16 ``F.linear``, torch's ``_weight_int4pack_mm`` on ``Int4Linear``'s packing and
+  the Triton ``group_int4_linear`` (default tiles and a small tile sweep) on SmolLM2-135M
+  and 8B-class shapes;
 * ``int4_decode`` — one layer's four linears of qwen2.5-7b and llama3.1-8b through the
   engine's ``Int4Linear`` regimes (tinygemm, Triton over the source weight, dequantise +
   GEMM) at decode batch sizes 1-48: where ``TRITON_MIN_ROWS`` belongs.
@@ -24,7 +26,6 @@ after warm-up, median of ``reps``; inputs rotate over enough copies to exceed th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import math
@@ -43,12 +44,9 @@ from kernels.bitmask import pack_bits  # noqa: E402
 from kernels.gather import gather  # noqa: E402
 from kernels.int4_matmul import (  # noqa: E402
     Q4Config,
-    int4_linear,
-    int4_linear_ref,
-    int4pack_linear,
+    group_int4_linear,
+    group_int4_linear_ref,
     q4_config,
-    quantize_q4,
-    to_int4pack,
 )
 from kernels.resolve import resolve  # noqa: E402
 from kernels.sparse_attention import DecodeConfig, sparse_decode_attention  # noqa: E402
@@ -387,18 +385,18 @@ def bench_gather(ceilings: dict, out: dict) -> None:
 
 INT4_SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (14336, 4096), (4096, 14336)]
 INT4_MS = [1, 8, 32, 256]
+INT4_GROUP = 32
 
 
 def q4_sweep(m: int, k: int, default: Q4Config) -> list[Q4Config]:
     bm = default.block_m
-    cands = [default, dataclasses.replace(default, gather_scales=True)]
+    cands = [default]
     for bn, bk, stages in ((32, 128, 4), (64, 256, 3), (128, 128, 3), (64, 64, 4)):
         if k % bk == 0:
             cands.append(Q4Config(bm, bn, bk, default.split_k, num_warps=4, num_stages=stages))
     if m >= 256:
         cands = [
             default,
-            dataclasses.replace(default, gather_scales=True),
             Q4Config(64, 128, 64, 1, 4, 3),
             Q4Config(128, 128, 64, 1, 8, 3),
             Q4Config(64, 64, 128, 1, 4, 4),
@@ -406,85 +404,80 @@ def q4_sweep(m: int, k: int, default: Q4Config) -> list[Q4Config]:
     return cands
 
 
-def tinygemm_pack(q41: tuple, x: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
-    """Nibble order that makes ``_weight_int4pack_mm`` reproduce the reference, and its error."""
-    errs = {}
-    for even_high in (True, False):
-        y = int4pack_linear(x, *to_int4pack(*q41, DEV, even_high=even_high))
-        errs[even_high] = ((y.float() - ref).norm() / ref.norm()).item()
-    order = min(errs, key=errs.get)
-    return order, errs[order]
-
-
 def bench_int4(out: dict) -> None:
+    """bf16 ``F.linear``, tinygemm and ``group_int4_linear`` over one ``Int4Weight`` (as
+    ``quantize_int4`` makes it, group ``INT4_GROUP``) per shape, weights rotated over copies."""
+    from engine.weights.quant import Int4Linear, Int4Weight, quantize_int4
+
     gen = torch.Generator(device=DEV).manual_seed(3)
     rows = out.setdefault("int4", [])
     for n, k in INT4_SHAPES:
         w = torch.randn(n, k, generator=gen, device=DEV) * 0.02
         w_bf16 = w.bfloat16()
-        q40 = quantize_q4(w, "q4_0")
-        q41 = quantize_q4(w, "q4_1")
+        q = quantize_int4(w, group_size=INT4_GROUP)
         del w
-        q4_bytes = n * k // 2 + n * (k // 32) * 4
-        n_q = copies_for(q4_bytes)
+        q_bytes = n * k // 2 + n * (k // INT4_GROUP) * 8
+        n_q = copies_for(q_bytes)
         n_bf = copies_for(n * k * 2, cap=4)
         w_copies = [w_bf16] + [w_bf16.clone() for _ in range(n_bf - 1)]
-        q41_copies = [q41] + [tuple(t.clone() for t in q41) for _ in range(n_q - 1)]
-        q40_copies = [q40] + [
-            tuple(t.clone() if t is not None else None for t in q40) for _ in range(n_q - 1)
+        # Separate device copies (Int4Linear keeps a weight already on the device as it is).
+        lins = [Int4Linear(q, None, DEV, torch.bfloat16)] + [
+            Int4Linear(
+                Int4Weight(q.q.clone(), q.scale.clone(), q.offset.clone(), INT4_GROUP),
+                None,
+                DEV,
+                torch.bfloat16,
+            )
+            for _ in range(n_q - 1)
         ]
-        tg, tg_err = None, None
-        try:
-            x0 = torch.randn(4, k, generator=gen, device=DEV).bfloat16()
-            even_high, err0 = tinygemm_pack(q41, x0, int4_linear_ref(x0.float(), *q41))
-            out["tinygemm_even_high"], out["tinygemm_pack_rel_err"] = even_high, err0
-            tg = [to_int4pack(*q, DEV, even_high=even_high) for q in q41_copies]
-        except Exception as err:  # noqa: BLE001
-            tg_err = repr(err)
+        del q
+        src = lins[0].source
         for m in INT4_MS:
             x = torch.randn(m, k, generator=gen, device=DEV).bfloat16()
-            ref = int4_linear_ref(x.float(), *q41)
-            row: dict = {"n": n, "k": k, "m": m, "weight_copies": n_q}
+            ref = group_int4_linear_ref(x.float(), src.q, src.scale, src.offset, INT4_GROUP)
+            row: dict = {"n": n, "k": k, "m": m, "group": INT4_GROUP, "weight_copies": n_q}
             row["bf16_us"] = time_us(
                 [lambda w_=w_, x=x: torch.nn.functional.linear(x, w_) for w_ in w_copies]
             )
-            if tg is not None:
-                y = int4pack_linear(x, *tg[0])
-                row["tinygemm_rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
-                row["tinygemm_us"] = time_us([lambda t=t, x=x: int4pack_linear(x, *t) for t in tg])
-            else:
-                row["tinygemm_error"] = tg_err
+
+            def run_tinygemm(lin, x=x):
+                return torch.ops.aten._weight_int4pack_mm(
+                    x, lin.packed, lin.group_size, lin.scales_and_zeros
+                )
+
+            def run_triton(lin, x=x, config=None):
+                s = lin.source
+                return group_int4_linear(x, s.q, s.scale, s.offset, s.group_size, config=config)
+
+            y = run_tinygemm(lins[0])
+            row["tinygemm_rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
+            row["tinygemm_us"] = time_us([lambda lin=lin: run_tinygemm(lin) for lin in lins])
             default = q4_config(m, n, k, DEV)
-            y = int4_linear(x, *q41)
-            row["triton_q4_1_rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
-            row["triton_q4_0_us"] = time_us(
-                [lambda q=q, x=x: int4_linear(x, *q) for q in q40_copies]
-            )
+            y = run_triton(lins[0])
+            row["triton_rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
             best = (math.inf, None)
             for cfg in q4_sweep(m, k, default):
                 try:
-                    us = time_us(
-                        [lambda q=q, c=cfg, x=x: int4_linear(x, *q, config=c) for q in q41_copies],
-                        reps=15,
-                    )
+                    calls = [lambda lin=lin, c=cfg: run_triton(lin, config=c) for lin in lins]
+                    us = time_us(calls, reps=15)
                 except Exception as err:  # noqa: BLE001
                     print(f"  config {cfg} failed: {err!r}", flush=True)
                     continue
                 if cfg == default:
-                    row["triton_q4_1_us"] = us
+                    row["triton_us"] = us
                 if us < best[0]:
                     best = (us, cfg)
-            row["triton_q4_1_best_us"] = best[0]
-            row["triton_q4_1_best_config"] = best[1].__dict__ if best[1] else None
+            row["triton_best_us"] = best[0]
+            row["triton_best_config"] = best[1].__dict__ if best[1] else None
             rows.append(row)
             print(
                 f"  N={n:5d} K={k:5d} M={m:3d}: bf16 {row['bf16_us']:7.1f} us | tinygemm "
-                f"{row.get('tinygemm_us', float('nan')):7.1f} us (err {row.get('tinygemm_rel_err', float('nan')):.1e}) | "
-                f"triton q4_0 {row['triton_q4_0_us']:7.1f} q4_1 {row.get('triton_q4_1_us', float('nan')):7.1f} "
-                f"best {best[0]:7.1f} us (err {row['triton_q4_1_rel_err']:.1e})",
+                f"{row['tinygemm_us']:7.1f} us (err {row['tinygemm_rel_err']:.1e}) | triton "
+                f"{row.get('triton_us', float('nan')):7.1f} best {best[0]:7.1f} us "
+                f"(err {row['triton_rel_err']:.1e})",
                 flush=True,
             )
-        del w_copies, q41_copies, q40_copies, tg
+        del w_copies, lins, src
         torch.cuda.empty_cache()
 
 
@@ -524,12 +517,12 @@ def print_tables(res: dict) -> None:
                 f"{r['pct_of_pinned_memcpy']:7.0f}% {r['per_record_copy_gbps']:10.1f}"
             )
     if res.get("int4"):
-        print("\nW4A16 linear (µs; Triton q4_1 best = best of a small tile sweep)")
-        print("    N     K    M   bf16  tinygemm  tri_q4_0  tri_q4_1  tri_best")
+        print("\nW4A16 linear (µs, group 32; Triton best = best of a small tile sweep)")
+        print("    N     K    M   bf16  tinygemm    triton  tri_best")
         for r in res["int4"]:
             print(
-                f"{r['n']:5d} {r['k']:5d} {r['m']:4d} {r['bf16_us']:6.1f} {r.get('tinygemm_us', float('nan')):9.1f} "
-                f"{r['triton_q4_0_us']:9.1f} {r.get('triton_q4_1_us', float('nan')):9.1f} {r['triton_q4_1_best_us']:9.1f}"
+                f"{r['n']:5d} {r['k']:5d} {r['m']:4d} {r['bf16_us']:6.1f} {r['tinygemm_us']:9.1f} "
+                f"{r.get('triton_us', float('nan')):9.1f} {r['triton_best_us']:9.1f}"
             )
     if res.get("int4_decode"):
         print("\nW4A16 per layer (4 linears, group 128; µs) — engine Int4Linear regimes")
