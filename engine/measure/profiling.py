@@ -130,7 +130,7 @@ KERNEL_PHASES: tuple[tuple[str, str], ...] = (
     ("_append_kv_kernel", "append"),
     ("_resolve_kernel", "resolve"),
     ("_gather_kernel", "gather"),
-    ("_q4_linear_kernel", "weights"),
+    ("_group_int4_linear_kernel", "weights"),
     ("int4", "weights"),
     ("tinygemm", "weights"),
     ("gemm", "weights"),
