@@ -78,6 +78,7 @@ class ModelConfig:
 
 ATTENTION_MODES = ("dense", "sparse")
 INDEXERS = ("quest", "dense", "oracle")
+GROUP_COMBINES = ("sum", "max", "normmax", "union")  # = kernels.quest_select.GROUP_COMBINES
 PAGE_SIZES = (16, 32, 64)
 CONTEXT_POLICIES = ("refuse", "extend", "truncate")
 EXTEND_METHODS = ("yarn", "dynamic", "linear")
@@ -96,6 +97,13 @@ class EngineConfig:
     hierarchical: with ``sparse``, keep all KV in the host pool and only a hot buffer of
         ``device_buffer`` tokens per (request, layer, KV head) on the compute device; when
         False every record stays resident in the KV pool (no host tier).
+    group_combine: how the ``quest`` indexer turns the G query heads' page bounds of a KV
+        head into one ranking (:func:`kernels.quest_select.combine_group_ref`): ``sum``
+        (Quest's GQA rule), ``max``, ``normmax`` (max of per-head log-softmax-normalised
+        bounds) or ``union`` (each head's own top pages, round by round, until the KV
+        head's budget is full). The budget in pages per KV head is the same for all;
+        other indexers ignore it. Chosen by measurement: docs/performance.md,
+        "Selection rule".
     top_k: sparse budget in tokens per (request, layer, KV head), turned into pages.
     device_buffer: hot-buffer capacity in tokens per (request, layer, KV head);
         ``None`` means 2 x top_k.
@@ -145,6 +153,7 @@ class EngineConfig:
     attention: str = "sparse"
     hierarchical: bool = True
     indexer: str = "quest"
+    group_combine: str = "sum"
     page_size: int = 16
     top_k: int = 2048
     device_buffer: int | None = None
@@ -368,6 +377,7 @@ SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "attention": _choice(ATTENTION_MODES),
     "hierarchical": _flag,
     "indexer": _choice(INDEXERS),
+    "group_combine": _choice(GROUP_COMBINES),
     "page_size": _choice(PAGE_SIZES),
     "top_k": _positive,
     "device_buffer": _positive_or_none,

@@ -265,7 +265,14 @@ class DecodeAttention:
             return self.ops.oracle_scores(
                 q, c.pool[layer], plan.block_table, plan.seq_lens, self.scale
             )
-        return self.ops.quest_scores(q, c.meta[layer], plan.block_table, plan.num_pages)
+        return self.ops.quest_scores(
+            q,
+            c.meta[layer],
+            plan.block_table,
+            plan.num_pages,
+            self.config.group_combine,
+            self.scale,
+        )
 
     def select(
         self, plan: StepPlan, layer: int, q: torch.Tensor, scores: torch.Tensor | None = None
