@@ -78,7 +78,7 @@ class ModelConfig:
 
 ATTENTION_MODES = ("dense", "sparse")
 INDEXERS = ("quest", "dense", "oracle")
-GROUP_COMBINES = ("sum", "max", "normmax", "union")  # = kernels.quest_select.GROUP_COMBINES
+GROUP_COMBINES = ("sum", "max", "normmax", "union")  # = kernels.quest_scores.GROUP_COMBINES
 PAGE_SIZES = (16, 32, 64)
 CONTEXT_POLICIES = ("refuse", "extend", "truncate")
 EXTEND_METHODS = ("yarn", "dynamic", "linear")
@@ -98,7 +98,7 @@ class EngineConfig:
         ``device_buffer`` tokens per (request, layer, KV head) on the compute device; when
         False every record stays resident in the KV pool (no host tier).
     group_combine: how the ``quest`` indexer turns the G query heads' page bounds of a KV
-        head into one ranking (:func:`kernels.quest_select.combine_group_ref`): ``sum``
+        head into one ranking (:func:`kernels.quest_scores.combine_group_ref`): ``sum``
         (Quest's GQA rule), ``max``, ``normmax`` (max of per-head log-softmax-normalised
         bounds) or ``union`` (each head's own top pages, round by round, until the KV
         head's budget is full). The budget in pages per KV head is the same for all;

@@ -113,7 +113,7 @@ class Variant:
 
 class MassProbe(DecodeAttention):
     """:class:`DecodeAttention` that also measures, per layer and KV head, the share of the
-    true attention mass (:func:`kernels.quest_select.oracle_scores_ref`, summed over the G
+    true attention mass (:func:`kernels.oracle_scores.oracle_scores_ref`, summed over the G
     query heads, divided by G) that its selection keeps, beside the oracle selection of the
     same budget (sink, window and ``top_k`` pages). ``kept`` / ``oracle_kept``: one float32
     ``[B, Hkv]`` per (step, layer)."""

@@ -41,19 +41,17 @@ from kernels.int4_matmul import (
     split_gguf_blocks,
 )
 from engine.config import GROUP_COMBINES as CONFIG_GROUP_COMBINES
-from engine.config import EngineConfig
 from kernels.bitmask import unpack_bits
-from kernels.quest_select import (
+from kernels.oracle_scores import oracle_scores_ref
+from kernels.quest_scores import (
     GROUP_COMBINES,
     combine_group_ref,
-    oracle_scores_ref,
     quest_head_bounds_ref,
     quest_scores,
     quest_scores_ref,
-    select_topk,
-    select_topk_ref,
 )
 from kernels.resolve import resident_slot_list, resident_slot_list_triton, resolve, resolve_ref
+from kernels.select_topk import select_topk, select_topk_ref
 from kernels.sparse_attention import (
     dense_decode_attention,
     dense_decode_attention_ref,

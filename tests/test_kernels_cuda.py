@@ -33,8 +33,9 @@ from kernels.int4_matmul import (
     quantize_q4,
     to_int4pack,
 )
-from kernels.quest_select import quest_scores, quest_scores_ref, select_topk, select_topk_ref
+from kernels.quest_scores import quest_scores, quest_scores_ref
 from kernels.resolve import resolve, resolve_ref
+from kernels.select_topk import select_topk, select_topk_ref
 from kernels.sparse_attention import (
     dense_decode_attention_ref,
     sparse_decode_attention,
