@@ -27,8 +27,9 @@ from kernel_cases import (
     to_device,
 )
 
+from engine.config import GROUP_COMBINES as CONFIG_GROUP_COMBINES
 from kernels.append_kv import append_kv, append_kv_ref
-from kernels.bitmask import pack_bits
+from kernels.bitmask import pack_bits, unpack_bits
 from kernels.dispatch import get_ops
 from kernels.gather import gather, gather_ref
 from kernels.int4_matmul import (
@@ -40,8 +41,6 @@ from kernels.int4_matmul import (
     quantize_q4,
     split_gguf_blocks,
 )
-from engine.config import GROUP_COMBINES as CONFIG_GROUP_COMBINES
-from kernels.bitmask import unpack_bits
 from kernels.oracle_scores import oracle_scores_ref
 from kernels.quest_scores import (
     GROUP_COMBINES,
