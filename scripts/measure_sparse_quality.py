@@ -421,6 +421,8 @@ def run_needle(h: Harness, args, variants: list[Variant]) -> dict:
                 "decode_s": round(time.monotonic() - t0, 1),
                 **probe,
             }
+            mass = f"  mass kept {100 * probe['mass_kept']:.1f}%" if probe else ""
+            log(f"  {v.name:>18}: {'found' if str(code) in text else 'not found'}{mass}")
         rows.append(row)
         found = [n for n, a in row["answers"].items() if a["found"]]
         log(
