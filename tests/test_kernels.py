@@ -28,6 +28,7 @@ from kernel_cases import (
 )
 
 from engine.config import GROUP_COMBINES as CONFIG_GROUP_COMBINES
+from engine.config import EngineConfig
 from kernels.append_kv import append_kv, append_kv_ref
 from kernels.bitmask import pack_bits, unpack_bits
 from kernels.dispatch import get_ops
@@ -432,6 +433,14 @@ def test_outvoted_head_case(combine, triton):
     assert mass[0, 0, 3] / 2 > 0.4998  # head 0's 99.98 % (of the group's mass 2)
     oracle_pick = select_topk_ref(mass, c["num_pages"], 3, 1, 1)
     assert unpack_bits(oracle_pick, 6)[0, 0].nonzero().flatten().tolist() == [0, 3, 5]
+
+
+def test_default_group_combine_finds_the_outvoted_page():
+    c = outvoted_head_case()
+    rule = EngineConfig().group_combine
+    scores = quest_scores_ref(c["q"], c["meta"], c["block_table"], c["num_pages"], rule, 1.0)
+    pick = select_topk_ref(scores, c["num_pages"], 3, 1, 1)
+    assert unpack_bits(pick, 6)[0, 0].nonzero().flatten().tolist() == [0, 3, 5]
 
 
 def test_combine_rules_by_their_definitions():
