@@ -94,6 +94,7 @@ class ModelConfig:
 
 ATTENTION_MODES = ("dense", "sparse")
 INDEXERS = tuple(INDEXER_REGISTRY)  # engine.decode.indexers: one entry per indexer
+GROUP_COMBINES = ("sum", "max", "normmax", "union")  # = kernels.quest_scores.GROUP_COMBINES
 PAGE_SIZES = (16, 32, 64)
 CONTEXT_POLICIES = ("refuse", "extend", "truncate")
 EXTEND_METHODS = ("yarn", "dynamic", "linear")
@@ -115,6 +116,14 @@ class EngineConfig:
     hierarchical: with ``sparse``, keep all KV in the host pool and only a hot buffer of
         ``device_buffer`` tokens per (request, layer, KV head) on the compute device; when
         False every record stays resident in the KV pool (no host tier).
+    group_combine: how the ``quest`` indexer turns the G query heads' page bounds of a KV
+        head into one ranking (:func:`kernels.quest_scores.combine_group_ref`): ``sum``
+        (Quest's GQA rule), ``max``, ``normmax`` (max of per-head log-softmax-normalised
+        bounds) or ``union`` (each head's own top pages, round by round, until the KV
+        head's budget is full). The budget in pages per KV head is the same for all;
+        other indexers ignore it. Default ``normmax``, chosen by measurement
+        (docs/performance.md, "Selection rule": the needle at 10 % depth that ``sum``
+        loses, and lower KL against dense).
     top_k: sparse budget in tokens per (request, layer, KV head), turned into pages.
     device_buffer: hot-buffer capacity in tokens per (request, layer, KV head);
         ``None`` means 2 x top_k.
@@ -181,6 +190,7 @@ class EngineConfig:
     attention: str = "sparse"
     hierarchical: bool = True
     indexer: str = "quest"
+    group_combine: str = "normmax"
     page_size: int = 16
     top_k: int = 2048
     device_buffer: int | None = None
@@ -425,6 +435,7 @@ SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "attention": _choice(ATTENTION_MODES),
     "hierarchical": _flag,
     "indexer": lambda value: _choice(tuple(INDEXER_REGISTRY))(value),  # read at check time
+    "group_combine": _choice(GROUP_COMBINES),
     "page_size": _choice(PAGE_SIZES),
     "top_k": _positive,
     "device_buffer": _positive_or_none,

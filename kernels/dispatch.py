@@ -17,13 +17,10 @@ import torch
 
 from kernels.append_kv import append_kv_ref
 from kernels.gather import gather_ref
-from kernels.quest_select import (
-    dense_selection,
-    oracle_scores_ref,
-    quest_scores_ref,
-    select_topk_ref,
-)
+from kernels.oracle_scores import oracle_scores_ref
+from kernels.quest_scores import quest_scores_ref
 from kernels.resolve import resolve_ref
+from kernels.select_topk import dense_selection, select_topk_ref
 from kernels.slot_list import resident_slot_list
 from kernels.sparse_attention import dense_decode_attention_ref, sparse_decode_attention_ref
 

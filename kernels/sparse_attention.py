@@ -502,7 +502,7 @@ def dense_decode_attention(
     -------
     ``[B, Hq, D]`` in ``q.dtype`` (equal to the reference within the output dtype's rounding).
     """
-    from kernels.quest_select import dense_selection
+    from kernels.select_topk import dense_selection
     from kernels.slot_list import resident_slot_list_triton
 
     check_tensor("kv_pool", kv_pool, 5, FLOAT_DTYPES)

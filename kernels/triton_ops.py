@@ -14,8 +14,10 @@ from __future__ import annotations
 from kernels.append_kv import append_kv
 from kernels.dispatch import Ops
 from kernels.gather import gather
-from kernels.quest_select import dense_selection, oracle_scores_ref, quest_scores, select_topk
+from kernels.oracle_scores import oracle_scores_ref
+from kernels.quest_scores import quest_scores
 from kernels.resolve import resolve
+from kernels.select_topk import dense_selection, select_topk
 from kernels.slot_list import resident_slot_list_triton
 from kernels.sparse_attention import dense_decode_attention, sparse_decode_attention
 

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from engine.load import load_engine
 from engine.config import EngineConfig, SamplingParams
-from engine.weights.embedded import default_model_path
 from engine.events import Job
+from engine.load import load_engine
+from engine.weights.embedded import default_model_path
 
 CORPUS = Path(
     os.environ.get("HISPARSE_CORPUS", Path(__file__).resolve().parents[2] / "shared" / "corpus")

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from engine.load import load_engine
 from engine.config import EngineConfig, SamplingParams
 from engine.events import Job
+from engine.load import load_engine
 
 _BASE = {}
 DEVICE = "cuda"

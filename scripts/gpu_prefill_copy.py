@@ -40,9 +40,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.config import EngineConfig, SamplingParams
-from engine.serve.engine import Engine
 from engine.events import Job
 from engine.kv.cache import KVCache
+from engine.serve.engine import Engine
 
 MODES = ("blocking", "copy_stream", "no_write")
 

@@ -83,15 +83,15 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from engine import events as ev  # noqa: E402
+from engine.capacity.budget import pool_page_bytes  # noqa: E402
+from engine.capacity.planner import GIB, Plan, job_host_bytes, parse_context, plan  # noqa: E402
+from engine.config import EngineConfig, ModelConfig, SamplingParams  # noqa: E402
 from engine.measure.bench_kv import (  # noqa: E402
     corpus_dir,
     corpus_streams,
     document_ids,
     read_corpus_tokens,
 )
-from engine.capacity.budget import pool_page_bytes  # noqa: E402
-from engine.config import EngineConfig, ModelConfig, SamplingParams  # noqa: E402
-from engine.capacity.planner import GIB, Plan, job_host_bytes, parse_context, plan  # noqa: E402
 from engine.presets import load_preset_full, resolve_config  # noqa: E402
 
 FORMAT = "hisparse-memory"

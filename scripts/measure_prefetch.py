@@ -36,10 +36,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.load import load_engine  # noqa: E402
-from engine.measure.bench_kv import corpus_dir  # noqa: E402
 from engine.config import EngineConfig, SamplingParams  # noqa: E402
 from engine.events import Job  # noqa: E402
+from engine.load import load_engine  # noqa: E402
+from engine.measure.bench_kv import corpus_dir  # noqa: E402
 
 # (top_k tokens, device_buffer tokens, prefetch pages); page 16, sink 16, window 32.
 DEFAULT_CONFIGS = (

@@ -18,6 +18,13 @@ or ``../shared/corpus``), for each sparse config (``top_k`` tokens x ``page_size
 End-of-turn tokens are masked out of the argmax in the agreement runs, so every document
 yields ``--steps`` tokens of text (KL uses the unmasked distributions).
 
+The sparse configs run the quest indexer with each ``group_combine`` rule asked for
+(``--rules`` for the needle, ``--quality-rules`` for agreement/KL) and, beside them, the
+``oracle`` indexer (exact attention mass per page, same budget; ``--no-oracle`` drops it).
+With ``--mass`` the needle runs also measure, at every decode step, layer and KV head, the
+share of the true attention mass on the selected pages and its ratio to the oracle's
+(:class:`MassProbe`).
+
 It also records selection traces (:mod:`engine.measure.trace`) of the agreement runs at
 ``--trace-top-k`` and page 16 and replays them (:mod:`engine.measure.replay`) through LRU, FIFO,
 random and Bélády at ``device_buffer`` in {1, 2, 4} x top_k.
@@ -34,6 +41,8 @@ Usage::
 
     OMP_NUM_THREADS=1 python scripts/measure_sparse_quality.py --out sparse_quality.json
     OMP_NUM_THREADS=1 python scripts/measure_sparse_quality.py --quick   # ~3 min smoke run
+    OMP_NUM_THREADS=1 python scripts/measure_sparse_quality.py --skip quality,replay --mass \
+        --top-k 1024,2048 --page-size 16,32 --out rules.json       # selection rules, needle
 """
 
 from __future__ import annotations
@@ -55,14 +64,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.load import load_engine  # noqa: E402
+from engine.config import GROUP_COMBINES, EngineConfig, SamplingParams  # noqa: E402
 from engine.decode.attention import DecodeAttention  # noqa: E402
-from engine.config import EngineConfig, SamplingParams  # noqa: E402
-from engine.serve.engine import Engine, Request  # noqa: E402
 from engine.events import Job  # noqa: E402
 from engine.kv.cache import KVCache  # noqa: E402
+from engine.load import load_engine  # noqa: E402
 from engine.measure.replay import POLICIES, capacities_from_multiples, replay_trace  # noqa: E402
 from engine.measure.trace import TraceHeader, TraceWriter, read_header  # noqa: E402
+from engine.serve.engine import Engine, Request  # noqa: E402
+from kernels.bitmask import unpack_bits  # noqa: E402
 
 CORPUS_ENV = "HISPARSE_CORPUS"
 QUALITY_DOCS = ("howto-logging.txt", "library-re.txt", "whatsnew-3.11.txt")
@@ -75,14 +85,69 @@ HOST_POOL_GB = 0.5
 
 @dataclass(frozen=True)
 class Variant:
-    """One decode configuration: dense, or sparse with ``top_k`` tokens and ``page_size``."""
+    """One decode configuration: dense, or sparse with ``top_k`` tokens and ``page_size``
+    selected by ``indexer`` (``quest`` with the GQA rule ``combine``, or ``oracle``)."""
 
     page_size: int
     top_k: int | None = None
+    indexer: str = "quest"
+    combine: str = EngineConfig.group_combine
+
+    @property
+    def rule(self) -> str:
+        """``dense``, ``oracle`` or the quest indexer's ``group_combine``."""
+        return (
+            "dense"
+            if self.top_k is None
+            else self.combine
+            if self.indexer == "quest"
+            else self.indexer
+        )
 
     @property
     def name(self) -> str:
-        return "dense" if self.top_k is None else f"k{self.top_k}/p{self.page_size}"
+        if self.top_k is None:
+            return "dense"
+        return f"k{self.top_k}/p{self.page_size} {self.rule}"
+
+
+class MassProbe(DecodeAttention):
+    """:class:`DecodeAttention` that also measures, per layer and KV head, the share of the
+    true attention mass (:func:`kernels.oracle_scores.oracle_scores_ref`, summed over the G
+    query heads, divided by G) that its selection keeps, beside the oracle selection of the
+    same budget (sink, window and ``top_k`` pages). ``kept`` / ``oracle_kept``: one float32
+    ``[B, Hkv]`` per (step, layer)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kept: list[torch.Tensor] = []
+        self.oracle_kept: list[torch.Tensor] = []
+
+    def select(self, plan, layer, q, scores=None):
+        sel = super().select(plan, layer, q, scores)
+        cfg, c = self.config, self.cache
+        mass = self.ops.oracle_scores(q, c.pool[layer], plan.block_table, plan.seq_lens, self.scale)
+        best = self.ops.select_topk(
+            mass, plan.num_pages, cfg.top_k_pages, cfg.sink_pages, cfg.window_pages
+        )
+        p_max, g = mass.shape[-1], q.shape[1] // mass.shape[1]
+        m = mass.clamp(min=0)  # -inf on unused pages
+        for words, out in ((sel, self.kept), (best, self.oracle_kept)):
+            out.append((m * unpack_bits(words, p_max)).sum(-1) / g)
+        return sel
+
+    def summary(self) -> dict:
+        """Means over steps, layers and KV heads: ``mass_kept`` (share of the attention
+        mass on the selected pages), ``oracle_mass_kept`` (the oracle's, same budget) and
+        ``mass_vs_oracle`` (mean of the per-head ratio kept / oracle kept)."""
+        if not self.kept:
+            return {}
+        kept, best = torch.stack(self.kept), torch.stack(self.oracle_kept)
+        return {
+            "mass_kept": float(kept.mean()),
+            "oracle_mass_kept": float(best.mean()),
+            "mass_vs_oracle": float((kept / best.clamp(min=1e-30)).mean()),
+        }
 
 
 @dataclass
@@ -124,14 +189,23 @@ class Harness:
     def config_for(self, v: Variant) -> EngineConfig:
         if v.top_k is None:
             return self.base.replace(page_size=v.page_size)
-        return self.base.replace(attention="sparse", page_size=v.page_size, top_k=v.top_k)
+        return self.base.replace(
+            attention="sparse",
+            page_size=v.page_size,
+            top_k=v.top_k,
+            indexer=v.indexer,
+            group_combine=v.combine,
+        )
 
-    def use(self, v: Variant, tracer=None) -> None:
-        """Point the engine at ``v``'s cache and a fresh decode attention for ``v``."""
+    def use(self, v: Variant, tracer=None, probe: bool = False) -> DecodeAttention:
+        """Point the engine at ``v``'s cache and a fresh decode attention for ``v`` (a
+        :class:`MassProbe` when ``probe`` and ``v`` is sparse), and return it."""
         eng, cfg = self.engine, self.config_for(v)
         cfg.validate()
         eng.config, eng.cache, eng.tracer = cfg, self.caches[v.page_size], tracer
-        eng.attn = DecodeAttention(eng.cache, cfg, eng.ops, eng.model.scale, tracer)
+        cls = MassProbe if probe and v.top_k is not None else DecodeAttention
+        eng.attn = cls(eng.cache, cfg, eng.ops, eng.model.scale, tracer)
+        return eng.attn
 
     def prefill(self, ids: list[int], max_new: int) -> Prefilled:
         """Run the real prefill once (page-16 cache) and keep its K/V."""
@@ -154,9 +228,11 @@ class Harness:
         finally:
             eng.close_request(req)
 
-    def open(self, pre: Prefilled, v: Variant, job_id: str, max_new: int, tracer=None) -> Request:
+    def open(
+        self, pre: Prefilled, v: Variant, job_id: str, max_new: int, tracer=None, probe=False
+    ) -> Request:
         """A request in decode phase for ``v``, its cache filled from ``pre``."""
-        self.use(v, tracer)
+        self.use(v, tracer, probe)
         eng = self.engine
         req = eng.open_request(Job(job_id, pre.ids, SamplingParams(max_tokens=max_new)))
         for layer, (k, val) in enumerate(zip(pre.keys, pre.values, strict=True)):
@@ -175,14 +251,16 @@ class Harness:
         tracer=None,
         mask_end: bool = True,
         stop_at_end: bool = False,
+        probe: bool = False,
     ) -> tuple[list[int], list[torch.Tensor]]:
         """Decode ``steps`` tokens after the prefill token.
 
         Returns the greedy tokens (argmax with end-of-turn ids masked when ``mask_end``)
         including the prefill token, and the log-probabilities ``[V]`` of every step.
-        ``forced`` (teacher forcing) feeds ``forced[i]`` at step ``i`` instead.
+        ``forced`` (teacher forcing) feeds ``forced[i]`` at step ``i`` instead. ``probe``
+        measures the attention mass kept (:class:`MassProbe`; read ``engine.attn``).
         """
-        req = self.open(pre, v, job_id, steps + 2, tracer)
+        req = self.open(pre, v, job_id, steps + 2, tracer, probe)
         tokens, logps = [pre.first_token], []
         try:
             for i in range(steps):
@@ -233,7 +311,7 @@ def run_quality(h: Harness, args, variants: list[Variant], trace_dir: Path) -> d
         )
         for k in args.trace_top_k
         if Variant(16, k) in variants
-    }
+    }  # traces of the default rule only
     docs, results = [], []
     for name in args.docs:
         text, file_tokens = cut_text(tok, (args.corpus / name).read_text("utf-8"), args.doc_tokens)
@@ -259,7 +337,7 @@ def run_quality(h: Harness, args, variants: list[Variant], trace_dir: Path) -> d
         )
         for v in variants:
             t0 = time.monotonic()
-            tracer = writers.get(v.top_k) if v.page_size == 16 else None
+            tracer = writers.get(v.top_k) if v == Variant(16, v.top_k) else None
             tokens, logps = h.decode(
                 pre, v, args.steps, forced=dense_tokens, job_id=name, tracer=tracer
             )
@@ -270,6 +348,7 @@ def run_quality(h: Harness, args, variants: list[Variant], trace_dir: Path) -> d
                 {
                     "file": name,
                     "config": v.name,
+                    "rule": v.rule,
                     "top_k": v.top_k,
                     "page_size": v.page_size,
                     "agreement": sum(agree) / len(agree),
@@ -281,7 +360,7 @@ def run_quality(h: Harness, args, variants: list[Variant], trace_dir: Path) -> d
             )
             r = results[-1]
             log(
-                f"  {v.name:>11}: agree {100 * r['agreement']:5.1f}%  prefix {prefix:3d}  "
+                f"  {v.name:>18}: agree {100 * r['agreement']:5.1f}%  prefix {prefix:3d}  "
                 f"KL {r['kl_mean']:.4f}  ({r['decode_s']:.0f} s)"
             )
     for w in writers.values():
@@ -329,9 +408,21 @@ def run_needle(h: Harness, args, variants: list[Variant]) -> dict:
             "answers": {},
         }
         for v in [Variant(16), *variants]:
-            tokens, _ = h.decode(pre, v, 16, mask_end=False, stop_at_end=True)
+            t0 = time.monotonic()
+            tokens, _ = h.decode(pre, v, 16, mask_end=False, stop_at_end=True, probe=args.mass)
             text = tok.decode(tokens)
-            row["answers"][v.name] = {"text": text, "found": str(code) in text}
+            probe = h.engine.attn.summary() if isinstance(h.engine.attn, MassProbe) else {}
+            row["answers"][v.name] = {
+                "text": text,
+                "found": str(code) in text,
+                "rule": v.rule,
+                "top_k": v.top_k,
+                "page_size": v.page_size,
+                "decode_s": round(time.monotonic() - t0, 1),
+                **probe,
+            }
+            mass = f"  mass kept {100 * probe['mass_kept']:.1f}%" if probe else ""
+            log(f"  {v.name:>18}: {'found' if str(code) in text else 'not found'}{mass}")
         rows.append(row)
         found = [n for n, a in row["answers"].items() if a["found"]]
         log(
@@ -412,6 +503,7 @@ def markdown(report: dict) -> str:
         for name in n["rows"][0]["answers"]:
             cells = [_needle_cell(r["answers"][name]) for r in n["rows"]]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines += needle_summary(n["rows"])
     rp = report.get("replay")
     if rp:
         mults = sorted({r["multiple"] for r in rp})
@@ -430,6 +522,39 @@ def markdown(report: dict) -> str:
             ]
             lines.append(f"| k{k}/p{s} | {p} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def needle_summary(rows: list[dict]) -> list[str]:
+    """Markdown: per rule, the depths found in each (top_k, page) cell and in all; then,
+    where measured, the attention mass kept (mean over the needle answer's steps, layers
+    and KV heads) and its ratio to the oracle's, per rule and cell, over all depths."""
+    answers = [a for r in rows for a in r["answers"].values() if a.get("top_k")]
+    if not answers:
+        return []
+    rules = list(dict.fromkeys(a["rule"] for a in answers))
+    cells = list(dict.fromkeys((a["top_k"], a["page_size"]) for a in answers))
+
+    def of(rule: str, cell: tuple) -> list[dict]:
+        return [a for a in answers if a["rule"] == rule and (a["top_k"], a["page_size"]) == cell]
+
+    head = "| rule | " + " | ".join(f"k{k}/p{s}" for k, s in cells) + " | all |"
+    lines = ["", "Needle found (depths of " + str(len(rows)) + "):", "", head]
+    lines.append("|---|" + "---:|" * (len(cells) + 1))
+    for rule in rules:
+        found = [sum(a["found"] for a in of(rule, c)) for c in cells]
+        total = sum(len(of(rule, c)) for c in cells)
+        lines.append(f"| {rule} | " + " | ".join(map(str, found)) + f" | {sum(found)}/{total} |")
+    if all("mass_kept" in a for a in answers):
+        lines += ["", "Attention mass kept, mean over depths (kept / oracle's kept):", "", head]
+        lines.append("|---|" + "---:|" * (len(cells) + 1))
+        for rule in rules:
+            row = []
+            for group in [of(rule, c) for c in cells] + [[a for a in answers if a["rule"] == rule]]:
+                kept = sum(a["mass_kept"] for a in group) / len(group)
+                ratio = sum(a["mass_vs_oracle"] for a in group) / len(group)
+                row.append(f"{100 * kept:.1f}% ({100 * ratio:.1f}%)")
+            lines.append(f"| {rule} | " + " | ".join(row) + " |")
+    return lines
 
 
 def _needle_cell(answer: dict) -> str:
@@ -460,6 +585,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=128, help="Generated tokens compared.")
     p.add_argument("--top-k", type=ints, default=[512, 1024, 2048])
     p.add_argument("--page-size", type=ints, default=[16, 32, 64])
+    p.add_argument(
+        "--rules",
+        type=lambda s: s.split(","),
+        default=list(GROUP_COMBINES),
+        help="Quest group_combine rules of the needle runs (the oracle runs beside them).",
+    )
+    p.add_argument(
+        "--quality-rules",
+        type=lambda s: s.split(","),
+        default=[EngineConfig.group_combine],
+        help="Quest group_combine rules of the agreement/KL runs.",
+    )
+    p.add_argument("--no-oracle", action="store_true", help="Leave out the oracle indexer's runs.")
+    p.add_argument(
+        "--mass",
+        action="store_true",
+        help="Needle runs also measure the attention mass each selection keeps (MassProbe).",
+    )
     p.add_argument("--sink-tokens", type=int, default=EngineConfig.sink_tokens)
     p.add_argument("--local-window", type=int, default=EngineConfig.local_window)
     p.add_argument("--needle-doc", default=NEEDLE_DOC)
@@ -493,7 +636,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     trace_dir = args.trace_dir or args.out.parent
     trace_dir.mkdir(parents=True, exist_ok=True)
-    variants = [Variant(s, k) for k in args.top_k for s in args.page_size]
+    bad = sorted(set(args.rules + args.quality_rules) - set(GROUP_COMBINES))
+    if bad:
+        raise SystemExit(f"unknown rule(s) {bad}; choose from {', '.join(GROUP_COMBINES)}")
+
+    def grid(rules: list[str]) -> list[Variant]:
+        """Every (top_k, page) with each quest rule, then the oracle (unless --no-oracle)."""
+        out = []
+        for k in args.top_k:
+            for s in args.page_size:
+                out += [Variant(s, k, combine=r) for r in rules]
+                out += [] if args.no_oracle else [Variant(s, k, indexer="oracle")]
+        return out
+
+    variants = grid(args.quality_rules)
     t_start = time.monotonic()
     h = Harness(args.model, args.page_size, args.sink_tokens, args.local_window)
     report: dict = {
@@ -515,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
         if "replay" not in args.skip:
             report["replay"] = run_replay(report["quality"]["traces"])
     if "needle" not in args.skip:
-        report["needle"] = run_needle(h, args, variants)
+        report["needle"] = run_needle(h, args, grid(args.rules))
     report["total_s"] = round(time.monotonic() - t_start, 1)
     args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     md = markdown(report)

@@ -111,3 +111,57 @@ def to_device(args: dict, device: str | torch.device) -> dict:
     return {
         k: v.to(device, copy=True) if isinstance(v, torch.Tensor) else v for k, v in args.items()
     }
+
+
+def outvoted_head_case() -> dict[str, torch.Tensor]:
+    """Issue #18's small case: one KV head, two query heads, ``D = 2``, six pages of two
+    tokens (all 12 positions in use).
+
+    Head 0 (``q = (10, 0)``) has logit 10 on both tokens of page 3 and 0 elsewhere, so with
+    scale 1 it puts ``2 e^10 / (2 e^10 + 10) = 99.98 %`` of its attention on page 3 and its
+    own bound ranks page 3 first; head 1 (``q = (0, 5)``) has logit -10 there and 5
+    elsewhere. Every page's keys are equal within the page, so the Quest bound is the logit
+    and the group sums are ``[5, 5, 5, 0, 5, 5]``. Returns ``q [1, 2, 2]``, ``kv_pool
+    [6, 1, 2, 2, 2]``, ``meta [6, 1, 2, 2]``, ``block_table [1, 6]``, ``num_pages [1]``,
+    ``seq_lens [1]`` (CPU, float32 / int32).
+    """
+    keys = torch.zeros(6, 1, 2, 2)  # [P, Hkv, S, D]
+    keys[:, 0, :, 1] = 1.0
+    keys[3, 0, :] = torch.tensor([1.0, -2.0])
+    return {
+        "q": torch.tensor([[[10.0, 0.0], [0.0, 5.0]]]),
+        "kv_pool": torch.stack([keys, keys], dim=2),
+        "meta": torch.stack([keys.amin(2), keys.amax(2)], dim=2),
+        "block_table": torch.arange(6, dtype=torch.int32)[None],
+        "num_pages": torch.tensor([6], dtype=torch.int32),
+        "seq_lens": torch.tensor([12], dtype=torch.int32),
+    }
+
+
+def quest_inputs(
+    b: int, hq: int, hkv: int, d: int, p_max: int, dtype: torch.dtype, seed: int, integer: bool
+) -> dict[str, torch.Tensor]:
+    """Random ``quest_scores`` arguments: ``q [B, Hq, D]``, sorted ``meta [P_pool, Hkv, 2, D]``,
+    a shuffled ``block_table [B, P_max]`` with an unused (-1) tail entry in row 0 and
+    ``num_pages [B]`` below ``P_max`` in row 0 (so every case has ``-inf`` pages). With
+    ``integer`` the values are small integers, so every fp32 sum is exact in any order and
+    many pages tie (the tie-breaks are then compared exactly)."""
+    gen = torch.Generator().manual_seed(seed)
+    p_pool = b * p_max + 4
+    if integer:
+        q = torch.randint(-3, 4, (b, hq, d), generator=gen).float()
+        meta = torch.randint(-4, 5, (p_pool, hkv, 2, d), generator=gen).float()
+    else:
+        q = torch.randn(b, hq, d, generator=gen)
+        meta = torch.randn(p_pool, hkv, 2, d, generator=gen)
+    meta = meta.sort(dim=2).values
+    block_table = torch.randperm(p_pool, generator=gen)[: b * p_max].view(b, p_max).int()
+    block_table[0, -1] = -1
+    num_pages = torch.randint(1, p_max + 1, (b,), generator=gen, dtype=torch.int32)
+    num_pages[0] = min(int(num_pages[0]), p_max - 1)
+    return {
+        "q": q.to(dtype),
+        "meta": meta.to(dtype),
+        "block_table": block_table,
+        "num_pages": num_pages,
+    }

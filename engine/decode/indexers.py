@@ -53,8 +53,12 @@ class Indexer:
 
 def _quest(ops: Any, cache: KVCache, plan: StepPlan, layer: int, q, config, scale: float):
     """Quest's upper bound from each page's key min/max (Tang et al. 2024,
-    arXiv:2406.10774; :func:`kernels.quest_select.quest_scores_ref`)."""
-    return ops.quest_scores(q, cache.meta[layer], plan.block_table, plan.num_pages)
+    arXiv:2406.10774), the query heads of a GQA group combined by ``config.group_combine``
+    (:func:`kernels.quest_scores.quest_scores_ref`)."""
+    meta = cache.meta[layer]
+    return ops.quest_scores(
+        q, meta, plan.block_table, plan.num_pages, config.group_combine, scale
+    )
 
 
 def _oracle(ops: Any, cache: KVCache, plan: StepPlan, layer: int, q, config, scale: float):

@@ -1,6 +1,6 @@
 """The surface every engine shows its front ends: one process (:class:`engine.serve.engine.Engine`),
 several devices (:class:`engine.serve.workers.ParallelEngine`) or a test double
-(:class:`hisparse_cli.testing.ScriptedEngine`). The runner, the workers and the pipeline use
+(:class:`hisparse_cli.testing.FakeEngine`). The runner, the workers and the pipeline use
 only this; nothing probes an engine with ``getattr``."""
 
 from __future__ import annotations

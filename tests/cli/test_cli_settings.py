@@ -110,3 +110,19 @@ def test_prefetch_needs_room_and_a_ranking():
     (problem,) = EngineConfig(prefetch_pages=-1).problems()
     assert problem.fields == ("prefetch_pages",) and "integer >= 0" in problem.message
     assert not base.replace(prefetch_pages=64, hierarchical=False).problems()  # ignored there
+
+
+def test_group_combine_is_checked_and_layered(monkeypatch):
+    """``group_combine`` is an engine setting like the others: checked against the rules
+    the kernels implement, set by a preset, a manifest or the CLI layer, and part of the
+    resolved config that ``config.json`` records."""
+    (problem,) = EngineConfig(group_combine="mean").problems()
+    assert problem.fields == ("group_combine",)
+    assert "sum, max, normmax, union" in problem.message
+    monkeypatch.setattr(settings, "preset_overrides", lambda name: {"group_combine": "max"})
+    assert settings.resolve_engine_config("x").group_combine == "max"
+    config = settings.resolve_engine_config("x", {"group_combine": "union"})
+    assert config.group_combine == "union"
+    assert json.loads(json.dumps(config.to_dict()))["group_combine"] == "union"
+    with pytest.raises(ConfigError, match="group_combine"):
+        settings.resolve_engine_config("x", {"group_combine": "vote"})

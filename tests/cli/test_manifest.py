@@ -341,6 +341,15 @@ def test_jsonl_engine_setting_values_name_the_line(docs):
     assert ">= 0" in find(problems, "defaults.engine.local_window").message
 
 
+def test_group_combine_in_a_manifest_names_the_line(docs):
+    path = docs / "jobs.yaml"
+    path.write_text(
+        "defaults:\n  engine:\n    group_combine: vote\njobs:\n  - id: a\n    input: docs/one.txt\n"
+    )
+    problem = find(problems_of(path), "defaults.engine.group_combine")
+    assert problem.line == 3 and "sum, max, normmax, union" in problem.message
+
+
 def test_every_engine_setting_has_a_value_check():
     """A new EngineConfig field needs an entry in SETTING_CHECKS, or bad values of it in a
     manifest would only surface later, one at a time."""

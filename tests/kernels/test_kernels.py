@@ -19,19 +19,31 @@ import torch
 from kernel_cases import (
     attention_inputs,
     bits_equal,
+    outvoted_head_case,
     poison_,
     poisoned_allocations,
+    quest_inputs,
     random_selection_mask,
     to_device,
 )
 
+from engine.config import GROUP_COMBINES as CONFIG_GROUP_COMBINES
+from engine.config import EngineConfig
 from kernels.append_kv import append_kv, append_kv_ref
-from kernels.bitmask import pack_bits
+from kernels.bitmask import pack_bits, unpack_bits
 from kernels.dispatch import get_ops
 from kernels.gather import gather, gather_ref
 from kernels.int4_matmul import Q4Config, group_int4_linear, group_int4_linear_ref
-from kernels.quest_select import quest_scores, quest_scores_ref, select_topk, select_topk_ref
+from kernels.oracle_scores import oracle_scores_ref
+from kernels.quest_scores import (
+    GROUP_COMBINES,
+    combine_group_ref,
+    quest_head_bounds_ref,
+    quest_scores,
+    quest_scores_ref,
+)
 from kernels.resolve import resolve, resolve_ref
+from kernels.select_topk import select_topk, select_topk_ref
 from kernels.slot_list import resident_slot_list, resident_slot_list_triton
 from kernels.sparse_attention import (
     dense_decode_attention,
@@ -384,6 +396,142 @@ def test_quest_scores_match_reference(b, hq, hkv, d, p_max, dtype):
     finite = torch.isfinite(ref)
     scale = (q.float().abs().sum(1).max() * meta.float().abs().max()).item()
     assert (out[finite] - ref[finite]).abs().max() <= 1e-5 * scale
+# The outvoted head (issue #18): with sink page 0, window page 5 and one free page.
+OUTVOTED_PICKS = {"sum": [0, 1, 5], "max": [0, 3, 5], "normmax": [0, 3, 5], "union": [0, 3, 5]}
+
+
+def test_group_combines_agree_with_config():
+    assert CONFIG_GROUP_COMBINES == GROUP_COMBINES == tuple(OUTVOTED_PICKS)
+
+
+@pytest.mark.parametrize("combine", GROUP_COMBINES)
+@pytest.mark.parametrize("triton", [False, True], ids=["reference", "triton"])
+def test_outvoted_head_case(combine, triton):
+    """Summing the group's bounds loses the page the one attending head needs (the sums
+    tie at 5 on pages 1, 2, 4 and page 3 sums to 0, so the tie-break takes page 1); every
+    other rule, like the oracle, takes page 3."""
+    c = outvoted_head_case()
+    args = (c["q"], c["meta"], c["block_table"], c["num_pages"])
+    if triton:
+        scores = quest_scores(*(t.to(DEVICE) for t in args), combine, 1.0).cpu()
+        pick = select_topk(scores.to(DEVICE), c["num_pages"].to(DEVICE), 3, 1, 1).cpu()
+    else:
+        scores = quest_scores_ref(*args, combine, 1.0)
+        pick = select_topk_ref(scores, c["num_pages"], 3, 1, 1)
+    if combine == "sum":
+        assert scores.tolist() == [[[5.0, 5.0, 5.0, 0.0, 5.0, 5.0]]]
+    pages = unpack_bits(pick, 6)[0, 0].nonzero().flatten().tolist()
+    assert pages == OUTVOTED_PICKS[combine]
+    mass = oracle_scores_ref(c["q"], c["kv_pool"], c["block_table"], c["seq_lens"], 1.0)
+    assert mass[0, 0, 3] / 2 > 0.4998  # head 0's 99.98 % (of the group's mass 2)
+    oracle_pick = select_topk_ref(mass, c["num_pages"], 3, 1, 1)
+    assert unpack_bits(oracle_pick, 6)[0, 0].nonzero().flatten().tolist() == [0, 3, 5]
+
+
+def test_default_group_combine_finds_the_outvoted_page():
+    c = outvoted_head_case()
+    rule = EngineConfig().group_combine
+    scores = quest_scores_ref(c["q"], c["meta"], c["block_table"], c["num_pages"], rule, 1.0)
+    pick = select_topk_ref(scores, c["num_pages"], 3, 1, 1)
+    assert unpack_bits(pick, 6)[0, 0].nonzero().flatten().tolist() == [0, 3, 5]
+
+
+def test_combine_rules_by_their_definitions():
+    """Each rule against its formula on hand-written per-head bounds (G = 2, one request,
+    four pages, the last unused)."""
+    u = torch.tensor([[[1.0, 4.0, 2.0, 0.0], [3.0, -1.0, 3.0, 0.0]]])  # [B, Hq, P]
+    n = torch.tensor([3], dtype=torch.int32)
+    inf = float("inf")
+    assert combine_group_ref(u, n, 1, "sum", 1.0).tolist() == [[[4.0, 3.0, 5.0, -inf]]]
+    assert combine_group_ref(u, n, 1, "max", 1.0).tolist() == [[[3.0, 4.0, 3.0, -inf]]]
+    x = u[..., :3] * 0.5
+    want = (x - torch.logsumexp(x, -1, keepdim=True)).amax(1, keepdim=True)
+    got = combine_group_ref(u, n, 1, "normmax", 0.5)
+    torch.testing.assert_close(got[..., :3], want, rtol=0, atol=1e-6)
+    assert got[0, 0, 3] == -inf
+    # head 0 ranks pages 1, 2, 0; head 1 ranks 0, 2 (tie with 0: lower page first), 1
+    assert combine_group_ref(u, n, 1, "union", 1.0).tolist() == [[[0.0, 0.0, -1.0, -inf]]]
+    with pytest.raises(ValueError, match="combine must be one of"):
+        combine_group_ref(u, n, 1, "mean", 1.0)
+
+
+QUEST_RULE_CASES = [
+    # b, hq, hkv, d, p_max
+    (2, 9, 3, 64, 41),  # G = 3, odd P (SmolLM2's heads)
+    (1, 4, 4, 64, 5),  # G = 1
+    (2, 16, 2, 128, 37),  # G = 8, D = 128
+    (3, 28, 4, 128, 70),  # G = 7
+    (2, 24, 8, 64, 1),  # a single page
+]
+
+
+@pytest.mark.parametrize("combine", GROUP_COMBINES)
+@pytest.mark.parametrize("b,hq,hkv,d,p_max", QUEST_RULE_CASES)
+def test_quest_rules_match_reference_exact_inputs(combine, b, hq, hkv, d, p_max):
+    """Integer-valued inputs: every bound is exact, so ``sum``, ``max`` and ``union`` must
+    match bit for bit (ties included: union's ranks and the top-k bitmask), ``normmax``
+    within fp32 rounding of its exp/log; the selections must then agree too."""
+    t = quest_inputs(b, hq, hkv, d, p_max, torch.float32, seed=p_max + hq, integer=True)
+    args = (t["q"], t["meta"], t["block_table"], t["num_pages"])
+    ref = quest_scores_ref(*args, combine)
+    with poisoned_allocations():
+        out = quest_scores(*(x.to(DEVICE) for x in args), combine).cpu()
+    assert torch.equal(torch.isneginf(ref), torch.isneginf(out))
+    if combine == "normmax":
+        fin = torch.isfinite(ref)
+        assert (out[fin] - ref[fin]).abs().max() <= 1e-4
+        return
+    assert torch.equal(out, ref)
+    for top_k, sink, window in ((3, 1, 1), (8, 0, 2)):
+        assert torch.equal(
+            select_topk_ref(ref, t["num_pages"], top_k, sink, window),
+            select_topk(out.to(DEVICE), t["num_pages"].to(DEVICE), top_k, sink, window).cpu(),
+        )
+
+
+@pytest.mark.parametrize("combine", ["sum", "max", "normmax"])
+@pytest.mark.parametrize("b,hq,hkv,d,p_max", QUEST_RULE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_quest_rules_match_reference_random_inputs(combine, b, hq, hkv, d, p_max, dtype):
+    t = quest_inputs(b, hq, hkv, d, p_max, dtype, seed=7 * p_max + hkv, integer=False)
+    args = (t["q"], t["meta"], t["block_table"], t["num_pages"])
+    ref = quest_scores_ref(*args, combine, 0.3)
+    with poisoned_allocations():
+        out = quest_scores(*(x.to(DEVICE) for x in args), combine, 0.3).cpu()
+    assert torch.equal(torch.isneginf(ref), torch.isneginf(out))
+    fin = torch.isfinite(ref)
+    scale = (t["q"].float().abs().sum(-1).max() * t["meta"].float().abs().max()).item()
+    assert (out[fin] - ref[fin]).abs().max() <= 1e-5 * scale * (0.3 if combine == "normmax" else 1)
+
+
+def test_union_ranks_each_heads_own_order():
+    """``union`` on random inputs from the per-head bounds: page p's score is minus its
+    best place in any head's own ranking (checked against a plain Python ranking)."""
+    t = quest_inputs(2, 9, 3, 64, 23, torch.float32, seed=5, integer=False)
+    args = (t["q"], t["meta"], t["block_table"], t["num_pages"])
+    u = quest_head_bounds_ref(*args)
+    scores = quest_scores_ref(*args, "union")
+    for b in range(2):
+        n = int(t["num_pages"][b])
+        for h in range(3):
+            best = [n] * n
+            for g in range(3):
+                row = u[b, h * 3 + g, :n].tolist()
+                for place, p in enumerate(sorted(range(n), key=lambda p: (-row[p], p))):
+                    best[p] = min(best[p], place)
+            assert scores[b, h, :n].tolist() == [-float(r) for r in best]
+            assert torch.isneginf(scores[b, h, n:]).all()
+
+
+def test_quest_scores_reject_unknown_combine():
+    t = quest_inputs(1, 4, 2, 64, 4, torch.float32, seed=0, integer=True)
+    args = tuple(t[k].to(DEVICE) for k in ("q", "meta", "block_table", "num_pages"))
+    with pytest.raises(ValueError, match="combine must be one of"):
+        quest_scores(*args, "mean")
+    with pytest.raises(ValueError, match="combine must be one of"):
+        quest_scores_ref(*(x.cpu() for x in args), "mean")
+
+
 
 
 SELECT_CASES = [

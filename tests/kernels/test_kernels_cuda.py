@@ -26,8 +26,9 @@ from kernels.append_kv import append_kv, append_kv_ref
 from kernels.bitmask import pack_bits
 from kernels.gather import gather, gather_ref
 from kernels.int4_matmul import group_int4_linear, group_int4_linear_ref, q4_config
-from kernels.quest_select import quest_scores, quest_scores_ref, select_topk, select_topk_ref
+from kernels.quest_scores import quest_scores, quest_scores_ref
 from kernels.resolve import resolve, resolve_ref
+from kernels.select_topk import select_topk, select_topk_ref
 from kernels.sparse_attention import (
     dense_decode_attention_ref,
     sparse_decode_attention,
