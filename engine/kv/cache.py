@@ -133,15 +133,20 @@ def release_pinned_cache() -> None:
         empty()
 
 
-def page_runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
+def page_runs(pages: Sequence[int], chunk_pages: int = 0) -> list[tuple[int, int, int]]:
     """Maximal runs of consecutive pool pages: ``(index in pages, first page, length)``.
 
     ``[0, 1, 2, 7, 8, 3]`` -> ``[(0, 0, 3), (3, 7, 2), (5, 3, 1)]``; each run is one
-    contiguous block of a pool layer ``[P_pool, Hkv, 2, S, D]``, so one copy.
+    contiguous block of a pool layer ``[P_pool, Hkv, 2, S, D]``, so one copy. With
+    ``chunk_pages`` no run crosses a multiple of it: a copy must stay inside one
+    ``cudaHostRegister`` range of a lazily pinned pool (:mod:`engine.kv.host_pool`).
     """
     runs: list[tuple[int, int, int]] = []
     for i, p in enumerate(pages):
-        if runs and runs[-1][1] + runs[-1][2] == p:
+        joins = runs and runs[-1][1] + runs[-1][2] == p
+        if joins and chunk_pages and p % chunk_pages == 0:
+            joins = False
+        if joins:
             start, first, n = runs[-1]
             runs[-1] = (start, first, n + 1)
         else:
@@ -211,6 +216,8 @@ class KVCache:
             self.pool = self.host.layers
         else:
             self.pool = [torch.empty(shape, dtype=self.dtype, device=pool_dev) for _ in range(nl)]
+        lazy = self.host is not None and self.host.lazy
+        self.copy_chunk_pages = self.host.chunk_pages if lazy else 0  # page_runs split there
         self.meta = [
             torch.zeros(num_pool_pages, hkv, 2, d, dtype=self.dtype, device=device) for _ in range(nl)
         ]
@@ -547,12 +554,12 @@ class KVCache:
         buf = self._stage(slot, k, v)
         pool, stream = self.pool[layer], self.copy_stream
         if stream is None:
-            for i, first, n in page_runs(pages):
+            for i, first, n in page_runs(pages, self.copy_chunk_pages):
                 pool[first : first + n].copy_(buf[i : i + n])
             return
         stream.wait_stream(torch.cuda.current_stream(self.device))  # staged records exist
         with torch.cuda.stream(stream):
-            for i, first, n in page_runs(pages):
+            for i, first, n in page_runs(pages, self.copy_chunk_pages):
                 pool[first : first + n].copy_(buf[i : i + n], non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)

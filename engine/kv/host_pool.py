@@ -91,8 +91,11 @@ class HostPool:
     def ensure_pinned(self, num_pages: int) -> None:
         """Page-lock pages ``[0, num_pages)`` of every layer (a no-op when they are).
 
-        Grows the pinned prefix by whole chunks. Call on the host before handing those
-        pages to a request (never inside a CUDA-graph capture).
+        Grows the pinned prefix by whole chunks, each its own registration starting at a
+        multiple of :attr:`chunk_pages` (so a host<->device copy must not cross one:
+        :func:`engine.kv.cache.page_runs` splits runs there; kernels reading through
+        unified addressing may). Call on the host before handing those pages to a request
+        (never inside a CUDA-graph capture).
 
         Raises
         ------
@@ -101,21 +104,23 @@ class HostPool:
         """
         if num_pages <= self.pinned_pages:
             return
-        target = min(self.num_pages, max(num_pages, self.pinned_pages + self.chunk_pages))
-        start = self.pinned_pages * self.layer_page_bytes
-        size = (target - self.pinned_pages) * self.layer_page_bytes
         cudart = torch.cuda.cudart()
-        for t in self.layers:
-            ptr = t.data_ptr() + start
-            err = cudart.cudaHostRegister(ptr, size, 1 | 2)  # Portable | Mapped
-            if getattr(err, "value", err) != 0:
-                raise CacheFullError(
-                    f"could not page-lock {size / 2**30:.2f} GiB more of the host KV pool "
-                    f"(cudaHostRegister returned {err}; {self.pinned_bytes / 2**30:.2f} GiB "
-                    "locked so far); lower host_pool_gb (--host-pool) or run fewer jobs"
-                )
-            weakref.finalize(t, cudart.cudaHostUnregister, ptr)
-        self.pinned_pages = target
+        while self.pinned_pages < num_pages:  # whole, aligned chunks: [i*C, (i+1)*C)
+            start = self.pinned_pages
+            end = min(self.num_pages, start + self.chunk_pages)
+            offset = start * self.layer_page_bytes
+            size = (end - start) * self.layer_page_bytes
+            for t in self.layers:
+                ptr = t.data_ptr() + offset
+                err = cudart.cudaHostRegister(ptr, size, 1 | 2)  # Portable | Mapped
+                if getattr(err, "value", err) != 0:
+                    raise CacheFullError(
+                        f"could not page-lock {size / 2**30:.2f} GiB more of the host KV pool "
+                        f"(cudaHostRegister returned {err}; {self.pinned_bytes / 2**30:.2f} GiB "
+                        "locked so far); lower host_pool_gb (--host-pool) or run fewer jobs"
+                    )
+                weakref.finalize(t, cudart.cudaHostUnregister, ptr)
+            self.pinned_pages = end
 
 
 def _has_host_register() -> bool:

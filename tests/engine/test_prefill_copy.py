@@ -332,3 +332,10 @@ def test_host_pool_without_pinning_is_whole_and_grows_nothing():
     assert pool.pinned_pages == 10 and pool.pinned_bytes == pool.capacity_bytes == 2 * 10 * 2048
     pool.ensure_pinned(10)  # a no-op
     assert [tuple(t.shape) for t in pool.layers] == [(10, 2, 2, 16, 8)] * 2
+
+
+def test_page_runs_split_at_registration_chunks():
+    """A lazily pinned pool registers aligned chunks; no copy run may cross one."""
+    pages = [0, 1, 2, 3, 4, 9, 10, 11, 12]
+    assert page_runs(pages) == [(0, 0, 5), (5, 9, 4)]
+    assert page_runs(pages, 4) == [(0, 0, 4), (4, 4, 1), (5, 9, 3), (8, 12, 1)]
