@@ -33,7 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_once(label: str, tree: Path, args: list[str], out_dir: Path) -> dict:
     """One `hisparse run`; returns its timings (seconds from the process start)."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
+    extra = os.environ.get("PYTHONPATH", "")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tree), extra) if p)}
+    env["PYTHONUNBUFFERED"] = "1"
     cmd = [sys.executable, "-m", "hisparse_cli", "run", *args, "--json-progress", "--force"]
     cmd += ["--output-dir", str(out_dir)]
     t0 = time.monotonic()

@@ -6,8 +6,8 @@ virtual memory (``torch.empty`` touches nothing, so the OS backs a page only whe
 first written). What the GPU must reach is page-locked with ``cudaHostRegister``
 (portable, mapped: every device addresses it through unified virtual addressing, at the
 host pointer) — but only the prefix of pool pages handed out so far, grown by
-:meth:`HostPool.ensure_pinned` in chunks of :data:`PIN_CHUNK_BYTES` (per layer, rounded to
-whole pages) when a request is given pages beyond it. The free list hands out the lowest
+:meth:`HostPool.ensure_pinned` in chunks of :data:`PIN_CHUNK_BYTES` (all layers together,
+rounded to whole pages) when a request is given pages beyond it. The free list hands out the lowest
 free pages first, so the pinned prefix follows the peak of pages in use: a 4 GB batch
 never page-locks a 96 GiB cap (``host_pool_gb`` stays the cap and the admission limit).
 
@@ -26,7 +26,7 @@ import torch
 from engine.config import CacheFullError
 
 PIN_CHUNK_BYTES = 1 << 30
-"""Bytes of one layer page-locked at a time (at least one page)."""
+"""Bytes page-locked at a time, all layers together (at least one page per layer)."""
 
 
 class HostPool:
@@ -38,8 +38,8 @@ class HostPool:
     shape : one layer's ``(P_pool, Hkv, 2, S, D)``
     dtype : KV dtype
     pin : page-lock for a CUDA device (hierarchical on CUDA); ``False``: plain memory
-    chunk_bytes : per-layer bytes registered at a time (default :data:`PIN_CHUNK_BYTES`,
-        read at construction; tests use small chunks)
+    chunk_bytes : per-layer bytes registered at a time (default :data:`PIN_CHUNK_BYTES`
+        over the layers, read at construction; tests use small chunks)
 
     Attributes
     ----------
@@ -67,7 +67,7 @@ class HostPool:
         for n in shape[1:]:
             per_page *= n
         self.layer_page_bytes = per_page * torch.empty((), dtype=dtype).element_size()
-        chunk = PIN_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        chunk = PIN_CHUNK_BYTES // max(num_layers, 1) if chunk_bytes is None else chunk_bytes
         self.chunk_pages = max(1, chunk // max(self.layer_page_bytes, 1))
         self.pin = pin
         self.lazy = pin and _has_host_register()
