@@ -575,7 +575,7 @@ def hierarchical_pool_pages(
 ) -> int:
     """Host pool pages for the hierarchical modes: ``need_pages`` capped by ``cap_bytes``.
 
-    Pinned pools are registered at their exact size (:func:`engine.kv.cache._pin_chunked`),
+    Pinned pools are registered in exact chunks (:class:`engine.kv.host_pool.HostPool`),
     so no rounding applies; ``pinned`` is kept for callers and reports.
     """
     layer_page = pool_page_bytes(model_cfg, config) // model_cfg.num_layers

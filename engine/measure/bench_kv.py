@@ -150,7 +150,7 @@ def import_kv(cache: KVCache, seq_id: int, master: MasterKV) -> None:
     with room for it) and mark its prompt as stored. One copy per run of consecutive pool
     pages and layer (device->pinned host at link speed for the host pool)."""
     pages = cache.seqs[seq_id].pages[: master.records[0].shape[0]]
-    for start, first, n in page_runs(pages):
+    for start, first, n in page_runs(pages, cache.copy_chunk_pages):  # within a pinned chunk
         for layer, (pool, meta) in enumerate(zip(cache.pool, cache.meta, strict=True)):
             pool[first : first + n].copy_(
                 master.records[layer][start : start + n], non_blocking=True
