@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_cli_run import cli, docs, read_results  # noqa: F401 - fixtures
+from test_cli_run import read_results
 
 from hisparse_cli import testing
 from hisparse_cli.extract import parse_extracted

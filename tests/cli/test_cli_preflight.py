@@ -9,7 +9,6 @@ import struct
 
 import gguf
 import pytest
-from test_cli_run import cli, docs  # noqa: F401 - fixtures
 
 from engine.weights.header import GGUFHeaderError, read_gguf_fields
 from hisparse_cli import preflight

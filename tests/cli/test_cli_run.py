@@ -22,34 +22,6 @@ from hisparse_cli.tasks import SUMMARIZE_INSTRUCTION, SYSTEM_PROMPT
 REAL_LOAD_ENGINE = runner_module.load_engine  # before any fixture replaces it
 
 
-@pytest.fixture
-def cli(tmp_path, monkeypatch):
-    """Run ``hisparse`` in ``tmp_path`` with a fake engine and an empty preset."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(settings, "preset_overrides", lambda name: {})
-    monkeypatch.setattr(runner_module, "cuda_device_count", lambda: 0)  # --preset auto -> cpu
-    monkeypatch.setattr(runner_module, "cuda_device_memory_gib", lambda index: 24.0)
-    monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "256")  # host-pool checks: not this machine's
-    factory = testing.fake_engine_factory()
-    monkeypatch.setattr(runner_module, "load_engine", factory)
-
-    def invoke(*args, engine=None, **kwargs):
-        if engine is not None:
-            monkeypatch.setattr(runner_module, "load_engine", engine)
-        return CliRunner().invoke(app, ["run", *args], catch_exceptions=False, **kwargs)
-
-    invoke.factory = factory
-    return invoke
-
-
-@pytest.fixture
-def docs(tmp_path):
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "alpha.txt").write_text("The alpha document talks about sorting.\n")
-    (tmp_path / "docs" / "beta.txt").write_text("Beta is about graphs and trees.\n")
-    return tmp_path / "docs"
-
-
 def read_results(folder):
     return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
 
