@@ -134,6 +134,24 @@ def load_engine(config: EngineConfig, model: str | None) -> Any:
     return _load_engine(config, model)
 
 
+def free_cpu_threads(config: EngineConfig) -> int | None:
+    """CPU threads for a CPU run whose ``num_threads`` is unset, when other processes keep
+    cores busy: the cores less the 1-minute load average (at least 1); ``None`` when the
+    machine is idle enough for torch's default (every core), when the user chose
+    (``--threads``, ``OMP_NUM_THREADS``), on a GPU run, or where the load cannot be read. torch's OpenMP threads wait on each other when they outnumber
+    the free cores: decode ran ~5-8x slower on a shared 2-core box (README, "CPU threads")."""
+    chosen = config.num_threads is not None or "OMP_NUM_THREADS" in os.environ
+    if chosen or config.device != "cpu" or config.devices:
+        return None
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    cores = os.cpu_count() or 1
+    free = max(1, int(cores - load + 0.5))
+    return free if free < cores else None
+
+
 def triton_cache_is_cold() -> str:
     """The Triton kernel cache folder when it holds nothing yet (kernels will compile on
     first use: ``$TRITON_CACHE_DIR``, default ``~/.triton/cache``), else ``""``."""
@@ -779,6 +797,13 @@ class BatchRun:
             f"loading model {self.model_name} ({len(pending)} job(s) to run; "
             f"preset {self.preset_line})"
         )
+        threads = free_cpu_threads(self.config)
+        if threads:  # other processes hold cores: more threads than free cores stall decode
+            self.config = self.config.replace(num_threads=threads)
+            self.reporter.note(
+                f"using {threads} of {os.cpu_count()} CPU threads: the others are busy "
+                f"(load {os.getloadavg()[0]:.1f}); --threads N overrides"
+            )
         if self.config.device.startswith("cuda") or self.config.devices:
             cold = triton_cache_is_cold()
             if cold:
@@ -897,6 +922,11 @@ class BatchRun:
         record = result_record(base, result)
         if result.job_id in self.extract_fields:  # --task extract: the reply as data
             data, error = parse_extracted(result.text, self.extract_fields[result.job_id])
+            if error and result.finish_reason == "length" and "{" in result.text:
+                error = (  # an object was started: it was cut off, not malformed
+                    f"{error}; the reply stopped at max_new_tokens inside a JSON object: "
+                    "raise --max-new-tokens"
+                )
             record["data"], record["data_error"] = data, error
             if error and record["ok"]:
                 self.reporter.note(f"{result.job_id}: no data extracted: {error}", "warning")

@@ -111,6 +111,10 @@ def get_model_shape(name_or_path: str) -> ModelConfig:
     key = name_or_path.lower()
     if key in MODEL_SHAPES:
         return MODEL_SHAPES[key]
+    spelled = _spelling(key)  # llama-3.1-8b, Llama-3.1-8B-Instruct -> llama3.1-8b
+    found = [name for name in MODEL_SHAPES if _spelling(name) == spelled]
+    if len(found) == 1:
+        return MODEL_SHAPES[found[0]]
     path = Path(name_or_path)
     if path.is_dir():
         path = path / "config.json"
@@ -153,3 +157,12 @@ def shape_from_hf_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: missing field {exc.args[0]!r}") from None
     shape.validate()
     return shape
+
+
+def _spelling(name: str) -> str:
+    """A shape name without the separators and suffixes people add: ``Llama-3.1-8B-Instruct``
+    and ``llama3.1-8b`` compare equal."""
+    key = name.lower()
+    for suffix in ("-instruct", "-chat", "-hf", "-base"):
+        key = key.removesuffix(suffix)
+    return key.replace("-", "").replace("_", "")

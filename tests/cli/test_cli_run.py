@@ -923,3 +923,21 @@ def test_cold_triton_cache_is_named(tmp_path, monkeypatch):
     (tmp_path / "warm" / "k").write_text("x")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "warm"))
     assert triton_cache_is_cold() == ""
+
+
+def test_cpu_threads_follow_the_free_cores(monkeypatch):
+    from engine.config import EngineConfig
+    from hisparse_cli.runner import free_cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("os.getloadavg", lambda: (1.2, 1.0, 1.0))
+    assert free_cpu_threads(EngineConfig()) == 1  # one core busy elsewhere
+    assert free_cpu_threads(EngineConfig(num_threads=2)) is None  # the user chose
+    assert free_cpu_threads(EngineConfig(device="cuda")) is None
+    monkeypatch.setattr("os.getloadavg", lambda: (0.1, 0.1, 0.1))
+    assert free_cpu_threads(EngineConfig()) is None  # idle: torch's default
+    monkeypatch.setattr("os.getloadavg", lambda: (9.0, 9.0, 9.0))
+    assert free_cpu_threads(EngineConfig()) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert free_cpu_threads(EngineConfig()) is None  # the user chose

@@ -416,3 +416,8 @@ def test_plan_equals_what_admission_admits(preset, budget_gb, host_pool_gb, max_
     hardware = loaded.hardware.replace(host_memory_gb=64.0, memory_gb=budget_gb)
     planned = max_concurrent_jobs(TINY, config, hardware, context).max_jobs
     assert planned == _admitted(TINY, config, hardware, context)
+
+
+def test_shape_names_as_people_spell_them():
+    assert get_model_shape("llama-3.1-8b") is MODEL_SHAPES["llama3.1-8b"]
+    assert get_model_shape("Qwen2.5-7B-Instruct") is MODEL_SHAPES["qwen2.5-7b"]
