@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import randomise, save_tokenizer
 
 from engine.model.llama import LlamaModel, prefill_attention
 from engine.model.rope import Rope
@@ -45,29 +46,6 @@ LLAMA3_ROPE = {
 }
 
 
-def _randomise(model) -> None:
-    """Non-trivial norms and biases (transformers initialises them to ones / zeros)."""
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("bias"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-
-
-def _save_tokenizer(folder: Path) -> None:
-    """A 256-token byte-level BPE (no merges), enough for TextTokenizer.from_folder."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    from engine.text.tokenizer import bytes_to_unicode
-
-    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
 
 
 YARN_ROPE = {
@@ -90,10 +68,10 @@ def _build(folder: Path, kind: str, dtype=torch.float32, rope=LLAMA3_ROPE, **sav
     else:
         cfg = transformers.MistralConfig(**TINY, head_dim=16, sliding_window=128)
         model = transformers.MistralForCausalLM(cfg)
-    _randomise(model)
+    randomise(model)
     model.eval()
     model.to(dtype).save_pretrained(folder, **save_kwargs)
-    _save_tokenizer(folder)
+    save_tokenizer(folder)
     return model.float()
 
 
