@@ -24,14 +24,7 @@ from engine.model.llama import LlamaModel, prefill_attention  # noqa: E402
 IDS = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(3))
 ATOL = 1e-4
 
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,  # puts D=16's wavelengths in all three bands
-    "rope_theta": 10000.0,
-}
+from test_hf_loader import LLAMA3_ROPE  # noqa: E402 - one llama3 rope_scaling for both
 
 
 def engine_logits(path, ids: torch.Tensor, fmt: str = "float") -> torch.Tensor:
