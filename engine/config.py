@@ -138,6 +138,12 @@ class EngineConfig:
         two micro-batches on two streams, so the host->device gathers of one can overlap
         the compute of the other. Off by default: on an H200 it did not pay (the SM-driven
         gather kernel leaves the other stream no room; see docs/performance.md).
+    async_decode: launch decode step t+1 before the host reads step t's tokens (greedy
+        batches: the device feeds step t's argmax to step t+1), so the host's work between
+        steps (stop checks, events, scheduling) overlaps the GPU's step instead of
+        leaving it idle. A job that finishes at step t rides step t+1 too (its token there
+        is discarded; its reserved pages hold that position), so graph and eager runs keep
+        one schedule. ``None`` (default): on CUDA; True forces it on CPU (tests), False off.
     prefill_chunk: prompt tokens per prefill step of one layer.
     prefill_copy_stream: write each prefill chunk's K/V records to the KV pool as soon as
         they exist (:meth:`engine.kv.cache.KVCache.write_prefill_chunk`); with a pinned host
@@ -212,6 +218,7 @@ class EngineConfig:
     skip_host_io: bool = False
     cuda_graph: bool = True
     decode_overlap: bool = False
+    async_decode: bool | None = None
     eviction: str = "lru"
     devices: tuple[str, ...] = ()
     parallel: str = "data"
@@ -457,6 +464,7 @@ SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "skip_host_io": _flag,
     "cuda_graph": _flag,
     "decode_overlap": _flag,
+    "async_decode": _flag_or_none,
     "eviction": _choice(EVICTION_POLICIES),
     "devices": _devices,
     "parallel": _choice(PARALLEL_MODES),

@@ -37,6 +37,7 @@ OUTPUT_NEUTRAL_SETTINGS = frozenset(
         "prefetch_pages",
         "cuda_graph",
         "decode_overlap",
+        "async_decode",
         "host_pool_gb",
         "memory_budget_gb",
         "use_triton",

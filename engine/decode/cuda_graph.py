@@ -103,6 +103,8 @@ class _Entry:
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # float32 [B, V]
     greedy: torch.Tensor | None = None  # int64 [B]
+    next: tuple = ()  # (seq_ids, step) the static inputs hold after the last launch
+    uploaded: torch.cuda.Event | None = None  # after the last copy out of the staging buffers
 
 
 class DecodeGraphs:
@@ -148,38 +150,54 @@ class DecodeGraphs:
         return ""
 
     # ----- public ------------------------------------------------------------------
-    def step(
-        self, seq_ids: list[int], tokens: list[int], seq_lens: list[int], step: int
-    ) -> tuple[torch.Tensor, list[int]] | None:
-        """Run one decode step; ``None`` if graphs are (now) disabled — the caller then
-        runs the eager step.
+    def launch(
+        self,
+        seq_ids: list[int],
+        tokens: list[int] | None,
+        seq_lens: list[int],
+        step: int,
+        prev_greedy: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
+        """Launch one decode step without waiting for it; ``None`` if graphs are (now)
+        disabled — the caller then runs the eager step.
 
         Parameters
         ----------
         seq_ids : the batch's cache sequence ids, ``B`` of them
-        tokens : the token each request feeds this step
+        tokens : the token each request feeds this step; ``None`` to feed the greedy
+            tokens of the step launched just before for the same batch (``prev_greedy``,
+            device int64 ``[B]``): each replay leaves its argmax, lengths + 1 and step + 1
+            in the static inputs, so a chained step uploads nothing
         seq_lens : tokens per request after this step (prompt + fed tokens)
         step : decode step number (LRU clock of resolve)
 
         Returns
         -------
-        (logits float32 ``[B, V]`` — a static buffer overwritten by the next step — and
-        the greedy token of every row).
+        (logits float32 ``[B, V]`` — a static buffer overwritten by the next step —,
+        the greedy token of every row, device int64 ``[B]``, and the hits, misses and
+        prefetched counters, device int64 ``[B]`` each, also overwritten by the next step).
         """
         if self.disabled_reason:
             return None
         cache = self.engine.cache
         b = len(seq_ids)
         entry = self._entry(b, table_width(cache, seq_ids))
-        self._upload(entry, seq_ids, tokens, seq_lens, step)
+        chained = tokens is None and entry.next == (tuple(seq_ids), step)
+        if not chained:
+            if tokens is None:  # the device's inputs are not this step's: read them
+                tokens = prev_greedy.tolist()
+            self._upload(entry, seq_ids, tokens, seq_lens, step)
+        entry.next = (tuple(seq_ids), step + 1)
         attn = self.engine.attn
         attn.hits, attn.misses, attn.prefetched = entry.hits, entry.misses, entry.prefetched
+        counters = [entry.hits, entry.misses, entry.prefetched]
         if not self.capture:
             logits, greedy = self._forward(entry)
-            return logits, greedy.tolist()
+            return logits, greedy, counters
         if entry.graph is None:
             try:
-                return self._warm_and_capture(entry)
+                logits, greedy = self._warm_and_capture(entry)
+                return logits, greedy, counters
             except Exception as e:  # noqa: BLE001 - keep the batch running eagerly
                 self.disabled_reason = f"capture failed: {e!r}"
                 self.entries.clear()
@@ -188,7 +206,7 @@ class DecodeGraphs:
                 return None
         entry.graph.replay()
         self.replays += 1
-        return entry.logits, entry.greedy.tolist()
+        return entry.logits, entry.greedy, counters
 
     def clear(self) -> None:
         """Drop every captured graph and its buffers."""
@@ -228,8 +246,8 @@ class DecodeGraphs:
     def _upload(self, e: _Entry, seq_ids, tokens, seq_lens, step: int) -> None:
         """Fill the pinned staging buffers and copy them to the static inputs."""
         b, w = e.batch, e.width
-        # The previous step's host read (greedy tokens) ordered the device after the last
-        # copy out of these staging buffers, so they are free to overwrite.
+        if e.uploaded is not None:  # the last copy out of the staging buffers has run
+            e.uploaded.synchronize()
         hs = e.host_step
         hs[:b] = torch.tensor(tokens, dtype=torch.int64)
         hs[b : 2 * b] = torch.tensor(seq_lens, dtype=torch.int64)
@@ -249,6 +267,9 @@ class DecodeGraphs:
                 hb[b * w :] = torch.tensor(slabs, dtype=torch.int64).flatten()
             e.batch_ints.copy_(hb, non_blocking=True)
             e.seq_ids = key
+        if hs.is_pinned():
+            e.uploaded = torch.cuda.Event()
+            e.uploaded.record()
 
     def _forward(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step as a function of the static inputs only (captured as is).
@@ -284,7 +305,12 @@ class DecodeGraphs:
         side = self._side_stream() if m.device.type == "cuda" and self.overlap else None
         h = eng.decode_batch(plan, m.embed_tokens(tokens), self.overlap, side)
         logits = m.logits(h)
-        return logits, logits.argmax(dim=-1)
+        greedy = logits.argmax(dim=-1)
+        # The inputs of a chained next step (Engine.launch_step with the same batch):
+        # this step's argmax, every length + 1 and the step number + 1.
+        ints[:b].copy_(greedy)
+        ints[b:].add_(1)
+        return logits, greedy
 
     @property
     def overlap(self) -> bool:
@@ -297,7 +323,7 @@ class DecodeGraphs:
             self._side = torch.cuda.Stream(device=self.engine.model.device)
         return self._side
 
-    def _warm_and_capture(self, e: _Entry) -> tuple[torch.Tensor, list[int]]:
+    def _warm_and_capture(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the step eagerly on a side stream (its results are this step's), then
         capture the same function for the following steps."""
         side = torch.cuda.Stream()
@@ -305,8 +331,8 @@ class DecodeGraphs:
         with torch.cuda.stream(side):
             logits, greedy = self._forward(e)
         torch.cuda.current_stream().wait_stream(side)
-        greedy_list = greedy.tolist()
-        logits = logits.clone()
+        logits, greedy = logits.clone(), greedy.clone()
+        ints = e.step_ints.clone()  # the chained inputs the eager step left
         # Counters of this (eager) step survive the capture below, which does not run.
         counters = [t.clone() for t in (e.hits, e.misses, e.prefetched)]
         if self.pool is None:
@@ -316,6 +342,7 @@ class DecodeGraphs:
             e.logits, e.greedy = self._forward(e)
         for t, saved in zip((e.hits, e.misses, e.prefetched), counters, strict=True):
             t.copy_(saved)
+        e.step_ints.copy_(ints)
         e.graph = graph
         self.captures += 1
-        return logits, greedy_list
+        return logits, greedy

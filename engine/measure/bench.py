@@ -366,32 +366,70 @@ def _open_jobs(
     return reqs
 
 
+class _Chain:
+    """Decode steps of one batch as the engine's run loop issues them: with
+    ``engine.async_decode`` each call launches the next step before reading the one in
+    flight (the device feeds the greedy tokens on; see ``Engine._decode_turn``), else it
+    launches and reads one step. :meth:`step` returns the counters of the step it read
+    (none on the first asynchronous call); :meth:`flush` reads the last one. Every
+    launched step is read, so a run of ``n`` calls plus a flush decodes ``n`` tokens."""
+
+    def __init__(self, engine: Engine, reqs: list[Request]):
+        self.engine, self.reqs = engine, reqs
+        self.prev = None
+
+    def step(self) -> tuple[int, int, int] | None:
+        eng = self.engine
+        if not eng.async_decode:
+            return self._read(eng.launch_step(self.reqs))
+        nxt = eng.launch_step(self.reqs, self.prev)
+        read = self._read(self.prev) if self.prev is not None else None
+        self.prev = nxt
+        return read
+
+    def flush(self) -> tuple[int, int, int] | None:
+        prev, self.prev = self.prev, None
+        return self._read(prev) if prev is not None else None
+
+    def _read(self, handle) -> tuple[int, int, int]:
+        tokens, hits, misses, prefetched = self.engine.read_step(handle)
+        for r, tok in zip(self.reqs, tokens, strict=True):
+            r.generated.append(tok)
+        return sum(hits), sum(misses), sum(prefetched)
+
+
+def _run_steps(engine: Engine, reqs: list[Request], steps: int) -> None:
+    """``steps`` decode steps of ``reqs`` (warm-up; soak), issued as :class:`_Chain` does."""
+    chain = _Chain(engine, reqs)
+    for _ in range(steps):
+        chain.step()
+    chain.flush()
+
+
 def _decode_timed(
     engine: Engine, reqs: list[Request], steps: int
 ) -> tuple[list[float], int, int, int]:
     """Step wall times (s) and the hits / misses / prefetched records over ``steps``
-    steps."""
-    dev = engine.cache.device
-    hits = torch.zeros((), dtype=torch.int64, device=dev)
-    misses = torch.zeros((), dtype=torch.int64, device=dev)
-    prefetched = torch.zeros((), dtype=torch.int64, device=dev)
+    steps. A step's time is the interval between the host's reads of consecutive steps
+    (launch to read for the first), as the run loop sees it."""
+    chain = _Chain(engine, reqs)
+    totals = [0, 0, 0]
     times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        _step(engine, reqs)
-        times.append(time.perf_counter() - t0)
-        step_hits, step_misses = engine.attn.hits, engine.attn.misses
-        if step_hits is not None and step_misses is not None:
-            hits += step_hits.sum()
-            misses += step_misses.sum()
-        if engine.attn.prefetched is not None:
-            prefetched += engine.attn.prefetched.sum()
-    return times, int(hits), int(misses), int(prefetched)
+    last = time.perf_counter()
+    for i in range(steps + 1):
+        read = chain.step() if i < steps else chain.flush()
+        if read is None:
+            continue
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+        totals = [t + x for t, x in zip(totals, read, strict=True)]
+    return times, totals[0], totals[1], totals[2]
 
 
 def _step_loaded_bytes(engine: Engine, reqs: list[Request]) -> int:
-    """One decode step; the bytes it moved host -> device (missed and prefetched records;
-    0 with ``skip_host_io``)."""
+    """One synchronous decode step; the bytes it moved host -> device (missed and
+    prefetched records; 0 with ``skip_host_io``)."""
     _step(engine, reqs)
     attn = engine.attn
     if engine.config.skip_host_io or attn.misses is None or attn.prefetched is None:
@@ -409,14 +447,22 @@ def _profile(engine: Engine, reqs: list[Request], steps: int) -> dict[str, Any]:
     if engine.graphs is None or engine.graphs.disabled_reason:
         return eager
     moved = [0]
+    chain = _Chain(engine, reqs)
+    record_bytes = 0 if engine.config.skip_host_io else engine.cache.record_bytes
+
+    def count(read: tuple[int, int, int] | None) -> None:
+        if read is not None:
+            moved[0] += (read[1] + read[2]) * record_bytes
 
     def one_step() -> None:
-        moved[0] += _step_loaded_bytes(engine, reqs)
+        count(chain.step())
 
     try:
         kb = kernel_breakdown(one_step, steps)
     except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the point
+        chain.flush()
         return {**eager, "breakdown_source": f"eager (kernel profile failed: {e!r})"}
+    count(chain.flush())
     gather_ms = kb["breakdown_ms"]["gather"] * steps
     return {
         "breakdown_ms": kb["breakdown_ms"],
@@ -483,11 +529,11 @@ def run_point(
     if not reqs:
         return row
     try:
-        for _ in range(spec.warmup_steps):
-            _step(engine, reqs)
+        _run_steps(engine, reqs, spec.warmup_steps)
         times, hits, misses, prefetched = _decode_timed(engine, reqs, spec.decode_steps)
         row.update(_decode_fields(me, reqs, times, hits, misses, prefetched, spec))
         row.update(_profile(engine, reqs, spec.profile_steps))
+        _idle_of_timed_steps(row)
         row["cuda_graph"] = engine.graphs is not None and not engine.graphs.disabled_reason
         row["token_sha256"] = [_sha(r.generated) for r in reqs]
         raw = _peak(dev)
@@ -499,6 +545,16 @@ def run_point(
         for r in reqs:
             engine.close_request(r)
     return row
+
+
+def _idle_of_timed_steps(row: dict[str, Any]) -> None:
+    """Add ``idle_timed`` to a CUDA-graph breakdown: the timed (unprofiled) mean step less
+    the profiled GPU kernel time. The profiled step's own ``idle`` includes the profiler's
+    overhead, so it overstates the gaps a run sees."""
+    bd = row.get("breakdown_ms")
+    if not bd or "gpu_busy" not in bd or not row.get("step_ms_mean"):
+        return
+    bd["idle_timed"] = max(row["step_ms_mean"] - bd["gpu_busy"], 0.0)
 
 
 def _decode_fields(me, reqs, times, hits, misses, prefetched, spec) -> dict[str, Any]:
@@ -665,8 +721,7 @@ def run_soak(
     warm = _soak_warmup(spec.soak_steps)
     latencies, samples, checks, failure = [], [], 0, None
     try:
-        for _ in range(warm):
-            _step(engine, reqs)
+        _run_steps(engine, reqs, warm)
         samples.append((0, _memory_sample(dev)))
         for i in range(1, spec.soak_steps + 1):
             t0 = time.perf_counter()

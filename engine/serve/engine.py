@@ -63,11 +63,31 @@ class Request:
     finish_reason: str = ""
     text: str = ""
     logits: torch.Tensor | None = None
+    closed: bool = False  # finished, failed or cancelled: its cache room is released
 
     @property
     def num_tokens(self) -> int:
         """Tokens whose K/V are in the cache (prompt + generated tokens already fed)."""
         return len(self.job.prompt_ids) + max(len(self.generated) - 1, 0)
+
+
+@dataclass
+class StepHandle:
+    """A launched decode step whose results the host has not read yet.
+
+    ``out`` int64 ``[4, B]`` holds, per row, the greedy token, hits, misses and prefetched
+    records (pinned host memory filled by an asynchronous copy on CUDA; ``done`` is the
+    event after that copy, ``None`` on CPU). ``logits`` float32 ``[B, V]`` (device) are
+    valid until the next launch (a CUDA graph's static buffer) unless cloned.
+    """
+
+    batch: list[Request]
+    step: int
+    logits: torch.Tensor
+    greedy: torch.Tensor  # device int64 [B]
+    out: torch.Tensor
+    done: torch.cuda.Event | None
+    t_launch: float
 
 
 class Engine:
@@ -129,6 +149,14 @@ class Engine:
         why_not = DecodeGraphs.supported(self)
         self.graphs = DecodeGraphs(self) if not why_not else None
         self.graphs_off_reason = why_not
+        # Asynchronous decode (config.async_decode): the step launched but not yet read.
+        self.async_decode = (
+            config.async_decode
+            if config.async_decode is not None
+            else model.device.type == "cuda"
+        )
+        self._inflight: StepHandle | None = None
+        self._last_read = 0.0
 
     @classmethod
     def from_placed(cls, placed: PlacedModel, config: EngineConfig, **kwargs: Any) -> Engine:
@@ -186,12 +214,14 @@ class Engine:
                 last_mem = time.monotonic()
                 yield from self.memory_snapshots()
             if self._cancel:
+                yield from self._drain(running)
                 yield from self._finish_all(running, "cancelled")
                 break
             if not queue and not running and exhausted:
                 break
             yield from self._prefill_turn(running)
             yield from self._decode_turn(running)
+        yield from self._drain(running)
         unadmitted = [*queue, *(() if exhausted else (j for j in source if j is not None))]
         for job in unadmitted:
             yield ev.JobFailed(time.monotonic(), job.id, "cancelled before admission")
@@ -283,62 +313,139 @@ class Engine:
             yield from self._check_finished(req, running)
 
     def _decode_turn(self, running: list[Request]) -> Iterator[ev.Event]:
+        """One decode step of the running batch.
+
+        With :attr:`async_decode`, a step whose batch equals the one in flight is
+        launched *before* the host reads the in-flight step (its tokens are fed on the
+        device), so the host's reading, stop checks and events overlap the GPU's next
+        step. A changed batch (a job finished, failed or joined) first reads the step in
+        flight, then launches with the tokens known on the host.
+        """
         batch = [r for r in running if r.phase == "decode"]
+        prev, self._inflight = self._inflight, None
+        if prev is not None and self._chainable(prev, batch):
+            try:
+                nxt = self.launch_step(batch, prev)
+            except Exception as e:  # noqa: BLE001 - fail the batch's jobs, keep the engine
+                yield from self._read(prev, running)
+                for r in [r for r in batch if not r.closed]:
+                    yield from self._fail(r, running, f"decode failed: {e}")
+                return
+            yield from self._read(prev, running)
+            self._inflight = nxt
+            return
+        if prev is not None:
+            yield from self._read(prev, running)
+            batch = [r for r in running if r.phase == "decode"]
         if not batch:
             return
-        t0 = time.monotonic()
         try:
-            tokens = self.decode_step(batch)
+            handle = self.launch_step(batch)
         except Exception as e:  # noqa: BLE001 - fail the batch's jobs, keep the engine
             for r in batch:
                 yield from self._fail(r, running, f"decode failed: {e}")
             return
-        step_s = time.monotonic() - t0
-        hits, misses, prefetched = (
-            t.tolist() if t is not None else [0] * len(batch)
-            for t in (self.attn.hits, self.attn.misses, self.attn.prefetched)
+        if self.async_decode and self._greedy_batch(batch):
+            self._inflight = handle
+        else:
+            yield from self._read(handle, running)
+
+    def _greedy_batch(self, batch: list[Request]) -> bool:
+        """Whether every row's next token is the argmax (the device can feed it on)."""
+        return not self.keep_logits and all(r.job.sampling.temperature == 0 for r in batch)
+
+    def _chainable(self, prev: StepHandle, batch: list[Request]) -> bool:
+        return (
+            self.async_decode
+            and len(prev.batch) == len(batch)
+            and all(a is b for a, b in zip(prev.batch, batch, strict=True))
+            and self._greedy_batch(batch)
         )
-        for r, tok, h, m, p in zip(batch, tokens, hits, misses, prefetched, strict=False):
+
+    def _drain(self, running: list[Request]) -> Iterator[ev.Event]:
+        """Read the step in flight, if any (end of run, cancel)."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            yield from self._read(prev, running)
+
+    def _read(self, handle: StepHandle, running: list[Request]) -> Iterator[ev.Event]:
+        """Wait for ``handle``'s step, append each live row's token and counters, yield
+        its :class:`engine.events.DecodeStep` and finish the rows that stop. Rows closed
+        since the launch (a job that finished at the step before) are skipped."""
+        try:
+            tokens, hits, misses, prefetched = self.read_step(handle)
+        except Exception as e:  # noqa: BLE001 - e.g. a CUDA error surfacing at the sync
+            for r in [r for r in handle.batch if not r.closed]:
+                yield from self._fail(r, running, f"decode failed: {e}")
+            return
+        now = time.monotonic()
+        step_s = now - max(handle.t_launch, self._last_read)
+        self._last_read = now
+        live = []
+        for r, tok, h, m, p in zip(handle.batch, tokens, hits, misses, prefetched, strict=True):
+            if r.closed:
+                continue
             r.generated.append(tok)
             r.hits += h
             r.misses += m
             r.prefetched += p
+            live.append((r, h, m, p))
+        if not live:
+            return
         rb = self.cache.record_bytes
+        n_hits = sum(x[1] for x in live)
+        n_miss = sum(x[2] for x in live)
+        n_pre = sum(x[3] for x in live)
         yield ev.DecodeStep(
             time.monotonic(),
-            self.step,
-            len(batch),
+            handle.step,
+            len(live),
             step_s,
-            {r.job.id: len(r.generated) for r in batch},
-            {r.job.id: r.job.sampling.max_tokens for r in batch},
-            int(sum(hits)),
-            int(sum(misses)),
-            int(sum(misses) + sum(prefetched)) * rb,
-            int(sum(prefetched)),
+            {r.job.id: len(r.generated) for r, *_ in live},
+            {r.job.id: r.job.sampling.max_tokens for r, *_ in live},
+            int(n_hits),
+            int(n_miss),
+            int(n_miss + n_pre) * rb,
+            int(n_pre),
         )
-        for r in batch:
+        for r, *_ in live:
             yield from self._check_finished(r, running)
 
     def _check_finished(self, req: Request, running: list[Request]) -> Iterator[ev.Event]:
+        """Finish ``req`` on its stop token, a stop string or ``max_tokens``.
+
+        Stop strings are looked for in the decoded tail of the reply (the last
+        :func:`_stop_window` tokens), the whole reply is decoded only when one may be
+        there and at the end — not every step (that was quadratic in the reply's length).
+        A stop string first present after token ``n`` contains text of token ``n``, so it
+        lies in the tail; the cut is taken on the whole text, as before.
+        """
         sp = req.job.sampling
         last = req.generated[-1]
         if last in self.eos_ids:
             req.generated.pop()
             req.finish_reason = "stop"
-        text = self.tokenizer.decode(req.generated)
-        cut = _find_stop(text, sp.stop)
+        stops = [s for s in sp.stop if s]
+        cut = None
+        text = None
+        if stops:
+            tail = self.tokenizer.decode(req.generated[-_stop_window(stops) :])
+            if any(s in tail for s in stops):
+                text = self.tokenizer.decode(req.generated)
+                cut = _find_stop(text, stops)
         if cut is not None:
             text = text[:cut]
             req.finish_reason = "stop"
         elif not req.finish_reason and len(req.generated) >= sp.max_tokens:
             req.finish_reason = "length"
         if req.finish_reason:
-            req.text = text
+            req.text = text if text is not None else self.tokenizer.decode(req.generated)
             yield self._finish(req, running)
 
     def _finish(self, req: Request, running: list[Request]) -> ev.JobFinished:
         now = time.monotonic()
         self._close(req)
+        req.closed = True
         running.remove(req)
         decode_s = now - req.t_first if req.t_first else 0.0
         n_dec = max(len(req.generated) - 1, 0)
@@ -369,6 +476,7 @@ class Engine:
 
     def _fail(self, req: Request, running: list[Request], error: str) -> Iterator[ev.Event]:
         self._close(req)
+        req.closed = True
         running.remove(req)
         yield ev.JobFailed(time.monotonic(), req.job.id, error)
 
@@ -465,22 +573,31 @@ class Engine:
 
     @torch.inference_mode()
     def decode_step(self, batch: list[Request]) -> list[int]:
-        """Feed each request's last token, return the next token of each.
+        """Feed each request's last token, return the next token of each (one step,
+        launched and read: :meth:`launch_step` then :meth:`read_step`)."""
+        return self.read_step(self.launch_step(batch))[0]
 
-        On CUDA with the Triton kernels the step replays a captured CUDA graph
-        (:mod:`engine.decode.cuda_graph`); otherwise it launches eagerly. Both compute the same
-        function of the same inputs.
+    @torch.inference_mode()
+    def launch_step(self, batch: list[Request], prev: StepHandle | None = None) -> StepHandle:
+        """Launch one decode step of ``batch`` without waiting for it.
+
+        Each request feeds its last token — or, with ``prev`` (the step just launched for
+        the same batch, all rows greedy), the token ``prev`` computes, taken on the
+        device. On CUDA with the Triton kernels the step replays a captured CUDA graph
+        (:mod:`engine.decode.cuda_graph`); otherwise it launches eagerly. Both compute the
+        same function of the same inputs. The cache counts the fed token at launch.
         """
         m = self.model
         self.step += 1
-        lens = [r.num_tokens + 1 for r in batch]
-        fed = [r.generated[-1] for r in batch]
+        seqs = self.cache.seqs
+        lens = [seqs[r.seq_id].num_tokens + 1 for r in batch]
         seq_ids = [r.seq_id for r in batch]
+        fed = None if prev is not None else [r.generated[-1] for r in batch]
         out = None
         if self.graphs is not None and self.tracer is None:
-            out = self.graphs.step(seq_ids, fed, lens, self.step)
+            out = self.graphs.launch(seq_ids, fed, lens, self.step, prev.greedy if prev else None)
         if out is not None:
-            logits, greedy = out
+            logits, greedy, counters = out
         else:
             width = None  # on CUDA the graphs' padded width, so eager == replay bit for bit
             if self.model.device.type == "cuda":
@@ -488,17 +605,46 @@ class Engine:
             plan = self.attn.plan(seq_ids, lens, self.step, width)
             if self.tracer is not None:
                 self.tracer.bind({r.seq_id: r.job.id for r in batch})
-            tokens = torch.tensor(fed, dtype=torch.long)
+            if prev is not None:
+                tokens = prev.greedy
+            else:
+                tokens = torch.tensor(fed, dtype=torch.long, device=m.device)
             h = self.decode_batch(plan, m.embed_tokens(tokens), self.split_batches)
             logits = m.logits(h)
-            greedy = logits.argmax(dim=-1).tolist()  # one device sync for the greedy rows
-        for i, r in enumerate(batch):
-            self.cache.seqs[r.seq_id].num_tokens += 1
-            r.logits = logits[i].clone() if self.keep_logits else None
-        return [
-            greedy[i] if r.job.sampling.temperature == 0 else sample(logits[i], r.job.sampling, r.generator)
-            for i, r in enumerate(batch)
+            greedy = logits.argmax(dim=-1)
+            counters = [self.attn.hits, self.attn.misses, self.attn.prefetched]
+        for sid in seq_ids:
+            seqs[sid].num_tokens += 1
+        if self.keep_logits:
+            logits = logits.clone()
+        rows = [greedy] + [c if c is not None else torch.zeros_like(greedy) for c in counters]
+        stacked = torch.stack(rows)
+        done = None
+        if stacked.device.type == "cuda":
+            host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+            host.copy_(stacked, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            stacked = host
+        return StepHandle(list(batch), self.step, logits, greedy, stacked, done, time.monotonic())
+
+    def read_step(self, handle: StepHandle) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Wait for ``handle``'s step: (next token, hits, misses, prefetched records) per
+        row. Greedy rows take the device's argmax; others sample from the step's logits
+        with their own generator (valid only before the next launch)."""
+        if handle.done is not None:
+            handle.done.synchronize()
+        greedy, hits, misses, prefetched = handle.out.tolist()
+        tokens = [
+            greedy[i]
+            if r.job.sampling.temperature == 0
+            else sample(handle.logits[i], r.job.sampling, r.generator)
+            for i, r in enumerate(handle.batch)
         ]
+        if self.keep_logits:
+            for i, r in enumerate(handle.batch):
+                r.logits = handle.logits[i]
+        return tokens, hits, misses, prefetched
 
     @torch.inference_mode()
     def decode_batch(
@@ -621,6 +767,13 @@ def _check_dense_indexer(config: EngineConfig, context_pages: int) -> None:
             f"tokens {config.buffer_pages}; set --top-k-tokens and --device-buffer to at least "
             f"{tokens}, or use --attention dense for dense attention"
         )
+
+
+def _stop_window(stops: list[str]) -> int:
+    """Tokens of a reply's tail that hold any stop string first completed by the last
+    token: every token decodes to at least one byte and a character is at most four
+    (UTF-8), plus slack for tokenizers that drop a leading space at the start of a text."""
+    return 4 * max(len(s) for s in stops) + 8
 
 
 def _find_stop(text: str, stops) -> int | None:

@@ -204,3 +204,98 @@ def test_decode_write_stream_changes_nothing(model):
                 n = min(s, pa.num_tokens - j * s)
                 if n > 0:
                     assert torch.equal(a[j, :, :, :n], b[j, :, :, :n]), f"layer {layer} page {j}"
+
+
+# ----- asynchronous decode (EngineConfig.async_decode) ---------------------------------
+
+
+def _run_results(eng, jobs) -> dict:
+    from engine.events import JobFailed, JobFinished
+
+    out = {}
+    for e in eng.run(jobs):
+        if isinstance(e, JobFinished):
+            r = e.result
+            out[r.job_id] = (r.token_ids, r.finish_reason, r.cache.hits, r.cache.misses)
+        elif isinstance(e, JobFailed):
+            out[e.job_id] = ("failed", e.error)
+    return out
+
+
+def _run_jobs(max_tokens: list[int], seed: int = 11) -> list[Job]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [300, 1000, 2100, 45, 700, 1300][: len(max_tokens)]
+    return [
+        Job(
+            f"j{i}",
+            tuple(torch.randint(0, 4096, (n,), generator=gen).tolist()),
+            SamplingParams(max_tokens=m),
+        )
+        for i, (n, m) in enumerate(zip(lengths, max_tokens, strict=True))
+    ]
+
+
+@pytest.mark.parametrize("mode", ["hierarchical", "hierarchical-prefetch", "dense"])
+def test_async_run_graph_equals_eager(model, mode):
+    """``Engine.run`` with asynchronous decode, graph replays vs eager launches: the same
+    schedule (finishes one step late in both), so the same tokens, hits and misses, bit
+    for bit, through staggered finishes and jobs admitted into freed room (max_batch 4,
+    six jobs)."""
+    jobs = _run_jobs([20, 45, 33, 60, 25, 40])
+    res = {}
+    for name, graph in (("graph", True), ("eager", False)):
+        eng = _engine(model, graph, async_decode=True, **MODES[mode])
+        eng.keep_logits = False
+        assert eng.async_decode
+        res[name] = _run_results(eng, jobs)
+        if graph:
+            assert eng.graphs.replays > 0 and not eng.graphs.disabled_reason
+        eng.cache.synchronize()
+        torch.cuda.synchronize()
+        eng.cache.check_integrity()
+    assert all(v[0] != "failed" for v in res["graph"].values()), res["graph"]
+    assert res["graph"] == res["eager"]
+
+
+def test_async_run_equals_sync_run(model):
+    """Jobs that finish together run the same batches with or without asynchronous decode
+    (only the discarded step after the finish differs): the same tokens and counters."""
+    jobs = _run_jobs([40, 40, 40, 40])
+    res = {}
+    for name, on in (("async", True), ("sync", False)):
+        eng = _engine(model, True, async_decode=on, **MODES["hierarchical"])
+        eng.keep_logits = False
+        res[name] = _run_results(eng, jobs)
+    assert res["async"] == res["sync"]
+
+
+def test_chained_graph_steps_equal_eager_steps(model):
+    """``launch_step(batch, prev)`` chains replays without uploading (the graph leaves its
+    argmax, lengths + 1 and step + 1 in its inputs): tokens and logits equal the eager
+    engine's synchronous steps, bit for bit."""
+    runs = {}
+    for name, graph in (("graph", True), ("eager", False)):
+        eng = _engine(model, graph, **MODES["hierarchical"])
+        gen = torch.Generator().manual_seed(2)
+        reqs = []
+        for i, n in enumerate([800, 1900, 64]):
+            p = torch.randint(0, 4096, (n,), generator=gen).tolist()
+            r = eng.open_request(Job(f"{name}{i}", tuple(p), SamplingParams(max_tokens=64)))
+            eng.prefill(r)
+            reqs.append(r)
+        runs[name] = (eng, reqs)
+    eng, reqs = runs["graph"]
+    handles, prev = [], None
+    for _ in range(30):
+        prev = eng.launch_step(reqs, prev)
+        handles.append(prev)
+    graph_tokens = [eng.read_step(h)[0] for h in handles]
+    eager, ereqs = runs["eager"]
+    for step, (h, toks) in enumerate(zip(handles, graph_tokens, strict=True)):
+        want = eager.decode_step(ereqs)
+        for r, t in zip(ereqs, want, strict=True):
+            r.generated.append(t)
+        assert toks == want, f"tokens differ at step {step}"
+        for i, r in enumerate(ereqs):
+            assert torch.equal(h.logits[i], r.logits), f"logits differ at step {step}"
+    assert eng.graphs.replays == 29
