@@ -209,9 +209,19 @@ def test_decode_write_stream_changes_nothing(model):
 # ----- asynchronous decode (EngineConfig.async_decode) ---------------------------------
 
 
+class _IdsTokenizer:
+    """What ``Engine.run`` needs of a tokenizer: ``decode`` (ids as text) and no stop ids."""
+
+    eos_ids = frozenset()
+
+    def decode(self, ids) -> str:
+        return " ".join(map(str, ids))
+
+
 def _run_results(eng, jobs) -> dict:
     from engine.events import JobFailed, JobFinished
 
+    eng.tokenizer = _IdsTokenizer()
     out = {}
     for e in eng.run(jobs):
         if isinstance(e, JobFinished):
