@@ -171,7 +171,14 @@ class LlamaModel:
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """Causal attention of a chunk over its prefix (torch SDPA; flash backend on CUDA).
+    """Causal attention of a chunk over its prefix (torch SDPA).
+
+    The first chunk is plain causal attention. A later chunk's queries see every key up
+    to their own position: causal attention aligned to the bottom right of the
+    ``[Tc, start + Tc]`` score matrix. On CUDA that runs in the flash kernel
+    (``torch.nn.attention.bias.causal_lower_right``) instead of the memory-efficient one
+    over a materialised ``[Tc, start + Tc]`` boolean mask (:func:`_flash_lower_right`);
+    elsewhere, and should the kernel refuse the inputs, with the explicit mask.
 
     Parameters
     ----------
@@ -187,9 +194,40 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     if start == 0:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-    else:
-        pos_q = torch.arange(start, start + tc, device=q.device)
-        pos_k = torch.arange(start + tc, device=q.device)
-        mask = pos_k[None, :] <= pos_q[:, None]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+        return out[0].transpose(0, 1)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _LOWER_RIGHT_FLASH[0]:
+        try:
+            out = _flash_lower_right(qh, kh, vh)
+            return out[0].transpose(0, 1)
+        except RuntimeError:  # shapes or dtypes the flash kernel refuses: the mask below
+            _LOWER_RIGHT_FLASH[0] = False
+    pos_q = torch.arange(start, start + tc, device=q.device)
+    pos_k = torch.arange(start + tc, device=q.device)
+    mask = pos_k[None, :] <= pos_q[:, None]
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+_LOWER_RIGHT_FLASH = [True]
+"""Whether :func:`prefill_attention` still tries the flash kernel for later chunks (set
+False once the library refused it in this process)."""
+
+
+def _flash_lower_right(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
+    """``[1, Hq, Lq, D]`` bottom-right-aligned causal attention of ``qh`` over
+    ``kh, vh [1, Hkv, Lk, D]`` (``Hq`` a multiple of ``Hkv``), in the flash kernel.
+
+    Calls the op that ``torch.nn.attention.bias.causal_lower_right`` dispatches to
+    (``aten._scaled_dot_product_flash_attention``, whose ``is_causal`` means lower right
+    when ``Lq < Lk``) directly: the public path checks GQA inputs against
+    ``enable_gqa``, which it does not pass on, and would fall back to a materialised mask
+    or repeated K/V heads. The flash kernel takes ``Hkv`` dividing ``Hq`` natively.
+
+    Raises
+    ------
+    RuntimeError
+        From the kernel when it does not take the inputs (dtype, head size, device).
+    """
+    return torch.ops.aten._scaled_dot_product_flash_attention(
+        qh, kh, vh, 0.0, is_causal=True, return_debug_mask=False
+    )[0]
