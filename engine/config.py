@@ -145,6 +145,11 @@ class EngineConfig:
         is discarded; its reserved pages hold that position), so graph and eager runs keep
         one schedule. ``None`` (default): on CUDA; True forces it on CPU (tests), False off.
     prefill_chunk: prompt tokens per prefill step of one layer.
+    prefill_turn_tokens: prompt tokens a job's prefill may advance between two decode steps
+        of the running batch (whole chunks, at least one): a long prompt's layer is spread
+        over several turns, so the batch keeps decoding while a new job prefills (the
+        token budget of chunked prefill, as vLLM and SGLang mix it into decode). ``None``
+        (default): one ``prefill_chunk``; 0: a whole layer of the prompt per turn.
     prefill_copy_stream: write each prefill chunk's K/V records to the KV pool as soon as
         they exist (:meth:`engine.kv.cache.KVCache.write_prefill_chunk`); with a pinned host
         pool on CUDA the device->host copies run on a dedicated copy stream, double-buffered,
@@ -204,6 +209,7 @@ class EngineConfig:
     local_window: int = 64
     max_batch: int = 8
     prefill_chunk: int = 1024
+    prefill_turn_tokens: int | None = None
     prefill_copy_stream: bool = True
     decode_write_stream: bool = False
     prefetch_pages: int = 0
@@ -409,6 +415,10 @@ def _non_negative(value: Any) -> str | None:
     return None if _is_int(value) and value >= 0 else f"must be an integer >= 0, got {value!r}"
 
 
+def _non_negative_or_none(value: Any) -> str | None:
+    return None if value is None else _non_negative(value)
+
+
 def _gib(value: Any) -> str | None:
     return None if _is_number(value) and value > 0 else f"must be a number > 0 (GiB), got {value!r}"
 
@@ -450,6 +460,7 @@ SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "local_window": _non_negative,
     "max_batch": _positive,
     "prefill_chunk": _positive,
+    "prefill_turn_tokens": _non_negative_or_none,
     "prefill_copy_stream": _flag,
     "decode_write_stream": _flag,
     "prefetch_pages": _non_negative,

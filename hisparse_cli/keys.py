@@ -32,6 +32,7 @@ OUTPUT_NEUTRAL_SETTINGS = frozenset(
         "device_buffer",
         "max_batch",
         "prefill_chunk",
+        "prefill_turn_tokens",
         "prefill_copy_stream",
         "decode_write_stream",
         "prefetch_pages",

@@ -64,6 +64,7 @@ class Request:
     text: str = ""
     logits: torch.Tensor | None = None
     closed: bool = False  # finished, failed or cancelled: its cache room is released
+    prefill_iter: Iterator[int] | None = None  # the layer being prefilled across turns
 
     @property
     def num_tokens(self) -> int:
@@ -292,25 +293,50 @@ class Engine:
         return Request(job, seq_id, time.monotonic(), make_generator(job.sampling, seed))
 
     def _close(self, req: Request) -> None:
-        """Return a request's cache room."""
+        """Return a request's cache room (and drop a prefill in progress)."""
+        req.prefill_iter = None
         self.cache.release(req.seq_id)
 
     def _prefill_turn(self, running: list[Request]) -> Iterator[ev.Event]:
+        """Advance the first prefilling job by at most :attr:`prefill_turn_tokens` prompt
+        tokens of its current layer (whole chunks, at least one; the whole layer when the
+        budget is 0), so a long prompt does not hold the running batch's decode steps."""
         req = next((r for r in running if r.phase == "prefill"), None)
         if req is None:
             return
+        budget = self.prefill_turn_tokens
+        done = False
         try:
             t0 = time.monotonic()
-            self.prefill_layer(req)
+            if req.prefill_iter is None:
+                req.prefill_iter = self.prefill_layer_chunks(req)
+            advanced = 0
+            while budget == 0 or advanced < budget:
+                try:
+                    advanced += next(req.prefill_iter)
+                except StopIteration:
+                    done = True
+                    break
             req.t_prefill_s += time.monotonic() - t0
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: fail this job, go on
+            req.prefill_iter = None
             yield from self._fail(req, running, f"prefill failed: {e}")
             return
+        if not done:
+            return
+        req.prefill_iter = None
         n = len(req.job.prompt_ids)
         yield ev.PrefillProgress(time.monotonic(), req.job.id, req.next_layer, self.model_config.num_layers, n)
         if req.phase == "decode":
             yield ev.FirstToken(req.t_first, req.job.id, req.t_first - req.t_admit)
             yield from self._check_finished(req, running)
+
+    @property
+    def prefill_turn_tokens(self) -> int:
+        """Prompt tokens per prefill turn (``config.prefill_turn_tokens``; ``None``: one
+        ``prefill_chunk``; 0: a whole layer)."""
+        budget = self.config.prefill_turn_tokens
+        return self.config.prefill_chunk if budget is None else budget
 
     def _decode_turn(self, running: list[Request]) -> Iterator[ev.Event]:
         """One decode step of the running batch.
@@ -509,11 +535,19 @@ class Engine:
     def prefill_layer(self, req: Request) -> None:
         """Run layer ``req.next_layer`` over the whole prompt in chunks; after the last
         layer sample the first token and switch the request to decode."""
+        for _ in Engine.prefill_layer_chunks(self, req):  # not an override's schedule
+            pass
+
+    @torch.inference_mode()
+    def prefill_layer_chunks(self, req: Request) -> Iterator[int]:
+        """:meth:`prefill_layer` one chunk at a time: yields the prompt tokens of each
+        chunk once its work is launched; the layer's end (its cache writes, and after
+        the last layer the first token) runs when the generator is exhausted."""
         m = self.model
         t = len(req.job.prompt_ids)
         if req.hidden is None:
             req.hidden = m.embed_tokens(torch.tensor(req.job.prompt_ids, dtype=torch.long))
-        h = self.prefill_hidden(req.seq_id, req.next_layer, req.hidden)
+        h = yield from self.prefill_hidden_chunks(req.seq_id, req.next_layer, req.hidden)
         req.next_layer += 1
         if req.next_layer == self.model_config.num_layers:
             logits = m.logits(h[-1:])[0]
@@ -528,8 +562,22 @@ class Engine:
 
     @torch.inference_mode()
     def prefill_hidden(self, seq_id: int, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """Model layer ``layer`` (one this engine holds) over a whole prompt, in chunks.
+        """Model layer ``layer`` (one this engine holds) over a whole prompt, in chunks
+        (:meth:`prefill_hidden_chunks` run to its end): ``h [T, H]`` -> ``[T, H]``, after
+        the model's last layer ``[1, H]``."""
+        chunks = self.prefill_hidden_chunks(seq_id, layer, h)
+        while True:
+            try:
+                next(chunks)
+            except StopIteration as stop:
+                return stop.value
 
+    @torch.inference_mode()
+    def prefill_hidden_chunks(
+        self, seq_id: int, layer: int, h: torch.Tensor
+    ) -> Generator[int, None, torch.Tensor]:
+        """Model layer ``layer`` (one this engine holds) over a whole prompt, in chunks;
+        yields each chunk's token count after launching its work, returns the output.
         ``h [T, H]`` (updated in place) -> the layer's output ``[T, H]``; after the model's
         last layer only the final position's ``[1, H]``. K/V go to the cache: with
         ``prefill_copy_stream`` each chunk's whole pages as soon as the chunk's K/V exist
@@ -559,12 +607,14 @@ class Engine:
                 )
                 written = end
             if last and e < t:
+                yield e - s
                 continue  # only the final position's output is needed after the last layer
             a = prefill_attention(q, kbuf[:e], vbuf[:e], s)
             if last:
                 h = m.finish_layer(layer, h[t - 1 :], a[-1:])
             else:
                 h[s:e] = m.finish_layer(layer, h[s:e], a)
+            yield e - s
         if not chunked:
             cache.write_prefill(seq_id, local, kbuf, vbuf, 0)
         elif local == cache.num_layers - 1:

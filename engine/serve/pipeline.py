@@ -233,6 +233,12 @@ class PipelineEngine(Engine):
         except Exception as e:  # noqa: BLE001
             raise StageError(f"pipelined prefill of layer {req.next_layer} failed: {e}") from e
 
+    def prefill_layer_chunks(self, req: Request) -> Iterator[int]:
+        """One whole layer per scheduler turn: the stages take prefill commands a layer
+        at a time (no chunked turns across a pipeline)."""
+        self.prefill_layer(req)
+        yield len(req.job.prompt_ids)
+
     def _remote_prefill_layer(self, req: Request) -> None:
         layer, t = req.next_layer, len(req.job.prompt_ids)
         self.link.broadcast(("prefill", req.seq_id, layer, t))

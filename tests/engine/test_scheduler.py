@@ -1,5 +1,9 @@
-"""Asynchronous decode (``EngineConfig.async_decode``): step t+1 launched before the host
+"""The engine's scheduler: asynchronous decode and prefill turns.
+
+Asynchronous decode (``EngineConfig.async_decode``): step t+1 launched before the host
 reads step t, the greedy tokens fed on the device, finishes applied one step late.
+Prefill turns (``EngineConfig.prefill_turn_tokens``): a long prompt's layer spread over
+several turns, so the running batch keeps decoding while it prefills.
 
 On the CPU the launch is synchronous, but the schedule is the same as on CUDA (a job that
 finishes at step t rides step t+1, its token there discarded), so these tests check what
@@ -46,7 +50,7 @@ def _engine(model, async_decode: bool, eos=frozenset(), **kw):
     from engine.serve.engine import Engine
     from kernels.dispatch import get_ops
 
-    cfg = EngineConfig(
+    settings = dict(
         device="cpu",
         dtype="float32",
         kv_dtype="float32",
@@ -54,9 +58,9 @@ def _engine(model, async_decode: bool, eos=frozenset(), **kw):
         max_batch=3,
         page_size=16,
         async_decode=async_decode,
-        **kw,
     )
-    return Engine(model, _DigitsTokenizer(eos), cfg, get_ops("cpu"), 1024)
+    cfg = EngineConfig(**{**settings, **kw})
+    return Engine(model, _DigitsTokenizer(eos), cfg, get_ops("cpu"), 2048)
 
 
 def _jobs(stop=()):
@@ -155,3 +159,41 @@ def test_stop_window_finds_what_a_full_decode_finds():
             assert any(s in tail for s in stops)
             assert len(tail) < len(tok.decode(ids[:n]))  # the window is a real tail
     assert first == 123  # "<120><121><1" completes with token 122
+
+
+def _steps_during_prefill(engine, jobs, job_id):
+    """Decode steps launched for the running batch between ``job_id``'s admission and its
+    first token (the engine's step counter), and every job's tokens."""
+    from engine.events import FirstToken, JobAdmitted
+
+    start, steps, results = 0, None, {}
+    for e in engine.run(jobs):
+        if isinstance(e, JobAdmitted) and e.job_id == job_id:
+            start = engine.step
+        elif isinstance(e, FirstToken) and e.job_id == job_id:
+            steps = engine.step - start
+        elif isinstance(e, JobFinished):
+            results[e.result.job_id] = e.result.token_ids
+    return steps, results
+
+
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_prefill_turns_spread_a_long_prompt_over_decode_steps(model, async_decode):
+    """A 1500-token prompt admitted while a short job decodes: with 256-token turns each of
+    its 2 layers takes 6 turns (12 decode steps of the other job meanwhile), with whole-layer
+    turns 2; every job's tokens are the same either way (each job's prefill is the same
+    computation, chunk for chunk)."""
+    gen = torch.Generator().manual_seed(3)
+    short = EvJob("short", tuple(torch.randint(0, 97, (20,), generator=gen).tolist()), SamplingParams(max_tokens=60))
+    long = EvJob("long", tuple(torch.randint(0, 97, (1500,), generator=gen).tolist()), SamplingParams(max_tokens=4))
+    out = {}
+    for name, turn in (("chunks", 256), ("layers", 0)):
+        eng = _engine(model, async_decode, prefill_chunk=256, prefill_turn_tokens=turn, max_batch=2)
+        out[name] = _steps_during_prefill(eng, [short, long], "long")
+    layers = TINY_LAYERS
+    assert out["layers"][0] == layers
+    assert out["chunks"][0] == layers * 6  # ceil(1500 / 256) chunks per layer
+    assert out["chunks"][1] == out["layers"][1] and set(out["chunks"][1]) == {"short", "long"}
+
+
+TINY_LAYERS = 2  # engine.weights.synthetic.TINY
