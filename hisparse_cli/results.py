@@ -187,6 +187,8 @@ class ResultsLog:
     def __init__(self, output_dir: Path) -> None:
         self.path = Path(output_dir) / RESULTS_FILE
         self.existing = read_results(self.path)
+        self.latest: dict[str, dict[str, Any]] = dict(self.existing.latest)
+        """id -> its last line, earlier runs' and those appended since."""
         self._needs_newline = self.existing.needs_newline
         self._fd: int | None = None
 
@@ -254,6 +256,7 @@ class ResultsLog:
             written += os.write(self._fd, data[written:])
         os.fsync(self._fd)
         self._needs_newline = False
+        self.latest[record["id"]] = record
 
     def close(self) -> None:
         """Close the file (appending again reopens it)."""

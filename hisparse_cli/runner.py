@@ -45,7 +45,7 @@ from engine.events import Event, Job, JobAdmitted, JobFailed, JobFinished, JobRe
 from engine.serve.base import BatchEngine
 from engine.serve.workers import WorkerDied
 from engine.text.context import PromptTooLong, fit_prompt
-from hisparse_cli import preflight, settings
+from hisparse_cli import openai_batch, preflight, settings
 from hisparse_cli.auto_preset import AUTO, AutoChoice, choose_preset
 from hisparse_cli.extract import parse_extracted
 from hisparse_cli.keys import DEFAULT_MODEL_ID, model_fingerprint
@@ -704,6 +704,8 @@ class BatchRun:
         with self.reporter:
             for warning in self.log.existing.warnings:
                 self.reporter.note(warning, "warning")
+            for rejected in self.manifest.rejected:  # bad OpenAI-batch lines: the rest run
+                self.reporter.note(str(rejected), "error")
             pending = self._register(planned)
             try:
                 if pending:
@@ -712,6 +714,8 @@ class BatchRun:
                 interrupted = True
             except LoadConfigError as exc:
                 config_error = exc
+            if self.manifest.batch:
+                self._write_batch_output()
         if config_error is not None:
             return _usage_failure(
                 self.err_console, f"error: cannot load the model: {config_error}", []
@@ -721,7 +725,31 @@ class BatchRun:
         )
         self.reporter.summary(summary)
         code = exit_code(summary)
+        if code == EXIT_OK and self.manifest.rejected:  # a request line was refused
+            code = EXIT_FAILED
         return EXIT_TERMINATED if code == EXIT_INTERRUPTED and self.terminated else code
+
+    def _write_batch_output(self) -> None:
+        """``batch_output.jsonl``: one OpenAI batch output line per request of the manifest,
+        in its order (rejected lines included), from each job's latest results line."""
+        numbered = [
+            (int(job.origin.rpartition(":")[2]), openai_batch.output_line(
+                self._this_key_line(job.id), job.custom_id or job.id, self.model_name))
+            for job in self.manifest.jobs
+        ]  # fmt: skip
+        numbered += [(r.line, openai_batch.rejected_line(r)) for r in self.manifest.rejected]
+        lines = [line for _, line in sorted(numbered, key=lambda pair: pair[0])]
+        text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+        path = self.output_dir / openai_batch.BATCH_OUTPUT_FILE
+        write_text_atomic(path, text)
+        self.reporter.note(f"OpenAI batch output: {path} ({len(lines)} line(s))")
+
+    def _this_key_line(self, job_id: str) -> dict[str, Any] | None:
+        """The job's latest results line if it is for this run's resume key (an older line
+        for other content or settings is not this request's answer)."""
+        record = self.log.latest.get(job_id)
+        key = self.records.get(job_id, {}).get("key")
+        return record if record is not None and record.get("key") == key else None
 
     def _register(self, planned: list[PlannedJob]) -> list[PlannedJob]:
         """Show every job; record invalid ones as failed; return those to run."""
@@ -853,12 +881,16 @@ class BatchRun:
     def _make_job(self, engine: BatchEngine, planned: PlannedJob) -> Job | None:
         spec = planned.spec
         try:
-            documents = read_documents(
-                spec.inputs, **self.request.text_options, allow_binary=self.request.allow_binary
-            )
-            planned = planned.with_documents(documents)
-            self.records[spec.id] = planned.base_record(self.model_name)
-            prompt_ids = self._prompt_ids(engine, spec, join_documents(documents))
+            if spec.messages is not None:  # an OpenAI-batch request: its last user message
+                document = openai_batch.last_user_text(spec.messages)
+            else:
+                documents = read_documents(
+                    spec.inputs, **self.request.text_options, allow_binary=self.request.allow_binary
+                )
+                planned = planned.with_documents(documents)
+                self.records[spec.id] = planned.base_record(self.model_name)
+                document = join_documents(documents)
+            prompt_ids = self._prompt_ids(engine, spec, document)
             self.prompt_tokens[spec.id] = len(prompt_ids)
         except PromptTooLong as exc:
             self.final[spec.id] = FINAL_PROMPT  # the same key fails the same way again
@@ -868,7 +900,8 @@ class BatchRun:
             self._handle(JobFailed(self.clock(), spec.id, f"cannot prepare the prompt: {exc}"))
             return None
         meta = {"key": planned.key, "output": spec.output}
-        return Job(spec.id, prompt_ids, spec.sampling, str(spec.inputs[0]), meta)
+        source = str(spec.inputs[0]) if spec.inputs else spec.origin
+        return Job(spec.id, prompt_ids, spec.sampling, source, meta)
 
     def _prompt_ids(self, engine: BatchEngine, spec: Any, document: str) -> tuple[int, ...]:
         """The chat prompt under the context policy (:func:`engine.text.context.fit_prompt`):
@@ -881,6 +914,8 @@ class BatchRun:
         """
 
         def messages(text: str) -> list[dict]:
+            if spec.messages is not None:  # a batch request: ``text`` is its last user message
+                return openai_batch.messages_with(spec.messages, text)
             return build_messages(spec.task, text, spec.id, spec.inputs[0].name)
 
         limit, max_tokens = engine.prompt_limit(), spec.sampling.max_tokens
