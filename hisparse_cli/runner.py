@@ -320,6 +320,8 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
         check_devices(config, request.preset, manifest.engine, request.engine_overrides)
         check_trace_path(config)
         check_run_files(manifest, request.output_dir)
+        if request.docs:
+            check_outputs_over_documents(manifest, request.output_dir)
         check_max_context(config, request, manifest)
     return manifest, config
 
@@ -338,6 +340,27 @@ def check_run_files(manifest: Manifest, output_dir: Path) -> None:
                     f"{name} in --output-dir {output_dir}; a run writes that file, so copy the "
                     "input elsewhere or choose another --output-dir"
                 )
+
+
+def check_outputs_over_documents(manifest: Manifest, output_dir: Path) -> None:
+    """Raise :class:`UsageError` when every result file of the documents given on the
+    command line (``<id>.txt`` in ``output_dir``) would be one of the documents, as when
+    ``--output-dir`` is the documents' folder: no job could run, so nothing is written.
+    When only some collide, those jobs fail and the others run (:func:`output_collisions`)."""
+    inputs = {p.resolve(): p for job in manifest.jobs for p in job.inputs}
+    hits = [
+        (job, inputs[(output_dir / job.output).resolve()])
+        for job in manifest.jobs
+        if (output_dir / job.output).resolve() in inputs
+    ]
+    if hits and len(hits) == len(manifest.jobs):
+        job, path = hits[0]
+        more = f" (and {len(hits) - 1} more: every job)" if len(hits) > 1 else ""
+        raise UsageError(
+            f"--output-dir {output_dir} would overwrite the documents: job {job.id!r}'s "
+            f"result {output_dir / job.output} is the document {path}{more}; nothing was "
+            "written: choose another --output-dir (the default is hisparse-out)"
+        )
 
 
 def output_collisions(jobs: list[PlannedJob], output_dir: Path) -> dict[str, str]:
@@ -714,6 +737,8 @@ class BatchRun:
                 interrupted = True
             except LoadConfigError as exc:
                 config_error = exc
+            self.log.close()  # compact replaces the file: appends reopen it
+            self.log.compact()  # this run's lines supersede earlier failures: one line each
             if self.manifest.batch:
                 self._write_batch_output()
         if config_error is not None:
@@ -969,8 +994,8 @@ class BatchRun:
         if record["ok"] and target.resolve() in self.input_paths:  # never write over an input
             error = f"output {target} is an input of the run; its text was not written"
             record = {**record, "ok": False, "finish_reason": "error", "error": error}
-        elif record["ok"]:
-            write_text_atomic(target, result.text)
+        elif record["ok"]:  # the text file without the reply's leading blank lines/spaces;
+            write_text_atomic(target, result.text.lstrip())  # results.jsonl keeps it raw
         else:
             self._flag_earlier_output(record)
         self.log.append(record)
