@@ -720,7 +720,7 @@ class BatchRun:
             # skips jobs leaves the earlier one in place.
             save_config(self.output_dir, config_doc)
         self.reporter = make_reporter(
-            self.console, self.tracker, self.request.json_progress, self.clock
+            self.console, self.tracker, self.request.json_progress, self.clock, self.err_console
         )
         interrupted = False
         config_error = None
@@ -737,6 +737,7 @@ class BatchRun:
                 interrupted = True
             except LoadConfigError as exc:
                 config_error = exc
+            self.tracker.finish(self.clock())  # the last frame and the summary: one time
             self.log.close()  # compact replaces the file: appends reopen it
             self.log.compact()  # this run's lines supersede earlier failures: one line each
             if self.manifest.batch:
