@@ -279,7 +279,8 @@ def render_jobs(
     names = short_ids([r.id for r in rows], id_width) if id_width else {r.id: r.id for r in rows}
     for row in rows:
         table.add_row(*job_cells(row, now, bars, names[row.id]))
-    hidden = [r for r in list(state.jobs.values()) if r not in rows]
+    shown = {r.id for r in rows}
+    hidden = [r for r in list(state.jobs.values()) if r.id not in shown]
     if hidden:
         counts: dict[str, int] = {}
         for r in hidden:
