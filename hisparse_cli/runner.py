@@ -768,7 +768,14 @@ class BatchRun:
         text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
         path = self.output_dir / openai_batch.BATCH_OUTPUT_FILE
         write_text_atomic(path, text)
+        refused = len(self.manifest.rejected)
         self.reporter.note(f"OpenAI batch output: {path} ({len(lines)} line(s))")
+        if refused:  # the summary counts jobs only: say why the exit code is 1
+            self.reporter.note(
+                f"{refused} request line(s) of the manifest were refused (errors above; "
+                f"invalid_request lines in {path.name})",
+                "warning",
+            )
 
     def _this_key_line(self, job_id: str) -> dict[str, Any] | None:
         """The job's latest results line if it is for this run's resume key (an older line

@@ -105,7 +105,7 @@ def test_run_writes_results_by_custom_id_and_openai_batch_output(cli, tmp_path):
     )
     result = cli("--manifest", str(path))
     assert result.exit_code == 1, result.output  # a line was rejected; the others ran
-    assert f"{path}:2:" in result.output
+    assert f"{path}:2:" in result.stderr and "1 request line(s) of the manifest were refused" in result.stderr
     out = tmp_path / "hisparse-out"
     records = {r["custom_id"]: r for r in read_jsonl(out / "results.jsonl")}
     assert set(records) == {"first", "second"} and records["first"]["task"] == "chat"
