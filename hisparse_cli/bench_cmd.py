@@ -116,7 +116,13 @@ WriteCorpusTokensOpt = Annotated[
     Path | None,
     typer.Option(help="Tokenize the corpus into FILE and exit.", rich_help_panel=BENCH),
 ]
-ReplotOpt = Annotated[bool, typer.Option(help="Only redraw the plots of OUT/bench.json.")]
+ReplotOpt = Annotated[
+    bool,
+    typer.Option(
+        "--replot/--no-replot", metavar="", show_default=False,
+        help="Only redraw the plots of OUT/bench.json.",
+    ),
+]  # fmt: skip
 SoakStepsOpt = Annotated[
     int,
     typer.Option(

@@ -5,6 +5,13 @@ renderable without side effects, so tests can print it to a recording console.
 :class:`LiveDashboard` owns the single :class:`rich.live.Live` and redraws at most
 every ``refresh_s`` seconds, from the thread that feeds it events (no refresh thread
 touches the state).
+
+It fits the terminal: at 80 x 24 the job table drops its bars first (the figures stay),
+shortens only ids too long for their column, each to a form no other shown id has (head
+and tail around ``…``), and ends with a ``+N more`` line for the jobs that do not fit; the
+memory table drops its bar and uses short sizes (``4.0G``). Once the run has ended
+(:meth:`~hisparse_cli.progress.ProgressTracker.finish`) every figure is taken at the end
+time, so the last frame shows what the summary shows. Figures not known yet read ``-``.
 """
 
 from __future__ import annotations
@@ -28,12 +35,14 @@ from hisparse_cli.progress import (
     RunSummary,
     decode_tok_s_recent,
     decode_tok_s_run,
+    decoding_known,
     h2d_gbps_recent,
     hit_rate,
     job_eta_s,
     job_tok_s,
     phase_counts,
-    prefill_tok_s_recent,
+    prefill_tok_s_live,
+    tokens_out,
 )
 
 PHASE_STYLES = {
@@ -52,6 +61,9 @@ MEMORY_PARTS = (
     ("activations", "activations", "cyan"),
 )
 BAR_WIDTH = 20
+WIDE = 110
+"""Console columns from which the job and memory tables show their bars."""
+ID_MIN = 8
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -89,6 +101,35 @@ def fmt_percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
+def fmt_bytes_short(num_bytes: float) -> str:
+    """At most 5 characters: ``4.0G`` / ``512M`` / ``12K`` / ``0``."""
+    for unit, size in (("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if num_bytes >= size:
+            value = num_bytes / size
+            return f"{value:.1f}{unit}" if value < 100 else f"{value:.0f}{unit}"
+    return f"{int(num_bytes)}"
+
+
+def short_ids(ids: list[str], width: int) -> dict[str, str]:
+    """Each id as shown in a column of ``width`` characters: whole when it fits, else a
+    head and a tail around ``…`` chosen so that no two shown ids read the same (ids that
+    share a long prefix keep their differing tails; ids sharing a suffix keep their heads).
+    Raises nothing; ``width`` below :data:`ID_MIN` counts as :data:`ID_MIN`."""
+    width = max(ID_MIN, width)
+    shown: dict[str, str] = {i: i for i in ids if len(i) <= width}
+    used = set(shown.values())
+    for ident in (i for i in ids if len(i) > width):
+        room = width - 1
+        candidates = [room // 3, 0, room, *range(1, room)]  # head chars; the tail is the rest
+        for head in candidates:
+            form = ident[:head] + "…" + (ident[len(ident) - (room - head) :] if room > head else "")
+            if form not in used:
+                break
+        shown[ident] = form  # all forms taken (ids equal in their first and last chars): last
+        used.add(form)
+    return shown
+
+
 def text_bar(fraction: float, width: int = BAR_WIDTH) -> str:
     """A bar of ``width`` cells, ``fraction`` of them full (``█`` full, ``░`` empty)."""
     full = round(max(0.0, min(1.0, fraction)) * width)
@@ -98,13 +139,22 @@ def text_bar(fraction: float, width: int = BAR_WIDTH) -> str:
 # ----------------------------------------------------------------------------- renderers
 
 
-def render_dashboard(state: RunState, now: float, max_rows: int = 20) -> RenderableType:
-    """The whole dashboard: header, memory, throughput and the job table."""
+def render_dashboard(
+    state: RunState, now: float, max_rows: int = 20, width: int | None = None,
+    height: int | None = None,
+) -> RenderableType:  # fmt: skip
+    """The whole dashboard: header, memory, throughput and the job table, fitted to a
+    console of ``width`` x ``height`` (``None``: no limit; ``max_rows`` caps the jobs)."""
+    now = state.clock(now)
     parts: list[RenderableType] = [render_header(state, now)]
+    used = 1 + 4  # header; throughput grid
     if state.memory or state.host_pool_total:
-        parts.append(render_memory(state))
+        parts.append(render_memory(state, width))
+        used += 5 + len(state.memory) + (1 if state.host_pool_total else 0)
     parts.append(render_throughput(state, now))
-    parts.append(render_jobs(state, now, max_rows))
+    if height is not None:
+        max_rows = max(1, min(max_rows, height - used - 7))  # job table: 6 lines + "+N more"
+    parts.append(render_jobs(state, now, max_rows, width))
     return Group(*parts)
 
 
@@ -120,38 +170,42 @@ def render_header(state: RunState, now: float) -> Text:
     return text
 
 
-def render_memory(state: RunState) -> Table:
+SHORT_LABELS = {"indexer meta": "meta", "activations": "act"}
+
+
+def render_memory(state: RunState, width: int | None = None) -> Table:
     """Per device: weights / hot KV / indexer metadata / activations, then used / free /
-    total; the host pool row has no parts, only used / free / total."""
+    total; the host pool row has no parts, only used / free / total. Below :data:`WIDE`
+    columns: no bar, short sizes and labels (it fits 80 columns)."""
+    wide = width is None or width >= WIDE
+    size = fmt_bytes if wide else fmt_bytes_short
     table = Table(title="memory", title_justify="left", expand=False)
-    table.add_column("device")
+    table.add_column("device", no_wrap=True)
     for label, _, style in MEMORY_PARTS:
-        table.add_column(label, justify="right", style=style)
+        table.add_column(label if wide else SHORT_LABELS.get(label, label), justify="right", style=style)
     table.add_column("used", justify="right", style="bold")
     table.add_column("free", justify="right", style="green")
     table.add_column("total", justify="right")
-    table.add_column("use", no_wrap=True)
-    for mem in state.memory.values():
-        table.add_row(*_memory_row(mem))
+    if wide:
+        table.add_column("use", no_wrap=True)
+    for mem in list(state.memory.values()):
+        bar = [memory_bar(mem)] if wide else []
+        sizes = [size(getattr(mem, attr)) for _, attr, _ in MEMORY_PARTS]
+        table.add_row(mem.device, *sizes, *_totals(mem.used, mem.free, mem.total, size), *bar)
     if state.host_pool_total:
         used, total = state.host_pool_used, state.host_pool_total
         parts = [""] * len(MEMORY_PARTS)  # the pool holds KV records, not these parts
-        pool_bar = Text(text_bar(used / total), "blue")
-        label = "host pool"
+        bar = [Text(text_bar(used / total), "blue")] if wide else []
+        label = "host pool" if wide else "pool"
         if 0 < state.host_pool_pinned < total:  # page-locked in chunks as jobs need it
-            label = f"host pool ({fmt_bytes(state.host_pool_pinned)} pinned)"
-        table.add_row(label, *parts, *_totals(used, total - used, total), pool_bar)
+            label += f" ({size(state.host_pool_pinned)} pinned)" if wide else f" {size(state.host_pool_pinned)}p"
+        table.add_row(label, *parts, *_totals(used, total - used, total, size), *bar)
     return table
 
 
-def _memory_row(mem: DeviceMemory) -> list[RenderableType]:
-    sizes = [fmt_bytes(getattr(mem, attr)) for _, attr, _ in MEMORY_PARTS]
-    return [mem.device, *sizes, *_totals(mem.used, mem.free, mem.total), memory_bar(mem)]
-
-
-def _totals(used: int, free: int, total: int) -> list[RenderableType]:
+def _totals(used: int, free: int, total: int, size: Callable[[float], str] = fmt_bytes) -> list[RenderableType]:
     """The used / free / total cells, in the table's column order."""
-    return [fmt_bytes(used), fmt_bytes(max(0, free)), fmt_bytes(total)]
+    return [size(used), size(max(0, free)), size(total)]
 
 
 def memory_bar(mem: DeviceMemory, width: int = BAR_WIDTH) -> Text:
@@ -171,33 +225,45 @@ def render_throughput(state: RunState, now: float) -> Table:
     table.add_column(justify="right")
     table.add_column(style="bold")
     table.add_column(justify="right")
+    decoding = decoding_known(state)
     table.add_row(
         "decode (5 s)",
-        fmt_rate(decode_tok_s_recent(state, now)),
+        fmt_rate(decode_tok_s_recent(state, now) if decoding else None),
         "decode (run)",
-        fmt_rate(decode_tok_s_run(state, now)),
+        fmt_rate(decode_tok_s_run(state, now) if decoding else None),
     )
     table.add_row(
-        "prefill (5 s)",
-        fmt_rate(prefill_tok_s_recent(state, now)),
+        "prefill (now)",
+        fmt_rate(prefill_tok_s_live(state, now)),
         "cache hit rate",
         fmt_percent(hit_rate(state)),
     )
     table.add_row(
         "host→device (5 s)",
-        fmt_rate(h2d_gbps_recent(state, now), "GB/s", 2),
+        fmt_rate(h2d_gbps_recent(state, now) if decoding else None, "GB/s", 2),
         "copied",
-        fmt_bytes(state.h2d_bytes),
+        fmt_bytes(state.h2d_bytes) if decoding else "-",
     )
     table.add_row(
-        "prefilled", f"{state.prefill_tokens:,.0f} tok", "generated", f"{state.decode_tokens:,} tok"
+        "prefilled", f"{state.prefill_tokens:,.0f} tok", "tokens out", f"{tokens_out(state):,} tok"
     )
     return table
 
 
-def render_jobs(state: RunState, now: float, max_rows: int = 20) -> Table:
-    """The job table: running first, then latest finished, then queued."""
-    table = Table(title="jobs", title_justify="left")
+JOB_FIXED_COLUMNS = 7 + 9 + 9 + 5 + 7 + 5 + 2 * 7 + 8
+"""Width of the job table less its id text, without bars: in (``100,000``), phase
+(``cancelled``), progress figure (``1000/1000``), TTFT and ETA (``1m05s``), tok/s, each
+cell's padding (2) and the 8 borders."""
+
+
+def render_jobs(
+    state: RunState, now: float, max_rows: int = 20, width: int | None = None
+) -> Table:
+    """The job table: running first, then latest finished, then queued; then a
+    ``+N more`` line for the jobs that do not fit. Below :data:`WIDE` columns the bars go
+    and long ids are shortened apart (:func:`short_ids`)."""
+    bars = width is None or width >= WIDE
+    table = Table(title="jobs", title_justify="left", caption_justify="left")
     for name, justify in (
         ("id", "left"),
         ("in", "right"),
@@ -207,13 +273,20 @@ def render_jobs(state: RunState, now: float, max_rows: int = 20) -> Table:
         ("tok/s", "right"),
         ("ETA", "right"),
     ):
-        table.add_column(name, justify=justify, no_wrap=name != "id")
+        table.add_column(name, justify=justify, no_wrap=True)
     rows = visible_rows(state, max_rows)
+    id_width = None if width is None else max(ID_MIN, width - JOB_FIXED_COLUMNS - (0 if not bars else BAR_WIDTH + 1))
+    names = short_ids([r.id for r in rows], id_width) if id_width else {r.id: r.id for r in rows}
     for row in rows:
-        table.add_row(*job_cells(row, now))
-    hidden = len(state.jobs) - len(rows)
-    if hidden > 0:
-        table.caption = f"… {hidden} more job(s) not shown"
+        table.add_row(*job_cells(row, now, bars, names[row.id]))
+    shown = {r.id for r in rows}
+    hidden = [r for r in list(state.jobs.values()) if r.id not in shown]
+    if hidden:
+        counts: dict[str, int] = {}
+        for r in hidden:
+            counts[r.phase] = counts.get(r.phase, 0) + 1
+        what = ", ".join(f"{n} {phase}" for phase, n in counts.items())
+        table.caption = f"+{len(hidden)} more job(s) not shown ({what})"
     return table
 
 
@@ -231,35 +304,37 @@ def visible_rows(state: RunState, max_rows: int) -> list[JobRow]:
     return (running + finished + queued + skipped)[:max_rows]
 
 
-def job_cells(row: JobRow, now: float) -> list[RenderableType]:
-    """Cells of one job row: id, tokens in, phase, progress, TTFT, tok/s, ETA."""
+def job_cells(
+    row: JobRow, now: float, bars: bool = True, name: str | None = None
+) -> list[RenderableType]:
+    """Cells of one job row: id (or its shortened ``name``), tokens in, phase, progress,
+    TTFT, tok/s, ETA."""
     style = PHASE_STYLES.get(row.phase, "")
     return [
-        row.id,
+        Text(name or row.id),
         f"{row.prompt_tokens:,}" if row.prompt_tokens else "-",
         Text(row.phase, style),
-        job_progress(row),
+        job_progress(row, bars),
         fmt_seconds(row.ttft_s),
         fmt_rate(job_tok_s(row, now), ""),
         fmt_seconds(job_eta_s(row, now)),
     ]
 
 
-def job_progress(row: JobRow) -> Text:
-    """Bar and figure: prefill share while prefilling, tokens / limit while decoding."""
+def job_progress(row: JobRow, bar: bool = True) -> Text:
+    """Bar (unless ``bar`` is off) and figure: prefill share while prefilling, tokens /
+    limit while decoding."""
     if row.phase == "prefill":
-        return Text(
-            f"{text_bar(row.prefill_fraction)} {100 * row.prefill_fraction:3.0f}%", "yellow"
-        )
+        figure = f"{100 * row.prefill_fraction:3.0f}%"
+        return Text(f"{text_bar(row.prefill_fraction)} {figure}" if bar else figure, "yellow")
     if row.phase == "failed":
-        return Text(row.error[:60], "red")
+        return Text(row.error[:60] if bar else row.error[:10], "red")
     if row.phase in ("queued", "skipped"):
         return Text("")
     limit = row.max_tokens or row.generated or 1
     done = 1.0 if row.phase == "done" else row.generated / limit
-    return Text(
-        f"{text_bar(done)} {row.generated}/{row.max_tokens or '?'}", PHASE_STYLES[row.phase]
-    )
+    figure = f"{row.generated}/{row.max_tokens or '?'}"
+    return Text(f"{text_bar(done)} {figure}" if bar else figure, PHASE_STYLES[row.phase])
 
 
 def render_summary(summary: RunSummary) -> Table:
@@ -324,8 +399,10 @@ class LiveDashboard:
         clock: Callable[[], float] = time.monotonic,
         refresh_s: float = 0.25,
         max_rows: int = 20,
+        err_console: Console | None = None,
     ) -> None:
         self.console, self.tracker, self.clock = console, tracker, clock
+        self.err_console = err_console or Console(stderr=True)
         self.refresh_s, self.max_rows = refresh_s, max_rows
         self._live: Live | None = None
         self._drawn_t = float("-inf")
@@ -360,9 +437,10 @@ class LiveDashboard:
             self._drawn_t = now
 
     def note(self, message: str, level: str = "info") -> None:
-        """Print a message above the display."""
+        """Print a message above the display: info on stdout, warnings and errors on
+        stderr (Rich's ``Live`` keeps both above the display)."""
         style = {"warning": "yellow", "error": "bold red"}.get(level, "")
-        self.console.print(Text(message, style))
+        (self.console if level == "info" else self.err_console).print(Text(message, style))
 
     def skipped(self, job_ids: list[str]) -> None:
         """Mention jobs skipped because results.jsonl already holds them."""
@@ -374,4 +452,7 @@ class LiveDashboard:
         self.console.print(render_summary(summary))
 
     def _render(self) -> RenderableType:
-        return render_dashboard(self.tracker.state, self.clock(), self.max_rows)
+        size = self.console.size
+        return render_dashboard(
+            self.tracker.state, self.clock(), self.max_rows, size.width, size.height
+        )

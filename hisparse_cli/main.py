@@ -7,10 +7,24 @@ Commands are thin: they turn flags into a request and hand it over. Heavy module
 from pathlib import Path
 from typing import Annotated
 
+import click
 import typer
+import typer.core
 
 from hisparse_cli import bench_cmd, presets_cmd, quantize_cmd, replay_cmd
 from hisparse_cli import options as opt
+
+
+def _flag_type(self: typer.core.TyperOption, ctx: click.Context) -> str | None:
+    """No ``<bool>`` placeholder for on/off flags in the rich ``--help`` (typer shows one for
+    every flag without a ``metavar``, ``--help`` and ``--install-completion`` included)."""
+    if self.is_flag and self.metavar is None:
+        return None
+    return _typer_type(self, ctx)
+
+
+_typer_type = typer.core.TyperOption.display_type_rich
+typer.core.TyperOption.display_type_rich = _flag_type
 
 app = typer.Typer(
     name="hisparse",

@@ -98,6 +98,9 @@ class JobSpec:
     inputs: files read and joined into the job's document, in order.
     output: file name of the text result inside the output dir (``*.txt``).
     origin: ``file:line`` (or ``command line``) for messages.
+    messages: the chat messages of an OpenAI-batch request (:mod:`hisparse_cli.openai_batch`;
+        ``inputs`` is then empty and ``task.task`` is ``chat``), else ``None``.
+    custom_id: that request's ``custom_id`` (the id may differ when it is not file-safe).
     """
 
     id: str
@@ -106,6 +109,8 @@ class JobSpec:
     sampling: SamplingParams
     output: str
     origin: str
+    messages: tuple[dict[str, str], ...] | None = None
+    custom_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -116,12 +121,17 @@ class Manifest:
     problems found once the settings meet the preset and the flags.
     warnings: notes for the user that do not stop the run (a symbolic link a glob did not
     follow because it leads back into a folder already searched).
+    batch: whether this is an OpenAI-batch manifest (results also go to ``batch_output.jsonl``).
+    rejected: its lines that are not usable requests (:class:`~hisparse_cli.openai_batch.Rejected`);
+        the other requests run.
     """
 
     jobs: tuple[JobSpec, ...]
     engine: dict[str, Any]
     engine_origin: Entry | None = None
     warnings: tuple[str, ...] = ()
+    batch: bool = False
+    rejected: tuple[Any, ...] = ()
 
 
 def load_manifest(
@@ -149,7 +159,49 @@ def load_manifest(
         With every problem found.
     """
     path = Path(path)
-    return _build(read_manifest_file(path), path.parent, overrides, earlier_jobs)
+    raw = read_manifest_file(path)
+    if raw.batch is not None:
+        return _build_batch(raw, str(path), overrides)
+    return _build(raw, path.parent, overrides, earlier_jobs)
+
+
+BATCH_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+"""Job flags that apply to an OpenAI batch (they beat each request's body)."""
+
+
+def _build_batch(raw: RawManifest, file: str, overrides: Mapping[str, Any] | None) -> Manifest:
+    """Jobs of an OpenAI-batch manifest (:mod:`hisparse_cli.openai_batch`): bad lines are
+    rejected one by one (the rest run); a flag that cannot apply (``--task``, ``--prompt``,
+    ...) or a bad flag value is a :class:`ManifestError`."""
+    from hisparse_cli import openai_batch
+
+    problems: list[Problem] = []
+    values = {k: v for k, v in (overrides or {}).items() if v is not None}
+    for name in [k for k in values if k not in BATCH_FLAGS]:
+        flag = CLI_FLAGS.get(name, name)
+        problems.append(
+            Problem(COMMAND_LINE, None, flag, f"does not apply to an OpenAI batch manifest ({file}): "
+                    "each request's body.messages is its prompt")
+        )  # fmt: skip
+    cli = _clean(Entry(COMMAND_LINE, "", None, values), problems, allowed=BATCH_FLAGS)
+    if problems:
+        raise ManifestError(problems)
+    requests, rejected = openai_batch.read_batch(file, raw.batch or [], raw.batch_errors)
+    taken: set[str] = set()
+    jobs = []
+    for request in requests:
+        ident = openai_batch.job_id_for(request.custom_id, taken)
+        sampling = openai_batch.sampling_params({**request.sampling, **cli.values})
+        jobs.append(
+            JobSpec(
+                ident, (), TaskSpec(task=openai_batch.CHAT_TASK), sampling,
+                output_filename(ident), f"{file}:{request.line}", request.messages,
+                request.custom_id,
+            )
+        )  # fmt: skip
+    if not jobs and not rejected:
+        raise ManifestError([Problem(file, None, "jobs", "the manifest holds no requests")])
+    return Manifest(tuple(jobs), {}, None, (), batch=True, rejected=tuple(rejected))
 
 
 def jobs_from_paths(

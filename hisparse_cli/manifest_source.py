@@ -15,7 +15,9 @@ A top-level list is accepted as ``jobs`` without defaults.
 
 JSONL (``.jsonl``/``.ndjson``): one JSON object per line; a line whose only key is
 ``defaults`` holds the defaults (``{"defaults": {"task": "summarize", "engine": {...}}}``).
-Blank lines are skipped.
+Blank lines are skipped. A JSONL file whose first JSON-object line has ``custom_id`` or
+``body`` is an OpenAI batch (:mod:`hisparse_cli.openai_batch`): its lines are kept as parsed
+(``RawManifest.batch``) for that module to check one by one.
 
 Values are built with PyYAML's safe constructor (``yaml.safe_load`` semantics) but
 from the composed node tree, so each key keeps its line number; duplicate keys,
@@ -81,6 +83,10 @@ class RawManifest:
     defaults: Entry | None = None
     engine: Entry | None = None
     problems: list[Problem] = field(default_factory=list)
+    batch: list[tuple[int, Any]] | None = None
+    """OpenAI-batch lines: (line number, parsed JSON, or ``None`` with the reason in
+    ``batch_errors``); ``None`` when the file is not a batch."""
+    batch_errors: dict[int, str] = field(default_factory=dict)
 
 
 def read_manifest_file(path: Path) -> RawManifest:
@@ -227,6 +233,8 @@ def _yaml_message(exc: yaml.YAMLError) -> str:
 
 
 def _read_jsonl(file: str, text: str, raw: RawManifest) -> None:
+    if _read_batch(text, raw):
+        return
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -245,6 +253,28 @@ def _read_jsonl(file: str, text: str, raw: RawManifest) -> None:
             raw.jobs.append(_json_entry(file, "job", number, obj))
     if not raw.jobs and not raw.problems:
         raw.problems.append(Problem(file, None, "jobs", "the manifest holds no jobs"))
+
+
+def _read_batch(text: str, raw: RawManifest) -> bool:
+    """Keep the lines of an OpenAI batch (the first object line has ``custom_id`` or
+    ``body``) in ``raw.batch``; return whether the file is one."""
+    from hisparse_cli.openai_batch import is_batch_request
+
+    lines: list[tuple[int, Any]] = []
+    errors: dict[int, str] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            lines.append((number, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            lines.append((number, None))
+            errors[number] = f"not valid JSON: {exc.msg} (column {exc.colno})"
+    first = next((obj for _, obj in lines if isinstance(obj, dict)), None)
+    if not is_batch_request(first):
+        return False
+    raw.batch, raw.batch_errors = lines, errors
+    return True
 
 
 def _jsonl_defaults(file: str, number: int, value: Any, raw: RawManifest) -> None:

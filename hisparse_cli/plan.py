@@ -23,6 +23,7 @@ from typing import Any
 from engine.config import EngineConfig
 from hisparse_cli.keys import job_key, settings_hash
 from hisparse_cli.manifest import JobSpec
+from hisparse_cli.openai_batch import messages_sha256
 from hisparse_cli.results import FINAL_INPUT, FINAL_PROMPT, ResultsLog
 from hisparse_cli.textio import Document, DocumentError, read_documents
 
@@ -79,6 +80,7 @@ class PlannedJob:
             "settings_hash": self.settings_hash,
             "task": self.spec.task.task,
             "model": model,
+            **({"custom_id": self.spec.custom_id} if self.spec.custom_id is not None else {}),
             "truncated": None,  # set when context_policy=truncate cut the document
         }
 
@@ -136,6 +138,12 @@ def _plan_one(
 ) -> PlannedJob:
     settings = settings_hash(spec.task, spec.sampling, model_id, config, text_options)
     planned = PlannedJob(spec, RUN, settings)
+    if spec.messages is not None:  # an OpenAI-batch request: its messages are the input
+        hashes = (messages_sha256(spec.messages),)
+        planned = replace(planned, input_sha256=hashes, key=job_key(hashes, settings))
+        if not force and log.is_done(spec.id, planned.key):
+            return replace(planned, status=SKIP)
+        return _unless_failed_before(planned, log, retry, RUN, "", FINAL_PROMPT)
     try:
         documents = read_documents(spec.inputs, **text_options, allow_binary=allow_binary)
     except DocumentError as exc:

@@ -96,7 +96,10 @@ ParallelOpt = Annotated[
     str | None,
     typer.Option("--parallel", help="data or pipeline (default: the preset's)."),
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")]
+JsonOpt = Annotated[
+    bool,
+    typer.Option("--json/--no-json", metavar="", show_default=False, help="Print the plan as JSON."),
+]
 
 
 def register(app: typer.Typer) -> None:

@@ -8,7 +8,15 @@ here, given the current time ``now`` (``time.monotonic()`` seconds, like ``Event
 Rates over "the last 5 s" use the samples whose event time lies in
 ``[now - window_s, now]``, divided by the window (or by the run's age when younger).
 Prefill tokens are estimated from ``PrefillProgress.done / total`` times the job's
-prompt tokens, so they do not depend on the unit of ``done``.
+prompt tokens, so they do not depend on the unit of ``done``. The live prefill rate
+(:func:`prefill_tok_s_live`) also counts the time since the latest progress event of a
+prefill still running, so a long prefill with sparse events neither reads 0 between them
+nor keeps the pace of a finished phase. Figures not known yet are ``None`` (shown ``-``).
+
+The displays may read the state from a timer thread while the run loop folds events in:
+readers copy ``samples``, ``jobs`` and ``memory`` (``list(...)``, atomic in CPython) before
+iterating them. :meth:`ProgressTracker.finish` freezes the clock the displays use
+(``ended_t``), so the last frame and the summary show the same time and rates.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ class JobRow:
     decode_tok_s: float | None = None
     finish_reason: str = ""
     error: str = ""
+    last_prefill_t: float | None = None
 
 
 @dataclass
@@ -81,6 +90,7 @@ class Sample:
     prefill_tokens: float = 0.0
     h2d_bytes: int = 0
     step_s: float = 0.0
+    start: float | None = None  # prefill samples: when the work they count began
 
 
 @dataclass
@@ -104,6 +114,12 @@ class RunState:
     last_t: float = 0.0
     samples: deque[Sample] = field(default_factory=deque)
     cancelling: bool = False
+    last_prefill: Sample | None = None
+    ended_t: float | None = None
+
+    def clock(self, now: float) -> float:
+        """``now``, or the end time once :meth:`ProgressTracker.finish` froze it."""
+        return now if self.ended_t is None else self.ended_t
 
 
 class ProgressTracker:
@@ -126,6 +142,11 @@ class ProgressTracker:
         row = self.state.jobs.setdefault(job_id, JobRow(job_id))
         row.phase, row.prompt_tokens = phase, prompt_tokens or row.prompt_tokens
         return row
+
+    def finish(self, t: float) -> None:
+        """The run ended at ``t``: every display and the summary use this time from now on."""
+        if self.state.ended_t is None:
+            self.state.ended_t = t
 
     def set_phase(self, job_id: str, phase: str) -> None:
         """Force a job's phase (e.g. ``cancelled`` for one never admitted)."""
@@ -160,11 +181,20 @@ class ProgressTracker:
         fraction = event.done / event.total if event.total else 1.0
         tokens = max(0.0, fraction - row.prefill_fraction) * row.prompt_tokens
         row.prefill_fraction, row.phase = fraction, "prefill"
+        self._prefilled(row, event.t, tokens)
+
+    def _prefilled(self, row: JobRow, t: float, tokens: float) -> None:
+        start = row.last_prefill_t if row.last_prefill_t is not None else row.admitted_t
+        sample = Sample(t, prefill_tokens=tokens, start=t if start is None else min(start, t))
+        row.last_prefill_t = t
         self.state.prefill_tokens += tokens
-        self.state.samples.append(Sample(event.t, prefill_tokens=tokens))
+        self.state.samples.append(sample)
+        self.state.last_prefill = sample
 
     def _first_token(self, event: FirstToken) -> None:
         row = self._row(event.job_id)
+        if row.prefill_fraction < 1.0 and row.prompt_tokens:  # the prefill's last part
+            self._prefilled(row, event.t, (1.0 - row.prefill_fraction) * row.prompt_tokens)
         row.phase, row.ttft_s, row.first_token_t = "decode", event.ttft_s, event.t
         row.prefill_fraction, row.generated = 1.0, max(row.generated, 1)
 
@@ -246,7 +276,7 @@ def window_span(state: RunState, now: float, window_s: float = WINDOW_S) -> floa
 
 def recent(state: RunState, now: float, window_s: float = WINDOW_S) -> list[Sample]:
     """Samples of the last ``window_s`` seconds."""
-    return [s for s in state.samples if now - window_s <= s.t <= now]
+    return [s for s in list(state.samples) if now - window_s <= s.t <= now]
 
 
 def decode_tok_s_recent(state: RunState, now: float, window_s: float = WINDOW_S) -> float:
@@ -268,6 +298,34 @@ def prefill_tok_s_recent(state: RunState, now: float, window_s: float = WINDOW_S
     """Prefill tokens/s over the last ``window_s`` seconds."""
     tokens = sum(s.prefill_tokens for s in recent(state, now, window_s))
     return tokens / window_span(state, now, window_s)
+
+
+def prefill_tok_s_live(state: RunState, now: float, window_s: float = WINDOW_S) -> float | None:
+    """Prefill tokens/s now: the prefill tokens of the last ``window_s`` seconds' samples,
+    plus the latest sample while a job is still prefilling, over the seconds from the start
+    of the earliest of them to ``now`` (so the time since the latest event of a running
+    prefill counts). ``None`` before any prefill work was seen; 0 once none ran lately."""
+    samples = [s for s in recent(state, now, window_s) if s.start is not None]
+    last = state.last_prefill
+    if last is None:
+        return None
+    prefilling = any(r.phase == "prefill" for r in list(state.jobs.values()))
+    if prefilling and last not in samples:
+        samples.append(last)
+    if not samples:
+        return 0.0
+    start = min(s.start for s in samples if s.start is not None)
+    return sum(s.prefill_tokens for s in samples) / max(1e-9, now - start)
+
+
+def prefilling(state: RunState) -> list[JobRow]:
+    """Jobs in prefill now (their ``prefill_fraction`` is the share done)."""
+    return [r for r in list(state.jobs.values()) if r.phase == "prefill"]
+
+
+def decoding_known(state: RunState) -> bool:
+    """Whether any decode step ran (before one, decode and transfer rates are unknown)."""
+    return state.decode_steps > 0
 
 
 def h2d_gbps_recent(state: RunState, now: float, window_s: float = WINDOW_S) -> float:
@@ -307,7 +365,7 @@ def job_eta_s(row: JobRow, now: float) -> float | None:
 def phase_counts(state: RunState) -> dict[str, int]:
     """Number of jobs in each phase (all of :data:`PHASES`, zeros included)."""
     counts = dict.fromkeys(PHASES, 0)
-    for row in state.jobs.values():
+    for row in list(state.jobs.values()):
         counts[row.phase] = counts.get(row.phase, 0) + 1
     return counts
 
@@ -331,10 +389,15 @@ class RunSummary:
     prompt_tokens: int
     generated_tokens: int
     wall_s: float
-    decode_tok_s: float
+    decode_tok_s: float | None  # None when no decode step ran
     output_dir: str
     interrupted: bool = False
     preset: str = ""
+
+
+def tokens_out(state: RunState) -> int:
+    """Tokens generated by every job so far (first tokens included), as the summary counts."""
+    return sum(r.generated for r in list(state.jobs.values()))
 
 
 def summarize(
@@ -342,7 +405,8 @@ def summarize(
 ) -> RunSummary:
     """Summary of ``state`` at time ``now``; ``preset``: the preset the run used."""
     counts = phase_counts(state)
-    ran = [r for r in state.jobs.values() if r.phase in ("done", "failed", "cancelled")]
+    now = state.clock(now)
+    ran = [r for r in list(state.jobs.values()) if r.phase in ("done", "failed", "cancelled")]
     return RunSummary(
         ok=counts["done"],
         failed=counts["failed"],
@@ -352,7 +416,7 @@ def summarize(
         prompt_tokens=sum(r.prompt_tokens for r in ran),
         generated_tokens=sum(r.generated for r in ran),
         wall_s=max(0.0, now - state.started_t),
-        decode_tok_s=decode_tok_s_run(state, now),
+        decode_tok_s=decode_tok_s_run(state, now) if decoding_known(state) else None,
         output_dir=output_dir,
         interrupted=interrupted,
         preset=preset,

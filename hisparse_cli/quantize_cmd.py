@@ -33,9 +33,18 @@ GroupSizeOpt = Annotated[
     ),
 ]
 ForceOpt = Annotated[
-    bool, typer.Option("--force", help="Replace an existing OUT/model.safetensors.")
+    bool,
+    typer.Option(
+        "--force/--no-force", metavar="", show_default=False,
+        help="Replace an existing OUT/model.safetensors.",
+    ),
+]  # fmt: skip
+QuietOpt = Annotated[
+    bool,
+    typer.Option(
+        "--quiet/--no-quiet", "-q", metavar="", show_default=False, help="No per-tensor progress."
+    ),
 ]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No per-tensor progress.")]
 
 
 def register(app: typer.Typer) -> None:

@@ -4,14 +4,20 @@ All reporters share one interface (context manager, ``on_event``, ``note``,
 ``skipped``, ``summary``) with :class:`~hisparse_cli.dashboard.LiveDashboard`:
 
 - :class:`PlainReporter` (stdout is not a terminal): a progress line every
-  ``interval_s`` seconds and one line per job that finishes or fails, each ending in a
-  newline, nothing redrawn, so a CI log reads top to bottom.
+  ``interval_s`` seconds (from a timer thread, so a long prefill without events still
+  gets its lines; each names the jobs prefilling and their share done) and one line per
+  job that finishes or fails, each ending in a newline, nothing redrawn, so a CI log reads
+  top to bottom. Warnings and errors go to stderr (``err_stream``).
 - :class:`JsonReporter` (``--json-progress``): one JSON object per line on stdout.
   Job lifecycle events (``job_queued``, ``job_admitted``, ``first_token``,
   ``job_finished``, ``job_failed``, ``job_skipped``) are written as they happen;
   the high-rate ones (decode steps, prefill progress, memory snapshots) are folded
-  into a ``progress`` object every ``interval_s`` seconds; ``warning`` and a final
-  ``summary`` object complete the stream.
+  into a ``progress`` object every ``interval_s`` seconds (also from a timer thread);
+  ``warning`` and a final ``summary`` object complete the stream. Every object has
+  ``time``, the wall-clock time it was written (ISO 8601, UTC, milliseconds), beside the
+  monotonic ``t`` of events.
+
+Unknown figures (no decode step yet, no prefill seen) read ``-`` (JSON ``null``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol, Self, TextIO
@@ -48,11 +56,14 @@ from hisparse_cli.progress import (
     RunSummary,
     decode_tok_s_recent,
     decode_tok_s_run,
+    decoding_known,
     h2d_gbps_recent,
     hit_rate,
     phase_counts,
-    prefill_tok_s_recent,
+    prefill_tok_s_live,
+    prefilling,
 )
+from hisparse_cli.results import utc_now
 
 PLAIN_INTERVAL_S = 10.0
 JSON_INTERVAL_S = 2.0
@@ -75,13 +86,45 @@ def make_reporter(
     tracker: ProgressTracker,
     json_progress: bool,
     clock: Callable[[], float] = time.monotonic,
+    err_console: Console | None = None,
 ) -> Reporter:
-    """JSON lines if asked, the live dashboard on a terminal, plain lines otherwise."""
+    """JSON lines if asked, the live dashboard on a terminal, plain lines otherwise;
+    warnings and errors of the plain and live displays go to ``err_console`` (stderr)."""
+    err_console = err_console or Console(stderr=True)
     if json_progress:
         return JsonReporter(console.file, tracker, clock=clock)
     if console.is_terminal:
-        return LiveDashboard(console, tracker, clock=clock)
-    return PlainReporter(console.file, tracker, clock=clock)
+        return LiveDashboard(console, tracker, clock=clock, err_console=err_console)
+    return PlainReporter(console.file, tracker, clock=clock, err_stream=err_console.file)
+
+
+class _Ticker:
+    """Calls ``tick`` every ``interval_s`` seconds of wall time on a daemon thread until
+    stopped (the steady progress lines of a non-terminal output)."""
+
+    def __init__(self, interval_s: float, tick: Callable[[], None]) -> None:
+        self.interval_s, self.tick = interval_s, tick
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.interval_s <= 0 or self.interval_s == float("inf") or self.interval_s > 1e6:
+            return
+        self._thread = threading.Thread(target=self._loop, name="hisparse-progress", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.tick()
+            except RuntimeError:  # the state changed under a reader: the next tick shows it
+                continue
 
 
 # ----------------------------------------------------------------------------- plain
@@ -93,18 +136,26 @@ def progress_line(state: RunState, now: float) -> str:
     total = len(state.jobs) - counts["skipped"]
     ended = counts["done"] + counts["failed"] + counts["cancelled"]
     running = counts["prefill"] + counts["decode"]
+    now = state.clock(now)
+    decoding = decoding_known(state)
     parts = [
         (
             f"[{fmt_seconds(now - state.started_t):>6}] jobs {ended}/{total} ended "
             f"({counts['done']} ok, {counts['failed']} failed, {running} running, "
             f"{counts['queued']} queued)"
         ),
-        f"decode {fmt_rate(decode_tok_s_recent(state, now))} (5 s), {fmt_rate(decode_tok_s_run(state, now))} run",
-        f"prefill {fmt_rate(prefill_tok_s_recent(state, now))}",
+        f"decode {fmt_rate(decode_tok_s_recent(state, now) if decoding else None)} (5 s), "
+        f"{fmt_rate(decode_tok_s_run(state, now) if decoding else None)} run",
+        f"prefill {fmt_rate(prefill_tok_s_live(state, now))}",
         f"cache hit {fmt_percent(hit_rate(state))}",
-        f"h2d {fmt_rate(h2d_gbps_recent(state, now), 'GB/s', 2)}",
+        f"h2d {fmt_rate(h2d_gbps_recent(state, now) if decoding else None, 'GB/s', 2)}",
     ]
-    parts += [f"{m.device} {fmt_bytes(m.used)}/{fmt_bytes(m.total)}" for m in state.memory.values()]
+    jobs = prefilling(state)
+    if jobs:
+        shown = ", ".join(f"{r.id} {100 * r.prefill_fraction:.0f}%" for r in jobs[:4])
+        parts.append(f"prefilling {shown}{f' +{len(jobs) - 4} more' if len(jobs) > 4 else ''}")
+    memory = list(state.memory.values())
+    parts += [f"{m.device} {fmt_bytes(m.used)}/{fmt_bytes(m.total)}" for m in memory]
     return " | ".join(parts)
 
 
@@ -129,14 +180,20 @@ class PlainReporter:
         tracker: ProgressTracker,
         interval_s: float = PLAIN_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        err_stream: TextIO | None = None,
     ) -> None:
         self.stream, self.tracker, self.interval_s, self.clock = stream, tracker, interval_s, clock
+        self.err_stream = err_stream if err_stream is not None else sys.stderr
         self._printed_t = clock()
+        self._lock = threading.Lock()
+        self._ticker = _Ticker(interval_s, self._tick)
 
     def __enter__(self) -> Self:
+        self._ticker.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._ticker.stop()
         self.stream.flush()
 
     def on_event(self, event: Event) -> None:
@@ -145,14 +202,23 @@ class PlainReporter:
             row = self.tracker.state.jobs.get(_job_id(event))
             if row is not None:
                 self._write(finish_line(row))
-        now = self.clock()
-        if now - self._printed_t >= self.interval_s:
-            self._write(progress_line(self.tracker.state, now))
+        self._tick(due_only=True)
+
+    def _tick(self, due_only: bool = False) -> None:
+        """A progress line now (the timer), or only when the interval has passed."""
+        with self._lock:
+            now = self.clock()
+            if due_only and now - self._printed_t < self.interval_s:
+                return
             self._printed_t = now
+        self._write(progress_line(self.tracker.state, now))
 
     def note(self, message: str, level: str = "info") -> None:
-        """Write ``message`` (prefixed by ``warning:``/``error:`` for those levels)."""
-        self._write(message if level == "info" else f"{level}: {message}")
+        """Write ``message``: info on stdout, ``warning:``/``error:`` lines on stderr."""
+        if level == "info":
+            self._write(message)
+        else:
+            self._write(f"{level}: {message}", self.err_stream)
 
     def skipped(self, job_ids: list[str]) -> None:
         """One line for all skipped jobs."""
@@ -164,9 +230,11 @@ class PlainReporter:
         console = Console(file=self.stream, width=100, force_terminal=False, no_color=True)
         console.print(render_summary(summary))
 
-    def _write(self, line: str) -> None:
-        self.stream.write(line.rstrip("\n") + "\n")
-        self.stream.flush()
+    def _write(self, line: str, stream: TextIO | None = None) -> None:
+        stream = stream or self.stream
+        with self._lock:
+            stream.write(line.rstrip("\n") + "\n")
+            stream.flush()
 
 
 # ----------------------------------------------------------------------------- JSON
@@ -188,18 +256,24 @@ def event_json(event: Event) -> dict[str, Any]:
 
 
 def progress_json(state: RunState, now: float) -> dict[str, Any]:
-    """The periodic ``progress`` object."""
+    """The periodic ``progress`` object (``null`` for figures not known yet;
+    ``prefill``: job id -> share of its prefill done, for the jobs prefilling)."""
+    now = state.clock(now)
+    decoding = decoding_known(state)
     return {
         "event": "progress",
         "t": now,
         "elapsed_s": now - state.started_t,
         "jobs": phase_counts(state),
-        "decode_tok_s": decode_tok_s_recent(state, now),
-        "decode_tok_s_run": decode_tok_s_run(state, now),
-        "prefill_tok_s": prefill_tok_s_recent(state, now),
+        "decode_tok_s": decode_tok_s_recent(state, now) if decoding else None,
+        "decode_tok_s_run": decode_tok_s_run(state, now) if decoding else None,
+        "prefill_tok_s": prefill_tok_s_live(state, now),
+        "prefill": {r.id: r.prefill_fraction for r in prefilling(state)},
         "hit_rate": hit_rate(state),
-        "h2d_gbps": h2d_gbps_recent(state, now),
-        "memory": {d: {**dataclasses.asdict(m), "free": m.free} for d, m in state.memory.items()},
+        "h2d_gbps": h2d_gbps_recent(state, now) if decoding else None,
+        "memory": {
+            d: {**dataclasses.asdict(m), "free": m.free} for d, m in list(state.memory.items())
+        },
         "host_pool": {
             "used": state.host_pool_used,
             "pinned": state.host_pool_pinned,
@@ -221,11 +295,15 @@ class JsonReporter:
         self.stream, self.tracker, self.interval_s, self.clock = stream, tracker, interval_s, clock
         self._printed_t = clock()
         self._pending = False
+        self._lock = threading.Lock()
+        self._ticker = _Ticker(interval_s, self._tick)
 
     def __enter__(self) -> Self:
+        self._ticker.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._ticker.stop()
         if self._pending:
             self._emit(progress_json(self.tracker.state, self.clock()))
 
@@ -237,6 +315,15 @@ class JsonReporter:
             self._emit(event_json(event))
         now = self.clock()
         if self._pending and now - self._printed_t >= self.interval_s:
+            self._emit(progress_json(self.tracker.state, now))
+            self._printed_t, self._pending = now, False
+
+    def _tick(self) -> None:
+        """The timer: a progress object when none was written for ``interval_s`` while a
+        job runs (a prefill without events included)."""
+        now = self.clock()
+        running = any(r.phase in ("prefill", "decode") for r in list(self.tracker.state.jobs.values()))
+        if (self._pending or running) and now - self._printed_t >= self.interval_s:
             self._emit(progress_json(self.tracker.state, now))
             self._printed_t, self._pending = now, False
 
@@ -254,8 +341,10 @@ class JsonReporter:
         self._emit({"event": "summary", **dataclasses.asdict(summary)})
 
     def _emit(self, obj: dict[str, Any]) -> None:
-        self.stream.write(json.dumps(obj, ensure_ascii=False, default=str) + "\n")
-        self.stream.flush()
+        line = json.dumps({**obj, "time": utc_now()}, ensure_ascii=False, default=str) + "\n"
+        with self._lock:
+            self.stream.write(line)
+            self.stream.flush()
 
 
 def _job_id(event: JobFinished | JobFailed) -> str:

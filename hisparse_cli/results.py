@@ -187,6 +187,8 @@ class ResultsLog:
     def __init__(self, output_dir: Path) -> None:
         self.path = Path(output_dir) / RESULTS_FILE
         self.existing = read_results(self.path)
+        self.latest: dict[str, dict[str, Any]] = dict(self.existing.latest)
+        """id -> its last line, earlier runs' and those appended since."""
         self._needs_newline = self.existing.needs_newline
         self._fd: int | None = None
 
@@ -210,10 +212,10 @@ class ResultsLog:
         return record if record.get("final") == kind else None
 
     def compact(self) -> int:
-        """Drop superseded failure lines from ``results.jsonl``: a line without text
-        (``text`` empty) that did not succeed and has a later line with the same id.
-        Successful lines, lines with text (a cancelled job's partial text) and lines that
-        cannot be read stay, in order. The file is replaced atomically (same folder,
+        """Drop superseded failure lines from ``results.jsonl``: a line that did not
+        succeed (an error, or ``cancelled`` with its partial text) and has a later line
+        with the same id, so repeated failures or Ctrl-C and resume leave one line per job
+        for its latest state. Successful lines and lines that cannot be read stay, in order. The file is replaced atomically (same folder,
         fsync, ``os.replace``) and only when a line is dropped; call it while holding the
         output dir's lock, before :meth:`append`.
 
@@ -235,7 +237,7 @@ class ResultsLog:
         dropped = {
             n
             for n, r in enumerate(records)
-            if r is not None and last[r["id"]] != n and not is_success(r) and not r.get("text")
+            if r is not None and last[r["id"]] != n and not is_success(r)
         }
         if not dropped:
             return 0
@@ -254,6 +256,7 @@ class ResultsLog:
             written += os.write(self._fd, data[written:])
         os.fsync(self._fd)
         self._needs_newline = False
+        self.latest[record["id"]] = record
 
     def close(self) -> None:
         """Close the file (appending again reopens it)."""

@@ -45,7 +45,7 @@ from engine.events import Event, Job, JobAdmitted, JobFailed, JobFinished, JobRe
 from engine.serve.base import BatchEngine
 from engine.serve.workers import WorkerDied
 from engine.text.context import PromptTooLong, fit_prompt
-from hisparse_cli import preflight, settings
+from hisparse_cli import openai_batch, preflight, settings
 from hisparse_cli.auto_preset import AUTO, AutoChoice, choose_preset
 from hisparse_cli.extract import parse_extracted
 from hisparse_cli.keys import DEFAULT_MODEL_ID, model_fingerprint
@@ -320,6 +320,8 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
         check_devices(config, request.preset, manifest.engine, request.engine_overrides)
         check_trace_path(config)
         check_run_files(manifest, request.output_dir)
+        if request.docs:
+            check_outputs_over_documents(manifest, request.output_dir)
         check_max_context(config, request, manifest)
     return manifest, config
 
@@ -338,6 +340,27 @@ def check_run_files(manifest: Manifest, output_dir: Path) -> None:
                     f"{name} in --output-dir {output_dir}; a run writes that file, so copy the "
                     "input elsewhere or choose another --output-dir"
                 )
+
+
+def check_outputs_over_documents(manifest: Manifest, output_dir: Path) -> None:
+    """Raise :class:`UsageError` when every result file of the documents given on the
+    command line (``<id>.txt`` in ``output_dir``) would be one of the documents, as when
+    ``--output-dir`` is the documents' folder: no job could run, so nothing is written.
+    When only some collide, those jobs fail and the others run (:func:`output_collisions`)."""
+    inputs = {p.resolve(): p for job in manifest.jobs for p in job.inputs}
+    hits = [
+        (job, inputs[(output_dir / job.output).resolve()])
+        for job in manifest.jobs
+        if (output_dir / job.output).resolve() in inputs
+    ]
+    if hits and len(hits) == len(manifest.jobs):
+        job, path = hits[0]
+        more = f" (and {len(hits) - 1} more: every job)" if len(hits) > 1 else ""
+        raise UsageError(
+            f"--output-dir {output_dir} would overwrite the documents: job {job.id!r}'s "
+            f"result {output_dir / job.output} is the document {path}{more}; nothing was "
+            "written: choose another --output-dir (the default is hisparse-out)"
+        )
 
 
 def output_collisions(jobs: list[PlannedJob], output_dir: Path) -> dict[str, str]:
@@ -697,13 +720,15 @@ class BatchRun:
             # skips jobs leaves the earlier one in place.
             save_config(self.output_dir, config_doc)
         self.reporter = make_reporter(
-            self.console, self.tracker, self.request.json_progress, self.clock
+            self.console, self.tracker, self.request.json_progress, self.clock, self.err_console
         )
         interrupted = False
         config_error = None
         with self.reporter:
             for warning in self.log.existing.warnings:
                 self.reporter.note(warning, "warning")
+            for rejected in self.manifest.rejected:  # bad OpenAI-batch lines: the rest run
+                self.reporter.note(str(rejected), "error")
             pending = self._register(planned)
             try:
                 if pending:
@@ -712,6 +737,11 @@ class BatchRun:
                 interrupted = True
             except LoadConfigError as exc:
                 config_error = exc
+            self.tracker.finish(self.clock())  # the last frame and the summary: one time
+            self.log.close()  # compact replaces the file: appends reopen it
+            self.log.compact()  # this run's lines supersede earlier failures: one line each
+            if self.manifest.batch:
+                self._write_batch_output()
         if config_error is not None:
             return _usage_failure(
                 self.err_console, f"error: cannot load the model: {config_error}", []
@@ -721,7 +751,38 @@ class BatchRun:
         )
         self.reporter.summary(summary)
         code = exit_code(summary)
+        if code == EXIT_OK and self.manifest.rejected:  # a request line was refused
+            code = EXIT_FAILED
         return EXIT_TERMINATED if code == EXIT_INTERRUPTED and self.terminated else code
+
+    def _write_batch_output(self) -> None:
+        """``batch_output.jsonl``: one OpenAI batch output line per request of the manifest,
+        in its order (rejected lines included), from each job's latest results line."""
+        numbered = [
+            (int(job.origin.rpartition(":")[2]), openai_batch.output_line(
+                self._this_key_line(job.id), job.custom_id or job.id, self.model_name))
+            for job in self.manifest.jobs
+        ]  # fmt: skip
+        numbered += [(r.line, openai_batch.rejected_line(r)) for r in self.manifest.rejected]
+        lines = [line for _, line in sorted(numbered, key=lambda pair: pair[0])]
+        text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+        path = self.output_dir / openai_batch.BATCH_OUTPUT_FILE
+        write_text_atomic(path, text)
+        refused = len(self.manifest.rejected)
+        self.reporter.note(f"OpenAI batch output: {path} ({len(lines)} line(s))")
+        if refused:  # the summary counts jobs only: say why the exit code is 1
+            self.reporter.note(
+                f"{refused} request line(s) of the manifest were refused (errors above; "
+                f"invalid_request lines in {path.name})",
+                "warning",
+            )
+
+    def _this_key_line(self, job_id: str) -> dict[str, Any] | None:
+        """The job's latest results line if it is for this run's resume key (an older line
+        for other content or settings is not this request's answer)."""
+        record = self.log.latest.get(job_id)
+        key = self.records.get(job_id, {}).get("key")
+        return record if record is not None and record.get("key") == key else None
 
     def _register(self, planned: list[PlannedJob]) -> list[PlannedJob]:
         """Show every job; record invalid ones as failed; return those to run."""
@@ -853,12 +914,16 @@ class BatchRun:
     def _make_job(self, engine: BatchEngine, planned: PlannedJob) -> Job | None:
         spec = planned.spec
         try:
-            documents = read_documents(
-                spec.inputs, **self.request.text_options, allow_binary=self.request.allow_binary
-            )
-            planned = planned.with_documents(documents)
-            self.records[spec.id] = planned.base_record(self.model_name)
-            prompt_ids = self._prompt_ids(engine, spec, join_documents(documents))
+            if spec.messages is not None:  # an OpenAI-batch request: its last user message
+                document = openai_batch.last_user_text(spec.messages)
+            else:
+                documents = read_documents(
+                    spec.inputs, **self.request.text_options, allow_binary=self.request.allow_binary
+                )
+                planned = planned.with_documents(documents)
+                self.records[spec.id] = planned.base_record(self.model_name)
+                document = join_documents(documents)
+            prompt_ids = self._prompt_ids(engine, spec, document)
             self.prompt_tokens[spec.id] = len(prompt_ids)
         except PromptTooLong as exc:
             self.final[spec.id] = FINAL_PROMPT  # the same key fails the same way again
@@ -868,7 +933,8 @@ class BatchRun:
             self._handle(JobFailed(self.clock(), spec.id, f"cannot prepare the prompt: {exc}"))
             return None
         meta = {"key": planned.key, "output": spec.output}
-        return Job(spec.id, prompt_ids, spec.sampling, str(spec.inputs[0]), meta)
+        source = str(spec.inputs[0]) if spec.inputs else spec.origin
+        return Job(spec.id, prompt_ids, spec.sampling, source, meta)
 
     def _prompt_ids(self, engine: BatchEngine, spec: Any, document: str) -> tuple[int, ...]:
         """The chat prompt under the context policy (:func:`engine.text.context.fit_prompt`):
@@ -881,6 +947,8 @@ class BatchRun:
         """
 
         def messages(text: str) -> list[dict]:
+            if spec.messages is not None:  # a batch request: ``text`` is its last user message
+                return openai_batch.messages_with(spec.messages, text)
             return build_messages(spec.task, text, spec.id, spec.inputs[0].name)
 
         limit, max_tokens = engine.prompt_limit(), spec.sampling.max_tokens
@@ -934,8 +1002,8 @@ class BatchRun:
         if record["ok"] and target.resolve() in self.input_paths:  # never write over an input
             error = f"output {target} is an input of the run; its text was not written"
             record = {**record, "ok": False, "finish_reason": "error", "error": error}
-        elif record["ok"]:
-            write_text_atomic(target, result.text)
+        elif record["ok"]:  # the text file without the reply's leading blank lines/spaces;
+            write_text_atomic(target, result.text.lstrip())  # results.jsonl keeps it raw
         else:
             self._flag_earlier_output(record)
         self.log.append(record)

@@ -145,9 +145,29 @@ def _layer_of(name: str, layers: list[dict[str, Any]]) -> int:
     return max((i + 1 for i, layer in enumerate(layers) if name in layer), default=0)
 
 
+CUDA_ONLY_SETTINGS = {
+    "cuda_graph": "CUDA graphs need a CUDA device",
+    "decode_overlap": "micro-batch overlap needs a CUDA device",
+}
+"""On/off engine settings that only act on CUDA: setting -> why it is off on a CPU run."""
+
+
 def config_document(config: EngineConfig, preset: str, model: str | None) -> dict[str, Any]:
-    """What ``config.json`` and ``--print-config`` show."""
-    return {"preset": preset, "model": model, "engine": config.to_dict()}
+    """What ``config.json`` and ``--print-config`` show: the engine settings as they take
+    effect. On a run whose devices are all ``cpu``, the :data:`CUDA_ONLY_SETTINGS` read
+    ``false``, and ``effective`` says for each that it was asked for and why it is off."""
+    engine = config.to_dict()
+    devices = list(config.devices) or [config.device]
+    notes = {}
+    if all(d.split(":")[0] == "cpu" for d in devices):
+        for name, why in CUDA_ONLY_SETTINGS.items():
+            if engine.get(name) is True:
+                engine[name] = False
+                notes[name] = f"requested true; off on this CPU run ({why})"
+    document = {"preset": preset, "model": model, "engine": engine}
+    if notes:
+        document["effective"] = notes
+    return document
 
 
 def save_config(output_dir: Path, document: dict[str, Any]) -> Path:

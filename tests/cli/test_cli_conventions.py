@@ -62,3 +62,27 @@ def test_presets_list_reads_at_80_columns():
     assert set(list_presets()) | {"auto"} <= set(names) | {"presets"}
     words = " ".join(result.stdout.split())
     assert "2 x NVIDIA GeForce RTX 4090, 23 GiB each" in words  # dual4090-24, unbroken
+
+
+def _commands(command, path=()):
+    """(argv path, click command) of every command and sub-command of the app."""
+    yield path, command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
+
+
+def test_no_help_of_any_command_shows_bool_and_flags_pair_with_no():
+    import typer
+
+    root = typer.main.get_command(app)
+    seen = 0
+    for path, command in _commands(root):
+        text = CliRunner().invoke(app, [*path, "--help"], env=WIDE).stdout
+        assert "Usage" in text, path
+        assert "<bool>" not in text and "[default: no-" not in text, (path, text)
+        for param in command.params:
+            eager = getattr(param, "is_eager", False)  # --version: a plain action, then exit
+            if getattr(param, "is_flag", False) and not eager and param.expose_value:
+                assert param.secondary_opts, f"{' '.join(path)} {param.opts}: no --no- form"
+        seen += 1
+    assert seen >= 7  # the app, run, plan, quantize, bench, replay, presets

@@ -58,7 +58,7 @@ def test_fields_flag_reaches_the_prompt_and_the_data_reaches_the_results(cli, do
     assert by_id["alpha"]["data_error"] is None
     assert by_id["beta"]["data"] is None and "no JSON object" in by_id["beta"]["data_error"]
     assert by_id["beta"]["ok"]  # the text is still the job's result
-    assert "beta: no data extracted: no JSON object in the reply" in result.stdout
+    assert "beta: no data extracted: no JSON object in the reply" in result.stderr
 
 
 def test_other_tasks_have_no_data_field(cli, docs, tmp_path):

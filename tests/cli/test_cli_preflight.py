@@ -124,7 +124,8 @@ def test_documents_longer_than_the_context_are_named_before_the_model_loads(cli,
     model = str(tiny_gguf(tmp_path / "m.gguf"))
     (docs / "big.txt").write_text("A long line of prose about sorting things.\n" * 400)  # 17.2 KB
     result = cli("docs/big.txt", "docs/alpha.txt", "--model", model, "--max-new-tokens", "8")
-    out = result.stdout
+    assert "look longer" in result.stderr  # a warning: stderr; output interleaves both
+    out = result.output
     statement = "1 document(s) look longer than the model's context of 2,048 tokens"
     assert statement in out
     line = out[out.index(statement) :].splitlines()[0]
@@ -132,7 +133,7 @@ def test_documents_longer_than_the_context_are_named_before_the_model_loads(cli,
     assert "--context-policy extend" in out and "--context-policy truncate" in out
     assert out.index(statement) < out.index("loading model")
     truncate = cli("docs/big.txt", "--model", model, "--context-policy", "truncate", "--force")
-    assert "look longer" not in truncate.stdout
+    assert "look longer" not in truncate.output
 
 
 def test_print_config_reports_what_would_refuse_the_run(cli, docs, tmp_path, monkeypatch):

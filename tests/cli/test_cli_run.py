@@ -140,7 +140,7 @@ def test_allow_binary_reads_a_document_with_a_nul_and_warns(cli, docs, tmp_path)
     assert "--allow-binary" in record["error"]
     result = cli("docs/note.txt", "--allow-binary")
     assert result.exit_code == 0, result.output
-    assert "note.txt" in result.stdout and "read as text because of --allow-binary" in result.stdout
+    assert "note.txt" in result.stderr and "read as text because of --allow-binary" in result.stderr
     assert read_results(tmp_path / "hisparse-out")[-1]["ok"]
 
 
@@ -462,7 +462,7 @@ def test_truncate_keep_flag_reaches_the_prompt_cut(cli, docs, tmp_path):
         engine=engine,
     )
     assert result.exit_code == 0, result.output
-    assert "(kept the tail)" in result.stdout
+    assert "(kept the tail)" in result.stderr
     (job,) = engine.engines[0].seen
     assert len(job.prompt_ids) <= 200 - 4
 
@@ -481,7 +481,7 @@ def test_truncated_jobs_say_so_in_results(cli, docs, tmp_path, keep):
     assert cut["keep"] == keep and cut["original_tokens"] == 400  # one token per word
     assert 0 < cut["kept_tokens"] < 400
     words = {"head": "kept the head", "tail": "kept the tail", "middle": "kept both ends, cut the middle"}
-    assert f"cut by {400 - cut['kept_tokens']} tokens ({words[keep]})" in result.stdout
+    assert f"cut by {400 - cut['kept_tokens']} tokens ({words[keep]})" in result.stderr
     assert records["long"]["prompt_tokens"] <= 200 - 4
     assert records["alpha"]["truncated"] is None
 
@@ -613,7 +613,7 @@ def test_engine_load_failure_exits_1(cli, docs):
 
     result = cli("docs/alpha.txt", engine=broken)
     assert result.exit_code == 1
-    assert "cannot load the model: weights are corrupt" in result.stdout
+    assert "cannot load the model: weights are corrupt" in result.stderr
 
 
 def test_busy_output_dir_exits_2(cli, docs, tmp_path):
@@ -645,7 +645,7 @@ def test_ctrl_c_cancels_running_jobs_and_exits_130(cli, docs, tmp_path):
     assert fake.cancelled
     records = read_results(tmp_path / "hisparse-out")
     assert [(r["id"], r["finish_reason"]) for r in records] == [("alpha", "cancelled")]
-    assert "cancelling" in result.stdout and "interrupted" in result.stdout
+    assert "cancelling" in result.stderr and "interrupted" in result.stdout
     assert "cancelled beta after 0 tokens" in result.stdout  # never admitted: no results line
     assert "│ 2 / 0" in result.stdout  # cancelled / not run
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -733,7 +733,7 @@ def test_sigterm_cancels_running_jobs_records_them_and_exits_143(cli, docs, tmp_
     assert engine.engines[0].cancelled
     records = read_results(tmp_path / "hisparse-out")
     assert [(r["id"], r["finish_reason"]) for r in records] == [("alpha", "cancelled")]
-    assert "SIGTERM: cancelling" in result.stdout and "interrupted" in result.stdout
+    assert "SIGTERM: cancelling" in result.stderr and "interrupted" in result.stdout
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
@@ -849,7 +849,7 @@ def test_removed_control_characters_name_the_file_and_offset(cli, tmp_path):
     (tmp_path / "jobs.yaml").write_text("jobs:\n  - id: both\n    input: [a.txt, b.txt]\n")
     result = cli("--manifest", "jobs.yaml", "--allow-binary")
     assert result.exit_code == 0, result.output
-    out = " ".join(result.stdout.split())
+    out = " ".join(result.stderr.split())
     assert f"removed 3 control character(s) from {tmp_path / 'b.txt'}" in out
     assert "(the first at byte offset 14, line 2)" in out
     assert str(tmp_path / "a.txt") not in out.split("removed")[1]

@@ -227,9 +227,10 @@ def fail_line(job_id, key="k", error="boom", text="", final=None):
     }
 
 
-def test_compact_drops_only_superseded_failure_lines_without_text(tmp_path):
+def test_compact_drops_only_superseded_failure_lines(tmp_path):
     """Issue #19.6: a job failing on every run appended a line each time; the superseded
-    failure lines go, nothing with a result or text does."""
+    failure lines go, nothing with a result does. Issue #21: a cancelled job's partial text
+    superseded by a later line goes too (Ctrl-C and resume piled them up)."""
     lines = [
         fail_line("a"),
         ok_line("a"),
@@ -244,10 +245,10 @@ def test_compact_drops_only_superseded_failure_lines_without_text(tmp_path):
     body = "".join(json.dumps(x) + "\n" for x in lines) + "not json\n"
     path.write_text(body)
     log = ResultsLog(tmp_path)
-    assert log.compact() == 2
+    assert log.compact() == 3
     kept = path.read_text().splitlines()
     assert kept[-1] == "not json"
-    assert [json.loads(x) for x in kept[:-1]] == [lines[1], lines[3], *lines[4:]]
+    assert [json.loads(x) for x in kept[:-1]] == [lines[1], lines[3], *lines[5:]]
     assert ResultsLog(tmp_path).compact() == 0
     assert read_results(path).latest == ResultsLog(tmp_path).existing.latest
 

@@ -1,0 +1,67 @@
+"""Fresh-user findings of issue #21: an output dir that is the documents' folder, cancelled
+lines on Ctrl-C and resume, the effective ``cuda_graph`` in ``config.json``, and the text
+file without the reply's leading blank line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from hisparse_cli import testing
+
+
+def read_results(folder):
+    return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+
+
+def test_output_dir_equal_to_the_documents_folder_is_refused_before_writing(cli, docs):
+    before = sorted(p.name for p in docs.iterdir())
+    result = cli("docs/*.txt", "--output-dir", "docs", engine=lambda *a: pytest.fail("loaded"))
+    assert result.exit_code == 2, result.output
+    assert "would overwrite the documents" in result.stderr and "nothing was written" in result.stderr
+    assert sorted(p.name for p in docs.iterdir()) == before  # no results.jsonl, config.json
+    assert (docs / "alpha.txt").read_text() == "The alpha document talks about sorting.\n"
+
+
+def test_an_output_dir_beside_the_documents_still_runs(cli, docs, tmp_path):
+    result = cli("docs/*.txt", "--output-dir", "docs/out")
+    assert result.exit_code == 0, result.output
+    assert {r["id"] for r in read_results(docs / "out")} == {"alpha", "beta"}
+
+
+def test_repeated_ctrl_c_and_resume_keep_one_line_per_job(cli, docs, tmp_path):
+    def interrupt(step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    out = tmp_path / "hisparse-out"
+    for _ in range(3):
+        engine = testing.fake_engine_factory(on_step=interrupt)
+        assert cli("docs/alpha.txt", "--max-new-tokens", "8", engine=engine).exit_code == 130
+    records = read_results(out)  # each run drops the line the next one supersedes
+    assert [(r["id"], r["finish_reason"]) for r in records] == [("alpha", "cancelled")]
+    plain = testing.fake_engine_factory()
+    assert cli("docs/alpha.txt", "--max-new-tokens", "8", engine=plain).exit_code == 0
+    assert [(r["id"], r["finish_reason"]) for r in read_results(out)] == [("alpha", "length")]
+    assert cli("docs/alpha.txt", "--max-new-tokens", "8").exit_code == 0  # resume: skipped
+    assert [r["finish_reason"] for r in read_results(out)] == ["length"]
+
+
+def test_config_json_shows_cuda_graph_off_on_a_cpu_run(cli, docs, tmp_path):
+    assert cli("docs/alpha.txt", "--max-new-tokens", "2").exit_code == 0
+    document = json.loads((tmp_path / "hisparse-out" / "config.json").read_text())
+    assert document["engine"]["device"] == "cpu" and document["engine"]["cuda_graph"] is False
+    assert "CPU run" in document["effective"]["cuda_graph"]
+    printed = json.loads(cli("docs/alpha.txt", "--print-config").stdout)
+    assert printed["engine"]["cuda_graph"] is False
+
+
+def test_text_file_drops_the_reply_leading_blank_line_and_jsonl_keeps_it(cli, docs, tmp_path):
+    engine = testing.fake_engine_factory(texts={"alpha": "\n\n  Sorting, in short.\n"})
+    assert cli("docs/alpha.txt", engine=engine).exit_code == 0
+    out = tmp_path / "hisparse-out"
+    assert (out / "alpha.txt").read_text() == "Sorting, in short.\n"
+    assert read_results(out)[0]["text"] == "\n\n  Sorting, in short.\n"
