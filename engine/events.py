@@ -110,6 +110,9 @@ class DecodeStep(Event):
     """One decode step of the whole batch.
 
     generated: per running job, tokens generated so far (after this step).
+    step_s: seconds since the previous step was read (or this one launched).
+    with_prefill: a prefill turn ran within ``step_s`` (the step shared the GPU with a
+        new job's prefill); steps without are the batch's steady decode rate.
     """
 
     step: int
@@ -121,6 +124,7 @@ class DecodeStep(Event):
     misses: int = 0
     h2d_bytes: int = 0
     prefetched: int = 0
+    with_prefill: bool = False
 
 
 @dataclass(frozen=True)

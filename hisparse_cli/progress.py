@@ -116,6 +116,8 @@ class RunState:
     cancelling: bool = False
     last_prefill: Sample | None = None
     ended_t: float | None = None
+    steady: dict[int, list[float]] = field(default_factory=dict)
+    """Batch size -> [steps, seconds] of decode steps that shared no turn with a prefill."""
 
     def clock(self, now: float) -> float:
         """``now``, or the end time once :meth:`ProgressTracker.finish` froze it."""
@@ -209,6 +211,10 @@ class ProgressTracker:
         state.misses += event.misses
         state.h2d_bytes += event.h2d_bytes
         state.step_s += event.step_s
+        if not event.with_prefill:
+            acc = state.steady.setdefault(event.batch_size, [0, 0.0])
+            acc[0] += 1
+            acc[1] += event.step_s
         if state.first_decode_t is None:
             state.first_decode_t = event.t - event.step_s
         state.samples.append(Sample(event.t, new_tokens, 0.0, event.h2d_bytes, event.step_s))
@@ -393,6 +399,10 @@ class RunSummary:
     output_dir: str
     interrupted: bool = False
     preset: str = ""
+    steady_decode: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Batch size -> ``{"steps", "step_ms", "tok_s"}`` of the decode steps that shared no
+    turn with a prefill: the batch's own rate, comparable to ``hisparse bench`` at the
+    same number of jobs."""
 
 
 def tokens_out(state: RunState) -> int:
@@ -420,4 +430,9 @@ def summarize(
         output_dir=output_dir,
         interrupted=interrupted,
         preset=preset,
+        steady_decode={
+            b: {"steps": n, "step_ms": 1e3 * sec / n, "tok_s": b * n / sec}
+            for b, (n, sec) in sorted(state.steady.items())
+            if n and sec > 0
+        },
     )

@@ -68,6 +68,9 @@ def summarise(label: str, rc: int, wall: float, events: list, results_path: Path
     total = max((p["host_pool"].get("total", 0) for p in progress), default=0)
     gen = sum(r.get("generated_tokens") or 0 for r in ok)
     prompt = sum(r.get("prompt_tokens") or 0 for r in ok)
+    summary = next((e for _, e in events if e.get("event") == "summary"), {})
+    steady = {int(b): v for b, v in (summary.get("steady_decode") or {}).items()}
+    full = max(steady) if steady else None
     first_admit = min(admitted) if admitted else None
     decode_span = (max(finished) - first_admit) if finished and first_admit else None
     return {
@@ -84,6 +87,10 @@ def summarise(label: str, rc: int, wall: float, events: list, results_path: Path
         "ttft_s_median": statistics.median(ttft) if ttft else None,
         "ttft_s_max": max(ttft) if ttft else None,
         "decode_tok_s_peak": max(decode) if decode else None,
+        "steady_decode": steady,
+        "steady_batch": full,
+        "steady_tok_s": steady[full]["tok_s"] if full else None,
+        "steady_step_ms": steady[full]["step_ms"] if full else None,
         "generated_tok_s_after_admission": gen / decode_span if decode_span else None,
         "host_pool_pinned_gib": pinned / 2**30,
         "host_pool_cap_gib": total / 2**30,
@@ -99,6 +106,9 @@ def table(rows: list[dict]) -> str:
         ("ttft_s_median", "TTFT median (s)"),
         ("ttft_s_max", "TTFT max (s)"),
         ("decode_tok_s_peak", "decode tok/s (peak of progress)"),
+        ("steady_batch", "largest batch decoding alone"),
+        ("steady_tok_s", "  its decode tok/s (no prefill)"),
+        ("steady_step_ms", "  its step (ms)"),
         ("generated_tok_s_after_admission", "generated tok/s from 1st admission"),
         ("host_pool_pinned_gib", "host pool pinned (GiB)"),
         ("host_pool_cap_gib", "host pool cap (GiB)"),

@@ -158,6 +158,7 @@ class Engine:
         )
         self._inflight: StepHandle | None = None
         self._last_read = 0.0
+        self._prefilled_since_read = False
 
     @classmethod
     def from_placed(cls, placed: PlacedModel, config: EngineConfig, **kwargs: Any) -> Engine:
@@ -306,6 +307,7 @@ class Engine:
             return
         budget = self.prefill_turn_tokens
         done = False
+        self._prefilled_since_read = True
         try:
             t0 = time.monotonic()
             if req.prefill_iter is None:
@@ -407,6 +409,7 @@ class Engine:
         now = time.monotonic()
         step_s = now - max(handle.t_launch, self._last_read)
         self._last_read = now
+        with_prefill, self._prefilled_since_read = self._prefilled_since_read, False
         live = []
         for r, tok, h, m, p in zip(handle.batch, tokens, hits, misses, prefetched, strict=True):
             if r.closed:
@@ -433,6 +436,7 @@ class Engine:
             int(n_miss),
             int(n_miss + n_pre) * rb,
             int(n_pre),
+            with_prefill,
         )
         for r, *_ in live:
             yield from self._check_finished(r, running)

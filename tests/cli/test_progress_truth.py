@@ -204,3 +204,20 @@ def test_wide_dashboard_keeps_bars_and_full_sizes():
     text = render(render_dashboard(crowded_state(), 3.0, width=160, height=60), 160)
     assert "█" in text and "4.00 GiB" in text
     assert "quarterly-financial-report-2023-part-00" in text
+
+
+def test_summary_gives_the_steady_decode_rate_per_batch_size():
+    """Steps that shared no turn with a prefill, by batch size, in the summary: the rate
+    `scripts/bench_run.py` sets beside `hisparse bench` at the same number of jobs."""
+    tracker = ProgressTracker(0.0)
+    for i in range(4):  # two jobs decoding, a third prefilling meanwhile: not steady
+        tracker.update(DecodeStep(0.1 * i, i, 2, 0.05, {"a": i, "b": i}, {}, with_prefill=True))
+    for i in range(6):
+        gen = {"a": 10 + i, "b": 10 + i, "c": i}
+        tracker.update(DecodeStep(1 + 0.01 * i, 10 + i, 3, 0.01, gen, {}))
+    summary = summarize(tracker.state, 2.0, "out")
+    assert set(summary.steady_decode) == {3}
+    steady = summary.steady_decode[3]
+    assert steady["steps"] == 6
+    assert steady["step_ms"] == pytest.approx(10.0)
+    assert steady["tok_s"] == pytest.approx(300.0)
