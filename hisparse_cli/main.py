@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from hisparse_cli import bench_cmd, presets_cmd, quantize_cmd, replay_cmd
+from hisparse_cli import bench_cmd, eval_cmd, presets_cmd, quantize_cmd, replay_cmd
 from hisparse_cli import options as opt
 
 app = typer.Typer(
@@ -181,3 +181,4 @@ presets_cmd.register(app)
 quantize_cmd.register(app)
 bench_cmd.register(app)
 replay_cmd.register(app)
+eval_cmd.register(app)
