@@ -62,7 +62,7 @@ SeedOpt = Annotated[int, typer.Option(help="Seed of every prompt.", rich_help_pa
 MaxNewOpt = Annotated[
     int | None,
     typer.Option(
-        min=1, help="Answer tokens (default: each task's own, 16-64).", rich_help_panel=EVAL
+        min=1, help="Answer tokens (default: each task's own, 32-64).", rich_help_panel=EVAL
     ),
 ]
 OutputDirOpt = Annotated[

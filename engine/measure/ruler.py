@@ -83,11 +83,11 @@ class TaskSpec:
 TASKS: dict[str, TaskSpec] = {
     t.name: t
     for t in (
-        TaskSpec("niah_single", 16, about="one needle, a 7-digit number"),
-        TaskSpec("niah_single_word", 16, about="one needle, an adjective-noun word"),
-        TaskSpec("niah_single_uuid", 40, about="one needle, a UUID"),
-        TaskSpec("niah_multikey", 16, about="the needle among 3 distractor keys"),
-        TaskSpec("niah_multivalue", 48, about="4 values of one key, all expected"),
+        TaskSpec("niah_single", 32, about="one needle, a 7-digit number"),
+        TaskSpec("niah_single_word", 32, about="one needle, an adjective-noun word"),
+        TaskSpec("niah_single_uuid", 64, about="one needle, a UUID"),
+        TaskSpec("niah_multikey", 32, about="the needle among 3 distractor keys"),
+        TaskSpec("niah_multivalue", 64, about="4 values of one key, all expected"),
         TaskSpec("vt", 40, about="variable tracking, a chain of 5 variables"),
         TaskSpec("cwe", 64, uses_depth=False, about="the 10 most common coded words"),
     )
