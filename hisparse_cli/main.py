@@ -11,7 +11,7 @@ import click
 import typer
 import typer.core
 
-from hisparse_cli import bench_cmd, presets_cmd, quantize_cmd, replay_cmd
+from hisparse_cli import bench_cmd, eval_cmd, presets_cmd, quantize_cmd, replay_cmd
 from hisparse_cli import options as opt
 
 
@@ -195,3 +195,4 @@ presets_cmd.register(app)
 quantize_cmd.register(app)
 bench_cmd.register(app)
 replay_cmd.register(app)
+eval_cmd.register(app)

@@ -1,0 +1,233 @@
+"""``hisparse eval``: long-context fidelity of dense vs sparse decoding on locally generated
+RULER-style tasks. Thin: flags -> prompts (:mod:`engine.measure.ruler`) -> runs
+(:func:`engine.measure.fidelity.run_eval`) -> JSON, heatmap and table
+(:mod:`hisparse_cli.eval_report`). Heavy modules are imported inside the command."""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hisparse_cli import options as opt
+
+EVAL = "Eval"
+EXIT_USAGE = 2
+
+HaystackDocs = Annotated[
+    list[str] | None,
+    typer.Argument(
+        help="Haystack text files (paths or globs), read in order and repeated as needed; "
+        "default: generated noise.",
+        show_default=False,
+        metavar="DOCS",
+    ),
+]
+LengthsOpt = Annotated[
+    str,
+    typer.Option(
+        help="Lengths (prompt + answer tokens), comma list: 2K,4K,8K or 2048,4096.",
+        rich_help_panel=EVAL,
+    ),
+]
+DepthsOpt = Annotated[
+    str,
+    typer.Option(
+        help="Needle depths (fractions of the haystack), comma list.", rich_help_panel=EVAL
+    ),
+]
+TasksOpt = Annotated[
+    str,
+    typer.Option(
+        help="Tasks, comma list: niah_single, niah_single_word, niah_single_uuid, "
+        "niah_multikey, niah_multivalue, vt, cwe (or all).",
+        rich_help_panel=EVAL,
+    ),
+]
+ConfigsOpt = Annotated[
+    str,
+    typer.Option(
+        help="Decode configurations, comma list: dense, sparse (the preset's sparse "
+        "settings) or key=value pairs joined by ':' over them, keys top_k, page, indexer, "
+        "combine, sink, window, buffer, hierarchical (top_k=512:page=32, indexer=oracle).",
+        rich_help_panel=EVAL,
+    ),
+]
+SamplesOpt = Annotated[
+    int, typer.Option(min=1, help="Samples per task, length and depth.", rich_help_panel=EVAL)
+]
+SeedOpt = Annotated[int, typer.Option(help="Seed of every prompt.", rich_help_panel=EVAL)]
+MaxNewOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=1, help="Answer tokens (default: each task's own, 32-64).", rich_help_panel=EVAL
+    ),
+]
+OutputDirOpt = Annotated[
+    Path,
+    typer.Option("--output-dir", "-o", help="Folder for eval.json and eval.png."),
+]
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``eval`` to ``app``."""
+    app.command("eval")(eval_command)
+
+
+def eval_command(
+    docs: HaystackDocs = None,
+    model: opt.Model = None,
+    lengths: LengthsOpt = "2K,4K",
+    depths: DepthsOpt = "0.1,0.5,0.9",
+    tasks: TasksOpt = "niah_single,niah_multikey",
+    configs: ConfigsOpt = "dense,sparse",
+    samples: SamplesOpt = 1,
+    seed: SeedOpt = 0,
+    max_new_tokens: MaxNewOpt = None,
+    output_dir: OutputDirOpt = Path("hisparse-eval"),
+    preset: opt.Preset = "auto",
+    max_batch: opt.MaxBatch = None,
+    context_policy: opt.ContextPolicy = None,
+    max_context: opt.MaxContext = None,
+    extend_method: opt.ExtendMethod = None,
+    threads: opt.Threads = None,
+    device: opt.Device = None,
+) -> None:
+    """Accuracy of dense and sparse decoding on long-context tasks generated locally.
+
+    Example: `hisparse eval --lengths 2K,4K --tasks niah_single,niah_multikey --configs dense,sparse,top_k=512`
+
+    Every configuration answers the same prompts (prefilled once, decoded as a batch per
+    configuration); scores are RULER's string match (share of expected values in the
+    answer). Writes OUTPUT_DIR/eval.json and OUTPUT_DIR/eval.png and prints the table.
+    Lengths over the model's context need --context-policy extend (RoPE scaling; the limit
+    defaults to the longest length). Exit code 2 on bad arguments.
+    """
+    from engine.capacity.planner import parse_context
+    from engine.config import ConfigError
+    from engine.measure import fidelity, ruler
+    from engine.presets import resolve_config
+    from hisparse_cli.bench_cmd import _chosen_preset
+
+    try:
+        length_list = sorted({parse_context(x) for x in _items(lengths)})
+        depth_list = [float(x) for x in _items(depths)]
+        task_list = list(ruler.TASKS) if tasks.strip() == "all" else _items(tasks)
+        ruler.check_tasks(task_list)
+        config_list = fidelity.parse_configs(configs)
+        if not length_list or not depth_list:
+            raise ValueError("--lengths and --depths need at least one value each")
+        if context_policy == "extend" and max_context is None:
+            max_context = max(length_list)
+        overrides = {
+            "context_policy": context_policy,
+            "max_context": max_context,
+            "extend_method": extend_method,
+            "num_threads": threads,
+            "device": device,
+            "max_batch": max_batch,
+        }
+        base = resolve_config(_chosen_preset(preset, device), {}, overrides)
+        for c in config_list:
+            c.engine_config(base)
+        texts = _read_haystack(docs or [])
+    except (ConfigError, ValueError) as exc:
+        _fail(str(exc))
+    report = _run(model, base, config_list, texts, task_list, length_list, depth_list,
+                  samples, seed, max_new_tokens)  # fmt: skip
+    _write(report, output_dir)
+
+
+def _run(model, base, configs, texts, tasks, lengths, depths, samples, seed, max_new):
+    from engine.config import ConfigError
+    from engine.load import place_model
+    from engine.measure import fidelity, ruler
+
+    try:
+        placed = place_model(base, model)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+    limit = placed.context_limit
+    skipped = [n for n in lengths if n > limit]
+    for n in skipped:
+        typer.echo(
+            f"skipped length {n}: over the context limit of {limit} tokens "
+            f"(--context-policy extend --max-context {max(lengths)} extends RoPE)",
+            err=True,
+        )
+    lengths = [n for n in lengths if n <= limit]
+    if not lengths:
+        _fail(f"no length fits the context limit of {limit} tokens")
+    tok = placed.tokenizer
+    try:
+        hay = ruler.Haystack.from_texts(texts, tok) if texts else ruler.Haystack.noise(tok)
+        errors: list[str] = []
+        builder = ruler.SuiteBuilder(tok, hay, seed)
+        suite = builder.suite(tasks, lengths, depths, samples, max_new, errors=errors)
+    except ValueError as exc:
+        _fail(str(exc))
+    for e in errors:
+        typer.echo(f"skipped {e}", err=True)
+    if not suite:
+        _fail("no prompt could be built")
+    typer.echo(
+        f"{len(suite)} prompts x {len(configs)} configs on {placed.name} "
+        f"({'haystack: ' + str(len(texts)) + ' file(s)' if texts else 'haystack: noise'})"
+    )
+    report = fidelity.run_eval(placed, base, configs, suite, log=typer.echo)
+    report |= {
+        "seed": seed,
+        "tasks": tasks,
+        "lengths": lengths,
+        "skipped_lengths": skipped,
+        "skipped_cells": errors,
+        "depths": depths,
+        "haystack": "noise" if not texts else f"{len(texts)} file(s)",
+    }
+    return report
+
+
+def _write(report, output_dir: Path) -> None:
+    from rich.console import Console
+
+    from hisparse_cli import eval_report
+
+    path = eval_report.write_report(report, output_dir, "eval.json")
+    note = eval_report.heatmap(report, output_dir / eval_report.HEATMAP_FILE)
+    Console().print(eval_report.accuracy_table(report))
+    typer.echo(
+        f"wrote {path}" + (f"; {note}" if note else f", {output_dir / eval_report.HEATMAP_FILE}")
+    )
+
+
+def _items(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _read_haystack(paths: list[str]) -> list[str]:
+    """The texts of ``paths`` (globs expanded); an unreadable file is named and skipped.
+
+    Raises
+    ------
+    ValueError
+        Files were given but none could be read.
+    """
+    from hisparse_cli.textio import DocumentError, read_document
+
+    files = [f for p in paths for f in (sorted(glob.glob(p)) if glob.has_magic(p) else [p])]
+    texts = []
+    for f in files:
+        try:
+            texts.append(read_document(f).text)
+        except DocumentError as exc:
+            typer.echo(f"skipped haystack file {exc}", err=True)
+    if paths and not texts:
+        raise ValueError(f"no readable haystack file among {', '.join(paths)}")
+    return texts
+
+
+def _fail(message: str):
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(EXIT_USAGE)
