@@ -59,9 +59,11 @@ from engine.kv.sizing import (  # noqa: F401 - re-exported: the planner's vocabu
     default_pool_pages,
     dtype_bytes,
     hierarchical,
+    host_record_bytes,
     job_device_bytes,
     kv_bytes_per_token,
     meta_page_bytes,
+    pool_page_bytes,
     shared_device_bytes,
 )
 
@@ -315,11 +317,15 @@ def job_host_bytes(model: ModelConfig, config: EngineConfig, context: int) -> in
     """Pinned host-pool bytes one job of ``context`` positions needs.
 
     The host pool holds every record of every admitted job (the authoritative copy), so
-    this is :func:`job_kv_bytes`; it is 0 when the config keeps every record on the
-    device (``attention='dense'`` or ``hierarchical=False``). ``context`` counts every
-    position the job will hold: prompt plus generated tokens.
+    this is ``P`` pool pages (:func:`engine.kv.sizing.pool_page_bytes`: :func:`job_kv_bytes`
+    with ``kv_host_dtype=bf16``, fp8 records and their exponents with ``fp8``); it is 0
+    when the config keeps every record on the device (``attention='dense'`` or
+    ``hierarchical=False``). ``context`` counts every position the job will hold: prompt
+    plus generated tokens.
     """
-    return 0 if all_resident(config) else job_kv_bytes(model, config, context)
+    if all_resident(config):
+        return 0
+    return context_pages(config, context) * pool_page_bytes(model, config)
 
 
 # ----------------------------------------------------------------------------- scratch
@@ -891,7 +897,7 @@ def _gather_bytes_per_step(model, config, jobs, context) -> int:
     if all_resident(config) or context_pages(config, context) <= config.buffer_pages:
         return 0  # every page stays resident after its first load
     pages = config.max_selected_pages
-    selected = jobs * pages * config.page_size * kv_bytes_per_token(model, config)
+    selected = jobs * pages * model.num_layers * model.num_kv_heads * host_record_bytes(model, config)
     return int(selected * LRU_MISS_RATE)
 
 
