@@ -137,9 +137,9 @@ def render_memory(state: RunState) -> Table:
         used, total = state.host_pool_used, state.host_pool_total
         parts = [""] * len(MEMORY_PARTS)  # the pool holds KV records, not these parts
         pool_bar = Text(text_bar(used / total), "blue")
-        label = "host pool"
+        label = f"host pool {state.host_pool_dtype}" if state.host_pool_dtype else "host pool"
         if 0 < state.host_pool_pinned < total:  # page-locked in chunks as jobs need it
-            label = f"host pool ({fmt_bytes(state.host_pool_pinned)} pinned)"
+            label = f"{label} ({fmt_bytes(state.host_pool_pinned)} pinned)"
         table.add_row(label, *parts, *_totals(used, total - used, total), pool_bar)
     return table
 

@@ -689,6 +689,8 @@ class Plan:
             "devices": [d.to_dict() for d in self.devices],
             "job_kv_bytes": self.job_kv_bytes,
             "host": {
+                "kv_host_dtype": self.config.kv_host_dtype,
+                "job_bytes": self.host_needed_bytes // max(self.num_jobs, 1),
                 "needed_bytes": self.host_needed_bytes,
                 "pool_bytes": self.host_pool_bytes,
                 "usable_bytes": self.host_usable_bytes,
@@ -841,6 +843,8 @@ def _suggestions(model, config, hardware, jobs, context, capacity) -> list[str]:
             )
         if config.kv_dtype == "float32":
             out.append("half the KV bytes: --kv-dtype bfloat16")
+        elif config.kv_host_dtype == "bf16" and hierarchical(config):
+            out.append("half the host KV bytes: --kv-host-dtype fp8 (fp8 host pages)")
     return out
 
 
