@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_kv import EXP_MAX, EXP_MIN, FP8, HEADROOM_BITS, fp8_quantize_ref, fp8_round_ref
 from kernels._launch import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -44,6 +43,7 @@ from kernels._launch import (
     require,
     require_runnable,
 )
+from kernels.fp8_kv import EXP_MAX, EXP_MIN, FP8, HEADROOM_BITS, fp8_quantize_ref, fp8_round_ref
 
 
 def append_kv_ref(

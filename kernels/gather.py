@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_kv import FP8, fp8_dequantize_ref
 from kernels._launch import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -31,6 +30,7 @@ from kernels._launch import (
     require,
     require_runnable,
 )
+from kernels.fp8_kv import FP8, fp8_dequantize_ref
 
 
 def gather_ref(
