@@ -355,7 +355,7 @@ def append_kv(
         check_tensor("pool_scale", pool_scale, 4, (torch.int8,))
         check_shape("pool_scale", pool_scale, (kv_pool.shape[0], hkv, 2, s))
         require(host_visible(pool_scale, dev), f"pool_scale on {pool_scale.device} is not addressable from {dev}")
-    scale = pool_scale if write_scale else _unused(positions, 4).to(torch.int8)
+    scale = pool_scale if write_scale else _unused(k, 4)  # never dereferenced then
     has_slots = kv_slots is not None
     require(
         has_slots == (page_table is not None) == (slab_ids is not None),

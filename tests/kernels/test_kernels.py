@@ -292,8 +292,11 @@ def _fp8_pool(p_pool, hkv, s, d, gen):
     return fp8_quantize_ref(x)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("s,d", [(16, 64), (32, 96), (16, 40)])
+@pytest.mark.parametrize(
+    "dtype,s,d",
+    [(torch.bfloat16, 16, 64), (torch.bfloat16, 32, 96), (torch.float32, 16, 40)],
+    ids=str,
+)
 def test_gather_fp8_dequantises_exactly(dtype, s, d):
     """The fp8 gather writes :func:`fp8_dequantize_ref` of each loaded record, bit for
     bit (awkward head dims: 96 and 40 are not powers of two)."""
