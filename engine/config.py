@@ -103,6 +103,7 @@ WEIGHT_FORMATS = ("auto", "int4", "float")
 DTYPES = ("float32", "bfloat16", "float16")
 PARALLEL_MODES = ("data", "pipeline")
 EVICTION_POLICIES = ("lru",)
+KV_HOST_DTYPES = ("bf16", "fp8")
 TOKENIZER_CHOICES = (None, "ids")
 
 
@@ -178,6 +179,16 @@ class EngineConfig:
     eviction: which resident record a miss replaces when its hot buffer is full; ``lru``
         (least recently used among the unselected slots) is the one policy now, the seam
         for another is :data:`kernels.dispatch.RESOLVERS`.
+    kv_host_dtype: how the host pool stores records (hierarchical). ``bf16``: in
+        ``kv_dtype``, as computed (bfloat16 on the GPU presets; the name is the GPU case).
+        ``fp8``: float8 e4m3 with one power-of-two scale per (token, layer, KV head, K|V)
+        row, an int8 exponent (:mod:`kernels.fp8_kv`; the choice measured in
+        docs/performance.md, "fp8 host pages"): half the pinned bytes and half the link
+        bytes per miss; the gather dequantises to ``kv_dtype`` into the hot buffer, and
+        page metadata bounds the fp8-rounded keys attention reads. All-resident runs (no
+        host tier) keep ``kv_dtype`` but round every record the same way, so they hold the
+        same KV as the hierarchical path (its exactness reference). Needs a pool-free
+        indexer (not ``oracle``) when hierarchical.
     devices: the devices of a multi-device run (``--devices``, a preset's
         ``hardware.devices``); empty: the one ``device``.
     parallel: with several ``devices``: ``data`` (a worker per device, each the whole
@@ -226,6 +237,7 @@ class EngineConfig:
     decode_overlap: bool = False
     async_decode: bool | None = None
     eviction: str = "lru"
+    kv_host_dtype: str = "bf16"
     devices: tuple[str, ...] = ()
     parallel: str = "data"
     trace_path: str | None = None
@@ -326,6 +338,20 @@ class EngineConfig:
             )
         elif self.prefetch_pages and self.attention == "sparse" and self.hierarchical:
             found += self._prefetch_problems()
+        if (
+            self.kv_host_dtype == "fp8"
+            and self.attention == "sparse"
+            and self.hierarchical
+            and INDEXER_REGISTRY[self.indexer].reads_pool
+        ):
+            found.append(
+                SettingProblem(
+                    ("kv_host_dtype", "indexer"),
+                    f"kv_host_dtype=fp8 stores the host pool as float8, which the "
+                    f"{self.indexer} indexer cannot read; use indexer quest or dense, or "
+                    "kv_host_dtype bf16",
+                )
+            )
         return found
 
     def _prefetch_problems(self) -> list[SettingProblem]:
@@ -477,6 +503,7 @@ SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "decode_overlap": _flag,
     "async_decode": _flag_or_none,
     "eviction": _choice(EVICTION_POLICIES),
+    "kv_host_dtype": _choice(KV_HOST_DTYPES),
     "devices": _devices,
     "parallel": _choice(PARALLEL_MODES),
     "trace_path": _path_or_none,

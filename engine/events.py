@@ -158,6 +158,8 @@ class MemorySnapshot(Event):
     torch does not report it).
 
     stage: the pipeline stage that measured it (``-1`` outside a pipeline).
+    host_pool_dtype: how the host pool stores records (``EngineConfig.kv_host_dtype``:
+    ``bf16`` or ``fp8``); empty where the pool is on the device.
     """
 
     device: str
@@ -174,3 +176,4 @@ class MemorySnapshot(Event):
     pinned_host: int = 0
     stage: int = -1
     host_pool_pinned: int = 0
+    host_pool_dtype: str = ""

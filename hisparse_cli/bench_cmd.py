@@ -186,6 +186,7 @@ def bench_command(
     device_buffer: opt.DeviceBuffer = None,
     sink_tokens: opt.SinkTokens = None,
     local_window: opt.LocalWindow = None,
+    kv_host_dtype: opt.KvHostDtype = None,
     hbm_gbps: HbmOpt = None,
     link_gbps: LinkOpt = None,
     corpus_tokens: CorpusTokensOpt = None,
@@ -228,6 +229,7 @@ def bench_command(
         "device_buffer": device_buffer,
         "sink_tokens": sink_tokens,
         "local_window": local_window,
+        "kv_host_dtype": kv_host_dtype,
     }
     try:
         config = resolve_config(_chosen_preset(preset, device), {}, overrides)

@@ -197,6 +197,8 @@ def render_memory(state: RunState, width: int | None = None) -> Table:
         parts = [""] * len(MEMORY_PARTS)  # the pool holds KV records, not these parts
         bar = [Text(text_bar(used / total), "blue")] if wide else []
         label = "host pool" if wide else "pool"
+        if state.host_pool_dtype:
+            label += f" {state.host_pool_dtype}"
         if 0 < state.host_pool_pinned < total:  # page-locked in chunks as jobs need it
             label += f" ({size(state.host_pool_pinned)} pinned)" if wide else f" {size(state.host_pool_pinned)}p"
         table.add_row(label, *parts, *_totals(used, total - used, total, size), *bar)

@@ -175,6 +175,15 @@ MemoryBudget = Annotated[
     float | None,
     typer.Option("--memory-budget", help="Device memory to use, GiB.", rich_help_panel=ENGINE),
 ]
+KvHostDtype = Annotated[
+    Literal["bf16", "fp8"] | None,
+    typer.Option(
+        "--kv-host-dtype",
+        help="Host KV pool records: bf16 (in the KV dtype) or fp8 (e4m3, one scale per "
+        "token row: half the pinned and link bytes).",
+        rich_help_panel=ENGINE,
+    ),
+]
 HostPool = Annotated[
     float | None,
     typer.Option(

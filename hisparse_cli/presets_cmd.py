@@ -24,7 +24,7 @@ from engine.capacity.planner import (
     plan,
 )
 from engine.capacity.shapes import get_model_shape
-from engine.config import DTYPES, ConfigError
+from engine.config import DTYPES, KV_HOST_DTYPES, ConfigError
 from engine.presets import (
     list_presets,
     load_preset_full,
@@ -77,6 +77,10 @@ PageSizeOpt = Annotated[
 ]
 KvDtypeOpt = Annotated[
     str | None, typer.Option("--kv-dtype", help=f"KV dtype: {', '.join(DTYPES)}.")
+]
+KvHostDtypeOpt = Annotated[
+    str | None,
+    typer.Option("--kv-host-dtype", help=f"Host pool records: {', '.join(KV_HOST_DTYPES)}."),
 ]
 MaxBatchOpt = Annotated[int | None, typer.Option("--max-batch", help="Decode batch.")]
 PrefillChunkOpt = Annotated[
@@ -140,6 +144,7 @@ def plan_command(
     device_buffer: DeviceBufferOpt = None,
     page_size: PageSizeOpt = None,
     kv_dtype: KvDtypeOpt = None,
+    kv_host_dtype: KvHostDtypeOpt = None,
     max_batch: MaxBatchOpt = None,
     prefill_chunk: PrefillChunkOpt = None,
     attention: AttentionOpt = None,
@@ -164,6 +169,7 @@ def plan_command(
         "device_buffer": device_buffer,
         "page_size": page_size,
         "kv_dtype": kv_dtype,
+        "kv_host_dtype": kv_host_dtype,
         "max_batch": max_batch,
         "prefill_chunk": prefill_chunk,
         "attention": attention,
@@ -278,6 +284,17 @@ def _host_table(result: Plan) -> Table:
     ctx = format_context(result.context)
     table.add_row(
         "KV per job", _gib(result.job_kv_bytes), f"{ctx} x L x Hkv x D x 2, paged"
+    )
+    host_dtype = result.config.kv_host_dtype
+    records = (
+        "fp8 + 1 B scale per row (2 x S x (D + 1) per record)"
+        if host_dtype == "fp8"
+        else f"{result.config.kv_dtype} records"
+    )
+    table.add_row(
+        "host KV per job",
+        _gib(result.host_needed_bytes // max(result.num_jobs, 1)),
+        f"kv_host_dtype {host_dtype}: {records}",
     )
     table.add_row(
         "pinned KV needed", _gib(result.host_needed_bytes), f"{result.num_jobs} job(s)"

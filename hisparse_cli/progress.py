@@ -103,6 +103,7 @@ class RunState:
     host_pool_used: int = 0
     host_pool_total: int = 0
     host_pool_pinned: int = 0
+    host_pool_dtype: str = ""  # kv_host_dtype of the host pool (bf16, fp8)
     decode_tokens: int = 0
     prefill_tokens: float = 0.0
     decode_steps: int = 0
@@ -252,6 +253,7 @@ class ProgressTracker:
         self.state.host_pool_used = event.host_pool_used
         self.state.host_pool_total = event.host_pool_total
         self.state.host_pool_pinned = event.host_pool_pinned
+        self.state.host_pool_dtype = event.host_pool_dtype
 
 
 _HANDLERS = {

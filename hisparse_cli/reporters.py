@@ -278,6 +278,7 @@ def progress_json(state: RunState, now: float) -> dict[str, Any]:
             "used": state.host_pool_used,
             "pinned": state.host_pool_pinned,
             "total": state.host_pool_total,
+            "dtype": state.host_pool_dtype,
         },
     }
 

@@ -16,6 +16,14 @@ device staging buffer instead, so a decode step can split the append in three la
 3. compute stream, after the layer's gather: the resident tail slot (``write_pool=False``,
    ``meta=None``), so a tail page the gather just loaded from the pool before step 2
    landed still ends up with the token.
+
+With ``fp8=True`` (``kv_host_dtype=fp8``) every record written is the token rounded
+through fp8 (:func:`kernels.fp8_kv.fp8_round_ref`: one power-of-two scale per row): an
+fp8 pool (``float8_e4m3fn``, with ``pool_scale``) receives the fp8 values and their int8
+exponent, a pool in the compute dtype (all-resident) the rounded token; the metadata and
+the resident tail slot get the rounded token too, which is what the gather dequantises, so
+the hierarchical path reads exactly what an all-resident fp8-rounded pool holds. Staging
+keeps the token as given (the late pool write rounds it).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from kernels._launch import (
     require,
     require_runnable,
 )
+from kernels.fp8_kv import EXP_MAX, EXP_MIN, FP8, HEADROOM_BITS, fp8_quantize_ref, fp8_round_ref
 
 
 def append_kv_ref(
@@ -50,6 +59,8 @@ def append_kv_ref(
     *,
     write_pool: bool = True,
     staging: torch.Tensor | None = None,
+    fp8: bool = False,
+    pool_scale: torch.Tensor | None = None,
 ) -> None:
     """Write each request's new key/value and update page metadata, in place.
 
@@ -68,17 +79,39 @@ def append_kv_ref(
     write_pool : False skips the pool write (a copy stream writes it later from
         ``staging``)
     staging : ``[B, Hkv, 2, D]``, receives ``k`` (index 0) and ``v`` (index 1) in its dtype
+    fp8 : round the token through fp8 everywhere it is written but ``staging`` (see the
+        module docstring)
+    pool_scale : int8 ``[P_pool, Hkv, 2, S]`` scale exponents of an fp8 ``kv_pool``
+        (``float8_e4m3fn``; needs ``fp8``), written with the pool
+
+    Raises
+    ------
+    ValueError : an fp8 ``kv_pool`` written without ``pool_scale`` and ``fp8``
     """
     b, hkv, _ = k.shape
     s = kv_pool.shape[3]
+    pool_fp8 = kv_pool.dtype == FP8
+    if write_pool and pool_fp8 and (pool_scale is None or not fp8):
+        raise ValueError("an fp8 kv_pool needs pool_scale and fp8=True")
+    if staging is not None:
+        staging[:, :, 0] = k.to(staging.device, staging.dtype)
+        staging[:, :, 1] = v.to(staging.device, staging.dtype)
+    if fp8:
+        (qk, ek), (qv, ev) = fp8_quantize_ref(k), fp8_quantize_ref(v)
+        k, v = fp8_round_ref(k), fp8_round_ref(v)
     pos = positions.long().to(block_table.device)
     page = pos // s
     off = pos % s
     pool_page = block_table.long()[torch.arange(b, device=block_table.device), page]
-    if staging is not None:
-        staging[:, :, 0] = k.to(staging.device, staging.dtype)
-        staging[:, :, 1] = v.to(staging.device, staging.dtype)
-    if write_pool:
+    if write_pool and pool_fp8:
+        pp, off_p, dev = pool_page.to(kv_pool.device), off.to(kv_pool.device), kv_pool.device
+        # index_put on float8 is not implemented everywhere: write through a uint8 view
+        raw = kv_pool.view(torch.uint8)
+        raw[pp, :, 0, off_p] = qk.to(dev).view(torch.uint8)
+        raw[pp, :, 1, off_p] = qv.to(dev).view(torch.uint8)
+        pool_scale[pp, :, 0, off_p] = ek.to(dev)
+        pool_scale[pp, :, 1, off_p] = ev.to(dev)
+    elif write_pool:
         pp, off_p = pool_page.to(kv_pool.device), off.to(kv_pool.device)
         kv_pool[pp, :, 0, off_p] = k.to(kv_pool.device, kv_pool.dtype)
         kv_pool[pp, :, 1, off_p] = v.to(kv_pool.device, kv_pool.dtype)
@@ -99,6 +132,39 @@ def append_kv_ref(
 
 
 @triton.jit
+def _pow2(e):
+    """``2.0**e`` (fp32) for int32 ``e`` in [-126, 127], from its exponent bits."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_exponent(x, mask):
+    """The int32 scale exponent of the row ``x`` (fp32, :func:`kernels.fp8_kv.fp8_exponent_ref`)."""
+    amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
+    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = biased - 127 - HEADROOM
+    return tl.minimum(tl.maximum(e, EMIN), EMAX)
+
+
+@triton.jit
+def _round_e4m3(y):
+    """fp32 ``y`` (``|y| <= 256``) rounded to the nearest e4m3 value, ties to even: adding
+    and subtracting ``1.5 * 2**(E + 20)`` (``E`` = the exponent of ``y``, at least e4m3's
+    smallest normal exponent -6) rounds away every bit below e4m3's unit in the last place
+    ``2**(E - 3)``. The cast to fp8 that follows is then exact, which keeps the interpreter
+    (whose fp32 -> e4m3 cast drops the carry into the exponent) and the GPU identical."""
+    expo = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    expo = tl.maximum(expo, -6)
+    c = _pow2(expo + 20) * 1.5
+    return (y + c) - c
+
+
+HEADROOM: tl.constexpr = tl.constexpr(HEADROOM_BITS)
+EMIN: tl.constexpr = tl.constexpr(EXP_MIN)
+EMAX: tl.constexpr = tl.constexpr(EXP_MAX)
+
+
+@triton.jit
 def _append_kv_kernel(
     k_ptr,
     v_ptr,
@@ -110,6 +176,7 @@ def _append_kv_kernel(
     page_table_ptr,
     slab_ids_ptr,
     staging_ptr,
+    scale_ptr,
     num_kv_heads,
     stride_k_b,
     stride_k_h,
@@ -132,6 +199,9 @@ def _append_kv_kernel(
     stride_st_b,
     stride_st_h,
     stride_st_kv,
+    stride_sc_p,
+    stride_sc_h,
+    stride_sc_kv,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -139,9 +209,11 @@ def _append_kv_kernel(
     WRITE_POOL: tl.constexpr,
     HAS_META: tl.constexpr,
     HAS_STAGING: tl.constexpr,
+    FP8: tl.constexpr,
+    POOL_FP8: tl.constexpr,
 ):
     """One (request, KV head): staging copy, pool write, metadata min/max, resident tail
-    write (each behind its flag)."""
+    write (each behind its flag); with ``FP8`` the token is rounded through fp8 first."""
     row = tl.program_id(0)
     b = row // num_kv_heads
     h = row % num_kv_heads
@@ -159,10 +231,27 @@ def _append_kv_kernel(
         tl.store(st, k.to(staging_ptr.dtype.element_ty), mask=mask_d)
         tl.store(st + stride_st_kv, v.to(staging_ptr.dtype.element_ty), mask=mask_d)
 
+    if FP8:  # quantise (exact power-of-two scaling, RNE cast) and round back
+        kf = k.to(tl.float32)
+        vf = v.to(tl.float32)
+        ek = _fp8_exponent(kf, mask_d)
+        ev = _fp8_exponent(vf, mask_d)
+        kq = _round_e4m3(kf * _pow2(-ek)).to(tl.float8e4nv)
+        vq = _round_e4m3(vf * _pow2(-ev)).to(tl.float8e4nv)
+        k = (kq.to(tl.float32) * _pow2(ek)).to(k.dtype)
+        v = (vq.to(tl.float32) * _pow2(ev)).to(v.dtype)
+
     if WRITE_POOL:
         rec = pool_ptr + pool_page * stride_pool_p + h * stride_pool_h + off * stride_pool_s
-        tl.store(rec + offs_d, k.to(pool_ptr.dtype.element_ty), mask=mask_d)
-        tl.store(rec + stride_pool_kv + offs_d, v.to(pool_ptr.dtype.element_ty), mask=mask_d)
+        if POOL_FP8:
+            tl.store(rec + offs_d, kq, mask=mask_d)
+            tl.store(rec + stride_pool_kv + offs_d, vq, mask=mask_d)
+            sc = scale_ptr + pool_page * stride_sc_p + h * stride_sc_h + off
+            tl.store(sc, ek.to(tl.int8))
+            tl.store(sc + stride_sc_kv, ev.to(tl.int8))
+        else:
+            tl.store(rec + offs_d, k.to(pool_ptr.dtype.element_ty), mask=mask_d)
+            tl.store(rec + stride_pool_kv + offs_d, v.to(pool_ptr.dtype.element_ty), mask=mask_d)
 
     if HAS_META:
         meta = meta_ptr + pool_page * stride_meta_p + h * stride_meta_h + offs_d
@@ -204,6 +293,8 @@ def append_kv(
     *,
     write_pool: bool = True,
     staging: torch.Tensor | None = None,
+    fp8: bool = False,
+    pool_scale: torch.Tensor | None = None,
 ) -> None:
     """Triton :func:`append_kv_ref`: same arguments, bit-identical results, one launch.
 
@@ -219,6 +310,8 @@ def append_kv(
         stride on ``P_max``), int32/int64 ``[B, Hkv]`` — all or none
     write_pool : whether to write ``kv_pool`` (read only for its shape when False)
     staging : ``[B, Hkv, 2, D]`` on the device, unit stride on ``D``, or ``None``
+    fp8, pool_scale : as in :func:`append_kv_ref`; ``pool_scale`` int8 ``[P_pool, Hkv, 2,
+        S]`` where ``kv_pool`` lives, unit stride on ``S``
 
     Raises
     ------
@@ -228,7 +321,8 @@ def append_kv(
     check_tensor("v", v, 3, FLOAT_DTYPES)
     check_tensor("positions", positions, 1, INDEX_DTYPES, unit_last=False)
     check_tensor("block_table", block_table, 2, INDEX_DTYPES)
-    check_tensor("kv_pool", kv_pool, 5, FLOAT_DTYPES)
+    pool_fp8 = kv_pool.dtype == FP8
+    check_tensor("kv_pool", kv_pool, 5, (*FLOAT_DTYPES, FP8) if fp8 else FLOAT_DTYPES)
     b, hkv, d = k.shape
     s = kv_pool.shape[3]
     check_shape("v", v, (b, hkv, d))
@@ -255,6 +349,13 @@ def append_kv(
         not write_pool or host_visible(kv_pool, dev),
         f"kv_pool on {kv_pool.device} is not addressable from {dev}",
     )
+    write_scale = write_pool and pool_fp8
+    if write_scale:
+        require(pool_scale is not None, "an fp8 kv_pool needs pool_scale")
+        check_tensor("pool_scale", pool_scale, 4, (torch.int8,))
+        check_shape("pool_scale", pool_scale, (kv_pool.shape[0], hkv, 2, s))
+        require(host_visible(pool_scale, dev), f"pool_scale on {pool_scale.device} is not addressable from {dev}")
+    scale = pool_scale if write_scale else _unused(k, 4)  # never dereferenced then
     has_slots = kv_slots is not None
     require(
         has_slots == (page_table is not None) == (slab_ids is not None),
@@ -290,6 +391,7 @@ def append_kv(
         page_table,
         slab_ids,
         staging,
+        scale,
         hkv,
         k.stride(0),
         k.stride(1),
@@ -312,6 +414,9 @@ def append_kv(
         staging.stride(0),
         staging.stride(1),
         staging.stride(2),
+        scale.stride(0),
+        scale.stride(1),
+        scale.stride(2),
         D=d,
         BLOCK_D=next_pow2(d),
         PAGE_SIZE=s,
@@ -319,5 +424,7 @@ def append_kv(
         WRITE_POOL=write_pool,
         HAS_META=has_meta,
         HAS_STAGING=has_staging,
+        FP8=fp8,
+        POOL_FP8=write_scale,
         num_warps=1,
     )

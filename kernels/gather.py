@@ -7,6 +7,11 @@ Triton's launcher turns a tensor's ``data_ptr()`` into the device pointer with
 ``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_POINTER)``, the driver-API twin of
 ``cudaHostGetDevicePointer`` (pageable memory is refused there). One launch moves every
 record of the load list, with no host synchronisation and no copy-engine calls.
+
+An fp8 host pool (``kv_host_dtype=fp8``: ``float8_e4m3fn`` records and their int8 scale
+exponents, :mod:`kernels.fp8_kv`) is dequantised to the hot buffer's dtype as it is
+copied: :func:`gather_fp8` reads half the bytes over the link and writes what
+:func:`kernels.fp8_kv.fp8_dequantize_ref` gives, bit for bit.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels._launch import (
+    FLOAT_DTYPES,
     INDEX_DTYPES,
     check_device,
     check_tensor,
@@ -24,6 +30,7 @@ from kernels._launch import (
     require,
     require_runnable,
 )
+from kernels.fp8_kv import FP8, fp8_dequantize_ref
 
 
 def gather_ref(
@@ -32,8 +39,10 @@ def gather_ref(
     block_table: torch.Tensor,
     load_pages: torch.Tensor,
     load_slots: torch.Tensor,
+    pool_scale: torch.Tensor | None = None,
 ) -> None:
-    """Copy each load-list entry ``(b, h, page) -> slot`` in place, byte-exact.
+    """Copy each load-list entry ``(b, h, page) -> slot`` in place, byte-exact (with
+    ``pool_scale``: dequantised from fp8).
 
     Parameters
     ----------
@@ -42,13 +51,20 @@ def gather_ref(
     block_table : int32 ``[B, P_max]`` request page -> pool page
     load_pages : int32 ``[B, Hkv, K]`` request page to load, -1 for no load
     load_slots : int32 ``[B, Hkv, K]`` destination slot, -1 for no load
+    pool_scale : int8 ``[P_pool, Hkv, 2, S]`` scale exponents of an fp8 ``kv_pool``
+        (``float8_e4m3fn``); ``None`` for a pool in the slots' dtype
     """
     mask = load_slots >= 0
     if not bool(mask.any()):
         return
     b_idx, h_idx, _ = torch.nonzero(mask, as_tuple=True)
     pool_pages = block_table.long()[b_idx, load_pages[mask].long()]
-    src = kv_pool[pool_pages.to(kv_pool.device), h_idx.to(kv_pool.device)]
+    pp, hh = pool_pages.to(kv_pool.device), h_idx.to(kv_pool.device)
+    if pool_scale is None:
+        src = kv_pool[pp, hh]
+    else:  # fp8 records: fancy indexing through a uint8 view (not every backend has fp8)
+        q = kv_pool.view(torch.uint8)[pp, hh].view(FP8)
+        src = fp8_dequantize_ref(q, pool_scale[pp, hh], kv_slots.dtype)
     kv_slots[load_slots[mask].long()] = src.to(kv_slots.device, non_blocking=True)
 
 
@@ -116,8 +132,10 @@ def gather(
     block_table: torch.Tensor,
     load_pages: torch.Tensor,
     load_slots: torch.Tensor,
+    pool_scale: torch.Tensor | None = None,
 ) -> None:
-    """Triton :func:`gather_ref`: byte-exact, one launch, no host synchronisation.
+    """Triton :func:`gather_ref`: byte-exact, one launch, no host synchronisation (an
+    fp8 pool, with ``pool_scale``, goes to :func:`gather_fp8`).
 
     Parameters
     ----------
@@ -126,7 +144,11 @@ def gather(
     kv_slots : ``[N, 2, S, D]`` on the device, same dtype, records contiguous
     block_table : int32/int64 ``[B, P_max]``, unit stride on ``P_max``
     load_pages, load_slots : int32/int64 ``[B, Hkv, K]``, unit stride on ``K``
+    pool_scale : see :func:`gather_fp8`
     """
+    if pool_scale is not None:
+        gather_fp8(kv_pool, kv_slots, block_table, load_pages, load_slots, pool_scale)
+        return
     check_tensor("kv_pool", kv_pool, 5, (kv_pool.dtype,))
     check_tensor("kv_slots", kv_slots, 4, (kv_pool.dtype,))
     check_tensor("block_table", block_table, 2, INDEX_DTYPES)
@@ -175,5 +197,144 @@ def gather(
         load_slots.stride(0),
         load_slots.stride(1),
         BLOCK=block,
+        num_warps=8,
+    )
+
+
+@triton.jit
+def _gather_fp8_kernel(
+    pool_ptr,
+    scale_ptr,
+    slots_ptr,
+    block_table_ptr,
+    load_pages_ptr,
+    load_slots_ptr,
+    num_kv_heads,
+    k_max,
+    num_rows,
+    stride_pool_p,
+    stride_pool_h,
+    stride_sc_p,
+    stride_sc_h,
+    stride_slots_n,
+    stride_bt_b,
+    stride_lp_b,
+    stride_lp_h,
+    stride_ls_b,
+    stride_ls_h,
+    D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One (load-list entry, block of ``BLOCK_R`` rows): dequantise the rows of a load.
+
+    A record is ``2 x S`` rows of ``D`` fp8 values (keys then values) with one int8
+    exponent per row; row ``r`` of the slot gets ``q[r] * 2**e[r]`` in the slots' dtype.
+    """
+    entry = tl.program_id(0)
+    chunk = tl.program_id(1)
+    k = entry % k_max
+    bh = entry // k_max
+    h = bh % num_kv_heads
+    b = bh // num_kv_heads
+    slot = tl.load(load_slots_ptr + b * stride_ls_b + h * stride_ls_h + k)
+    if slot >= 0:
+        page = tl.load(load_pages_ptr + b * stride_lp_b + h * stride_lp_h + k)
+        pool_page = tl.load(block_table_ptr + b * stride_bt_b + page).to(tl.int64)
+        rows = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_D)
+        rmask = rows < num_rows
+        mask = rmask[:, None] & (cols < D)[None, :]
+        offs = rows[:, None] * D + cols[None, :]
+        src = pool_ptr + pool_page * stride_pool_p + h * stride_pool_h
+        q = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        e = tl.load(scale_ptr + pool_page * stride_sc_p + h * stride_sc_h + rows, mask=rmask, other=0)
+        scale = ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+        out = q * scale[:, None]
+        dst = slots_ptr + slot.to(tl.int64) * stride_slots_n
+        tl.store(dst + offs, out.to(slots_ptr.dtype.element_ty), mask=mask)
+
+
+def gather_fp8(
+    kv_pool: torch.Tensor,
+    kv_slots: torch.Tensor,
+    block_table: torch.Tensor,
+    load_pages: torch.Tensor,
+    load_slots: torch.Tensor,
+    pool_scale: torch.Tensor,
+) -> None:
+    """Triton :func:`gather_ref` of an fp8 pool: one launch, no host synchronisation.
+
+    Parameters
+    ----------
+    kv_pool : float8_e4m3fn ``[P_pool, Hkv, 2, S, D]`` on the device or in pinned host
+        memory, each record ``[2, S, D]`` contiguous
+    kv_slots : ``[N, 2, S, D]`` float32/bfloat16/float16 on the device, records contiguous
+    block_table, load_pages, load_slots : as in :func:`gather`
+    pool_scale : int8 ``[P_pool, Hkv, 2, S]`` where ``kv_pool`` lives, each record's
+        ``[2, S]`` contiguous
+    """
+    check_tensor("kv_pool", kv_pool, 5, (FP8,))
+    check_tensor("kv_slots", kv_slots, 4, FLOAT_DTYPES)
+    check_tensor("pool_scale", pool_scale, 4, (torch.int8,))
+    check_tensor("block_table", block_table, 2, INDEX_DTYPES)
+    check_tensor("load_pages", load_pages, 3, INDEX_DTYPES)
+    check_tensor("load_slots", load_slots, 3, INDEX_DTYPES)
+    b, hkv, k_max = load_slots.shape
+    p, _, two, s, d = kv_pool.shape
+    require(
+        tuple(load_pages.shape) == (b, hkv, k_max),
+        f"load_pages {tuple(load_pages.shape)} and load_slots {tuple(load_slots.shape)} differ",
+    )
+    require(block_table.shape[0] == b, f"block_table has {block_table.shape[0]} rows, batch is {b}")
+    require(kv_pool.shape[1] == hkv, f"kv_pool has {kv_pool.shape[1]} KV heads, load list {hkv}")
+    require(
+        kv_pool.shape[2:] == kv_slots.shape[1:],
+        f"record shapes differ: pool {tuple(kv_pool.shape[2:])}, slots {tuple(kv_slots.shape[1:])}",
+    )
+    require(
+        tuple(pool_scale.shape) == (p, hkv, two, s),
+        f"pool_scale must be [{p}, {hkv}, {two}, {s}], got {tuple(pool_scale.shape)}",
+    )
+    for name, t in (("kv_pool", kv_pool), ("kv_slots", kv_slots)):
+        require(
+            list(t.stride()[-3:]) == [s * d, d, 1],
+            f"{name} records must be contiguous, got strides {t.stride()}",
+        )
+    require(pool_scale.stride(2) == s, f"pool_scale rows must be contiguous, got {pool_scale.stride()}")
+    dev = kv_slots.device
+    check_device(dev, block_table=block_table, load_pages=load_pages, load_slots=load_slots)
+    for name, t in (("kv_pool", kv_pool), ("pool_scale", pool_scale)):
+        require(host_visible(t, dev), f"{name} on {t.device} is not addressable from {dev} (pin host memory)")
+    require_runnable(dev)
+    if b * hkv * k_max == 0:
+        return
+    num_rows = two * s
+    block_d = next_pow2(d)
+    block_r = max(1, min(next_pow2(num_rows), 4096 // block_d))
+    grid = (b * hkv * k_max, -(-num_rows // block_r))
+    _gather_fp8_kernel[grid](
+        kv_pool,
+        pool_scale,
+        kv_slots,
+        block_table,
+        load_pages,
+        load_slots,
+        hkv,
+        k_max,
+        num_rows,
+        kv_pool.stride(0),
+        kv_pool.stride(1),
+        pool_scale.stride(0),
+        pool_scale.stride(1),
+        kv_slots.stride(0),
+        block_table.stride(0),
+        load_pages.stride(0),
+        load_pages.stride(1),
+        load_slots.stride(0),
+        load_slots.stride(1),
+        D=d,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
         num_warps=8,
     )

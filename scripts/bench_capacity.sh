@@ -25,7 +25,8 @@
 #            steps per run.
 # MODES overrides the modes of any scenario (comma list, see `hisparse bench --help`);
 # DEVICE_BUFFER sets the hot buffer in tokens per (job, layer, KV head) (default: the h200
-# preset's 4096 = 2 x top_k; the dual4090 preset uses 8192).
+# preset's 4096 = 2 x top_k; the dual4090 preset uses 8192). KV_HOST_DTYPE=fp8 stores the
+# host pool as fp8 records (kv_host_dtype; default bf16): about twice the jobs per host GiB.
 # Files back: bench.json, bench.log, gpu.txt and the PNG plots.
 #
 # On virtual machines whose memory grows on demand (MemAvailable reads far less than the
@@ -86,6 +87,6 @@ timeout "${TIMEOUT:-570}" "$PY" -m hisparse_cli.bench_cmd \
   --modes "${MODES:-dense,sparse,hierarchical,noio}" \
   --decode-steps "${STEPS:-16}" --warmup-steps 3 --profile-steps 2 \
   --docs "$DOCS" --master-gb "$MASTER" --prefill window --prefill-window 1024 \
-  --host-pool "${HOST_POOL:-56}" "${SOAK[@]}" "${EXTRA[@]}" \
+  --host-pool "${HOST_POOL:-56}" --kv-host-dtype "${KV_HOST_DTYPE:-bf16}" "${SOAK[@]}" "${EXTRA[@]}" \
   --time-limit "${LIMIT:-420}" --corpus-tokens "$TOKENS" 2>&1 | tee "$OUT/bench.log"
 exit "${PIPESTATUS[0]}"

@@ -11,6 +11,9 @@ Sections (``--sections``, comma-separated; all by default):
   the same layer (target <= 10%);
 * ``gather`` — GB/s for 16/32/64 KiB records from pinned host memory against the pinned
   ``cudaMemcpy`` ceiling (target >= 90%);
+* ``gather_fp8`` — the same loads from an fp8 host pool (``kv_host_dtype=fp8``: e4m3
+  records + one int8 exponent per row, dequantised to bf16 in the gather) against the
+  bf16 gather, page sizes 16-128: link bytes per miss, µs, records/s and the speed-up;
 * ``int4`` — W4A16 linear on the engine's ``Int4Weight`` (group 32, the GGUF Q4_0/Q4_1
   group): bf16 ``F.linear``, torch's ``_weight_int4pack_mm`` on ``Int4Linear``'s packing and
   the Triton ``group_int4_linear`` (default tiles and a small tile sweep) on SmolLM2-135M
@@ -381,6 +384,73 @@ def bench_gather(ceilings: dict, out: dict) -> None:
         )
 
 
+def bench_gather_fp8(out: dict) -> None:
+    """bf16 vs fp8 host pages: one gather of ``b x Hkv x k`` random records per call."""
+    from kernels.fp8_kv import FP8
+
+    gen = torch.Generator().manual_seed(3)
+    rows = out.setdefault("gather_fp8", [])
+    b, k = 8, 32
+    for s in (16, 32, 64, 128):
+        bf16_rec = 2 * s * D * 2
+        fp8_rec = 2 * s * (D + 1)
+        p_pool = GATHER_POOL_BYTES // (HKV * bf16_rec)
+        p_max = p_pool // b
+        kk = min(k, p_max)
+        # contents do not change the timing: the bf16 gather copies bytes; fp8 1.0 x 2**-3
+        x = torch.zeros(p_pool, HKV, 2, s, D, dtype=torch.bfloat16, pin_memory=True)
+        q = torch.empty(p_pool, HKV, 2, s, D, dtype=FP8, pin_memory=True)
+        q.view(torch.uint8).fill_(0x38)
+        e = torch.full((p_pool, HKV, 2, s), -3, dtype=torch.int8, pin_memory=True)
+        block_table = (
+            torch.randperm(p_pool, generator=gen)[: b * p_max].view(b, p_max).int().to(DEV)
+        )
+        slots = torch.empty(b * HKV * kk, 2, s, D, dtype=torch.bfloat16, device=DEV)
+        lists = []
+        for _ in range(4):
+            lp = torch.stack(
+                [torch.randperm(p_max, generator=gen)[:kk] for _ in range(b * HKV)]
+            ).view(b, HKV, kk)
+            ls = torch.randperm(b * HKV * kk, generator=gen).view(b, HKV, kk)
+            lists.append((lp.int().to(DEV), ls.int().to(DEV)))
+        n = b * HKV * kk
+        us_bf16 = time_us(
+            [
+                lambda lp=lp, ls=ls, p=x, sl=slots, bt=block_table: gather(p, sl, bt, lp, ls)
+                for lp, ls in lists
+            ],
+            reps=10,
+        )
+        us_fp8 = time_us(
+            [
+                lambda lp=lp, ls=ls, p=q, sl=slots, bt=block_table, sc=e: gather(
+                    p, sl, bt, lp, ls, pool_scale=sc
+                )
+                for lp, ls in lists
+            ],
+            reps=10,
+        )
+        row = {
+            "page_size": s,
+            "records": n,
+            "bf16_link_bytes_per_miss": bf16_rec,
+            "fp8_link_bytes_per_miss": fp8_rec,
+            "link_bytes_ratio": fp8_rec / bf16_rec,
+            "bf16_us": us_bf16,
+            "fp8_us": us_fp8,
+            "bf16_link_gbps": n * bf16_rec / us_bf16 / 1e3,
+            "fp8_link_gbps": n * fp8_rec / us_fp8 / 1e3,
+            "speedup": us_bf16 / us_fp8,
+        }
+        rows.append(row)
+        print(
+            f"  S={s:3d}: bf16 {us_bf16:7.1f} us, fp8 {us_fp8:7.1f} us "
+            f"(x{row['speedup']:.2f}; {fp8_rec} vs {bf16_rec} link bytes per miss)",
+            flush=True,
+        )
+        x = q = e = None  # free the pinned pools before the next page size
+
+
 # --- int4 ------------------------------------------------------------------------------------
 
 INT4_SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (14336, 4096), (4096, 14336)]
@@ -516,6 +586,15 @@ def print_tables(res: dict) -> None:
                 f"{r['record_kib']:3d}KiB {r['records']:7d} {r['us']:8.1f} {r['gbps']:7.1f} "
                 f"{r['pct_of_pinned_memcpy']:7.0f}% {r['per_record_copy_gbps']:10.1f}"
             )
+    if res.get("gather_fp8"):
+        print("\ngather from pinned host: bf16 vs fp8 records (dequantised to bf16)")
+        print("S    records  B/miss bf16  B/miss fp8  bf16_us   fp8_us  speed-up  fp8 GB/s")
+        for r in res["gather_fp8"]:
+            print(
+                f"{r['page_size']:<4d} {r['records']:7d} {r['bf16_link_bytes_per_miss']:11d} "
+                f"{r['fp8_link_bytes_per_miss']:11d} {r['bf16_us']:8.1f} {r['fp8_us']:8.1f} "
+                f"{r['speedup']:8.2f} {r['fp8_link_gbps']:9.1f}"
+            )
     if res.get("int4"):
         print("\nW4A16 linear (µs, group 32; Triton best = best of a small tile sweep)")
         print("    N     K    M   bf16  tinygemm    triton  tri_best")
@@ -606,7 +685,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="write results as JSON here")
     parser.add_argument(
-        "--sections", default="ceilings,attention,resolve,gather,int4,int4_decode"
+        "--sections", default="ceilings,attention,resolve,gather,gather_fp8,int4,int4_decode"
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -641,6 +720,8 @@ def main() -> int:
                 bench_resolve(res)
             elif name == "gather":
                 bench_gather(res["ceilings"], res)
+            elif name == "gather_fp8":
+                bench_gather_fp8(res)
             elif name == "int4":
                 bench_int4(res)
             elif name == "int4_decode":

@@ -59,9 +59,11 @@ from engine.kv.sizing import (  # noqa: F401 - re-exported: the planner's vocabu
     default_pool_pages,
     dtype_bytes,
     hierarchical,
+    host_record_bytes,
     job_device_bytes,
     kv_bytes_per_token,
     meta_page_bytes,
+    pool_page_bytes,
     shared_device_bytes,
 )
 
@@ -315,11 +317,15 @@ def job_host_bytes(model: ModelConfig, config: EngineConfig, context: int) -> in
     """Pinned host-pool bytes one job of ``context`` positions needs.
 
     The host pool holds every record of every admitted job (the authoritative copy), so
-    this is :func:`job_kv_bytes`; it is 0 when the config keeps every record on the
-    device (``attention='dense'`` or ``hierarchical=False``). ``context`` counts every
-    position the job will hold: prompt plus generated tokens.
+    this is ``P`` pool pages (:func:`engine.kv.sizing.pool_page_bytes`: :func:`job_kv_bytes`
+    with ``kv_host_dtype=bf16``, fp8 records and their exponents with ``fp8``); it is 0
+    when the config keeps every record on the device (``attention='dense'`` or
+    ``hierarchical=False``). ``context`` counts every position the job will hold: prompt
+    plus generated tokens.
     """
-    return 0 if all_resident(config) else job_kv_bytes(model, config, context)
+    if all_resident(config):
+        return 0
+    return context_pages(config, context) * pool_page_bytes(model, config)
 
 
 # ----------------------------------------------------------------------------- scratch
@@ -683,6 +689,8 @@ class Plan:
             "devices": [d.to_dict() for d in self.devices],
             "job_kv_bytes": self.job_kv_bytes,
             "host": {
+                "kv_host_dtype": self.config.kv_host_dtype,
+                "job_bytes": self.host_needed_bytes // max(self.num_jobs, 1),
                 "needed_bytes": self.host_needed_bytes,
                 "pool_bytes": self.host_pool_bytes,
                 "usable_bytes": self.host_usable_bytes,
@@ -835,6 +843,8 @@ def _suggestions(model, config, hardware, jobs, context, capacity) -> list[str]:
             )
         if config.kv_dtype == "float32":
             out.append("half the KV bytes: --kv-dtype bfloat16")
+        elif config.kv_host_dtype == "bf16" and hierarchical(config):
+            out.append("half the host KV bytes: --kv-host-dtype fp8 (fp8 host pages)")
     return out
 
 
@@ -891,7 +901,7 @@ def _gather_bytes_per_step(model, config, jobs, context) -> int:
     if all_resident(config) or context_pages(config, context) <= config.buffer_pages:
         return 0  # every page stays resident after its first load
     pages = config.max_selected_pages
-    selected = jobs * pages * config.page_size * kv_bytes_per_token(model, config)
+    selected = jobs * pages * model.num_layers * model.num_kv_heads * host_record_bytes(model, config)
     return int(selected * LRU_MISS_RATE)
 
 

@@ -148,6 +148,9 @@ class DecodeAttention:
         c = self.cache
         hier = c.hierarchical
         cfg = self.config
+        if c.fp8:  # fp8 rounding starts from kv_dtype, as the prefill's does
+            k, v = k.to(c.dtype), v.to(c.dtype)
+        fp8 = {"fp8": True, "pool_scale": c.pool_scale[layer]} if c.fp8 else {}
         deferred = c.deferred_writes and cfg.decode_write_stream and not self.indexer.reads_pool
         if deferred:
             self.stage_and_write(plan, layer, k, v)
@@ -162,6 +165,7 @@ class DecodeAttention:
                 c.slots[layer] if hier else None,
                 c.page_table[layer] if hier else None,
                 plan.slab_ids if hier else None,
+                **fp8,
             )
         if self.config.attention == "dense":
             return self.ops.dense_decode_attention(
@@ -194,6 +198,7 @@ class DecodeAttention:
                 c.page_table[layer],
                 plan.slab_ids,
                 write_pool=False,
+                **fp8,
             )
         out = self.ops.sparse_decode_attention(
             q, c.slots[layer], selection, slot_list, plan.seq_lens, self.scale
@@ -241,7 +246,10 @@ class DecodeAttention:
             k_max,
         )
         if not self.config.skip_host_io:
-            self.ops.gather(c.pool[layer], c.slots[layer], plan.block_table, load_pages, load_slots)
+            scale = {"pool_scale": c.pool_scale[layer]} if c.host_fp8 else {}
+            self.ops.gather(
+                c.pool[layer], c.slots[layer], plan.block_table, load_pages, load_slots, **scale
+            )
         return slot_list, hits, load_slots
 
     def stage_and_write(self, plan: StepPlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -253,9 +261,12 @@ class DecodeAttention:
         b = k.shape[0]
         staging = c.token_staging[layer, plan.row0 : plan.row0 + b]
         pool, table, pos = c.pool[layer], plan.block_table, plan.positions
-        self.ops.append_kv(k, v, pos, table, pool, c.meta[layer], write_pool=False, staging=staging)
+        fp8 = {"fp8": True, "pool_scale": c.pool_scale[layer]} if c.fp8 else {}
+        self.ops.append_kv(
+            k, v, pos, table, pool, c.meta[layer], write_pool=False, staging=staging, **fp8
+        )
         k_st, v_st = staging[:, :, 0], staging[:, :, 1]
-        c.run_late(lambda: self.ops.append_kv(k_st, v_st, pos, table, pool, None))
+        c.run_late(lambda: self.ops.append_kv(k_st, v_st, pos, table, pool, None, **fp8))
 
     def scores(self, plan: StepPlan, layer: int, q: torch.Tensor) -> torch.Tensor | None:
         """Page scores float32 ``[B, Hkv, P_max]`` of the configured indexer (``None`` for

@@ -6,6 +6,12 @@ tables and LRU state. Names follow DESIGN.md.
   handed out from a free list; a request's pages are listed in its block table. With
   the hierarchical path the pool lives in (pinned, when CUDA is present) host memory and
   is the authoritative copy; otherwise it lives on the compute device.
+* **fp8 records** (``kv_host_dtype=fp8``) — hierarchical: the host pool holds
+  ``float8_e4m3fn`` records and, per layer, ``pool_scale [P_pool, Hkv, 2, S]`` int8 scale
+  exponents (one per token row, :mod:`kernels.fp8_kv`); the gather dequantises into the
+  hot buffer. All-resident: the device pool keeps ``kv_dtype`` but holds every record
+  rounded through fp8 the same way. Either way the metadata bounds the rounded keys, so
+  both paths read the same KV.
 * **Page metadata** — per layer ``[P_pool, Hkv, 2, D]`` key min / max, on the compute device.
 * **Hot buffer** — per layer ``[N, 2, S, D]`` record slots, ``N = num_slabs * C``. Each
   (request, KV head) owns one slab (the same slab id in every layer) of ``C`` slots.
@@ -44,6 +50,7 @@ import torch
 from engine.config import CacheFullError, EngineConfig, ModelConfig, env_overrides
 from engine.kv import sizing
 from engine.kv.host_pool import HostPool
+from kernels.fp8_kv import FP8, fp8_quantize_ref, fp8_round_ref
 
 
 @dataclass
@@ -195,7 +202,9 @@ class KVCache:
         layers = layers if layers is not None else range(model.num_layers)
         self.layer_offset, self.num_layers = layers.start, len(layers)
         hkv, d, nl = model.num_kv_heads, model.head_dim, self.num_layers
-        self.record_bytes = sizing.record_bytes(model, config)
+        self.fp8 = config.kv_host_dtype == "fp8"  # every record rounded through fp8
+        self.host_fp8 = sizing.host_fp8(config)  # ... and stored as fp8 in the host pool
+        self.record_bytes = sizing.host_record_bytes(model, config)  # one miss over the link
         self.page_bytes = sizing.pool_page_bytes(model, config, nl)
         if num_pool_pages is None:  # whole-model pages, as the planner counts them
             num_pool_pages = sizing.default_pool_pages(model, config)
@@ -207,13 +216,18 @@ class KVCache:
         self.pinned = pin = self.hierarchical and device.type == "cuda"
         shape = (num_pool_pages, hkv, 2, s, d)
         self.host: HostPool | None = None
+        self.pool_dtype = FP8 if self.host_fp8 else self.dtype
+        self.pool_scale: list[torch.Tensor | None] = [None] * nl  # fp8 exponents per layer
         if pool_dev.type == "cpu":
+            scale_shape = shape[:4] if self.host_fp8 else None
             try:
-                self.host = HostPool(nl, shape, self.dtype, pin)
+                self.host = HostPool(nl, shape, self.pool_dtype, pin, scale_shape=scale_shape)
             except CacheFullError:
                 release_pinned_cache()
                 raise
             self.pool = self.host.layers
+            if self.host_fp8:
+                self.pool_scale = list(self.host.scales)
         else:
             self.pool = [torch.empty(shape, dtype=self.dtype, device=pool_dev) for _ in range(nl)]
         lazy = self.host is not None and self.host.lazy
@@ -434,11 +448,16 @@ class KVCache:
         """
         pages = self._prefill_pages(seq_id, k, start)
         self._sync_copies(seq_id)  # the host writes below must not race a pending copy
-        rec = _records(k, v, self.page_size)
         pool = self.pool[layer]
         index = torch.tensor(pages, dtype=torch.long, device=pool.device)
-        pool[index] = rec.to(pool.device, self.dtype)
-        self._write_meta(layer, pages, k)
+        if self.host_fp8:  # quantised from kv_dtype (never from rounded values)
+            q, e = fp8_quantize_ref(_records(k.to(self.dtype), v.to(self.dtype), self.page_size))
+            pool.view(torch.uint8)[index] = q.to(pool.device).view(torch.uint8)
+            self.pool_scale[layer][index] = e.to(pool.device)
+        else:
+            rec = _records(self._rounded(k), self._rounded(v), self.page_size)
+            pool[index] = rec.to(pool.device, self.dtype)
+        self._write_meta(layer, pages, self._rounded(k))
 
     def write_prefill_chunk(
         self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
@@ -509,7 +528,7 @@ class KVCache:
         self.closed = True
         self.seqs.clear()
         self.free_pages, self.free_slabs = [], []
-        for name in ("pool", "meta", "slots", "page_table", "slot_page", "slot_last_use"):
+        for name in ("pool", "pool_scale", "meta", "slots", "page_table", "slot_page", "slot_last_use"):
             setattr(self, name, [])
         self._staging, self._staging_done = [], [None, None]
         self.token_staging = None
@@ -535,9 +554,15 @@ class KVCache:
             )
         return pages
 
+    def _rounded(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, Hkv, D]`` in ``kv_dtype``, rounded through fp8 (per token row) when
+        ``kv_host_dtype=fp8``: what attention will read of it."""
+        return fp8_round_ref(x.to(self.dtype)) if self.fp8 else x
+
     def _write_meta(self, layer: int, pages: list[int], k: torch.Tensor) -> None:
         """Key min / max of ``k [T, Hkv, D]``'s pages into ``pages``' metadata, one
-        assignment per run of consecutive pages (current stream)."""
+        assignment per run of consecutive pages (current stream); ``k`` already
+        :meth:`_rounded`."""
         bounds = _key_bounds(k, self.page_size).to(self.dtype)
         meta = self.meta[layer]
         for i, first, n in page_runs(pages):
@@ -548,40 +573,61 @@ class KVCache:
     ) -> None:
         """One staged write of at most ``staging_pages`` pages."""
         pages = self._prefill_pages(seq_id, k, start)
-        self._write_meta(layer, pages, k)
+        self._write_meta(layer, pages, self._rounded(k))
+        if not self.host_fp8:  # fp8 records: _stage quantises from kv_dtype
+            k, v = self._rounded(k), self._rounded(v)
         slot = self._next_staging
         self._next_staging ^= 1
-        buf = self._stage(slot, k, v)
-        pool, stream = self.pool[layer], self.copy_stream
+        buf, ebuf = self._stage(slot, k, v)
+        pairs = [(self.pool[layer], buf)]
+        if ebuf is not None:
+            pairs.append((self.pool_scale[layer], ebuf))
+        stream = self.copy_stream
         if stream is None:
             for i, first, n in page_runs(pages, self.copy_chunk_pages):
-                pool[first : first + n].copy_(buf[i : i + n])
+                for dst, src in pairs:
+                    _copy_pages(dst[first : first + n], src[i : i + n])
             return
         stream.wait_stream(torch.cuda.current_stream(self.device))  # staged records exist
         with torch.cuda.stream(stream):
             for i, first, n in page_runs(pages, self.copy_chunk_pages):
-                pool[first : first + n].copy_(buf[i : i + n], non_blocking=True)
+                for dst, src in pairs:
+                    _copy_pages(dst[first : first + n], src[i : i + n], non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
         self._staging_done[slot] = done
         self._pending[seq_id] = done
 
-    def _stage(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _stage(
+        self, slot: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Staging buffer ``slot`` filled with the records of ``k``/``v`` ``[T, Hkv, D]``:
-        ``[n, Hkv, 2, S, D]`` contiguous, ``kv_dtype``, zero past ``T``. The current stream
-        first waits for the copy that last read this buffer (issued two writes ago)."""
+        ``[n, Hkv, 2, S, D]`` contiguous, the pool's dtype, zero past ``T``; with an fp8
+        host pool also their exponents ``[n, Hkv, 2, S]`` int8 (else ``None``). The current
+        stream first waits for the copy that last read this buffer (issued two writes ago)."""
         if not self._staging:
             shape = (self.staging_pages, self.model.num_kv_heads, 2, self.page_size)
             self._staging = [
-                torch.empty(*shape, self.model.head_dim, dtype=self.dtype, device=self.device)
+                torch.empty(*shape, self.model.head_dim, dtype=self.pool_dtype, device=self.device)
                 for _ in range(2)
             ]
+            if self.host_fp8:
+                self._staging += [
+                    torch.empty(shape, dtype=torch.int8, device=self.device) for _ in range(2)
+                ]
         done = self._staging_done[slot]
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
-        buf = self._staging[slot][: self.pages_for(k.shape[0])]
-        _fill_records(buf, k, v)
-        return buf
+        n = self.pages_for(k.shape[0])
+        buf = self._staging[slot][:n]
+        if not self.host_fp8:
+            _fill_records(buf, k, v)
+            return buf, None
+        q, e = fp8_quantize_ref(_records(k.to(self.dtype), v.to(self.dtype), self.page_size))
+        buf.view(torch.uint8).copy_(q.view(torch.uint8))
+        ebuf = self._staging[2 + slot][:n]
+        ebuf.copy_(e)
+        return buf, ebuf
 
     def _sync_copies(self, seq_id: int) -> None:
         """Wait on the host for ``seq_id``'s pending prefill copies."""
@@ -628,6 +674,14 @@ class KVCache:
         free = set(self.free_slabs)
         for slab in free:
             assert bool((sp[slab * c : (slab + 1) * c] < 0).all()), f"layer {layer}: free slab holds pages"
+
+
+def _copy_pages(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    """``dst.copy_(src)`` of a run of pages (through uint8 views for fp8 records, which
+    not every backend copies)."""
+    if dst.dtype == FP8:
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    dst.copy_(src, non_blocking=non_blocking)
 
 
 def _records(k: torch.Tensor, v: torch.Tensor, page_size: int) -> torch.Tensor:

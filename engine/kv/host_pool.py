@@ -1,7 +1,8 @@
 """The host pool: every record of every admitted request, in host memory, page-locked in
 chunks as its pages are handed out.
 
-One tensor per layer, ``[P_pool, Hkv, 2, S, D]``, reserved whole at start as ordinary
+One tensor per layer, ``[P_pool, Hkv, 2, S, D]`` (with fp8 records, ``kv_host_dtype=fp8``,
+a second one of their int8 scale exponents, ``[P_pool, Hkv, 2, S]``), reserved whole at start as ordinary
 virtual memory (``torch.empty`` touches nothing, so the OS backs a page only when it is
 first written). What the GPU must reach is page-locked with ``cudaHostRegister``
 (portable, mapped: every device addresses it through unified virtual addressing, at the
@@ -36,7 +37,9 @@ class HostPool:
     ----------
     num_layers : layers held (a pipeline stage's)
     shape : one layer's ``(P_pool, Hkv, 2, S, D)``
-    dtype : KV dtype
+    dtype : KV dtype of the records (``torch.float8_e4m3fn`` for fp8 records)
+    scale_shape : one layer's ``(P_pool, Hkv, 2, S)`` int8 scale exponents of fp8 records
+        (:mod:`kernels.fp8_kv`), or ``None`` (no scales); pinned with the records
     pin : page-lock for a CUDA device (hierarchical on CUDA); ``False``: plain memory
     chunk_bytes : per-layer bytes registered at a time (default :data:`PIN_CHUNK_BYTES`
         over the layers, read at construction; tests use small chunks)
@@ -44,6 +47,7 @@ class HostPool:
     Attributes
     ----------
     layers : list of ``num_layers`` tensors ``[P_pool, Hkv, 2, S, D]``
+    scales : list of ``num_layers`` int8 tensors ``[P_pool, Hkv, 2, S]``, or ``[]``
     pinned_pages : pool pages ``[0, pinned_pages)`` page-locked in every layer (all of
         them when not pinning)
 
@@ -60,13 +64,20 @@ class HostPool:
         dtype: torch.dtype,
         pin: bool,
         chunk_bytes: int | None = None,
+        scale_shape: tuple[int, ...] | None = None,
     ):
         self.layers = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        self.scales = (
+            [torch.empty(scale_shape, dtype=torch.int8) for _ in range(num_layers)]
+            if scale_shape is not None
+            else []
+        )
         self.num_pages = shape[0]
-        per_page = 1
-        for n in shape[1:]:
-            per_page *= n
-        self.layer_page_bytes = per_page * torch.empty((), dtype=dtype).element_size()
+        # per layer and page: (tensor list, bytes of one page in it)
+        self._parts = [(self.layers, _page_bytes(shape, dtype))]
+        if self.scales:
+            self._parts.append((self.scales, _page_bytes(scale_shape, torch.int8)))
+        self.layer_page_bytes = sum(b for _, b in self._parts)
         chunk = PIN_CHUNK_BYTES // max(num_layers, 1) if chunk_bytes is None else chunk_bytes
         self.chunk_pages = max(1, chunk // max(self.layer_page_bytes, 1))
         self.pin = pin
@@ -74,6 +85,7 @@ class HostPool:
         self.pinned_pages = 0 if pin else self.num_pages
         if pin and not self.lazy:  # no cudaHostRegister: torch's pinned allocator, whole
             self.layers = [_pin_whole(t) for t in self.layers]
+            self.scales = [_pin_whole(t) for t in self.scales]
             self.pinned_pages = self.num_pages
         elif self.lazy:
             self.ensure_pinned(1)  # the tensors report is_pinned() from the start
@@ -108,19 +120,29 @@ class HostPool:
         while self.pinned_pages < num_pages:  # whole, aligned chunks: [i*C, (i+1)*C)
             start = self.pinned_pages
             end = min(self.num_pages, start + self.chunk_pages)
-            offset = start * self.layer_page_bytes
-            size = (end - start) * self.layer_page_bytes
-            for t in self.layers:
-                ptr = t.data_ptr() + offset
-                err = cudart.cudaHostRegister(ptr, size, 1 | 2)  # Portable | Mapped
-                if getattr(err, "value", err) != 0:
-                    raise CacheFullError(
-                        f"could not page-lock {size / 2**30:.2f} GiB more of the host KV pool "
-                        f"(cudaHostRegister returned {err}; {self.pinned_bytes / 2**30:.2f} GiB "
-                        "locked so far); lower host_pool_gb (--host-pool) or run fewer jobs"
-                    )
-                weakref.finalize(t, cudart.cudaHostUnregister, ptr)
+            for tensors, page_bytes in self._parts:
+                offset = start * page_bytes
+                size = (end - start) * page_bytes
+                for t in tensors:
+                    ptr = t.data_ptr() + offset
+                    err = cudart.cudaHostRegister(ptr, size, 1 | 2)  # Portable | Mapped
+                    if getattr(err, "value", err) != 0:
+                        raise CacheFullError(
+                            f"could not page-lock {size / 2**30:.2f} GiB more of the host KV "
+                            f"pool (cudaHostRegister returned {err}; "
+                            f"{self.pinned_bytes / 2**30:.2f} GiB locked so far); lower "
+                            "host_pool_gb (--host-pool) or run fewer jobs"
+                        )
+                    weakref.finalize(t, cudart.cudaHostUnregister, ptr)
             self.pinned_pages = end
+
+
+def _page_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of one pool page (dims ``1:`` of ``shape``) in ``dtype``."""
+    n = 1
+    for d in shape[1:]:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
 
 
 def _has_host_register() -> bool:

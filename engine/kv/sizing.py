@@ -7,7 +7,9 @@ so what ``hisparse plan`` counts is what the cache allocates. Arithmetic only: n
 
 Shape symbols: ``L`` layers (``L_d`` on one pipeline stage), ``Hkv`` KV heads, ``D`` head
 dim, ``T`` tokens, ``S`` page size, ``P = ceil(T / S)`` pages, ``b_kv`` bytes per KV
-element. Bytes everywhere; GiB (2**30 bytes) only in :data:`GIB`.
+element. With ``kv_host_dtype=fp8`` (hierarchical) a host-pool record is ``2 x S x D`` fp8
+bytes plus ``2 x S`` int8 scale exponents (:mod:`kernels.fp8_kv`); the hot buffer and the
+page metadata stay in ``kv_dtype``. Bytes everywhere; GiB (2**30 bytes) only in :data:`GIB`.
 """
 
 from __future__ import annotations
@@ -70,6 +72,23 @@ def record_bytes(model: ModelConfig, config: EngineConfig) -> int:
     return 2 * config.page_size * model.head_dim * dtype_bytes(config.kv_dtype)
 
 
+def host_fp8(config: EngineConfig) -> bool:
+    """True when the host pool stores fp8 records (hierarchical and ``kv_host_dtype=fp8``)."""
+    return hierarchical(config) and config.kv_host_dtype == "fp8"
+
+
+FP8_SCALE_BYTES = 1
+"""One int8 scale exponent per (token, layer, KV head, K|V) row of an fp8 record."""
+
+
+def host_record_bytes(model: ModelConfig, config: EngineConfig) -> int:
+    """One record as the KV pool stores it and a miss moves over the link: fp8 host pool
+    ``2 x S x (D + 1)`` (values and one exponent per row), else :func:`record_bytes`."""
+    if host_fp8(config):
+        return 2 * config.page_size * (model.head_dim + FP8_SCALE_BYTES)
+    return record_bytes(model, config)
+
+
 def meta_page_bytes(model: ModelConfig, config: EngineConfig, num_layers: int | None = None) -> int:
     """Page metadata of one pool page over ``num_layers`` layers (default all):
     ``L x Hkv x 2 x D x b_kv``."""
@@ -79,9 +98,9 @@ def meta_page_bytes(model: ModelConfig, config: EngineConfig, num_layers: int | 
 
 def pool_page_bytes(model: ModelConfig, config: EngineConfig, num_layers: int | None = None) -> int:
     """One pool page over ``num_layers`` layers (default all) and the KV heads:
-    ``L x Hkv x record``."""
+    ``L x Hkv x record`` (:func:`host_record_bytes`)."""
     nl = model.num_layers if num_layers is None else num_layers
-    return nl * model.num_kv_heads * record_bytes(model, config)
+    return nl * model.num_kv_heads * host_record_bytes(model, config)
 
 
 def per_request_device_bytes(

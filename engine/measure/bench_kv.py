@@ -32,6 +32,7 @@ from engine.kv.cache import KVCache, page_runs
 from engine.model.llama import LlamaModel, prefill_attention
 from engine.serve.engine import Engine
 from kernels.dispatch import Ops
+from kernels.fp8_kv import fp8_quantize_ref
 
 CORPUS_ENV = "HISPARSE_CORPUS"
 CORPUS_TOKENS_FORMAT = "hisparse-corpus-tokens"
@@ -148,13 +149,21 @@ def export_kv(cache: KVCache, seq_id: int, num_tokens: int) -> tuple[list, list]
 def import_kv(cache: KVCache, seq_id: int, master: MasterKV) -> None:
     """Copy ``master`` into the pool pages and metadata of request ``seq_id`` (allocated
     with room for it) and mark its prompt as stored. One copy per run of consecutive pool
-    pages and layer (device->pinned host at link speed for the host pool)."""
+    pages and layer (device->pinned host at link speed for the host pool). An fp8 host pool
+    (``kv_host_dtype=fp8``) gets the master's records quantised again; the master, prefilled
+    all-resident with the same settings, holds them fp8-rounded already, so this is exact
+    but where rounding lifted a row's largest magnitude to the next power of two (its
+    smallest values may then lose their last bit: a speed bench, not a fidelity one)."""
     pages = cache.seqs[seq_id].pages[: master.records[0].shape[0]]
     for start, first, n in page_runs(pages, cache.copy_chunk_pages):  # within a pinned chunk
         for layer, (pool, meta) in enumerate(zip(cache.pool, cache.meta, strict=True)):
-            pool[first : first + n].copy_(
-                master.records[layer][start : start + n], non_blocking=True
-            )
+            rec = master.records[layer][start : start + n]
+            if cache.host_fp8:  # fp8 host pool: the master's fp8-rounded records, quantised
+                q, e = fp8_quantize_ref(rec)
+                pool.view(torch.uint8)[first : first + n].copy_(q.view(torch.uint8), non_blocking=True)
+                cache.pool_scale[layer][first : first + n].copy_(e, non_blocking=True)
+            else:
+                pool[first : first + n].copy_(rec, non_blocking=True)
             meta[first : first + n].copy_(master.meta[layer][start : start + n], non_blocking=True)
     cache.seqs[seq_id].num_tokens = master.num_tokens
     sync(cache.device)

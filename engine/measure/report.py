@@ -12,6 +12,7 @@ from typing import Any
 from engine.capacity.budget import record_bytes
 from engine.capacity.planner import GIB, format_context
 from engine.config import ConfigError, EngineConfig
+from engine.kv.sizing import host_record_bytes
 from engine.model.llama import LlamaModel
 
 REPORT_FILE = "bench.json"
@@ -59,7 +60,8 @@ def roofline(
     hbm_gbps: float,
     link_gbps: float,
 ) -> dict[str, Any]:
-    """Modelled step time: weights / HBM + selected KV / HBM + missed KV / host link.
+    """Modelled step time: weights / HBM + selected KV / HBM + missed KV / host link
+    (missed records as the host pool stores them: fp8 with ``kv_host_dtype=fp8``).
 
     ``pages`` are the jobs' context pages; ``misses_per_step`` records loaded per step
     (0 for resident modes and for ``noio``, which moves nothing). The Quest metadata the
@@ -73,7 +75,7 @@ def roofline(
     moved = (
         0 if (config.skip_host_io or not config.hierarchical or config.attention == "dense") else 1
     )
-    missed = int(misses_per_step * rec * moved)
+    missed = int(misses_per_step * host_record_bytes(cfg, config) * moved)  # fp8: 2 S (D + 1)
     meta = 0 if config.attention == "dense" else sum(pages) * per_page // config.page_size
     hbm, link = hbm_gbps * 1e9, link_gbps * 1e9
     modeled_ms = ((weights + selected) / hbm + missed / link) * 1e3

@@ -777,6 +777,7 @@ class Engine:
             c.pool_bytes_total,
             **peaks,
             host_pool_pinned=c.pool_bytes_pinned,
+            host_pool_dtype=self.config.kv_host_dtype if c.hierarchical else "",
         )
 
 

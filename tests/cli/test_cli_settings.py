@@ -126,3 +126,16 @@ def test_group_combine_is_checked_and_layered(monkeypatch):
     assert json.loads(json.dumps(config.to_dict()))["group_combine"] == "union"
     with pytest.raises(ConfigError, match="group_combine"):
         settings.resolve_engine_config("x", {"group_combine": "vote"})
+
+
+def test_kv_host_dtype_is_checked_and_layered(monkeypatch):
+    """``kv_host_dtype`` (bf16|fp8) is checked, layered like the others, and refuses the
+    pool-reading oracle indexer when hierarchical."""
+    (problem,) = EngineConfig(kv_host_dtype="fp4").problems()
+    assert problem.fields == ("kv_host_dtype",) and "bf16, fp8" in problem.message
+    (problem,) = EngineConfig(kv_host_dtype="fp8", indexer="oracle").problems()
+    assert problem.fields == ("kv_host_dtype", "indexer")
+    assert not EngineConfig(kv_host_dtype="fp8", indexer="oracle", hierarchical=False).problems()
+    monkeypatch.setattr(settings, "preset_overrides", lambda name: {"kv_host_dtype": "fp8"})
+    assert settings.resolve_engine_config("x").kv_host_dtype == "fp8"
+    assert settings.resolve_engine_config("x", {"kv_host_dtype": "bf16"}).kv_host_dtype == "bf16"

@@ -3,7 +3,9 @@
 1. dense path == transformers loading the same GGUF (logits and greedy tokens);
 2. sparse with every page selected == dense (logits, tolerance);
 3. hierarchical with a hot buffer small enough to force misses == all-resident sparse,
-   bit for bit (logits and tokens), over 64+ decode steps of a corpus document.
+   bit for bit (logits and tokens), over 64+ decode steps of a corpus document; with fp8
+   host pages (``kv_host_dtype=fp8``) == an all-resident pool holding the same fp8-rounded
+   KV, bit for bit.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from kernel_cases import bits_equal
 
 from engine.config import EngineConfig, SamplingParams
 from engine.events import Job
+from kernels.fp8_kv import FP8, fp8_dequantize_ref
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -127,18 +130,35 @@ def test_sparse_all_pages_equals_dense(weights_path, dense_engine, corpus_dir):
 
 
 @pytest.mark.parametrize(
-    "deferred,prefetch",
-    [(False, 0), (True, 0), (False, 4), (True, 4)],
-    ids=["write-through", "late-writes", "prefetch", "late-writes-prefetch"],
+    "deferred,prefetch,host_dtype",
+    [
+        (False, 0, "bf16"),
+        (True, 0, "bf16"),
+        (False, 4, "bf16"),
+        (True, 4, "bf16"),
+        (True, 4, "fp8"),
+    ],
+    ids=[
+        "write-through",
+        "late-writes",
+        "prefetch",
+        "late-writes-prefetch",
+        "fp8-late-writes-prefetch",
+    ],
 )
-def test_hierarchical_bit_identical_to_resident(weights_path, corpus_dir, deferred, prefetch):
+def test_hierarchical_bit_identical_to_resident(
+    weights_path, corpus_dir, deferred, prefetch, host_dtype
+):
     """``late-writes``: decode tokens reach the host pool only at the end of each step
     (:meth:`KVCache.defer_decode_writes`, the latest a GPU copy stream's write lands), so a
     tail page gathered from the pool mid-step lacks the token until the slot write after
     the gather; the result must not change, and the pool must end up complete.
     ``prefetch``: near misses are loaded after each layer's attention, at the step's end
     (the latest the copy stream's prefetch lands); the next steps then hit some of them,
-    and every record they read must still be the right one."""
+    and every record they read must still be the right one.
+    ``fp8``: the host pool holds fp8 records (the gather dequantises them), the resident
+    pool the same records rounded through fp8; logits, tokens and records agree bit for
+    bit, and the records carry e4m3's 3 mantissa bits (the rounding is real)."""
     common = dict(
         attention="sparse",
         indexer="quest",
@@ -146,6 +166,7 @@ def test_hierarchical_bit_identical_to_resident(weights_path, corpus_dir, deferr
         page_size=16,
         sink_tokens=16,
         local_window=32,
+        kv_host_dtype=host_dtype,
     )
     resident = make_engine(weights_path, hierarchical=False, **common)
     hier = make_engine(
@@ -185,12 +206,20 @@ def test_hierarchical_bit_identical_to_resident(weights_path, corpus_dir, deferr
     hier.close_request(req)
     resident.close_request(res_req)
     hier.cache.check_integrity()
+    assert (hier.cache.pool[0].dtype == FP8) == (host_dtype == "fp8")
+    if host_dtype == "fp8":  # the resident records really are fp8 values (x 2**e)
+        mantissa = torch.frexp(b).mantissa * 16  # 1 + 3 bits: an integer
+        assert torch.equal(mantissa, torch.round(mantissa))
 
 
 def _records_of(cache, seq_id: int, layer: int, num_tokens: int) -> torch.Tensor:
-    """A request's K/V records of one layer in token order: ``[T, Hkv, 2, D]``."""
+    """A request's K/V records of one layer in token order: ``[T, Hkv, 2, D]`` (an fp8
+    host pool's dequantised to ``kv_dtype``)."""
     pages = torch.tensor(cache.seqs[seq_id].pages, dtype=torch.long)
-    rec = cache.pool[layer][pages].permute(0, 3, 1, 2, 4)  # [P, S, Hkv, 2, D]
+    rec = cache.pool[layer][pages]
+    if cache.host_fp8:
+        rec = fp8_dequantize_ref(rec, cache.pool_scale[layer][pages], cache.dtype)
+    rec = rec.permute(0, 3, 1, 2, 4)  # [P, S, Hkv, 2, D]
     return rec.reshape(-1, *rec.shape[2:])[:num_tokens]
 
 

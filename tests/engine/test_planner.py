@@ -398,6 +398,10 @@ def _admitted(model, config, hardware, context) -> int:
 def test_plan_equals_what_admission_admits(preset, budget_gb, host_pool_gb, max_batch, context, mode):
     """``hisparse plan``'s job count is the number of jobs the caches of a run with the
     same settings admit, for every bound (device room, host pool, slab pool) and mode."""
+    _plan_vs_admission(preset, budget_gb, host_pool_gb, max_batch, context, mode)
+
+
+def _plan_vs_admission(preset, budget_gb, host_pool_gb, max_batch, context, mode):
     loaded = load_preset_full(preset)
     overrides = {
         "device": "cpu",
@@ -412,12 +416,56 @@ def test_plan_equals_what_admission_admits(preset, budget_gb, host_pool_gb, max_
     }
     if mode == "dense":
         overrides.update(attention="dense", hierarchical=False)
+    if mode == "hierarchical-fp8":
+        overrides.update(kv_host_dtype="fp8")
     config = resolve_config(loaded, {}, overrides)
     hardware = loaded.hardware.replace(host_memory_gb=64.0, memory_gb=budget_gb)
     planned = max_concurrent_jobs(TINY, config, hardware, context).max_jobs
     assert planned == _admitted(TINY, config, hardware, context)
 
 
+@pytest.mark.parametrize("preset", ["h200", "dual4090"])
+@pytest.mark.parametrize(
+    "budget_gb,host_pool_gb,max_batch",
+    [(1.08, 0.25, 64), (1.2, 0.5, 64), (1.6, 0.05, 64), (1.6, 1.0, 3)],
+    ids=["device-bound", "roomier", "host-bound", "batch-bound"],
+)
+def test_plan_equals_what_admission_admits_fp8(preset, budget_gb, host_pool_gb, max_batch):
+    """The same with fp8 host pages (``kv_host_dtype=fp8``): the pool page the planner
+    counts (fp8 records and their exponents) is the one the cache allocates."""
+    _plan_vs_admission(preset, budget_gb, host_pool_gb, max_batch, 4096, "hierarchical-fp8")
+
+
 def test_shape_names_as_people_spell_them():
     assert get_model_shape("llama-3.1-8b") is MODEL_SHAPES["llama3.1-8b"]
     assert get_model_shape("Qwen2.5-7B-Instruct") is MODEL_SHAPES["qwen2.5-7b"]
+
+
+def test_fp8_host_pages_double_jobs_per_host_gib():
+    """With ``kv_host_dtype=fp8`` a host-bound plan fits about twice the jobs (a record is
+    ``2 S (D + 1)`` bytes instead of ``2 S D b_kv``), the pool page shrinks by that ratio
+    in the cache too, and the estimated link bytes per step halve likewise."""
+    from engine.capacity.planner import _gather_bytes_per_step
+    from engine.kv import sizing
+
+    loaded = load_preset_full("h200")
+    shape = get_model_shape("llama2-13b")
+    over = {"device": "cpu", "max_context": 262144, "max_batch": 64}
+    bf16 = resolve_config(loaded, {}, over)
+    fp8 = resolve_config(loaded, {}, {**over, "kv_host_dtype": "fp8"})
+    assert bf16.kv_dtype == "bfloat16"
+    d, s = shape.head_dim, bf16.page_size
+    assert sizing.host_record_bytes(shape, fp8) == 2 * s * (d + 1)
+    assert sizing.record_bytes(shape, fp8) == sizing.record_bytes(shape, bf16) == 2 * s * d * 2
+    ratio = sizing.pool_page_bytes(shape, bf16) / sizing.pool_page_bytes(shape, fp8)
+    assert ratio == pytest.approx(2 * d / (d + 1))
+    hardware = loaded.hardware.replace(host_memory_gb=400.0)
+    jobs = {
+        name: max_concurrent_jobs(shape, cfg, hardware, 262144).max_jobs
+        for name, cfg in (("bf16", bf16), ("fp8", fp8))
+    }
+    assert jobs["bf16"] >= 2 and jobs["fp8"] >= int(1.9 * jobs["bf16"]), jobs
+    link = [_gather_bytes_per_step(shape, c, 4, 262144) for c in (bf16, fp8)]
+    assert link[0] / link[1] == pytest.approx(2 * d / (d + 1), rel=1e-6)
+    resident = fp8.replace(hierarchical=False)  # no host tier: fp8 only rounds
+    assert sizing.pool_page_bytes(shape, resident) == sizing.pool_page_bytes(shape, bf16)

@@ -112,6 +112,43 @@ def test_chunked_write_equals_whole_layer_write(t, chunk, hierarchical, kv_dtype
         assert bool((last[:, :, tail:] == 0).all())
 
 
+@pytest.mark.parametrize(("t", "chunk"), [(37, 24), (149, 16)])
+def test_fp8_chunked_write_equals_whole_layer_write(t, chunk):
+    """fp8 host pages: the staged chunked write and the whole-layer write leave the same
+    fp8 records, exponents and metadata; the records dequantise to the fp8-rounded K/V and
+    the metadata bounds the rounded keys (what attention reads)."""
+    from kernels.fp8_kv import FP8, fp8_dequantize_ref, fp8_round_ref
+
+    cfg = _config(prefill_chunk=chunk, kv_host_dtype="fp8")
+    chunked, whole = _cache(cfg), _cache(cfg.replace(prefill_copy_stream=False))
+    assert chunked.pool[0].dtype == FP8 and chunked.record_bytes == 2 * 16 * (TINY.head_dim + 1)
+    gen = torch.Generator().manual_seed(t)
+    for cache in (chunked, whole):
+        _fragment(cache)
+        cache.allocate(0, t + 20)
+    keys = []
+    for layer in range(TINY.num_layers):
+        k = torch.randn(t, TINY.num_kv_heads, TINY.head_dim, generator=gen) * 20
+        v = torch.randn(t, TINY.num_kv_heads, TINY.head_dim, generator=gen)
+        keys.append((k, v))
+        _write_like_engine(chunked, 0, layer, k, v, chunk)
+        whole.write_prefill(0, layer, k, v, 0)
+    _same_bytes(chunked, whole)
+    pages = torch.tensor(chunked.seqs[0].pages[: chunked.pages_for(t)])
+    for layer, (k, v) in enumerate(keys):
+        assert torch.equal(chunked.pool_scale[layer][pages], whole.pool_scale[layer][pages])
+        rec = fp8_dequantize_ref(
+            chunked.pool[layer][pages], chunked.pool_scale[layer][pages], torch.float32
+        )  # [n, Hkv, 2, S, D]
+        tokens = rec.permute(0, 3, 1, 2, 4).reshape(-1, TINY.num_kv_heads, 2, TINY.head_dim)
+        assert torch.equal(tokens[:t, :, 0], fp8_round_ref(k))
+        assert torch.equal(tokens[:t, :, 1], fp8_round_ref(v))
+        assert not torch.equal(tokens[:t, :, 0], k)
+        meta = chunked.meta[layer][pages[0]]  # first page: tokens 0..15
+        assert torch.equal(meta[:, 0], fp8_round_ref(k)[:16].amin(0))
+        assert torch.equal(meta[:, 1], fp8_round_ref(k)[:16].amax(0))
+
+
 def test_one_call_larger_than_the_staging_buffers_is_split():
     cfg = _config(prefill_chunk=16)  # staging holds 2 pages
     chunked, whole = _cache(cfg), _cache(cfg)
@@ -324,6 +361,36 @@ def test_cuda_pool_pinned_in_chunks_gives_the_same_tokens(monkeypatch):
     lazy.close()
 
 
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, cuda])]
+)
+def test_fp8_host_pages_equal_a_rounded_resident_pool(monkeypatch, device):
+    """fp8 host pages (on CUDA: Triton append and dequantising gather, a pool pinned in
+    chunks, the copy stream) give the same logits and tokens as an all-resident pool
+    holding the same fp8-rounded KV, bit for bit, with decode misses; and not those of a
+    bf16 pool (the rounding is real)."""
+    from engine.kv import host_pool
+
+    monkeypatch.setattr(host_pool, "PIN_CHUNK_BYTES", 3 * 4096)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    ids = list(range(7, 1507)) if device == "cuda" else list(range(7, 200))
+    steps = 16 if device == "cuda" else 6
+
+    def run(**kw):
+        eng = _engine(device, dtype, prefill_chunk=256, **kw)
+        out = _run(eng, ids, steps)
+        eng.close()
+        return eng, out
+
+    hier, (tok_h, log_h, _) = run(kv_host_dtype="fp8")
+    _, (tok_r, log_r, _) = run(kv_host_dtype="fp8", hierarchical=False)
+    _, (_, log_b, _) = run(kv_host_dtype="bf16", hierarchical=False)
+    assert tok_h == tok_r and torch.equal(log_h, log_r)
+    assert not torch.equal(log_b[1:], log_r[1:])  # decode reads the rounded KV
+    if device == "cuda":
+        assert hier.cache.host_fp8 and hier.cache.host.pinned_pages < hier.cache.num_pool_pages
+
+
 def test_host_pool_without_pinning_is_whole_and_grows_nothing():
     """On CPU (or a pool not pinned) every page counts as usable: nothing to lock."""
     from engine.kv.host_pool import HostPool
@@ -332,6 +399,9 @@ def test_host_pool_without_pinning_is_whole_and_grows_nothing():
     assert pool.pinned_pages == 10 and pool.pinned_bytes == pool.capacity_bytes == 2 * 10 * 2048
     pool.ensure_pinned(10)  # a no-op
     assert [tuple(t.shape) for t in pool.layers] == [(10, 2, 2, 16, 8)] * 2
+    fp8 = HostPool(2, (10, 2, 2, 16, 8), torch.float8_e4m3fn, pin=False, scale_shape=(10, 2, 2, 16))
+    assert fp8.layer_page_bytes == 2 * 2 * 16 * (8 + 1) and len(fp8.scales) == 2
+    assert fp8.capacity_bytes == 2 * 10 * fp8.layer_page_bytes
 
 
 def test_page_runs_split_at_registration_chunks():

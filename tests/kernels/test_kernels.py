@@ -32,6 +32,7 @@ from engine.config import EngineConfig
 from kernels.append_kv import append_kv, append_kv_ref
 from kernels.bitmask import pack_bits, unpack_bits
 from kernels.dispatch import get_ops
+from kernels.fp8_kv import FP8, fp8_dequantize_ref, fp8_quantize_ref, fp8_round_ref
 from kernels.gather import gather, gather_ref
 from kernels.int4_matmul import Q4Config, group_int4_linear, group_int4_linear_ref
 from kernels.oracle_scores import oracle_scores_ref
@@ -282,6 +283,88 @@ def test_gather_byte_exact(dtype, s):
         load_slots.to(DEVICE),
     )
     assert bits_equal(ref_slots, dev_slots.cpu())
+
+
+def _fp8_pool(p_pool, hkv, s, d, gen):
+    """A random fp8 pool layer and its exponents (rows of very different magnitudes)."""
+    x = torch.randn(p_pool, hkv, 2, s, d, generator=gen)
+    x = x * torch.exp2(torch.randint(-12, 12, (p_pool, hkv, 2, s, 1), generator=gen).float())
+    return fp8_quantize_ref(x)
+
+
+@pytest.mark.parametrize(
+    "dtype,s,d",
+    [(torch.bfloat16, 16, 64), (torch.bfloat16, 32, 96), (torch.float32, 16, 40)],
+    ids=str,
+)
+def test_gather_fp8_dequantises_exactly(dtype, s, d):
+    """The fp8 gather writes :func:`fp8_dequantize_ref` of each loaded record, bit for
+    bit (awkward head dims: 96 and 40 are not powers of two)."""
+    gen = torch.Generator().manual_seed(s + d)
+    b, hkv, p_pool, p_max, k, n_slots = 2, 3, 20, 6, 4, 30
+    q, e = _fp8_pool(p_pool, hkv, s, d, gen)
+    block_table = torch.randperm(p_pool, generator=gen)[: b * p_max].view(b, p_max).int()
+    load_pages = torch.randint(0, p_max, (b, hkv, k), generator=gen, dtype=torch.int32)
+    load_slots = torch.randperm(n_slots, generator=gen)[: b * hkv * k].view(b, hkv, k).int()
+    skip = torch.rand(b, hkv, k, generator=gen) < 0.4
+    load_pages[skip], load_slots[skip] = -1, -1
+    ref_slots = poison_(torch.empty(n_slots, 2, s, d, dtype=dtype))
+    dev_slots = ref_slots.clone().to(DEVICE)
+    gather_ref(q, ref_slots, block_table, load_pages, load_slots, pool_scale=e)
+    on = load_slots[load_slots >= 0].long()
+    assert not torch.isnan(ref_slots[on]).any()
+    bi, hi, ki = torch.nonzero(load_slots >= 0, as_tuple=True)
+    pages = block_table.long()[bi, load_pages[bi, hi, ki].long()]
+    want = fp8_dequantize_ref(q[pages, hi], e[pages, hi], dtype)
+    assert bits_equal(ref_slots[load_slots[bi, hi, ki].long()], want)
+    gather(
+        q.to(DEVICE),
+        dev_slots,
+        block_table.to(DEVICE),
+        load_pages.to(DEVICE),
+        load_slots.to(DEVICE),
+        pool_scale=e.to(DEVICE),
+    )
+    assert bits_equal(ref_slots, dev_slots.cpu())
+
+
+def test_fp8_round_is_close_and_idempotent():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(50, 4, 64, generator=gen) * 30
+    r = fp8_round_ref(x)
+    assert float((r - x).norm() / x.norm()) < 0.05
+    assert bits_equal(fp8_round_ref(r), r)
+    q, e = fp8_quantize_ref(x)
+    assert float(q.float().abs().amax()) <= 256 and q.dtype == FP8
+    assert bits_equal(fp8_round_ref(torch.zeros(3, 8)), torch.zeros(3, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("host", [True, False], ids=["fp8-pool", "rounded-pool"])
+def test_append_kv_fp8_bit_exact(dtype, host):
+    """With ``fp8`` the kernel writes the fp8 token and its exponent to an fp8 pool (or the
+    rounded token to a pool in the compute dtype), and the rounded token to the metadata
+    and the resident tail slot, exactly as the reference."""
+    args = _append_case(dtype, dtype, True, seed=7)
+    args["k"] = args["k"] * 40
+    if host:
+        gen = torch.Generator().manual_seed(1)
+        p_pool, hkv, _, s, d = args["kv_pool"].shape
+        args["kv_pool"], args["pool_scale"] = _fp8_pool(p_pool, hkv, s, d, gen)
+    ref = {k: v.clone() for k, v in args.items()}
+    dev = to_device(args, DEVICE)
+    append_kv_ref(**ref, fp8=True)
+    append_kv(**dev, fp8=True)
+    rk = fp8_round_ref(args["k"])
+    first = ref["positions"] % args["kv_pool"].shape[3] == 0
+    pm = ref["block_table"].long()[torch.arange(len(first)), ref["positions"].long() // args["kv_pool"].shape[3]]
+    assert bits_equal(ref["meta"][pm[first], :, 0], rk[first].to(dtype))
+    for name in ("kv_pool", "pool_scale", "meta", "kv_slots"):
+        if name in ref:
+            a, b = ref[name], dev[name].cpu()
+            if a.dtype == FP8:
+                a, b = a.view(torch.uint8), b.view(torch.uint8)
+            assert bits_equal(a, b), f"{name} differs"
 
 
 def _append_case(dtype: torch.dtype, kv_dtype: torch.dtype, with_slots: bool, seed: int):

@@ -24,6 +24,7 @@ from kernel_cases import (
 
 from kernels.append_kv import append_kv, append_kv_ref
 from kernels.bitmask import pack_bits
+from kernels.fp8_kv import FP8, fp8_quantize_ref
 from kernels.gather import gather, gather_ref
 from kernels.int4_matmul import group_int4_linear, group_int4_linear_ref, q4_config
 from kernels.quest_scores import quest_scores, quest_scores_ref
@@ -190,6 +191,70 @@ def test_append_kv_into_pinned_pool(kv_dtype):
     )
     torch.cuda.synchronize()
     assert bits_equal(ref[0], pool_host)
+    assert bits_equal(ref[1], meta_dev.cpu())
+    assert bits_equal(ref[2], slots_dev.cpu())
+
+
+@pytest.mark.parametrize("s,d", [(16, 128), (64, 128), (16, 96)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gather_fp8_from_pinned_host_exact(s, d, dtype):
+    """fp8 records and exponents in pinned host memory, dequantised by the gather into
+    the hot buffer: bit for bit the reference's dequantisation."""
+    gen = torch.Generator().manual_seed(s + d)
+    b, hkv, p_pool, p_max, k, n_slots = 4, 8, 256, 48, 16, 1024
+    x = torch.randn(p_pool, hkv, 2, s, d, generator=gen)
+    x = x * torch.exp2(torch.randint(-10, 10, (p_pool, hkv, 2, s, 1), generator=gen).float())
+    q, e = fp8_quantize_ref(x)
+    q, e = q.pin_memory(), e.pin_memory()
+    block_table = torch.randperm(p_pool, generator=gen)[: b * p_max].view(b, p_max).int()
+    load_pages = torch.randint(0, p_max, (b, hkv, k), generator=gen, dtype=torch.int32)
+    load_slots = torch.randperm(n_slots, generator=gen)[: b * hkv * k].view(b, hkv, k).int()
+    skip = torch.rand(b, hkv, k, generator=gen) < 0.3
+    load_pages[skip], load_slots[skip] = -1, -1
+    slots_ref = poison_(torch.empty(n_slots, 2, s, d, dtype=dtype))
+    slots = slots_ref.to(DEV)
+    gather_ref(q, slots_ref, block_table, load_pages, load_slots, pool_scale=e)
+    gather(
+        q, slots, block_table.to(DEV), load_pages.to(DEV), load_slots.to(DEV), pool_scale=e
+    )
+    torch.cuda.synchronize()
+    assert bits_equal(slots_ref, slots.cpu())
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_append_kv_fp8_into_pinned_pool(kv_dtype):
+    """The fp8 append writes the quantised token and its exponents into a pinned fp8
+    pool (through unified addressing) and the rounded token into metadata and the
+    resident tail slot, exactly as the reference (GPU fp32 -> e4m3 casts included)."""
+    gen = torch.Generator().manual_seed(2)
+    b, hkv, s, d, p_pool, p_max, per_slab = 9, 8, 16, 128, 200, 20, 4
+    pos = torch.randint(0, p_max * s, (b,), generator=gen, dtype=torch.int32)
+    pos[0] = 0
+    block_table = torch.randperm(p_pool, generator=gen)[: b * p_max].view(b, p_max).int()
+    k = (torch.randn(b, hkv, d, generator=gen) * 30).to(kv_dtype)
+    v = torch.randn(b, hkv, d, generator=gen).to(kv_dtype)
+    q0, e0 = fp8_quantize_ref(torch.randn(p_pool, hkv, 2, s, d, generator=gen))
+    meta = torch.randn(p_pool, hkv, 2, d, generator=gen).sort(dim=2).values.to(kv_dtype)
+    slab_ids = torch.arange(b * hkv).view(b, hkv).int()
+    page_table = torch.full((b * hkv, p_max), -1, dtype=torch.int32)
+    page_table[slab_ids.flatten(), (pos // s).repeat_interleave(hkv).long()] = (
+        slab_ids.flatten() * per_slab + 1
+    )
+    kv_slots = torch.randn(b * hkv * per_slab, 2, s, d, generator=gen).to(kv_dtype)
+    ref = [q0.clone(), meta.clone(), kv_slots.clone(), e0.clone()]
+    append_kv_ref(
+        k, v, pos, block_table, ref[0], ref[1], ref[2], page_table, slab_ids,
+        fp8=True, pool_scale=ref[3],
+    )
+    pool_host, scale_host = q0.clone().pin_memory(), e0.clone().pin_memory()
+    meta_dev, slots_dev = meta.to(DEV), kv_slots.to(DEV)
+    append_kv(
+        k.to(DEV), v.to(DEV), pos.to(DEV), block_table.to(DEV), pool_host, meta_dev,
+        slots_dev, page_table.to(DEV), slab_ids.to(DEV), fp8=True, pool_scale=scale_host,
+    )
+    torch.cuda.synchronize()
+    assert pool_host.dtype == FP8
+    assert bits_equal(ref[0], pool_host) and bits_equal(ref[3], scale_host)
     assert bits_equal(ref[1], meta_dev.cpu())
     assert bits_equal(ref[2], slots_dev.cpu())
 
