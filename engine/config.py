@@ -33,8 +33,12 @@ class RopeScaling:
 
     kind: ``llama3`` (Llama 3.1 ``rope_scaling``), ``linear`` (position interpolation),
     ``dynamic`` (dynamic NTK, Reddit/LocalLLaMA 2023; as in transformers'
-    ``_compute_dynamic_ntk_parameters``) or ``yarn`` (Peng et al. 2023, "YaRN: Efficient
-    Context Window Extension of Large Language Models", arXiv:2309.00071).
+    ``_compute_dynamic_ntk_parameters``), ``yarn`` (Peng et al. 2023, "YaRN: Efficient
+    Context Window Extension of Large Language Models", arXiv:2309.00071) or ``longrope``
+    (Phi-3/3.5, Ding et al. 2024, arXiv:2402.13753; transformers
+    ``_compute_longrope_parameters``): per-frequency divisors ``short_factor`` /
+    ``long_factor`` (``D / 2`` floats each; the long ones when the run's context limit is
+    above ``original_max_position``) and cos/sin multiplied by ``attention_factor``.
     """
 
     kind: str
@@ -44,6 +48,9 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    attention_factor: float | None = None
 
 
 @dataclass(frozen=True)

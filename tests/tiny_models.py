@@ -8,7 +8,9 @@ weights as a GGUF file with gguf-py's ``GGUFWriter`` in llama.cpp's conventions
 (``convert_hf_to_gguf.py``: tensor names ``blk.<i>.attn_q.weight`` ..., metadata keys
 ``<arch>.block_count`` ..., Q/K rows permuted for ``llama`` (``LlamaModel.permute``) and
 left in Hugging Face order for ``qwen2`` / ``qwen3`` (``Qwen2Model`` does not permute),
-Qwen3's per-head norms as ``attn_q_norm`` / ``attn_k_norm``).
+Qwen3's per-head norms as ``attn_q_norm`` / ``attn_k_norm``; ``Phi3MiniModel``: fused
+``attn_qkv`` and ``ffn_up`` = gate|up, ``longrope`` as ``rope_factors_short`` /
+``rope_factors_long`` with ``rope.scaling.attn_factor`` / ``original_context_length``).
 """
 
 from __future__ import annotations
@@ -30,12 +32,40 @@ BASE = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
+
+
+def longrope(head_dim: int, original: int) -> dict:
+    """A ``longrope`` ``rope_scaling`` (Phi-3.5's layout) with distinct short and long
+    per-frequency factors for ``head_dim``, trained context ``original`` (Phi3Config
+    overrides it with its own ``original_max_position_embeddings``: pass both)."""
+    half = head_dim // 2
+    return dict(
+        rope_type="longrope",
+        short_factor=[1.0 + 0.15 * i for i in range(half)],
+        long_factor=[1.5 + 0.9 * i for i in range(half)],
+        original_max_position_embeddings=original,
+    )
+
+
+# Phi3Config's default special ids (32000...) lie outside the tiny vocabulary.
+PHI3_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # family -> (config class, model class, extra config fields)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=16)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1e6)),
+    # longrope at its trained context: the short factors, attention factor 1
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            sliding_window=None,
+            rope_scaling=longrope(16, 256),
+            original_max_position_embeddings=256,
+            **PHI3_TOKENS,
+        ),
+    ),
 }
 
 
@@ -102,6 +132,8 @@ _LAYER = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # phi3 (fused, not permuted)
+    "mlp.gate_up_proj.weight": "ffn_up.weight",  # phi3: gate rows then up rows
 }
 
 
@@ -157,6 +189,18 @@ def write_gguf(
     w.add_token_types([1] * VOCAB)
     w.add_token_merges([])
     w.add_add_bos_token(False)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "longrope":  # Phi3MiniModel.set_gguf_parameters / extra tensors
+        import math
+
+        original = rope["original_max_position_embeddings"]
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        )
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
 
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
 

@@ -17,8 +17,10 @@ family module if the math is new (``build`` returns the placed model, with the
 
 Sources of the layout facts: llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute``
 is applied to Q/K for ``llama``; ``Qwen2Model`` / ``Qwen3Model`` write them unpermuted;
-Qwen3 norms as ``attn_q_norm`` / ``attn_k_norm``) and transformers' modelling files
-(``modeling_llama``, ``modeling_mistral``, ``modeling_qwen2``, ``modeling_qwen3``).
+Qwen3 norms as ``attn_q_norm`` / ``attn_k_norm``; ``Phi3MiniModel`` keeps Phi-3's fused
+``attn_qkv`` and ``ffn_up`` = gate|up, unpermuted) and transformers' modelling files
+(``modeling_llama``, ``modeling_mistral``, ``modeling_qwen2``, ``modeling_qwen3``,
+``modeling_phi3``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def _build_llama(weights, device, dtype, weight_format, rope, layers=None):
 class Architecture:
     """One architecture the engine runs.
 
-    name : ``ModelConfig.arch`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``)
+    name : ``ModelConfig.arch`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3``)
     family : the module computing it (``llama`` = :mod:`engine.model.llama`)
     description : one line for the README and error messages
     gguf_names : GGUF ``general.architecture`` values read as this architecture
@@ -58,8 +60,11 @@ class Architecture:
         GGUF files are read as they are (biases used when present)
     qk_norm : per-head RMSNorm ``[D]`` of q and k before RoPE (Qwen3)
     sliding_window : how a Hugging Face config declares its window: ``always``
-        (``sliding_window`` set means used: Mistral), ``flag`` (only with
+        (``sliding_window`` set means used: Mistral, Phi-3), ``flag`` (only with
         ``use_sliding_window`` or a ``sliding_attention`` layer type: Qwen2/3) or ``never``
+    fused_projections : the checkpoint stores q|k|v as one ``qkv_proj`` (GGUF
+        ``attn_qkv``) and gate|up as one ``gate_up_proj`` (GGUF ``ffn_up`` of ``2F`` rows,
+        no ``ffn_gate``), split into the separate weights at load (Phi-3)
     build : ``(weights, device, dtype, weight_format, rope, layers=None) -> model``
     """
 
@@ -73,6 +78,7 @@ class Architecture:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: str = "never"
+    fused_projections: bool = False
     build: Callable[..., Any] = _build_llama
 
 
@@ -120,12 +126,24 @@ ARCHITECTURES: dict[str, Architecture] = {
             qk_norm=True,
             sliding_window="flag",
         ),
+        Architecture(
+            "phi3",
+            "llama",
+            "Phi-3 / 3.5 / 4 (the Llama math with fused qkv and gate-up projections, "
+            "longrope scaling)",
+            gguf_names=("phi3",),
+            hf_architectures=("Phi3ForCausalLM",),
+            hf_model_types=("phi3",),
+            gguf_permuted_qk=False,
+            sliding_window="always",
+            fused_projections=True,
+        ),
     )
 }
 
 
 def supported() -> str:
-    """``"llama, mistral, qwen2, qwen3"`` for messages."""
+    """``"llama, mistral, qwen2, qwen3, phi3"`` for messages."""
     return ", ".join(ARCHITECTURES)
 
 

@@ -10,8 +10,10 @@ Sharded checkpoints list their files in ``model.safetensors.index.json`` (``weig
 
 Architectures: those of :mod:`engine.model.registry` (``LlamaForCausalLM`` for Llama
 2/3/3.1 and SmolLM, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` with q/k/v biases,
-``Qwen3ForCausalLM`` with per-head ``self_attn.q_norm`` / ``k_norm``). Q/K rows of Hugging Face checkpoints are already in
-rotate-half order, as :mod:`engine.model.llama` expects: no permutation.
+``Qwen3ForCausalLM`` with per-head ``self_attn.q_norm`` / ``k_norm``, ``Phi3ForCausalLM``
+with fused ``qkv_proj`` / ``gate_up_proj`` split at load and ``longrope`` scaling). Q/K
+rows of Hugging Face checkpoints are already in rotate-half order, as
+:mod:`engine.model.llama` expects: no permutation.
 
 Tensors are read lazily (``safetensors.safe_open``, memory-mapped), one at a time:
 float (F32/F16/BF16) tensors become float32 tensors; linear weights stay float unless
@@ -21,8 +23,8 @@ placement, :func:`engine.weights.quant.make_linear`). Folders written by ``hispa
 per linear ``<module>.qweight`` / ``.scales`` / ``.offsets`` and load as
 :class:`engine.weights.quant.Int4Weight` without re-quantising.
 
-Sliding-window attention (Mistral 7B v0.1 ``sliding_window: 4096``; Qwen2 with
-``use_sliding_window``) is not implemented. Within the window, full causal attention is
+Sliding-window attention (Mistral 7B v0.1 ``sliding_window: 4096``; Phi-3-mini-4k
+``2047``; Qwen2 with ``use_sliding_window``) is not implemented. Within the window, full causal attention is
 identical to it, so the trained context (``ModelConfig.max_position``) is capped at the
 window: the default ``refuse`` context policy then rejects longer documents instead of
 silently attending past the window; ``extend`` goes beyond it at the user's request.
@@ -41,13 +43,13 @@ import torch
 from engine.config import ModelConfig, RopeScaling
 from engine.model import registry
 from engine.weights.quant import Int4Weight
-from engine.weights.types import LayerWeights, ModelWeights, WeightT
+from engine.weights.types import LayerWeights, ModelWeights, WeightT, split_rows
 
 SUPPORTED_ARCHITECTURES = {
     name: a.name for a in registry.ARCHITECTURES.values() for name in a.hf_architectures
 }
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-ROPE_KINDS = ("default", "llama3", "linear", "dynamic", "yarn")
+ROPE_KINDS = ("default", "llama3", "linear", "dynamic", "yarn", "longrope")
 
 # safetensors ``__metadata__`` keys of folders written by ``hisparse quantize``.
 FORMAT_KEY = "hisparse_format"
@@ -79,11 +81,17 @@ BIAS_TENSORS = {
     "bv": "self_attn.v_proj.bias",
 }
 QK_NORM_TENSORS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+# Fused modules of ``fused_projections`` architectures (Phi-3) -> the fields they split into.
+FUSED_MODULES = {
+    "self_attn.qkv_proj": ("wq", "wk", "wv"),
+    "mlp.gate_up_proj": ("w_gate", "w_up"),
+}
 EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 # Buffers some older checkpoints carry; recomputed from the config, never read.
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 LINEAR_WEIGHT = re.compile(
-    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"
+    r"^model\.layers\.\d+\.(self_attn\.([qkvo]|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)"
+    r"\.weight$"
 )
 
 
@@ -173,7 +181,9 @@ def _check_unsupported(raw: dict, arch: registry.Architecture, path: Path) -> No
         raise HFModelError(f"{path}: mlp_bias=true is not supported")
     if not arch.qkv_bias and raw.get("attention_bias"):
         raise HFModelError(f"{path}: attention_bias=true (o_proj bias) is not supported")
-    partial = raw.get("partial_rotary_factor", 1.0)
+    partial = raw.get("partial_rotary_factor", (raw.get("rope_parameters") or {}).get(
+        "partial_rotary_factor", 1.0
+    ))
     if partial not in (None, 1, 1.0):
         raise HFModelError(f"{path}: partial_rotary_factor={partial} is not supported")
 
@@ -191,6 +201,10 @@ def rope_from_hf(raw: dict, path: Path | str = "config.json") -> tuple[float, Ro
     * ``dynamic`` -> ``factor``, ``original_max_position = max_position_embeddings``
       (:class:`engine.model.rope.Rope` uses one fixed NTK base for every length, where
       transformers rescales only past the original context).
+    * ``longrope`` (Phi-3/3.5) -> ``short_factor``, ``long_factor`` (required, ``D / 2``
+      each), ``original_max_position_embeddings`` (there or at the top level, as Phi-3's
+      config.json has it), ``factor`` (default ``max_position_embeddings / original``, as
+      transformers' ``_compute_longrope_parameters``) and ``attention_factor`` (optional).
     * ``yarn`` -> ``factor`` (default ``max_position_embeddings / original``),
       ``original_max_position_embeddings`` (default ``max_position_embeddings``),
       ``beta_fast``, ``beta_slow``; the attention factor is
@@ -200,7 +214,7 @@ def rope_from_hf(raw: dict, path: Path | str = "config.json") -> tuple[float, Ro
     Raises
     ------
     HFModelError
-        Another kind (e.g. ``longrope``), per-layer-type RoPE parameters, or a missing
+        Another kind (e.g. ``su``-less ``dynamic`` variants), per-layer-type RoPE parameters, or a missing
         required field; the message names the field.
     """
     params = raw.get("rope_parameters") or {}
@@ -219,7 +233,29 @@ def rope_from_hf(raw: dict, path: Path | str = "config.json") -> tuple[float, Ro
         return theta, None
     where = f"{path} {field}"
     max_pos = int(raw.get("max_position_embeddings", 4096))
-    original = int(sc.get("original_max_position_embeddings") or max_pos)
+    original = int(
+        sc.get("original_max_position_embeddings")
+        or raw.get("original_max_position_embeddings")
+        or max_pos
+    )
+    if kind == "longrope":
+        factors = {}
+        for key in ("short_factor", "long_factor"):
+            values = _require(sc, key, where)
+            if not isinstance(values, list) or not all(
+                isinstance(v, (int, float)) and v > 0 for v in values
+            ):
+                raise HFModelError(f"{where}.{key} must be a list of positive numbers")
+            factors[key] = tuple(float(v) for v in values)
+        factor = sc.get("factor")
+        attention = sc.get("attention_factor")
+        return theta, RopeScaling(
+            kind="longrope",
+            factor=float(factor) if factor is not None else max_pos / original,
+            original_max_position=original,
+            attention_factor=None if attention is None else float(attention),
+            **factors,
+        )
     if kind == "yarn" and sc.get("factor") is None:  # as transformers: the context ratio
         factor = max_pos / original
     else:
@@ -409,7 +445,8 @@ def quantized_group_size(tensors: SafetensorsFolder) -> int | None:
 
 
 def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """``[N, K]`` of each linear of one layer, keyed by :data:`LINEAR_MODULES` field."""
+    """``[N, K]`` of each linear of one layer, keyed by :data:`LINEAR_MODULES` field (the
+    split weights, also for a fused checkpoint; see :func:`stored_linears`)."""
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     return {
@@ -423,6 +460,26 @@ def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
+def stored_linears(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, int]]]:
+    """The linear modules a checkpoint of ``cfg`` stores per layer: module (under
+    ``model.layers.<i>.``) -> (the :data:`LINEAR_MODULES` fields it holds, ``[N, K]``).
+    One field each, or Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` (:data:`FUSED_MODULES`,
+    rows stacked in field order)."""
+    shapes = linear_shapes(cfg)
+    out: dict[str, tuple[tuple[str, ...], tuple[int, int]]] = {}
+    fused = registry.get(cfg.arch).fused_projections
+    covered = set()
+    if fused:
+        for module, fields in FUSED_MODULES.items():
+            rows = sum(shapes[f][0] for f in fields)
+            out[module] = (fields, (rows, shapes[fields[0]][1]))
+            covered |= set(fields)
+    for field, module in LINEAR_MODULES.items():
+        if field not in covered:
+            out[module] = ((field,), shapes[field])
+    return out
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every float tensor name of the checkpoint and its shape (linears as ``.weight``)."""
     h = cfg.hidden_size
@@ -433,8 +490,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     bias_rows = {"bq": cfg.num_heads * cfg.head_dim, "bk": kv, "bv": kv}
     for i in range(cfg.num_layers):
         prefix = f"model.layers.{i}."
-        for field, module in LINEAR_MODULES.items():
-            shapes[f"{prefix}{module}.weight"] = linear_shapes(cfg)[field]
+        for module, (_, shape) in stored_linears(cfg).items():
+            shapes[f"{prefix}{module}.weight"] = shape
         for tensor in NORM_TENSORS.values():
             shapes[prefix + tensor] = (h,)
         if cfg.qkv_bias:
@@ -591,11 +648,14 @@ def load_hf_folder(path: str | Path, *, int4_group_size: int | None = None) -> M
 def _read_layer(tensors, cfg, i, group_size, int4_group_size, read, formats) -> LayerWeights:
     prefix = f"model.layers.{i}."
     parts: dict[str, Any] = {}
-    for field, shape in linear_shapes(cfg).items():
-        module = prefix + LINEAR_MODULES[field]
-        parts[field], formats[module] = _read_linear(
-            tensors, module, shape, group_size, int4_group_size
-        )
+    split = linear_shapes(cfg)
+    for name, (fields, shape) in stored_linears(cfg).items():
+        module = prefix + name
+        w, formats[module] = _read_linear(tensors, module, shape, group_size, int4_group_size)
+        if len(fields) == 1:
+            parts[fields[0]] = w
+        else:  # Phi-3's fused projections: rows stacked in field order
+            parts.update(zip(fields, split_rows(w, [split[f][0] for f in fields]), strict=True))
     for field, tensor in NORM_TENSORS.items():
         parts[field] = read(prefix + tensor, (cfg.hidden_size,))
     if cfg.qkv_bias:

@@ -29,16 +29,16 @@ from engine.model.llama import prefill_attention  # noqa: E402
 IDS = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4))
 ATOL = 1e-4
 STEPS = 12
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 
 
 class Placed:
     """A checkpoint loaded and placed as the engine does (CPU, fp32)."""
 
-    def __init__(self, path, fmt: str = "float"):
+    def __init__(self, path, fmt: str = "float", config: EngineConfig | None = None):
         weights, self.tokenizer, _ = load_weights(str(path))
         self.config = weights.config
-        _, rope = context_limit_and_rope(self.config, EngineConfig())
+        _, rope = context_limit_and_rope(self.config, config or EngineConfig())
         self.model = registry.build_model(weights, torch.device("cpu"), torch.float32, fmt, rope)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -168,3 +168,60 @@ def test_gguf_qwen2_missing_bias_is_refused(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", model, "qwen2", permute=False)
     with pytest.raises(ValueError, match=r"m\.gguf: missing tensor blk\.0\.attn_q\.bias"):
         load_weights(str(path))
+
+
+# ----------------------------------------------------------------------------- phi3 longrope
+
+
+def test_phi3_longrope_short_and_long_factors(tmp_path):
+    """Phi-3.5's ``longrope`` (trained context 32 here, extended to 256): a run limited to
+    the original context uses the short factors, a longer one the long factors and the
+    attention factor; each matches transformers on a sequence on its side of 32 tokens
+    (transformers switches per length), from the folder and from the GGUF."""
+    from tiny_models import longrope
+
+    model = build_hf(
+        tmp_path, "phi3", rope_scaling=longrope(16, 32), original_max_position_embeddings=32
+    )
+    path = write_gguf(tmp_path / "m.gguf", model, "phi3")
+    short_ids, long_ids = IDS[:30], torch.cat([IDS, IDS[:8]])
+    for source in (tmp_path, path):
+        short = Placed(source, config=EngineConfig(max_context=32))
+        torch.testing.assert_close(
+            short.logits(short_ids), reference_logits(model, short_ids), atol=ATOL, rtol=ATOL
+        )
+        long = Placed(source)
+        assert long.config.rope_scaling.kind == "longrope"
+        assert short.model.rope.attention_factor == long.model.rope.attention_factor
+        assert long.model.rope.attention_factor == pytest.approx(
+            (1 + np.log(256 / 32) / np.log(32)) ** 0.5
+        )
+        ref = reference_logits(model, long_ids)
+        torch.testing.assert_close(long.logits(long_ids), ref, atol=ATOL, rtol=ATOL)
+        # the two tables differ, so each comparison above can tell them apart
+        assert (short.logits(long_ids) - ref).abs().max() > 100 * ATOL
+
+
+def test_phi3_int4_on_load_splits_fused_rows(tmp_path):
+    """The fused ``qkv_proj`` / ``gate_up_proj`` quantised on load are split as 4-bit
+    rows; the placed model stays close to transformers."""
+    from engine.weights.hf import load_hf_folder
+    from engine.weights.quant import Int4Weight
+
+    model = build_hf(tmp_path, "phi3")
+    weights = load_hf_folder(tmp_path, int4_group_size=32)
+    layer = weights.layers[0]
+    assert isinstance(layer.wk, Int4Weight) and layer.wk.shape == (32, 96)
+    assert layer.w_up.shape == (160, 96)
+    assert weights.formats["model.layers.0.self_attn.qkv_proj"] == "int4-g32"
+    fused = model.model.layers[0].self_attn.qkv_proj.weight.detach()
+    torch.testing.assert_close(layer.wk.dequantize(), fused[96:128], atol=0.02, rtol=0)
+
+
+def test_phi3_partial_rotary_is_refused(tmp_path):
+    """Phi-4-mini rotates 3/4 of each head; refused naming the field, not run wrongly."""
+    from engine.weights.hf import HFModelError, read_hf_config
+
+    build_hf(tmp_path, "phi3", partial_rotary_factor=0.75, rope_scaling=None)
+    with pytest.raises(HFModelError, match="partial_rotary_factor=0.75"):
+        read_hf_config(tmp_path)
