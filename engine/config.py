@@ -62,7 +62,13 @@ class ModelConfig:
     (``D / 2`` floats), as a GGUF file's ``rope_freqs.weight`` stores them (llama.cpp
     writes Llama 3.1's ``llama3`` scaling this way); ``None`` when the file has none.
     ``qkv_bias``: q/k/v projections carry biases (Qwen2). ``qk_norm``: per-head RMSNorm
-    of q and k before RoPE (Qwen3).
+    of q and k before RoPE (Qwen3, Gemma 3).
+    Gemma 2/3 (:mod:`engine.model.gemma`): ``attn_softcap`` / ``final_softcap`` cap
+    attention logits / output logits as ``c * tanh(x / c)`` (``None``: off);
+    ``query_pre_attn_scalar``: the softmax scale is its ``-1/2`` power (``None``:
+    ``head_dim``); ``sliding_layers``: the layers attending only to the last
+    ``sliding_window`` positions (tokens); ``rope_local_theta``: RoPE base of those layers
+    when it differs from ``rope_theta`` (Gemma 3), unscaled.
     """
 
     arch: str
@@ -82,6 +88,12 @@ class ModelConfig:
     name: str = ""
     rope_freq_factors: tuple[float, ...] | None = None
     qk_norm: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None
 
     @property
     def group_size(self) -> int:

@@ -9,8 +9,12 @@ Phi-3 (``Phi3MiniModel``) keeps its fused ``attn_qkv.weight`` (q|k|v rows, unper
 ``ffn_up.weight`` (gate|up rows, no ``ffn_gate``), split here, and writes ``longrope`` as
 ``rope_factors_short.weight`` / ``rope_factors_long.weight`` with
 ``phi3.rope.scaling.attn_factor`` and ``phi3.rope.scaling.original_context_length``; a
-``<arch>.attention.sliding_window`` > 0 caps the trained context as for Hugging Face
-folders (:mod:`engine.weights.hf`).
+``<arch>.attention.sliding_window`` > 0 caps the trained context of an all-layer window
+(Mistral, Phi-3) as for Hugging Face folders (:mod:`engine.weights.hf`). Gemma 2/3
+(``Gemma2Model`` / ``Gemma3Model``): norms already hold ``1 + w``, Q/K unpermuted, the
+output norms ``post_attention_norm`` / ``post_ffw_norm`` (``ffn_norm`` is the pre-MLP
+norm), soft-caps and the window from the metadata, sliding layers and query scale as
+llama.cpp derives them (:func:`_gemma_fields`).
 A tensor the architecture does not use is refused (never silently dropped).
 
 Tensor types: Q4_0, Q4_1 and Q4_K linear weights are kept as their 4-bit codes
@@ -58,6 +62,8 @@ _LAYER_TENSORS = {
 }
 _OPTIONAL = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
 _QK_NORMS = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}
+# Gemma 2/3: the norms of the attention and MLP outputs (``ffn_norm`` is the pre-MLP norm).
+_GEMMA_NORMS = {"post_attn_norm": "post_attention_norm.weight", "post_ffn_norm": "post_ffw_norm.weight"}
 _GLOBAL = ("token_embd.weight", "output_norm.weight", "output.weight")
 # Fused tensors of ``fused_projections`` architectures (Phi-3) -> the fields they split into.
 _FUSED = {"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}
@@ -195,8 +201,9 @@ def read_config(reader, path: Path) -> ModelConfig:
             **{k: _float_vector(reader, path, t, head_dim // 2) for k, t in ROPE_FACTORS.items()},
         )
     window = _field(reader, f"{arch}.attention.sliding_window")
-    if window:
+    if window and entry.sliding_window == "always":
         ctx = min(ctx, int(window))
+    gemma = _gemma_fields(reader, arch, entry, window) if entry.gemma else {}
     freq_factors = _rope_freq_factors(reader, path, head_dim)
     return ModelConfig(
         arch=entry.name,
@@ -216,6 +223,54 @@ def read_config(reader, path: Path) -> ModelConfig:
         name=str(_field(reader, "general.name", path.stem)),
         rope_freq_factors=freq_factors,
         qk_norm=entry.qk_norm,
+        **gemma,
+    )
+
+
+# llama.cpp (llama-model.cpp): Gemma 2 and 3 mark every 2nd / 6th layer global
+# (``set_swa_pattern``), use RoPE base 10 000 on Gemma 3's sliding layers
+# (``rope_freq_base_train_swa``), and scale queries by ``(hidden / heads) ** -0.5`` for the
+# 27B models (46 / 62 layers) and ``head_dim ** -0.5`` otherwise; the converter writes no
+# ``query_pre_attn_scalar``.
+_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+
+
+def _gemma_fields(reader, arch: str, entry, window) -> dict:
+    """:class:`ModelConfig` fields of a ``gemma2`` / ``gemma3`` file (see the constants
+    above): soft-caps (``<arch>.attn_logit_softcapping`` /
+    ``final_logit_softcapping``), sliding layers (``attention.sliding_window_pattern`` when
+    written: a period or one bool per layer; else llama.cpp's pattern) and the query
+    scale."""
+    n = int(_field(reader, f"{arch}.block_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        sliding = tuple(i for i, swa in enumerate(pattern) if swa)
+    else:
+        period = int(pattern or _GEMMA_SWA_PATTERN[entry.name])
+        sliding = tuple(i for i in range(n) if (i + 1) % period) if period > 1 else ()
+    if not window:
+        sliding = ()
+    scale = _field(reader, f"{arch}.attention.scale")
+    if scale:
+        scalar = float(scale) ** -2
+    elif n == _GEMMA_27B_LAYERS[entry.name]:
+        scalar = hidden / heads
+    else:
+        scalar = float(head_dim)
+    cap = _field(reader, f"{arch}.attn_logit_softcapping")
+    final = _field(reader, f"{arch}.final_logit_softcapping")
+    return dict(
+        attn_softcap=float(cap) if cap else None,
+        final_softcap=float(final) if final else None,
+        query_pre_attn_scalar=scalar,
+        sliding_window=int(window) if sliding else None,
+        sliding_layers=sliding,
+        rope_local_theta=GEMMA3_LOCAL_ROPE_THETA if entry.name == "gemma3" else None,
     )
 
 
@@ -371,6 +426,8 @@ def load_gguf(path: str | Path, reader=None) -> ModelWeights:
 def _layer_tensors(cfg: ModelConfig) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
     """(field -> tensor name of the unfused tensors, fused tensor name -> fields) of one
     layer of ``cfg``'s architecture."""
+    if registry.get(cfg.arch).gemma:
+        return dict(_LAYER_TENSORS) | _GEMMA_NORMS, {}
     if not registry.get(cfg.arch).fused_projections:
         return dict(_LAYER_TENSORS), {}
     split = {f for fields in _FUSED.values() for f in fields}
@@ -415,6 +472,8 @@ def _check_layer(cfg: ModelConfig, i: int, parts: dict, path: Path) -> None:
         want |= {"bq": (cfg.num_heads * d,), "bk": (kv,), "bv": (kv,)}
     if cfg.qk_norm:
         want |= {"q_norm": (d,), "k_norm": (d,)}
+    if registry.get(cfg.arch).gemma:
+        want |= {"post_attn_norm": (h,), "post_ffn_norm": (h,)}
     for name, shape in want.items():
         got = tuple(parts[name].shape)
         if got != shape:

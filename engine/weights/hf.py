@@ -11,7 +11,9 @@ Sharded checkpoints list their files in ``model.safetensors.index.json`` (``weig
 Architectures: those of :mod:`engine.model.registry` (``LlamaForCausalLM`` for Llama
 2/3/3.1 and SmolLM, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` with q/k/v biases,
 ``Qwen3ForCausalLM`` with per-head ``self_attn.q_norm`` / ``k_norm``, ``Phi3ForCausalLM``
-with fused ``qkv_proj`` / ``gate_up_proj`` split at load and ``longrope`` scaling). Q/K
+with fused ``qkv_proj`` / ``gate_up_proj`` split at load and ``longrope`` scaling,
+``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` with their four ``1 + w`` norms a layer —
+1 is added here, as llama.cpp's converter does — and per-layer windows and RoPE bases). Q/K
 rows of Hugging Face checkpoints are already in rotate-half order, as
 :mod:`engine.model.llama` expects: no permutation.
 
@@ -75,6 +77,14 @@ NORM_TENSORS = {
     "attn_norm": "input_layernorm.weight",
     "ffn_norm": "post_attention_layernorm.weight",
 }
+# Gemma 2/3: four norms a layer (``post_attention_layernorm`` is on the attention output).
+GEMMA_NORM_TENSORS = {
+    "attn_norm": "input_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "ffn_norm": "pre_feedforward_layernorm.weight",
+    "post_ffn_norm": "post_feedforward_layernorm.weight",
+}
+GEMMA_ACTIVATION = "gelu_pytorch_tanh"
 BIAS_TENSORS = {
     "bq": "self_attn.q_proj.bias",
     "bk": "self_attn.k_proj.bias",
@@ -128,7 +138,8 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
     _check_unsupported(raw, entry, path)
     heads = int(_require(raw, "num_attention_heads", path))
     hidden = int(_require(raw, "hidden_size", path))
-    theta, scaling = rope_from_hf(raw, path)
+    gemma = _gemma_fields(raw, entry, path) if entry.gemma else {}
+    theta, scaling = rope_from_hf(gemma.pop("global_rope", raw), path)
     cfg = ModelConfig(
         arch=arch,
         num_layers=int(_require(raw, "num_hidden_layers", path)),
@@ -142,13 +153,72 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position=_max_position(raw, entry, scaling),
         rope_scaling=scaling,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", entry.gemma)),
         qkv_bias=entry.qkv_bias,
         name=path.parent.resolve().name,
         qk_norm=entry.qk_norm,
+        **gemma,
     )
     cfg.validate()
     return cfg
+
+
+def _gemma_fields(raw: dict, arch: registry.Architecture, path: Path) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields of a Gemma 2/3 ``config.json`` (transformers
+    ``Gemma2Config`` / ``Gemma3TextConfig``), and under ``global_rope`` the config dict
+    :func:`rope_from_hf` reads for the global layers.
+
+    Sliding layers: ``layer_types`` entries ``sliding_attention``; without it, Gemma 2's
+    default (even layers) or Gemma 3's ``sliding_window_pattern`` (every layer but each
+    ``pattern``-th; default 6). RoPE: transformers 5 writes ``rope_parameters`` per layer
+    type (``full_attention`` / ``sliding_attention``); older Gemma 3 files have
+    ``rope_theta`` / ``rope_scaling`` for the global layers and ``rope_local_base_freq``.
+
+    Raises
+    ------
+    HFModelError
+        ``layer_types`` of another length than ``num_hidden_layers``, an unknown layer
+        type, or a local RoPE with scaling.
+    """
+    n = int(_require(raw, "num_hidden_layers", path))
+    types = raw.get("layer_types")
+    if types is None:
+        if arch.name == "gemma2":
+            types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        else:
+            pattern = int(raw.get("sliding_window_pattern") or 6)
+            types = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)
+            ]
+    bad = [t for t in types if t not in ("sliding_attention", "full_attention")]
+    if len(types) != n or bad:
+        raise HFModelError(
+            f"{path}: layer_types must be {n} entries of sliding_attention/full_attention, "
+            f"got {types!r}"
+        )
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    window = raw.get("sliding_window")
+    if sliding and not window:
+        raise HFModelError(f"{path}: sliding_attention layers without a sliding_window")
+    params = raw.get("rope_parameters") or {}
+    global_rope, local_theta = raw, None
+    if isinstance(params.get("full_attention"), dict):
+        global_rope = {**raw, "rope_parameters": params["full_attention"], "rope_scaling": None}
+        local = params.get("sliding_attention") or {}
+        if (local.get("rope_type") or "default") != "default":
+            raise HFModelError(f"{path}: rope_parameters.sliding_attention must be unscaled")
+        local_theta = local.get("rope_theta")
+    elif arch.name == "gemma3":
+        local_theta = raw.get("rope_local_base_freq", 10000.0)
+    return dict(
+        attn_softcap=raw.get("attn_logit_softcapping"),
+        final_softcap=raw.get("final_logit_softcapping"),
+        query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
+        sliding_window=int(window) if sliding else None,
+        sliding_layers=sliding,
+        rope_local_theta=None if local_theta is None else float(local_theta),
+        global_rope=global_rope,
+    )
 
 
 def _require(raw: dict, key: str, where: Path | str) -> Any:
@@ -174,8 +244,14 @@ def _check_unsupported(raw: dict, arch: registry.Architecture, path: Path) -> No
             "float checkpoint (4-bit at load, or once with `hisparse quantize`) or a GGUF "
             "file (Q4_0, Q4_1, Q4_K run as stored)"
         )
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
+    if arch.gemma:
+        act = raw.get("hidden_activation") or raw.get("hidden_act") or GEMMA_ACTIVATION
+        if act != GEMMA_ACTIVATION:
+            raise HFModelError(
+                f"{path}: hidden_activation={act!r} is not supported for {arch.name} "
+                f"(only {GEMMA_ACTIVATION!r})"
+            )
+    elif (act := raw.get("hidden_act", "silu")) != "silu":
         raise HFModelError(f"{path}: hidden_act={act!r} is not supported (only 'silu')")
     if raw.get("mlp_bias"):
         raise HFModelError(f"{path}: mlp_bias=true is not supported")
@@ -293,6 +369,8 @@ def _max_position(raw: dict, arch: registry.Architecture, scaling: RopeScaling |
     if scaling is not None and scaling.kind in ("yarn", "dynamic"):
         max_pos = max(max_pos, int(scaling.original_max_position * scaling.factor))
     window = raw.get("sliding_window")
+    if arch.sliding_window == "layers":  # per-layer windows are implemented: no cap
+        return max_pos
     uses_window = arch.sliding_window == "always" or (
         arch.sliding_window == "flag"
         and (raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []))
@@ -480,6 +558,12 @@ def stored_linears(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple[i
     return out
 
 
+def norm_tensors(cfg: ModelConfig) -> dict[str, str]:
+    """LayerWeights norm field -> tensor under ``model.layers.<i>.`` for ``cfg``'s
+    architecture (:data:`GEMMA_NORM_TENSORS` for Gemma, else :data:`NORM_TENSORS`)."""
+    return GEMMA_NORM_TENSORS if registry.get(cfg.arch).gemma else NORM_TENSORS
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every float tensor name of the checkpoint and its shape (linears as ``.weight``)."""
     h = cfg.hidden_size
@@ -492,7 +576,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         prefix = f"model.layers.{i}."
         for module, (_, shape) in stored_linears(cfg).items():
             shapes[f"{prefix}{module}.weight"] = shape
-        for tensor in NORM_TENSORS.values():
+        for tensor in norm_tensors(cfg).values():
             shapes[prefix + tensor] = (h,)
         if cfg.qkv_bias:
             for field, tensor in BIAS_TENSORS.items():
@@ -630,10 +714,14 @@ def load_hf_folder(path: str | Path, *, int4_group_size: int | None = None) -> M
         group_size = quantized_group_size(tensors)
         check_names(tensors, cfg, group_size is not None)
         formats: dict[str, str] = {}
+        norm_plus_one = registry.get(cfg.arch).gemma
 
         def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             formats[name] = tensors.dtype(name)
-            return tensors.read_float(name, shape)
+            t = tensors.read_float(name, shape)
+            if norm_plus_one and name.endswith("norm.weight"):  # Gemma's RMSNorm: x * (1 + w)
+                t = t + 1.0
+            return t
 
         layers = [
             _read_layer(tensors, cfg, i, group_size, int4_group_size, read, formats)
@@ -656,7 +744,7 @@ def _read_layer(tensors, cfg, i, group_size, int4_group_size, read, formats) -> 
             parts[fields[0]] = w
         else:  # Phi-3's fused projections: rows stacked in field order
             parts.update(zip(fields, split_rows(w, [split[f][0] for f in fields]), strict=True))
-    for field, tensor in NORM_TENSORS.items():
+    for field, tensor in norm_tensors(cfg).items():
         parts[field] = read(prefix + tensor, (cfg.hidden_size,))
     if cfg.qkv_bias:
         for field, tensor in BIAS_TENSORS.items():

@@ -25,7 +25,11 @@ LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 class LayerWeights:
     """One decoder layer. Shapes: wq ``[Hq*D, H]``, wk/wv ``[Hkv*D, H]``, wo ``[H, Hq*D]``,
     w_gate/w_up ``[F, H]``, w_down ``[H, F]``, norms ``[H]``, biases ``[N]``; q_norm /
-    k_norm ``[D]`` per-head RMSNorm weights of q and k (Qwen3), ``None`` otherwise."""
+    k_norm ``[D]`` per-head RMSNorm weights of q and k (Qwen3, Gemma 3), ``None``
+    otherwise; post_attn_norm / post_ffn_norm ``[H]``: Gemma 2/3's norms of the attention
+    and MLP outputs before their residual adds (``ffn_norm`` is then its
+    ``pre_feedforward_layernorm``). Every norm weight is the multiplier itself: Gemma's
+    ``1 + w`` is added by the loader (Hugging Face) or was by llama.cpp's converter (GGUF)."""
 
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
@@ -41,6 +45,8 @@ class LayerWeights:
     bv: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_ffn_norm: torch.Tensor | None = None
 
 
 @dataclass

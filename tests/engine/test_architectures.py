@@ -29,7 +29,9 @@ from engine.model.llama import prefill_attention  # noqa: E402
 IDS = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4))
 ATOL = 1e-4
 STEPS = 12
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama"} | {
+    n: n for n in ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+}
 
 
 class Placed:
@@ -47,7 +49,8 @@ class Placed:
         positions = torch.arange(len(ids))
         for i in range(self.config.num_layers):
             q, k, v = m.qkv(i, h, positions)
-            h = m.finish_layer(i, h, prefill_attention(q, k, v, 0))
+            a = prefill_attention(q, k, v, 0, m.scale, m.attn_softcap, m.attn_window(i))
+            h = m.finish_layer(i, h, a)
         return m.logits(h)
 
     def greedy(self, ids: torch.Tensor, steps: int) -> list[int]:
@@ -142,15 +145,16 @@ def test_gguf_f16_weights_and_int4_placement(tmp_path):
 
 def test_unknown_architectures_list_the_supported_ones(tmp_path):
     with pytest.raises(registry.UnsupportedArchitecture, match="llama, mistral, qwen2, qwen3"):
-        registry.get("gemma3")
-    with pytest.raises(ValueError, match=r"general\.architecture='gemma3'.*qwen3"):
-        registry.for_gguf("gemma3")
-    with pytest.raises(ValueError, match=r"Gemma3ForCausalLM.*Qwen3ForCausalLM"):
-        registry.for_hf(["Gemma3ForCausalLM"], "gemma3")
+        registry.get("falcon")
+    with pytest.raises(ValueError, match=r"general\.architecture='falcon'.*gemma3"):
+        registry.for_gguf("falcon")
+    # Gemma 3's multimodal checkpoints (4B and up) are not the text-only Gemma3ForCausalLM
+    with pytest.raises(ValueError, match=r"Gemma3ForConditionalGeneration.*Gemma3ForCausalLM"):
+        registry.for_hf(["Gemma3ForConditionalGeneration"], "gemma3")
     assert registry.for_hf(None, "qwen3").name == "qwen3"
     model = build_hf(tmp_path, "llama")
-    path = write_gguf(tmp_path / "m.gguf", model, "gemma3")
-    with pytest.raises(ValueError, match=r"m\.gguf: general\.architecture='gemma3'.*llama"):
+    path = write_gguf(tmp_path / "m.gguf", model, "falcon")
+    with pytest.raises(ValueError, match=r"m\.gguf: general\.architecture='falcon'.*llama"):
         load_weights(str(path))
 
 
@@ -225,3 +229,40 @@ def test_phi3_partial_rotary_is_refused(tmp_path):
     build_hf(tmp_path, "phi3", partial_rotary_factor=0.75, rope_scaling=None)
     with pytest.raises(HFModelError, match="partial_rotary_factor=0.75"):
         read_hf_config(tmp_path)
+
+
+# ----------------------------------------------------------------------------- gemma
+
+
+def test_gemma_query_pre_attn_scalar_from_the_folder(tmp_path):
+    """Gemma 2 27B's ``query_pre_attn_scalar`` (hidden / heads, not head_dim) sets the
+    softmax scale; the default one would not match."""
+    model = build_hf(tmp_path, "gemma2", query_pre_attn_scalar=40)
+    placed = Placed(tmp_path)
+    assert placed.model.scale == pytest.approx(40**-0.5)
+    ref = reference_logits(model, IDS)
+    torch.testing.assert_close(placed.logits(IDS), ref, atol=ATOL, rtol=ATOL)
+    placed.model.scale = 16**-0.5
+    assert (placed.logits(IDS) - ref).abs().max() > 100 * ATOL
+
+
+def test_gemma_norms_are_one_plus_w(tmp_path):
+    """Hugging Face Gemma norms store ``w`` of ``x * (1 + w)``; the loader hands over
+    ``1 + w`` (llama.cpp's GGUF already holds it), every norm of the layer included."""
+    from engine.weights.hf import load_hf_folder
+
+    model = build_hf(tmp_path, "gemma3")
+    weights = load_hf_folder(tmp_path)
+    layer, src = weights.layers[1], model.model.layers[1]
+    pairs = [
+        (layer.attn_norm, src.input_layernorm),
+        (layer.post_attn_norm, src.post_attention_layernorm),
+        (layer.ffn_norm, src.pre_feedforward_layernorm),
+        (layer.post_ffn_norm, src.post_feedforward_layernorm),
+        (layer.q_norm, src.self_attn.q_norm),
+        (weights.norm, model.model.norm),
+    ]
+    for ours, theirs in pairs:
+        torch.testing.assert_close(ours, theirs.weight.detach() + 1)
+    cfg = weights.config
+    assert (cfg.sliding_layers, cfg.sliding_window, cfg.rope_local_theta) == ((0,), 8, 10000.0)
