@@ -33,8 +33,12 @@ class RopeScaling:
 
     kind: ``llama3`` (Llama 3.1 ``rope_scaling``), ``linear`` (position interpolation),
     ``dynamic`` (dynamic NTK, Reddit/LocalLLaMA 2023; as in transformers'
-    ``_compute_dynamic_ntk_parameters``) or ``yarn`` (Peng et al. 2023, "YaRN: Efficient
-    Context Window Extension of Large Language Models", arXiv:2309.00071).
+    ``_compute_dynamic_ntk_parameters``), ``yarn`` (Peng et al. 2023, "YaRN: Efficient
+    Context Window Extension of Large Language Models", arXiv:2309.00071) or ``longrope``
+    (Phi-3/3.5, Ding et al. 2024, arXiv:2402.13753; transformers
+    ``_compute_longrope_parameters``): per-frequency divisors ``short_factor`` /
+    ``long_factor`` (``D / 2`` floats each; the long ones when the run's context limit is
+    above ``original_max_position``) and cos/sin multiplied by ``attention_factor``.
     """
 
     kind: str
@@ -44,6 +48,9 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    attention_factor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,13 @@ class ModelConfig:
     (``D / 2`` floats), as a GGUF file's ``rope_freqs.weight`` stores them (llama.cpp
     writes Llama 3.1's ``llama3`` scaling this way); ``None`` when the file has none.
     ``qkv_bias``: q/k/v projections carry biases (Qwen2). ``qk_norm``: per-head RMSNorm
-    of q and k before RoPE (Qwen3).
+    of q and k before RoPE (Qwen3, Gemma 3).
+    Gemma 2/3 (:mod:`engine.model.gemma`): ``attn_softcap`` / ``final_softcap`` cap
+    attention logits / output logits as ``c * tanh(x / c)`` (``None``: off);
+    ``query_pre_attn_scalar``: the softmax scale is its ``-1/2`` power (``None``:
+    ``head_dim``); ``sliding_layers``: the layers attending only to the last
+    ``sliding_window`` positions (tokens); ``rope_local_theta``: RoPE base of those layers
+    when it differs from ``rope_theta`` (Gemma 3), unscaled.
     """
 
     arch: str
@@ -75,6 +88,12 @@ class ModelConfig:
     name: str = ""
     rope_freq_factors: tuple[float, ...] | None = None
     qk_norm: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None
 
     @property
     def group_size(self) -> int:

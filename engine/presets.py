@@ -3,7 +3,7 @@
 A preset file has four blocks::
 
     description: one line
-    model: llama2-13b          # optional: shape ``hisparse plan`` uses by default
+    model: llama2-13b-gqa8     # optional: shape ``hisparse plan`` uses by default
     hardware: {devices: [...], memory_gb: ..., host_link_gbps: ..., host_memory_gb: ...,
                parallel: data|pipeline, device_name: ..., compute_capability: ...}
     engine:   {<EngineConfig field>: value, ...}

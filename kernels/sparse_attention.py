@@ -7,6 +7,12 @@ order, whatever slots hold them, so the result does not depend on slot placement
 (request, KV head, split) walks its share of the selected pages, tile by tile, with all
 G query heads of the group in one ``tl.dot``; a second kernel merges the splits' partial
 results by log-sum-exp in a fixed order.
+
+Two per-layer options (Gemma 2/3; transformers ``eager_attention_forward`` and the
+sliding-window mask of ``masking_utils``): ``softcap`` caps each logit as
+``softcap * tanh(logit / softcap)`` after the scale (attention logit soft-capping), and
+``window`` (a sliding-window layer) keeps only the last ``window`` positions of each context,
+``pos >= seq_len - window`` (transformers: ``kv_idx > q_idx - sliding_window``).
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ def sparse_decode_attention_ref(
     slot_list: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of each request's query over the tokens of its selected pages.
 
@@ -53,6 +61,9 @@ def sparse_decode_attention_ref(
     seq_lens : int32 ``[B]`` tokens in each context; positions >= seq_len (the unused
         part of the last page) are masked
     scale : softmax scale, usually ``D ** -0.5``
+    softcap : logits become ``softcap * tanh(logits / softcap)`` (``None``: off)
+    window : only positions ``>= seq_len - window`` count (a sliding-window layer;
+        ``None``: all)
 
     Returns
     -------
@@ -67,10 +78,15 @@ def sparse_decode_attention_ref(
     keys = rec[:, :, :, 0].reshape(b, hkv, k_max * s, d)
     vals = rec[:, :, :, 1].reshape(b, hkv, k_max * s, d)
     pos = pages[..., None] * s + torch.arange(s, device=q.device)  # [B, Hkv, K, S]
-    ok = (pages[..., None] >= 0) & (pos < seq_lens.to(q.device).long()[:, None, None, None])
+    lens = seq_lens.to(q.device).long()[:, None, None, None]
+    ok = (pages[..., None] >= 0) & (pos < lens)
+    if window:
+        ok &= pos >= lens - window
     ok = ok.reshape(b, hkv, 1, k_max * s)
     qg = q.float().view(b, hkv, hq // hkv, d)
     logits = torch.einsum("bhgd,bhtd->bhgt", qg, keys) * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
     logits = logits.masked_fill(~ok, float("-inf"))
     # Unwritten positions (past seq_len, or pool memory never initialised) may hold any
     # bits, NaN included: zero them so 0-weight * NaN cannot leak into the output.
@@ -87,16 +103,19 @@ def dense_decode_attention_ref(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention over every token of each context, read through the block table.
 
-    Independent of the sparse path (uses ``torch.nn.functional.scaled_dot_product_attention``);
-    the correctness ladder compares the two.
+    Independent of the sparse path (uses ``torch.nn.functional.scaled_dot_product_attention``,
+    or with ``softcap`` an explicit softmax); the correctness ladder compares the two.
 
     Parameters
     ----------
     q : ``[B, Hq, D]``; kv_pool : ``[P_pool, Hkv, 2, S, D]``; block_table : int32
-    ``[B, P_max]``; seq_lens : int32 ``[B]``.
+    ``[B, P_max]``; seq_lens : int32 ``[B]``; softcap, window : as in
+    :func:`sparse_decode_attention_ref`.
 
     Returns
     -------
@@ -110,13 +129,24 @@ def dense_decode_attention_ref(
     keys = rec[:, :, :, 0].permute(0, 2, 1, 3, 4).reshape(b, hkv, p_used * s, d)
     vals = rec[:, :, :, 1].permute(0, 2, 1, 3, 4).reshape(b, hkv, p_used * s, d)
     pos = torch.arange(p_used * s, device=q.device)
-    mask = (pos[None, :] < seq_lens.to(q.device).long()[:, None])[:, None, None, :]
+    lens = seq_lens.to(q.device).long()[:, None]
+    keep = pos[None, :] < lens
+    if window:
+        keep &= pos[None, :] >= lens - window
+    mask = keep[:, None, None, :]
     dt = torch.float32 if q.device.type == "cpu" else q.dtype
     # Positions past seq_len (the unused part of the last page, pool memory never written)
     # may hold any bits, NaN included: zero them, or NaN * 0-weight reaches the output.
     valid = mask[:, :, 0, :, None]  # [B, 1, T, 1]
     keys = keys.masked_fill(~valid, 0.0)
     vals = vals.masked_fill(~valid, 0.0)
+    if softcap:
+        g = hq // hkv
+        logits = torch.einsum("bhgd,bhtd->bhgt", q.float().view(b, hkv, g, d), keys.float())
+        logits = softcap * torch.tanh(logits * scale / softcap)
+        weights = logits.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        out = torch.einsum("bhgt,bhtd->bhgd", weights, vals.float())
+        return out.reshape(b, hq, d).to(q.dtype)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.to(dt).view(b, hq, 1, d),
         keys.to(dt),
@@ -138,6 +168,8 @@ def _sparse_decode_split_kernel(
     o_ptr,
     lse_ptr,
     scale_log2e,
+    softcap,
+    window,
     num_kv_heads,
     num_words,
     k_max,
@@ -165,6 +197,8 @@ def _sparse_decode_split_kernel(
     BLOCK_W: tl.constexpr,
     FP32_DOT: tl.constexpr,
     DIRECT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """One (request, KV head, split): attention over selected-page ranks
     ``[split * pages_per_split, (split + 1) * pages_per_split)``.
@@ -174,6 +208,14 @@ def _sparse_decode_split_kernel(
     below the context's last whole page gives ``c_full``: ranks ``< c_full`` are whole
     pages inside the context, rank ``c_full`` is the partial last page if its bit is
     set, and later ranks lie past ``seq_len`` (masked).
+
+    ``SOFTCAP``: logits ``softcap * tanh(logit / softcap)`` (``scale_log2e`` is then the
+    plain scale and the log2 factor comes after the cap). ``WINDOW``: the window starts at
+    ``lo = max(seq_len - window, 0)``; the same popcount gives ``c_lo``, the selected
+    pages wholly before it (skipped: the walk starts at rank ``c_lo``), and whether rank
+    ``c_lo`` is the page holding ``lo`` (its tokens before ``lo`` masked). The first rank
+    walked still holds a valid token, so the running max stays finite; a split left with
+    no rank keeps ``l = 0`` (log-sum-exp ``-inf`` in the merge).
     """
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -190,6 +232,11 @@ def _sparse_decode_split_kernel(
     offs_bit = tl.arange(0, 32)
     c_full = tl.full([], 0, tl.int32)
     has_tail = tl.full([], 0, tl.int32)
+    lo = tl.maximum(seq_len - window, 0)
+    lo_page = lo // PAGE_SIZE
+    lo_rem = lo % PAGE_SIZE
+    c_lo = tl.full([], 0, tl.int32)
+    has_lo = tl.full([], 0, tl.int32)
     for w0 in range(0, num_words, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
         words = tl.load(sel_row + offs_w, mask=offs_w < num_words, other=0)
@@ -197,10 +244,16 @@ def _sparse_decode_split_kernel(
         page = offs_w[:, None] * 32 + offs_bit[None, :]
         c_full += tl.sum(tl.sum(tl.where(page < n_full, bits, 0), axis=1), axis=0)
         has_tail += tl.sum(tl.sum(tl.where(page == n_full, bits, 0), axis=1), axis=0)
+        if WINDOW:
+            c_lo += tl.sum(tl.sum(tl.where(page < lo_page, bits, 0), axis=1), axis=0)
+            has_lo += tl.sum(tl.sum(tl.where(page == lo_page, bits, 0), axis=1), axis=0)
     n_valid = tl.minimum(c_full + tl.where(rem > 0, has_tail, 0), k_max)
 
     r_lo = split * pages_per_split
     r_hi = tl.minimum(r_lo + pages_per_split, n_valid)
+    if WINDOW:
+        r_lo = tl.maximum(r_lo, c_lo)
+    lo_cut = tl.where(has_lo > 0, lo_rem, 0)  # tokens of rank c_lo before the window
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -231,6 +284,8 @@ def _sparse_decode_split_kernel(
         slot = tl.load(sl_row + rank, mask=mask_n, other=0)
         slot = tl.maximum(slot, 0).to(tl.int64)
         valid = mask_n & ((rank < c_full) | (tok < rem))
+        if WINDOW:  # rank c_lo may be the page the window starts in
+            valid = valid & ((rank != c_lo) | (tok >= lo_cut))
         rec = kv_ptr + slot * stride_kv_n + tok * stride_kv_s
         mask_kv = valid[:, None] & mask_d[None, :]
         k = tl.load(rec[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
@@ -241,7 +296,13 @@ def _sparse_decode_split_kernel(
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(valid[None, :], qk * scale_log2e, float("-inf"))
+        if SOFTCAP:  # softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1)
+            y = qk * (scale_log2e / softcap)
+            qk = softcap * (1.0 - 2.0 / (tl.exp2(y * 2.8853900817779268) + 1.0))
+            qk = qk * 1.4426950408889634
+        else:
+            qk = qk * scale_log2e
+        qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -345,6 +406,8 @@ def sparse_decode_attention(
     slot_list: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
     *,
     pages_per_split: int | None = None,
     config: DecodeConfig | None = None,
@@ -360,6 +423,8 @@ def sparse_decode_attention(
     slot_list : int32/int64 ``[B, Hkv, K_max]``
     seq_lens : int32/int64 ``[B]``
     scale : softmax scale
+    softcap : logit soft-cap (``None``: off); window : sliding window in tokens (``None``:
+        off); see :func:`sparse_decode_attention_ref`
     pages_per_split : selected pages per program (split-K width); ``None`` picks one so
         that ``B * Hkv * splits`` fills the device ``config.waves`` times. Results are
         deterministic for a given ``(B, Hkv, K_max)`` and launch shape, and independent
@@ -429,7 +494,9 @@ def sparse_decode_attention(
         seq_lens,
         o_part,
         lse_part,
-        scale * math.log2(math.e),
+        scale if softcap else scale * math.log2(math.e),
+        float(softcap or 1.0),
+        int(window or 0),
         hkv,
         selection.shape[2],
         k_max,
@@ -455,6 +522,8 @@ def sparse_decode_attention(
         BLOCK_W=64,
         FP32_DOT=fp32_dot,
         DIRECT=direct,
+        SOFTCAP=bool(softcap),
+        WINDOW=bool(window),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -487,6 +556,8 @@ def dense_decode_attention(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Triton :func:`dense_decode_attention_ref`: every page of each context, read in
     place from the KV pool by the split-K kernel of :func:`sparse_decode_attention` with
@@ -513,4 +584,6 @@ def dense_decode_attention(
     selection = dense_selection(num_pages, hkv, width)
     slot_list = resident_slot_list_triton(selection, block_table, width)
     records = kv_pool.view(-1, 2, s, d)
-    return sparse_decode_attention(q, records, selection, slot_list, seq_lens, scale)
+    return sparse_decode_attention(
+        q, records, selection, slot_list, seq_lens, scale, softcap, window
+    )

@@ -15,7 +15,7 @@
 #   qwen     qwen2.5-7b shape, 128K and 256K, concurrency 1..24, then a 2000-step soak
 #            (8 jobs at 128K); CONTEXTS / LEVELS override the sweep.
 #   llama31  llama3.1-8b shape, 128K and 256K, concurrency 1..16.
-#   seed     the seed scenario: llama2-13b shape (8 KV heads), 256K jobs, as many as the
+#   seed     the seed scenario: llama2-13b-gqa8 shape (Llama-2-13B with 8 KV heads), 256K jobs, as many as the
 #            host pool holds (40 GiB of bf16 KV each); the planner's answer is printed.
 #   quick    qwen2.5-7b, 32K and 128K, concurrency 1, 4, 8 (a smoke run, ~3 min).
 #   overlap  qwen2.5-7b, 128K, concurrency 1, 4, 8: the hierarchy with the decode
@@ -69,9 +69,9 @@ case "$SCENARIO" in
   llama31)
     MODEL=synthetic:llama3.1-8b; CONTEXTS="${CONTEXTS:-128K,256K}"; LEVELS="${LEVELS:-1,2,4,8,12,16}" ;;
   seed)
-    MODEL=synthetic:llama2-13b; CONTEXTS="${CONTEXTS:-256K}"; LEVELS="${LEVELS:-1,2,4,5,6,8}"
+    MODEL=synthetic:llama2-13b-gqa8; CONTEXTS="${CONTEXTS:-256K}"; LEVELS="${LEVELS:-1,2,4,5,6,8}"
     MASTER=44; DOCS=1
-    "$PY" -m hisparse_cli plan --preset dual4090 --model llama2-13b --jobs 8 --context 256K \
+    "$PY" -m hisparse_cli plan --preset dual4090 --model llama2-13b-gqa8 --jobs 8 --context 256K \
       2>&1 | tee "$OUT/seed_plan.txt" ;;
   quick)
     MODEL=synthetic:qwen2.5-7b; CONTEXTS="${CONTEXTS:-32K,128K}"; LEVELS="${LEVELS:-1,4,8}" ;;

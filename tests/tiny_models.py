@@ -8,7 +8,9 @@ weights as a GGUF file with gguf-py's ``GGUFWriter`` in llama.cpp's conventions
 (``convert_hf_to_gguf.py``: tensor names ``blk.<i>.attn_q.weight`` ..., metadata keys
 ``<arch>.block_count`` ..., Q/K rows permuted for ``llama`` (``LlamaModel.permute``) and
 left in Hugging Face order for ``qwen2`` / ``qwen3`` (``Qwen2Model`` does not permute),
-Qwen3's per-head norms as ``attn_q_norm`` / ``attn_k_norm``).
+Qwen3's per-head norms as ``attn_q_norm`` / ``attn_k_norm``; ``Phi3MiniModel``: fused
+``attn_qkv`` and ``ffn_up`` = gate|up, ``longrope`` as ``rope_factors_short`` /
+``rope_factors_long`` with ``rope.scaling.attn_factor`` / ``original_context_length``).
 """
 
 from __future__ import annotations
@@ -30,12 +32,57 @@ BASE = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
+
+
+def longrope(head_dim: int, original: int) -> dict:
+    """A ``longrope`` ``rope_scaling`` (Phi-3.5's layout) with distinct short and long
+    per-frequency factors for ``head_dim``, trained context ``original`` (Phi3Config
+    overrides it with its own ``original_max_position_embeddings``: pass both)."""
+    half = head_dim // 2
+    return dict(
+        rope_type="longrope",
+        short_factor=[1.0 + 0.15 * i for i in range(half)],
+        long_factor=[1.5 + 0.9 * i for i in range(half)],
+        original_max_position_embeddings=original,
+    )
+
+
+# Phi3Config's default special ids (32000...) lie outside the tiny vocabulary.
+PHI3_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# Gemma: layer 0 slides over 8 tokens, layer 1 is global; weights large enough (and caps
+# small enough) that the soft-caps bend the logits; query_pre_attn_scalar = head_dim, the
+# value llama.cpp assumes for a GGUF (test_architectures checks another one on folders).
+GEMMA = dict(
+    head_dim=16,
+    query_pre_attn_scalar=16,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention"],
+    initializer_range=0.15,
+    **PHI3_TOKENS,
+)
 # family -> (config class, model class, extra config fields)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=16)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1e6)),
+    # longrope at its trained context: the short factors, attention factor 1
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            sliding_window=None,
+            rope_scaling=longrope(16, 256),
+            original_max_position_embeddings=256,
+            **PHI3_TOKENS,
+        ),
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(attn_logit_softcapping=4.0, final_logit_softcapping=3.0, **GEMMA),
+    ),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(final_logit_softcapping=3.0, **GEMMA)),
 }
 
 
@@ -102,6 +149,14 @@ _LAYER = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # phi3 (fused, not permuted)
+    "mlp.gate_up_proj.weight": "ffn_up.weight",  # phi3: gate rows then up rows
+}
+# Gemma 2/3 norms (tensor_mapping.py): post_attention_layernorm is on the attention output.
+_GEMMA_NORMS = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
 
 
@@ -136,6 +191,7 @@ def write_gguf(
     cfg = model.config
     if permute is None:
         permute = arch in ("llama", "mistral")
+    gemma = arch in ("gemma2", "gemma3")
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-" + arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -148,7 +204,18 @@ def write_gguf(
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' base
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    gemma = arch in ("gemma2", "gemma3")
+    if gemma:  # Gemma2Model / Gemma3Model.set_gguf_parameters
+        if cfg.attn_logit_softcapping:
+            w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        if cfg.final_logit_softcapping:
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        w.add_sliding_window(cfg.sliding_window)
+        if arch == "gemma3":
+            w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
@@ -157,8 +224,24 @@ def write_gguf(
     w.add_token_types([1] * VOCAB)
     w.add_token_merges([])
     w.add_add_bos_token(False)
+    if rope.get("rope_type") == "longrope":  # Phi3MiniModel.set_gguf_parameters / extra tensors
+        import math
+
+        original = rope["original_max_position_embeddings"]
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        )
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
 
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    layer_names = _LAYER
+    if gemma:  # llama.cpp adds Gemma's RMSNorm 1 to every norm weight
+        sd = {k: v + 1 if k.endswith("norm.weight") else v for k, v in sd.items()}
+        layer_names = {k: v for k, v in _LAYER.items() if k != "post_attention_layernorm.weight"}
+        layer_names |= _GEMMA_NORMS
 
     raw_tensors = raw_tensors or {}
 
@@ -176,12 +259,12 @@ def write_gguf(
 
     put("token_embd.weight", sd["model.embed_tokens.weight"])
     put("output_norm.weight", sd["model.norm.weight"])
-    if not cfg.tie_word_embeddings:
+    if not cfg.tie_word_embeddings and not gemma:  # Gemma2Model skips lm_head
         put("output.weight", sd["lm_head.weight"])
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     for i in range(cfg.num_hidden_layers):
-        for hf, gg in _LAYER.items():
+        for hf, gg in layer_names.items():
             a = sd.get(f"model.layers.{i}.{hf}")
             if a is None:
                 continue

@@ -9,6 +9,15 @@ independent SDPA implementation; ``attention=sparse`` with ``hierarchical=False`
 the selected records straight from a device-resident pool; with ``hierarchical=True``
 (the default) it reads them from the hot buffer after resolve and gather. The two sparse
 modes run the same attention op in the same page order, so they are bit-identical.
+
+Sliding-window layers (Gemma 2/3: ``windows[layer]`` tokens) keep their window in both
+modes: attention masks every position before ``seq_len - window`` (the kernels' ``window``
+argument), and in sparse mode the indexer's scores of pages wholly before the window are
+set to ``-inf``, no sink pages are forced and the pages before the window are cleared
+from the selection (:meth:`DecodeAttention.in_window`), so only pages inside the window
+are resolved, gathered and read (a context whose window pages fit the budget gets all
+of them: dense over its window).
+Attention logit soft-capping (Gemma 2, ``softcap``) is applied by the attention op.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import torch
 from engine.config import EngineConfig
 from engine.decode import indexers
 from engine.kv.cache import KVCache
+from kernels.bitmask import pack_bits
 from kernels.dispatch import Ops
 
 
@@ -89,14 +99,27 @@ class DecodeAttention:
     cache : the KV hierarchy; config : engine settings; ops : kernel set
     (:func:`kernels.dispatch.get_ops`); scale : softmax scale; tracer : optional callable
     ``(plan, layer, selection)`` recording selections (``layer`` is the model's layer
-    index: a pipeline stage's cache index plus its ``layer_offset``).
+    index: a pipeline stage's cache index plus its ``layer_offset``); softcap : attention
+    logit soft-cap (``None``: off); windows : per cache layer, the sliding window in tokens
+    or ``None`` (a full-attention layer); ``None``: no window anywhere.
     """
 
-    def __init__(self, cache: KVCache, config: EngineConfig, ops: Ops, scale: float, tracer=None):
+    def __init__(
+        self,
+        cache: KVCache,
+        config: EngineConfig,
+        ops: Ops,
+        scale: float,
+        tracer=None,
+        softcap: float | None = None,
+        windows: list[int | None] | None = None,
+    ):
         self.cache = cache
         self.config = config
         self.ops = ops
         self.scale = scale
+        self.softcap = softcap
+        self.windows = list(windows) if windows is not None else None
         self.tracer = tracer
         self.k_max = config.max_selected_pages
         self.hits: torch.Tensor | None = None
@@ -167,10 +190,12 @@ class DecodeAttention:
                 plan.slab_ids if hier else None,
                 **fp8,
             )
+        window = self.window(layer)
         if self.config.attention == "dense":
             return self.ops.dense_decode_attention(
-                q, c.pool[layer], plan.block_table, plan.seq_lens, self.scale
-            )
+                q, c.pool[layer], plan.block_table, plan.seq_lens, self.scale,
+                self.softcap, window,
+            )  # fmt: skip
         scores = self.scores(plan, layer, q)
         selection = self.select(plan, layer, q, scores)
         if self.tracer is not None:
@@ -180,7 +205,7 @@ class DecodeAttention:
             slot_list = self.ops.resident_slot_list(selection, plan.block_table, self.k_max)
             records = pool.view(-1, *pool.shape[2:])
             return self.ops.sparse_decode_attention(
-                q, records, selection, slot_list, plan.seq_lens, self.scale
+                q, records, selection, slot_list, plan.seq_lens, self.scale, self.softcap, window
             )
         slot_list, hits, load_slots = self.load(plan, layer, selection, self.k_max)
         if plan.hits is not None and plan.misses is not None:
@@ -201,7 +226,7 @@ class DecodeAttention:
                 **fp8,
             )
         out = self.ops.sparse_decode_attention(
-            q, c.slots[layer], selection, slot_list, plan.seq_lens, self.scale
+            q, c.slots[layer], selection, slot_list, plan.seq_lens, self.scale, self.softcap, window
         )
         if self.prefetch_pages and scores is not None:
             self.prefetch(plan, layer, scores)
@@ -218,8 +243,9 @@ class DecodeAttention:
 
         def work() -> None:
             wide = self.ops.select_topk(
-                scores, plan.num_pages, k_ext, cfg.sink_pages, cfg.window_pages
+                scores, plan.num_pages, k_ext, self.sink_pages(layer), cfg.window_pages
             )
+            wide = self.in_window(plan, layer, wide)
             _, _, load_slots = self.load(plan, layer, wide, k_ext)
             if plan.prefetched is not None:
                 plan.prefetched += (load_slots >= 0).sum((-1, -2))
@@ -274,7 +300,22 @@ class DecodeAttention:
         ix = self.indexer
         if not ix.ranks:
             return None
-        return ix.score(self.ops, self.cache, plan, layer, q, self.config, self.scale)
+        scores = ix.score(self.ops, self.cache, plan, layer, q, self.config, self.scale)
+        window = self.window(layer)
+        if window:  # pages wholly before the window never win the budget
+            lo_page = (plan.seq_lens.long() - window).clamp(min=0) // self.cache.page_size
+            pages = torch.arange(scores.shape[-1], device=scores.device)
+            scores = scores.masked_fill(pages[None, None, :] < lo_page[:, None, None], float("-inf"))
+        return scores
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of cache layer ``layer`` in tokens, ``None`` for full attention."""
+        return self.windows[layer] if self.windows is not None else None
+
+    def sink_pages(self, layer: int) -> int:
+        """Sink pages forced into ``layer``'s selection: none for a sliding-window layer
+        (they lie outside its window once the context passes it)."""
+        return 0 if self.window(layer) else self.config.sink_pages
 
     def select(
         self, plan: StepPlan, layer: int, q: torch.Tensor, scores: torch.Tensor | None = None
@@ -288,6 +329,19 @@ class DecodeAttention:
             )
         if scores is None:
             scores = self.scores(plan, layer, q)
-        return self.ops.select_topk(
-            scores, plan.num_pages, cfg.top_k_pages, cfg.sink_pages, cfg.window_pages
+        selection = self.ops.select_topk(
+            scores, plan.num_pages, cfg.top_k_pages, self.sink_pages(layer), cfg.window_pages
         )
+        return self.in_window(plan, layer, selection)
+
+    def in_window(self, plan: StepPlan, layer: int, selection: torch.Tensor) -> torch.Tensor:
+        """``selection`` (int32 ``[B, Hkv, W]``) without the pages wholly before ``layer``'s
+        sliding window (the top-k fills its budget with ``-inf`` pages when the window
+        has fewer pages than the budget); unchanged for a full-attention layer."""
+        window = self.window(layer)
+        if not window:
+            return selection
+        lo_page = (plan.seq_lens.long() - window).clamp(min=0) // self.cache.page_size
+        pages = torch.arange(selection.shape[-1] * 32, device=selection.device)
+        keep = pack_bits(pages[None, :] >= lo_page[:, None])  # [B, W]
+        return selection & keep[:, None, :]

@@ -195,7 +195,9 @@ def prefill_window(
             if last and e < t:
                 continue
             ws = max(0, s - window)
-            a = prefill_attention(q, kbuf[ws:e], vbuf[ws:e], s - ws)
+            a = prefill_attention(
+                q, kbuf[ws:e], vbuf[ws:e], s - ws, m.scale, m.attn_softcap, m.attn_window(layer)
+            )
             if last:
                 h = m.finish_layer(layer, h[t - 1 :], a[-1:])
             else:

@@ -96,16 +96,16 @@ def roofline(
 
 
 def seed_scenario() -> dict[str, Any]:
-    """The planner's seed scenario (llama2-13b shape, 4-bit, 8 x 256K on ``dual4090``)."""
+    """The planner's seed scenario (llama2-13b-gqa8 shape, 4-bit, 8 x 256K on ``dual4090``)."""
     from engine.capacity.planner import plan
     from engine.capacity.shapes import get_model_shape
     from engine.presets import load_preset_full, resolve_config
 
-    command = "hisparse plan --preset dual4090 --model llama2-13b --jobs 8 --context 256K"
+    command = "hisparse plan --preset dual4090 --model llama2-13b-gqa8 --jobs 8 --context 256K"
     try:
         preset = load_preset_full("dual4090")
         result = plan(
-            get_model_shape("llama2-13b"), resolve_config(preset), preset.hardware, 8, 256 * 1024
+            get_model_shape("llama2-13b-gqa8"), resolve_config(preset), preset.hardware, 8, 256 * 1024
         )
     except (ConfigError, OSError) as e:
         return {"command": command, "error": str(e)}

@@ -117,6 +117,11 @@ class LlamaModel:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        self.attn_softcap: float | None = None  # attention logit soft-cap (Gemma 2)
+
+    def attn_window(self, i: int) -> int | None:
+        """Layer ``i``'s sliding window in tokens, ``None`` for full causal attention."""
+        return None
 
     @property
     def weight_bytes(self) -> int:
@@ -170,7 +175,15 @@ class LlamaModel:
         return self.lm_head(rms_norm(h, self.norm, self.config.rms_norm_eps)).float()
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
     """Causal attention of a chunk over its prefix (torch SDPA).
 
     The first chunk is plain causal attention. A later chunk's queries see every key up
@@ -184,27 +197,38 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     ----------
     q : ``[Tc, Hq, D]`` queries at positions ``start .. start + Tc - 1``
     k, v : ``[start + Tc, Hkv, D]`` keys/values of positions ``0 .. start + Tc - 1``
+    scale : softmax scale (``None``: ``D ** -0.5``)
+    softcap : attention logits become ``softcap * tanh(logits / softcap)`` (Gemma 2;
+        computed by :func:`_masked_attention`, not SDPA)
+    window : sliding window: a query at position ``p`` sees keys ``p - window < j <= p``
+        (transformers ``sliding_window_overlay``); ``None``: all earlier keys
 
     Returns
     -------
     ``[Tc, Hq, D]``
     """
+    if softcap or window:
+        return _masked_attention(q, k, v, start, scale, softcap, window)
     tc = q.shape[0]
     # 4-D [1, H, T, D] inputs: torch's CPU flash kernel only takes batched inputs.
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     if start == 0:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, enable_gqa=True, scale=scale
+        )
         return out[0].transpose(0, 1)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _LOWER_RIGHT_FLASH[0]:
         try:
-            out = _flash_lower_right(qh, kh, vh)
+            out = _flash_lower_right(qh, kh, vh, scale)
             return out[0].transpose(0, 1)
         except RuntimeError:  # shapes or dtypes the flash kernel refuses: the mask below
             _LOWER_RIGHT_FLASH[0] = False
     pos_q = torch.arange(start, start + tc, device=q.device)
     pos_k = torch.arange(start + tc, device=q.device)
     mask = pos_k[None, :] <= pos_q[:, None]
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, enable_gqa=True, scale=scale
+    )
     return out[0].transpose(0, 1)
 
 
@@ -213,7 +237,9 @@ _LOWER_RIGHT_FLASH = [True]
 False once the library refused it in this process)."""
 
 
-def _flash_lower_right(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
+def _flash_lower_right(
+    qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
     """``[1, Hq, Lq, D]`` bottom-right-aligned causal attention of ``qh`` over
     ``kh, vh [1, Hkv, Lk, D]`` (``Hq`` a multiple of ``Hkv``), in the flash kernel.
 
@@ -229,5 +255,45 @@ def _flash_lower_right(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> 
         From the kernel when it does not take the inputs (dtype, head size, device).
     """
     return torch.ops.aten._scaled_dot_product_flash_attention(
-        qh, kh, vh, 0.0, is_causal=True, return_debug_mask=False
+        qh, kh, vh, 0.0, is_causal=True, return_debug_mask=False, scale=scale
     )[0]
+
+
+# Query rows per block of the soft-capped path: Hq x rows x keys fp32 logits stay ~256 MiB.
+_LOGIT_ELEMENTS = 1 << 26
+
+
+def _masked_attention(q, k, v, start, scale, softcap, window) -> torch.Tensor:
+    """:func:`prefill_attention` with a sliding window and/or soft-capped logits: keys
+    before the chunk's first window are dropped, then SDPA with a boolean mask (window
+    only) or an explicit fp32 softmax over query blocks (soft-cap; as transformers'
+    ``eager_attention_forward``: scale, cap, mask, softmax)."""
+    tc, hq, d = q.shape
+    hkv = k.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    k0 = max(0, start - window + 1) if window else 0
+    k, v = k[k0:], v[k0:]
+    pos_k = torch.arange(k0, k0 + k.shape[0], device=q.device)
+    pos_q = torch.arange(start, start + tc, device=q.device)
+    mask = pos_k[None, :] <= pos_q[:, None]
+    if window:
+        mask &= pos_k[None, :] > pos_q[:, None] - window
+    if not softcap:
+        qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, enable_gqa=True, scale=scale
+        )
+        return out[0].transpose(0, 1)
+    g = hq // hkv
+    kf = k.float().permute(1, 0, 2)  # [Hkv, Tk, D]
+    vf = v.float().permute(1, 0, 2)
+    out = torch.empty(tc, hq, d, dtype=q.dtype, device=q.device)
+    rows = max(1, _LOGIT_ELEMENTS // max(1, hq * k.shape[0]))
+    for r in range(0, tc, rows):
+        qb = q[r : r + rows].float().reshape(-1, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv,G,R,D]
+        logits = torch.einsum("hgrd,htd->hgrt", qb, kf) * scale
+        logits = softcap * torch.tanh(logits / softcap)
+        logits = logits.masked_fill(~mask[r : r + rows][None, None], float("-inf"))
+        o = torch.einsum("hgrt,htd->hgrd", logits.softmax(dim=-1), vf)
+        out[r : r + rows] = o.permute(2, 0, 1, 3).reshape(-1, hq, d).to(q.dtype)
+    return out

@@ -17,8 +17,11 @@ family module if the math is new (``build`` returns the placed model, with the
 
 Sources of the layout facts: llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute``
 is applied to Q/K for ``llama``; ``Qwen2Model`` / ``Qwen3Model`` write them unpermuted;
-Qwen3 norms as ``attn_q_norm`` / ``attn_k_norm``) and transformers' modelling files
-(``modeling_llama``, ``modeling_mistral``, ``modeling_qwen2``, ``modeling_qwen3``).
+Qwen3 norms as ``attn_q_norm`` / ``attn_k_norm``; ``Phi3MiniModel`` keeps Phi-3's fused
+``attn_qkv`` and ``ffn_up`` = gate|up, unpermuted) and transformers' modelling files
+(``modeling_llama``, ``modeling_mistral``, ``modeling_qwen2``, ``modeling_qwen3``,
+``modeling_phi3``, ``modeling_gemma2``, ``modeling_gemma3``; llama.cpp's ``Gemma2Model`` /
+``Gemma3Model`` add 1 to every ``norm.weight`` and do not permute Q/K).
 """
 
 from __future__ import annotations
@@ -41,12 +44,20 @@ def _build_llama(weights, device, dtype, weight_format, rope, layers=None):
     return LlamaModel(weights, device, dtype, weight_format, rope, layers=layers)
 
 
+def _build_gemma(weights, device, dtype, weight_format, rope, layers=None):
+    from engine.model.gemma import GemmaModel
+
+    return GemmaModel(weights, device, dtype, weight_format, rope, layers=layers)
+
+
 @dataclass(frozen=True)
 class Architecture:
     """One architecture the engine runs.
 
-    name : ``ModelConfig.arch`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``)
-    family : the module computing it (``llama`` = :mod:`engine.model.llama`)
+    name : ``ModelConfig.arch`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3``,
+        ``gemma2``, ``gemma3``)
+    family : the module computing it (``llama`` = :mod:`engine.model.llama`, ``gemma`` =
+        :mod:`engine.model.gemma`)
     description : one line for the README and error messages
     gguf_names : GGUF ``general.architecture`` values read as this architecture
     hf_architectures : ``config.json`` ``architectures`` entries
@@ -58,8 +69,15 @@ class Architecture:
         GGUF files are read as they are (biases used when present)
     qk_norm : per-head RMSNorm ``[D]`` of q and k before RoPE (Qwen3)
     sliding_window : how a Hugging Face config declares its window: ``always``
-        (``sliding_window`` set means used: Mistral), ``flag`` (only with
-        ``use_sliding_window`` or a ``sliding_attention`` layer type: Qwen2/3) or ``never``
+        (``sliding_window`` set means used: Mistral, Phi-3), ``flag`` (only with
+        ``use_sliding_window`` or a ``sliding_attention`` layer type: Qwen2/3), ``layers``
+        (per-layer windows, implemented: Gemma 2/3) or ``never``
+    fused_projections : the checkpoint stores q|k|v as one ``qkv_proj`` (GGUF
+        ``attn_qkv``) and gate|up as one ``gate_up_proj`` (GGUF ``ffn_up`` of ``2F`` rows,
+        no ``ffn_gate``), split into the separate weights at load (Phi-3)
+    gemma : Gemma's layout (:mod:`engine.model.gemma`): ``1 + w`` norms (added to Hugging
+        Face weights; llama.cpp's converter already added it to GGUF ones), four norms a
+        layer, GeGLU, scaled embedding, tied head by default
     build : ``(weights, device, dtype, weight_format, rope, layers=None) -> model``
     """
 
@@ -73,6 +91,8 @@ class Architecture:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: str = "never"
+    fused_projections: bool = False
+    gemma: bool = False
     build: Callable[..., Any] = _build_llama
 
 
@@ -120,12 +140,51 @@ ARCHITECTURES: dict[str, Architecture] = {
             qk_norm=True,
             sliding_window="flag",
         ),
+        Architecture(
+            "phi3",
+            "llama",
+            "Phi-3 / 3.5 / 4 (the Llama math with fused qkv and gate-up projections, "
+            "longrope scaling)",
+            gguf_names=("phi3",),
+            hf_architectures=("Phi3ForCausalLM",),
+            hf_model_types=("phi3",),
+            gguf_permuted_qk=False,
+            sliding_window="always",
+            fused_projections=True,
+        ),
+        Architecture(
+            "gemma2",
+            "gemma",
+            "Gemma 2 (1 + w RMSNorms around attention and MLP, GeGLU, logit soft-capping, "
+            "alternating sliding-window layers)",
+            gguf_names=("gemma2",),
+            hf_architectures=("Gemma2ForCausalLM",),
+            hf_model_types=("gemma2",),
+            gguf_permuted_qk=False,
+            sliding_window="layers",
+            gemma=True,
+            build=_build_gemma,
+        ),
+        Architecture(
+            "gemma3",
+            "gemma",
+            "Gemma 3 text (Gemma 2's layout with per-head q/k norms, no attention "
+            "soft-cap, 5 local : 1 global layers with their own RoPE bases)",
+            gguf_names=("gemma3",),
+            hf_architectures=("Gemma3ForCausalLM",),
+            hf_model_types=("gemma3_text",),
+            gguf_permuted_qk=False,
+            qk_norm=True,
+            sliding_window="layers",
+            gemma=True,
+            build=_build_gemma,
+        ),
     )
 }
 
 
 def supported() -> str:
-    """``"llama, mistral, qwen2, qwen3"`` for messages."""
+    """``"llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3"`` for messages."""
     return ", ".join(ARCHITECTURES)
 
 

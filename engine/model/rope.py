@@ -10,6 +10,14 @@ as in Hugging Face transformers, with the frequency scalings of ``RopeScaling``:
 * ``yarn``: YaRN (Peng et al. 2023, arXiv:2309.00071): NTK-by-parts interpolation with
   ramp between ``beta_fast`` and ``beta_slow`` and attention temperature
   ``0.1 * ln(factor) + 1`` folded into cos/sin.
+* ``longrope``: LongRoPE (Ding et al. 2024, arXiv:2402.13753) as Phi-3/3.5 use it
+  (transformers ``_compute_longrope_parameters``): each inverse frequency divided by its
+  ``short_factor`` or ``long_factor`` entry, cos/sin multiplied by ``attention_factor``
+  (default ``sqrt(1 + ln(factor) / ln(original))``, 1 when ``factor <= 1``). One table per
+  run: the long factors when the run's ``context`` is above ``original_max_position``, as
+  llama.cpp chooses them (its per-sequence context against ``n_ctx_orig``); transformers
+  switches per forward pass on the current length instead, so the two agree whenever a
+  run's sequences stay on one side of ``original_max_position``.
 
 Frequency factors (GGUF ``rope_freqs.weight``, llama.cpp ``ggml_rope_ext``'s
 ``freq_factors``): each inverse frequency is divided by its factor before any scaling
@@ -36,11 +44,14 @@ class Rope:
     head_dim : D; theta : base; scaling : optional :class:`RopeScaling`
     freq_factors : optional ``D / 2`` divisors of the inverse frequencies (GGUF
         ``rope_freqs.weight``; see the module docstring), applied before ``scaling``
+    context : the run's context limit in tokens (picks ``longrope``'s long or short
+        factors; ``None``: the short ones)
 
     Raises
     ------
     ValueError
-        ``freq_factors`` of another length than ``D / 2`` or with a value <= 0.
+        ``freq_factors`` (or a ``longrope`` factor list) of another length than ``D / 2``
+        or with a value <= 0; an unknown scaling kind.
     """
 
     def __init__(
@@ -49,19 +60,15 @@ class Rope:
         theta: float,
         scaling: RopeScaling | None = None,
         freq_factors: tuple[float, ...] | torch.Tensor | None = None,
+        context: int | None = None,
     ):
         self.head_dim = head_dim
+        self.context = context
         self.attention_factor = 1.0
         self.position_divisor = 1.0
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         if freq_factors is not None:
-            ff = torch.as_tensor(freq_factors, dtype=torch.float64).reshape(-1)
-            if ff.numel() != head_dim // 2 or not bool((ff > 0).all()):
-                raise ValueError(
-                    f"rope freq_factors: expected {head_dim // 2} positive values for "
-                    f"head_dim={head_dim}, got {ff.tolist()}"
-                )
-            inv = inv / ff
+            inv = inv / _factors("freq_factors", freq_factors, head_dim)
         if scaling is not None:
             inv = self._scale(inv, theta, scaling)
         self.inv_freq = inv.float()
@@ -80,6 +87,14 @@ class Rope:
         if sc.kind == "yarn":
             self.attention_factor = 0.1 * math.log(sc.factor) + 1.0 if sc.factor > 1 else 1.0
             return _yarn(inv, theta, d, sc)
+        if sc.kind == "longrope":
+            long = self.context is not None and self.context > sc.original_max_position
+            name = "long_factor" if long else "short_factor"
+            factors = getattr(sc, name)
+            if factors is None:
+                raise ValueError(f"longrope scaling without {name}")
+            self.attention_factor = longrope_attention_factor(sc)
+            return inv / _factors(name, factors, d)
         raise ValueError(f"unsupported rope scaling type {sc.kind!r}")
 
     def cos_sin(
@@ -94,6 +109,28 @@ class Rope:
         return (emb.cos() * self.attention_factor).to(dtype), (
             emb.sin() * self.attention_factor
         ).to(dtype)
+
+
+def longrope_attention_factor(sc: RopeScaling) -> float:
+    """cos/sin multiplier of ``longrope``: ``sc.attention_factor`` when given, else
+    ``sqrt(1 + ln(factor) / ln(original_max_position))`` for ``factor > 1`` and 1
+    otherwise (transformers ``_compute_longrope_parameters``; llama.cpp's converter writes
+    the same value as ``rope.scaling.attn_factor``)."""
+    if sc.attention_factor is not None:
+        return float(sc.attention_factor)
+    if sc.factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(sc.factor) / math.log(sc.original_max_position))
+
+
+def _factors(name: str, values, head_dim: int) -> torch.Tensor:
+    ff = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+    if ff.numel() != head_dim // 2 or not bool((ff > 0).all()):
+        raise ValueError(
+            f"rope {name}: expected {head_dim // 2} positive values for "
+            f"head_dim={head_dim}, got {ff.tolist()}"
+        )
+    return ff
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -134,7 +134,15 @@ class Engine:
             model.config, config, model.device, max_pages, layers=model.layer_range
         )
         _check_dense_indexer(config, self.cache.pages_for(context_limit))
-        self.attn = DecodeAttention(self.cache, config, ops, model.scale, tracer)
+        self.attn = DecodeAttention(
+            self.cache,
+            config,
+            ops,
+            model.scale,
+            tracer,
+            softcap=model.attn_softcap,
+            windows=[model.attn_window(i) for i in model.layer_range],
+        )
         self.tracer = tracer
         self.step = 0
         self._cancel = False
@@ -613,7 +621,9 @@ class Engine:
             if last and e < t:
                 yield e - s
                 continue  # only the final position's output is needed after the last layer
-            a = prefill_attention(q, kbuf[:e], vbuf[:e], s)
+            a = prefill_attention(
+                q, kbuf[:e], vbuf[:e], s, m.scale, m.attn_softcap, m.attn_window(layer)
+            )
             if last:
                 h = m.finish_layer(layer, h[t - 1 :], a[-1:])
             else:

@@ -55,7 +55,8 @@ def context_limit_and_rope(cfg: ModelConfig, config: EngineConfig) -> tuple[int,
     """Tokens per request (:func:`context_limit`) and the RoPE table under the context
     policy: ``extend`` scales RoPE by ``extend_method`` with factor ``limit / trained``
     unless the model has its own scaling; the model's frequency factors (GGUF
-    ``rope_freqs``) always apply.
+    ``rope_freqs``) always apply; a ``longrope`` model gets its long factors when the limit
+    is above its original context (:class:`engine.model.rope.Rope`).
 
     Raises
     ------
@@ -71,7 +72,7 @@ def context_limit_and_rope(cfg: ModelConfig, config: EngineConfig) -> tuple[int,
         scaling = RopeScaling(
             kind=config.extend_method, factor=limit / trained, original_max_position=trained
         )
-    return limit, Rope(cfg.head_dim, cfg.rope_theta, scaling, cfg.rope_freq_factors)
+    return limit, Rope(cfg.head_dim, cfg.rope_theta, scaling, cfg.rope_freq_factors, context=limit)
 
 
 def too_long_advice(policy: str, need: int | None = None) -> str:

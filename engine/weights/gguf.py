@@ -1,10 +1,20 @@
 """Load a GGUF file of a registered architecture (:mod:`engine.model.registry`: ``llama``,
-``mistral``, ``qwen2``, ``qwen3``) with the ``gguf`` package.
+``mistral``, ``qwen2``, ``qwen3``, ``phi3``) with the ``gguf`` package.
 
 Format: GGUF spec (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md); tensor names
 and metadata keys as written by llama.cpp's ``convert_hf_to_gguf.py``: Q/K rows are
 permuted for ``llama`` (undone here) and not for ``qwen2`` / ``qwen3``; Qwen2's q/k/v
-biases are ``attn_{q,k,v}.bias``, Qwen3's per-head norms ``attn_{q,k}_norm.weight``.
+biases are ``attn_{q,k,v}.bias``, Qwen3's per-head norms ``attn_{q,k}_norm.weight``;
+Phi-3 (``Phi3MiniModel``) keeps its fused ``attn_qkv.weight`` (q|k|v rows, unpermuted) and
+``ffn_up.weight`` (gate|up rows, no ``ffn_gate``), split here, and writes ``longrope`` as
+``rope_factors_short.weight`` / ``rope_factors_long.weight`` with
+``phi3.rope.scaling.attn_factor`` and ``phi3.rope.scaling.original_context_length``; a
+``<arch>.attention.sliding_window`` > 0 caps the trained context of an all-layer window
+(Mistral, Phi-3) as for Hugging Face folders (:mod:`engine.weights.hf`). Gemma 2/3
+(``Gemma2Model`` / ``Gemma3Model``): norms already hold ``1 + w``, Q/K unpermuted, the
+output norms ``post_attention_norm`` / ``post_ffw_norm`` (``ffn_norm`` is the pre-MLP
+norm), soft-caps and the window from the metadata, sliding layers and query scale as
+llama.cpp derives them (:func:`_gemma_fields`).
 A tensor the architecture does not use is refused (never silently dropped).
 
 Tensor types: Q4_0, Q4_1 and Q4_K linear weights are kept as their 4-bit codes
@@ -28,7 +38,13 @@ import torch
 from engine.config import ModelConfig, RopeScaling
 from engine.model import registry
 from engine.weights.quant import int4_from_gguf_blocks
-from engine.weights.types import LINEAR_NAMES, LayerWeights, ModelWeights, unpermute_qk_rows
+from engine.weights.types import (
+    LINEAR_NAMES,
+    LayerWeights,
+    ModelWeights,
+    split_rows,
+    unpermute_qk_rows,
+)
 
 SUPPORTED_ARCHS = tuple(n for a in registry.ARCHITECTURES.values() for n in a.gguf_names)
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # linears kept as 4-bit codes
@@ -46,7 +62,12 @@ _LAYER_TENSORS = {
 }
 _OPTIONAL = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
 _QK_NORMS = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}
+# Gemma 2/3: the norms of the attention and MLP outputs (``ffn_norm`` is the pre-MLP norm).
+_GEMMA_NORMS = {"post_attn_norm": "post_attention_norm.weight", "post_ffn_norm": "post_ffw_norm.weight"}
 _GLOBAL = ("token_embd.weight", "output_norm.weight", "output.weight")
+# Fused tensors of ``fused_projections`` architectures (Phi-3) -> the fields they split into.
+_FUSED = {"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}
+ROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
 
 
 class GGUFError(ValueError):
@@ -169,6 +190,20 @@ def read_config(reader, path: Path) -> ModelConfig:
             ),
         )
     names = {t.name for t in reader.tensors}
+    if any(n in names for n in ROPE_FACTORS.values()):
+        original = int(_field(reader, f"{arch}.rope.scaling.original_context_length", ctx))
+        attn = _field(reader, f"{arch}.rope.scaling.attn_factor")
+        scaling = RopeScaling(
+            kind="longrope",
+            factor=ctx / original,
+            original_max_position=original,
+            attention_factor=None if attn is None else float(attn),
+            **{k: _float_vector(reader, path, t, head_dim // 2) for k, t in ROPE_FACTORS.items()},
+        )
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if window and entry.sliding_window == "always":
+        ctx = min(ctx, int(window))
+    gemma = _gemma_fields(reader, arch, entry, window) if entry.gemma else {}
     freq_factors = _rope_freq_factors(reader, path, head_dim)
     return ModelConfig(
         arch=entry.name,
@@ -188,10 +223,78 @@ def read_config(reader, path: Path) -> ModelConfig:
         name=str(_field(reader, "general.name", path.stem)),
         rope_freq_factors=freq_factors,
         qk_norm=entry.qk_norm,
+        **gemma,
+    )
+
+
+# llama.cpp (llama-model.cpp): Gemma 2 and 3 mark every 2nd / 6th layer global
+# (``set_swa_pattern``), use RoPE base 10 000 on Gemma 3's sliding layers
+# (``rope_freq_base_train_swa``), and scale queries by ``(hidden / heads) ** -0.5`` for the
+# 27B models (46 / 62 layers) and ``head_dim ** -0.5`` otherwise; the converter writes no
+# ``query_pre_attn_scalar``.
+_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+
+
+def _gemma_fields(reader, arch: str, entry, window) -> dict:
+    """:class:`ModelConfig` fields of a ``gemma2`` / ``gemma3`` file (see the constants
+    above): soft-caps (``<arch>.attn_logit_softcapping`` /
+    ``final_logit_softcapping``), sliding layers (``attention.sliding_window_pattern`` when
+    written: a period or one bool per layer; else llama.cpp's pattern) and the query
+    scale."""
+    n = int(_field(reader, f"{arch}.block_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        sliding = tuple(i for i, swa in enumerate(pattern) if swa)
+    else:
+        period = int(pattern or _GEMMA_SWA_PATTERN[entry.name])
+        sliding = tuple(i for i in range(n) if (i + 1) % period) if period > 1 else ()
+    if not window:
+        sliding = ()
+    scale = _field(reader, f"{arch}.attention.scale")
+    if scale:
+        scalar = float(scale) ** -2
+    elif n == _GEMMA_27B_LAYERS[entry.name]:
+        scalar = hidden / heads
+    else:
+        scalar = float(head_dim)
+    cap = _field(reader, f"{arch}.attn_logit_softcapping")
+    final = _field(reader, f"{arch}.final_logit_softcapping")
+    return dict(
+        attn_softcap=float(cap) if cap else None,
+        final_softcap=float(final) if final else None,
+        query_pre_attn_scalar=scalar,
+        sliding_window=int(window) if sliding else None,
+        sliding_layers=sliding,
+        rope_local_theta=GEMMA3_LOCAL_ROPE_THETA if entry.name == "gemma3" else None,
     )
 
 
 ROPE_FREQS = "rope_freqs.weight"
+
+
+def _float_vector(reader, path: Path, name: str, size: int) -> tuple[float, ...]:
+    """The ``size`` positive floats of the 1-D tensor ``name`` (``longrope`` factors).
+
+    Raises
+    ------
+    GGUFError
+        The tensor is missing or does not hold ``size`` positive values.
+    """
+    import gguf
+
+    t = next((t for t in reader.tensors if t.name == name), None)
+    if t is None:
+        raise GGUFError(f"{path}: missing tensor {name}")
+    values = np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), np.float32)
+    values = values.reshape(-1)
+    if values.size != size or not (values > 0).all():
+        raise GGUFError(f"{path}: tensor {name} has {values.size} values; expected {size} positive")
+    return tuple(float(v) for v in values)
 
 
 def _rope_freq_factors(reader, path: Path, head_dim: int) -> tuple[float, ...] | None:
@@ -283,13 +386,26 @@ def load_gguf(path: str | Path, reader=None) -> ModelWeights:
 
     _check_names(cfg, by_name, path)
     permuted = registry.get(cfg.arch).gguf_permuted_qk
+    layer_tensors, fused = _layer_tensors(cfg)
+    kv_rows = cfg.num_kv_heads * cfg.head_dim
+    rows = {"wq": cfg.num_heads * cfg.head_dim, "wk": kv_rows, "wv": kv_rows}
+    rows |= {"w_gate": cfg.intermediate_size, "w_up": cfg.intermediate_size}
     q_index = unpermute_qk_rows(cfg.num_heads * cfg.head_dim, cfg.num_heads)
     k_index = unpermute_qk_rows(cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads)
     layers = []
     for i in range(cfg.num_layers):
         parts = {
-            k: get(f"blk.{i}.{v}", keep_int4=k in LINEAR_NAMES) for k, v in _LAYER_TENSORS.items()
+            k: get(f"blk.{i}.{v}", keep_int4=k in LINEAR_NAMES) for k, v in layer_tensors.items()
         }
+        for tensor, fields in fused.items():  # Phi-3: q|k|v and gate|up rows
+            w = get(f"blk.{i}.{tensor}", keep_int4=True)
+            want = sum(rows[f] for f in fields)
+            if w.shape[0] != want:
+                raise GGUFError(
+                    f"{path}: blk.{i}.{tensor} has {w.shape[0]} rows, expected {want} "
+                    f"({' + '.join(f'{f}={rows[f]}' for f in fields)})"
+                )
+            parts.update(zip(fields, split_rows(w, [rows[f] for f in fields]), strict=True))
         for k, v in _OPTIONAL.items():
             parts[k] = get(f"blk.{i}.{v}") if cfg.qkv_bias else None
         if cfg.qk_norm:
@@ -307,11 +423,23 @@ def load_gguf(path: str | Path, reader=None) -> ModelWeights:
     return ModelWeights(cfg, embed, get("output_norm.weight"), layers, lm_head, formats)
 
 
+def _layer_tensors(cfg: ModelConfig) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """(field -> tensor name of the unfused tensors, fused tensor name -> fields) of one
+    layer of ``cfg``'s architecture."""
+    if registry.get(cfg.arch).gemma:
+        return dict(_LAYER_TENSORS) | _GEMMA_NORMS, {}
+    if not registry.get(cfg.arch).fused_projections:
+        return dict(_LAYER_TENSORS), {}
+    split = {f for fields in _FUSED.values() for f in fields}
+    return {k: v for k, v in _LAYER_TENSORS.items() if k not in split}, dict(_FUSED)
+
+
 def _check_names(cfg: ModelConfig, by_name: dict, path: Path) -> None:
     """Refuse tensors this architecture would not use (an unknown tensor may carry math
     the engine would otherwise silently skip, as ``rope_freqs`` once was)."""
-    known = set(_GLOBAL) | {ROPE_FREQS}
-    per_layer = list(_LAYER_TENSORS.values())
+    known = set(_GLOBAL) | {ROPE_FREQS} | set(ROPE_FACTORS.values())
+    layer_tensors, fused = _layer_tensors(cfg)
+    per_layer = list(layer_tensors.values()) + list(fused)
     per_layer += list(_OPTIONAL.values()) if cfg.qkv_bias else []
     per_layer += list(_QK_NORMS.values()) if cfg.qk_norm else []
     known |= {f"blk.{i}.{t}" for i in range(cfg.num_layers) for t in per_layer}
@@ -344,6 +472,8 @@ def _check_layer(cfg: ModelConfig, i: int, parts: dict, path: Path) -> None:
         want |= {"bq": (cfg.num_heads * d,), "bk": (kv,), "bv": (kv,)}
     if cfg.qk_norm:
         want |= {"q_norm": (d,), "k_norm": (d,)}
+    if registry.get(cfg.arch).gemma:
+        want |= {"post_attn_norm": (h,), "post_ffn_norm": (h,)}
     for name, shape in want.items():
         got = tuple(parts[name].shape)
         if got != shape:

@@ -10,8 +10,12 @@ Sharded checkpoints list their files in ``model.safetensors.index.json`` (``weig
 
 Architectures: those of :mod:`engine.model.registry` (``LlamaForCausalLM`` for Llama
 2/3/3.1 and SmolLM, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` with q/k/v biases,
-``Qwen3ForCausalLM`` with per-head ``self_attn.q_norm`` / ``k_norm``). Q/K rows of Hugging Face checkpoints are already in
-rotate-half order, as :mod:`engine.model.llama` expects: no permutation.
+``Qwen3ForCausalLM`` with per-head ``self_attn.q_norm`` / ``k_norm``, ``Phi3ForCausalLM``
+with fused ``qkv_proj`` / ``gate_up_proj`` split at load and ``longrope`` scaling,
+``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` with their four ``1 + w`` norms a layer —
+1 is added here, as llama.cpp's converter does — and per-layer windows and RoPE bases). Q/K
+rows of Hugging Face checkpoints are already in rotate-half order, as
+:mod:`engine.model.llama` expects: no permutation.
 
 Tensors are read lazily (``safetensors.safe_open``, memory-mapped), one at a time:
 float (F32/F16/BF16) tensors become float32 tensors; linear weights stay float unless
@@ -21,8 +25,8 @@ placement, :func:`engine.weights.quant.make_linear`). Folders written by ``hispa
 per linear ``<module>.qweight`` / ``.scales`` / ``.offsets`` and load as
 :class:`engine.weights.quant.Int4Weight` without re-quantising.
 
-Sliding-window attention (Mistral 7B v0.1 ``sliding_window: 4096``; Qwen2 with
-``use_sliding_window``) is not implemented. Within the window, full causal attention is
+Sliding-window attention (Mistral 7B v0.1 ``sliding_window: 4096``; Phi-3-mini-4k
+``2047``; Qwen2 with ``use_sliding_window``) is not implemented. Within the window, full causal attention is
 identical to it, so the trained context (``ModelConfig.max_position``) is capped at the
 window: the default ``refuse`` context policy then rejects longer documents instead of
 silently attending past the window; ``extend`` goes beyond it at the user's request.
@@ -41,13 +45,13 @@ import torch
 from engine.config import ModelConfig, RopeScaling
 from engine.model import registry
 from engine.weights.quant import Int4Weight
-from engine.weights.types import LayerWeights, ModelWeights, WeightT
+from engine.weights.types import LayerWeights, ModelWeights, WeightT, split_rows
 
 SUPPORTED_ARCHITECTURES = {
     name: a.name for a in registry.ARCHITECTURES.values() for name in a.hf_architectures
 }
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-ROPE_KINDS = ("default", "llama3", "linear", "dynamic", "yarn")
+ROPE_KINDS = ("default", "llama3", "linear", "dynamic", "yarn", "longrope")
 
 # safetensors ``__metadata__`` keys of folders written by ``hisparse quantize``.
 FORMAT_KEY = "hisparse_format"
@@ -73,17 +77,31 @@ NORM_TENSORS = {
     "attn_norm": "input_layernorm.weight",
     "ffn_norm": "post_attention_layernorm.weight",
 }
+# Gemma 2/3: four norms a layer (``post_attention_layernorm`` is on the attention output).
+GEMMA_NORM_TENSORS = {
+    "attn_norm": "input_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "ffn_norm": "pre_feedforward_layernorm.weight",
+    "post_ffn_norm": "post_feedforward_layernorm.weight",
+}
+GEMMA_ACTIVATION = "gelu_pytorch_tanh"
 BIAS_TENSORS = {
     "bq": "self_attn.q_proj.bias",
     "bk": "self_attn.k_proj.bias",
     "bv": "self_attn.v_proj.bias",
 }
 QK_NORM_TENSORS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+# Fused modules of ``fused_projections`` architectures (Phi-3) -> the fields they split into.
+FUSED_MODULES = {
+    "self_attn.qkv_proj": ("wq", "wk", "wv"),
+    "mlp.gate_up_proj": ("w_gate", "w_up"),
+}
 EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 # Buffers some older checkpoints carry; recomputed from the config, never read.
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 LINEAR_WEIGHT = re.compile(
-    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"
+    r"^model\.layers\.\d+\.(self_attn\.([qkvo]|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)"
+    r"\.weight$"
 )
 
 
@@ -120,7 +138,8 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
     _check_unsupported(raw, entry, path)
     heads = int(_require(raw, "num_attention_heads", path))
     hidden = int(_require(raw, "hidden_size", path))
-    theta, scaling = rope_from_hf(raw, path)
+    gemma = _gemma_fields(raw, entry, path) if entry.gemma else {}
+    theta, scaling = rope_from_hf(gemma.pop("global_rope", raw), path)
     cfg = ModelConfig(
         arch=arch,
         num_layers=int(_require(raw, "num_hidden_layers", path)),
@@ -134,13 +153,72 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position=_max_position(raw, entry, scaling),
         rope_scaling=scaling,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", entry.gemma)),
         qkv_bias=entry.qkv_bias,
         name=path.parent.resolve().name,
         qk_norm=entry.qk_norm,
+        **gemma,
     )
     cfg.validate()
     return cfg
+
+
+def _gemma_fields(raw: dict, arch: registry.Architecture, path: Path) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields of a Gemma 2/3 ``config.json`` (transformers
+    ``Gemma2Config`` / ``Gemma3TextConfig``), and under ``global_rope`` the config dict
+    :func:`rope_from_hf` reads for the global layers.
+
+    Sliding layers: ``layer_types`` entries ``sliding_attention``; without it, Gemma 2's
+    default (even layers) or Gemma 3's ``sliding_window_pattern`` (every layer but each
+    ``pattern``-th; default 6). RoPE: transformers 5 writes ``rope_parameters`` per layer
+    type (``full_attention`` / ``sliding_attention``); older Gemma 3 files have
+    ``rope_theta`` / ``rope_scaling`` for the global layers and ``rope_local_base_freq``.
+
+    Raises
+    ------
+    HFModelError
+        ``layer_types`` of another length than ``num_hidden_layers``, an unknown layer
+        type, or a local RoPE with scaling.
+    """
+    n = int(_require(raw, "num_hidden_layers", path))
+    types = raw.get("layer_types")
+    if types is None:
+        if arch.name == "gemma2":
+            types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        else:
+            pattern = int(raw.get("sliding_window_pattern") or 6)
+            types = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)
+            ]
+    bad = [t for t in types if t not in ("sliding_attention", "full_attention")]
+    if len(types) != n or bad:
+        raise HFModelError(
+            f"{path}: layer_types must be {n} entries of sliding_attention/full_attention, "
+            f"got {types!r}"
+        )
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    window = raw.get("sliding_window")
+    if sliding and not window:
+        raise HFModelError(f"{path}: sliding_attention layers without a sliding_window")
+    params = raw.get("rope_parameters") or {}
+    global_rope, local_theta = raw, None
+    if isinstance(params.get("full_attention"), dict):
+        global_rope = {**raw, "rope_parameters": params["full_attention"], "rope_scaling": None}
+        local = params.get("sliding_attention") or {}
+        if (local.get("rope_type") or "default") != "default":
+            raise HFModelError(f"{path}: rope_parameters.sliding_attention must be unscaled")
+        local_theta = local.get("rope_theta")
+    elif arch.name == "gemma3":
+        local_theta = raw.get("rope_local_base_freq", 10000.0)
+    return dict(
+        attn_softcap=raw.get("attn_logit_softcapping"),
+        final_softcap=raw.get("final_logit_softcapping"),
+        query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
+        sliding_window=int(window) if sliding else None,
+        sliding_layers=sliding,
+        rope_local_theta=None if local_theta is None else float(local_theta),
+        global_rope=global_rope,
+    )
 
 
 def _require(raw: dict, key: str, where: Path | str) -> Any:
@@ -166,14 +244,22 @@ def _check_unsupported(raw: dict, arch: registry.Architecture, path: Path) -> No
             "float checkpoint (4-bit at load, or once with `hisparse quantize`) or a GGUF "
             "file (Q4_0, Q4_1, Q4_K run as stored)"
         )
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
+    if arch.gemma:
+        act = raw.get("hidden_activation") or raw.get("hidden_act") or GEMMA_ACTIVATION
+        if act != GEMMA_ACTIVATION:
+            raise HFModelError(
+                f"{path}: hidden_activation={act!r} is not supported for {arch.name} "
+                f"(only {GEMMA_ACTIVATION!r})"
+            )
+    elif (act := raw.get("hidden_act", "silu")) != "silu":
         raise HFModelError(f"{path}: hidden_act={act!r} is not supported (only 'silu')")
     if raw.get("mlp_bias"):
         raise HFModelError(f"{path}: mlp_bias=true is not supported")
     if not arch.qkv_bias and raw.get("attention_bias"):
         raise HFModelError(f"{path}: attention_bias=true (o_proj bias) is not supported")
-    partial = raw.get("partial_rotary_factor", 1.0)
+    partial = raw.get("partial_rotary_factor", (raw.get("rope_parameters") or {}).get(
+        "partial_rotary_factor", 1.0
+    ))
     if partial not in (None, 1, 1.0):
         raise HFModelError(f"{path}: partial_rotary_factor={partial} is not supported")
 
@@ -191,6 +277,10 @@ def rope_from_hf(raw: dict, path: Path | str = "config.json") -> tuple[float, Ro
     * ``dynamic`` -> ``factor``, ``original_max_position = max_position_embeddings``
       (:class:`engine.model.rope.Rope` uses one fixed NTK base for every length, where
       transformers rescales only past the original context).
+    * ``longrope`` (Phi-3/3.5) -> ``short_factor``, ``long_factor`` (required, ``D / 2``
+      each), ``original_max_position_embeddings`` (there or at the top level, as Phi-3's
+      config.json has it), ``factor`` (default ``max_position_embeddings / original``, as
+      transformers' ``_compute_longrope_parameters``) and ``attention_factor`` (optional).
     * ``yarn`` -> ``factor`` (default ``max_position_embeddings / original``),
       ``original_max_position_embeddings`` (default ``max_position_embeddings``),
       ``beta_fast``, ``beta_slow``; the attention factor is
@@ -200,7 +290,7 @@ def rope_from_hf(raw: dict, path: Path | str = "config.json") -> tuple[float, Ro
     Raises
     ------
     HFModelError
-        Another kind (e.g. ``longrope``), per-layer-type RoPE parameters, or a missing
+        Another kind (e.g. ``su``-less ``dynamic`` variants), per-layer-type RoPE parameters, or a missing
         required field; the message names the field.
     """
     params = raw.get("rope_parameters") or {}
@@ -219,7 +309,29 @@ def rope_from_hf(raw: dict, path: Path | str = "config.json") -> tuple[float, Ro
         return theta, None
     where = f"{path} {field}"
     max_pos = int(raw.get("max_position_embeddings", 4096))
-    original = int(sc.get("original_max_position_embeddings") or max_pos)
+    original = int(
+        sc.get("original_max_position_embeddings")
+        or raw.get("original_max_position_embeddings")
+        or max_pos
+    )
+    if kind == "longrope":
+        factors = {}
+        for key in ("short_factor", "long_factor"):
+            values = _require(sc, key, where)
+            if not isinstance(values, list) or not all(
+                isinstance(v, (int, float)) and v > 0 for v in values
+            ):
+                raise HFModelError(f"{where}.{key} must be a list of positive numbers")
+            factors[key] = tuple(float(v) for v in values)
+        factor = sc.get("factor")
+        attention = sc.get("attention_factor")
+        return theta, RopeScaling(
+            kind="longrope",
+            factor=float(factor) if factor is not None else max_pos / original,
+            original_max_position=original,
+            attention_factor=None if attention is None else float(attention),
+            **factors,
+        )
     if kind == "yarn" and sc.get("factor") is None:  # as transformers: the context ratio
         factor = max_pos / original
     else:
@@ -257,6 +369,8 @@ def _max_position(raw: dict, arch: registry.Architecture, scaling: RopeScaling |
     if scaling is not None and scaling.kind in ("yarn", "dynamic"):
         max_pos = max(max_pos, int(scaling.original_max_position * scaling.factor))
     window = raw.get("sliding_window")
+    if arch.sliding_window == "layers":  # per-layer windows are implemented: no cap
+        return max_pos
     uses_window = arch.sliding_window == "always" or (
         arch.sliding_window == "flag"
         and (raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []))
@@ -409,7 +523,8 @@ def quantized_group_size(tensors: SafetensorsFolder) -> int | None:
 
 
 def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """``[N, K]`` of each linear of one layer, keyed by :data:`LINEAR_MODULES` field."""
+    """``[N, K]`` of each linear of one layer, keyed by :data:`LINEAR_MODULES` field (the
+    split weights, also for a fused checkpoint; see :func:`stored_linears`)."""
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     return {
@@ -423,6 +538,32 @@ def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
+def stored_linears(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, int]]]:
+    """The linear modules a checkpoint of ``cfg`` stores per layer: module (under
+    ``model.layers.<i>.``) -> (the :data:`LINEAR_MODULES` fields it holds, ``[N, K]``).
+    One field each, or Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` (:data:`FUSED_MODULES`,
+    rows stacked in field order)."""
+    shapes = linear_shapes(cfg)
+    out: dict[str, tuple[tuple[str, ...], tuple[int, int]]] = {}
+    fused = registry.get(cfg.arch).fused_projections
+    covered = set()
+    if fused:
+        for module, fields in FUSED_MODULES.items():
+            rows = sum(shapes[f][0] for f in fields)
+            out[module] = (fields, (rows, shapes[fields[0]][1]))
+            covered |= set(fields)
+    for field, module in LINEAR_MODULES.items():
+        if field not in covered:
+            out[module] = ((field,), shapes[field])
+    return out
+
+
+def norm_tensors(cfg: ModelConfig) -> dict[str, str]:
+    """LayerWeights norm field -> tensor under ``model.layers.<i>.`` for ``cfg``'s
+    architecture (:data:`GEMMA_NORM_TENSORS` for Gemma, else :data:`NORM_TENSORS`)."""
+    return GEMMA_NORM_TENSORS if registry.get(cfg.arch).gemma else NORM_TENSORS
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every float tensor name of the checkpoint and its shape (linears as ``.weight``)."""
     h = cfg.hidden_size
@@ -433,9 +574,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     bias_rows = {"bq": cfg.num_heads * cfg.head_dim, "bk": kv, "bv": kv}
     for i in range(cfg.num_layers):
         prefix = f"model.layers.{i}."
-        for field, module in LINEAR_MODULES.items():
-            shapes[f"{prefix}{module}.weight"] = linear_shapes(cfg)[field]
-        for tensor in NORM_TENSORS.values():
+        for module, (_, shape) in stored_linears(cfg).items():
+            shapes[f"{prefix}{module}.weight"] = shape
+        for tensor in norm_tensors(cfg).values():
             shapes[prefix + tensor] = (h,)
         if cfg.qkv_bias:
             for field, tensor in BIAS_TENSORS.items():
@@ -573,10 +714,14 @@ def load_hf_folder(path: str | Path, *, int4_group_size: int | None = None) -> M
         group_size = quantized_group_size(tensors)
         check_names(tensors, cfg, group_size is not None)
         formats: dict[str, str] = {}
+        norm_plus_one = registry.get(cfg.arch).gemma
 
         def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             formats[name] = tensors.dtype(name)
-            return tensors.read_float(name, shape)
+            t = tensors.read_float(name, shape)
+            if norm_plus_one and name.endswith("norm.weight"):  # Gemma's RMSNorm: x * (1 + w)
+                t = t + 1.0
+            return t
 
         layers = [
             _read_layer(tensors, cfg, i, group_size, int4_group_size, read, formats)
@@ -591,12 +736,15 @@ def load_hf_folder(path: str | Path, *, int4_group_size: int | None = None) -> M
 def _read_layer(tensors, cfg, i, group_size, int4_group_size, read, formats) -> LayerWeights:
     prefix = f"model.layers.{i}."
     parts: dict[str, Any] = {}
-    for field, shape in linear_shapes(cfg).items():
-        module = prefix + LINEAR_MODULES[field]
-        parts[field], formats[module] = _read_linear(
-            tensors, module, shape, group_size, int4_group_size
-        )
-    for field, tensor in NORM_TENSORS.items():
+    split = linear_shapes(cfg)
+    for name, (fields, shape) in stored_linears(cfg).items():
+        module = prefix + name
+        w, formats[module] = _read_linear(tensors, module, shape, group_size, int4_group_size)
+        if len(fields) == 1:
+            parts[fields[0]] = w
+        else:  # Phi-3's fused projections: rows stacked in field order
+            parts.update(zip(fields, split_rows(w, [split[f][0] for f in fields]), strict=True))
+    for field, tensor in norm_tensors(cfg).items():
         parts[field] = read(prefix + tensor, (cfg.hidden_size,))
     if cfg.qkv_bias:
         for field, tensor in BIAS_TENSORS.items():

@@ -104,7 +104,7 @@ def load_synthetic(
 
     Parameters
     ----------
-    name : a key of :data:`SYNTHETIC_SHAPES` (``llama2-13b``, ``llama3.1-8b``,
+    name : a key of :data:`SYNTHETIC_SHAPES` (``llama2-13b``, ``llama2-13b-gqa8``, ``llama3.1-8b``,
         ``qwen2.5-7b``, ``smollm2-135m``, ``tiny``), with or without ``synthetic:``
     device : where random numbers are drawn and quantised; None: ``cuda`` when available
         (big shapes), else ``cpu``. The weights depend on the device type.

@@ -25,7 +25,11 @@ LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 class LayerWeights:
     """One decoder layer. Shapes: wq ``[Hq*D, H]``, wk/wv ``[Hkv*D, H]``, wo ``[H, Hq*D]``,
     w_gate/w_up ``[F, H]``, w_down ``[H, F]``, norms ``[H]``, biases ``[N]``; q_norm /
-    k_norm ``[D]`` per-head RMSNorm weights of q and k (Qwen3), ``None`` otherwise."""
+    k_norm ``[D]`` per-head RMSNorm weights of q and k (Qwen3, Gemma 3), ``None``
+    otherwise; post_attn_norm / post_ffn_norm ``[H]``: Gemma 2/3's norms of the attention
+    and MLP outputs before their residual adds (``ffn_norm`` is then its
+    ``pre_feedforward_layernorm``). Every norm weight is the multiplier itself: Gemma's
+    ``1 + w`` is added by the loader (Hugging Face) or was by llama.cpp's converter (GGUF)."""
 
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
@@ -41,6 +45,8 @@ class LayerWeights:
     bv: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_ffn_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -72,13 +78,36 @@ def unpermute_qk_rows(num_rows: int, num_heads: int) -> torch.Tensor:
     return inverse
 
 
+def split_rows(w: WeightT, sizes: list[int]) -> list[WeightT]:
+    """Split a fused linear ``[sum(sizes), K]`` into ``[sizes[i], K]`` parts along N (Phi-3's
+    ``qkv_proj`` into q, k, v and ``gate_up_proj`` into gate, up: transformers'
+    ``Phi3Attention`` / ``Phi3MLP`` slice them that way). Exact for :class:`Int4Weight`
+    too (rows are whole groups).
+
+    Raises
+    ------
+    ValueError
+        ``sum(sizes)`` is not the weight's row count.
+    """
+    n = w.shape[0]
+    if sum(sizes) != n:
+        raise ValueError(f"cannot split {n} rows into {sizes}")
+    if isinstance(w, Int4Weight):
+        bounds = [0]
+        for size in sizes:
+            bounds.append(bounds[-1] + size)
+        return [w.permute_rows(torch.arange(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [part.contiguous() for part in w.split(sizes)]
+
+
 # Source formats whose 4-bit codes placement keeps as they are (GGUF types; ``hisparse
 # quantize`` folders record ``int4-g<G>``).
 INT4_SOURCE_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
 # Decoder-layer linear weights: GGUF tensor names and Hugging Face module names.
 _LINEAR_NAME = re.compile(
-    r"^blk\.\d+\.(attn_[qkv]|attn_output|ffn_(gate|up|down))\.weight$"
-    r"|^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)(\.weight)?$"
+    r"^blk\.\d+\.(attn_[qkv]|attn_qkv|attn_output|ffn_(gate|up|down))\.weight$"
+    r"|^model\.layers\.\d+\.(self_attn\.([qkvo]|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)"
+    r"(\.weight)?$"
 )
 
 

@@ -29,16 +29,18 @@ from engine.model.llama import prefill_attention  # noqa: E402
 IDS = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4))
 ATOL = 1e-4
 STEPS = 12
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama"} | {
+    n: n for n in ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+}
 
 
 class Placed:
     """A checkpoint loaded and placed as the engine does (CPU, fp32)."""
 
-    def __init__(self, path, fmt: str = "float"):
+    def __init__(self, path, fmt: str = "float", config: EngineConfig | None = None):
         weights, self.tokenizer, _ = load_weights(str(path))
         self.config = weights.config
-        _, rope = context_limit_and_rope(self.config, EngineConfig())
+        _, rope = context_limit_and_rope(self.config, config or EngineConfig())
         self.model = registry.build_model(weights, torch.device("cpu"), torch.float32, fmt, rope)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -47,7 +49,8 @@ class Placed:
         positions = torch.arange(len(ids))
         for i in range(self.config.num_layers):
             q, k, v = m.qkv(i, h, positions)
-            h = m.finish_layer(i, h, prefill_attention(q, k, v, 0))
+            a = prefill_attention(q, k, v, 0, m.scale, m.attn_softcap, m.attn_window(i))
+            h = m.finish_layer(i, h, a)
         return m.logits(h)
 
     def greedy(self, ids: torch.Tensor, steps: int) -> list[int]:
@@ -142,15 +145,16 @@ def test_gguf_f16_weights_and_int4_placement(tmp_path):
 
 def test_unknown_architectures_list_the_supported_ones(tmp_path):
     with pytest.raises(registry.UnsupportedArchitecture, match="llama, mistral, qwen2, qwen3"):
-        registry.get("gemma3")
-    with pytest.raises(ValueError, match=r"general\.architecture='gemma3'.*qwen3"):
-        registry.for_gguf("gemma3")
-    with pytest.raises(ValueError, match=r"Gemma3ForCausalLM.*Qwen3ForCausalLM"):
-        registry.for_hf(["Gemma3ForCausalLM"], "gemma3")
+        registry.get("falcon")
+    with pytest.raises(ValueError, match=r"general\.architecture='falcon'.*gemma3"):
+        registry.for_gguf("falcon")
+    # Gemma 3's multimodal checkpoints (4B and up) are not the text-only Gemma3ForCausalLM
+    with pytest.raises(ValueError, match=r"Gemma3ForConditionalGeneration.*Gemma3ForCausalLM"):
+        registry.for_hf(["Gemma3ForConditionalGeneration"], "gemma3")
     assert registry.for_hf(None, "qwen3").name == "qwen3"
     model = build_hf(tmp_path, "llama")
-    path = write_gguf(tmp_path / "m.gguf", model, "gemma3")
-    with pytest.raises(ValueError, match=r"m\.gguf: general\.architecture='gemma3'.*llama"):
+    path = write_gguf(tmp_path / "m.gguf", model, "falcon")
+    with pytest.raises(ValueError, match=r"m\.gguf: general\.architecture='falcon'.*llama"):
         load_weights(str(path))
 
 
@@ -168,3 +172,97 @@ def test_gguf_qwen2_missing_bias_is_refused(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", model, "qwen2", permute=False)
     with pytest.raises(ValueError, match=r"m\.gguf: missing tensor blk\.0\.attn_q\.bias"):
         load_weights(str(path))
+
+
+# ----------------------------------------------------------------------------- phi3 longrope
+
+
+def test_phi3_longrope_short_and_long_factors(tmp_path):
+    """Phi-3.5's ``longrope`` (trained context 32 here, extended to 256): a run limited to
+    the original context uses the short factors, a longer one the long factors and the
+    attention factor; each matches transformers on a sequence on its side of 32 tokens
+    (transformers switches per length), from the folder and from the GGUF."""
+    from tiny_models import longrope
+
+    model = build_hf(
+        tmp_path, "phi3", rope_scaling=longrope(16, 32), original_max_position_embeddings=32
+    )
+    path = write_gguf(tmp_path / "m.gguf", model, "phi3")
+    short_ids, long_ids = IDS[:30], torch.cat([IDS, IDS[:8]])
+    for source in (tmp_path, path):
+        short = Placed(source, config=EngineConfig(max_context=32))
+        torch.testing.assert_close(
+            short.logits(short_ids), reference_logits(model, short_ids), atol=ATOL, rtol=ATOL
+        )
+        long = Placed(source)
+        assert long.config.rope_scaling.kind == "longrope"
+        assert short.model.rope.attention_factor == long.model.rope.attention_factor
+        assert long.model.rope.attention_factor == pytest.approx(
+            (1 + np.log(256 / 32) / np.log(32)) ** 0.5
+        )
+        ref = reference_logits(model, long_ids)
+        torch.testing.assert_close(long.logits(long_ids), ref, atol=ATOL, rtol=ATOL)
+        # the two tables differ, so each comparison above can tell them apart
+        assert (short.logits(long_ids) - ref).abs().max() > 100 * ATOL
+
+
+def test_phi3_int4_on_load_splits_fused_rows(tmp_path):
+    """The fused ``qkv_proj`` / ``gate_up_proj`` quantised on load are split as 4-bit
+    rows; the placed model stays close to transformers."""
+    from engine.weights.hf import load_hf_folder
+    from engine.weights.quant import Int4Weight
+
+    model = build_hf(tmp_path, "phi3")
+    weights = load_hf_folder(tmp_path, int4_group_size=32)
+    layer = weights.layers[0]
+    assert isinstance(layer.wk, Int4Weight) and layer.wk.shape == (32, 96)
+    assert layer.w_up.shape == (160, 96)
+    assert weights.formats["model.layers.0.self_attn.qkv_proj"] == "int4-g32"
+    fused = model.model.layers[0].self_attn.qkv_proj.weight.detach()
+    torch.testing.assert_close(layer.wk.dequantize(), fused[96:128], atol=0.02, rtol=0)
+
+
+def test_phi3_partial_rotary_is_refused(tmp_path):
+    """Phi-4-mini rotates 3/4 of each head; refused naming the field, not run wrongly."""
+    from engine.weights.hf import HFModelError, read_hf_config
+
+    build_hf(tmp_path, "phi3", partial_rotary_factor=0.75, rope_scaling=None)
+    with pytest.raises(HFModelError, match="partial_rotary_factor=0.75"):
+        read_hf_config(tmp_path)
+
+
+# ----------------------------------------------------------------------------- gemma
+
+
+def test_gemma_query_pre_attn_scalar_from_the_folder(tmp_path):
+    """Gemma 2 27B's ``query_pre_attn_scalar`` (hidden / heads, not head_dim) sets the
+    softmax scale; the default one would not match."""
+    model = build_hf(tmp_path, "gemma2", query_pre_attn_scalar=40)
+    placed = Placed(tmp_path)
+    assert placed.model.scale == pytest.approx(40**-0.5)
+    ref = reference_logits(model, IDS)
+    torch.testing.assert_close(placed.logits(IDS), ref, atol=ATOL, rtol=ATOL)
+    placed.model.scale = 16**-0.5
+    assert (placed.logits(IDS) - ref).abs().max() > 100 * ATOL
+
+
+def test_gemma_norms_are_one_plus_w(tmp_path):
+    """Hugging Face Gemma norms store ``w`` of ``x * (1 + w)``; the loader hands over
+    ``1 + w`` (llama.cpp's GGUF already holds it), every norm of the layer included."""
+    from engine.weights.hf import load_hf_folder
+
+    model = build_hf(tmp_path, "gemma3")
+    weights = load_hf_folder(tmp_path)
+    layer, src = weights.layers[1], model.model.layers[1]
+    pairs = [
+        (layer.attn_norm, src.input_layernorm),
+        (layer.post_attn_norm, src.post_attention_layernorm),
+        (layer.ffn_norm, src.pre_feedforward_layernorm),
+        (layer.post_ffn_norm, src.post_feedforward_layernorm),
+        (layer.q_norm, src.self_attn.q_norm),
+        (weights.norm, model.model.norm),
+    ]
+    for ours, theirs in pairs:
+        torch.testing.assert_close(ours, theirs.weight.detach() + 1)
+    cfg = weights.config
+    assert (cfg.sliding_layers, cfg.sliding_window, cfg.rope_local_theta) == ((0,), 8, 10000.0)

@@ -213,8 +213,14 @@ def test_unsupported_architecture(llama_copy):
 
 
 def test_unsupported_rope_kind(llama_copy):
+    _edit_config(llama_copy, rope_parameters={"rope_type": "mrope", "factor": 2.0})
+    with pytest.raises(HFModelError, match="rope_type='mrope'"):
+        load_hf_folder(llama_copy)
+
+
+def test_longrope_without_its_factors_is_refused(llama_copy):
     _edit_config(llama_copy, rope_parameters={"rope_type": "longrope", "factor": 2.0})
-    with pytest.raises(HFModelError, match="rope_type='longrope'"):
+    with pytest.raises(HFModelError, match="missing field 'short_factor'"):
         load_hf_folder(llama_copy)
 
 

@@ -26,7 +26,7 @@ from engine.presets import load_preset_full, resolve_config
 from hisparse_cli.presets_cmd import register
 
 K256 = 256 * 1024
-LLAMA13 = MODEL_SHAPES["llama2-13b"]
+LLAMA13 = MODEL_SHAPES["llama2-13b-gqa8"]  # the article's 13B: 8 KV heads
 
 
 def _preset(name: str, **overrides):
@@ -34,7 +34,18 @@ def _preset(name: str, **overrides):
     return resolve_config(p, {}, overrides), p.hardware
 
 
-def test_256k_kv_of_llama2_13b_shape_is_40_gib():
+def test_llama2_13b_shape_has_the_published_40_kv_heads():
+    """meta-llama/Llama-2-13b-hf is multi-head: 40 KV heads, 200 GiB of bf16 KV per 256K
+    job; the 8-KV-head variant has its own name."""
+    config = EngineConfig(kv_dtype="bfloat16", page_size=64)
+    real = get_model_shape("Llama-2-13b-hf")
+    assert real is MODEL_SHAPES["llama2-13b"]
+    assert (real.num_heads, real.num_kv_heads) == (40, 40)
+    assert job_host_bytes(real, config, K256) == 200 * GIB
+    assert get_model_shape("llama2-13b-gqa8").num_kv_heads == 8
+
+
+def test_256k_kv_of_llama2_13b_gqa8_shape_is_40_gib():
     config = EngineConfig(kv_dtype="bfloat16", page_size=64)
     assert job_host_bytes(LLAMA13, config, K256) == 40 * 8 * 128 * 2 * 2 * K256
     assert job_host_bytes(LLAMA13, config, K256) == 42_949_672_960 == 40 * GIB
@@ -282,7 +293,7 @@ def test_cli_plan_refuses_with_exit_2_and_nearest_setting():
 
 def test_cli_plan_json_with_memory_budget():
     result = _invoke(
-        "plan", "-p", "h200", "-m", "llama2-13b", "-n", "2", "-c", "256k",
+        "plan", "-p", "h200", "-m", "llama2-13b-gqa8", "-n", "2", "-c", "256k",
         "--memory-budget", "48", "--json",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
@@ -293,7 +304,7 @@ def test_cli_plan_json_with_memory_budget():
 
 
 def test_cli_plan_sparse_budget_flag_is_named_as_in_run():
-    base = ("plan", "-p", "h200", "-m", "llama2-13b", "-n", "1", "-c", "32K", "--json")
+    base = ("plan", "-p", "h200", "-m", "llama2-13b-gqa8", "-n", "1", "-c", "32K", "--json")
     result = _invoke(*base, "--top-k-tokens", "1024", "--device-buffer", "2048")
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["config"]["top_k"] == 1024

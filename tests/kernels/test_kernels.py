@@ -44,7 +44,7 @@ from kernels.quest_scores import (
     quest_scores_ref,
 )
 from kernels.resolve import resolve, resolve_ref
-from kernels.select_topk import select_topk, select_topk_ref
+from kernels.select_topk import dense_selection, select_topk, select_topk_ref
 from kernels.slot_list import resident_slot_list, resident_slot_list_triton
 from kernels.sparse_attention import (
     dense_decode_attention,
@@ -175,6 +175,66 @@ def test_dense_attention_matches_reference(b, hq, hkv, d, s, width, dtype):
         )
     assert out.dtype == dtype and out.shape == ref.shape
     assert_close(out, ref, ATOL[dtype])
+
+
+# Gemma 2/3 options: attention logit soft-capping and sliding-window layers.
+SOFTCAP_WINDOW_CASES = [
+    # softcap, window, pages_per_split, dtype
+    (2.0, None, None, torch.float32),
+    (None, 23, 1, torch.float32),  # the window starts mid-page; splits left empty
+    (3.0, 40, 2, torch.float32),
+    (None, 1, None, torch.float32),  # only the new token
+    (2.5, 30, 1, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("softcap,window,pps,dtype", SOFTCAP_WINDOW_CASES)
+def test_sparse_attention_softcap_and_window_match_reference(softcap, window, pps, dtype):
+    args = attention_inputs(2, 9, 3, 64, 16, 12, 8, dtype, seed=int(window or 7))
+    args["q"] = (args["q"].float() * 4).to(dtype)  # logits of a few units: the cap bites
+    args["seq_lens"] = torch.tensor([150, 61], dtype=torch.int32)
+    mask = torch.zeros(2, 3, 12, dtype=torch.bool)
+    mask[0, :, [0, 3, 7, 8, 9]] = True  # page 7 holds position 150 - 30 = 120 ...
+    mask[1, :, [0, 1, 2, 3]] = True
+    k_max = 6
+    args["selection"] = pack_bits(mask)
+    n_slots = args["kv_slots"].shape[0]
+    slots = torch.randperm(n_slots, generator=torch.Generator().manual_seed(3))[: 2 * 3 * k_max]
+    count = mask.sum(-1, keepdim=True)
+    args["slot_list"] = torch.where(torch.arange(k_max) < count, slots.view(2, 3, k_max), -1).int()
+    ref = sparse_decode_attention_ref(**args, softcap=softcap, window=window)
+    plain = sparse_decode_attention_ref(**args)
+    assert (ref.float() - plain.float()).abs().max() > 0.05  # the options change the result
+    with poisoned_allocations():
+        out = sparse_decode_attention(
+            **to_device(args, DEVICE), softcap=softcap, window=window, pages_per_split=pps
+        )
+    assert_close(out, ref, ATOL[dtype])
+
+
+def test_dense_attention_softcap_and_window_match_reference():
+    """The paged dense kernel with both options against the SDPA-free dense reference, and
+    that reference against the sparse one with every page selected (two implementations
+    of the window mask and the cap)."""
+    gen = torch.Generator().manual_seed(11)
+    b, hq, hkv, d, s, width = 2, 8, 2, 64, 16, 6
+    pool = torch.randn(b * width + 2, hkv, 2, s, d, generator=gen)
+    table = torch.randperm(b * width + 2, generator=gen)[: b * width].view(b, width).int()
+    lens = torch.tensor([90, 37], dtype=torch.int32)
+    table[1, 3:] = -1
+    q = 4 * torch.randn(b, hq, d, generator=gen)
+    ref = dense_decode_attention_ref(q, pool, table, lens, d**-0.5, softcap=2.0, window=29)
+    sel = dense_selection(-(-lens // s), hkv, width)
+    slots = table.clamp(min=0).long()[:, None, :] * hkv + torch.arange(hkv)[None, :, None]
+    slot_list = torch.where(table[:, None, :] >= 0, slots, -1).int()
+    records = pool.view(-1, 2, s, d)
+    sparse = sparse_decode_attention_ref(q, records, sel, slot_list, lens, d**-0.5, 2.0, 29)
+    torch.testing.assert_close(sparse, ref, atol=1e-5, rtol=1e-5)
+    with poisoned_allocations():
+        out = dense_decode_attention(
+            *(x.to(DEVICE) for x in (q, pool, table, lens)), d**-0.5, softcap=2.0, window=29
+        )
+    assert_close(out, ref, ATOL[torch.float32])
 
 
 # --- resolve ---------------------------------------------------------------------------
