@@ -181,6 +181,12 @@ class EngineConfig:
     host_memory_gb: host memory the KV pool may use, declared (GiB) for virtual machines
         whose ``MemAvailable`` reads low; ``None`` reads ``/proc/meminfo``; environment
         ``HISPARSE_HOST_MEMORY_GB``. The pool is refused above 90% of it.
+    audit_steps: per job, this many decode steps (spread over its decode by
+        ``audit_seed``) also run a dense forward over the job's whole KV and record top-1
+        agreement, KL(dense || sparse) and the attention mass the selection kept
+        (:mod:`engine.decode.audit`); 0 (the default) is off. The sparse decode is the
+        same with it. Not with a pipeline of several devices.
+    audit_seed: seed of the audited steps' choice (with each job's id).
     """
 
     device: str = "cpu"
@@ -219,6 +225,8 @@ class EngineConfig:
     tokenizer: str | None = None
     int4_triton_min_rows: int = 8
     host_memory_gb: float | None = None
+    audit_steps: int = 0
+    audit_seed: int = 0
 
     def __post_init__(self) -> None:
         # YAML and JSON give lists; the config stays hashable and immutable.
@@ -313,6 +321,14 @@ class EngineConfig:
             )
         elif self.prefetch_pages and self.attention == "sparse" and self.hierarchical:
             found += self._prefetch_problems()
+        if self.audit_steps and self.parallel == "pipeline" and len(self.devices) > 1:
+            found.append(
+                SettingProblem(
+                    ("audit_steps", "parallel"),
+                    f"audit_steps={self.audit_steps} needs the whole model in one engine, "
+                    "not a pipeline of several devices; use --parallel data or drop --audit",
+                )
+            )
         return found
 
     def _prefetch_problems(self) -> list[SettingProblem]:
@@ -464,6 +480,8 @@ SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "tokenizer": _choice(TOKENIZER_CHOICES),
     "int4_triton_min_rows": _positive,
     "host_memory_gb": _gib_or_none,
+    "audit_steps": _non_negative,
+    "audit_seed": _non_negative,
 }
 """EngineConfig field -> check of one value (see :func:`setting_problem`)."""
 

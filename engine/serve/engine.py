@@ -28,6 +28,7 @@ import torch
 
 from engine import events as ev
 from engine.config import EngineConfig
+from engine.decode import audit as fidelity
 from engine.decode import indexers
 from engine.decode.attention import DecodeAttention, StepPlan
 from engine.decode.cuda_graph import DecodeGraphs, split_plan, table_width
@@ -63,6 +64,8 @@ class Request:
     finish_reason: str = ""
     text: str = ""
     logits: torch.Tensor | None = None
+    audit_at: frozenset[int] = frozenset()  # decode steps to audit (engine.decode.audit)
+    audit: fidelity.AuditTally | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -129,6 +132,7 @@ class Engine:
         why_not = DecodeGraphs.supported(self)
         self.graphs = DecodeGraphs(self) if not why_not else None
         self.graphs_off_reason = why_not
+        self.audit_events: list[ev.AuditStep] = []  # this step's audited rows
 
     @classmethod
     def from_placed(cls, placed: PlacedModel, config: EngineConfig, **kwargs: Any) -> Engine:
@@ -259,7 +263,13 @@ class Engine:
         seq_id = self._next_seq
         self._next_seq += 1
         self.cache.allocate(seq_id, len(job.prompt_ids) + job.sampling.max_tokens)
-        return Request(job, seq_id, time.monotonic(), make_generator(job.sampling, seed))
+        req = Request(job, seq_id, time.monotonic(), make_generator(job.sampling, seed))
+        if self.config.audit_steps:
+            req.audit = fidelity.AuditTally()
+            req.audit_at = fidelity.audit_schedule(
+                job.id, job.sampling.max_tokens, self.config.audit_steps, self.config.audit_seed
+            )
+        return req
 
     def _close(self, req: Request) -> None:
         """Return a request's cache room."""
@@ -316,6 +326,7 @@ class Engine:
             int(sum(misses) + sum(prefetched)) * rb,
             int(sum(prefetched)),
         )
+        yield from self.audit_events
         for r in batch:
             yield from self._check_finished(r, running)
 
@@ -359,6 +370,7 @@ class Engine:
                 (req.misses + req.prefetched) * self.cache.record_bytes,
                 req.prefetched,
             ),
+            audit=req.audit.stats() if req.audit is not None else None,
         )
         return ev.JobFinished(now, result)
 
@@ -476,8 +488,11 @@ class Engine:
         lens = [r.num_tokens + 1 for r in batch]
         fed = [r.generated[-1] for r in batch]
         seq_ids = [r.seq_id for r in batch]
+        audited = [i for i, r in enumerate(batch) if len(r.generated) in r.audit_at]
+        self.audit_events = []
+        self.attn.capture = {seq_ids[i]: {} for i in audited} if audited else None
         out = None
-        if self.graphs is not None and self.tracer is None:
+        if self.graphs is not None and self.tracer is None and not audited:
             out = self.graphs.step(seq_ids, fed, lens, self.step)
         if out is not None:
             logits, greedy = out
@@ -492,6 +507,8 @@ class Engine:
             h = self.decode_batch(plan, m.embed_tokens(tokens), self.split_batches)
             logits = m.logits(h)
             greedy = logits.argmax(dim=-1).tolist()  # one device sync for the greedy rows
+        if audited:
+            self._audit(batch, audited, logits, fed, lens)
         for i, r in enumerate(batch):
             self.cache.seqs[r.seq_id].num_tokens += 1
             r.logits = logits[i].clone() if self.keep_logits else None
@@ -499,6 +516,32 @@ class Engine:
             greedy[i] if r.job.sampling.temperature == 0 else sample(logits[i], r.job.sampling, r.generator)
             for i, r in enumerate(batch)
         ]
+
+    def _audit(
+        self, batch: list[Request], rows: list[int], logits: torch.Tensor,
+        fed: list[int], lens: list[int],
+    ) -> None:
+        """Audit rows ``rows`` of this step (:mod:`engine.decode.audit`): the dense
+        forward of each, compared with its sparse ``logits [B, V]``; reads the pool only
+        (the step's writes have landed), so the sparse state is untouched. Fills
+        :attr:`audit_events` and the requests' tallies."""
+        captured = self.attn.capture or {}
+        self.attn.capture = None
+        for i in rows:
+            r = batch[i]
+            assert r.audit is not None
+            t0 = time.monotonic()
+            position = lens[i] - 1
+            dense = fidelity.dense_step_logits(self.model, self.cache, r.seq_id, fed[i], position)
+            agree, kl = fidelity.compare(logits[i], dense)
+            kept = fidelity.mass_kept(
+                self.cache, r.seq_id, captured.get(r.seq_id, {}), lens[i], self.model.scale
+            )
+            r.audit.add(agree, kl, kept)
+            r.audit.seconds += time.monotonic() - t0
+            self.audit_events.append(
+                ev.AuditStep(time.monotonic(), r.job.id, len(r.generated), agree, kl, kept)
+            )
 
     @torch.inference_mode()
     def decode_batch(
