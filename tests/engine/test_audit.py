@@ -71,7 +71,7 @@ def test_audit_leaves_the_sparse_decode_bit_identical():
         assert a.audit.kl_max == pytest.approx(max(s.kl for s in mine))
         assert 0.0 < a.audit.mass_kept_mean < 1.0  # 48 + sinks + window of ~300 tokens
         assert a.audit.seconds > 0
-    assert len(state0) == len(state1) and all(torch.equal(x, y) for x, y in zip(state0, state1))
+    assert len(state0) == len(state1) and all(torch.equal(x, y) for x, y in zip(state0, state1, strict=True))
 
 
 def test_audit_dense_forward_equals_a_dense_engine(monkeypatch):
