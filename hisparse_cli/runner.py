@@ -58,6 +58,7 @@ from hisparse_cli.results import (
     FINAL_PROMPT,
     LOCK_FILE,
     RESULTS_FILE,
+    AuditLimits,
     OutputDirBusy,
     ResultsLog,
     earlier_jobs,
@@ -115,6 +116,7 @@ class RunRequest:
     print_config: bool = False
     force: bool = False
     retry_failed: bool = False
+    audit_limits: AuditLimits = field(default_factory=AuditLimits)
 
     @property
     def text_options(self) -> dict[str, str]:
@@ -919,7 +921,15 @@ class BatchRun:
         base = self.records.get(result.job_id)
         if base is None:
             return
-        record = result_record(base, result)
+        record = result_record(base, result, self.request.audit_limits)
+        audit = record.get("audit")
+        if audit and audit["flagged"]:
+            self.reporter.note(
+                f"{result.job_id}: audit flagged over {audit['steps']} step(s): "
+                f"{audit['flag_reason']}; the sparse answer may differ from dense attention's "
+                "(raise --top-k-tokens, or --attention dense)",
+                "warning",
+            )
         if result.job_id in self.extract_fields:  # --task extract: the reply as data
             data, error = parse_extracted(result.text, self.extract_fields[result.job_id])
             if error and result.finish_reason == "length" and "{" in result.text:

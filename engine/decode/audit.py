@@ -19,17 +19,20 @@ landed (:meth:`engine.kv.cache.KVCache.join_late`), so the sparse decode — its
 hot-buffer slots, page tables and LRU stamps — is the same with and without the audit.
 Its cost per audited step is one single-token forward whose attention reads every record
 of the job's context (on a hierarchical cache: from the host pool).
+
+Torch is imported on first use (:func:`audit_schedule` serves the CLI's test engine).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.events import AuditStats
-from kernels.bitmask import unpack_bits
+
+if TYPE_CHECKING:
+    import torch
 
 
 def audit_schedule(job_id: str, max_tokens: int, steps: int, seed: int) -> frozenset[int]:
@@ -82,6 +85,8 @@ def context_kv(cache, seq_id: int, layer: int, num_tokens: int, device, dtype):
     """Keys and values of positions ``0 .. num_tokens - 1`` of ``seq_id`` in cache layer
     ``layer``, read from the KV pool: ``k, v [num_tokens, Hkv, D]`` on ``device``.
     Pool layout ``[P_pool, Hkv, 2, S, D]`` (:mod:`engine.kv.cache`)."""
+    import torch
+
     s = cache.page_size
     pages = cache.seqs[seq_id].pages[: -(-num_tokens // s)]
     pool = cache.pool[layer]
@@ -93,14 +98,22 @@ def context_kv(cache, seq_id: int, layer: int, num_tokens: int, device, dtype):
     return k, v
 
 
-@torch.inference_mode()
 def dense_step_logits(model, cache, seq_id: int, token: int, position: int) -> torch.Tensor:
     """float32 ``[V]``: the next-token logits of feeding ``token`` at ``position`` with
     dense attention in every layer over the job's pool records of positions
     ``0 .. position - 1`` plus the dense chain's own key/value at ``position`` (causal
     SDPA, :func:`engine.model.llama.prefill_attention`). Needs the whole model in this
     engine (no pipeline stage)."""
+    import torch
+
     from engine.model.llama import prefill_attention
+
+    with torch.inference_mode():
+        return _dense_chain(model, cache, seq_id, token, position, prefill_attention)
+
+
+def _dense_chain(model, cache, seq_id, token, position, prefill_attention):
+    import torch
 
     h = model.embed_tokens(torch.tensor([token], dtype=torch.long))
     pos = torch.tensor([position], dtype=torch.long, device=model.device)
@@ -114,7 +127,6 @@ def dense_step_logits(model, cache, seq_id: int, token: int, position: int) -> t
     return model.logits(h)[0]
 
 
-@torch.inference_mode()
 def mass_kept(
     cache, seq_id: int, captured: dict[int, tuple[torch.Tensor, torch.Tensor]],
     num_tokens: int, scale: float,
@@ -126,6 +138,17 @@ def mass_kept(
     indexer or attention: every page read) keeps 1.0."""
     if not captured:
         return 1.0
+    import torch
+
+    from kernels.bitmask import unpack_bits
+
+    with torch.inference_mode():
+        return _mass_kept(cache, seq_id, captured, num_tokens, scale, unpack_bits)
+
+
+def _mass_kept(cache, seq_id, captured, num_tokens, scale, unpack_bits) -> float:
+    import torch
+
     s = cache.page_size
     total, n = 0.0, 0
     for layer, (q, sel) in captured.items():
@@ -146,6 +169,8 @@ def mass_kept(
 
 def compare(sparse_logits: torch.Tensor, dense_logits: torch.Tensor) -> tuple[bool, float]:
     """(top-1 agreement, KL(dense || sparse) in nats) of two float32 ``[V]`` logits."""
+    import torch
+
     ls = torch.log_softmax(sparse_logits.float(), -1)
     ld = torch.log_softmax(dense_logits.float(), -1)
     kl = float((ld.exp() * (ld - ls)).sum().clamp(min=0.0))

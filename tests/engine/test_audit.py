@@ -14,7 +14,7 @@ from engine.decode.audit import audit_schedule, compare
 # Small pages and budget over a ~300-token prompt, a hot buffer that forces misses.
 SPARSE = dict(
     host_pool_gb=0.25, max_batch=2, page_size=16, top_k=48, sink_tokens=16,
-    local_window=16, device_buffer=96, prefill_chunk=128,
+    local_window=16, device_buffer=96, prefill_chunk=128, tokenizer="ids",
 )
 
 
