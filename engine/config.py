@@ -96,7 +96,7 @@ ATTENTION_MODES = ("dense", "sparse")
 INDEXERS = tuple(INDEXER_REGISTRY)  # engine.decode.indexers: one entry per indexer
 GROUP_COMBINES = ("sum", "max", "normmax", "union")  # = kernels.quest_scores.GROUP_COMBINES
 PAGE_SIZES = (16, 32, 64)
-CONTEXT_POLICIES = ("refuse", "extend", "truncate")
+CONTEXT_POLICIES = ("refuse", "extend", "truncate", "chunk")
 EXTEND_METHODS = ("yarn", "dynamic", "linear")
 TRUNCATE_KEEP = ("head", "tail", "middle")
 WEIGHT_FORMATS = ("auto", "int4", "float")
@@ -130,7 +130,9 @@ class EngineConfig:
     sink_tokens / local_window: always-selected tokens at the start / end of the context.
     context_policy: what to do with a prompt longer than the model's trained context:
         ``refuse``, ``extend`` (RoPE scaling ``extend_method`` up to ``max_context``) or
-        ``truncate`` (keep ``truncate_keep`` part of the document).
+        ``truncate`` (keep ``truncate_keep`` part of the document) or ``chunk`` (map the
+        task over overlapping chunks that fit, reduce over their results; see
+        :mod:`engine.text.context`).
     cuda_graph: on CUDA with the Triton kernels, replay each decode step from a captured
         CUDA graph (one per batch size and page-table width bucket; see
         :mod:`engine.decode.cuda_graph`); False launches every kernel eagerly.
@@ -321,6 +323,15 @@ class EngineConfig:
             )
         elif self.prefetch_pages and self.attention == "sparse" and self.hierarchical:
             found += self._prefetch_problems()
+        if self.context_policy == "chunk" and len(self.devices) > 1:
+            found.append(
+                SettingProblem(
+                    ("context_policy", "devices"),
+                    "context_policy=chunk runs on one device for now (its reduce jobs wait for "
+                    "their map jobs, which the multi-device job queue cannot yet); use one "
+                    "--device, or --context-policy truncate",
+                )
+            )
         if self.audit_steps and self.parallel == "pipeline" and len(self.devices) > 1:
             found.append(
                 SettingProblem(

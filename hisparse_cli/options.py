@@ -145,8 +145,13 @@ MaxBatch = Annotated[
     int | None, typer.Option(help="Jobs decoded together.", rich_help_panel=ENGINE)
 ]
 ContextPolicy = Annotated[
-    Literal["refuse", "extend", "truncate"] | None,
-    typer.Option(help="Prompts longer than the model's trained context.", rich_help_panel=ENGINE),
+    Literal["refuse", "extend", "truncate", "chunk"] | None,
+    typer.Option(
+        help="Prompts longer than the model's trained context: refuse, extend (RoPE scaling), "
+        "truncate (cut the document) or chunk (the task on overlapping chunks, then on their "
+        "results).",
+        rich_help_panel=ENGINE,
+    ),
 ]
 MaxContext = Annotated[
     int | None,

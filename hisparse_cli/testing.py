@@ -128,10 +128,17 @@ class FakeEngine:
         """Most tokens (prompt + max_tokens) a job may hold."""
         return self.limit
 
-    def run(self, jobs: Iterable[Job]) -> Iterator[Event]:
+    def run(self, jobs: Iterable[Job | None]) -> Iterator[Event]:
         """Yield the events of processing ``jobs`` (see module docstring)."""
-        queue = []
+        queue: list[Job] = []
+        step = 0
         for job in jobs:
+            if job is None:  # none ready yet (chunk policy): run what is queued, ask again
+                if not queue:
+                    raise RuntimeError("the job source gave None while nothing runs")
+                step = yield from self._run_queue(queue, step)
+                queue = []
+                continue
             self.seen.append(job)
             need = len(job.prompt_ids) + job.sampling.max_tokens
             if need > self.limit:  # as engine.serve.engine.Engine._check_job: never queued
@@ -145,13 +152,17 @@ class FakeEngine:
             queue.append(job)
             yield JobQueued(self.clock(), job.id, len(job.prompt_ids))
         yield self._memory(0)
-        step = 0
+        yield from self._run_queue(queue, step)
+
+    def _run_queue(self, queue: list[Job], step: int) -> Iterator[Event]:
+        """Admit and decode ``queue`` in batches of ``max_batch``; returns the last step."""
         while queue and not self.cancelled:
             batch, queue = queue[: self.config.max_batch], queue[self.config.max_batch :]
             running = yield from self._admit(batch)
             step = yield from self._decode(running, step)
         for job in queue:
             yield JobFailed(self.clock(), job.id, "cancelled before admission")
+        return step
 
     def _admit(self, batch: list[Job]) -> Iterator[Event]:
         running = []
