@@ -55,7 +55,7 @@ def test_chunks_fit_cover_the_document_in_order_and_overlap():
         assert ids == list(range(ids[0], ids[-1] + 1))  # contiguous
         spans.append((ids[0], ids[-1]))
     assert spans[0][0] == 0 and spans[-1][1] == WORDS - 1
-    for (s0, e0), (s1, _) in zip(spans, spans[1:], strict=False):
+    for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False):
         assert e0 - s1 + 1 == window - int(window * 0.9)  # 10% of a window repeated
     assert chunk_document(tok, messages_of, "short text", LIMIT, 8) == ["short text"]
     with pytest.raises(ValueError, match="no room for a chunk"):

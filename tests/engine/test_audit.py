@@ -129,3 +129,20 @@ def test_audit_of_a_full_budget_agrees():
     for r in results.values():
         assert r.audit.steps == 3 and r.audit.top1_agreement == 1.0
         assert r.audit.kl_max < 1e-5 and r.audit.mass_kept_mean == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graphs", [True, False])
+def test_audit_leaves_the_cuda_decode_bit_identical(graphs):
+    """On CUDA an audited step runs eagerly (the others replay their graph): the tokens,
+    cache traffic and hot-buffer state still equal the unaudited run's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cuda = dict(device="cuda", dtype="bfloat16", kv_dtype="bfloat16", cuda_graph=graphs)
+    plain, _, state0 = run(make(**cuda))
+    audited, steps, state1 = run(make(audit_steps=4, **cuda))
+    for job_id, r in plain.items():
+        a = audited[job_id]
+        assert a.token_ids == r.token_ids and a.cache == r.cache
+        assert a.audit.steps == 4 and 0.0 < a.audit.mass_kept_mean < 1.0
+    assert all(torch.equal(x, y) for x, y in zip(state0, state1, strict=True))
