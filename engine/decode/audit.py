@@ -81,19 +81,24 @@ class AuditTally:
         )
 
 
-def context_kv(cache, seq_id: int, layer: int, num_tokens: int, device, dtype):
+def context_kv(
+    cache, seq_id: int, layer: int, num_tokens: int, device, dtype, values: bool = True
+):
     """Keys and values of positions ``0 .. num_tokens - 1`` of ``seq_id`` in cache layer
-    ``layer``, read from the KV pool: ``k, v [num_tokens, Hkv, D]`` on ``device``.
-    Pool layout ``[P_pool, Hkv, 2, S, D]`` (:mod:`engine.kv.cache`)."""
+    ``layer``, read from the KV pool: ``k, v [num_tokens, Hkv, D]`` on ``device`` (``v``
+    is ``None`` when not ``values``). Pool layout ``[P_pool, Hkv, 2, S, D]``
+    (:mod:`engine.kv.cache`)."""
     import torch
 
     s = cache.page_size
     pages = cache.seqs[seq_id].pages[: -(-num_tokens // s)]
     pool = cache.pool[layer]
-    rec = pool[torch.tensor(pages, dtype=torch.long, device=pool.device)]
-    rec = rec.to(device=device, dtype=dtype)  # [P, Hkv, 2, S, D]
-    p, hkv, _, _, d = rec.shape
+    index = torch.tensor(pages, dtype=torch.long, device=pool.device)
+    rec = (pool[index] if values else pool[index, :, :1]).to(device=device, dtype=dtype)
+    p, hkv, _, _, d = rec.shape  # [P, Hkv, 2 or 1, S, D]
     k = rec[:, :, 0].permute(0, 2, 1, 3).reshape(p * s, hkv, d)[:num_tokens]
+    if not values:
+        return k, None
     v = rec[:, :, 1].permute(0, 2, 1, 3).reshape(p * s, hkv, d)[:num_tokens]
     return k, v
 
@@ -152,7 +157,7 @@ def _mass_kept(cache, seq_id, captured, num_tokens, scale, unpack_bits) -> float
     s = cache.page_size
     total, n = 0.0, 0
     for layer, (q, sel) in captured.items():
-        k, _ = context_kv(cache, seq_id, layer, num_tokens, q.device, torch.float32)
+        k, _ = context_kv(cache, seq_id, layer, num_tokens, q.device, torch.float32, False)
         hq, d = q.shape
         hkv = k.shape[1]
         g = hq // hkv
