@@ -527,6 +527,8 @@ class Engine:
         :attr:`audit_events` and the requests' tallies."""
         captured = self.attn.capture or {}
         self.attn.capture = None
+        if self.model.device.type == "cuda":  # the step's pool writes, read by the host below
+            torch.cuda.synchronize(self.model.device)
         for i in rows:
             r = batch[i]
             assert r.audit is not None
