@@ -115,7 +115,7 @@ ATTENTION_MODES = ("dense", "sparse")
 INDEXERS = tuple(INDEXER_REGISTRY)  # engine.decode.indexers: one entry per indexer
 GROUP_COMBINES = ("sum", "max", "normmax", "union")  # = kernels.quest_scores.GROUP_COMBINES
 PAGE_SIZES = (16, 32, 64)
-CONTEXT_POLICIES = ("refuse", "extend", "truncate")
+CONTEXT_POLICIES = ("refuse", "extend", "truncate", "chunk")
 EXTEND_METHODS = ("yarn", "dynamic", "linear")
 TRUNCATE_KEEP = ("head", "tail", "middle")
 WEIGHT_FORMATS = ("auto", "int4", "float")
@@ -150,7 +150,9 @@ class EngineConfig:
     sink_tokens / local_window: always-selected tokens at the start / end of the context.
     context_policy: what to do with a prompt longer than the model's trained context:
         ``refuse``, ``extend`` (RoPE scaling ``extend_method`` up to ``max_context``) or
-        ``truncate`` (keep ``truncate_keep`` part of the document).
+        ``truncate`` (keep ``truncate_keep`` part of the document) or ``chunk`` (map the
+        task over overlapping chunks that fit, reduce over their results; see
+        :mod:`engine.text.context`).
     cuda_graph: on CUDA with the Triton kernels, replay each decode step from a captured
         CUDA graph (one per batch size and page-table width bucket; see
         :mod:`engine.decode.cuda_graph`); False launches every kernel eagerly.
@@ -222,6 +224,12 @@ class EngineConfig:
     host_memory_gb: host memory the KV pool may use, declared (GiB) for virtual machines
         whose ``MemAvailable`` reads low; ``None`` reads ``/proc/meminfo``; environment
         ``HISPARSE_HOST_MEMORY_GB``. The pool is refused above 90% of it.
+    audit_steps: per job, this many decode steps (spread over its decode by
+        ``audit_seed``) also run a dense forward over the job's whole KV and record top-1
+        agreement, KL(dense || sparse) and the attention mass the selection kept
+        (:mod:`engine.decode.audit`); 0 (the default) is off. The sparse decode is the
+        same with it. Not with a pipeline of several devices.
+    audit_seed: seed of the audited steps' choice (with each job's id).
     """
 
     device: str = "cpu"
@@ -263,6 +271,8 @@ class EngineConfig:
     tokenizer: str | None = None
     int4_triton_min_rows: int = 8
     host_memory_gb: float | None = None
+    audit_steps: int = 0
+    audit_seed: int = 0
 
     def __post_init__(self) -> None:
         # YAML and JSON give lists; the config stays hashable and immutable.
@@ -369,6 +379,23 @@ class EngineConfig:
                     f"kv_host_dtype=fp8 stores the host pool as float8, which the "
                     f"{self.indexer} indexer cannot read; use indexer quest or dense, or "
                     "kv_host_dtype bf16",
+                )
+            )
+        if self.context_policy == "chunk" and len(self.devices) > 1:
+            found.append(
+                SettingProblem(
+                    ("context_policy", "devices"),
+                    "context_policy=chunk runs on one device for now (its reduce jobs wait for "
+                    "their map jobs, which the multi-device job queue cannot yet); use one "
+                    "--device, or --context-policy truncate",
+                )
+            )
+        if self.audit_steps and self.parallel == "pipeline" and len(self.devices) > 1:
+            found.append(
+                SettingProblem(
+                    ("audit_steps", "parallel"),
+                    f"audit_steps={self.audit_steps} needs the whole model in one engine, "
+                    "not a pipeline of several devices; use --parallel data or drop --audit",
                 )
             )
         return found
@@ -529,6 +556,8 @@ SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "tokenizer": _choice(TOKENIZER_CHOICES),
     "int4_triton_min_rows": _positive,
     "host_memory_gb": _gib_or_none,
+    "audit_steps": _non_negative,
+    "audit_seed": _non_negative,
 }
 """EngineConfig field -> check of one value (see :func:`setting_problem`)."""
 

@@ -49,6 +49,22 @@ class CacheStats:
 
 
 @dataclass(frozen=True)
+class AuditStats:
+    """A job's fidelity audit (:mod:`engine.decode.audit`): over ``steps`` audited decode
+    steps, the share whose sparse argmax equals dense attention's (``top1_agreement``),
+    the mean and largest KL(dense || sparse) of the next-token distributions (nats), the
+    mean share of the exact attention mass inside the selected pages (``mass_kept_mean``,
+    0-1), and the seconds the audit took."""
+
+    steps: int = 0
+    top1_agreement: float = 1.0
+    kl_mean: float = 0.0
+    kl_max: float = 0.0
+    mass_kept_mean: float = 1.0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class JobResult:
     """Outcome of a finished job.
 
@@ -68,6 +84,7 @@ class JobResult:
     decode_tok_s: float = 0.0
     cache: CacheStats = field(default_factory=CacheStats)
     error: str = ""
+    audit: AuditStats | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +142,19 @@ class DecodeStep(Event):
     h2d_bytes: int = 0
     prefetched: int = 0
     with_prefill: bool = False
+
+
+@dataclass(frozen=True)
+class AuditStep(Event):
+    """One audited decode step of ``job_id`` (``--audit``): ``step`` is the job's decode
+    step, ``agree`` whether sparse and dense picked the same top token, ``kl`` the
+    KL(dense || sparse) in nats, ``mass_kept`` the share of attention mass selected."""
+
+    job_id: str
+    step: int
+    agree: bool
+    kl: float
+    mass_kept: float
 
 
 @dataclass(frozen=True)

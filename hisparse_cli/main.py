@@ -110,6 +110,10 @@ def run(
     parallel: opt.Parallel = None,
     json_progress: opt.JsonProgress = False,
     trace: opt.Trace = None,
+    audit: opt.Audit = None,
+    audit_seed: opt.AuditSeed = None,
+    audit_min_agreement: opt.AuditMinAgreement = 0.75,
+    audit_max_kl: opt.AuditMaxKl = None,
     encoding: opt.Encoding = "utf-8",
     errors: opt.Errors = "strict",
     allow_binary: opt.AllowBinary = False,
@@ -125,6 +129,7 @@ def run(
 
     Exit code: 0 all jobs ok, 1 a job failed, 2 bad arguments, jobs or config, 130 Ctrl-C, 143 SIGTERM.
     """
+    from hisparse_cli.results import AuditLimits
     from hisparse_cli.runner import RunRequest, execute
 
     job_overrides = {
@@ -160,6 +165,8 @@ def run(
         "trace_path": str(trace) if trace is not None else None,
         "devices": _device_list(devices),
         "parallel": parallel,
+        "audit_steps": audit,
+        "audit_seed": audit_seed,
     }
     request = RunRequest(
         docs=tuple(docs or ()),
@@ -176,6 +183,7 @@ def run(
         print_config=print_config,
         force=force,
         retry_failed=retry_failed,
+        audit_limits=AuditLimits(audit_min_agreement, audit_max_kl),
     )
     raise typer.Exit(execute(request))
 

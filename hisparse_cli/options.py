@@ -145,8 +145,13 @@ MaxBatch = Annotated[
     int | None, typer.Option(help="Jobs decoded together.", rich_help_panel=ENGINE)
 ]
 ContextPolicy = Annotated[
-    Literal["refuse", "extend", "truncate"] | None,
-    typer.Option(help="Prompts longer than the model's trained context.", rich_help_panel=ENGINE),
+    Literal["refuse", "extend", "truncate", "chunk"] | None,
+    typer.Option(
+        help="Prompts longer than the model's trained context: refuse, extend (RoPE scaling), "
+        "truncate (cut the document) or chunk (the task on overlapping chunks, then on their "
+        "results).",
+        rich_help_panel=ENGINE,
+    ),
 ]
 MaxContext = Annotated[
     int | None,
@@ -235,6 +240,50 @@ OutputDir = Annotated[
     Path,
     typer.Option(help="Where results.jsonl, config.json and <job>.txt go.", rich_help_panel=OUTPUT),
 ]
+
+Audit = Annotated[
+    int | None,
+    typer.Option(
+        "--audit",
+        min=0,
+        metavar="N",
+        help="Fidelity audit: N decode steps of each job (spread over its decode, seeded) also "
+        "run dense attention over the job's whole KV; the results line gets top-1 agreement, "
+        "KL and the attention mass kept (audit_steps)." + default_is("0, off"),
+        show_default=False,
+        rich_help_panel=OUTPUT,
+    ),
+]
+AuditSeed = Annotated[
+    int | None,
+    typer.Option(
+        min=0,
+        help="Seed of the audited steps' choice (audit_seed)." + default_is("0"),
+        show_default=False,
+        rich_help_panel=OUTPUT,
+    ),
+]
+AuditMinAgreement = Annotated[
+    float,
+    typer.Option(
+        min=0.0,
+        max=1.0,
+        help="Flag a job whose audited top-1 agreement with dense is below this share (0-1).",
+        rich_help_panel=OUTPUT,
+    ),
+]
+AuditMaxKl = Annotated[
+    float | None,
+    typer.Option(
+        "--audit-max-kl",
+        min=0.0,
+        help="Also flag a job whose mean audited KL(dense || sparse) is above this (nats)."
+        + default_is("not checked"),
+        show_default=False,
+        rich_help_panel=OUTPUT,
+    ),
+]
+
 JsonProgress = Annotated[
     bool,
     typer.Option(

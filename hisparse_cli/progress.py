@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.events import (
+    AuditStep,
     DecodeStep,
     Event,
     FirstToken,
@@ -94,6 +95,37 @@ class Sample:
 
 
 @dataclass
+class AuditFigures:
+    """Running sums of the run's audited decode steps (``--audit``; :class:`AuditStep`)."""
+
+    steps: int = 0
+    agree: int = 0
+    kl_sum: float = 0.0
+    kl_max: float = 0.0
+    mass_sum: float = 0.0
+
+    def add(self, event: AuditStep) -> None:
+        self.steps += 1
+        self.agree += int(event.agree)
+        self.kl_sum += event.kl
+        self.kl_max = max(self.kl_max, event.kl)
+        self.mass_sum += event.mass_kept
+
+    @property
+    def agreement(self) -> float | None:
+        """Share of audited steps whose top-1 token agreed (``None`` before any)."""
+        return self.agree / self.steps if self.steps else None
+
+    @property
+    def kl_mean(self) -> float | None:
+        return self.kl_sum / self.steps if self.steps else None
+
+    @property
+    def mass_kept(self) -> float | None:
+        return self.mass_sum / self.steps if self.steps else None
+
+
+@dataclass
 class RunState:
     """Everything the progress displays need."""
 
@@ -119,6 +151,8 @@ class RunState:
     ended_t: float | None = None
     steady: dict[int, list[float]] = field(default_factory=dict)
     """Batch size -> [steps, seconds] of decode steps that shared no turn with a prefill."""
+
+    audit: AuditFigures = field(default_factory=lambda: AuditFigures())
 
     def clock(self, now: float) -> float:
         """``now``, or the end time once :meth:`ProgressTracker.finish` froze it."""
@@ -241,6 +275,9 @@ class ProgressTracker:
         row = self._row(event.job_id)
         row.phase, row.error, row.finished_t = "failed", event.error, event.t
 
+    def _audit(self, event: AuditStep) -> None:
+        self.state.audit.add(event)
+
     def _memory(self, event: MemorySnapshot) -> None:
         self.state.memory[event.device] = DeviceMemory(
             event.device,
@@ -265,6 +302,7 @@ _HANDLERS = {
     JobFinished: ProgressTracker._finished,
     JobFailed: ProgressTracker._failed,
     MemorySnapshot: ProgressTracker._memory,
+    AuditStep: ProgressTracker._audit,
 }
 
 

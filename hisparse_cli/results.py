@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Self
 
-from engine.events import JobResult
+from engine.events import AuditStats, JobResult
 from hisparse_cli.naming import EarlierJob
 
 RESULTS_FILE = "results.jsonl"
@@ -271,7 +271,52 @@ class ResultsLog:
         self.close()
 
 
-def result_record(base: dict[str, Any], result: JobResult) -> dict[str, Any]:
+@dataclass(frozen=True)
+class AuditLimits:
+    """When a job's audit (``--audit``) is flagged: top-1 agreement below
+    ``min_agreement`` (0-1) or mean KL(dense || sparse) above ``max_kl`` (nats;
+    ``None``: not checked)."""
+
+    min_agreement: float = 0.75
+    max_kl: float | None = None
+
+    def problem(self, audit: AuditStats) -> str:
+        """Why ``audit`` is flagged, or ``""``. A job with no audited step is not."""
+        if not audit.steps:
+            return ""
+        why = []
+        if audit.top1_agreement < self.min_agreement:
+            why.append(
+                f"top-1 agreement with dense {audit.top1_agreement:.0%} < "
+                f"{self.min_agreement:.0%} (--audit-min-agreement)"
+            )
+        if self.max_kl is not None and audit.kl_mean > self.max_kl:
+            why.append(f"mean KL {audit.kl_mean:.3g} > {self.max_kl:g} nats (--audit-max-kl)")
+        return "; ".join(why)
+
+
+def audit_record(audit: AuditStats, limits: AuditLimits) -> dict[str, Any]:
+    """The ``audit`` field of a results line: ``steps``, ``top1_agreement``, ``kl_mean``,
+    ``kl_max`` (nats), ``mass_kept_mean`` (0-1), ``seconds`` the audit took, ``flagged``
+    and, when flagged, ``flag_reason``."""
+    why = limits.problem(audit)
+    record = {
+        "steps": audit.steps,
+        "top1_agreement": audit.top1_agreement,
+        "kl_mean": audit.kl_mean,
+        "kl_max": audit.kl_max,
+        "mass_kept_mean": audit.mass_kept_mean,
+        "seconds": audit.seconds,
+        "flagged": bool(why),
+    }
+    if why:
+        record["flag_reason"] = why
+    return record
+
+
+def result_record(
+    base: dict[str, Any], result: JobResult, audit_limits: AuditLimits | None = None
+) -> dict[str, Any]:
     """A results line for a job the engine finished.
 
     Parameters
@@ -280,9 +325,13 @@ def result_record(base: dict[str, Any], result: JobResult) -> dict[str, Any]:
         Job facts known before it ran (id, output, input, input_sha256, key,
         settings_hash, task, model, truncated, started_at).
     result
-        The engine's result.
+        The engine's result; with an audit (``--audit``) the line gets an ``audit``
+        field (:func:`audit_record`, flagged by ``audit_limits``).
     """
     cache = result.cache
+    extra = {}
+    if result.audit is not None:
+        extra["audit"] = audit_record(result.audit, audit_limits or AuditLimits())
     return {
         **base,
         "ok": result.finish_reason in SUCCESS_REASONS and not result.error,
@@ -300,6 +349,7 @@ def result_record(base: dict[str, Any], result: JobResult) -> dict[str, Any]:
             "prefetched": cache.prefetched,
             "h2d_bytes": cache.h2d_bytes,
         },
+        **extra,
         "error": result.error,
         "finished_at": utc_now(),
     }

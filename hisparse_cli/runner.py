@@ -44,9 +44,10 @@ from engine.config import CacheFullError, ConfigError, EngineConfig
 from engine.events import Event, Job, JobAdmitted, JobFailed, JobFinished, JobResult
 from engine.serve.base import BatchEngine
 from engine.serve.workers import WorkerDied
-from engine.text.context import PromptTooLong, fit_prompt
+from engine.text.context import PromptTooLong, chunk_document, fit_prompt
 from hisparse_cli import openai_batch, preflight, settings
 from hisparse_cli.auto_preset import AUTO, AutoChoice, choose_preset
+from hisparse_cli.chunking import ChunkScheduler
 from hisparse_cli.extract import parse_extracted
 from hisparse_cli.keys import DEFAULT_MODEL_ID, model_fingerprint
 from hisparse_cli.manifest import Manifest, ManifestError, jobs_from_paths, load_manifest
@@ -58,6 +59,8 @@ from hisparse_cli.results import (
     FINAL_PROMPT,
     LOCK_FILE,
     RESULTS_FILE,
+    SUCCESS_REASONS,
+    AuditLimits,
     OutputDirBusy,
     ResultsLog,
     earlier_jobs,
@@ -115,6 +118,7 @@ class RunRequest:
     print_config: bool = False
     force: bool = False
     retry_failed: bool = False
+    audit_limits: AuditLimits = field(default_factory=AuditLimits)
 
     @property
     def text_options(self) -> dict[str, str]:
@@ -664,6 +668,8 @@ class BatchRun:
         self.cancel: _SigintCanceller | None = None
         self.sigterm = _SigtermAsInterrupt()
         self._announced = False
+        self.chunker = ChunkScheduler(self._next_level)  # context_policy chunk
+        self.engine: BatchEngine | None = None  # while the engine runs
         self.log: ResultsLog
         self.reporter: Reporter
 
@@ -839,7 +845,7 @@ class BatchRun:
         """Before the model loads: name the documents whose size alone shows they exceed
         the context limit under ``refuse``/``extend`` (they would fail only after the
         load), with the choices."""
-        if self.config.context_policy == "truncate":
+        if self.config.context_policy in ("truncate", "chunk"):
             return
         trained = preflight.trained_context(self.request.model)
         if trained is None:
@@ -888,6 +894,7 @@ class BatchRun:
             self.reporter.note(
                 f"selection traces: {', '.join(traces)} (hisparse replay reads them together)"
             )
+        self.engine = engine
         with _SigintCanceller(engine) as self.cancel:
             try:
                 for event in engine.run(self._jobs(engine, pending)):
@@ -902,16 +909,30 @@ class BatchRun:
                 engine.close()  # worker processes of several devices, trace files
             return self.cancel.count > 0
 
-    def _jobs(self, engine: BatchEngine, pending: list[PlannedJob]) -> Iterator[Job]:
-        """Jobs for ``engine.run``, built one at a time; stops feeding after Ctrl-C."""
+    def _jobs(self, engine: BatchEngine, pending: list[PlannedJob]) -> Iterator[Job | None]:
+        """Jobs for ``engine.run``, built one at a time; stops feeding after Ctrl-C.
+
+        Under ``context_policy: chunk`` a long document's job is its map jobs; the jobs
+        of a finished level (:class:`hisparse_cli.chunking.ChunkScheduler`) go before the
+        next job of the list, and after the list ``None`` ("none ready yet") is given
+        while map jobs still run."""
         for planned in pending:
+            yield from self.chunker.take_ready()
             if self.cancel is not None and self.cancel.count:
                 return
-            job = self._make_job(engine, planned)
-            if job is not None:
-                yield job
+            yield from self._make_jobs(engine, planned)
+        while self.chunker.waiting():
+            if self.cancel is not None and self.cancel.count:
+                return
+            ready = self.chunker.take_ready()
+            if ready:
+                yield from ready
+            else:
+                yield None
 
-    def _make_job(self, engine: BatchEngine, planned: PlannedJob) -> Job | None:
+    def _make_jobs(self, engine: BatchEngine, planned: PlannedJob) -> list[Job]:
+        """The job of ``planned`` (none when it failed to build; its map jobs under
+        ``chunk`` when its document does not fit)."""
         spec = planned.spec
         try:
             if spec.messages is not None:  # an OpenAI-batch request: its last user message
@@ -923,18 +944,105 @@ class BatchRun:
                 planned = planned.with_documents(documents)
                 self.records[spec.id] = planned.base_record(self.model_name)
                 document = join_documents(documents)
+                if self.config.context_policy == "chunk":
+                    chunks = self._chunks(engine, spec, document)
+                    if len(chunks) > 1:
+                        return self._map_jobs(spec, planned.key, chunks)
             prompt_ids = self._prompt_ids(engine, spec, document)
             self.prompt_tokens[spec.id] = len(prompt_ids)
         except PromptTooLong as exc:
             self.final[spec.id] = FINAL_PROMPT  # the same key fails the same way again
             self._handle(JobFailed(self.clock(), spec.id, str(exc)))
-            return None
+            return []
         except Exception as exc:  # noqa: BLE001 - one bad job must not stop the batch
             self._handle(JobFailed(self.clock(), spec.id, f"cannot prepare the prompt: {exc}"))
-            return None
+            return []
         meta = {"key": planned.key, "output": spec.output}
         source = str(spec.inputs[0]) if spec.inputs else spec.origin
-        return Job(spec.id, prompt_ids, spec.sampling, source, meta)
+        return [Job(spec.id, prompt_ids, spec.sampling, source, meta)]
+
+    # ----- context_policy chunk (hisparse_cli.chunking) ------------------------------
+    def _messages_of(self, spec: Any) -> Callable[[str], list[dict]]:
+        def messages(text: str) -> list[dict]:
+            return build_messages(spec.task, text, spec.id, spec.inputs[0].name)
+
+        return messages
+
+    def _chunks(self, engine: BatchEngine, spec: Any, document: str) -> list[str]:
+        """``document`` as chunks whose prompts fit (one when it fits whole)."""
+        return chunk_document(
+            engine.tokenizer,
+            self._messages_of(spec),
+            document,
+            engine.prompt_limit(),
+            spec.sampling.max_tokens,
+        )
+
+    def _map_jobs(self, spec: Any, key: str, chunks: list[str]) -> list[Job]:
+        """The next level's map jobs of ``spec``'s job, noted in its results line's
+        ``chunked`` field."""
+        assert self.engine is not None
+        encode, messages = self.engine.tokenizer.encode_chat, self._messages_of(spec)
+
+        def make(map_id: str, text: str) -> Job:
+            meta = {"key": key, "output": spec.output, "chunk_of": spec.id}
+            ids = tuple(encode(messages(text)))
+            return Job(map_id, ids, spec.sampling, str(spec.inputs[0]), meta)
+
+        jobs = self.chunker.maps(spec.id, chunks, make)
+        self.records[spec.id]["chunked"] = self.chunker.jobs[spec.id].summary()
+        if len(self.chunker.jobs[spec.id].chunks) == 1:
+            self.reporter.note(
+                f"{spec.id}: document over the context limit: the task runs on "
+                f"{len(chunks)} overlapping chunks, then on their results (context policy chunk)"
+            )
+        return jobs
+
+    def _next_level(self, job_id: str, document: str) -> list[Job]:
+        """After a level of ``job_id``'s map jobs: the reduce job over their joined
+        results (``document``) under the job's id, or the next level's map jobs when it
+        is still too long. A failure to build them fails the job."""
+        assert self.engine is not None
+        spec, key = self.specs[job_id], self.records[job_id]["key"]
+        try:
+            chunks = self._chunks(self.engine, spec, document)
+            if len(chunks) > 1:
+                return self._map_jobs(spec, key, chunks)
+            ids = tuple(self.engine.tokenizer.encode_chat(self._messages_of(spec)(document)))
+        except Exception as exc:  # noqa: BLE001 - one bad job must not stop the batch
+            self.chunker.close(job_id)
+            self._handle(JobFailed(self.clock(), job_id, f"chunk policy: reduce step: {exc}"))
+            return []
+        self.chunker.close(job_id)
+        self.prompt_tokens[job_id] = len(ids)
+        meta = {"key": key, "output": spec.output}
+        return [Job(job_id, ids, spec.sampling, str(spec.inputs[0]), meta)]
+
+    def _handle_map(self, event: Event, map_id: str) -> None:
+        """An event of a map job: shown (its row leaves the table when it ends); its text
+        goes to :attr:`chunker`; its failure fails its job, its cancellation leaves the
+        job not run."""
+        self.tracker.update(event)
+        self.reporter.on_event(event)
+        if isinstance(event, JobFinished):
+            self.tracker.state.jobs.pop(map_id, None)
+            r = event.result
+            if r.finish_reason in SUCCESS_REASONS and not r.error:
+                self.chunker.finished(map_id, r.text)
+            else:
+                self._map_failed(map_id, r.error or r.finish_reason)
+        elif isinstance(event, JobFailed):
+            self.tracker.state.jobs.pop(map_id, None)
+            self._map_failed(map_id, event.error)
+
+    def _map_failed(self, map_id: str, why: str) -> None:
+        job_id = self.chunker.abandon(map_id)
+        if job_id is None:
+            return
+        if why.startswith("cancelled") or (self.cancel is not None and self.cancel.count):
+            self.tracker.set_phase(job_id, "cancelled")  # not run: no results line
+            return
+        self._handle(JobFailed(self.clock(), job_id, f"chunk {map_id} failed: {why}"))
 
     def _prompt_ids(self, engine: BatchEngine, spec: Any, document: str) -> tuple[int, ...]:
         """The chat prompt under the context policy (:func:`engine.text.context.fit_prompt`):
@@ -968,6 +1076,10 @@ class BatchRun:
         After Ctrl-C, a failure of a job never admitted means "not run": it is shown as
         cancelled and gets no results line (the next run does it).
         """
+        job_id = event.result.job_id if isinstance(event, JobFinished) else getattr(event, "job_id", None)
+        if job_id is not None and self.chunker.is_map(job_id):
+            self._handle_map(event, job_id)
+            return
         if isinstance(event, JobFailed) and self._unadmitted_after_cancel(event.job_id):
             self.tracker.set_phase(event.job_id, "cancelled")
             self.reporter.on_event(event)
@@ -987,7 +1099,15 @@ class BatchRun:
         base = self.records.get(result.job_id)
         if base is None:
             return
-        record = result_record(base, result)
+        record = result_record(base, result, self.request.audit_limits)
+        audit = record.get("audit")
+        if audit and audit["flagged"]:
+            self.reporter.note(
+                f"{result.job_id}: audit flagged over {audit['steps']} step(s): "
+                f"{audit['flag_reason']}; the sparse answer may differ from dense attention's "
+                "(raise --top-k-tokens, or --attention dense)",
+                "warning",
+            )
         if result.job_id in self.extract_fields:  # --task extract: the reply as data
             data, error = parse_extracted(result.text, self.extract_fields[result.job_id])
             if error and result.finish_reason == "length" and "{" in result.text:

@@ -64,6 +64,7 @@ ENGINE_FLAGS = {
     "memory_budget_gb": "--memory-budget",
     "host_pool_gb": "--host-pool",
     "num_threads": "--threads",
+    "audit_steps": "--audit",
 }
 """EngineConfig field -> its ``hisparse run`` flag where that is not ``--field-name``."""
 

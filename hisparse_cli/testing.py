@@ -23,6 +23,8 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.events import (
+    AuditStats,
+    AuditStep,
     CacheStats,
     DecodeStep,
     Event,
@@ -72,6 +74,8 @@ class _Running:
     job: Job
     generated: int = 0
     admitted_t: float = 0.0
+    audit_at: frozenset[int] = frozenset()
+    audited: list[AuditStep] = field(default_factory=list)
 
 
 @dataclass
@@ -84,6 +88,9 @@ class FakeEngine:
     texts: job id -> the reply text (default ``output of <id>: <n> tokens``).
     on_step: called with the step number before each decode step (tests send
         SIGINT from here).
+    audit_disagree: job ids whose audited steps (``config.audit_steps``, chosen as the
+        engine does) disagree with dense (KL 2.0, mass kept 0.5); the others agree (KL
+        0.01, mass kept 0.95).
     """
 
     config: EngineConfig = field(default_factory=EngineConfig)
@@ -102,6 +109,7 @@ class FakeEngine:
     cancelled: bool = False
     closed: bool = False
     seen: list[Job] = field(default_factory=list)
+    audit_disagree: set[str] = field(default_factory=set)
 
     @property
     def trace_paths(self) -> list[str]:
@@ -120,10 +128,17 @@ class FakeEngine:
         """Most tokens (prompt + max_tokens) a job may hold."""
         return self.limit
 
-    def run(self, jobs: Iterable[Job]) -> Iterator[Event]:
+    def run(self, jobs: Iterable[Job | None]) -> Iterator[Event]:
         """Yield the events of processing ``jobs`` (see module docstring)."""
-        queue = []
+        queue: list[Job] = []
+        step = 0
         for job in jobs:
+            if job is None:  # none ready yet (chunk policy): run what is queued, ask again
+                if not queue:
+                    raise RuntimeError("the job source gave None while nothing runs")
+                step = yield from self._run_queue(queue, step)
+                queue = []
+                continue
             self.seen.append(job)
             need = len(job.prompt_ids) + job.sampling.max_tokens
             if need > self.limit:  # as engine.serve.engine.Engine._check_job: never queued
@@ -137,13 +152,17 @@ class FakeEngine:
             queue.append(job)
             yield JobQueued(self.clock(), job.id, len(job.prompt_ids))
         yield self._memory(0)
-        step = 0
+        yield from self._run_queue(queue, step)
+
+    def _run_queue(self, queue: list[Job], step: int) -> Iterator[Event]:
+        """Admit and decode ``queue`` in batches of ``max_batch``; returns the last step."""
         while queue and not self.cancelled:
             batch, queue = queue[: self.config.max_batch], queue[self.config.max_batch :]
             running = yield from self._admit(batch)
             step = yield from self._decode(running, step)
         for job in queue:
             yield JobFailed(self.clock(), job.id, "cancelled before admission")
+        return step
 
     def _admit(self, batch: list[Job]) -> Iterator[Event]:
         running = []
@@ -158,8 +177,16 @@ class FakeEngine:
                     self.clock(), job.id, done, 2, len(job.prompt_ids) * done // 2
                 )
             yield FirstToken(self.clock(), job.id, self.clock() - now)
-            running.append(_Running(job, 1, now))
+            running.append(_Running(job, 1, now, self._audit_at(job)))
         return running
+
+    def _audit_at(self, job: Job) -> frozenset[int]:
+        if not self.config.audit_steps:
+            return frozenset()
+        from engine.decode.audit import audit_schedule
+
+        cfg = self.config
+        return audit_schedule(job.id, job.sampling.max_tokens, cfg.audit_steps, cfg.audit_seed)
 
     def _decode(self, running: list[_Running], step: int) -> Iterator[Event]:
         while running:
@@ -170,10 +197,17 @@ class FakeEngine:
                     yield JobFinished(self.clock(), self._result(r, "cancelled"))
                 return step
             time.sleep(self.step_delay_s)
+            audits = []
             for r in running:
+                if r.generated in r.audit_at:
+                    bad = r.job.id in self.audit_disagree
+                    kl, mass = (2.0, 0.5) if bad else (0.01, 0.95)
+                    r.audited.append(AuditStep(self.clock(), r.job.id, r.generated, not bad, kl, mass))
+                    audits.append(r.audited[-1])
                 r.generated += 1
             step += 1
             yield self._step_event(running, step)
+            yield from audits
             yield self._memory(len(running))
             for r in [r for r in running if r.generated >= self._target(r.job)]:
                 running.remove(r)
@@ -221,6 +255,19 @@ class FakeEngine:
             1000.0,
             100.0,
             stats,
+            audit=self._audit_stats(running) if self.config.audit_steps else None,
+        )
+
+    def _audit_stats(self, running: _Running) -> AuditStats:
+        steps = running.audited
+        n = len(steps)
+        return AuditStats(
+            steps=n,
+            top1_agreement=sum(s.agree for s in steps) / n if n else 1.0,
+            kl_mean=sum(s.kl for s in steps) / n if n else 0.0,
+            kl_max=max((s.kl for s in steps), default=0.0),
+            mass_kept_mean=sum(s.mass_kept for s in steps) / n if n else 1.0,
+            seconds=0.001 * n,
         )
 
 

@@ -28,6 +28,7 @@ import torch
 
 from engine import events as ev
 from engine.config import EngineConfig
+from engine.decode import audit as fidelity
 from engine.decode import indexers
 from engine.decode.attention import DecodeAttention, StepPlan
 from engine.decode.cuda_graph import DecodeGraphs, split_plan, table_width
@@ -65,6 +66,8 @@ class Request:
     logits: torch.Tensor | None = None
     closed: bool = False  # finished, failed or cancelled: its cache room is released
     prefill_iter: Iterator[int] | None = None  # the layer being prefilled across turns
+    audit_at: frozenset[int] = frozenset()  # decode steps to audit (engine.decode.audit)
+    audit: fidelity.AuditTally | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +92,7 @@ class StepHandle:
     out: torch.Tensor
     done: torch.cuda.Event | None
     t_launch: float
+    audits: list[ev.AuditStep] = field(default_factory=list)  # this step's audited rows
 
 
 class Engine:
@@ -299,7 +303,13 @@ class Engine:
         seq_id = self._next_seq
         self._next_seq += 1
         self.cache.allocate(seq_id, len(job.prompt_ids) + job.sampling.max_tokens)
-        return Request(job, seq_id, time.monotonic(), make_generator(job.sampling, seed))
+        req = Request(job, seq_id, time.monotonic(), make_generator(job.sampling, seed))
+        if self.config.audit_steps:
+            req.audit = fidelity.AuditTally()
+            req.audit_at = fidelity.audit_schedule(
+                job.id, job.sampling.max_tokens, self.config.audit_steps, self.config.audit_seed
+            )
+        return req
 
     def _close(self, req: Request) -> None:
         """Return a request's cache room (and drop a prefill in progress)."""
@@ -396,6 +406,7 @@ class Engine:
             and len(prev.batch) == len(batch)
             and all(a is b for a, b in zip(prev.batch, batch, strict=True))
             and self._greedy_batch(batch)
+            and not any(self._fed_index(r) in r.audit_at for r in batch)
         )
 
     def _drain(self, running: list[Request]) -> Iterator[ev.Event]:
@@ -446,6 +457,7 @@ class Engine:
             int(n_pre),
             with_prefill,
         )
+        yield from handle.audits
         for r, *_ in live:
             yield from self._check_finished(r, running)
 
@@ -504,6 +516,7 @@ class Engine:
                 (req.misses + req.prefetched) * self.cache.record_bytes,
                 req.prefetched,
             ),
+            audit=req.audit.stats() if req.audit is not None else None,
         )
         return ev.JobFinished(now, result)
 
@@ -656,9 +669,14 @@ class Engine:
         seqs = self.cache.seqs
         lens = [seqs[r.seq_id].num_tokens + 1 for r in batch]
         seq_ids = [r.seq_id for r in batch]
-        fed = None if prev is not None else [r.generated[-1] for r in batch]
+        audited = [i for i, r in enumerate(batch) if self._fed_index(r) in r.audit_at]
+        if prev is not None and audited:  # not chained (_chainable): read the tokens here
+            fed, prev = prev.greedy.tolist(), None
+        else:
+            fed = None if prev is not None else [r.generated[-1] for r in batch]
+        self.attn.capture = {seq_ids[i]: {} for i in audited} if audited else None
         out = None
-        if self.graphs is not None and self.tracer is None:
+        if self.graphs is not None and self.tracer is None and not audited:
             out = self.graphs.launch(seq_ids, fed, lens, self.step, prev.greedy if prev else None)
         if out is not None:
             logits, greedy, counters = out
@@ -677,6 +695,7 @@ class Engine:
             logits = m.logits(h)
             greedy = logits.argmax(dim=-1)
             counters = [self.attn.hits, self.attn.misses, self.attn.prefetched]
+        audits = self._audit(batch, audited, logits, fed, lens) if audited else []
         for sid in seq_ids:
             seqs[sid].num_tokens += 1
         if self.keep_logits:
@@ -690,7 +709,9 @@ class Engine:
             done = torch.cuda.Event()
             done.record()
             stacked = host
-        return StepHandle(list(batch), self.step, logits, greedy, stacked, done, time.monotonic())
+        return StepHandle(
+            list(batch), self.step, logits, greedy, stacked, done, time.monotonic(), audits
+        )
 
     def read_step(self, handle: StepHandle) -> tuple[list[int], list[int], list[int], list[int]]:
         """Wait for ``handle``'s step: (next token, hits, misses, prefetched records) per
@@ -709,6 +730,42 @@ class Engine:
             for i, r in enumerate(handle.batch):
                 r.logits = handle.logits[i]
         return tokens, hits, misses, prefetched
+
+    def _fed_index(self, req: Request) -> int:
+        """Tokens generated when ``req``'s next step is launched (``len(generated)`` on a
+        step launched after the last one was read; counted from the cache, so also on a
+        chained launch): the index :mod:`engine.decode.audit` schedules by."""
+        return self.cache.seqs[req.seq_id].num_tokens - len(req.job.prompt_ids) + 1
+
+    def _audit(
+        self, batch: list[Request], rows: list[int], logits: torch.Tensor,
+        fed: list[int], lens: list[int],
+    ) -> list[ev.AuditStep]:
+        """Audit rows ``rows`` of this step (:mod:`engine.decode.audit`): the dense
+        forward of each, compared with its sparse ``logits [B, V]``; reads the pool only
+        (the step's writes have landed), so the sparse state is untouched. Adds to the
+        requests' tallies and returns the step's :class:`engine.events.AuditStep` events."""
+        events: list[ev.AuditStep] = []
+        captured = self.attn.capture or {}
+        self.attn.capture = None
+        if self.model.device.type == "cuda":  # the step's pool writes, read by the host below
+            torch.cuda.synchronize(self.model.device)
+        for i in rows:
+            r = batch[i]
+            assert r.audit is not None
+            t0 = time.monotonic()
+            position = lens[i] - 1
+            dense = fidelity.dense_step_logits(self.model, self.cache, r.seq_id, fed[i], position)
+            agree, kl = fidelity.compare(logits[i], dense)
+            kept = fidelity.mass_kept(
+                self.cache, r.seq_id, captured.get(r.seq_id, {}), lens[i], self.model.scale
+            )
+            r.audit.add(agree, kl, kept)
+            r.audit.seconds += time.monotonic() - t0
+            events.append(
+                ev.AuditStep(time.monotonic(), r.job.id, self._fed_index(r), agree, kl, kept)
+            )
+        return events
 
     @torch.inference_mode()
     def decode_batch(

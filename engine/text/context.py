@@ -11,6 +11,10 @@ does not fit gets (refused, or its document cut), and the words that say so.
 * ``truncate`` — the trained limit; the document is cut (``truncate_keep`` head, tail or
   middle, the cut marked in the text) so prompt + ``max_tokens`` fits
   (:func:`engine.text.prompting.fit_document`).
+* ``chunk`` — the trained limit; a document that does not fit is split into overlapping
+  chunks that do (:func:`chunk_document`), the task runs on each (map), then on their
+  results joined (reduce, :func:`reduce_document`; chunked again while too long). The
+  runner schedules the chunk jobs (:mod:`hisparse_cli.runner`).
 
 Torch-free, so the CLI can judge documents before the model loads.
 """
@@ -81,7 +85,10 @@ def too_long_advice(policy: str, need: int | None = None) -> str:
     if policy == "extend":
         target = f"to at least {need}" if need else "above that"
         return f"raise --max-context {target}, or use --context-policy truncate"
-    return "use --context-policy extend (RoPE scaling) or --context-policy truncate"
+    return (
+        "use --context-policy extend (RoPE scaling), --context-policy truncate or "
+        "--context-policy chunk (the task over chunks, then over their results)"
+    )
 
 
 def too_long_message(prompt_tokens: int, max_tokens: int, limit: int, policy: str) -> str:
@@ -128,6 +135,15 @@ def fit_prompt(
     def render(text: str) -> list[int]:
         return tokenizer.encode_chat(messages_of(text))
 
+    if config.context_policy == "chunk":
+        ids = render(document)
+        if len(ids) + max_tokens > limit:
+            raise PromptTooLong(
+                f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context "
+                f"limit of {limit} tokens; under context_policy chunk split it with "
+                "chunk_document first"
+            )
+        return ids, None
     if config.context_policy == "truncate":
         document, cut = fit_document(
             tokenizer, document, render, limit - max_tokens, config.truncate_keep
@@ -141,3 +157,79 @@ def fit_prompt(
             f"{too_long_advice(config.context_policy)}"
         )
     return render(document), None
+
+
+CHUNK_OVERLAP = 0.1
+"""Share of a chunk's document tokens repeated at the start of the next chunk."""
+
+CHUNK_SLACK = 16
+"""Tokens kept free per chunk for re-tokenisation at the chunk's edges."""
+
+
+def chunk_document(
+    tokenizer,
+    messages_of: Callable[[str], list[dict]],
+    document: str,
+    limit: int,
+    max_tokens: int,
+    overlap: float = CHUNK_OVERLAP,
+) -> list[str]:
+    """Split ``document`` into chunks whose prompts fit the context (the ``chunk``
+    policy's map step): windows of the document's tokens of ``limit - max_tokens -
+    template - CHUNK_SLACK`` tokens (the template: the tokens of the prompt around an
+    empty document), each starting ``1 - overlap`` of a window after the previous one;
+    a chunk whose re-rendered prompt is still over the limit is shrunk until it fits.
+
+    Returns
+    -------
+    The chunk texts in document order; ``[document]`` when its prompt already fits.
+
+    Raises
+    ------
+    ValueError
+        When the prompt around an empty document leaves no room for a chunk
+        (fewer than 2 x ``CHUNK_SLACK`` tokens), or ``overlap`` is not in ``[0, 0.5]``.
+    """
+    if not 0.0 <= overlap <= 0.5:
+        raise ValueError(f"chunk overlap must be between 0 and 0.5, got {overlap}")
+
+    def render(text: str) -> list[int]:
+        return tokenizer.encode_chat(messages_of(text))
+
+    room = limit - max_tokens
+    if len(render(document)) <= room:
+        return [document]
+    template = len(render(""))
+    window = room - template - CHUNK_SLACK
+    if window < 2 * CHUNK_SLACK:
+        raise ValueError(
+            f"the prompt around a chunk needs {template} tokens + max_tokens {max_tokens} "
+            f"of the context limit of {limit}: no room for a chunk of the document"
+        )
+    encode = getattr(tokenizer, "encode_text", tokenizer.encode)  # special tokens as text
+    ids = encode(document)
+    stride = max(1, int(window * (1.0 - overlap)))
+    chunks, start = [], 0
+    while True:
+        size = window
+        while True:
+            text = tokenizer.decode(ids[start : start + size])
+            if len(render(text)) <= room or size <= CHUNK_SLACK:
+                break
+            size -= max(CHUNK_SLACK, size // 50)
+        chunks.append(text)
+        if start + size >= len(ids):
+            return chunks
+        start += min(stride, size)
+
+
+def reduce_document(results: list[str]) -> str:
+    """The document of the ``chunk`` policy's reduce step: the map results in order,
+    each under a ``[part i of n]`` heading, after a line saying what they are."""
+    n = len(results)
+    parts = [f"[part {i} of {n}]\n{text.strip()}" for i, text in enumerate(results, 1)]
+    head = (
+        f"The same task was done on {n} consecutive, overlapping parts of one long "
+        "document; these are the results, in order:"
+    )
+    return "\n\n".join([head, *parts])

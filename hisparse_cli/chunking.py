@@ -1,0 +1,124 @@
+"""The ``chunk`` context policy's bookkeeping in a run: map jobs, levels, the reduce job.
+
+A job whose document does not fit the context under ``context_policy: chunk`` becomes
+*map* jobs, one per overlapping chunk (:func:`engine.text.context.chunk_document`), with
+ids ``<job>@<level>.<i>``; they go to the engine with the other jobs of the batch and
+run batched like them. When every map job of a level has finished, their texts joined
+(:func:`engine.text.context.reduce_document`) are the next document: if its prompt fits,
+the *reduce* job runs under the job's own id and its result is the job's result;
+otherwise it is chunked again (level + 1). Map results are kept in memory only: they get
+no results line, so a run stopped half-way redoes the whole job on resume (its line,
+written once, is what resume reads). A map job that fails fails the job; one cancelled
+leaves it not run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.events import Job
+
+SEPARATOR = "@"
+"""Between a job's id and its map jobs' ``<level>.<index>``."""
+
+
+@dataclass
+class ChunkedJob:
+    """One job under the ``chunk`` policy: its map levels so far (``chunks``: the map
+    jobs of each level) and the texts of the current level (index -> text)."""
+
+    job_id: str
+    chunks: list[int] = field(default_factory=list)
+    texts: dict[int, str] = field(default_factory=dict)
+    outstanding: set[str] = field(default_factory=set)
+    done: bool = False
+
+    @property
+    def level(self) -> int:
+        return len(self.chunks)
+
+    def summary(self) -> dict[str, object]:
+        """The ``chunked`` field of the job's results line: map jobs per level and in
+        all, and the number of levels (reduce steps)."""
+        return {"policy": "chunk", "chunks": sum(self.chunks), "levels": self.level,
+                "per_level": list(self.chunks)}
+
+
+class ChunkScheduler:
+    """Map and reduce jobs of a run's chunked jobs.
+
+    Parameters
+    ----------
+    next_level : ``(job id, document) -> jobs``: the jobs for ``document`` (the joined
+        results of a finished level): the reduce job under the job's own id when its
+        prompt fits, else the next level's map jobs (built through :meth:`maps`).
+    """
+
+    def __init__(self, next_level: Callable[[str, str], list[Job]]) -> None:
+        self.next_level = next_level
+        self.jobs: dict[str, ChunkedJob] = {}
+        self.owner: dict[str, tuple[str, int]] = {}  # map job id -> (job id, index)
+        self.ready: deque[Job] = deque()
+
+    def is_map(self, job_id: str) -> bool:
+        """Whether ``job_id`` is one of this run's map jobs."""
+        return job_id in self.owner
+
+    def maps(self, job_id: str, chunks: list[str], make: Callable[[str, str], Job]) -> list[Job]:
+        """The next level's map jobs of ``job_id``, one per chunk text; ``make(map id,
+        chunk text)`` builds one."""
+        state = self.jobs.setdefault(job_id, ChunkedJob(job_id))
+        state.chunks.append(len(chunks))
+        state.texts = {}
+        jobs = []
+        for i, text in enumerate(chunks):
+            map_id = f"{job_id}{SEPARATOR}{state.level}.{i + 1}"
+            self.owner[map_id] = (job_id, i)
+            state.outstanding.add(map_id)
+            jobs.append(make(map_id, text))
+        return jobs
+
+    def finished(self, map_id: str, text: str) -> None:
+        """A map job's text; the last of its level queues the next level's jobs
+        (:attr:`ready`)."""
+        job_id, index = self.owner.pop(map_id)
+        state = self.jobs[job_id]
+        state.outstanding.discard(map_id)
+        if state.done:
+            return
+        state.texts[index] = text
+        if not state.outstanding:
+            from engine.text.context import reduce_document
+
+            texts = [state.texts[i] for i in range(len(state.texts))]
+            self.ready.extend(self.next_level(job_id, reduce_document(texts)))
+
+    def abandon(self, map_id: str) -> str | None:
+        """A map job that failed or was cancelled: the job is given up (its other map jobs'
+        results are dropped). Returns the job's id the first time, else ``None``."""
+        job_id, _ = self.owner.pop(map_id)
+        state = self.jobs[job_id]
+        state.outstanding.discard(map_id)
+        if state.done:
+            return None
+        state.done = True
+        return job_id
+
+    def close(self, job_id: str) -> None:
+        """The job's reduce job ended (or it could not be built)."""
+        if job_id in self.jobs:
+            self.jobs[job_id].done = True
+
+    def take_ready(self) -> list[Job]:
+        """The jobs queued since the last call."""
+        jobs = list(self.ready)
+        self.ready.clear()
+        return jobs
+
+    def waiting(self) -> bool:
+        """Whether a job still has map jobs running or jobs ready to hand out."""
+        return bool(self.ready) or any(
+            s.outstanding and not s.done for s in self.jobs.values()
+        )

@@ -1,0 +1,142 @@
+"""``--context-policy chunk``: a document over the context limit becomes map jobs on
+overlapping chunks, run in the batch with the other jobs, then a reduce job over their
+results (chunked again while too long); resume reads only the job's own line."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from engine.text.context import CHUNK_SLACK, chunk_document, reduce_document
+from hisparse_cli import testing
+from hisparse_cli.tasks import TaskSpec, build_messages
+
+LIMIT = 160  # the fake engine's context limit (tokens = words)
+WORDS = 400
+
+
+class WordTokenizer(testing.FakeTokenizer):
+    """Reversible: one id per distinct word."""
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {}
+        self.words: list[str] = []
+
+    def encode(self, text):
+        out = []
+        for w in text.split():
+            if w not in self.vocab:
+                self.vocab[w] = len(self.words)
+                self.words.append(w)
+            out.append(self.vocab[w])
+        return out
+
+    def decode(self, ids):
+        return " ".join(self.words[i] for i in ids)
+
+
+def messages_of(text):
+    return build_messages(TaskSpec("summarize"), text, "long", "long.txt")
+
+
+def test_chunks_fit_cover_the_document_in_order_and_overlap():
+    tok = WordTokenizer()
+    words = [f"w{i}" for i in range(WORDS)]
+    chunks = chunk_document(tok, messages_of, " ".join(words), LIMIT, 8, overlap=0.1)
+    assert len(chunks) > 3
+    template = len(tok.encode_chat(messages_of("")))
+    window = LIMIT - 8 - template - CHUNK_SLACK
+    spans = []
+    for text in chunks:
+        assert len(tok.encode_chat(messages_of(text))) + 8 <= LIMIT
+        ids = [int(w[1:]) for w in text.split()]
+        assert ids == list(range(ids[0], ids[-1] + 1))  # contiguous
+        spans.append((ids[0], ids[-1]))
+    assert spans[0][0] == 0 and spans[-1][1] == WORDS - 1
+    for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False):
+        assert e0 - s1 + 1 == window - int(window * 0.9)  # 10% of a window repeated
+    assert chunk_document(tok, messages_of, "short text", LIMIT, 8) == ["short text"]
+    with pytest.raises(ValueError, match="no room for a chunk"):
+        chunk_document(tok, messages_of, " ".join(words), template + 20, 8)
+    reduced = reduce_document(["one", "two"])
+    assert "[part 1 of 2]\none" in reduced and reduced.index("one") < reduced.index("two")
+
+
+@pytest.fixture
+def long_doc(docs):
+    (docs / "long.txt").write_text(" ".join(f"word{i}" for i in range(WORDS)) + "\n")
+    return docs
+
+
+def read_lines(tmp_path):
+    path = tmp_path / "hisparse-out" / "results.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def run_chunked(cli, *args, **engine_kwargs):
+    factory = testing.fake_engine_factory(limit=LIMIT, **engine_kwargs)
+    result = cli(
+        "docs/alpha.txt", "docs/long.txt", "docs/beta.txt", "--context-policy", "chunk",
+        "--max-new-tokens", "4", "--max-batch", "3", *args, engine=factory,
+    )
+    seen = [job for engine in factory.engines for job in engine.seen]
+    return result, seen
+
+
+def test_long_document_maps_then_reduces_in_the_batch(cli, long_doc, tmp_path):
+    result, seen = run_chunked(cli)
+    assert result.exit_code == 0, result.output
+    ids = [j.id for j in seen]
+    maps = [i for i in ids if i.startswith("long@1.")]
+    assert len(maps) >= 3 and ids.index("long") > max(ids.index(m) for m in maps)
+    assert ids[:2] == ["alpha", maps[0]] and "beta" in ids  # batched with the others
+    assert all(len(j.prompt_ids) + 4 <= LIMIT for j in seen)
+    # The reduce prompt: the task over the map results, in order.
+    texts = [f"output of {m}: 4 tokens" for m in maps]
+    reduce_ids = testing.FakeTokenizer().encode_chat(
+        build_messages(TaskSpec("summarize"), reduce_document(texts), "long", "long.txt")
+    )
+    assert next(j for j in seen if j.id == "long").prompt_ids == tuple(reduce_ids)
+    records = {r["id"]: r for r in read_lines(tmp_path)}
+    assert set(records) == {"alpha", "long", "beta"}  # map jobs get no results line
+    assert records["long"]["ok"] and records["long"]["chunked"] == {
+        "policy": "chunk", "chunks": len(maps), "levels": 1, "per_level": [len(maps)],
+    }
+    assert "chunked" not in records["alpha"]
+    assert (tmp_path / "hisparse-out" / "long.txt").read_text() == "output of long: 4 tokens"
+    assert f"the task runs on {len(maps)} overlapping chunks" in result.output
+    assert re.search(r"jobs ok\s+│ 3 ", result.output)  # the map jobs are not counted
+    # Resume: the job's line is what counts; nothing runs again.
+    again, seen = run_chunked(cli)
+    assert again.exit_code == 0 and seen == []
+
+
+def test_reduce_is_chunked_again_while_too_long(cli, long_doc, tmp_path):
+    first = run_chunked(cli)[1]
+    maps = [j.id for j in first if j.id.startswith("long@1.")]
+    wordy = {m: " ".join(["result"] * 40) for m in maps}  # joined: over the limit
+    result, seen = run_chunked(cli, "--force", texts=wordy)
+    assert result.exit_code == 0, result.output
+    ids = [j.id for j in seen]
+    level2 = [i for i in ids if i.startswith("long@2.")]
+    assert level2 and ids.index("long") > max(map(ids.index, level2))
+    record = [r for r in read_lines(tmp_path) if r["id"] == "long"][-1]
+    assert record["ok"] and record["chunked"]["levels"] == 2
+    assert record["chunked"]["per_level"] == [len(maps), len(level2)]
+
+
+def test_a_failed_map_job_fails_its_job_only_and_resume_redoes_it(cli, long_doc, tmp_path):
+    maps = [j.id for j in run_chunked(cli)[1] if j.id.startswith("long@1.")]
+    result, seen = run_chunked(cli, "--force", fail={maps[1]: "out of memory"})
+    assert result.exit_code == 1
+    assert "long" not in [j.id for j in seen]  # no reduce
+    records = {r["id"]: r for r in read_lines(tmp_path)[3:]}
+    assert records["alpha"]["ok"] and records["beta"]["ok"]
+    assert not records["long"]["ok"]
+    assert records["long"]["error"] == f"chunk {maps[1]} failed: out of memory"
+    assert records["long"]["chunked"]["chunks"] == len(maps)
+    again, seen = run_chunked(cli)
+    assert again.exit_code == 0
+    assert [j.id for j in seen] == [*maps, "long"]  # only the failed job, map and reduce
