@@ -93,6 +93,7 @@ class StepHandle:
     done: torch.cuda.Event | None
     t_launch: float
     audits: list[ev.AuditStep] = field(default_factory=list)  # this step's audited rows
+    t_done: float = 0.0  # when the host saw the step done (end of launch on the CPU)
 
 
 class Engine:
@@ -425,9 +426,8 @@ class Engine:
             for r in [r for r in handle.batch if not r.closed]:
                 yield from self._fail(r, running, f"decode failed: {e}")
             return
-        now = time.monotonic()
-        step_s = now - max(handle.t_launch, self._last_read)
-        self._last_read = now
+        step_s = handle.t_done - max(handle.t_launch, self._last_read)
+        self._last_read = handle.t_done
         with_prefill, self._prefilled_since_read = self._prefilled_since_read, False
         live = []
         for r, tok, h, m, p in zip(handle.batch, tokens, hits, misses, prefetched, strict=True):
@@ -664,6 +664,7 @@ class Engine:
         (:mod:`engine.decode.cuda_graph`); otherwise it launches eagerly. Both compute the
         same function of the same inputs. The cache counts the fed token at launch.
         """
+        t_launch = time.monotonic()  # before the work: on the CPU the launch runs the step
         m = self.model
         self.step += 1
         seqs = self.cache.seqs
@@ -709,9 +710,12 @@ class Engine:
             done = torch.cuda.Event()
             done.record()
             stacked = host
-        return StepHandle(
-            list(batch), self.step, logits, greedy, stacked, done, time.monotonic(), audits
+        handle = StepHandle(
+            list(batch), self.step, logits, greedy, stacked, done, t_launch, audits
         )
+        if done is None:  # the CPU ran the step in the launch
+            handle.t_done = time.monotonic()
+        return handle
 
     def read_step(self, handle: StepHandle) -> tuple[list[int], list[int], list[int], list[int]]:
         """Wait for ``handle``'s step: (next token, hits, misses, prefetched records) per
@@ -719,6 +723,7 @@ class Engine:
         with their own generator (valid only before the next launch)."""
         if handle.done is not None:
             handle.done.synchronize()
+            handle.t_done = time.monotonic()
         greedy, hits, misses, prefetched = handle.out.tolist()
         tokens = [
             greedy[i]

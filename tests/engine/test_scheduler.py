@@ -197,3 +197,23 @@ def test_prefill_turns_spread_a_long_prompt_over_decode_steps(model, async_decod
 
 
 TINY_LAYERS = 2  # engine.weights.synthetic.TINY
+
+
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_decode_step_time_covers_the_step(model, async_decode):
+    """A step's ``step_s`` counts the step's own work (on the CPU the launch runs it): with
+    every step made to take >= 20 ms, no DecodeStep reports less."""
+    import time as _time
+
+    from engine.events import DecodeStep
+
+    eng = _engine(model, async_decode)
+    inner = eng.decode_batch
+
+    def slow(*args, **kwargs):
+        _time.sleep(0.02)
+        return inner(*args, **kwargs)
+
+    eng.decode_batch = slow
+    steps = [e for e in eng.run(_jobs()[:2]) if isinstance(e, DecodeStep)]
+    assert steps and min(e.step_s for e in steps) >= 0.02
