@@ -111,6 +111,11 @@ class ExistingResults:
     """What an earlier run left in ``results.jsonl``.
 
     latest: id -> last valid line for that id.
+    latest_success: id -> last successful line for that id (the one whose text the output
+        file holds: a failed or cancelled run writes no text).
+    latest_by_key: (id, resume key) -> last line for that id with that key.
+    truncated_tail: the bytes of a truncated last line (a write cut short: its job's text
+        file may exist without a whole line naming it).
     warnings: human-readable notes on ignored lines.
     needs_newline: the file does not end in ``\\n`` (a truncated last line).
     """
@@ -118,6 +123,9 @@ class ExistingResults:
     latest: dict[str, dict[str, Any]] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
     needs_newline: bool = False
+    latest_success: dict[str, dict[str, Any]] = field(default_factory=dict)
+    latest_by_key: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    truncated_tail: bytes = b""
 
 
 def read_results(path: Path) -> ExistingResults:
@@ -127,6 +135,9 @@ def read_results(path: Path) -> ExistingResults:
     except FileNotFoundError:
         return ExistingResults()
     latest: dict[str, dict[str, Any]] = {}
+    success: dict[str, dict[str, Any]] = {}
+    by_key: dict[tuple[str, str], dict[str, Any]] = {}
+    tail = b""
     warnings: list[str] = []
     lines = data.split(b"\n")
     for number, line in enumerate(lines, start=1):
@@ -135,11 +146,17 @@ def read_results(path: Path) -> ExistingResults:
         record = _parse_line(line)
         if record is not None:
             latest[record["id"]] = record
+            if is_success(record):
+                success[record["id"]] = record
+            by_key[(record["id"], str(record.get("key")))] = record
         elif number == len(lines):
+            tail = line
             warnings.append(f"{path}: ignoring truncated last line {number} (interrupted write)")
         else:
             warnings.append(f"{path}: ignoring line {number}: not a JSON object with an id")
-    return ExistingResults(latest, tuple(warnings), bool(data) and not data.endswith(b"\n"))
+    return ExistingResults(
+        latest, tuple(warnings), bool(data) and not data.endswith(b"\n"), success, by_key, tail
+    )
 
 
 def earlier_jobs(output_dir: Path) -> list[EarlierJob]:
@@ -193,11 +210,15 @@ class ResultsLog:
         self._fd: int | None = None
 
     def is_done(self, job_id: str, key: str) -> bool:
-        """Whether the last line for ``job_id`` succeeded with resume key ``key`` and its
-        output file (``output`` of that line, in this directory) still exists: a deleted
-        output means the job is run again."""
-        record = self.existing.latest.get(job_id)
-        if record is None or record.get("key") != key or not is_success(record):
+        """Whether the last *successful* line for ``job_id`` has resume key ``key``, is the
+        last line with that key, and its output file (``output`` of that line, in this
+        directory) still exists: a deleted output, or a later failure with the same
+        settings, means the job is run again. Later failed or cancelled lines with other
+        settings wrote no text, so the file is still that line's result."""
+        record = self.existing.latest_success.get(job_id)
+        if record is None or record.get("key") != key:
+            return False
+        if self.existing.latest_by_key.get((job_id, str(key))) is not record:
             return False
         output = record.get("output")
         return not isinstance(output, str) or (self.path.parent / output).is_file()

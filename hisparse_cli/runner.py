@@ -33,7 +33,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -367,10 +367,20 @@ def check_outputs_over_documents(manifest: Manifest, output_dir: Path) -> None:
         )
 
 
-def output_collisions(jobs: list[PlannedJob], output_dir: Path) -> dict[str, str]:
-    """Jobs whose output file is an input of the run: job id -> the error to fail it with,
-    naming the output and the job (and path) that reads it. Paths are compared resolved,
-    so a link or another spelling of the same file counts."""
+def output_collisions(
+    jobs: list[PlannedJob],
+    output_dir: Path,
+    known_outputs: Iterable[str] = (),
+    truncated_tail: bytes = b"",
+) -> dict[str, str]:
+    """Jobs whose output file is an input of the run, or a file hisparse did not write:
+    job id -> the error to fail it with, naming the output and the job (and path) that
+    reads it. Paths are compared resolved, so a link or another spelling of the same file
+    counts. ``known_outputs``: the ``output`` of every line in the folder's results.jsonl
+    (files earlier runs wrote, which a job may replace); any other existing file at a
+    job's output is the user's and is never overwritten — except the job whose line was
+    cut short (``truncated_tail``, the results file's torn last line: its text file was
+    written just before)."""
     readers: dict[Path, tuple[str, Path]] = {}
     for job in jobs:
         for path in job.spec.inputs:
@@ -385,6 +395,20 @@ def output_collisions(jobs: list[PlannedJob], output_dir: Path) -> dict[str, str
             found[job.spec.id] = (
                 f"output {target} is {whose} ({path}); refusing to write over an input of "
                 "the run: choose another --output-dir, or set the job's output (or id)"
+            )
+    ours = {(output_dir / name).resolve() for name in known_outputs}
+    for job in jobs:
+        target = output_dir / job.spec.output
+        if job.spec.id in found or job.status == SKIP or not target.exists():
+            continue
+        cut_short = f'"id": {json.dumps(job.spec.id, ensure_ascii=False)}'.encode()
+        if truncated_tail.startswith(b"{" + cut_short):  # killed while writing its line
+            continue
+        if target.resolve() not in ours:
+            found[job.spec.id] = (
+                f"output {target} already exists and no line of {output_dir / RESULTS_FILE} "
+                "names it (hisparse did not write it); refusing to overwrite it: move it, "
+                "choose another --output-dir, or set the job's output (or id)"
             )
     return found
 
@@ -712,7 +736,12 @@ class BatchRun:
             self.request.allow_binary,
             self.request.retry_failed,
         )
-        collisions = output_collisions(planned, self.output_dir)
+        known = [
+            r["output"] for r in self.log.existing.latest.values() if isinstance(r.get("output"), str)
+        ]
+        collisions = output_collisions(
+            planned, self.output_dir, known, self.log.existing.truncated_tail
+        )
         planned = [
             dataclasses.replace(j, status=INVALID, error=collisions[j.spec.id], final=None)
             if j.spec.id in collisions

@@ -65,3 +65,39 @@ def test_text_file_drops_the_reply_leading_blank_line_and_jsonl_keeps_it(cli, do
     out = tmp_path / "hisparse-out"
     assert (out / "alpha.txt").read_text() == "Sorting, in short.\n"
     assert read_results(out)[0]["text"] == "\n\n  Sorting, in short.\n"
+
+
+def test_a_file_hisparse_did_not_write_is_never_overwritten(cli, docs, tmp_path):
+    """A user's own file where a job's output would go (the output folder holds their
+    documents too): that job fails naming the file, which stays as it was; the rest run."""
+    out = tmp_path / "mixed"
+    out.mkdir()
+    mine = out / "alpha.txt"
+    mine.write_text("my own notes, not a result\n")
+    result = cli("docs/alpha.txt", "docs/beta.txt", "--output-dir", "mixed")
+    assert result.exit_code == 1, result.output
+    assert mine.read_text() == "my own notes, not a result\n"
+    records = {r["id"]: r for r in read_results(out)}
+    assert records["beta"]["ok"] and (out / "beta.txt").is_file()
+    assert not records["alpha"]["ok"] and "hisparse did not write it" in records["alpha"]["error"]
+    # a file an earlier run wrote (named by its results line) is replaced as before
+    assert cli("docs/beta.txt", "--output-dir", "mixed", "--force").exit_code == 0
+
+
+def test_a_cancelled_run_with_other_settings_keeps_earlier_results_done(cli, docs, tmp_path):
+    """Done with settings A; a run with settings B is cancelled (its cancelled line wrote no
+    text); the command with settings A again skips the job: its output is A's result."""
+    out = tmp_path / "hisparse-out"
+    assert cli("docs/alpha.txt", "--max-new-tokens", "8").exit_code == 0
+    text = (out / "alpha.txt").read_text()
+
+    def interrupt(step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    engine = testing.fake_engine_factory(on_step=interrupt)
+    assert cli("docs/alpha.txt", "--max-new-tokens", "9", engine=engine).exit_code == 130
+    again = cli("docs/alpha.txt", "--max-new-tokens", "8", engine=lambda *a: pytest.fail("loaded"))
+    assert again.exit_code == 0, again.output
+    assert "already done" in again.output
+    assert (out / "alpha.txt").read_text() == text
