@@ -324,10 +324,11 @@ def _render_plan(result: Plan, preset_name: str) -> None:
         if cap.host_limit is None
         else f"host memory allows {cap.host_limit}"
     )
-    console.print(
-        f"max concurrent {ctx} jobs: [bold]{cap.max_jobs}[/] (device memory allows "
-        f"{cap.device_limit}, {host}; [bold]{cap.binding}[/] memory binds)"
-    )
+    if cap.binding == "max_batch":
+        device, binds = f"max_batch allows {cap.device_limit}", "[bold]max_batch[/] binds: raise --max-batch"
+    else:
+        device, binds = f"device memory allows {cap.device_limit}", f"[bold]{cap.binding}[/] memory binds"
+    console.print(f"max concurrent {ctx} jobs: [bold]{cap.max_jobs}[/] ({device}, {host}; {binds})")
     console.print(
         f"dense all-resident baseline: [bold]{dense.max_jobs}[/] job(s) "
         f"({_gib(result.dense_job_device_bytes)} GiB of KV per job on the device)"

@@ -495,6 +495,15 @@ class DeviceMemory:
         fit = max(0, room // self.per_job_bytes) if self.per_job_bytes else 0
         return fit if self.job_cap is None else min(fit, self.job_cap)
 
+    @property
+    def capped(self) -> bool:
+        """Whether ``job_cap`` (the cache's ``max_batch`` slabs), not memory, sets
+        :attr:`max_jobs`."""
+        if self.job_cap is None or not self.per_job_bytes:
+            return False
+        room = self.capacity_bytes - self.fixed_bytes - self.shared_kv_bytes
+        return max(0, room // self.per_job_bytes) > self.job_cap
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["layers"] = list(self.layers)
@@ -577,7 +586,8 @@ class Capacity:
     """Largest number of concurrent jobs of one context, and which bound binds.
 
     ``host_limit`` is ``None`` when the config keeps no host tier (all-resident).
-    ``binding`` is ``device``, ``host`` or ``device+host`` (equal limits).
+    ``binding`` is ``device``, ``host``, ``device+host`` (equal limits) or ``max_batch``
+    (the device limit is the ``max_batch`` cap, not memory).
     """
 
     max_jobs: int
@@ -609,8 +619,9 @@ def max_concurrent_jobs(
         pool = host_pool_bytes(config, hardware)
         workers = 1 if hardware.parallel == "pipeline" else hardware.num_devices
         host_limit = workers * ((pool // workers) // per_job_host)  # each worker its share
+    device = "max_batch" if all(t.capped for t in tables) else "device"
     if host_limit is None or device_limit < host_limit:
-        return Capacity(device_limit, device_limit, host_limit, "device")
+        return Capacity(device_limit, device_limit, host_limit, device)
     binding = "host" if host_limit < device_limit else "device+host"
     return Capacity(host_limit, device_limit, host_limit, binding)
 
@@ -798,7 +809,8 @@ def _refusals(tables, capacity, jobs, per_job_host, config, hardware) -> list[st
                 f"{t.device}: {t.num_jobs} job(s) need {_gib(t.kv_slab_bytes + t.metadata_bytes)} "
                 f"of hot KV slabs + page metadata but only "
                 f"{_gib(t.capacity_bytes - t.fixed_bytes)} is left after weights, scratch and "
-                f"reserve (device memory allows {capacity.device_limit} job(s))"
+                f"reserve (memory holds {(t.capacity_bytes - t.fixed_bytes - t.shared_kv_bytes) // max(t.per_job_bytes, 1)} job(s); "
+                f"{'max_batch' if t.capped else 'device memory'} allows {capacity.device_limit})"
             )
     if capacity.host_limit is not None and jobs > capacity.host_limit:
         reasons.append(

@@ -460,7 +460,7 @@ def test_fp8_host_pages_double_jobs_per_host_gib():
     from engine.kv import sizing
 
     loaded = load_preset_full("h200")
-    shape = get_model_shape("llama2-13b")
+    shape = get_model_shape("llama2-13b-gqa8")
     over = {"device": "cpu", "max_context": 262144, "max_batch": 64}
     bf16 = resolve_config(loaded, {}, over)
     fp8 = resolve_config(loaded, {}, {**over, "kv_host_dtype": "fp8"})
