@@ -384,7 +384,9 @@ def failure_record(base: dict[str, Any], error: str) -> dict[str, Any]:
     never was (an unreadable document). ``final`` is ``base["final"]``
     (:data:`FINAL_INPUT`, :data:`FINAL_PROMPT`) when the same key would fail again, else
     ``None``. Resume (:meth:`ResultsLog.is_done`, :meth:`ResultsLog.final_failure`)
-    reads only ``id``, ``key``, ``finish_reason``, ``error`` and ``final``.
+    reads only ``id``, ``key``, ``finish_reason``, ``error`` and ``final``. The timing
+    and cache fields of a finished job's line are present as ``None`` (the same keys on
+    every line, so a reader need not test for them).
     """
     return {
         **base,
@@ -393,6 +395,11 @@ def failure_record(base: dict[str, Any], error: str) -> dict[str, Any]:
         "generated_tokens": 0,
         "text": "",
         "finish_reason": "error",
+        "ttft_s": None,
+        "prefill_tok_s": None,
+        "decode_tok_s": None,
+        "cache": None,
+        "started_at": base.get("started_at"),
         "error": error,
         "final": base.get("final"),
         "finished_at": utc_now(),
