@@ -530,12 +530,13 @@ class Engine:
     @torch.inference_mode()
     def decode_layers(self, plan: StepPlan, h: torch.Tensor) -> torch.Tensor:
         """This engine's layers for one decode step of ``plan``'s batch: ``h [B, H]`` ->
-        ``[B, H]`` (each layer appends its K/V and attends through the cache)."""
+        ``[B, H]`` (each layer appends its K/V and attends through the cache; the RoPE of
+        q and k is fused into the append)."""
         m, offset = self.model, self.cache.layer_offset
         try:
             for layer in m.layer_range:
-                q, k, v = m.qkv(layer, h, plan.positions)
-                a = self.attn.run(plan, layer - offset, q, k, v)
+                q, k, v = m.qkv(layer, h, plan.positions, rotate=False)
+                a = self.attn.run(plan, layer - offset, q, k, v, m.rope_params)
                 h = m.finish_layer(layer, h, a)
         finally:  # the step's late pool writes and prefetches land before anything else
             self.cache.join_late()
