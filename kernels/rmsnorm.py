@@ -140,7 +140,10 @@ def rms_norm(
     require(isinstance(x, torch.Tensor) and 1 <= x.dim() <= 3, "x must be a 1- to 3-D tensor")
     require(x.dtype in FLOAT_DTYPES, f"x dtype must be one of {FLOAT_DTYPES}, got {x.dtype}")
     h = x.shape[-1]
-    require(x.stride(-1) == 1 or h <= 1, f"x needs a unit stride on its last dimension, got {x.stride()}")
+    require(
+        x.stride(-1) == 1 or h <= 1,
+        f"x needs a unit stride on its last dimension, got {x.stride()}",
+    )
     require(
         weight.dim() == 1 and weight.shape[0] == h and weight.is_contiguous(),
         f"weight must be contiguous [{h}], got shape {tuple(weight.shape)}",
@@ -151,7 +154,9 @@ def rms_norm(
             residual.shape == x.shape and residual.dtype == x.dtype,
             f"residual must be {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} {residual.dtype}",
         )
-        require(residual.stride(-1) == 1 or h <= 1, "residual needs a unit stride on its last dimension")
+        require(
+            residual.stride(-1) == 1 or h <= 1, "residual needs a unit stride on its last dimension"
+        )
         check_device(x.device, residual=residual)
     require_runnable(x.device)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

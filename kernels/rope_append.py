@@ -348,7 +348,9 @@ def rope_append(
     s = kv_pool.shape[3]
     require(d % 2 == 0, f"RoPE needs an even head dim, got {d}")
     require(hkv > 0 and hq % hkv == 0, f"q heads ({hq}) must be a multiple of kv heads ({hkv})")
-    require(q.dtype == k.dtype == v.dtype, f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    require(
+        q.dtype == k.dtype == v.dtype, f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
+    )
     check_shape("k", k, (b, hkv, d))
     check_shape("v", v, (b, hkv, d))
     check_shape("positions", positions, (b,))

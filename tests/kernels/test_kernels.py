@@ -577,6 +577,52 @@ def test_fused_launchers_raise_clear_errors():
         rope_append(q[..., :63], k[..., :63], k[..., :63], pos, rope, table, pool, None)
 
 
+def test_model_decode_layer_fused_equals_unfused():
+    """A decode layer of a tiny Qwen3-shaped model (per-head q/k norms, odd head count):
+    on the reference path the fused route (``qkv(rotate=False)`` + ``rope_append_ref``) is
+    the unfused one (``qkv`` + ``append_kv_ref``) bit for bit; the Triton norms and
+    ``rope_append`` match it to float32 rounding."""
+    from engine.config import ModelConfig
+    from engine.model.llama import LlamaModel
+    from engine.model.rope import Rope
+    from engine.weights.synthetic import synthetic_weights
+
+    cfg = ModelConfig(
+        arch="qwen3", num_layers=1, hidden_size=96, num_heads=6, num_kv_heads=2, head_dim=16,
+        intermediate_size=64, vocab_size=50, qk_norm=True,
+    )  # fmt: skip
+    rope = Rope(cfg.head_dim, cfg.rope_theta)
+    cpu = torch.device("cpu")
+    ref_m = LlamaModel(synthetic_weights(cfg, group_size=32), cpu, torch.float32, "float", rope)
+    gen = torch.Generator().manual_seed(0)
+    qk_norms = [torch.rand(cfg.head_dim, generator=gen) + 0.5 for _ in range(2)]
+    ref_m.layers[0].q_norm, ref_m.layers[0].k_norm = qk_norms  # synthetic weights have none
+    b, s = 3, 16
+    h = torch.randn(b, cfg.hidden_size, generator=gen)
+    pos = torch.tensor([5, 16, 40])
+    table = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]], dtype=torch.int32)
+    pools = [torch.zeros(9, 2, 2, s, 16) for _ in range(3)]
+    q, k, v = ref_m.qkv(0, h, pos)
+    append_kv_ref(k, v, pos, table, pools[0], None)
+    qr, kr, vr = ref_m.qkv(0, h, pos, rotate=False)
+    q2, k2 = rope_append_ref(qr, kr, vr, pos, ref_m.rope_params, table, pools[1], None)
+    assert bits_equal(q, q2) and bits_equal(k, k2) and bits_equal(pools[0], pools[1])
+    attn = torch.randn(b, cfg.num_heads, cfg.head_dim, generator=gen)
+    out = ref_m.finish_layer(0, h, attn)
+
+    tri_m = LlamaModel(
+        synthetic_weights(cfg, group_size=32), cpu, torch.float32, "float", rope, use_triton=True
+    )
+    tri_m.layers[0].q_norm, tri_m.layers[0].k_norm = qk_norms
+    qt, kt, vt = tri_m.qkv(0, h, pos, rotate=False)
+    q3, k3 = rope_append(qt, kt, vt, pos, tri_m.rope_params, table, pools[2], None)
+    assert_close(q3, q, 1e-5)
+    assert_close(k3, k, 1e-5)
+    assert_close(pools[2], pools[0], 1e-5)
+    assert_close(tri_m.finish_layer(0, h, attn), out, 1e-5)
+    assert_close(tri_m.logits(h), ref_m.logits(h), 1e-4)
+
+
 # --- Quest scores and selection ---------------------------------------------------------
 
 
