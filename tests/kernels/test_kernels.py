@@ -610,17 +610,19 @@ def test_model_decode_layer_fused_equals_unfused():
     attn = torch.randn(b, cfg.num_heads, cfg.head_dim, generator=gen)
     out = ref_m.finish_layer(0, h, attn)
 
+    dev = torch.device(DEVICE)
     tri_m = LlamaModel(
-        synthetic_weights(cfg, group_size=32), cpu, torch.float32, "float", rope, use_triton=True
+        synthetic_weights(cfg, group_size=32), dev, torch.float32, "float", rope, use_triton=True
     )
-    tri_m.layers[0].q_norm, tri_m.layers[0].k_norm = qk_norms
-    qt, kt, vt = tri_m.qkv(0, h, pos, rotate=False)
-    q3, k3 = rope_append(qt, kt, vt, pos, tri_m.rope_params, table, pools[2], None)
+    tri_m.layers[0].q_norm, tri_m.layers[0].k_norm = (n.to(dev) for n in qk_norms)
+    hd, posd, tabled, pool = (t.to(dev) for t in (h, pos, table, pools[2]))
+    qt, kt, vt = tri_m.qkv(0, hd, posd, rotate=False)
+    q3, k3 = rope_append(qt, kt, vt, posd, tri_m.rope_params, tabled, pool, None)
     assert_close(q3, q, 1e-5)
     assert_close(k3, k, 1e-5)
-    assert_close(pools[2], pools[0], 1e-5)
-    assert_close(tri_m.finish_layer(0, h, attn), out, 1e-5)
-    assert_close(tri_m.logits(h), ref_m.logits(h), 1e-4)
+    assert_close(pool, pools[0], 1e-5)
+    assert_close(tri_m.finish_layer(0, hd, attn.to(dev)), out, 1e-5)
+    assert_close(tri_m.logits(hd), ref_m.logits(h), 1e-4)
 
 
 # --- Quest scores and selection ---------------------------------------------------------
