@@ -20,6 +20,7 @@ from kernels.gather import gather_ref
 from kernels.oracle_scores import oracle_scores_ref
 from kernels.quest_scores import quest_scores_ref
 from kernels.resolve import resolve_ref
+from kernels.rope_append import rope_append_ref
 from kernels.select_topk import dense_selection, select_topk_ref
 from kernels.slot_list import resident_slot_list
 from kernels.sparse_attention import dense_decode_attention_ref, sparse_decode_attention_ref
@@ -40,6 +41,7 @@ class Ops:
     sparse_decode_attention: Callable
     dense_decode_attention: Callable
     append_kv: Callable
+    rope_append: Callable
 
 
 REFERENCE_OPS = Ops(
@@ -54,6 +56,7 @@ REFERENCE_OPS = Ops(
     sparse_decode_attention=sparse_decode_attention_ref,
     dense_decode_attention=dense_decode_attention_ref,
     append_kv=append_kv_ref,
+    rope_append=rope_append_ref,
 )
 
 

@@ -20,7 +20,12 @@ Sections (``--sections``, comma-separated; all by default):
   and 8B-class shapes;
 * ``int4_decode`` — one layer's four linears of qwen2.5-7b and llama3.1-8b through the
   engine's ``Int4Linear`` regimes (tinygemm, Triton over the source weight, dequantise +
-  GEMM) at decode batch sizes 1-48: where ``TRITON_MIN_ROWS`` belongs.
+  GEMM) at decode batch sizes 1-48: where ``TRITON_MIN_ROWS`` belongs;
+* ``fused`` — the element-wise work of one decode layer around attention (everything but
+  the linears, attention and the MLP activation), unfused (torch RMSNorm, residual adds,
+  cos/sin + rotate-half, ``append_kv``) against fused (``kernels.rmsnorm.rms_norm`` with the
+  residual add, ``kernels.rope_append.rope_append``), SmolLM2-135M and qwen2.5-7b shapes,
+  batch 1/8/32, bf16: µs per layer in CUDA-graph replay and eager, kernels per layer.
 
 Timing: CUDA events around CUDA-graph replays of ``inner`` calls (launch gaps removed),
 after warm-up, median of ``reps``; inputs rotate over enough copies to exceed the L2 cache.
@@ -611,6 +616,15 @@ def print_tables(res: dict) -> None:
                 f"{r['model']:12s} {r['m']:3d} {r['tinygemm_us']:9.1f} {r['triton_us']:8.1f} "
                 f"{r['dequant_gemm_us']:13.1f}  {r['best']}"
             )
+    if res.get("fused"):
+        print("\none decode layer's norms, residual adds, RoPE, append (bf16; µs per layer)")
+        print("model          B  unfused_graph  fused_graph  speedup  unfused_eager  fused_eager  kernels  exact")
+        for r in res["fused"]:
+            print(
+                f"{r['model']:12s} {r['batch']:3d} {r['unfused_graph_us']:14.1f} {r['fused_graph_us']:12.1f} "
+                f"{r['graph_speedup']:7.1f}x {r['unfused_eager_us']:14.1f} {r['fused_eager_us']:12.1f} "
+                f"{r['unfused_kernels']:4d}->{r['fused_kernels']:<3d} {r['q_k_h_bit_identical']}"
+            )
 
 
 # --- int4 for decode batches (the engine's Int4Linear) ----------------------------------------
@@ -681,11 +695,114 @@ def bench_int4_decode(out: dict) -> None:
         torch.cuda.empty_cache()
 
 
+# --- fused norm / RoPE + append (one decode layer's ops around attention) -------------------
+
+FUSED_SHAPES = {  # model: (hidden, q heads, kv heads, head dim, rope theta)
+    "smollm2-135m": (576, 9, 3, 64, 100000.0),
+    "qwen2.5-7b": (3584, 28, 4, 128, 1000000.0),
+}
+FUSED_BATCHES = (1, 8, 32)
+
+
+def _count_kernels(calls: list[Callable[[], object]]) -> int:
+    """CUDA kernels launched by one pass over ``calls`` (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for fn in calls:
+            fn()
+        torch.cuda.synchronize()
+    return sum(
+        1 for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+    )
+
+
+def bench_fused(out: dict) -> None:
+    """One decode layer's norms, residual adds, RoPE and append, unfused vs fused.
+
+    Unfused is what :class:`engine.model.llama.LlamaModel` ran before the fusion:
+    ``rms_norm`` (torch ops), ``Rope.cos_sin`` + ``apply_rope`` on q and k, Triton
+    ``append_kv``, ``h + o`` then ``rms_norm``, ``h + mlp``. Fused: ``rms_norm`` (Triton),
+    ``rope_append``, ``rms_norm`` with the residual, ``h + mlp``. Results are checked to
+    agree (bf16 rounding) before timing."""
+    from engine.model.llama import rms_norm as torch_rms_norm
+    from engine.model.rope import Rope, apply_rope
+    from kernels.append_kv import append_kv
+    from kernels.rmsnorm import rms_norm
+    from kernels.rope_append import RopeParams, rope_append
+
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    rows = out.setdefault("fused", [])
+    s, p_max = 64, 8
+    for model, (hidden, hq, hkv, d, theta) in FUSED_SHAPES.items():
+        rope = Rope(d, theta)
+        params = RopeParams(rope.inv_freq.to(DEV))
+        w1, w2 = (torch.rand(hidden, device=DEV, generator=gen) + 0.5 for _ in range(2))
+        for b in FUSED_BATCHES:
+            h = torch.randn(b, hidden, device=DEV, generator=gen).bfloat16()
+            o, mlp = (torch.randn(b, hidden, device=DEV, generator=gen).bfloat16() for _ in range(2))
+            qkv = torch.randn(b, (hq + 2 * hkv) * d, device=DEV, generator=gen).bfloat16()
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
+            pos = torch.randint(s, p_max * s, (b,), device=DEV, generator=gen)
+            table = torch.randperm(b * p_max, device=DEV, generator=gen).view(b, p_max).int()
+            pools = [torch.zeros(b * p_max, hkv, 2, s, d, device=DEV).bfloat16() for _ in range(2)]
+            metas = [torch.zeros(b * p_max, hkv, 2, d, device=DEV).bfloat16() for _ in range(2)]
+
+            t = dict(h=h, o=o, mlp=mlp, q=q, k=k, v=v, pos=pos, table=table, w1=w1, w2=w2)
+
+            def unfused(t=t, pool=pools[0], meta=metas[0], rope=rope):
+                torch_rms_norm(t["h"], t["w1"], 1e-5)
+                cos, sin = rope.cos_sin(t["pos"], t["h"].dtype)
+                qr, kr = apply_rope(t["q"], cos, sin), apply_rope(t["k"], cos, sin)
+                append_kv(kr, t["v"], t["pos"], t["table"], pool, meta)
+                h2 = t["h"] + t["o"]
+                torch_rms_norm(h2, t["w2"], 1e-5)
+                return qr, kr, h2 + t["mlp"]
+
+            def fused(t=t, pool=pools[1], meta=metas[1], params=params):
+                rms_norm(t["h"], t["w1"], 1e-5)
+                qr, kr = rope_append(
+                    t["q"], t["k"], t["v"], t["pos"], params, t["table"], pool, meta
+                )
+                _, h2 = rms_norm(t["o"], t["w2"], 1e-5, t["h"])
+                return qr, kr, h2 + t["mlp"]
+
+            ref, got = unfused(), fused()
+            err = max(max_abs_diff(a, c) for a, c in zip(ref, got, strict=True))
+            exact = all(torch.equal(a, c) for a, c in zip(ref, got, strict=True))
+            row = {
+                "model": model,
+                "batch": b,
+                "unfused_graph_us": time_us([unfused], reps=30, repeat=20),
+                "fused_graph_us": time_us([fused], reps=30, repeat=20),
+                "unfused_eager_us": time_us([unfused], reps=30, repeat=20, graph=False),
+                "fused_eager_us": time_us([fused], reps=30, repeat=20, graph=False),
+                "unfused_kernels": _count_kernels([unfused]),
+                "fused_kernels": _count_kernels([fused]),
+                "max_abs_diff": err,
+                "q_k_h_bit_identical": exact,
+            }
+            row["graph_speedup"] = row["unfused_graph_us"] / row["fused_graph_us"]
+            rows.append(row)
+            print(
+                f"  {model} B={b:2d}: unfused {row['unfused_graph_us']:6.1f} us "
+                f"({row['unfused_kernels']} kernels) | fused {row['fused_graph_us']:6.1f} us "
+                f"({row['fused_kernels']} kernels) per layer, graph replay",
+                flush=True,
+            )
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="write results as JSON here")
     parser.add_argument(
-        "--sections", default="ceilings,attention,resolve,gather,gather_fp8,int4,int4_decode"
+        "--sections", default="ceilings,attention,resolve,gather,gather_fp8,int4,int4_decode,fused"
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -726,6 +843,8 @@ def main() -> int:
                 bench_int4(res)
             elif name == "int4_decode":
                 bench_int4_decode(res)
+            elif name == "fused":
+                bench_fused(res)
             else:
                 raise ValueError(f"unknown section {name}")
         except Exception:  # noqa: BLE001 - keep the other sections

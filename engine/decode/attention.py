@@ -31,6 +31,7 @@ from engine.decode import indexers
 from engine.kv.cache import KVCache
 from kernels.bitmask import pack_bits
 from kernels.dispatch import Ops
+from kernels.rope_append import RopeParams
 
 
 @dataclass
@@ -166,11 +167,19 @@ class DecodeAttention:
         )
 
     def run(
-        self, plan: StepPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        plan: StepPlan,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: RopeParams | None = None,
     ) -> torch.Tensor:
         """Attention output ``[B, Hq, D]`` for queries ``q [B, Hq, D]``; ``k, v [B, Hkv, D]``
-        are the new token's key (after RoPE) and value, appended first. ``layer`` indexes
-        the cache's layers (the model's layer less ``cache.layer_offset``)."""
+        are the new token's key and value, appended first. ``layer`` indexes the cache's
+        layers (the model's layer less ``cache.layer_offset``). Without ``rope`` q and k
+        are after RoPE; with it they are before, and the append rotates both
+        (``ops.rope_append``: one kernel for the RoPE and the append)."""
         c = self.cache
         hier = c.hierarchical
         cfg = self.config
@@ -179,7 +188,21 @@ class DecodeAttention:
         fp8 = {"fp8": True, "pool_scale": c.pool_scale[layer]} if c.fp8 else {}
         deferred = c.deferred_writes and cfg.decode_write_stream and not self.indexer.reads_pool
         if deferred:
-            self.stage_and_write(plan, layer, k, v)
+            q, k = self.stage_and_write(plan, layer, k, v, q, rope)
+        elif rope is not None:
+            q, k = self.ops.rope_append(
+                q,
+                k,
+                v,
+                plan.positions,
+                rope,
+                plan.block_table,
+                c.pool[layer],
+                c.meta[layer],
+                c.slots[layer] if hier else None,
+                c.page_table[layer] if hier else None,
+                plan.slab_ids if hier else None,
+            )
         else:
             self.ops.append_kv(
                 k,
@@ -292,21 +315,37 @@ class DecodeAttention:
             )
         return slot_list, hits, load_slots
 
-    def stage_and_write(self, plan: StepPlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def stage_and_write(
+        self,
+        plan: StepPlan,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q: torch.Tensor | None = None,
+        rope: RopeParams | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Update the page metadata and stage ``k, v [B, Hkv, D]`` in the cache's token
         staging rows ``plan.row0 : plan.row0 + B`` (compute stream), then write the staged
         records to the host pool late (:meth:`KVCache.run_late`: on the copy stream,
-        after the staging). The write has landed once :meth:`KVCache.join_late` has run."""
+        after the staging). The write has landed once :meth:`KVCache.join_late` has run.
+        With ``rope``, ``q [B, Hq, D]`` and ``k`` are rotated in the same launch. Returns
+        ``(q, k)`` after RoPE."""
         c = self.cache
         b = k.shape[0]
         staging = c.token_staging[layer, plan.row0 : plan.row0 + b]
         pool, table, pos = c.pool[layer], plan.block_table, plan.positions
         fp8 = {"fp8": True, "pool_scale": c.pool_scale[layer]} if c.fp8 else {}
-        self.ops.append_kv(
-            k, v, pos, table, pool, c.meta[layer], write_pool=False, staging=staging, **fp8
-        )
+        if rope is None:
+            self.ops.append_kv(
+                k, v, pos, table, pool, c.meta[layer], write_pool=False, staging=staging, **fp8
+            )
+        else:  # not with fp8 records (Engine.fused_rope)
+            q, k = self.ops.rope_append(
+                q, k, v, pos, rope, table, pool, c.meta[layer], write_pool=False, staging=staging
+            )
         k_st, v_st = staging[:, :, 0], staging[:, :, 1]
         c.run_late(lambda: self.ops.append_kv(k_st, v_st, pos, table, pool, None, **fp8))
+        return q, k
 
     def scores(self, plan: StepPlan, layer: int, q: torch.Tensor) -> torch.Tensor | None:
         """Page scores float32 ``[B, Hkv, P_max]`` of the configured indexer (``None`` for

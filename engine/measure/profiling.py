@@ -93,6 +93,7 @@ OP_PHASES = {
     "dense_selection": "select",
     "resident_slot_list": "select",
     "append_kv": "append",
+    "rope_append": "append",  # the decode append with the RoPE of q and k fused in
     "resolve": "resolve",
     "gather": "gather",
 }
@@ -128,6 +129,7 @@ KERNEL_PHASES: tuple[tuple[str, str], ...] = (
     ("_resident_slot_list_kernel", "select"),
     ("topk", "select"),
     ("_append_kv_kernel", "append"),
+    ("_rope_append_kernel", "append"),
     ("_resolve_kernel", "resolve"),
     ("_gather_kernel", "gather"),
     ("_group_int4_linear_kernel", "weights"),

@@ -47,6 +47,8 @@ class GemmaModel(LlamaModel):
         A layer without its post-attention / post-feedforward norm.
     """
 
+    fused_rope = False  # a sliding layer rotates with its local base: the unfused RoPE
+
     def __init__(
         self,
         weights: ModelWeights,

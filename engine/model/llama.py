@@ -19,6 +19,8 @@ from engine.config import ModelConfig
 from engine.model.rope import Rope, apply_rope
 from engine.weights.quant import Linear, make_linear
 from engine.weights.types import ModelWeights
+from kernels.rmsnorm import rms_norm_ref
+from kernels.rope_append import RopeParams
 
 
 @dataclass
@@ -34,10 +36,9 @@ class Layer:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (Zhang & Sennrich 2019) computed in float32, returned in ``x.dtype``."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * xf).to(x.dtype)
+    """RMSNorm (Zhang & Sennrich 2019) computed in float32, returned in ``x.dtype``
+    (:func:`kernels.rmsnorm.rms_norm_ref` without a residual)."""
+    return rms_norm_ref(x, weight, eps)[0]
 
 
 def _cat_weights(ws, dtype_like):
@@ -70,7 +71,19 @@ class LlamaModel:
     layers : the decoder layers to place (a pipeline stage), default all. The token
         embedding is placed only with layer 0, the final norm and LM head only with the
         last layer (``None`` otherwise). Methods take global layer indices.
+    use_triton : the norms (residual add fused) as :func:`kernels.rmsnorm.rms_norm`;
+        ``None`` picks Triton exactly on CUDA (as :func:`kernels.dispatch.get_ops`), the
+        reference :func:`kernels.rmsnorm.rms_norm_ref` (the unfused ops) elsewhere
+
+    Attributes
+    ----------
+    rope_params : the RoPE table as :class:`kernels.rope_append.RopeParams` on ``device``,
+        for the decode step's fused RoPE + append (``qkv(..., rotate=False)``)
     """
+
+    fused_rope = True
+    """Whether :meth:`qkv` takes ``rotate=False`` (the decode step then rotates q and k in
+    its append, :func:`kernels.rope_append.rope_append`, with :attr:`rope_params`)."""
 
     def __init__(
         self,
@@ -80,11 +93,22 @@ class LlamaModel:
         weight_format: str,
         rope: Rope,
         layers: range | None = None,
+        use_triton: bool | None = None,
     ):
         self.config: ModelConfig = weights.config
         self.device = device
         self.dtype = dtype
         self.rope = rope
+        self.rope_params = RopeParams(
+            rope.inv_freq.to(device), rope.position_divisor, rope.attention_factor
+        )
+        if use_triton is None:
+            use_triton = torch.device(device).type == "cuda"
+        if use_triton:
+            from kernels.rmsnorm import rms_norm as norm
+        else:
+            norm = rms_norm_ref
+        self._norm = norm
         cfg = self.config
         self.layer_range = layers if layers is not None else range(cfg.num_layers)
         first = self.layer_range.start == 0
@@ -141,15 +165,18 @@ class LlamaModel:
         return self.embed[ids.to(self.device)]
 
     def qkv(
-        self, i: int, h: torch.Tensor, positions: torch.Tensor
+        self, i: int, h: torch.Tensor, positions: torch.Tensor, rotate: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer ``i``'s attention inputs for hidden ``h [T, H]`` at ``positions [T]``.
 
         Returns q ``[T, Hq, D]``, k ``[T, Hkv, D]`` (both after RoPE), v ``[T, Hkv, D]``.
+        With ``rotate=False`` q and k are returned before RoPE, as views of the fused qkv
+        projection (the decode step rotates them in its append:
+        :func:`kernels.rope_append.rope_append` with :attr:`rope_params`).
         """
         cfg = self.config
         layer = self.layers[i - self.layer_range.start]
-        x = rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
+        x, _ = self._norm(h, layer.attn_norm, cfg.rms_norm_eps)
         qkv = layer.wqkv(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = h.shape[0]
@@ -157,22 +184,24 @@ class LlamaModel:
         k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if layer.q_norm is not None:  # Qwen3: per-head RMSNorm over D before RoPE
-            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q, _ = self._norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k, _ = self._norm(k, layer.k_norm, cfg.rms_norm_eps)
+        if not rotate:
+            return q, k, v
         cos, sin = self.rope.cos_sin(positions.to(self.device), h.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def finish_layer(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection, residual and MLP: ``h [T, H]``, ``attn [T, Hq, D]`` -> ``[T, H]``."""
         layer = self.layers[i - self.layer_range.start]
-        h = h + layer.wo(attn.reshape(h.shape[0], -1).to(h.dtype))
-        x = rms_norm(h, layer.ffn_norm, self.config.rms_norm_eps)
+        o = layer.wo(attn.reshape(h.shape[0], -1).to(h.dtype))
+        x, h = self._norm(o, layer.ffn_norm, self.config.rms_norm_eps, h)  # h + o, fused
         gate, up = layer.w_gate_up(x).chunk(2, dim=-1)
         return h + layer.w_down(F.silu(gate) * up)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``[B, H]`` -> float32 ``[B, V]``."""
-        return self.lm_head(rms_norm(h, self.norm, self.config.rms_norm_eps)).float()
+        return self.lm_head(self._norm(h, self.norm, self.config.rms_norm_eps)[0]).float()
 
 
 def prefill_attention(

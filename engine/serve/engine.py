@@ -169,6 +169,9 @@ class Engine:
             if config.async_decode is not None
             else model.device.type == "cuda"
         )
+        # RoPE fused into the decode append where the model and the records allow it
+        # (not Gemma's two RoPE bases, not fp8 records: their append quantises unrotated).
+        self.fused_rope = getattr(model, "fused_rope", False) and not self.cache.fp8
         self._inflight: StepHandle | None = None
         self._last_read = 0.0
         self._prefilled_since_read = False
@@ -802,12 +805,17 @@ class Engine:
     @torch.inference_mode()
     def decode_layers(self, plan: StepPlan, h: torch.Tensor) -> torch.Tensor:
         """This engine's layers for one decode step of ``plan``'s batch: ``h [B, H]`` ->
-        ``[B, H]`` (each layer appends its K/V and attends through the cache)."""
+        ``[B, H]`` (each layer appends its K/V and attends through the cache; the RoPE of
+        q and k is fused into the append where :attr:`fused_rope`)."""
         m, offset = self.model, self.cache.layer_offset
         try:
             for layer in m.layer_range:
-                q, k, v = m.qkv(layer, h, plan.positions)
-                a = self.attn.run(plan, layer - offset, q, k, v)
+                if self.fused_rope:
+                    q, k, v = m.qkv(layer, h, plan.positions, rotate=False)
+                    a = self.attn.run(plan, layer - offset, q, k, v, m.rope_params)
+                else:
+                    q, k, v = m.qkv(layer, h, plan.positions)
+                    a = self.attn.run(plan, layer - offset, q, k, v)
                 h = m.finish_layer(layer, h, a)
         finally:  # the step's late pool writes and prefetches land before anything else
             self.cache.join_late()

@@ -44,6 +44,14 @@ from kernels.quest_scores import (
     quest_scores_ref,
 )
 from kernels.resolve import resolve, resolve_ref
+from kernels.rmsnorm import rms_norm, rms_norm_ref
+from kernels.rope_append import (
+    RopeParams,
+    rope_append,
+    rope_append_ref,
+    rope_cos_sin_ref,
+    rotate_half_ref,
+)
 from kernels.select_topk import dense_selection, select_topk, select_topk_ref
 from kernels.slot_list import resident_slot_list, resident_slot_list_triton
 from kernels.sparse_attention import (
@@ -514,6 +522,250 @@ def test_append_kv_in_three_launches(dtype, kv_dtype):
         fn(t["k"], t["v"], *common, None, *slots, write_pool=False)
         for name in ("kv_pool", "meta", "kv_slots"):
             assert bits_equal(one[name], t[name].cpu()), f"{fn.__name__}: {name} differs"
+
+
+# --- fused RMSNorm and RoPE + append ------------------------------------------------------
+
+
+def _rope_params(d: int, kind: str) -> RopeParams:
+    """The model's RoPE tables (:class:`engine.model.rope.Rope`) for ``kind``."""
+    from engine.config import RopeScaling
+    from engine.model.rope import Rope
+
+    scaling = {
+        "plain": None,
+        "llama3": RopeScaling(kind="llama3", factor=8.0, original_max_position=8192),
+        "linear": RopeScaling(kind="linear", factor=4.0),
+        "yarn": RopeScaling(kind="yarn", factor=4.0, original_max_position=4096),
+    }[kind]
+    rope = Rope(d, 500000.0 if kind == "llama3" else 10000.0, scaling)
+    return RopeParams(rope.inv_freq, rope.position_divisor, rope.attention_factor)
+
+
+NORM_CASES = [
+    # leading shape, H, dtype
+    ((1,), 576, torch.float32),
+    ((3,), 577, torch.float32),
+    ((5,), 7, torch.float16),
+    ((), 80, torch.float32),
+    ((2, 3), 64, torch.float16),  # per-head norm over D of a [T, H, D] view
+    ((33,), 1, torch.float32),
+]
+
+
+@pytest.mark.parametrize("lead,h,dtype", NORM_CASES, ids=str)
+@pytest.mark.parametrize("with_residual", [True, False], ids=["add", "plain"])
+def test_rms_norm_matches_reference(lead, h, dtype, with_residual):
+    """Triton RMSNorm (and residual add) against the reference on awkward widths, read
+    through strides: ``x`` is a view of a wider buffer (as q/k are of a fused qkv output).
+    The sum is bit for bit the reference's; the norm within the dtype's rounding."""
+    gen = torch.Generator().manual_seed(h)
+    wide = (torch.randn(*lead, h + 5, generator=gen) * 3).to(dtype)
+    x = wide[..., 2 : 2 + h]
+    res = (torch.randn(*lead, h, generator=gen) * 3).to(dtype) if with_residual else None
+    w = torch.rand(h, generator=gen) + 0.5
+    out_ref, s_ref = rms_norm_ref(x, w, 1e-5, res)
+    dev = {"x": x.to(DEVICE), "w": w.to(DEVICE)}
+    out, s = rms_norm(dev["x"], dev["w"], 1e-5, res.to(DEVICE) if res is not None else None)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert bits_equal(s.cpu(), s_ref), "residual sum differs"
+    assert_close(out, out_ref, ATOL[dtype])
+
+
+def test_rms_norm_ref_is_the_models_norm():
+    """The reference (the CPU path) is :func:`engine.model.llama.rms_norm` op for op."""
+    from engine.model.llama import rms_norm as model_rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, r = (torch.randn(4, 577, generator=gen).to(dtype) for _ in range(2))
+        w = torch.rand(577, generator=gen)
+        out, s = rms_norm_ref(x, w, 1e-6, r)
+        assert bits_equal(s, x + r)
+        assert bits_equal(out, model_rms_norm(x + r, w, 1e-6))
+        assert bits_equal(rms_norm_ref(x, w, 1e-6)[0], model_rms_norm(x, w, 1e-6))
+
+
+def test_rope_ref_is_the_models_rope():
+    """The reference rotation is :class:`engine.model.rope.Rope` + ``apply_rope`` bit for bit."""
+    from engine.config import RopeScaling
+    from engine.model.rope import Rope, apply_rope
+
+    gen = torch.Generator().manual_seed(1)
+    pos = torch.randint(0, 1 << 17, (5,), generator=gen)
+    for sc in (None, RopeScaling(kind="linear", factor=3.0), RopeScaling(kind="yarn", factor=4.0)):
+        rope = Rope(64, 10000.0, sc)
+        params = RopeParams(rope.inv_freq, rope.position_divisor, rope.attention_factor)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(5, 3, 64, generator=gen).to(dtype)
+            cos, sin = rope.cos_sin(pos, dtype)
+            c2, s2 = rope_cos_sin_ref(pos, params, dtype)
+            assert bits_equal(cos, c2) and bits_equal(sin, s2)
+            assert bits_equal(apply_rope(x, cos, sin), rotate_half_ref(x, c2, s2))
+
+
+def _qkv_views(b: int, hq: int, hkv: int, d: int, dtype, gen) -> tuple[torch.Tensor, ...]:
+    """q, k, v as strided views of one fused qkv output ``[B, (Hq + 2 Hkv) D]``."""
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
+
+
+ROPE_CASES = [
+    # b, hq, hkv, d, rope kind, dtype
+    (1, 9, 3, 64, "llama3", torch.float32),
+    (3, 4, 4, 80, "plain", torch.float32),
+    (2, 8, 2, 128, "yarn", torch.float32),
+    (5, 6, 3, 64, "linear", torch.float16),
+    (4, 2, 1, 80, "plain", torch.float16),
+]
+
+
+@pytest.mark.parametrize("b,hq,hkv,d,kind,dtype", ROPE_CASES, ids=str)
+@pytest.mark.parametrize("mode", ["write-through", "pool-only", "staging"])
+def test_rope_append_matches_reference(b, hq, hkv, d, kind, dtype, mode):
+    """RoPE + append in one launch: the rotated q and k match the reference to float32
+    cos/sin rounding, and every write (pool, metadata, resident tail slot, staging) is bit
+    for bit :func:`append_kv_ref` of the returned key. Outputs are poisoned (NaN) first."""
+    gen = torch.Generator().manual_seed(b * 100 + d)
+    s, p_max, per_slab = 16, 6, 4
+    p_pool = b * p_max + 3
+    q, k, v = _qkv_views(b, hq, hkv, d, dtype, gen)
+    pos = torch.randint(0, p_max * s, (b,), generator=gen, dtype=torch.int32)
+    pos[0] = s  # the first token of a page
+    args = {
+        "positions": pos,
+        "block_table": torch.randperm(p_pool, generator=gen)[: b * p_max].view(b, p_max).int(),
+        "kv_pool": torch.randn(p_pool, hkv, 2, s, d, generator=gen).to(dtype),
+        "meta": torch.randn(p_pool, hkv, 2, d, generator=gen).sort(dim=2).values.to(dtype),
+    }
+    kw = {}
+    if mode == "write-through":
+        num_slabs = b * hkv + 1
+        slab_ids = torch.randperm(num_slabs, generator=gen)[: b * hkv].view(b, hkv).int()
+        page_table = torch.full((num_slabs, p_max), -1, dtype=torch.int32)
+        for i in range(b):
+            for h in range(hkv):
+                if (i + h) % 3:
+                    slab = int(slab_ids[i, h])
+                    page_table[slab, int(pos[i]) // s] = slab * per_slab + i % per_slab
+        args |= {
+            "kv_slots": torch.randn(num_slabs * per_slab, 2, s, d, generator=gen).to(dtype),
+            "page_table": page_table,
+            "slab_ids": slab_ids,
+        }
+    if mode == "staging":
+        args["staging"] = torch.full((b, hkv, 2, d), float("nan"), dtype=dtype)
+        kw["write_pool"] = False
+    rope = _rope_params(d, kind)
+    ref = {n: t.clone() for n, t in args.items()}
+    q_ref, k_ref = rope_append_ref(q, k, v, rope=rope, **ref, **kw)
+    dev = to_device(args, DEVICE)
+    rope_dev = RopeParams(rope.inv_freq.to(DEVICE), rope.position_divisor, rope.attention_factor)
+    qd, kd, vd = (t.to(DEVICE) for t in (q, k, v))
+    q_rot, k_rot = rope_append(qd, kd, vd, rope=rope_dev, **dev, **kw)
+    assert_close(q_rot, q_ref, ATOL[dtype])
+    assert_close(k_rot, k_ref, ATOL[dtype])
+    # The writes are exactly the append of the kernel's own rotated key.
+    own = {n: t.clone() for n, t in args.items()}
+    append_kv_ref(k_rot.cpu(), v, **own, **kw)
+    for name in ("kv_pool", "meta", "kv_slots", "staging"):
+        if name in own:
+            assert bits_equal(own[name], dev[name].cpu()), f"{name} differs"
+
+
+def test_rope_append_far_positions_without_writes():
+    """Positions up to 2^20 (angles of ~10^6 rad): cos/sin keep their range reduction
+    (no approximate sin/cos). All writes off: only q and k are produced, and the block
+    table is not read (its width does not cover these positions)."""
+    gen = torch.Generator().manual_seed(3)
+    b, hq, hkv, d = 3, 4, 2, 64
+    q, k, v = _qkv_views(b, hq, hkv, d, torch.float32, gen)
+    pos = torch.tensor([1 << 20, 131071, 65536], dtype=torch.int64)
+    rope = _rope_params(d, "plain")
+    table = torch.zeros(b, 1, dtype=torch.int32)
+    pool = torch.zeros(1, hkv, 2, 16, d)
+    cos, sin = rope_cos_sin_ref(pos, rope, torch.float32)
+    q_ref, k_ref = rotate_half_ref(q, cos, sin), rotate_half_ref(k, cos, sin)
+    rope_dev = RopeParams(rope.inv_freq.to(DEVICE))
+    q_rot, k_rot = rope_append(
+        *(t.to(DEVICE) for t in (q, k, v, pos)),
+        rope_dev,
+        table.to(DEVICE),
+        pool.to(DEVICE),
+        None,
+        write_pool=False,
+    )
+    assert_close(q_rot, q_ref, 1e-4)
+    assert_close(k_rot, k_ref, 1e-4)
+    assert bits_equal(pool, torch.zeros_like(pool))
+
+
+def test_fused_launchers_raise_clear_errors():
+    x = torch.zeros(2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="weight must be contiguous"):
+        rms_norm(x, torch.ones(63, device=DEVICE), 1e-5)
+    with pytest.raises(ValueError, match="residual must be"):
+        rms_norm(x, torch.ones(64, device=DEVICE), 1e-5, x.half())
+    q, k = torch.zeros(1, 9, 64, device=DEVICE), torch.zeros(1, 3, 64, device=DEVICE)
+    pool = torch.zeros(2, 3, 2, 16, 64, device=DEVICE)
+    table = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE)
+    pos = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    rope = RopeParams(torch.ones(32, device=DEVICE))
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        rope_append(q[:, :8], k, k, pos, rope, table, pool, None)
+    with pytest.raises(ValueError, match="inv_freq"):
+        rope_append(q, k, k, pos, RopeParams(torch.ones(31, device=DEVICE)), table, pool, None)
+    with pytest.raises(ValueError, match="even head dim"):
+        rope_append(q[..., :63], k[..., :63], k[..., :63], pos, rope, table, pool, None)
+
+
+def test_model_decode_layer_fused_equals_unfused():
+    """A decode layer of a tiny Qwen3-shaped model (per-head q/k norms, odd head count):
+    on the reference path the fused route (``qkv(rotate=False)`` + ``rope_append_ref``) is
+    the unfused one (``qkv`` + ``append_kv_ref``) bit for bit; the Triton norms and
+    ``rope_append`` match it to float32 rounding."""
+    from engine.config import ModelConfig
+    from engine.model.llama import LlamaModel
+    from engine.model.rope import Rope
+    from engine.weights.synthetic import synthetic_weights
+
+    cfg = ModelConfig(
+        arch="qwen3", num_layers=1, hidden_size=96, num_heads=6, num_kv_heads=2, head_dim=16,
+        intermediate_size=64, vocab_size=50, qk_norm=True,
+    )  # fmt: skip
+    rope = Rope(cfg.head_dim, cfg.rope_theta)
+    cpu = torch.device("cpu")
+    ref_m = LlamaModel(synthetic_weights(cfg, group_size=32), cpu, torch.float32, "float", rope)
+    gen = torch.Generator().manual_seed(0)
+    qk_norms = [torch.rand(cfg.head_dim, generator=gen) + 0.5 for _ in range(2)]
+    ref_m.layers[0].q_norm, ref_m.layers[0].k_norm = qk_norms  # synthetic weights have none
+    b, s = 3, 16
+    h = torch.randn(b, cfg.hidden_size, generator=gen)
+    pos = torch.tensor([5, 16, 40])
+    table = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]], dtype=torch.int32)
+    pools = [torch.zeros(9, 2, 2, s, 16) for _ in range(3)]
+    q, k, v = ref_m.qkv(0, h, pos)
+    append_kv_ref(k, v, pos, table, pools[0], None)
+    qr, kr, vr = ref_m.qkv(0, h, pos, rotate=False)
+    q2, k2 = rope_append_ref(qr, kr, vr, pos, ref_m.rope_params, table, pools[1], None)
+    assert bits_equal(q, q2) and bits_equal(k, k2) and bits_equal(pools[0], pools[1])
+    attn = torch.randn(b, cfg.num_heads, cfg.head_dim, generator=gen)
+    out = ref_m.finish_layer(0, h, attn)
+
+    dev = torch.device(DEVICE)
+    tri_m = LlamaModel(
+        synthetic_weights(cfg, group_size=32), dev, torch.float32, "float", rope, use_triton=True
+    )
+    tri_m.layers[0].q_norm, tri_m.layers[0].k_norm = (n.to(dev) for n in qk_norms)
+    hd, posd, tabled, pool = (t.to(dev) for t in (h, pos, table, pools[2]))
+    qt, kt, vt = tri_m.qkv(0, hd, posd, rotate=False)
+    q3, k3 = rope_append(qt, kt, vt, posd, tri_m.rope_params, tabled, pool, None)
+    assert_close(q3, q, 1e-5)
+    assert_close(k3, k, 1e-5)
+    assert_close(pool, pools[0], 1e-5)
+    assert_close(tri_m.finish_layer(0, hd, attn.to(dev)), out, 1e-5)
+    assert_close(tri_m.logits(hd), ref_m.logits(h), 1e-4)
 
 
 # --- Quest scores and selection ---------------------------------------------------------

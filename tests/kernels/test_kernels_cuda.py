@@ -29,6 +29,14 @@ from kernels.gather import gather, gather_ref
 from kernels.int4_matmul import group_int4_linear, group_int4_linear_ref, q4_config
 from kernels.quest_scores import quest_scores, quest_scores_ref
 from kernels.resolve import resolve, resolve_ref
+from kernels.rmsnorm import rms_norm, rms_norm_ref
+from kernels.rope_append import (
+    RopeParams,
+    rope_append,
+    rope_append_ref,
+    rope_cos_sin_ref,
+    rotate_half_ref,
+)
 from kernels.select_topk import select_topk, select_topk_ref
 from kernels.sparse_attention import (
     dense_decode_attention_ref,
@@ -394,3 +402,134 @@ def test_int4_linear_regimes_on_cuda(m, g):
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     assert rel < 1e-2, f"M={m}: relative error {rel:.3g}"
+
+
+# --- fused RMSNorm and RoPE + append -------------------------------------------------------
+
+
+@pytest.mark.parametrize("b,h", [(1, 576), (3, 577), (32, 576), (33, 3584), (5, 4097)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_rms_norm_cuda(b, h, dtype):
+    """Triton RMSNorm + residual add at model widths: the sum bit for bit, the norm within
+    the dtype's rounding of the torch reference (the model's norm)."""
+    gen = torch.Generator().manual_seed(b * h)
+    x, r = ((torch.randn(b, h, generator=gen) * 4).to(dtype).to(DEV) for _ in range(2))
+    w = (torch.rand(h, generator=gen) + 0.5).to(DEV)
+    for res in (r, None):
+        out_ref, s_ref = rms_norm_ref(x, w, 1e-5, res)
+        with poisoned_allocations():
+            out, s = rms_norm(x, w, 1e-5, res)
+        assert bits_equal(s, s_ref)
+        assert_close(out, out_ref, ATOL[dtype])
+
+
+def _rope_inputs(b, hq, hkv, d, dtype, gen):
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=gen).to(dtype).to(DEV)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
+
+
+def _llama3_params(d: int) -> RopeParams:
+    from engine.config import RopeScaling
+    from engine.model.rope import Rope
+
+    rope = Rope(d, 500000.0, RopeScaling(kind="llama3", factor=8.0, original_max_position=8192))
+    return RopeParams(rope.inv_freq.to(DEV), rope.position_divisor, rope.attention_factor)
+
+
+@pytest.mark.parametrize("b,hq,hkv,d", [(32, 9, 3, 64), (3, 28, 4, 128), (1, 4, 2, 80)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_rope_append_cuda_into_pinned_pool(b, hq, hkv, d, dtype):
+    """RoPE + append at 128K positions into a pinned host pool with resident tail slots:
+    q and k within the dtype's rounding of the reference (cos/sin rounding aside they
+    are computed with the same roundings), every write bit for bit ``append_kv_ref`` of
+    the returned key."""
+    gen = torch.Generator().manual_seed(b + d)
+    s, p_max, per_slab = 64, 2048, 4
+    p_pool = b * 4 + 2
+    q, k, v = _rope_inputs(b, hq, hkv, d, dtype, gen)
+    pos = torch.randint(0, p_max * s, (b,), generator=gen, dtype=torch.int64)
+    pos[0] = 131072 - s  # the first token of a page
+    table = torch.full((b, p_max), -1, dtype=torch.int32)
+    for i in range(b):
+        table[i, int(pos[i]) // s] = i * 4 + 1
+    slab_ids = torch.arange(b * hkv).view(b, hkv).int()
+    page_table = torch.full((b * hkv, p_max), -1, dtype=torch.int32)
+    page_table[slab_ids.flatten(), (pos // s).repeat_interleave(hkv)] = (
+        slab_ids.flatten() * per_slab + 2
+    )
+    page_table[slab_ids[-1]] = -1  # the last request's tail page is not resident
+    pool = torch.randn(p_pool, hkv, 2, s, d, generator=gen).to(dtype)
+    meta = torch.randn(p_pool, hkv, 2, d, generator=gen).sort(dim=2).values.to(dtype)
+    slots = torch.randn(b * hkv * per_slab, 2, s, d, generator=gen).to(dtype)
+    rope = _llama3_params(d)
+    dev_args = (pos.to(DEV), rope, table.to(DEV))
+    q_ref, k_ref = rope_append_ref(q, k, v, *dev_args, pool.clone().to(DEV), meta.clone().to(DEV))
+    pool_host, meta_dev, slots_dev = pool.clone().pin_memory(), meta.to(DEV), slots.to(DEV)
+    q_rot, k_rot = rope_append(
+        q, k, v, *dev_args, pool_host, meta_dev, slots_dev, page_table.to(DEV), slab_ids.to(DEV)
+    )
+    torch.cuda.synchronize()
+    assert_close(q_rot, q_ref, ATOL[dtype])
+    assert_close(k_rot, k_ref, ATOL[dtype])
+    own = [pool.clone(), meta.clone(), slots.clone()]
+    append_kv_ref(k_rot.cpu(), v.cpu(), pos, table, own[0], own[1], own[2], page_table, slab_ids)
+    assert bits_equal(own[0], pool_host)
+    assert bits_equal(own[1], meta_dev.cpu())
+    assert bits_equal(own[2], slots_dev.cpu())
+
+
+def test_rope_append_bf16_bit_identical_to_torch_rope():
+    """bf16 at the embedded model's shape: the fused rotation is the unfused torch path's
+    bit for bit (libdevice cos/sin are the functions torch's CUDA kernels call, and every
+    product and sum is rounded as the element-wise ops round them), so the decode step's
+    keys are those the torch RoPE of prefill would write."""
+    gen = torch.Generator().manual_seed(7)
+    b, hq, hkv, d = 32, 9, 3, 64
+    q, k, v = _rope_inputs(b, hq, hkv, d, torch.bfloat16, gen)
+    pos = torch.randint(0, 131072, (b,), generator=gen).to(DEV)
+    rope = _llama3_params(d)
+    table = torch.zeros(b, 1, dtype=torch.int32, device=DEV)
+    pool = torch.zeros(1, hkv, 2, 16, d, device=DEV, dtype=torch.bfloat16)
+    cos, sin = rope_cos_sin_ref(pos, rope, torch.bfloat16)
+    q_rot, k_rot = rope_append(q, k, v, pos, rope, table, pool, None, write_pool=False)
+    assert bits_equal(q_rot, rotate_half_ref(q, cos, sin))
+    assert bits_equal(k_rot, rotate_half_ref(k, cos, sin))
+
+
+def test_fused_kernels_capture_in_cuda_graph():
+    """Norm and RoPE + append replay from a CUDA graph (no host synchronisation) with
+    new inputs copied into the static buffers, equal to eager launches."""
+    gen = torch.Generator().manual_seed(3)
+    b, hq, hkv, d, h, s = 8, 9, 3, 64, 576, 16
+    x = torch.randn(b, h, generator=gen).bfloat16().to(DEV)
+    r = torch.randn(b, h, generator=gen).bfloat16().to(DEV)
+    w = torch.rand(h, generator=gen).to(DEV)
+    q, k, v = _rope_inputs(b, hq, hkv, d, torch.bfloat16, gen)
+    pos = torch.arange(b, device=DEV) * s + 3
+    table = torch.arange(b, dtype=torch.int32, device=DEV)[:, None]
+    pool = torch.zeros(b, hkv, 2, s, d, device=DEV, dtype=torch.bfloat16)
+    rope = _llama3_params(d)
+
+    def step():
+        out, summed = rms_norm(x, w, 1e-5, r)
+        qr, kr = rope_append(q, k, v, pos, rope, table, pool, None)
+        return out, summed, qr, kr
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    x.copy_(torch.randn(b, h, generator=gen).bfloat16())
+    pos.add_(s // 2)
+    graph.replay()
+    torch.cuda.synchronize()
+    pool_replayed = pool.clone()
+    eager = step()
+    for a, e in zip(static, eager, strict=True):
+        assert bits_equal(a, e)
+    assert bits_equal(pool_replayed, pool)

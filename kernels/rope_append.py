@@ -1,0 +1,466 @@
+"""RoPE of a decode step's queries and new key, fused with the key/value append.
+
+Rotary position embedding (Su et al. 2021, arXiv:2104.09864) in the rotate-half layout of
+Hugging Face transformers / GPT-NeoX (``rotate_half``: dimension ``j < D/2`` pairs with
+``j + D/2``), the layout :mod:`engine.model.rope` uses for every model here; the
+frequency scalings (``llama3``, ``dynamic``, ``yarn``, GGUF ``rope_freqs``) live in the
+inverse frequencies, ``linear`` in a position divisor and YaRN's temperature in an
+attention factor, so the kernel takes all three (:class:`RopeParams`).
+
+:func:`rope_append_ref` is :func:`engine.model.rope.Rope.cos_sin` + ``apply_rope`` on q and
+k, then :func:`kernels.append_kv.append_kv_ref` with the rotated key: the unfused path,
+op for op (the CPU path's results are the unfused path's bit for bit). :func:`rope_append`
+is one Triton launch, one program per (request, KV head): it computes cos/sin in
+registers (float32, libdevice ``cos``/``sin`` on CUDA, as torch's kernels), rotates the
+key and the head's ``G`` query heads with the reference's roundings (each product and
+the sum rounded to the activation dtype, as the element-wise torch ops do), writes the
+rotated q and k, and appends k and v exactly as :func:`kernels.append_kv.append_kv`
+(staging, pool, metadata, resident tail slot, each behind its flag) — one kernel where
+the unfused decode step ran ~20 (cos/sin, two rotations, the append).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from kernels._launch import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_device,
+    check_shape,
+    check_tensor,
+    host_visible,
+    interpreted,
+    next_pow2,
+    require,
+    require_runnable,
+)
+from kernels.append_kv import _unused, append_kv_ref
+
+
+@dataclass(frozen=True)
+class RopeParams:
+    """What a RoPE kernel needs of :class:`engine.model.rope.Rope`.
+
+    Attributes
+    ----------
+    inv_freq : float32 ``[D / 2]`` inverse frequencies (scalings and frequency factors
+        applied), on the compute device
+    position_divisor : positions are divided by it (``linear`` scaling; 1 otherwise)
+    attention_factor : cos and sin are multiplied by it (YaRN's temperature; 1 otherwise)
+    """
+
+    inv_freq: torch.Tensor
+    position_divisor: float = 1.0
+    attention_factor: float = 1.0
+
+
+def rope_cos_sin_ref(
+    positions: torch.Tensor, rope: RopeParams, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[T, D]`` in ``dtype`` for int positions ``[T]`` (float32 math, rounded
+    once), as :meth:`engine.model.rope.Rope.cos_sin`."""
+    inv = rope.inv_freq.to(positions.device)
+    ang = positions.float()[:, None] / rope.position_divisor * inv[None, :]
+    emb = torch.cat([ang, ang], dim=-1)
+    return (emb.cos() * rope.attention_factor).to(dtype), (emb.sin() * rope.attention_factor).to(
+        dtype
+    )
+
+
+def rotate_half_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [T, H, D]`` rotated with ``cos, sin [T, D]``: ``x * cos + rotate_half(x) * sin``,
+    as :func:`engine.model.rope.apply_rope`."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def rope_append_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    rope: RopeParams,
+    block_table: torch.Tensor,
+    kv_pool: torch.Tensor,
+    meta: torch.Tensor | None,
+    kv_slots: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    slab_ids: torch.Tensor | None = None,
+    *,
+    write_pool: bool = True,
+    staging: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k at ``positions``, then append the rotated key and ``v``.
+
+    Parameters
+    ----------
+    q : ``[B, Hq, D]`` queries before RoPE; k, v : ``[B, Hkv, D]`` new key (before RoPE)
+        and value; ``Hq`` a multiple of ``Hkv``; any strides (views of a fused qkv output)
+    positions : int ``[B]`` 0-based position of the new token
+    rope : :class:`RopeParams`
+    block_table, kv_pool, meta, kv_slots, page_table, slab_ids, write_pool, staging : as
+        :func:`kernels.append_kv.append_kv_ref` (receive the rotated key)
+
+    Returns
+    -------
+    ``(q_rot [B, Hq, D], k_rot [B, Hkv, D])`` in the inputs' dtype
+    """
+    cos, sin = rope_cos_sin_ref(positions, rope, q.dtype)
+    q_rot, k_rot = rotate_half_ref(q, cos, sin), rotate_half_ref(k, cos, sin)
+    append_kv_ref(
+        k_rot,
+        v,
+        positions,
+        block_table,
+        kv_pool,
+        meta,
+        kv_slots,
+        page_table,
+        slab_ids,
+        write_pool=write_pool,
+        staging=staging,
+    )
+    return q_rot, k_rot
+
+
+@triton.jit
+def _rotate_half(x1, x2, c, s, OUT_DTYPE: tl.constexpr):
+    """Both halves of a rotate-half RoPE, each product and sum rounded to ``OUT_DTYPE``
+    (float32 math), as the element-wise torch ops of the reference round them."""
+    a1 = (x1 * c).to(OUT_DTYPE).to(tl.float32)
+    b1 = (-x2 * s).to(OUT_DTYPE).to(tl.float32)
+    a2 = (x2 * c).to(OUT_DTYPE).to(tl.float32)
+    b2 = (x1 * s).to(OUT_DTYPE).to(tl.float32)
+    return (a1 + b1).to(OUT_DTYPE), (a2 + b2).to(OUT_DTYPE)
+
+
+@triton.jit
+def _rope_append_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    positions_ptr,
+    inv_freq_ptr,
+    block_table_ptr,
+    pool_ptr,
+    meta_ptr,
+    slots_ptr,
+    page_table_ptr,
+    slab_ids_ptr,
+    staging_ptr,
+    num_kv_heads,
+    inv_divisor,
+    attention_factor,
+    stride_q_b,
+    stride_q_h,
+    stride_k_b,
+    stride_k_h,
+    stride_v_b,
+    stride_v_h,
+    stride_qo_b,
+    stride_qo_h,
+    stride_ko_b,
+    stride_ko_h,
+    stride_bt_b,
+    stride_pool_p,
+    stride_pool_h,
+    stride_pool_kv,
+    stride_pool_s,
+    stride_meta_p,
+    stride_meta_h,
+    stride_meta_mm,
+    stride_slots_n,
+    stride_slots_kv,
+    stride_slots_s,
+    stride_pt_slab,
+    stride_slab_b,
+    stride_slab_h,
+    stride_st_b,
+    stride_st_h,
+    stride_st_kv,
+    GROUP: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    WRITE_POOL: tl.constexpr,
+    HAS_META: tl.constexpr,
+    HAS_STAGING: tl.constexpr,
+):
+    """One (request, KV head): cos/sin, the rotated key and ``GROUP`` query heads, then
+    the append writes of :func:`kernels.append_kv._append_kv_kernel` (two halves)."""
+    row = tl.program_id(0)
+    b = row // num_kv_heads
+    h = row % num_kv_heads
+    pos = tl.load(positions_ptr + b).to(tl.int64)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = offs < HALF
+    inv = tl.load(inv_freq_ptr + offs, mask=mask, other=0.0)
+    ang = pos.to(tl.float32) * inv_divisor * inv
+    if LIBDEVICE:
+        cf = libdevice.cos(ang)
+        sf = libdevice.sin(ang)
+    else:  # the interpreter has no libdevice
+        cf = tl.cos(ang)
+        sf = tl.sin(ang)
+    dt = q_out_ptr.dtype.element_ty
+    c = (cf * attention_factor).to(dt).to(tl.float32)
+    s = (sf * attention_factor).to(dt).to(tl.float32)
+
+    for g in tl.static_range(GROUP):
+        qh = h * GROUP + g
+        src = q_ptr + b * stride_q_b + qh * stride_q_h + offs
+        q1, q2 = _rotate_half(
+            tl.load(src, mask=mask).to(tl.float32),
+            tl.load(src + HALF, mask=mask).to(tl.float32),
+            c,
+            s,
+            dt,
+        )
+        dst = q_out_ptr + b * stride_qo_b + qh * stride_qo_h + offs
+        tl.store(dst, q1, mask=mask)
+        tl.store(dst + HALF, q2, mask=mask)
+
+    src = k_ptr + b * stride_k_b + h * stride_k_h + offs
+    k1, k2 = _rotate_half(
+        tl.load(src, mask=mask).to(tl.float32),
+        tl.load(src + HALF, mask=mask).to(tl.float32),
+        c,
+        s,
+        dt,
+    )
+    dst = k_out_ptr + b * stride_ko_b + h * stride_ko_h + offs
+    tl.store(dst, k1, mask=mask)
+    tl.store(dst + HALF, k2, mask=mask)
+    vsrc = v_ptr + b * stride_v_b + h * stride_v_h + offs
+    v1 = tl.load(vsrc, mask=mask)
+    v2 = tl.load(vsrc + HALF, mask=mask)
+
+    page = pos // PAGE_SIZE
+    off = pos % PAGE_SIZE
+    if WRITE_POOL or HAS_META:  # rope-only launches never read the block table
+        pool_page = tl.load(block_table_ptr + b * stride_bt_b + page).to(tl.int64)
+    else:
+        pool_page = page
+
+    if HAS_STAGING:
+        st = staging_ptr + b * stride_st_b + h * stride_st_h + offs
+        sdt = staging_ptr.dtype.element_ty
+        tl.store(st, k1.to(sdt), mask=mask)
+        tl.store(st + HALF, k2.to(sdt), mask=mask)
+        tl.store(st + stride_st_kv, v1.to(sdt), mask=mask)
+        tl.store(st + stride_st_kv + HALF, v2.to(sdt), mask=mask)
+
+    if WRITE_POOL:
+        rec = pool_ptr + pool_page * stride_pool_p + h * stride_pool_h + off * stride_pool_s + offs
+        pdt = pool_ptr.dtype.element_ty
+        tl.store(rec, k1.to(pdt), mask=mask)
+        tl.store(rec + HALF, k2.to(pdt), mask=mask)
+        tl.store(rec + stride_pool_kv, v1.to(pdt), mask=mask)
+        tl.store(rec + stride_pool_kv + HALF, v2.to(pdt), mask=mask)
+
+    if HAS_META:
+        mdt = meta_ptr.dtype.element_ty
+        first = off == 0
+        for part in tl.static_range(2):
+            if part == 0:
+                kn = k1.to(mdt).to(tl.float32)
+            else:
+                kn = k2.to(mdt).to(tl.float32)
+            meta = meta_ptr + pool_page * stride_meta_p + h * stride_meta_h + part * HALF + offs
+            lo = tl.load(meta, mask=mask, other=0.0).to(tl.float32)
+            hi = tl.load(meta + stride_meta_mm, mask=mask, other=0.0).to(tl.float32)
+            lo = tl.where(first, kn, tl.minimum(lo, kn, propagate_nan=tl.PropagateNan.ALL))
+            hi = tl.where(first, kn, tl.maximum(hi, kn, propagate_nan=tl.PropagateNan.ALL))
+            tl.store(meta, lo.to(mdt), mask=mask)
+            tl.store(meta + stride_meta_mm, hi.to(mdt), mask=mask)
+
+    if HAS_SLOTS:
+        slab = tl.load(slab_ids_ptr + b * stride_slab_b + h * stride_slab_h).to(tl.int64)
+        slot = tl.load(page_table_ptr + slab * stride_pt_slab + page).to(tl.int64)
+        if slot >= 0:
+            rec = slots_ptr + slot * stride_slots_n + off * stride_slots_s + offs
+            odt = slots_ptr.dtype.element_ty
+            tl.store(rec, k1.to(odt), mask=mask)
+            tl.store(rec + HALF, k2.to(odt), mask=mask)
+            tl.store(rec + stride_slots_kv, v1.to(odt), mask=mask)
+            tl.store(rec + stride_slots_kv + HALF, v2.to(odt), mask=mask)
+
+
+def rope_append(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    rope: RopeParams,
+    block_table: torch.Tensor,
+    kv_pool: torch.Tensor,
+    meta: torch.Tensor | None,
+    kv_slots: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    slab_ids: torch.Tensor | None = None,
+    *,
+    write_pool: bool = True,
+    staging: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`rope_append_ref`: same arguments and results, one launch.
+
+    The rotated q and k match the reference to the device's float32 ``cos``/``sin``
+    (libdevice on CUDA, as torch's CUDA kernels; numpy's under the interpreter); the pool,
+    metadata, staging and slot writes are bit for bit those of
+    :func:`kernels.append_kv.append_kv` given the returned key.
+
+    Parameters
+    ----------
+    q : ``[B, Hq, D]``, k, v : ``[B, Hkv, D]`` on the device, one float dtype, unit stride on
+        ``D`` (views of a fused qkv output are read in place); ``D`` even
+    positions : int32/int64 ``[B]``
+    rope : :class:`RopeParams` with ``inv_freq`` float32 ``[D / 2]`` contiguous on the device
+    block_table, kv_pool, meta, kv_slots, page_table, slab_ids, write_pool, staging : as
+        :func:`kernels.append_kv.append_kv`
+
+    Returns
+    -------
+    ``(q_rot, k_rot)``: new contiguous ``[B, Hq, D]`` and ``[B, Hkv, D]``
+
+    Raises
+    ------
+    ValueError : a shape, dtype, stride or device that does not match the above
+    """
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    check_tensor("k", k, 3, FLOAT_DTYPES)
+    check_tensor("v", v, 3, FLOAT_DTYPES)
+    check_tensor("positions", positions, 1, INDEX_DTYPES, unit_last=False)
+    check_tensor("block_table", block_table, 2, INDEX_DTYPES)
+    check_tensor("kv_pool", kv_pool, 5, FLOAT_DTYPES)
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    s = kv_pool.shape[3]
+    require(d % 2 == 0, f"RoPE needs an even head dim, got {d}")
+    require(hkv > 0 and hq % hkv == 0, f"q heads ({hq}) must be a multiple of kv heads ({hkv})")
+    require(
+        q.dtype == k.dtype == v.dtype, f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
+    )
+    check_shape("k", k, (b, hkv, d))
+    check_shape("v", v, (b, hkv, d))
+    check_shape("positions", positions, (b,))
+    inv = rope.inv_freq
+    require(
+        inv.dtype == torch.float32 and inv.shape == (d // 2,) and inv.is_contiguous(),
+        f"rope.inv_freq must be contiguous float32 [{d // 2}], got {inv.dtype} {tuple(inv.shape)}",
+    )
+    require(block_table.shape[0] == b, f"block_table has {block_table.shape[0]} rows, batch is {b}")
+    require(
+        kv_pool.shape[1:] == (hkv, 2, s, d),
+        f"kv_pool must be [P_pool, {hkv}, 2, S, {d}], got {tuple(kv_pool.shape)}",
+    )
+    dev = q.device
+    check_device(dev, k=k, v=v, positions=positions, block_table=block_table, inv_freq=inv)
+    if meta is not None:
+        check_tensor("meta", meta, 4, FLOAT_DTYPES)
+        require(
+            meta.shape[1:] == (hkv, 2, d),
+            f"meta must be [P_pool, {hkv}, 2, {d}], got {tuple(meta.shape)}",
+        )
+        check_device(dev, meta=meta)
+    if staging is not None:
+        check_tensor("staging", staging, 4, FLOAT_DTYPES)
+        check_shape("staging", staging, (b, hkv, 2, d))
+        check_device(dev, staging=staging)
+    require(
+        not write_pool or host_visible(kv_pool, dev),
+        f"kv_pool on {kv_pool.device} is not addressable from {dev}",
+    )
+    has_slots = kv_slots is not None
+    require(
+        has_slots == (page_table is not None) == (slab_ids is not None),
+        "kv_slots, page_table and slab_ids go together",
+    )
+    if has_slots:
+        check_tensor("kv_slots", kv_slots, 4, FLOAT_DTYPES)
+        check_tensor("page_table", page_table, 2, INDEX_DTYPES)
+        check_tensor("slab_ids", slab_ids, 2, INDEX_DTYPES, unit_last=False)
+        require(
+            kv_slots.shape[1:] == (2, s, d),
+            f"kv_slots must be [N, 2, {s}, {d}], got {tuple(kv_slots.shape)}",
+        )
+        check_shape("slab_ids", slab_ids, (b, hkv))
+        check_device(dev, kv_slots=kv_slots, page_table=page_table, slab_ids=slab_ids)
+    else:
+        kv_slots, page_table, slab_ids = _unused(k, 4), block_table, positions.view(-1, 1)
+    require_runnable(dev)
+    q_out = torch.empty(b, hq, d, dtype=q.dtype, device=dev)
+    k_out = torch.empty(b, hkv, d, dtype=k.dtype, device=dev)
+    if b * hkv == 0:
+        return q_out, k_out
+    has_meta, has_staging = meta is not None, staging is not None
+    meta = meta if has_meta else _unused(k, 4)
+    staging = staging if has_staging else _unused(k, 4)
+    pool = kv_pool if write_pool else _unused(k, 5)
+    _rope_append_kernel[(b * hkv,)](
+        q,
+        k,
+        v,
+        q_out,
+        k_out,
+        positions,
+        inv,
+        block_table,
+        pool,
+        meta,
+        kv_slots,
+        page_table,
+        slab_ids,
+        staging,
+        hkv,
+        1.0 / float(rope.position_divisor),
+        float(rope.attention_factor),
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
+        block_table.stride(0),
+        pool.stride(0),
+        pool.stride(1),
+        pool.stride(2),
+        pool.stride(3),
+        meta.stride(0),
+        meta.stride(1),
+        meta.stride(2),
+        kv_slots.stride(0),
+        kv_slots.stride(1),
+        kv_slots.stride(2),
+        page_table.stride(0),
+        slab_ids.stride(0),
+        slab_ids.stride(1),
+        staging.stride(0),
+        staging.stride(1),
+        staging.stride(2),
+        GROUP=hq // hkv,
+        HALF=d // 2,
+        BLOCK_HALF=next_pow2(d // 2),
+        PAGE_SIZE=s,
+        LIBDEVICE=not interpreted(),
+        HAS_SLOTS=has_slots,
+        WRITE_POOL=write_pool,
+        HAS_META=has_meta,
+        HAS_STAGING=has_staging,
+        num_warps=1,
+    )
+    return q_out, k_out
