@@ -23,8 +23,11 @@ def _flag_type(self: typer.core.TyperOption, ctx: click.Context) -> str | None:
     return _typer_type(self, ctx)
 
 
-_typer_type = typer.core.TyperOption.display_type_rich
-typer.core.TyperOption.display_type_rich = _flag_type
+# Only on typer releases that render option types through this hook (the ones that show
+# ``<bool>``); other releases keep their own help unchanged.
+_typer_type = getattr(typer.core.TyperOption, "display_type_rich", None)
+if _typer_type is not None:
+    typer.core.TyperOption.display_type_rich = _flag_type
 
 app = typer.Typer(
     name="hisparse",
