@@ -171,7 +171,9 @@ class EngineConfig:
         of the running batch (whole chunks, at least one): a long prompt's layer is spread
         over several turns, so the batch keeps decoding while a new job prefills (the
         token budget of chunked prefill, as vLLM and SGLang mix it into decode). ``None``
-        (default): one ``prefill_chunk``; 0: a whole layer of the prompt per turn.
+        or 0 (default): a whole layer of the prompt per turn. Measured on an H200
+        (docs/performance.md, "Prefill turns"): one 4096-token chunk per turn left the
+        wall time equal and doubled the median TTFT of an 8-document run, so it is opt-in.
     prefill_copy_stream: write each prefill chunk's K/V records to the KV pool as soon as
         they exist (:meth:`engine.kv.cache.KVCache.write_prefill_chunk`); with a pinned host
         pool on CUDA the device->host copies run on a dedicated copy stream, double-buffered,

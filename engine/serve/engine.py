@@ -357,10 +357,9 @@ class Engine:
 
     @property
     def prefill_turn_tokens(self) -> int:
-        """Prompt tokens per prefill turn (``config.prefill_turn_tokens``; ``None``: one
-        ``prefill_chunk``; 0: a whole layer)."""
-        budget = self.config.prefill_turn_tokens
-        return self.config.prefill_chunk if budget is None else budget
+        """Prompt tokens per prefill turn (``config.prefill_turn_tokens``; ``None`` or 0: a
+        whole layer)."""
+        return self.config.prefill_turn_tokens or 0
 
     def _decode_turn(self, running: list[Request]) -> Iterator[ev.Event]:
         """One decode step of the running batch.
