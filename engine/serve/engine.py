@@ -93,6 +93,7 @@ class StepHandle:
     done: torch.cuda.Event | None
     t_launch: float
     audits: list[ev.AuditStep] = field(default_factory=list)  # this step's audited rows
+    audit_seconds: dict[str, float] = field(default_factory=dict)  # job id -> audit time
     t_done: float = 0.0  # when the host saw the step done (end of launch on the CPU)
 
 
@@ -409,7 +410,6 @@ class Engine:
             and len(prev.batch) == len(batch)
             and all(a is b for a, b in zip(prev.batch, batch, strict=True))
             and self._greedy_batch(batch)
-            and not any(self._fed_index(r) in r.audit_at for r in batch)
         )
 
     def _drain(self, running: list[Request]) -> Iterator[ev.Event]:
@@ -459,7 +459,14 @@ class Engine:
             int(n_pre),
             with_prefill,
         )
-        yield from handle.audits
+        running_ids = {r.job.id: r for r, *_ in live}
+        for a in handle.audits:
+            r = running_ids.get(a.job_id)
+            if r is None or r.audit is None:
+                continue  # finished at the step before: this step was its ride-along
+            r.audit.add(a.agree, a.kl, a.mass_kept)
+            r.audit.seconds += handle.audit_seconds.get(a.job_id, 0.0)
+            yield a
         for r, *_ in live:
             yield from self._check_finished(r, running)
 
@@ -673,7 +680,7 @@ class Engine:
         lens = [seqs[r.seq_id].num_tokens + 1 for r in batch]
         seq_ids = [r.seq_id for r in batch]
         audited = [i for i, r in enumerate(batch) if self._fed_index(r) in r.audit_at]
-        if prev is not None and audited:  # not chained (_chainable): read the tokens here
+        if prev is not None and audited:  # the audit needs the fed tokens: read them here
             fed, prev = prev.greedy.tolist(), None
         else:
             fed = None if prev is not None else [r.generated[-1] for r in batch]
@@ -698,7 +705,7 @@ class Engine:
             logits = m.logits(h)
             greedy = logits.argmax(dim=-1)
             counters = [self.attn.hits, self.attn.misses, self.attn.prefetched]
-        audits = self._audit(batch, audited, logits, fed, lens) if audited else []
+        audits, seconds = self._audit(batch, audited, logits, fed, lens) if audited else ([], {})
         for sid in seq_ids:
             seqs[sid].num_tokens += 1
         if self.keep_logits:
@@ -713,7 +720,7 @@ class Engine:
             done.record()
             stacked = host
         handle = StepHandle(
-            list(batch), self.step, logits, greedy, stacked, done, t_launch, audits
+            list(batch), self.step, logits, greedy, stacked, done, t_launch, audits, seconds
         )
         if done is None:  # the CPU ran the step in the launch
             handle.t_done = time.monotonic()
@@ -747,12 +754,16 @@ class Engine:
     def _audit(
         self, batch: list[Request], rows: list[int], logits: torch.Tensor,
         fed: list[int], lens: list[int],
-    ) -> list[ev.AuditStep]:
+    ) -> tuple[list[ev.AuditStep], dict[str, float]]:
         """Audit rows ``rows`` of this step (:mod:`engine.decode.audit`): the dense
         forward of each, compared with its sparse ``logits [B, V]``; reads the pool only
-        (the step's writes have landed), so the sparse state is untouched. Adds to the
-        requests' tallies and returns the step's :class:`engine.events.AuditStep` events."""
+        (the step's writes have landed), so the sparse state is untouched. Returns the
+        step's :class:`engine.events.AuditStep` events and the seconds each row's audit
+        took (the requests' tallies take them when
+        the step is read, for the rows still running: a job that finished at the step in
+        flight rides this one, unaudited)."""
         events: list[ev.AuditStep] = []
+        handle_seconds: dict[str, float] = {}
         captured = self.attn.capture or {}
         self.attn.capture = None
         if self.model.device.type == "cuda":  # the step's pool writes, read by the host below
@@ -767,12 +778,12 @@ class Engine:
             kept = fidelity.mass_kept(
                 self.cache, r.seq_id, captured.get(r.seq_id, {}), lens[i], self.model.scale
             )
-            r.audit.add(agree, kl, kept)
-            r.audit.seconds += time.monotonic() - t0
+            seconds = time.monotonic() - t0
             events.append(
                 ev.AuditStep(time.monotonic(), r.job.id, self._fed_index(r), agree, kl, kept)
             )
-        return events
+            handle_seconds[r.job.id] = seconds
+        return events, handle_seconds
 
     @torch.inference_mode()
     def decode_batch(
