@@ -376,8 +376,9 @@ def output_collisions(
     """Jobs whose output file is an input of the run, or a file hisparse did not write:
     job id -> the error to fail it with, naming the output and the job (and path) that
     reads it. Paths are compared resolved, so a link or another spelling of the same file
-    counts. ``known_outputs``: the ``output`` of every line in the folder's results.jsonl
-    (files earlier runs wrote, which a job may replace); any other existing file at a
+    counts. ``known_outputs``: the ``output`` of every successful line in the folder's
+    results.jsonl (the files earlier runs wrote, which a job may replace; a failure line
+    wrote none); any other existing file at a
     job's output is the user's and is never overwritten — except the job whose line was
     cut short (``truncated_tail``, the results file's torn last line: its text file was
     written just before)."""
@@ -687,6 +688,7 @@ class BatchRun:
         self.specs: dict[str, Any] = {}  # job id -> JobSpec
         self.final: dict[str, str] = {}  # job id -> why its failure is final (results.FINAL_*)
         self.input_paths: set[Path] = set()  # every input of the run, resolved
+        self.own_outputs: set[Path] = set()  # output files earlier runs wrote, resolved
         self.prompt_limit: int | None = None  # the engine's context limit, once loaded
         self.extract_fields: dict[str, Any] = {}  # extract job id -> its fields (or None)
         self.cancel: _SigintCanceller | None = None
@@ -736,9 +738,12 @@ class BatchRun:
             self.request.allow_binary,
             self.request.retry_failed,
         )
-        known = [
-            r["output"] for r in self.log.existing.latest.values() if isinstance(r.get("output"), str)
+        known = [  # files hisparse wrote: only a successful line wrote its text file
+            r["output"]
+            for r in self.log.existing.latest_success.values()
+            if isinstance(r.get("output"), str)
         ]
+        self.own_outputs = {(self.output_dir / name).resolve() for name in known}
         collisions = output_collisions(
             planned, self.output_dir, known, self.log.existing.truncated_tail
         )
@@ -1183,7 +1188,8 @@ class BatchRun:
         text is on that run's results line): say so in ``record`` (``earlier_output``)
         and in a warning, so the file is not taken for this run's result."""
         path = self.output_dir / record["output"]
-        if path.is_file() and path.resolve() not in self.input_paths:
+        ours = path.resolve() in self.own_outputs
+        if path.is_file() and ours and path.resolve() not in self.input_paths:
             record["earlier_output"] = True
             self.reporter.note(
                 f"{record['id']}: {path} is an earlier run's output, not this run's "

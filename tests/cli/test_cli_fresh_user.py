@@ -80,6 +80,11 @@ def test_a_file_hisparse_did_not_write_is_never_overwritten(cli, docs, tmp_path)
     records = {r["id"]: r for r in read_results(out)}
     assert records["beta"]["ok"] and (out / "beta.txt").is_file()
     assert not records["alpha"]["ok"] and "hisparse did not write it" in records["alpha"]["error"]
+    assert "earlier run's output" not in result.stderr  # it is the user's, not a run's
+    # the same command again: the failure line wrote no text, so the file is still theirs
+    again = cli("docs/alpha.txt", "docs/beta.txt", "--output-dir", "mixed")
+    assert again.exit_code == 1, again.output
+    assert mine.read_text() == "my own notes, not a result\n"
     # a file an earlier run wrote (named by its results line) is replaced as before
     assert cli("docs/beta.txt", "--output-dir", "mixed", "--force").exit_code == 0
 
