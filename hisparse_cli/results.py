@@ -319,14 +319,16 @@ class AuditLimits:
 def audit_record(audit: AuditStats, limits: AuditLimits) -> dict[str, Any]:
     """The ``audit`` field of a results line: ``steps``, ``top1_agreement``, ``kl_mean``,
     ``kl_max`` (nats), ``mass_kept_mean`` (0-1), ``seconds`` the audit took, ``flagged``
-    and, when flagged, ``flag_reason``."""
+    and, when flagged, ``flag_reason``. With no audited step (a reply shorter than the
+    first scheduled one) the figures are ``None``: nothing was compared."""
     why = limits.problem(audit)
+    known = audit.steps > 0
     record = {
         "steps": audit.steps,
-        "top1_agreement": audit.top1_agreement,
-        "kl_mean": audit.kl_mean,
-        "kl_max": audit.kl_max,
-        "mass_kept_mean": audit.mass_kept_mean,
+        "top1_agreement": audit.top1_agreement if known else None,
+        "kl_mean": audit.kl_mean if known else None,
+        "kl_max": audit.kl_max if known else None,
+        "mass_kept_mean": min(audit.mass_kept_mean, 1.0) if known else None,
         "seconds": audit.seconds,
         "flagged": bool(why),
     }

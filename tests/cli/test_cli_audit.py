@@ -65,3 +65,17 @@ def _text(renderable):
     console = Console(record=True, width=160, force_terminal=False, color_system=None)
     console.print(renderable)
     return console.export_text()
+
+
+def test_an_audit_of_no_step_reports_no_figures():
+    """A reply shorter than the first scheduled audit step compares nothing: the line says
+    0 steps and no agreement, KL or mass (not a perfect score), and is not flagged."""
+    from engine.events import AuditStats
+    from hisparse_cli.results import AuditLimits, audit_record
+
+    record = audit_record(AuditStats(steps=0), AuditLimits(min_agreement=0.9))
+    assert record["steps"] == 0 and not record["flagged"]
+    assert record["top1_agreement"] is None and record["kl_mean"] is None
+    assert record["mass_kept_mean"] is None
+    done = audit_record(AuditStats(steps=2, top1_agreement=0.5, mass_kept_mean=1.0000001), AuditLimits())
+    assert done["flagged"] and done["mass_kept_mean"] == 1.0
