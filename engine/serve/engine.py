@@ -87,8 +87,8 @@ class StepHandle:
 
     batch: list[Request]
     step: int
-    logits: torch.Tensor
-    greedy: torch.Tensor  # device int64 [B]
+    logits: torch.Tensor | None  # None: the tokens in ``out`` are final (pipeline)
+    greedy: torch.Tensor | None  # device int64 [B]
     out: torch.Tensor
     done: torch.cuda.Event | None
     t_launch: float
@@ -734,6 +734,8 @@ class Engine:
             handle.done.synchronize()
             handle.t_done = time.monotonic()
         greedy, hits, misses, prefetched = handle.out.tolist()
+        if handle.logits is None:  # tokens already final (a pipeline's last stage sampled)
+            return greedy, hits, misses, prefetched
         tokens = [
             greedy[i]
             if r.job.sampling.temperature == 0

@@ -88,7 +88,7 @@ from engine import events as ev
 from engine.capacity.planner import stage_layers
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.decode.sampling import make_generator, sample
-from engine.serve.engine import Engine, Request
+from engine.serve.engine import Engine, Request, StepHandle
 
 MICRO_BATCHES = 2
 
@@ -204,6 +204,7 @@ class PipelineEngine(Engine):
         self.ranges: list[range] = list(ranges)
         self.last_stage = len(self.ranges) - 1
         self.micro_batches = MICRO_BATCHES
+        self.async_decode = False  # a step goes through every stage: launched and read at once
 
     # ----- cache lockstep ----------------------------------------------------------
     def _open(self, job, seed: int) -> Request:
@@ -253,6 +254,19 @@ class PipelineEngine(Engine):
             req.t_first = time.monotonic()
             req.phase = "decode"
             self.cache.seqs[req.seq_id].num_tokens = t
+
+    @torch.inference_mode()
+    def launch_step(self, batch: list[Request], prev: StepHandle | None = None) -> StepHandle:
+        """The pipelined step run to its end (the run loop's launch): a handle whose tokens
+        are final (sampled by the last stage; ``logits`` ``None``). ``prev`` is unused:
+        pipelined steps are never chained."""
+        t0 = time.monotonic()
+        tokens = self.decode_step(batch)
+        counters = [self.attn.hits, self.attn.misses, self.attn.prefetched]
+        out = torch.stack([torch.tensor(tokens, dtype=torch.int64), *counters])
+        handle = StepHandle(list(batch), self.step, None, None, out, None, t0)
+        handle.t_done = time.monotonic()
+        return handle
 
     @torch.inference_mode()
     def decode_step(self, batch: list[Request]) -> list[int]:
