@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.decode.audit import AuditTally
 from engine.events import (
     AuditStep,
     DecodeStep,
@@ -95,21 +96,13 @@ class Sample:
 
 
 @dataclass
-class AuditFigures:
-    """Running sums of the run's audited decode steps (``--audit``; :class:`AuditStep`)."""
+class AuditFigures(AuditTally):
+    """Running sums of the run's audited decode steps (``--audit``; :class:`AuditStep`):
+    the engine's per-job :class:`engine.decode.audit.AuditTally` over every job, with the
+    means ``None`` before any step."""
 
-    steps: int = 0
-    agree: int = 0
-    kl_sum: float = 0.0
-    kl_max: float = 0.0
-    mass_sum: float = 0.0
-
-    def add(self, event: AuditStep) -> None:
-        self.steps += 1
-        self.agree += int(event.agree)
-        self.kl_sum += event.kl
-        self.kl_max = max(self.kl_max, event.kl)
-        self.mass_sum += event.mass_kept
+    def add_step(self, event: AuditStep) -> None:
+        self.add(event.agree, event.kl, event.mass_kept)
 
     @property
     def agreement(self) -> float | None:
@@ -276,7 +269,7 @@ class ProgressTracker:
         row.phase, row.error, row.finished_t = "failed", event.error, event.t
 
     def _audit(self, event: AuditStep) -> None:
-        self.state.audit.add(event)
+        self.state.audit.add_step(event)
 
     def _memory(self, event: MemorySnapshot) -> None:
         self.state.memory[event.device] = DeviceMemory(
