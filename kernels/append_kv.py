@@ -152,11 +152,13 @@ def _round_e4m3(y):
     and subtracting ``1.5 * 2**(E + 20)`` (``E`` = the exponent of ``y``, at least e4m3's
     smallest normal exponent -6) rounds away every bit below e4m3's unit in the last place
     ``2**(E - 3)``. The cast to fp8 that follows is then exact, which keeps the interpreter
-    (whose fp32 -> e4m3 cast drops the carry into the exponent) and the GPU identical."""
+    (whose fp32 -> e4m3 cast drops the carry into the exponent) and the GPU identical. A
+    value rounded to zero keeps its sign (``-0.0``), as the reference's cast does."""
     expo = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     expo = tl.maximum(expo, -6)
     c = _pow2(expo + 20) * 1.5
-    return (y + c) - c
+    r = (y + c) - c
+    return tl.where(r == 0.0, y * 0.0, r)  # keep the sign of a value rounded to zero
 
 
 HEADROOM: tl.constexpr = tl.constexpr(HEADROOM_BITS)
@@ -231,15 +233,21 @@ def _append_kv_kernel(
         tl.store(st, k.to(staging_ptr.dtype.element_ty), mask=mask_d)
         tl.store(st + stride_st_kv, v.to(staging_ptr.dtype.element_ty), mask=mask_d)
 
-    if FP8:  # quantise (exact power-of-two scaling, RNE cast) and round back
+    if FP8:  # quantise (exact power-of-two scaling, RNE rounding) and round back
         kf = k.to(tl.float32)
         vf = v.to(tl.float32)
         ek = _fp8_exponent(kf, mask_d)
         ev = _fp8_exponent(vf, mask_d)
-        kq = _round_e4m3(kf * _pow2(-ek)).to(tl.float8e4nv)
-        vq = _round_e4m3(vf * _pow2(-ev)).to(tl.float8e4nv)
-        k = (kq.to(tl.float32) * _pow2(ek)).to(k.dtype)
-        v = (vq.to(tl.float32) * _pow2(ev)).to(v.dtype)
+        # The rounded values stay in fp32 (each is an e4m3 value, so the fp8 cast for the
+        # pool is exact) and are scaled back from there: converting the fp8 values back to
+        # fp32 in this kernel gave wrong values on an H200 (triton 3.6) wherever the
+        # metadata was also written, although the fp8 pool bytes were right.
+        kr = _round_e4m3(kf * _pow2(-ek))
+        vr = _round_e4m3(vf * _pow2(-ev))
+        kq = kr.to(tl.float8e4nv)
+        vq = vr.to(tl.float8e4nv)
+        k = (kr * _pow2(ek)).to(k.dtype)
+        v = (vr * _pow2(ev)).to(v.dtype)
 
     if WRITE_POOL:
         rec = pool_ptr + pool_page * stride_pool_p + h * stride_pool_h + off * stride_pool_s

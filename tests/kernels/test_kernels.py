@@ -435,6 +435,30 @@ def test_append_kv_fp8_bit_exact(dtype, host):
             assert bits_equal(a, b), f"{name} differs"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_append_kv_fp8_keeps_the_sign_of_zero(dtype):
+    """A tiny negative element of a row with a large one rounds to ``-0.0`` in e4m3; the
+    kernel writes that ``-0.0`` (pool byte 0x80, metadata, tail slot) as the reference's
+    cast does, not ``+0.0``."""
+    args = _append_case(dtype, dtype, True, seed=8)
+    gen = torch.Generator().manual_seed(1)
+    p_pool, hkv, _, s, d = args["kv_pool"].shape
+    args["kv_pool"], args["pool_scale"] = _fp8_pool(p_pool, hkv, s, d, gen)
+    args["k"][..., 0] = 100.0
+    args["k"][..., 1::2] = -1e-6
+    ref = {k: v.clone() for k, v in args.items()}
+    dev = to_device(args, DEVICE)
+    append_kv_ref(**ref, fp8=True)
+    append_kv(**dev, fp8=True)
+    rounded = fp8_round_ref(args["k"])
+    assert bool((rounded[..., 1::2] == 0).all()) and bool(torch.signbit(rounded[..., 1::2]).all())
+    for name in ("kv_pool", "pool_scale", "meta", "kv_slots"):
+        a, b = ref[name], dev[name].cpu()
+        if a.dtype == FP8:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert bits_equal(a, b), f"{name} differs"
+
+
 def _append_case(dtype: torch.dtype, kv_dtype: torch.dtype, with_slots: bool, seed: int):
     gen = torch.Generator().manual_seed(seed)
     b, hkv, s, d, p_pool, p_max, per_slab = 5, 3, 16, 64, 40, 6, 10

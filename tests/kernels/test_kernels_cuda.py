@@ -229,11 +229,6 @@ def test_gather_fp8_from_pinned_host_exact(s, d, dtype):
     assert bits_equal(slots_ref, slots.cpu())
 
 
-@pytest.mark.skip(
-    reason="fails on an H200 (2026-12-01): metadata differs from append_kv_ref and the "
-    "float32 case ends in an illegal memory access that breaks the CUDA context for the "
-    "tests after it; the fp8 engine paths (test_prefill_copy fp8 [cuda]) pass. Issue 20."
-)
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_append_kv_fp8_into_pinned_pool(kv_dtype):
     """The fp8 append writes the quantised token and its exponents into a pinned fp8
