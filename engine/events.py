@@ -129,7 +129,10 @@ class DecodeStep(Event):
     generated: per running job, tokens generated so far (after this step).
     step_s: seconds since the previous step was read (or this one launched).
     with_prefill: a prefill turn ran within ``step_s`` (the step shared the GPU with a
-        new job's prefill); steps without are the batch's steady decode rate.
+        new job's prefill).
+    graph_capture: the step's launch captured a CUDA graph (once per batch shape: an
+        eager warm-up and the capture ran within ``step_s``).
+    Steps with neither are the batch's steady decode rate.
     """
 
     step: int
@@ -142,6 +145,7 @@ class DecodeStep(Event):
     h2d_bytes: int = 0
     prefetched: int = 0
     with_prefill: bool = False
+    graph_capture: bool = False
 
 
 @dataclass(frozen=True)

@@ -239,7 +239,7 @@ class ProgressTracker:
         state.misses += event.misses
         state.h2d_bytes += event.h2d_bytes
         state.step_s += event.step_s
-        if not event.with_prefill:
+        if not (event.with_prefill or event.graph_capture):
             acc = state.steady.setdefault(event.batch_size, [0, 0.0])
             acc[0] += 1
             acc[1] += event.step_s
@@ -434,7 +434,7 @@ class RunSummary:
     preset: str = ""
     steady_decode: dict[int, dict[str, float]] = field(default_factory=dict)
     """Batch size -> ``{"steps", "step_ms", "tok_s"}`` of the decode steps that shared no
-    turn with a prefill: the batch's own rate, comparable to ``hisparse bench`` at the
+    turn with a prefill and captured no CUDA graph: the batch's own rate, comparable to ``hisparse bench`` at the
     same number of jobs."""
 
 

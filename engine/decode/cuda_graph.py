@@ -132,6 +132,7 @@ class DecodeGraphs:
         self.captures = 0
         self.replays = 0
         self._side: torch.cuda.Stream | None = None
+        self._capture_stream: torch.cuda.Stream | None = None
 
     @staticmethod
     def supported(engine) -> str:
@@ -207,6 +208,29 @@ class DecodeGraphs:
         entry.graph.replay()
         self.replays += 1
         return entry.logits, entry.greedy, counters
+
+    def _capture(self, graph: torch.cuda.CUDAGraph, e: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
+        """Capture :meth:`_forward` into ``graph`` on a side stream.
+
+        Not ``torch.cuda.graph``: its ``__enter__`` synchronises the device, may run
+        ``gc.collect()`` and empties the device and pinned-host caching allocators before
+        every capture — about 0.11 s per capture on an H200 (cProfile of a `hisparse run`,
+        2026-12-01), paid once per batch shape, mid-run, while the batch waits. Nothing
+        here needs it: the warm-up step is queued on the device (capture records work, it
+        does not run it), no other thread launches CUDA work, and the graphs share one
+        memory pool that the caching allocator keeps."""
+        stream = self._capture_stream
+        if stream is None:
+            stream = self._capture_stream = torch.cuda.Stream(device=self.engine.model.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                out = self._forward(e)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        return out
 
     def clear(self) -> None:
         """Drop every captured graph and its buffers."""
@@ -338,8 +362,7 @@ class DecodeGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            e.logits, e.greedy = self._forward(e)
+        e.logits, e.greedy = self._capture(graph, e)
         for t, saved in zip((e.hits, e.misses, e.prefetched), counters, strict=True):
             t.copy_(saved)
         e.step_ints.copy_(ints)

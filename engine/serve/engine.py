@@ -95,6 +95,7 @@ class StepHandle:
     audits: list[ev.AuditStep] = field(default_factory=list)  # this step's audited rows
     audit_seconds: dict[str, float] = field(default_factory=dict)  # job id -> audit time
     t_done: float = 0.0  # when the host saw the step done (end of launch on the CPU)
+    captured: bool = False  # the launch captured a CUDA graph (a one-off per batch shape)
 
 
 class Engine:
@@ -458,6 +459,7 @@ class Engine:
             int(n_miss + n_pre) * rb,
             int(n_pre),
             with_prefill,
+            handle.captured,
         )
         running_ids = {r.job.id: r for r, *_ in live}
         for a in handle.audits:
@@ -686,6 +688,7 @@ class Engine:
             fed = None if prev is not None else [r.generated[-1] for r in batch]
         self.attn.capture = {seq_ids[i]: {} for i in audited} if audited else None
         out = None
+        captures = self.graphs.captures if self.graphs is not None else 0
         if self.graphs is not None and self.tracer is None and not audited:
             out = self.graphs.launch(seq_ids, fed, lens, self.step, prev.greedy if prev else None)
         if out is not None:
@@ -722,6 +725,7 @@ class Engine:
         handle = StepHandle(
             list(batch), self.step, logits, greedy, stacked, done, t_launch, audits, seconds
         )
+        handle.captured = self.graphs is not None and self.graphs.captures > captures
         if done is None:  # the CPU ran the step in the launch
             handle.t_done = time.monotonic()
         return handle

@@ -212,6 +212,8 @@ def test_summary_gives_the_steady_decode_rate_per_batch_size():
     tracker = ProgressTracker(0.0)
     for i in range(4):  # two jobs decoding, a third prefilling meanwhile: not steady
         tracker.update(DecodeStep(0.1 * i, i, 2, 0.05, {"a": i, "b": i}, {}, with_prefill=True))
+    # the first step of the 3-job batch captured its CUDA graph (0.2 s): not steady either
+    tracker.update(DecodeStep(0.9, 9, 3, 0.2, {"a": 9, "b": 9, "c": 0}, {}, graph_capture=True))
     for i in range(6):
         gen = {"a": 10 + i, "b": 10 + i, "c": i}
         tracker.update(DecodeStep(1 + 0.01 * i, 10 + i, 3, 0.01, gen, {}))

@@ -309,3 +309,4 @@ def test_chained_graph_steps_equal_eager_steps(model):
         for i, r in enumerate(ereqs):
             assert torch.equal(h.logits[i], r.logits), f"logits differ at step {step}"
     assert eng.graphs.replays == 29
+    assert [h.captured for h in handles] == [True] + [False] * 29  # one capture, then replays
