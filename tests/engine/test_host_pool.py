@@ -67,14 +67,14 @@ def test_chunks_are_registered_in_order_and_the_next_is_backed_ahead(cudart, mon
     assert cudart.registered == [(t.data_ptr(), 4 * page) for t in pool.layers]
     pool._join_prefault()
     assert pool._faulted_pages == 8  # chunk [4, 8) backed before anyone asked for it
-    assert [(a - t.data_ptr(), n) for (a, n), t in zip(backed[-3:], pool.layers)] == [
+    assert [(a - t.data_ptr(), n) for (a, n), t in zip(backed[-3:], pool.layers, strict=True)] == [
         (4 * page, 4 * page)
     ] * layers
     pool.layers[0][5].fill_(1.5)  # the pages the background thread backed are usable
     n_backed = len(backed)
     pool.ensure_pinned(9)  # chunks [4, 8) and [8, 10)
     assert pool.pinned_pages == 10
-    regs = [(a - t.data_ptr(), n) for (a, n), t in zip(cudart.registered[3:], pool.layers * 2)]
+    regs = [(a - t.data_ptr(), n) for (a, n), t in zip(cudart.registered[3:], pool.layers * 2, strict=True)]
     assert regs == [(4 * page, 4 * page)] * layers + [(8 * page, 2 * page)] * layers
     # [4, 8) was not backed again; [8, 10) was, on this thread; nothing is left to back
     assert [(a - pool.layers[i % 3].data_ptr()) // page for i, (a, _) in enumerate(backed[n_backed:])] == [8] * layers
