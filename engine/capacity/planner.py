@@ -944,8 +944,8 @@ def _device_hints(model, config, hardware, jobs, context) -> list[str]:
                 if larger.host_pool_gb != config.host_pool_gb:
                     flags += f" --host-pool {larger.host_pool_gb:g}"
                 return [
-                    f"larger pages (a looser selection: docs/performance.md, \"Fidelity "
-                    f"eval on the GPU\"): {flags}"
+                    f"larger pages: {flags} (a looser selection, fewer needles found: "
+                    "docs/performance.md, \"Fidelity eval on the GPU\")"
                 ]
     return hints
 

@@ -271,6 +271,25 @@ def test_metadata_bound_suggests_the_host_pool_the_jobs_need():
     assert _invoke(*args, "--host-pool", "4").exit_code == 0
 
 
+def test_larger_pages_are_offered_last_with_their_cost():
+    """When nothing at 16-token pages fits (here 24 jobs of 32K on a 14 GiB card: even the
+    pool cut to their 42 GiB carries 2.6 GiB of metadata), larger pages come as the last
+    hint, naming the fidelity cost, and fit when applied with every flag they name."""
+    config, hardware = _preset(
+        "h200", memory_budget_gb=14.0, host_pool_gb=200.0, max_batch=64
+    )
+    hardware = hardware.replace(host_memory_gb=1024)
+    shape = MODEL_SHAPES["qwen2.5-7b"]
+    result = plan(shape, config, hardware, 24, 32 * 1024)
+    assert not result.feasible
+    assert not any(s.startswith("smaller") for s in result.suggestions)
+    [hint] = [s for s in result.suggestions if s.startswith("larger pages")]
+    assert "looser selection" in hint
+    flags = _hint_flags(hint)
+    assert int(flags["--page-size"]) > 16 and float(flags["--host-pool"]) < 200
+    assert _replan(shape, config, hardware, 24, 32 * 1024, hint).feasible
+
+
 def test_larger_host_pool_hint_says_what_its_metadata_costs():
     """A host pool grown for more jobs grows its page metadata on the device too
     (1/16 of the pool): 8 x 256K of the 40-KV-head llama2-13b need 1600 GiB of pool,
