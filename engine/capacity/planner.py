@@ -50,7 +50,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.config import PAGE_SIZES, ConfigError, EngineConfig, ModelConfig
 from engine.kv.sizing import (  # noqa: F401 - re-exported: the planner's vocabulary
     DTYPE_BYTES,
     GIB,
@@ -805,12 +805,19 @@ def _refusals(tables, capacity, jobs, per_job_host, config, hardware) -> list[st
                 f"{_gib(t.reserve_bytes)} exceed its {_gib(t.capacity_bytes)} before any KV"
             )
         elif t.free_bytes < 0:
+            room = t.capacity_bytes - t.fixed_bytes
+            holds = max(0, room - t.shared_kv_bytes) // max(t.per_job_bytes, 1)
+            shared = (
+                f"; the page metadata of the host pool alone is {_gib(t.shared_kv_bytes)}"
+                if t.shared_kv_bytes > room
+                else ""
+            )
             reasons.append(
                 f"{t.device}: {t.num_jobs} job(s) need {_gib(t.kv_slab_bytes + t.metadata_bytes)} "
                 f"of hot KV slabs + page metadata but only "
-                f"{_gib(t.capacity_bytes - t.fixed_bytes)} is left after weights, scratch and "
-                f"reserve (memory holds {(t.capacity_bytes - t.fixed_bytes - t.shared_kv_bytes) // max(t.per_job_bytes, 1)} job(s); "
-                f"{'max_batch' if t.capped else 'device memory'} allows {capacity.device_limit})"
+                f"{_gib(room)} is left after weights, scratch and "
+                f"reserve (memory holds {holds} job(s); "
+                f"{'max_batch' if t.capped else 'device memory'} allows {capacity.device_limit}{shared})"
             )
     if capacity.host_limit is not None and jobs > capacity.host_limit:
         reasons.append(
@@ -823,35 +830,32 @@ def _refusals(tables, capacity, jobs, per_job_host, config, hardware) -> list[st
 
 
 def _suggestions(model, config, hardware, jobs, context, capacity) -> list[str]:
+    """The nearest settings that fit, as CLI flags. Each device hint is re-planned here
+    before it is offered: with it, ``jobs`` jobs (the fixed-part hints: one job) fit on
+    the devices."""
     out = []
     tables = device_tables(model, config, hardware, 0, context)
     if any(t.fixed_bytes > t.capacity_bytes for t in tables):
-        out.extend(_fixed_part_hints(model, config, hardware, context))
+        out.extend(_fixed_part_hints(model, config, hardware, jobs, context))
     if 1 <= capacity.max_jobs < jobs:
         out.append(f"fewer jobs: --jobs {capacity.max_jobs}")
     if capacity.device_limit < jobs:
-        smaller = _smaller_buffer(model, config, hardware, jobs, context)
-        if smaller is not None:
-            page_flag = (
-                f" --page-size {smaller.page_size}"
-                if smaller.page_size != config.page_size
-                else ""
-            )
-            out.append(
-                f"smaller hot buffer: --device-buffer {smaller.device_buffer_tokens} "
-                f"--top-k-tokens {smaller.top_k}{page_flag}"
-            )
+        out.extend(_device_hints(model, config, hardware, jobs, context))
     if capacity.host_limit is not None and capacity.host_limit < jobs:
         needed = jobs * job_host_bytes(model, config, context)
         pool_gb = math.ceil(needed / GIB)
+        metadata = _metadata_cost(
+            model, config, hardware, jobs, context, capacity, pool_gb
+        )
         if needed <= host_usable_bytes(config, hardware):
             out.append(
-                f"larger host pool: --host-pool {pool_gb} (fits in the host's RAM)"
+                f"larger host pool: --host-pool {pool_gb} (fits in the host's RAM{metadata})"
             )
         else:
             ram_gb = math.ceil(host_memory_needed_bytes(needed, config, hardware) / GIB)
             out.append(
                 f"more host memory: --host-memory {ram_gb} --host-pool {pool_gb}"
+                + (f" ({metadata[2:]})" if metadata else "")
             )
         if config.kv_dtype == "float32":
             out.append("half the KV bytes: --kv-dtype bfloat16")
@@ -860,50 +864,143 @@ def _suggestions(model, config, hardware, jobs, context, capacity) -> list[str]:
     return out
 
 
-def _fixed_part_hints(model, config, hardware, context) -> list[str]:
-    """Ways to shrink what a device holds before any KV: int4 weights, a pipeline split,
-    a shorter context (prefill keeps T x H hidden states and one layer's K/V)."""
+def _metadata_cost(model, config, hardware, jobs, context, capacity, pool_gb) -> str:
+    """``""``, or what a host pool of ``pool_gb`` GiB costs the devices when its page
+    metadata (host pool / page_size, allocated with the pool) leaves room for fewer jobs
+    than now (or than ``jobs``)."""
+    if not hierarchical(config):
+        return ""
+    bigger = config.replace(host_pool_gb=float(pool_gb))
+    wanted = min(jobs, capacity.device_limit)
+    room = max_concurrent_jobs(model, bigger, hardware, context).device_limit
+    if room >= wanted:
+        return ""
+    return (
+        f"; its page metadata on the device (host pool / {config.page_size}) then leaves "
+        f"room for {room} job(s)"
+    )
+
+
+def _smaller_pool(model, config, hardware, jobs, context) -> EngineConfig | None:
+    """The config with the smallest whole-GiB ``host_pool_gb`` below the current one whose
+    pool still holds ``jobs`` jobs (each data worker its share); ``None`` when no smaller
+    pool does or the config has no host tier. Hierarchical caches keep the page metadata
+    of every host pool page on the device (``host pool / page_size`` bytes), so a pool
+    larger than the jobs need costs device memory."""
+    per_job = job_host_bytes(model, config, context)
+    if not per_job:
+        return None
+    gb = max(1, math.ceil(jobs * per_job / GIB))
+    while gb < config.host_pool_gb:
+        candidate = config.replace(host_pool_gb=float(gb))
+        limit = max_concurrent_jobs(model, candidate, hardware, context).host_limit
+        if limit is not None and limit >= jobs:
+            return candidate
+        gb += 1
+    return None
+
+
+def _fits(model, config, hardware, jobs, context) -> bool:
+    """Whether ``jobs`` jobs of ``context`` positions fit on the devices."""
+    return max_concurrent_jobs(model, config, hardware, context).device_limit >= jobs
+
+
+def _buffer_flags(config: EngineConfig) -> str:
+    return f"--device-buffer {config.device_buffer_tokens} --top-k-tokens {config.top_k}"
+
+
+def _device_hints(model, config, hardware, jobs, context) -> list[str]:
+    """Device-bound plans: a smaller hot buffer (per-job slabs), a host pool cut to what
+    the jobs need (the page metadata of every host pool page is on the device), both;
+    only when none of those fits at the current page size, larger pages with the fidelity
+    cost named. Every hint is re-planned: ``jobs`` jobs fit with it."""
     hints = []
+    smaller = _smaller_buffer(model, config, hardware, jobs, context)
+    if smaller is not None:
+        hints.append(f"smaller hot buffer: {_buffer_flags(smaller)}")
+    pool = _smaller_pool(model, config, hardware, jobs, context)
+    if pool is not None:
+        flag = f"--host-pool {pool.host_pool_gb:g}"
+        why = f"(its page metadata on the device is host pool / {config.page_size})"
+        if _fits(model, pool, hardware, jobs, context):
+            hints.append(f"smaller host pool: {flag} {why}")
+        else:
+            both = _smaller_buffer(model, pool, hardware, jobs, context)
+            if both is not None:
+                hints.append(
+                    f"smaller host pool and hot buffer: {flag} {_buffer_flags(both)} {why}"
+                )
+    if hints:
+        return hints
+    for page_size in (s for s in PAGE_SIZES if s > config.page_size):
+        for base in (config, pool):
+            if base is None:
+                continue
+            larger = _smaller_buffer(
+                model, base.replace(page_size=page_size), hardware, jobs, context
+            )
+            if larger is not None:
+                flags = f"--page-size {page_size} {_buffer_flags(larger)}"
+                if larger.host_pool_gb != config.host_pool_gb:
+                    flags += f" --host-pool {larger.host_pool_gb:g}"
+                return [
+                    f"larger pages: {flags} (a looser selection, fewer needles found: "
+                    "docs/performance.md, \"Fidelity eval on the GPU\")"
+                ]
+    return hints
+
+
+def _fixed_part_hints(model, config, hardware, jobs, context) -> list[str]:
+    """Ways to shrink what a device holds before any KV: int4 weights, a pipeline split,
+    a shorter context (prefill keeps T x H hidden states and one layer's K/V); each with
+    the host pool cut to the jobs' need (:func:`_smaller_pool`) where it fits only so.
+    Each is re-planned: one job fits with it."""
+    hints = []
+
+    def fitting(cfg, hw, ctx) -> str | None:
+        """``""`` if one job fits as is, the host-pool flag if it fits with the pool
+        cut to ``jobs`` jobs' need, ``None`` if neither."""
+        if _fits(model, cfg, hw, 1, ctx):
+            return ""
+        pool = _smaller_pool(model, cfg, hw, jobs, ctx)
+        if pool is not None and _fits(model, pool, hw, 1, ctx):
+            return f" --host-pool {pool.host_pool_gb:g}"
+        return None
+
     if weight_format(config) == "float":
-        int4 = config.replace(weight_format="int4")
-        if max_concurrent_jobs(model, int4, hardware, context).device_limit >= 1:
-            hints.append("int4 weights: weight_format int4")
+        pool = fitting(config.replace(weight_format="int4"), hardware, context)
+        if pool is not None:
+            hints.append(f"int4 weights: weight_format int4{',' if pool else ''}{pool}")
     if hardware.num_devices > 1 and hardware.parallel == "data":
-        piped = hardware.replace(parallel="pipeline")
-        if max_concurrent_jobs(model, config, piped, context).device_limit >= 1:
-            hints.append("split the layers across the devices: --parallel pipeline")
+        pool = fitting(config, hardware.replace(parallel="pipeline"), context)
+        if pool is not None:
+            hints.append(f"split the layers across the devices: --parallel pipeline{pool}")
     shorter = context // 2
     while shorter >= config.page_size:
-        if max_concurrent_jobs(model, config, hardware, shorter).device_limit >= 1:
-            hints.append(f"a shorter context: --context {format_context(shorter)}")
+        pool = fitting(config, hardware, shorter)
+        if pool is not None:
+            hints.append(f"a shorter context: --context {format_context(shorter)}{pool}")
             break
         shorter //= 2
     return hints
 
 
 def _smaller_buffer(model, config, hardware, jobs, context) -> EngineConfig | None:
-    """The largest device_buffer (and top_k <= buffer / 2) that lets ``jobs`` fit on the
-    devices, trying the current page size first and then larger ones."""
-    sizes = [s for s in (16, 32, 64) if s >= config.page_size]
-    for page_size in sizes:
-        buffer = config.device_buffer_tokens // page_size * page_size
-        while buffer >= page_size:
-            top_k = min(
-                config.top_k, max(page_size, buffer // 2 // page_size * page_size)
-            )
-            try:
-                candidate = config.replace(
-                    page_size=page_size, device_buffer=buffer, top_k=top_k
-                )
-                candidate.validate()
-            except ConfigError:
-                break
-            if (
-                max_concurrent_jobs(model, candidate, hardware, context).device_limit
-                >= jobs
-            ):
-                return candidate
-            buffer -= page_size
+    """The largest device_buffer at ``config``'s page size (and top_k <= buffer / 2) that
+    lets ``jobs`` fit on the devices; ``None`` if none does (the selection must still
+    hold the sink and window pages)."""
+    page_size = config.page_size
+    buffer = config.device_buffer_tokens // page_size * page_size
+    while buffer >= page_size:
+        top_k = min(config.top_k, max(page_size, buffer // 2 // page_size * page_size))
+        try:
+            candidate = config.replace(device_buffer=buffer, top_k=top_k)
+            candidate.validate()
+        except ConfigError:
+            return None
+        if _fits(model, candidate, hardware, jobs, context):
+            return candidate
+        buffer -= page_size
     return None
 
 

@@ -83,14 +83,19 @@ def test_job_device_bytes_is_a_whole_slab_and_its_tables():
     """A hierarchical job claims one slab of device_buffer slots per (layer, KV head) with
     its page table and LRU state; the page metadata belongs to the host pool's pages."""
     config, _ = _preset("dual4090")
-    slots = config.device_buffer_tokens // 64
-    slabs = 40 * 8 * slots * 64 * 128 * 2 * 2
-    tables = 40 * 8 * (K256 // 64) * 4  # page table: int32 per page
+    assert (config.page_size, config.device_buffer_tokens) == (16, 8192)
+    slots = 8192 // 16  # 512 records of 16 tokens
+    slabs = 40 * 8 * slots * 16 * 128 * 2 * 2
+    tables = 40 * 8 * (K256 // 16) * 4  # page table: int32 per page, 16384 pages
     lru = 40 * 8 * slots * (4 + 8)  # slot page int32 + last use int64
     assert job_device_bytes(LLAMA13, config, K256) == slabs + tables + lru
-    pool_pages = int(config.host_pool_gb * GIB) // (40 * 8 * 64 * 128 * 2 * 2)
-    metadata = pool_pages * 40 * 8 * 2 * 128 * 2
+    page_bytes = 40 * 8 * 16 * 128 * 2 * 2  # one pool page: L x Hkv x record, 2.5 MiB
+    pool_pages = int(336 * GIB) // page_bytes
+    meta_page = 40 * 8 * 2 * 128 * 2  # min and max of each key dim, per (layer, KV head)
+    metadata = pool_pages * meta_page
     assert shared_device_bytes(LLAMA13, config, pool_pages) == metadata
+    # 1/16 of the pool on the device: 21 GiB for 336 GiB (to within the last, partial page)
+    assert 0 <= 21 * GIB - metadata < meta_page
     staging = 40 * config.max_batch * 8 * 2 * 128 * 2  # decode write-through rows
     late = config.replace(decode_write_stream=True)
     assert shared_device_bytes(LLAMA13, late, pool_pages) == metadata + staging
@@ -102,7 +107,8 @@ def test_short_job_claims_a_whole_slab_as_the_cache_does():
     config, _ = _preset("dual4090")
     long_job = job_device_bytes(LLAMA13, config, K256)
     short_job = job_device_bytes(LLAMA13, config, 1000)
-    assert long_job - short_job == 40 * 8 * (K256 // 64 - 16) * 4
+    # 16-token pages: 16384 page-table entries against ceil(1000 / 16) = 63
+    assert long_job - short_job == 40 * 8 * (K256 // 16 - 63) * 4
 
 
 def test_dual4090_8x256k_13b_fits_and_host_memory_binds():
@@ -116,6 +122,24 @@ def test_dual4090_8x256k_13b_fits_and_host_memory_binds():
     assert [d.num_jobs for d in result.devices] == [4, 4]
     assert result.host_needed_bytes == 320 * GIB
     assert all(d.free_bytes > 0 for d in result.devices)
+    # each card's cache holds the page metadata of its 168 GiB pool share: 168 / 16 GiB
+    meta_page = 40 * 8 * 2 * 128 * 2
+    assert all(0 <= 10.5 * GIB - d.metadata_bytes < meta_page for d in result.devices)
+
+
+def test_h200_qwen_256k_fits_at_16_token_pages_and_host_memory_binds():
+    """qwen2.5-7b at 256K on one H200: 14 GiB of KV per job, the 96 GiB pool holds 6; the
+    pool's metadata (96 / 16 = 6 GiB) and 6 slabs fit beside the weights with room."""
+    config, hardware = _preset("h200")
+    shape = MODEL_SHAPES["qwen2.5-7b"]
+    result = plan(shape, config, hardware, 6, K256)
+    assert result.feasible, result.reasons
+    assert result.capacity.binding == "host" and result.capacity.max_jobs == 6
+    assert result.capacity.device_limit == config.max_batch == 16
+    [device] = result.devices
+    meta_page = 28 * 4 * 2 * 128 * 2
+    assert 0 <= 6 * GIB - device.metadata_bytes < meta_page
+    assert device.free_bytes > 100 * GIB
 
 
 def test_dual4090_24_fits_six_128k_8b_jobs_and_host_memory_binds():
@@ -140,7 +164,8 @@ def test_dense_baseline_cannot_hold_one_256k_13b_job_in_48gb():
     config, hardware = _preset("dual4090")
     result = plan(LLAMA13, config, hardware, 8, K256)
     assert result.dense.max_jobs == 0
-    assert result.dense_job_device_bytes == 40 * GIB + 40 * GIB // 64  # KV + its metadata
+    # KV + its metadata: 2 x D of min/max per page of 2 x 16 x D records, 1/16 of the KV
+    assert result.dense_job_device_bytes == 40 * GIB + 40 * GIB // 16
     # the same on an H200 capped to 48 GiB
     config, hardware = _preset("h200", memory_budget_gb=48.0)
     assert plan(LLAMA13, config, hardware, 1, K256).dense.max_jobs == 0
@@ -162,20 +187,120 @@ def test_memory_budget_caps_each_device():
     assert result.config.memory_budget_gb == 48.0
 
 
+_HINT_FIELDS = {
+    "--device-buffer": ("device_buffer", int),
+    "--top-k-tokens": ("top_k", int),
+    "--page-size": ("page_size", int),
+    "--host-pool": ("host_pool_gb", float),
+    "weight_format": ("weight_format", str),
+}
+
+
+def _hint_flags(hint: str) -> dict[str, str]:
+    """``"label: --a 1 --b 2 (why)"`` -> ``{"--a": "1", "--b": "2"}``."""
+    words = hint.split(": ", 1)[1].split(" (")[0].replace(",", " ").split()
+    assert len(words) % 2 == 0, hint
+    return dict(zip(words[::2], words[1::2], strict=True))
+
+
+def _replan(shape, config, hardware, jobs, context, hint):
+    """The plan with every setting ``hint`` names applied."""
+    changes = {}
+    for flag, value in _hint_flags(hint).items():
+        if flag == "--parallel":
+            hardware = hardware.replace(parallel=value)
+        elif flag == "--context":
+            context = parse_context(value)
+        else:
+            name, kind = _HINT_FIELDS[flag]
+            changes[name] = kind(value)
+    return plan(shape, config.replace(**changes), hardware, jobs, context)
+
+
 def test_device_bound_suggests_a_smaller_buffer_that_fits():
-    config, hardware = _preset("h200", memory_budget_gb=16.0, host_pool_gb=100.0)
+    """Slabs bind: the hint is the largest hot buffer at the same page size with which the
+    jobs fit (re-planned with every flag it names)."""
+    config, hardware = _preset("h200", memory_budget_gb=16.0, host_pool_gb=40.0)
     hardware = hardware.replace(host_memory_gb=1024)
     shape = MODEL_SHAPES["qwen2.5-7b"]
     capacity = max_concurrent_jobs(shape, config, hardware, 32 * 1024)
+    assert capacity.device_limit >= 1
     jobs = capacity.device_limit + 2
     result = plan(shape, config, hardware, jobs, 32 * 1024)
     assert result.capacity.binding == "device"
     assert not result.feasible
     [hint] = [s for s in result.suggestions if s.startswith("smaller hot buffer")]
-    buffer = int(hint.split("--device-buffer ")[1].split()[0])
-    top_k = int(hint.split("--top-k-tokens ")[1].split()[0])
-    smaller = config.replace(device_buffer=buffer, top_k=top_k)
-    assert plan(shape, smaller, hardware, jobs, 32 * 1024).feasible
+    flags = _hint_flags(hint)
+    assert set(flags) == {"--device-buffer", "--top-k-tokens"}  # the page size stays 16
+    buffer = int(flags["--device-buffer"])
+    top_k = int(flags["--top-k-tokens"])
+    assert buffer < config.device_buffer_tokens and 2 * top_k <= buffer
+    assert _replan(shape, config, hardware, jobs, 32 * 1024, hint).feasible
+    # the largest that fits: one more page of buffer (same top_k) does not
+    bigger = config.replace(device_buffer=buffer + 16, top_k=top_k)
+    assert not plan(shape, bigger, hardware, jobs, 32 * 1024).feasible
+    # every device hint offered fits when applied
+    for other in result.suggestions:
+        if other.startswith(("smaller", "larger pages")):
+            assert _replan(shape, config, hardware, jobs, 32 * 1024, other).feasible, other
+
+
+def test_metadata_bound_suggests_the_host_pool_the_jobs_need():
+    """At 16-token pages the device holds min/max of every host pool page, 1/16 of the
+    pool: a 100 GiB pool's 6.25 GiB leave a 16 GiB card no room for one slab, which no
+    smaller buffer fixes. The hint cuts the pool to what the jobs need, keeping the page
+    size, and the plan with it fits."""
+    config, hardware = _preset("h200", memory_budget_gb=16.0, host_pool_gb=100.0)
+    hardware = hardware.replace(host_memory_gb=1024)
+    shape = MODEL_SHAPES["qwen2.5-7b"]
+    result = plan(shape, config, hardware, 2, 32 * 1024)
+    assert not result.feasible and result.capacity.device_limit == 0
+    assert "page metadata of the host pool alone is 6.25 GiB" in result.reasons[0]
+    assert "memory holds 0 job(s)" in result.reasons[0]
+    [hint] = [s for s in result.suggestions if s.startswith("smaller host pool")]
+    # 2 jobs x 32K x 28 layers x 4 KV heads x 128 x 2 x 2 B = 3.5 GiB -> a 4 GiB pool
+    assert _hint_flags(hint) == {"--host-pool": "4"}
+    assert not any("--page-size" in s for s in result.suggestions)
+    fixed = _replan(shape, config, hardware, 2, 32 * 1024, hint)
+    assert fixed.feasible and fixed.capacity.host_limit >= 2
+    # the same through the CLI: refused, then run again with the hint's flags
+    args = ("plan", "-p", "h200", "-m", "qwen2.5-7b", "-n", "2", "-c", "32K",
+            "--memory-budget", "16", "--host-memory", "1024")  # fmt: skip
+    refused = _invoke(*args, "--host-pool", "100")
+    assert refused.exit_code == 2 and "smaller host pool: --host-pool 4" in refused.output
+    assert _invoke(*args, "--host-pool", "4").exit_code == 0
+
+
+def test_larger_pages_are_offered_last_with_their_cost():
+    """When nothing at 16-token pages fits (here 24 jobs of 32K on a 14 GiB card: even the
+    pool cut to their 42 GiB carries 2.6 GiB of metadata), larger pages come as the last
+    hint, naming the fidelity cost, and fit when applied with every flag they name."""
+    config, hardware = _preset(
+        "h200", memory_budget_gb=14.0, host_pool_gb=200.0, max_batch=64
+    )
+    hardware = hardware.replace(host_memory_gb=1024)
+    shape = MODEL_SHAPES["qwen2.5-7b"]
+    result = plan(shape, config, hardware, 24, 32 * 1024)
+    assert not result.feasible
+    assert not any(s.startswith("smaller") for s in result.suggestions)
+    [hint] = [s for s in result.suggestions if s.startswith("larger pages")]
+    assert "looser selection" in hint
+    flags = _hint_flags(hint)
+    assert int(flags["--page-size"]) > 16 and float(flags["--host-pool"]) < 200
+    assert _replan(shape, config, hardware, 24, 32 * 1024, hint).feasible
+
+
+def test_larger_host_pool_hint_says_what_its_metadata_costs():
+    """A host pool grown for more jobs grows its page metadata on the device too
+    (1/16 of the pool): 8 x 256K of the 40-KV-head llama2-13b need 1600 GiB of pool,
+    whose 800 / 16 = 50 GiB of metadata per card exceed a 48 GB card."""
+    config, hardware = _preset("dual4090")
+    result = plan(MODEL_SHAPES["llama2-13b"], config, hardware, 8, K256)
+    [hint] = [s for s in result.suggestions if "--host-pool 1600" in s]
+    assert "leaves room for 0 job(s)" in hint
+    bigger = config.replace(host_pool_gb=1600.0)
+    hw = hardware.replace(host_memory_gb=2000)
+    assert max_concurrent_jobs(MODEL_SHAPES["llama2-13b"], bigger, hw, K256).device_limit == 0
 
 
 def test_pipeline_splits_layers_and_adds_comm_buffers():
@@ -325,13 +450,24 @@ def test_cli_plan_bad_context_exits_2():
 
 
 def test_weights_that_do_not_fit_are_refused_with_hints():
+    """bf16 weights of the 13B (21 GiB) leave a 24 GiB card nothing. int4 weights alone
+    do not make room either: each card's 168 GiB pool share carries 168 / 16 = 10.5 GiB
+    of page metadata. With the pool cut to one job's 40 GiB they fit: data mode gives each
+    card half the pool (so 80 GiB), a pipeline stage the whole pool for half the layers
+    (so 40 GiB). Every hint, applied, plans one job that fits."""
     config, hardware = _preset("dual4090", memory_budget_gb=24.0)
     config = config.replace(weight_format="float")
     result = plan(LLAMA13, config, hardware, 1, K256)
     assert not result.feasible
     assert "before any KV" in result.reasons[0]
-    assert "int4 weights: weight_format int4" in result.suggestions
-    assert any("--parallel pipeline" in s for s in result.suggestions)
+    assert not plan(LLAMA13, config.replace(weight_format="int4"), hardware, 1, K256).feasible
+    assert "int4 weights: weight_format int4, --host-pool 80" in result.suggestions
+    assert (
+        "split the layers across the devices: --parallel pipeline --host-pool 40"
+        in result.suggestions
+    )
+    for hint in result.suggestions:
+        assert _replan(LLAMA13, config, hardware, 1, K256, hint).feasible, hint
 
 
 def test_no_gather_when_the_hot_buffer_holds_every_page():

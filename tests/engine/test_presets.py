@@ -97,12 +97,28 @@ def test_dual4090_24_preset_is_the_stock_card():
     assert load_preset_full("dual4090-24").engine["host_pool_gb"] < 0.9 * hw.host_memory_gb
 
 
+@pytest.mark.parametrize("name", ["h200", "h200x2", "dual4090", "dual4090-24"])
+def test_gpu_presets_use_the_measured_selection(name):
+    """Issue #18: 16-token pages, top_k 2048 and the default normmax rule (the GPU eval's
+    best: within 0-9 points of dense, where 64-token pages lost 25-33), with the sink and
+    window that eval ran (64 + 128 tokens = 4 + 8 pages), a hot buffer of whole pages of
+    at least 2 x top_k."""
+    config = resolve_config(name)
+    assert (config.page_size, config.top_k, config.group_combine) == (16, 2048, "normmax")
+    assert config.group_combine == EngineConfig().group_combine
+    assert (config.sink_tokens, config.local_window) == (64, 128)
+    assert config.device_buffer_tokens % 16 == 0
+    assert config.device_buffer_tokens >= 2 * config.top_k
+
+
 def test_precedence_defaults_preset_manifest_cli():
     config = resolve_config("h200", {}, {})
-    assert config.page_size == 64 and config.top_k == 2048
+    assert config.page_size == 16 and config.top_k == 2048
     assert config.context_policy == EngineConfig().context_policy  # default survives
     config = resolve_config("h200", {"top_k": 1024, "max_batch": 3}, {})
-    assert (config.top_k, config.max_batch, config.page_size) == (1024, 3, 64)
+    assert (config.top_k, config.max_batch, config.page_size) == (1024, 3, 16)
+    config = resolve_config("h200", {"page_size": 64}, {"page_size": 32})
+    assert config.page_size == 32
     config = resolve_config("h200", {"top_k": 1024, "max_batch": 3}, {"top_k": 512})
     assert (config.top_k, config.max_batch) == (512, 3)
 
@@ -247,7 +263,7 @@ def test_cli_presets_show_prints_resolved_yaml():
     result = _invoke("presets", "show", "dual4090")
     assert result.exit_code == 0, result.output
     data = yaml.safe_load(result.output)
-    assert data["engine"]["page_size"] == 64
+    assert data["engine"]["page_size"] == 16
     assert data["engine"]["context_policy"] == "refuse"  # filled from the defaults
     assert data["hardware"]["compute_capability"] == "8.9"
     assert data["sampling"]["max_tokens"] == 512
