@@ -129,8 +129,14 @@ def test_audit_dense_forward_equals_a_dense_engine(monkeypatch):
     assert step.mass_kept == pytest.approx(oracle, rel=1e-5)
 
 
-def test_audit_of_a_full_budget_agrees():
-    results, steps, _ = run(make(top_k=512, device_buffer=1024, audit_steps=3))
+@pytest.mark.parametrize("kv_host_dtype", ["bf16", "fp8"])
+def test_audit_of_a_full_budget_agrees(kv_host_dtype):
+    """Every page selected: sparse equals dense. With fp8 host pages the audit's dense
+    forward reads the records dequantised (as the sparse step does), not their raw fp8
+    values."""
+    results, steps, _ = run(
+        make(top_k=512, device_buffer=1024, audit_steps=3, kv_host_dtype=kv_host_dtype)
+    )
     for r in results.values():
         assert r.audit.steps == 3 and r.audit.top1_agreement == 1.0
         assert r.audit.kl_max < 1e-5 and r.audit.mass_kept_mean == pytest.approx(1.0, abs=1e-5)
