@@ -132,6 +132,7 @@ KERNEL_PHASES: tuple[tuple[str, str], ...] = (
     ("_rope_append_kernel", "append"),
     ("_resolve_kernel", "resolve"),
     ("_gather_kernel", "gather"),
+    ("_gather_fp8_kernel", "gather"),  # fp8 records dequantised as gathered
     ("_group_int4_linear_kernel", "weights"),
     ("int4", "weights"),
     ("tinygemm", "weights"),

@@ -399,6 +399,7 @@ def test_kernel_phase_names():
     assert kernel_phase("_sparse_decode_split_kernel") == "attention"
     assert kernel_phase("_resolve_kernel") == "resolve"
     assert kernel_phase("_gather_kernel") == "gather"
+    assert kernel_phase("_gather_fp8_kernel") == "gather"
     assert kernel_phase("_quest_scores_kernel") == "select"
     assert kernel_phase("void at::native::sbtopk::gatherTopK<float>") == "select"
     assert kernel_phase("void (anonymous namespace)::tinygemm_m16n8k16_chunk_kernel") == "weights"
