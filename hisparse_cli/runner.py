@@ -156,6 +156,20 @@ def free_cpu_threads(config: EngineConfig) -> int | None:
     return free if free < cores else None
 
 
+def with_free_threads(config: EngineConfig) -> tuple[EngineConfig, str | None]:
+    """``config`` with ``num_threads`` set to :func:`free_cpu_threads` when that chose a
+    count, and the line that says so (``None`` when it did not); ``hisparse run`` and
+    ``hisparse eval`` both apply it before the model loads."""
+    threads = free_cpu_threads(config)
+    if not threads:
+        return config, None
+    note = (
+        f"using {threads} of {os.cpu_count()} CPU threads: the others are busy "
+        f"(load {os.getloadavg()[0]:.1f}); --threads N overrides"
+    )
+    return config.replace(num_threads=threads), note
+
+
 def triton_cache_is_cold() -> str:
     """The Triton kernel cache folder when it holds nothing yet (kernels will compile on
     first use: ``$TRITON_CACHE_DIR``, default ``~/.triton/cache``), else ``""``."""
@@ -898,13 +912,10 @@ class BatchRun:
             f"loading model {self.model_name} ({len(pending)} job(s) to run; "
             f"preset {self.preset_line})"
         )
-        threads = free_cpu_threads(self.config)
-        if threads:  # other processes hold cores: more threads than free cores stall decode
-            self.config = self.config.replace(num_threads=threads)
-            self.reporter.note(
-                f"using {threads} of {os.cpu_count()} CPU threads: the others are busy "
-                f"(load {os.getloadavg()[0]:.1f}); --threads N overrides"
-            )
+        # other processes hold cores: more threads than free cores stall decode
+        self.config, threads_note = with_free_threads(self.config)
+        if threads_note:
+            self.reporter.note(threads_note)
         if self.config.device.startswith("cuda") or self.config.devices:
             cold = triton_cache_is_cold()
             if cold:
