@@ -1070,15 +1070,24 @@ class BatchRun:
         self.tracker.update(event)
         self.reporter.on_event(event)
         if isinstance(event, JobFinished):
-            self.tracker.state.jobs.pop(map_id, None)
+            self._retire_map(map_id)
             r = event.result
             if r.finish_reason in SUCCESS_REASONS and not r.error:
                 self.chunker.finished(map_id, r.text)
             else:
                 self._map_failed(map_id, r.error or r.finish_reason)
         elif isinstance(event, JobFailed):
-            self.tracker.state.jobs.pop(map_id, None)
+            self._retire_map(map_id)
             self._map_failed(map_id, event.error)
+
+    def _retire_map(self, map_id: str) -> None:
+        """An ended map job's row leaves the table; its tokens count for its job's results
+        line (:meth:`ChunkScheduler.count`) and for the run (``RunState.map_*_tokens``)."""
+        row = self.tracker.state.jobs.pop(map_id, None)
+        if row is not None:
+            self.chunker.count(map_id, row.prompt_tokens, row.generated)
+            self.tracker.state.map_prompt_tokens += row.prompt_tokens
+            self.tracker.state.map_generated_tokens += row.generated
 
     def _map_failed(self, map_id: str, why: str) -> None:
         job_id = self.chunker.abandon(map_id)
@@ -1145,6 +1154,8 @@ class BatchRun:
         if base is None:
             return
         record = result_record(base, result, self.request.audit_limits)
+        if result.job_id in self.chunker.jobs:  # the whole document's tokens, maps included
+            record = self.chunker.jobs[result.job_id].attribute(record)
         audit = record.get("audit")
         if audit and audit["flagged"]:
             self.reporter.note(
@@ -1181,6 +1192,8 @@ class BatchRun:
             tokens = self.prompt_tokens.get(job_id) or (row.prompt_tokens if row else 0)
             final = self.final.get(job_id) or self._too_long(job_id, tokens)
             record = failure_record({**base, "prompt_tokens": tokens or None, "final": final}, error)
+            if job_id in self.chunker.jobs:  # the map jobs that ran before it failed
+                record = self.chunker.jobs[job_id].attribute(record)
             self._flag_earlier_output(record)
             self.log.append(record)
 
