@@ -422,6 +422,8 @@ class RunSummary:
 
     not_run: jobs handed to the engine that never finished (cancelled before admission,
     or the engine stopped early).
+    refused: lines of an OpenAI-batch manifest refused before the run (not jobs; each has
+    an ``invalid_request`` line in ``batch_output.jsonl``).
     """
 
     ok: int
@@ -436,6 +438,7 @@ class RunSummary:
     output_dir: str
     interrupted: bool = False
     preset: str = ""
+    refused: int = 0
     steady_decode: dict[int, dict[str, float]] = field(default_factory=dict)
     """Batch size -> ``{"steps", "step_ms", "tok_s"}`` of the decode steps that shared no
     turn with a prefill: the batch's own rate, comparable to ``hisparse bench`` at the

@@ -803,6 +803,7 @@ class BatchRun:
         summary = summarize(
             self.tracker.state, self.clock(), str(self.output_dir), interrupted, self.preset_line
         )
+        summary = dataclasses.replace(summary, refused=len(self.manifest.rejected))
         self.reporter.summary(summary)
         code = exit_code(summary)
         if code == EXIT_OK and self.manifest.rejected:  # a request line was refused
