@@ -909,6 +909,10 @@ class BatchRun:
     def _run_engine(self, pending: list[PlannedJob]) -> bool:
         """Load the engine and consume its events; return whether Ctrl-C was pressed."""
         self._warn_oversized(pending)
+        try:  # refused before the "loading model" line (load_engine checks it again)
+            check_host_pool(self.config)
+        except CacheFullError as exc:
+            raise LoadConfigError(str(exc)) from exc
         self.reporter.note(
             f"loading model {self.model_name} ({len(pending)} job(s) to run; "
             f"preset {self.preset_line})"

@@ -56,3 +56,11 @@ def test_manifest_problems_are_listed_in_line_order(no_load):
     lines = [line.strip() for line in result.stderr.splitlines() if "m.jsonl:" in line]
     assert [line.split(":")[1] for line in lines] == ["2", "2", "3"], lines
     assert "did you mean 'input'?" in lines[0]
+
+
+def test_a_host_pool_over_the_memory_is_refused_before_loading_is_announced(cli, docs, monkeypatch):
+    monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "24")
+    result = cli("docs/alpha.txt", "--host-pool", "1000")
+    assert result.exit_code == 2
+    assert "host KV pool needs 1000.0 GiB but only 24.0 GiB" in result.stderr
+    assert "loading model" not in result.stdout and cli.factory.engines == []
