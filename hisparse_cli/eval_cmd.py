@@ -84,6 +84,16 @@ EvalContextPolicy = Annotated[
         rich_help_panel=opt.ENGINE,
     ),
 ]
+EvalMaxContext = Annotated[
+    int | None,
+    typer.Option(
+        help="Context limit: with extend, RoPE is scaled up to it; with refuse it can only "
+        "lower the trained context (lengths over the limit are skipped)."
+        + opt.default_is("with extend the longest length, else the trained context"),
+        show_default=False,
+        rich_help_panel=opt.ENGINE,
+    ),
+]
 OutputDirOpt = Annotated[
     Path,
     typer.Option("--output-dir", "-o", help="Folder for eval.json and eval.png."),
@@ -109,7 +119,7 @@ def eval_command(
     preset: opt.Preset = "auto",
     max_batch: opt.MaxBatch = None,
     context_policy: EvalContextPolicy = None,
-    max_context: opt.MaxContext = None,
+    max_context: EvalMaxContext = None,
     extend_method: opt.ExtendMethod = None,
     threads: opt.Threads = None,
     device: opt.Device = None,
