@@ -66,6 +66,25 @@ def choose_preset(memories_gib: Sequence[float], devices_flag: Sequence[str] = (
     )
 
 
+def rules() -> str:
+    """:func:`choose_preset`'s rule in one line, from the thresholds above (for ``hisparse
+    presets``)."""
+    return (
+        f"no CUDA device (or --device cpu) -> cpu; two or more cards, the smaller of the "
+        f"first two deciding: >= {LARGE_GIB:g} GiB -> h200x2, >= {CARD_48_GIB:g} -> "
+        f"dual4090, >= {CARD_24_GIB:g} -> dual4090-24; one card (or --device cuda:N) -> "
+        f"h200, with --memory-budget advised under {LARGE_GIB:g} GiB"
+    )
+
+
+def name_auto(message: str) -> str:
+    """``engine.presets``' unknown-preset message (``...; known presets: cpu, h200``) with
+    ``auto`` among the names, which only the CLI resolves; other messages unchanged."""
+    return message.replace(
+        "known presets: ", f"known presets: {AUTO} (picks one for this machine), ", 1
+    )
+
+
 def _index(device: str) -> int:
     """N of ``cuda:N`` (0 for ``cuda`` or a malformed index, reported elsewhere)."""
     tail = device.partition(":")[2]

@@ -49,7 +49,8 @@ ModesOpt = Annotated[
     typer.Option(
         help="dense, sparse, hierarchical, noio, copystream (hierarchical with the decode "
         "write-through on a copy stream), prefetch (hierarchical with near-miss prefetch on "
-        "the copy stream) — comma list.",
+        "the copy stream) — comma list." + opt.default_is("dense, sparse, hierarchical, noio"),
+        show_default=False,
         rich_help_panel=BENCH,
     ),
 ]
@@ -57,9 +58,10 @@ PrefetchOpt = Annotated[
     int | None,
     typer.Option(
         min=1,
-        help="Near-miss pages per (job, layer, KV head) the prefetch mode loads, >= 1 "
-        "(default: a quarter of the top-k pages, at most the hot buffer's spare pages); "
-        "only with --modes ...,prefetch.",
+        help="Near-miss pages per (job, layer, KV head) the prefetch mode loads; only with "
+        "--modes ...,prefetch."
+        + opt.default_is("a quarter of the top-k pages, at most the hot buffer's spare pages"),
+        show_default=False,
         rich_help_panel=BENCH,
     ),
 ]
@@ -131,7 +133,11 @@ SoakStepsOpt = Annotated[
 ]
 SoakBatchOpt = Annotated[
     int | None,
-    typer.Option(help="Soak batch (default: the largest level that fits).", rich_help_panel=SOAK),
+    typer.Option(
+        help="Soak batch." + opt.default_is("the largest level that fits"),
+        show_default=False,
+        rich_help_panel=SOAK,
+    ),
 ]
 SoakEveryOpt = Annotated[
     int, typer.Option(min=1, help="Integrity check / memory sample interval.", rich_help_panel=SOAK)
@@ -140,14 +146,17 @@ SoakModeOpt = Annotated[str, typer.Option(help="Mode the soak runs in.", rich_he
 HbmOpt = Annotated[
     float | None,
     typer.Option(
-        help="HBM read bandwidth for the roofline, GB/s (default: measured on the GPU at start).",
+        help="HBM read bandwidth for the roofline, GB/s."
+        + opt.default_is("measured on the GPU at start"),
+        show_default=False,
         rich_help_panel=MODEL,
     ),
 ]
 LinkOpt = Annotated[
     float | None,
     typer.Option(
-        help="Host->device bandwidth for the roofline, GB/s (default: measured at start).",
+        help="Host->device bandwidth for the roofline, GB/s." + opt.default_is("measured at start"),
+        show_default=False,
         rich_help_panel=MODEL,
     ),
 ]
@@ -197,8 +206,7 @@ def bench_command(
 
     Example: `hisparse bench --model synthetic:qwen2.5-7b --contexts 32K,128K --concurrency 1,2,4,8 --memory-budget 48 --decode-steps 32 --out bench-out --soak 2000`
 
-    Writes OUT/bench.json (rewritten after every run), OUT/throughput_<context>.png and
-    OUT/soak_step_latency.png. Exit code 2 on bad arguments.
+    Writes OUT/bench.json (rewritten after every run), OUT/throughput_<context>.png and OUT/soak_step_latency.png. Exit code 2 on bad arguments.
     """
     from engine.capacity.planner import parse_context
     from engine.config import ConfigError

@@ -10,6 +10,10 @@ otherwise it is chunked again (level + 1). Map results are kept in memory only: 
 no results line, so a run stopped half-way redoes the whole job on resume (its line,
 written once, is what resume reads). A map job that fails fails the job; one cancelled
 leaves it not run.
+
+The job's results line counts the whole document's tokens: its ``prompt_tokens`` and
+``generated_tokens`` are those of every map job (all levels) plus the reduce job's, and
+``chunked`` keeps the parts (:meth:`ChunkedJob.attribute`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.events import Job
 
@@ -27,13 +32,16 @@ SEPARATOR = "@"
 @dataclass
 class ChunkedJob:
     """One job under the ``chunk`` policy: its map levels so far (``chunks``: the map
-    jobs of each level) and the texts of the current level (index -> text)."""
+    jobs of each level), the texts of the current level (index -> text), and the tokens
+    of its map jobs that ended (prompt and generated, every level)."""
 
     job_id: str
     chunks: list[int] = field(default_factory=list)
     texts: dict[int, str] = field(default_factory=dict)
     outstanding: set[str] = field(default_factory=set)
     done: bool = False
+    map_prompt_tokens: int = 0
+    map_generated_tokens: int = 0
 
     @property
     def level(self) -> int:
@@ -44,6 +52,27 @@ class ChunkedJob:
         all, and the number of levels (reduce steps)."""
         return {"policy": "chunk", "chunks": sum(self.chunks), "levels": self.level,
                 "per_level": list(self.chunks)}
+
+    def attribute(self, record: dict[str, Any]) -> dict[str, Any]:
+        """``record`` (the job's results line, its token counts the reduce job's, ``None``
+        when it never ran) counting the whole document: ``prompt_tokens`` and
+        ``generated_tokens`` become map jobs' + reduce job's, and ``chunked`` gets the
+        parts (``map_prompt_tokens``, ``map_generated_tokens``, ``reduce_prompt_tokens``,
+        ``reduce_generated_tokens``)."""
+        prompt, generated = record.get("prompt_tokens") or 0, record.get("generated_tokens") or 0
+        parts = {
+            "map_prompt_tokens": self.map_prompt_tokens,
+            "map_generated_tokens": self.map_generated_tokens,
+            "reduce_prompt_tokens": prompt,
+            "reduce_generated_tokens": generated,
+        }
+        total = prompt + self.map_prompt_tokens
+        return {
+            **record,
+            "prompt_tokens": total or record.get("prompt_tokens"),
+            "generated_tokens": generated + self.map_generated_tokens,
+            "chunked": {**self.summary(), **parts},
+        }
 
 
 class ChunkScheduler:
@@ -79,6 +108,14 @@ class ChunkScheduler:
             state.outstanding.add(map_id)
             jobs.append(make(map_id, text))
         return jobs
+
+    def count(self, map_id: str, prompt_tokens: int, generated_tokens: int) -> None:
+        """Add an ended map job's tokens to its job's (:meth:`ChunkedJob.attribute`)."""
+        owner = self.owner.get(map_id)
+        if owner is not None:
+            state = self.jobs[owner[0]]
+            state.map_prompt_tokens += prompt_tokens
+            state.map_generated_tokens += generated_tokens
 
     def finished(self, map_id: str, text: str) -> None:
         """A map job's text; the last of its level queues the next level's jobs

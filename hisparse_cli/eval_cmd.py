@@ -6,8 +6,9 @@ RULER-style tasks. Thin: flags -> prompts (:mod:`engine.measure.ruler`) -> runs
 from __future__ import annotations
 
 import glob
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -15,12 +16,16 @@ from hisparse_cli import options as opt
 
 EVAL = "Eval"
 EXIT_USAGE = 2
+EVAL_POLICIES = ("refuse", "extend")
+"""The context policies eval uses: every prompt is built to its length, so a length over the
+context is skipped (``refuse``) or the context extended to it (``extend``); ``truncate`` and
+``chunk`` would cut or split the haystack around the needles, so eval does not take them."""
 
 HaystackDocs = Annotated[
     list[str] | None,
     typer.Argument(
-        help="Haystack text files (paths or globs), read in order and repeated as needed; "
-        "default: generated noise.",
+        help="Haystack text files (paths or globs), read in order and repeated as needed."
+        + opt.default_is("generated noise"),
         show_default=False,
         metavar="DOCS",
     ),
@@ -62,7 +67,31 @@ SeedOpt = Annotated[int, typer.Option(help="Seed of every prompt.", rich_help_pa
 MaxNewOpt = Annotated[
     int | None,
     typer.Option(
-        min=1, help="Answer tokens (default: each task's own, 32-64).", rich_help_panel=EVAL
+        min=1,
+        help="Answer tokens." + opt.default_is("each task's own, 32-64"),
+        show_default=False,
+        rich_help_panel=EVAL,
+    ),
+]
+EvalContextPolicy = Annotated[
+    Literal[EVAL_POLICIES] | None,  # type: ignore[valid-type]
+    typer.Option(
+        "--context-policy",
+        help="Lengths over the model's trained context: refuse (they are skipped) or extend "
+        "(RoPE scaling up to the longest length). Not truncate or chunk: they would cut or "
+        "split the haystack around the needles." + opt.default_is("refuse"),
+        show_default=False,
+        rich_help_panel=opt.ENGINE,
+    ),
+]
+EvalMaxContext = Annotated[
+    int | None,
+    typer.Option(
+        help="Context limit: with extend, RoPE is scaled up to it; with refuse it can only "
+        "lower the trained context (lengths over the limit are skipped)."
+        + opt.default_is("with extend the longest length, else the trained context"),
+        show_default=False,
+        rich_help_panel=opt.ENGINE,
     ),
 ]
 OutputDirOpt = Annotated[
@@ -89,8 +118,8 @@ def eval_command(
     output_dir: OutputDirOpt = Path("hisparse-eval"),
     preset: opt.Preset = "auto",
     max_batch: opt.MaxBatch = None,
-    context_policy: opt.ContextPolicy = None,
-    max_context: opt.MaxContext = None,
+    context_policy: EvalContextPolicy = None,
+    max_context: EvalMaxContext = None,
     extend_method: opt.ExtendMethod = None,
     threads: opt.Threads = None,
     device: opt.Device = None,
@@ -99,24 +128,27 @@ def eval_command(
 
     Example: `hisparse eval --lengths 2K,4K --tasks niah_single,niah_multikey --configs dense,sparse,top_k=512`
 
-    Every configuration answers the same prompts (prefilled once, decoded as a batch per
-    configuration); scores are RULER's string match (share of expected values in the
-    answer). Writes OUTPUT_DIR/eval.json and OUTPUT_DIR/eval.png and prints the table.
-    Lengths over the model's context need --context-policy extend (RoPE scaling; the limit
-    defaults to the longest length). Exit code 2 on bad arguments.
+    Every configuration answers the same prompts (prefilled once, decoded as a batch per configuration); scores are RULER's string match (share of expected values in the answer). Writes OUTPUT_DIR/eval.json and OUTPUT_DIR/eval.png and prints the table.
+
+    Lengths over the model's context are skipped unless --context-policy extend (RoPE scaling; the limit defaults to the longest length). Exit code 2 on bad arguments, found before the model loads.
     """
     from engine.capacity.planner import parse_context
     from engine.config import ConfigError
     from engine.measure import fidelity, ruler
     from engine.presets import resolve_config
     from hisparse_cli.bench_cmd import _chosen_preset
+    from hisparse_cli.runner import with_free_threads
 
     try:
-        length_list = sorted({parse_context(x) for x in _items(lengths)})
-        depth_list = [float(x) for x in _items(depths)]
+        length_list = sorted(_unique("--lengths", _items(lengths), parse_context, "tokens"))
+        depth_list = _unique("--depths", _items(depths), float)
         task_list = list(ruler.TASKS) if tasks.strip() == "all" else _items(tasks)
         ruler.check_tasks(task_list)
-        config_list = fidelity.parse_configs(configs)
+        _unique("--tasks", task_list, str)
+        try:
+            config_list = fidelity.parse_configs(configs)
+        except ValueError as exc:
+            raise ValueError(f"--configs: {exc}") from None
         if not length_list or not depth_list:
             raise ValueError("--lengths and --depths need at least one value each")
         if context_policy == "extend" and max_context is None:
@@ -129,9 +161,11 @@ def eval_command(
             "device": device,
             "max_batch": max_batch,
         }
-        base = resolve_config(_chosen_preset(preset, device), {}, overrides)
-        for c in config_list:
-            c.engine_config(base)
+        base = _eval_policy(resolve_config(_chosen_preset(preset, device), {}, overrides))
+        base, note = with_free_threads(base)
+        if note:
+            typer.echo(note)
+        _unique("--configs", config_list, lambda c: c.engine_config(base), "settings")
         texts = _read_haystack(docs or [])
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
@@ -200,6 +234,49 @@ def _write(report, output_dir: Path) -> None:
     typer.echo(
         f"wrote {path}" + (f"; {note}" if note else f", {output_dir / eval_report.HEATMAP_FILE}")
     )
+
+
+def _unique(
+    option: str, items: Sequence[Any], value: Callable[[Any], Any], what: str = ""
+) -> list[Any]:
+    """``value`` of each item, in order; two items of equal value are an error naming
+    ``option`` and both as given (``2K`` and ``2048``: ``what`` says what was equal).
+
+    Raises
+    ------
+    ValueError
+        An item given twice, or of the same value as an earlier one.
+    """
+    seen: list[tuple[Any, Any]] = []  # (value, item); values need not be hashable
+    for item in items:
+        v = value(item)
+        earlier = next((i for w, i in seen if w == v), None)
+        if earlier is not None:
+            first, given = str(getattr(earlier, "name", earlier)), str(getattr(item, "name", item))
+            if first == given:
+                same = f"{first!r} is given twice"
+            elif what == "tokens":
+                same = f"{first!r} and {given!r} are both {v} tokens"
+            else:
+                same = f"{first!r} and {given!r} are the same {what or 'value'}"
+            raise ValueError(f"{option}: {same}; give each once")
+        seen.append((v, item))
+    return [v for v, _ in seen]
+
+
+def _eval_policy(base: Any) -> Any:
+    """``base`` with a preset's ``truncate`` or ``chunk`` context policy read as ``refuse``
+    (said on stderr): eval builds each prompt to its length and skips those over the limit
+    (the flag takes only :data:`EVAL_POLICIES`)."""
+    if base.context_policy in EVAL_POLICIES:
+        return base
+    typer.echo(
+        f"warning: context_policy {base.context_policy!r} (from the preset) does not apply to "
+        "eval, which builds every prompt to its length: lengths over the context are "
+        "skipped, as under refuse (--context-policy extend extends RoPE to them)",
+        err=True,
+    )
+    return base.replace(context_policy="refuse")
 
 
 def _items(text: str) -> list[str]:

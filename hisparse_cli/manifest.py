@@ -85,7 +85,11 @@ class ManifestError(Exception):
         engine: dict[str, Any] | None = None,
         engine_origin: Entry | None = None,
     ) -> None:
-        self.problems = list(problems)
+        # in reading order: the command line's first, then each file's by line (stable)
+        self.problems = sorted(
+            problems,
+            key=lambda p: (p.line is not None, str(p.file) if p.line is not None else "", p.line or 0),
+        )
         self.engine = engine or {}
         self.engine_origin = engine_origin
         super().__init__("\n".join(str(p) for p in self.problems))

@@ -16,7 +16,8 @@ message is data, never a control token). ``max_completion_tokens`` is an alias o
 
 A bad line (not JSON, wrong shape, bad field, a ``custom_id`` already used on an earlier
 line) is rejected with the file and line (:class:`Rejected`); the rest of the batch runs,
-and the rejected request gets an error line in the output file.
+the rejected request gets an error line in the output file (:func:`rejected_line`) and the
+run's summary counts it (``refused``).
 
 Output, ``batch_output.jsonl`` in the output directory, one line per request (OpenAI
 "batch request output" object; the same shape vLLM's ``run-batch`` writes)::
@@ -30,7 +31,11 @@ Output, ``batch_output.jsonl`` in the output directory, one line per request (Op
      "error": null}
 
 A job that failed has ``"response": null`` and ``"error": {"code": ..., "message": ...}``.
-Source of the format: the OpenAI API reference, "Batch" -> "The request input object" and
+A rejected line's error also has ``line`` (its line number in the input file) and, where
+one field is at fault, ``param`` (the fields of the OpenAI batch's ``errors.data`` objects);
+a line refused for a duplicate ``custom_id`` has ``"custom_id": null`` (its id is in the
+message and ``param`` is ``custom_id``), so each ``custom_id`` of the output file is the
+one request that ran under it. Source of the format: the OpenAI API reference, "Batch" -> "The request input object" and
 "The request output object" (``BatchRequestInput``/``BatchRequestOutput`` in its OpenAPI spec).
 """
 
@@ -91,6 +96,8 @@ class Rejected:
     line: int
     custom_id: str | None
     message: str
+    duplicate: bool = False
+    """The line repeats an earlier line's ``custom_id`` (that line's request runs)."""
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}: {self.message}; this request is skipped"
@@ -239,7 +246,7 @@ def read_batch(
                 f"duplicate custom_id {parsed.custom_id!r} (first on line "
                 f"{first[parsed.custom_id]}; line {number} is refused)"
             )
-            rejected.append(Rejected(file, number, parsed.custom_id, message))
+            rejected.append(Rejected(file, number, parsed.custom_id, message, duplicate=True))
         else:
             first[parsed.custom_id] = number
             requests.append(parsed)
@@ -326,14 +333,20 @@ def output_line(record: Mapping[str, Any] | None, custom_id: str, model: str) ->
 
 
 def rejected_line(rejected: Rejected) -> dict[str, Any]:
-    """The output object of a rejected line (``custom_id`` ``null`` when it had none)."""
+    """The output object of a rejected line: ``custom_id`` ``null`` when it had none or
+    when it repeats an earlier line's (whose answer holds that ``custom_id``); the error
+    object has the input's ``line`` and, for a duplicate, ``param: "custom_id"`` (as the
+    OpenAI batch's ``errors.data`` objects: ``code``, ``message``, ``param``, ``line``)."""
     digest = hashlib.sha256(f"{rejected.file}:{rejected.line}".encode()).hexdigest()
     message = f"{rejected.file}:{rejected.line}: {rejected.message}"
+    error: dict[str, Any] = {"code": "invalid_request", "message": message, "line": rejected.line}
+    if rejected.duplicate:
+        error["param"] = "custom_id"
     return {
         "id": f"batch_req_{digest[:24]}",
-        "custom_id": rejected.custom_id,
+        "custom_id": None if rejected.duplicate else rejected.custom_id,
         "response": None,
-        "error": {"code": "invalid_request", "message": message},
+        "error": error,
     }
 
 

@@ -12,6 +12,9 @@ from typing import Annotated, Literal
 import typer
 
 JOBS, SAMPLING, ENGINE, OUTPUT, TEXT = "Jobs", "Sampling", "Engine", "Output", "Input text"
+AUDIT = "Audit"
+"""The audit options' own panel: beside the on/off flags of ``Output`` (their ``--no-`` forms
+take a column) their long names would be cut at 80 columns."""
 
 
 def default_is(value: str) -> str:
@@ -43,14 +46,19 @@ ManifestFile = Annotated[
 Model = Annotated[
     str | None,
     typer.Option(
-        help="Model file (GGUF) or folder; default: the embedded SmolLM2-135M-Instruct.",
+        help="Model file (GGUF) or folder." + default_is("the embedded SmolLM2-135M-Instruct"),
+        show_default=False,
         rich_help_panel=JOBS,
     ),
 ]
 Task = Annotated[
     Literal["summarize", "answer", "extract", "custom"] | None,
     typer.Option(
-        help="Built-in task (default summarize; custom with --prompt).", rich_help_panel=JOBS
+        metavar="NAME",  # not TASK: typer 0.27 takes a metavar equal to the name as the flag
+        help="Built-in task: summarize, answer (with --question), extract (with --fields) or "
+        "custom (with --prompt)." + default_is("summarize"),
+        show_default=False,
+        rich_help_panel=JOBS,
     ),
 ]
 Prompt = Annotated[
@@ -105,6 +113,7 @@ Stop = Annotated[
 Preset = Annotated[
     str,
     typer.Option(
+        metavar="NAME|FILE",
         help="Hardware preset name or YAML file (see `hisparse presets`); auto picks the "
         "preset matching this machine's CUDA devices (cpu without CUDA).",
         rich_help_panel=ENGINE,
@@ -202,8 +211,11 @@ Threads = Annotated[
     typer.Option(
         "--threads",
         min=1,
-        help="CPU threads for torch (num_threads); 1 avoids oversubscription on a shared or "
-        "small CPU box." + default_is("torch's default (all cores; split between CPU workers)"),
+        help="CPU threads for torch (num_threads; OMP_NUM_THREADS also sets it)."
+        + default_is(
+            "the free cores of a CPU run: the cores less the 1-minute load average, at least "
+            "1 (all of them on an idle box); several CPU devices split the cores"
+        ),
         show_default=False,
         rich_help_panel=ENGINE,
     ),
@@ -251,7 +263,7 @@ Audit = Annotated[
         "run dense attention over the job's whole KV; the results line gets top-1 agreement, "
         "KL and the attention mass kept (audit_steps)." + default_is("0, off"),
         show_default=False,
-        rich_help_panel=OUTPUT,
+        rich_help_panel=AUDIT,
     ),
 ]
 AuditSeed = Annotated[
@@ -260,7 +272,7 @@ AuditSeed = Annotated[
         min=0,
         help="Seed of the audited steps' choice (audit_seed)." + default_is("0"),
         show_default=False,
-        rich_help_panel=OUTPUT,
+        rich_help_panel=AUDIT,
     ),
 ]
 AuditMinAgreement = Annotated[
@@ -269,7 +281,7 @@ AuditMinAgreement = Annotated[
         min=0.0,
         max=1.0,
         help="Flag a job whose audited top-1 agreement with dense is below this share (0-1).",
-        rich_help_panel=OUTPUT,
+        rich_help_panel=AUDIT,
     ),
 ]
 AuditMaxKl = Annotated[
@@ -280,7 +292,7 @@ AuditMaxKl = Annotated[
         help="Also flag a job whose mean audited KL(dense || sparse) is above this (nats)."
         + default_is("not checked"),
         show_default=False,
-        rich_help_panel=OUTPUT,
+        rich_help_panel=AUDIT,
     ),
 ]
 

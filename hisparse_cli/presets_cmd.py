@@ -7,7 +7,7 @@ The main app calls :func:`register`; the commands stay thin: parse flags, call
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, Literal, NoReturn
 
 import typer
 import yaml
@@ -31,16 +31,29 @@ from engine.presets import (
     resolve_config,
     resolved_preset_dict,
 )
+from hisparse_cli.auto_preset import AUTO, AutoChoice, name_auto, rules
+from hisparse_cli.options import default_is
 
 EXIT_REFUSED = 2
 
 PresetOpt = Annotated[
-    str, typer.Option("--preset", "-p", help="Preset name or YAML file.")
+    str,
+    typer.Option(
+        "--preset",
+        "-p",
+        metavar="NAME|FILE",
+        help="Hardware preset name or YAML file (see `hisparse presets`); auto picks the "
+        "preset matching this machine's CUDA devices (cpu without CUDA), as in `hisparse run`.",
+    ),
 ]
 ModelOpt = Annotated[
     str | None,
     typer.Option(
-        "--model", "-m", help="Model shape name or config.json (default: the preset's)."
+        "--model",
+        "-m",
+        metavar="NAME|FILE",
+        help="Model shape name or config.json." + default_is("the preset's, else smollm2-135m"),
+        show_default=False,
     ),
 ]
 JobsOpt = Annotated[int, typer.Option("--jobs", "-n", min=1, help="Concurrent jobs.")]
@@ -76,29 +89,41 @@ PageSizeOpt = Annotated[
     int | None, typer.Option("--page-size", help="Tokens per page: 16, 32, 64.")
 ]
 KvDtypeOpt = Annotated[
-    str | None, typer.Option("--kv-dtype", help=f"KV dtype: {', '.join(DTYPES)}.")
+    Literal[DTYPES] | None,  # type: ignore[valid-type]  # the choices of engine.config
+    typer.Option("--kv-dtype", help="KV dtype."),
 ]
 KvHostDtypeOpt = Annotated[
-    str | None,
-    typer.Option("--kv-host-dtype", help=f"Host pool records: {', '.join(KV_HOST_DTYPES)}."),
+    Literal[KV_HOST_DTYPES] | None,  # type: ignore[valid-type]
+    typer.Option(
+        "--kv-host-dtype",
+        help="Host KV pool records: bf16 (in the KV dtype) or fp8 (e4m3, one scale per "
+        "token row: half the pinned and link bytes).",
+    ),
 ]
 MaxBatchOpt = Annotated[int | None, typer.Option("--max-batch", help="Decode batch.")]
 PrefillChunkOpt = Annotated[
     int | None, typer.Option("--prefill-chunk", help="Prefill chunk.")
 ]
 AttentionOpt = Annotated[
-    str | None, typer.Option("--attention", help="sparse or dense.")
+    Literal["dense", "sparse"] | None, typer.Option("--attention", help="Attention mode.")
 ]
 HostPoolOpt = Annotated[
     float | None, typer.Option("--host-pool", help="Pinned host pool, GiB.")
 ]
 HostMemoryOpt = Annotated[
     float | None,
-    typer.Option("--host-memory", help="Host RAM, GiB (default: the preset's)."),
+    typer.Option(
+        "--host-memory", help="Host RAM, GiB." + default_is("the preset's"), show_default=False
+    ),
 ]
 ParallelOpt = Annotated[
-    str | None,
-    typer.Option("--parallel", help="data or pipeline (default: the preset's)."),
+    Literal["data", "pipeline"] | None,
+    typer.Option(
+        "--parallel",
+        help="With several devices: data (whole jobs per device) or pipeline (layers split "
+        "across devices)." + default_is("the preset's"),
+        show_default=False,
+    ),
 ]
 JsonOpt = Annotated[
     bool,
@@ -120,13 +145,22 @@ def register(app: typer.Typer) -> None:
 
     @presets_app.command("show")
     def show(
-        name: Annotated[str, typer.Argument(help="Preset name or YAML file.")],
+        name: Annotated[
+            str, typer.Argument(metavar="NAME|FILE", help="Preset name or YAML file, or auto.")
+        ],
     ) -> None:
-        """Print the preset with its engine settings resolved over the defaults, as YAML."""
+        """Print the preset with its engine settings resolved over the defaults, as YAML.
+
+        `presets show auto` prints the preset auto picks on this machine, after a comment saying which and why.
+        """
+        choice = auto_choice(name)
         try:
-            resolved = resolved_preset_dict(name)
+            resolved = resolved_preset_dict(choice.name if choice else name)
         except ConfigError as exc:
             _refuse(str(exc))
+        if choice is not None:  # YAML comments: the output still parses
+            typer.echo(f"# auto: {choice.name} on this machine ({choice.reason})")
+            typer.echo(f"# auto picks: {rules()}")
         typer.echo(yaml.safe_dump(resolved, sort_keys=False), nl=False)
 
     app.add_typer(presets_app, name="presets")
@@ -134,9 +168,9 @@ def register(app: typer.Typer) -> None:
 
 
 def plan_command(
-    preset: PresetOpt,
     jobs: JobsOpt,
     context: ContextOpt,
+    preset: PresetOpt = AUTO,
     model: ModelOpt = None,
     memory_budget: MemoryBudgetOpt = None,
     top_k_tokens: TopKTokensOpt = None,
@@ -154,6 +188,10 @@ def plan_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Plan device and host memory for JOBS concurrent jobs of CONTEXT tokens.
+
+    Example: `hisparse plan --preset dual4090 --model llama2-13b-gqa8 --jobs 8 --context 256K`
+
+    With --preset auto (the default) the plan is for this machine's CUDA devices, as `hisparse run` would pick; the output says which preset that is and why.
 
     Exits 2, with the reason and the nearest feasible setting, when they do not fit.
     """
@@ -175,6 +213,9 @@ def plan_command(
         "attention": attention,
         "host_pool_gb": host_pool,
     }
+    choice = auto_choice(preset)
+    if choice is not None:
+        preset = choice.name
     try:
         loaded = load_preset_full(preset)
         config = resolve_config(loaded, {}, overrides)
@@ -193,13 +234,27 @@ def plan_command(
     except ConfigError as exc:
         _refuse(str(exc))
     if as_json:
-        typer.echo(json.dumps(result.to_dict(), indent=2))
+        named = {"preset": loaded.name} | ({"preset_auto": choice.reason} if choice else {})
+        typer.echo(json.dumps(named | result.to_dict(), indent=2))
     else:
+        if choice is not None:
+            Console().print(f"preset {choice.name} (auto: {choice.reason})", highlight=False)
         _render_plan(result, loaded.name)
     if not result.feasible:
         if not as_json:
             _render_refusal(result)
         raise typer.Exit(EXIT_REFUSED)
+
+
+def auto_choice(preset: str) -> AutoChoice | None:
+    """What ``--preset auto`` stands for on this machine (the one resolution ``hisparse
+    run`` and ``hisparse bench`` use: :func:`hisparse_cli.runner.auto_preset`, which imports
+    torch to probe CUDA); ``None`` for any other preset name or file."""
+    if preset != AUTO:
+        return None
+    from hisparse_cli.runner import auto_preset
+
+    return auto_preset()
 
 
 # ----------------------------------------------------------------------------- render
@@ -225,10 +280,15 @@ def _presets_table() -> Table:
         )
         table.add_row(name, Text.assemble((hardware, "cyan"), "\n", p.description))
         table.add_row("", "")
+    choice = auto_choice(AUTO)
+    assert choice is not None
     table.add_row(
         "auto",
-        "the default of `hisparse run` and `hisparse bench`: the preset matching this "
-        "machine's CUDA devices (count and memory), cpu without CUDA",
+        Text.assemble(
+            (f"here: {choice.name} ({choice.reason})", "cyan"),
+            "\nthe default of `hisparse run`, `bench`, `eval` and `plan`: the preset "
+            f"matching this machine's CUDA devices: {rules()}",
+        ),
     )
     return table
 
@@ -355,5 +415,9 @@ def _render_refusal(result: Plan) -> None:
 
 
 def _refuse(message: str) -> NoReturn:
-    Console(stderr=True).print(f"[red bold]error:[/] {message}", highlight=False)
+    """``error: message`` on stderr (one line, as ``hisparse run``'s: the terminal wraps
+    it), exit 2."""
+    Console(stderr=True, soft_wrap=True).print(
+        f"[red bold]error:[/] {name_auto(message)}", highlight=False
+    )
     raise typer.Exit(EXIT_REFUSED)

@@ -20,9 +20,12 @@ SrcArg = Annotated[
     typer.Argument(
         help="Hugging Face model folder: config.json + *.safetensors (single or sharded).",
         show_default=False,
+        metavar="SRC",
     ),
 ]
-OutArg = Annotated[Path, typer.Argument(help="Output folder (created).", show_default=False)]
+OutArg = Annotated[
+    Path, typer.Argument(help="Output folder (created).", show_default=False, metavar="OUT")
+]
 GroupSizeOpt = Annotated[
     int,
     typer.Option(

@@ -31,6 +31,7 @@ TraceArg = Annotated[
     typer.Argument(
         exists=True,
         dir_okay=False,
+        metavar="TRACES",
         help="Selection trace (hisparse run --trace FILE); with several devices, every "
         "worker's file (FILE.w0.jsonl FILE.w1.jsonl ...).",
     ),
@@ -47,16 +48,16 @@ BufferMultipleOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--buffer-multiple",
-        help="Capacity as a multiple of top_k: repeat or comma-separate (default 1,2,4).",
+        help="Capacity as a multiple of top_k: repeat or comma-separate. [default: 1,2,4]",
     ),
 ]
 PolicyOpt = Annotated[
     list[str] | None,
-    typer.Option("--policy", help="lru, fifo, random, belady: repeat or comma-separate (all)."),
+    typer.Option("--policy", help="lru, fifo, random, belady: repeat or comma-separate. [default: all]"),
 ]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the random policy.")]
 JsonOutOpt = Annotated[
-    Path | None, typer.Option("--json", help="Also write the results as JSON to FILE.")
+    Path | None, typer.Option("--json", metavar="FILE", help="Also write the results as JSON to FILE.")
 ]
 
 
@@ -73,11 +74,11 @@ def replay_command(
     seed: SeedOpt = 0,
     json_out: JsonOutOpt = None,
 ) -> None:
-    """Replay TRACES (the files of one run) through LRU, FIFO, random and Bélády at each
-    hot-buffer size.
+    """Replay TRACES (the files of one run) through LRU, FIFO, random and Bélády at each hot-buffer size.
 
-    Miss rate = misses / selected pages; "warm" leaves out cold misses (first selection
-    of a page). Example: `hisparse replay trace.jsonl --buffer-multiple 1,2,4 --json out.json`
+    Miss rate = misses / selected pages; "warm" leaves out cold misses (first selection of a page).
+
+    Example: `hisparse replay trace.jsonl --buffer-multiple 1,2,4 --json out.json`
     """
     from engine.measure.replay import POLICIES, capacities_from_multiples, load_streams, replay
     from engine.measure.trace import read_traces

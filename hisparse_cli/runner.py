@@ -156,6 +156,20 @@ def free_cpu_threads(config: EngineConfig) -> int | None:
     return free if free < cores else None
 
 
+def with_free_threads(config: EngineConfig) -> tuple[EngineConfig, str | None]:
+    """``config`` with ``num_threads`` set to :func:`free_cpu_threads` when that chose a
+    count, and the line that says so (``None`` when it did not); ``hisparse run`` and
+    ``hisparse eval`` both apply it before the model loads."""
+    threads = free_cpu_threads(config)
+    if not threads:
+        return config, None
+    note = (
+        f"using {threads} of {os.cpu_count()} CPU threads: the others are busy "
+        f"(load {os.getloadavg()[0]:.1f}); --threads N overrides"
+    )
+    return config.replace(num_threads=threads), note
+
+
 def triton_cache_is_cold() -> str:
     """The Triton kernel cache folder when it holds nothing yet (kernels will compile on
     first use: ``$TRITON_CACHE_DIR``, default ``~/.triton/cache``), else ``""``."""
@@ -789,6 +803,7 @@ class BatchRun:
         summary = summarize(
             self.tracker.state, self.clock(), str(self.output_dir), interrupted, self.preset_line
         )
+        summary = dataclasses.replace(summary, refused=len(self.manifest.rejected))
         self.reporter.summary(summary)
         code = exit_code(summary)
         if code == EXIT_OK and self.manifest.rejected:  # a request line was refused
@@ -894,17 +909,18 @@ class BatchRun:
     def _run_engine(self, pending: list[PlannedJob]) -> bool:
         """Load the engine and consume its events; return whether Ctrl-C was pressed."""
         self._warn_oversized(pending)
+        try:  # refused before the "loading model" line (load_engine checks it again)
+            check_host_pool(self.config)
+        except CacheFullError as exc:
+            raise LoadConfigError(str(exc)) from exc
         self.reporter.note(
             f"loading model {self.model_name} ({len(pending)} job(s) to run; "
             f"preset {self.preset_line})"
         )
-        threads = free_cpu_threads(self.config)
-        if threads:  # other processes hold cores: more threads than free cores stall decode
-            self.config = self.config.replace(num_threads=threads)
-            self.reporter.note(
-                f"using {threads} of {os.cpu_count()} CPU threads: the others are busy "
-                f"(load {os.getloadavg()[0]:.1f}); --threads N overrides"
-            )
+        # other processes hold cores: more threads than free cores stall decode
+        self.config, threads_note = with_free_threads(self.config)
+        if threads_note:
+            self.reporter.note(threads_note)
         if self.config.device.startswith("cuda") or self.config.devices:
             cold = triton_cache_is_cold()
             if cold:
@@ -1059,15 +1075,24 @@ class BatchRun:
         self.tracker.update(event)
         self.reporter.on_event(event)
         if isinstance(event, JobFinished):
-            self.tracker.state.jobs.pop(map_id, None)
+            self._retire_map(map_id)
             r = event.result
             if r.finish_reason in SUCCESS_REASONS and not r.error:
                 self.chunker.finished(map_id, r.text)
             else:
                 self._map_failed(map_id, r.error or r.finish_reason)
         elif isinstance(event, JobFailed):
-            self.tracker.state.jobs.pop(map_id, None)
+            self._retire_map(map_id)
             self._map_failed(map_id, event.error)
+
+    def _retire_map(self, map_id: str) -> None:
+        """An ended map job's row leaves the table; its tokens count for its job's results
+        line (:meth:`ChunkScheduler.count`) and for the run (``RunState.map_*_tokens``)."""
+        row = self.tracker.state.jobs.pop(map_id, None)
+        if row is not None:
+            self.chunker.count(map_id, row.prompt_tokens, row.generated)
+            self.tracker.state.map_prompt_tokens += row.prompt_tokens
+            self.tracker.state.map_generated_tokens += row.generated
 
     def _map_failed(self, map_id: str, why: str) -> None:
         job_id = self.chunker.abandon(map_id)
@@ -1134,6 +1159,8 @@ class BatchRun:
         if base is None:
             return
         record = result_record(base, result, self.request.audit_limits)
+        if result.job_id in self.chunker.jobs:  # the whole document's tokens, maps included
+            record = self.chunker.jobs[result.job_id].attribute(record)
         audit = record.get("audit")
         if audit and audit["flagged"]:
             self.reporter.note(
@@ -1170,6 +1197,8 @@ class BatchRun:
             tokens = self.prompt_tokens.get(job_id) or (row.prompt_tokens if row else 0)
             final = self.final.get(job_id) or self._too_long(job_id, tokens)
             record = failure_record({**base, "prompt_tokens": tokens or None, "final": final}, error)
+            if job_id in self.chunker.jobs:  # the map jobs that ran before it failed
+                record = self.chunker.jobs[job_id].attribute(record)
             self._flag_earlier_output(record)
             self.log.append(record)
 

@@ -47,7 +47,10 @@ def preset_overrides(name: str) -> dict[str, Any]:
     try:
         return dict(load_preset(name))
     except (OSError, KeyError, ValueError) as exc:  # ConfigError is a ValueError
-        raise ConfigError(f"preset {name!r}: {exc}") from None
+        from hisparse_cli.auto_preset import name_auto
+
+        text = name_auto(str(exc))  # "unknown preset 'x'; ...": named once, not twice
+        raise ConfigError(text if f"preset {name!r}" in text else f"preset {name!r}: {text}") from None
 
 
 class SettingsError(ConfigError):

@@ -13,6 +13,9 @@ from engine.text.context import CHUNK_SLACK, chunk_document, reduce_document
 from hisparse_cli import testing
 from hisparse_cli.tasks import TaskSpec, build_messages
 
+TOKEN_PARTS = (
+    "map_prompt_tokens", "map_generated_tokens", "reduce_prompt_tokens", "reduce_generated_tokens",
+)  # fmt: skip
 LIMIT = 160  # the fake engine's context limit (tokens = words)
 WORDS = 400
 
@@ -103,6 +106,7 @@ def test_long_document_maps_then_reduces_in_the_batch(cli, long_doc, tmp_path):
     assert set(records) == {"alpha", "long", "beta"}  # map jobs get no results line
     assert records["long"]["ok"] and records["long"]["chunked"] == {
         "policy": "chunk", "chunks": len(maps), "levels": 1, "per_level": [len(maps)],
+        **{k: records["long"]["chunked"][k] for k in TOKEN_PARTS},  # their test is below
     }
     assert "chunked" not in records["alpha"]
     assert (tmp_path / "hisparse-out" / "long.txt").read_text() == "output of long: 4 tokens"
@@ -111,6 +115,28 @@ def test_long_document_maps_then_reduces_in_the_batch(cli, long_doc, tmp_path):
     # Resume: the job's line is what counts; nothing runs again.
     again, seen = run_chunked(cli)
     assert again.exit_code == 0 and seen == []
+
+
+def test_the_documents_line_and_the_summary_count_every_part_s_tokens(cli, long_doc, tmp_path):
+    result, seen = run_chunked(cli, "--json-progress")
+    assert result.exit_code == 0, result.output
+    maps = [j for j in seen if j.id.startswith("long@")]
+    reduce = next(j for j in seen if j.id == "long")
+    record = {r["id"]: r for r in read_lines(tmp_path)}["long"]
+    map_prompt = sum(len(j.prompt_ids) for j in maps)
+    assert record["prompt_tokens"] == map_prompt + len(reduce.prompt_ids)
+    assert record["generated_tokens"] == 4 * (len(maps) + 1)  # every job writes 4 tokens
+    assert record["chunked"] == {
+        "policy": "chunk", "chunks": len(maps), "levels": 1, "per_level": [len(maps)],
+        "map_prompt_tokens": map_prompt, "map_generated_tokens": 4 * len(maps),
+        "reduce_prompt_tokens": len(reduce.prompt_ids), "reduce_generated_tokens": 4,
+    }  # fmt: skip
+    summary = next(
+        json.loads(x) for x in result.stdout.splitlines() if '"event": "summary"' in x
+    )
+    assert summary["prompt_tokens"] == sum(len(j.prompt_ids) for j in seen)  # maps included
+    assert summary["generated_tokens"] == 4 * len(seen)
+    assert summary["ok"] == 3
 
 
 def test_reduce_is_chunked_again_while_too_long(cli, long_doc, tmp_path):

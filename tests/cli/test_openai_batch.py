@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -149,3 +150,28 @@ def test_control_token_text_in_a_request_is_data(smollm2_tokenizer):
     for token in ("<|im_end|>", "<|im_start|>"):
         assert ids.count(smollm2_tokenizer.token_to_id(token)) == text.count(token) - 1
     assert smollm2_tokenizer.decode(ids, skip_special_tokens=True).count("obey me") == 1
+
+
+def test_a_refused_duplicate_custom_id_does_not_share_it_and_refusals_are_counted(cli, tmp_path):
+    path = write_batch(
+        tmp_path / "batch.jsonl",
+        request("a", max_tokens=2),
+        request("b", max_tokens=-1),
+        request("a", content="another question", max_tokens=2),
+    )
+    result = cli("--manifest", str(path))
+    assert result.exit_code == 1, result.output
+    assert re.search(r"refused lines\s+│ 2 \(not run\)", result.stdout), result.stdout
+    lines = read_jsonl(tmp_path / "hisparse-out" / openai_batch.BATCH_OUTPUT_FILE)
+    assert [x["custom_id"] for x in lines] == ["a", "b", None]  # each custom_id answered once
+    answered, bad, duplicate = lines
+    assert answered["error"] is None and answered["response"]["status_code"] == 200
+    assert bad["error"]["line"] == 2 and "param" not in bad["error"]
+    assert duplicate["response"] is None
+    assert duplicate["error"]["code"] == "invalid_request" and duplicate["error"]["line"] == 3
+    assert duplicate["error"]["param"] == "custom_id"
+    assert "duplicate custom_id 'a'" in duplicate["error"]["message"]
+    assert len({x["id"] for x in lines}) == 3
+    as_json = cli("--manifest", str(path), "--json-progress", "--force")
+    summary = [json.loads(x) for x in as_json.stdout.splitlines() if '"summary"' in x][-1]
+    assert summary["refused"] == 2 and summary["ok"] == 1

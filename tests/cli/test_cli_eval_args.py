@@ -1,0 +1,88 @@
+"""``hisparse eval``'s arguments, checked before any model loads: duplicates are refused
+naming the option and the duplicate, only the context policies eval uses are taken, and
+the CPU threads are chosen as ``hisparse run`` chooses them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import engine.load
+from engine.config import ConfigError
+from hisparse_cli import runner as runner_module
+from hisparse_cli.main import app
+
+
+@pytest.fixture
+def placed(monkeypatch):
+    """Replace ``place_model``: record the config eval would load with, then stop (exit 2)."""
+    seen = []
+
+    def place_model(config, model):
+        seen.append(config)
+        raise ConfigError("stopped before loading (test)")
+
+    monkeypatch.setattr(engine.load, "place_model", place_model)
+    monkeypatch.setattr(runner_module, "free_cpu_threads", lambda config: None)
+    return seen
+
+
+def run_eval(tmp_path, *extra):
+    args = ["eval", "--model", str(tmp_path / "none.gguf"), "--preset", "cpu", "-o", str(tmp_path)]
+    return CliRunner().invoke(app, [*args, *extra], catch_exceptions=False)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--tasks", "niah_single,vt,niah_single"), "--tasks: 'niah_single' is given twice"),
+        (("--lengths", "2K,4K,2K"), "--lengths: '2K' is given twice"),
+        (("--lengths", "2K,4K,2048"), "--lengths: '2K' and '2048' are both 2048 tokens"),
+        (("--depths", "0.5,.5"), "--depths: '0.5' and '.5' are the same value"),
+        (("--configs", "dense,sparse,dense"), "--configs: config 'dense' given twice"),
+        (
+            ("--configs", "dense,top_k=512:page=32,page=32:top_k=512"),
+            "--configs: 'top_k=512:page=32' and 'page=32:top_k=512' are the same settings",
+        ),
+    ],
+)
+def test_duplicates_are_refused_before_the_model_loads(tmp_path, placed, args, message):
+    result = run_eval(tmp_path, *args)
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert placed == []  # refused before place_model
+
+
+def test_distinct_values_reach_the_model_load(tmp_path, placed):
+    result = run_eval(tmp_path, "--lengths", "2K,4K", "--tasks", "niah_single,vt")
+    assert result.exit_code == 2 and "stopped before loading (test)" in result.output
+    assert len(placed) == 1
+
+
+@pytest.mark.parametrize("policy", ["truncate", "chunk"])
+def test_context_policies_eval_never_uses_are_refused(tmp_path, placed, policy):
+    result = run_eval(tmp_path, "--context-policy", policy)
+    assert result.exit_code == 2 and "'refuse', 'extend'" in result.output, result.output
+    assert placed == []
+    help_text = CliRunner().invoke(app, ["eval", "--help"], env={"COLUMNS": "200"}).stdout
+    assert "<refuse|extend>" in help_text and "Not truncate or chunk" in help_text
+
+
+def test_a_presets_chunk_policy_is_read_as_refuse_with_a_warning(tmp_path, placed):
+    preset = tmp_path / "chunky.yaml"
+    source = Path(__file__).resolve().parents[2] / "presets" / "cpu.yaml"
+    preset.write_text(
+        source.read_text().replace("engine:\n", "engine:\n  context_policy: chunk\n", 1)
+    )
+    args = ["eval", "--model", str(tmp_path / "none.gguf"), "--preset", str(preset)]
+    result = CliRunner().invoke(app, [*args, "-o", str(tmp_path)], catch_exceptions=False)
+    assert "context_policy 'chunk' (from the preset) does not apply to eval" in result.output
+    assert placed and placed[0].context_policy == "refuse"
+
+
+def test_eval_takes_the_free_cpu_threads_as_run_does(tmp_path, placed, monkeypatch):
+    monkeypatch.setattr(runner_module, "free_cpu_threads", lambda config: 1)
+    result = run_eval(tmp_path)
+    assert "using 1 of" in result.output and "--threads N overrides" in result.output
+    assert placed[0].num_threads == 1

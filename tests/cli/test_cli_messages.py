@@ -1,0 +1,66 @@
+"""Wrong inputs as a new user types them: each refusal says what is wrong once, names the
+choices (``auto`` among the presets), reads on one line, and lists a manifest's problems in
+the file's order."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from hisparse_cli import runner as runner_module
+from hisparse_cli.main import app
+
+NARROW = {"COLUMNS": "80"}
+
+
+@pytest.fixture
+def no_load(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(runner_module, "cuda_device_count", lambda: 0)
+    monkeypatch.setattr(runner_module, "load_engine", lambda *a: pytest.fail("model loaded"))
+    (tmp_path / "a.txt").write_text("A short document.\n")
+    return tmp_path
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, list(args), env=NARROW, catch_exceptions=False)
+
+
+def test_an_unknown_preset_is_named_once_with_auto_among_the_choices(no_load):
+    result = invoke("run", "--preset", "nonexistent", "a.txt")
+    assert result.exit_code == 2
+    assert result.stderr.count("'nonexistent'") == 1, result.stderr
+    assert "known presets: auto (picks one for this machine), cpu, " in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("plan", "--preset", "nonexistent", "-n", "1", "-c", "8K"),
+        ("presets", "show", "nonexistent"),
+    ],
+)
+def test_plan_and_presets_refusals_are_one_line_with_auto_named(no_load, args):
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1, result.stderr  # not wrapped at 80 columns
+    assert "known presets: auto (picks one for this machine), cpu, " in result.stderr
+
+
+def test_manifest_problems_are_listed_in_line_order(no_load):
+    (no_load / "m.jsonl").write_text(
+        '{"id": "x", "input": "a.txt"}\n{"id": "y", "inptu": "a.txt"}\nnot json\n'
+    )
+    result = invoke("run", "--manifest", "m.jsonl")
+    assert result.exit_code == 2
+    lines = [line.strip() for line in result.stderr.splitlines() if "m.jsonl:" in line]
+    assert [line.split(":")[1] for line in lines] == ["2", "2", "3"], lines
+    assert "did you mean 'input'?" in lines[0]
+
+
+def test_a_host_pool_over_the_memory_is_refused_before_loading_is_announced(cli, docs, monkeypatch):
+    monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "24")
+    result = cli("docs/alpha.txt", "--host-pool", "1000")
+    assert result.exit_code == 2
+    assert "host KV pool needs 1000.0 GiB but only 24.0 GiB" in result.stderr
+    assert "loading model" not in result.stdout and cli.factory.engines == []

@@ -1,0 +1,78 @@
+"""``hisparse plan --preset auto`` (its default) and ``hisparse presets`` on auto: the same
+resolution as ``hisparse run`` (:func:`hisparse_cli.runner.auto_preset`), said with its
+reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from hisparse_cli import runner as runner_module
+from hisparse_cli.main import app
+
+WIDE = {"COLUMNS": "200"}
+
+
+@pytest.fixture
+def devices(monkeypatch):
+    """Fake this machine's CUDA devices: ``devices(47.4, 47.4)`` is two 48 GB cards."""
+
+    def fake(*memories_gib):
+        monkeypatch.setattr(runner_module, "cuda_device_count", lambda: len(memories_gib))
+        monkeypatch.setattr(runner_module, "cuda_device_memory_gib", lambda i: memories_gib[i])
+
+    fake()  # no CUDA unless a test says so
+    return fake
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, list(args), env=WIDE, catch_exceptions=False)
+
+
+def test_plan_defaults_to_auto_and_says_what_it_resolved_to(devices):
+    devices(47.4, 47.4)
+    result = invoke("plan", "--model", "llama2-13b-gqa8", "--jobs", "8", "--context", "256K")
+    assert result.exit_code == 0, result.output
+    first = result.stdout.splitlines()[0]
+    assert first == "preset dual4090 (auto: 2 CUDA device(s), smallest 47.4 GiB)"
+    assert "on dual4090: 2 x" in result.stdout
+
+
+def test_plan_auto_without_cuda_is_cpu_and_json_names_it(devices):
+    result = invoke("plan", "-p", "auto", "-n", "1", "-c", "8K")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("preset cpu (auto: no CUDA device)\n")
+    data = json.loads(invoke("plan", "-p", "auto", "-n", "1", "-c", "8K", "--json").stdout)
+    assert data["preset"] == "cpu" and data["preset_auto"] == "no CUDA device"
+    named = json.loads(invoke("plan", "-p", "h200", "-n", "1", "-c", "8K", "--json").stdout)
+    assert named["preset"] == "h200" and "preset_auto" not in named
+
+
+def test_plan_auto_is_runs_resolution(devices, monkeypatch):
+    from hisparse_cli.auto_preset import AutoChoice
+
+    asked = []
+
+    def auto_preset(device_flags=()):
+        asked.append(tuple(device_flags))
+        return AutoChoice("h200x2", "faked")
+
+    monkeypatch.setattr(runner_module, "auto_preset", auto_preset)
+    result = invoke("plan", "-n", "1", "-c", "8K")
+    assert result.exit_code == 0 and "preset h200x2 (auto: faked)" in result.stdout
+    assert asked == [()]
+
+
+def test_presets_list_and_show_explain_auto(devices):
+    devices(139.8)
+    listing = invoke("presets").stdout
+    words = " ".join(listing.split())
+    assert "here: h200 (1 CUDA device used, 139.8 GiB)" in words
+    assert ">= 40 -> dual4090" in words and "`plan`" in words
+    shown = invoke("presets", "show", "auto")
+    assert shown.exit_code == 0, shown.output
+    assert shown.stdout.startswith("# auto: h200 on this machine (1 CUDA device used, 139.8 GiB)")
+    assert yaml.safe_load(shown.stdout)["name"] == "h200"  # still YAML
