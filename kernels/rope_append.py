@@ -40,7 +40,14 @@ from kernels._launch import (
     require,
     require_runnable,
 )
-from kernels.append_kv import _unused, append_kv_ref
+from kernels.append_kv import (
+    _fp8_exponent,
+    _pow2,
+    _round_e4m3,
+    _unused,
+    append_kv_ref,
+)
+from kernels.fp8_kv import FP8
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,8 @@ def rope_append_ref(
     *,
     write_pool: bool = True,
     staging: torch.Tensor | None = None,
+    fp8: bool = False,
+    pool_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k at ``positions``, then append the rotated key and ``v``.
 
@@ -105,8 +114,9 @@ def rope_append_ref(
         and value; ``Hq`` a multiple of ``Hkv``; any strides (views of a fused qkv output)
     positions : int ``[B]`` 0-based position of the new token
     rope : :class:`RopeParams`
-    block_table, kv_pool, meta, kv_slots, page_table, slab_ids, write_pool, staging : as
-        :func:`kernels.append_kv.append_kv_ref` (receive the rotated key)
+    block_table, kv_pool, meta, kv_slots, page_table, slab_ids, write_pool, staging, fp8,
+        pool_scale : as :func:`kernels.append_kv.append_kv_ref` (receive the rotated key;
+        with ``fp8`` it is rounded through fp8 where the append rounds it)
 
     Returns
     -------
@@ -126,6 +136,8 @@ def rope_append_ref(
         slab_ids,
         write_pool=write_pool,
         staging=staging,
+        fp8=fp8,
+        pool_scale=pool_scale,
     )
     return q_rot, k_rot
 
@@ -157,6 +169,7 @@ def _rope_append_kernel(
     page_table_ptr,
     slab_ids_ptr,
     staging_ptr,
+    scale_ptr,
     num_kv_heads,
     inv_divisor,
     attention_factor,
@@ -187,6 +200,9 @@ def _rope_append_kernel(
     stride_st_b,
     stride_st_h,
     stride_st_kv,
+    stride_sc_p,
+    stride_sc_h,
+    stride_sc_kv,
     GROUP: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -196,9 +212,13 @@ def _rope_append_kernel(
     WRITE_POOL: tl.constexpr,
     HAS_META: tl.constexpr,
     HAS_STAGING: tl.constexpr,
+    FP8: tl.constexpr,
+    POOL_FP8: tl.constexpr,
 ):
     """One (request, KV head): cos/sin, the rotated key and ``GROUP`` query heads, then
-    the append writes of :func:`kernels.append_kv._append_kv_kernel` (two halves)."""
+    the append writes of :func:`kernels.append_kv._append_kv_kernel` (two halves; with
+    ``FP8`` the rotated key and the value are rounded through fp8 after the staging copy,
+    one scale per row over both halves)."""
     row = tl.program_id(0)
     b = row // num_kv_heads
     h = row % num_kv_heads
@@ -261,13 +281,33 @@ def _rope_append_kernel(
         tl.store(st + stride_st_kv, v1.to(sdt), mask=mask)
         tl.store(st + stride_st_kv + HALF, v2.to(sdt), mask=mask)
 
+    if FP8:  # as _append_kv_kernel: fp32-rounded e4m3 values, exact power-of-two scales
+        k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
+        v1f, v2f = v1.to(tl.float32), v2.to(tl.float32)
+        ek = tl.maximum(_fp8_exponent(k1f, mask), _fp8_exponent(k2f, mask))
+        ev = tl.maximum(_fp8_exponent(v1f, mask), _fp8_exponent(v2f, mask))
+        k1r, k2r = _round_e4m3(k1f * _pow2(-ek)), _round_e4m3(k2f * _pow2(-ek))
+        v1r, v2r = _round_e4m3(v1f * _pow2(-ev)), _round_e4m3(v2f * _pow2(-ev))
+        vdt = v1.dtype
+        k1, k2 = (k1r * _pow2(ek)).to(dt), (k2r * _pow2(ek)).to(dt)
+        v1, v2 = (v1r * _pow2(ev)).to(vdt), (v2r * _pow2(ev)).to(vdt)
+
     if WRITE_POOL:
         rec = pool_ptr + pool_page * stride_pool_p + h * stride_pool_h + off * stride_pool_s + offs
-        pdt = pool_ptr.dtype.element_ty
-        tl.store(rec, k1.to(pdt), mask=mask)
-        tl.store(rec + HALF, k2.to(pdt), mask=mask)
-        tl.store(rec + stride_pool_kv, v1.to(pdt), mask=mask)
-        tl.store(rec + stride_pool_kv + HALF, v2.to(pdt), mask=mask)
+        if POOL_FP8:
+            tl.store(rec, k1r.to(tl.float8e4nv), mask=mask)
+            tl.store(rec + HALF, k2r.to(tl.float8e4nv), mask=mask)
+            tl.store(rec + stride_pool_kv, v1r.to(tl.float8e4nv), mask=mask)
+            tl.store(rec + stride_pool_kv + HALF, v2r.to(tl.float8e4nv), mask=mask)
+            sc = scale_ptr + pool_page * stride_sc_p + h * stride_sc_h + off
+            tl.store(sc, ek.to(tl.int8))
+            tl.store(sc + stride_sc_kv, ev.to(tl.int8))
+        else:
+            pdt = pool_ptr.dtype.element_ty
+            tl.store(rec, k1.to(pdt), mask=mask)
+            tl.store(rec + HALF, k2.to(pdt), mask=mask)
+            tl.store(rec + stride_pool_kv, v1.to(pdt), mask=mask)
+            tl.store(rec + stride_pool_kv + HALF, v2.to(pdt), mask=mask)
 
     if HAS_META:
         mdt = meta_ptr.dtype.element_ty
@@ -312,6 +352,8 @@ def rope_append(
     *,
     write_pool: bool = True,
     staging: torch.Tensor | None = None,
+    fp8: bool = False,
+    pool_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`rope_append_ref`: same arguments and results, one launch.
 
@@ -326,8 +368,8 @@ def rope_append(
         ``D`` (views of a fused qkv output are read in place); ``D`` even
     positions : int32/int64 ``[B]``
     rope : :class:`RopeParams` with ``inv_freq`` float32 ``[D / 2]`` contiguous on the device
-    block_table, kv_pool, meta, kv_slots, page_table, slab_ids, write_pool, staging : as
-        :func:`kernels.append_kv.append_kv`
+    block_table, kv_pool, meta, kv_slots, page_table, slab_ids, write_pool, staging, fp8,
+        pool_scale : as :func:`kernels.append_kv.append_kv`
 
     Returns
     -------
@@ -342,7 +384,8 @@ def rope_append(
     check_tensor("v", v, 3, FLOAT_DTYPES)
     check_tensor("positions", positions, 1, INDEX_DTYPES, unit_last=False)
     check_tensor("block_table", block_table, 2, INDEX_DTYPES)
-    check_tensor("kv_pool", kv_pool, 5, FLOAT_DTYPES)
+    pool_fp8 = kv_pool.dtype == FP8
+    check_tensor("kv_pool", kv_pool, 5, (*FLOAT_DTYPES, FP8) if fp8 else FLOAT_DTYPES)
     b, hq, d = q.shape
     hkv = k.shape[1]
     s = kv_pool.shape[3]
@@ -381,6 +424,13 @@ def rope_append(
         not write_pool or host_visible(kv_pool, dev),
         f"kv_pool on {kv_pool.device} is not addressable from {dev}",
     )
+    write_scale = write_pool and pool_fp8
+    if write_scale:
+        require(pool_scale is not None, "an fp8 kv_pool needs pool_scale")
+        check_tensor("pool_scale", pool_scale, 4, (torch.int8,))
+        check_shape("pool_scale", pool_scale, (kv_pool.shape[0], hkv, 2, s))
+        require(host_visible(pool_scale, dev), f"pool_scale on {pool_scale.device} is not addressable from {dev}")
+    scale = pool_scale if write_scale else _unused(k, 4)  # never dereferenced then
     has_slots = kv_slots is not None
     require(
         has_slots == (page_table is not None) == (slab_ids is not None),
@@ -422,6 +472,7 @@ def rope_append(
         page_table,
         slab_ids,
         staging,
+        scale,
         hkv,
         1.0 / float(rope.position_divisor),
         float(rope.attention_factor),
@@ -452,6 +503,9 @@ def rope_append(
         staging.stride(0),
         staging.stride(1),
         staging.stride(2),
+        scale.stride(0),
+        scale.stride(1),
+        scale.stride(2),
         GROUP=hq // hkv,
         HALF=d // 2,
         BLOCK_HALF=next_pow2(d // 2),
@@ -461,6 +515,8 @@ def rope_append(
         WRITE_POOL=write_pool,
         HAS_META=has_meta,
         HAS_STAGING=has_staging,
+        FP8=fp8,
+        POOL_FP8=write_scale,
         num_warps=1,
     )
     return q_out, k_out

@@ -202,6 +202,7 @@ class DecodeAttention:
                 c.slots[layer] if hier else None,
                 c.page_table[layer] if hier else None,
                 plan.slab_ids if hier else None,
+                **fp8,
             )
         else:
             self.ops.append_kv(
@@ -339,9 +340,10 @@ class DecodeAttention:
             self.ops.append_kv(
                 k, v, pos, table, pool, c.meta[layer], write_pool=False, staging=staging, **fp8
             )
-        else:  # not with fp8 records (Engine.fused_rope)
+        else:
             q, k = self.ops.rope_append(
-                q, k, v, pos, rope, table, pool, c.meta[layer], write_pool=False, staging=staging
+                q, k, v, pos, rope, table, pool, c.meta[layer], write_pool=False,
+                staging=staging, **fp8,
             )
         k_st, v_st = staging[:, :, 0], staging[:, :, 1]
         c.run_late(lambda: self.ops.append_kv(k_st, v_st, pos, table, pool, None, **fp8))

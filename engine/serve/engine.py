@@ -171,9 +171,12 @@ class Engine:
             if config.async_decode is not None
             else model.device.type == "cuda"
         )
-        # RoPE fused into the decode append where the model and the records allow it
-        # (not Gemma's two RoPE bases, not fp8 records: their append quantises unrotated).
-        self.fused_rope = getattr(model, "fused_rope", False) and not self.cache.fp8
+        # RoPE fused into the decode append where the model allows it (not Gemma's two
+        # RoPE bases); fp8 records round from kv_dtype, so there only where it is the
+        # activations' dtype (the fused kernel takes q, k and v in one dtype).
+        self.fused_rope = getattr(model, "fused_rope", False) and (
+            not self.cache.fp8 or self.cache.dtype == getattr(model, "dtype", None)
+        )
         self._inflight: StepHandle | None = None
         self._last_read = 0.0
         self._prefilled_since_read = False

@@ -646,11 +646,15 @@ ROPE_CASES = [
 
 
 @pytest.mark.parametrize("b,hq,hkv,d,kind,dtype", ROPE_CASES, ids=str)
-@pytest.mark.parametrize("mode", ["write-through", "pool-only", "staging"])
+@pytest.mark.parametrize(
+    "mode", ["write-through", "pool-only", "staging", "fp8-write-through", "fp8-staging"]
+)
 def test_rope_append_matches_reference(b, hq, hkv, d, kind, dtype, mode):
     """RoPE + append in one launch: the rotated q and k match the reference to float32
     cos/sin rounding, and every write (pool, metadata, resident tail slot, staging) is bit
-    for bit :func:`append_kv_ref` of the returned key. Outputs are poisoned (NaN) first."""
+    for bit :func:`append_kv_ref` of the returned key — with ``fp8`` too (an fp8 pool and
+    its scale exponents; one scale per row over both RoPE halves). Outputs are poisoned
+    (NaN) first."""
     gen = torch.Generator().manual_seed(b * 100 + d)
     s, p_max, per_slab = 16, 6, 4
     p_pool = b * p_max + 3
@@ -664,7 +668,11 @@ def test_rope_append_matches_reference(b, hq, hkv, d, kind, dtype, mode):
         "meta": torch.randn(p_pool, hkv, 2, d, generator=gen).sort(dim=2).values.to(dtype),
     }
     kw = {}
-    if mode == "write-through":
+    if mode.startswith("fp8"):
+        args["kv_pool"], args["pool_scale"] = _fp8_pool(p_pool, hkv, s, d, gen)
+        kw["fp8"] = True
+        k.mul_(40)  # rows of different magnitudes than v's
+    if mode.endswith("write-through"):
         num_slabs = b * hkv + 1
         slab_ids = torch.randperm(num_slabs, generator=gen)[: b * hkv].view(b, hkv).int()
         page_table = torch.full((num_slabs, p_max), -1, dtype=torch.int32)
@@ -678,7 +686,7 @@ def test_rope_append_matches_reference(b, hq, hkv, d, kind, dtype, mode):
             "page_table": page_table,
             "slab_ids": slab_ids,
         }
-    if mode == "staging":
+    if mode.endswith("staging"):
         args["staging"] = torch.full((b, hkv, 2, d), float("nan"), dtype=dtype)
         kw["write_pool"] = False
     rope = _rope_params(d, kind)
@@ -693,9 +701,12 @@ def test_rope_append_matches_reference(b, hq, hkv, d, kind, dtype, mode):
     # The writes are exactly the append of the kernel's own rotated key.
     own = {n: t.clone() for n, t in args.items()}
     append_kv_ref(k_rot.cpu(), v, **own, **kw)
-    for name in ("kv_pool", "meta", "kv_slots", "staging"):
+    for name in ("kv_pool", "pool_scale", "meta", "kv_slots", "staging"):
         if name in own:
-            assert bits_equal(own[name], dev[name].cpu()), f"{name} differs"
+            a, b_ = own[name], dev[name].cpu()
+            if a.dtype == FP8:
+                a, b_ = a.view(torch.uint8), b_.view(torch.uint8)
+            assert bits_equal(a, b_), f"{name} differs"
 
 
 def test_rope_append_far_positions_without_writes():

@@ -439,7 +439,8 @@ def _llama3_params(d: int) -> RopeParams:
 
 @pytest.mark.parametrize("b,hq,hkv,d", [(32, 9, 3, 64), (3, 28, 4, 128), (1, 4, 2, 80)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_rope_append_cuda_into_pinned_pool(b, hq, hkv, d, dtype):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-pool", "fp8-pool"])
+def test_rope_append_cuda_into_pinned_pool(b, hq, hkv, d, dtype, fp8):
     """RoPE + append at 128K positions into a pinned host pool with resident tail slots:
     q and k within the dtype's rounding of the reference (cos/sin rounding aside they
     are computed with the same roundings), every write bit for bit ``append_kv_ref`` of
@@ -460,23 +461,33 @@ def test_rope_append_cuda_into_pinned_pool(b, hq, hkv, d, dtype):
     )
     page_table[slab_ids[-1]] = -1  # the last request's tail page is not resident
     pool = torch.randn(p_pool, hkv, 2, s, d, generator=gen).to(dtype)
+    scale = None
+    if fp8:
+        pool, scale = fp8_quantize_ref(pool.float() * 8)
     meta = torch.randn(p_pool, hkv, 2, d, generator=gen).sort(dim=2).values.to(dtype)
     slots = torch.randn(b * hkv * per_slab, 2, s, d, generator=gen).to(dtype)
     rope = _llama3_params(d)
     dev_args = (pos.to(DEV), rope, table.to(DEV))
-    q_ref, k_ref = rope_append_ref(q, k, v, *dev_args, pool.clone().to(DEV), meta.clone().to(DEV))
+    kw = {"fp8": True} if fp8 else {}
+    q_ref, k_ref = rope_append_ref(q, k, v, *dev_args, pool.clone().to(DEV), meta.clone().to(DEV),
+                                   pool_scale=scale.clone().to(DEV) if fp8 else None, **kw)
     pool_host, meta_dev, slots_dev = pool.clone().pin_memory(), meta.to(DEV), slots.to(DEV)
+    scale_host = scale.clone().pin_memory() if fp8 else None
     q_rot, k_rot = rope_append(
-        q, k, v, *dev_args, pool_host, meta_dev, slots_dev, page_table.to(DEV), slab_ids.to(DEV)
+        q, k, v, *dev_args, pool_host, meta_dev, slots_dev, page_table.to(DEV), slab_ids.to(DEV),
+        pool_scale=scale_host, **kw,
     )
     torch.cuda.synchronize()
     assert_close(q_rot, q_ref, ATOL[dtype])
     assert_close(k_rot, k_ref, ATOL[dtype])
-    own = [pool.clone(), meta.clone(), slots.clone()]
-    append_kv_ref(k_rot.cpu(), v.cpu(), pos, table, own[0], own[1], own[2], page_table, slab_ids)
+    own = [pool.clone(), meta.clone(), slots.clone(), scale.clone() if fp8 else None]
+    append_kv_ref(k_rot.cpu(), v.cpu(), pos, table, own[0], own[1], own[2], page_table, slab_ids,
+                  pool_scale=own[3], **kw)
     assert bits_equal(own[0], pool_host)
     assert bits_equal(own[1], meta_dev.cpu())
     assert bits_equal(own[2], slots_dev.cpu())
+    if fp8:
+        assert bits_equal(own[3], scale_host)
 
 
 @pytest.mark.xfail(
