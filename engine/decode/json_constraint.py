@@ -39,6 +39,7 @@ closing ``}`` ends the job (finish reason ``stop``).
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -367,6 +368,24 @@ class _StateMasks:
     plain: bool
     here: int
     most: int  # the largest closing bytes after any allowed token
+    empty: bool  # no token is allowed at all
+
+
+class _SortedTokens:
+    """Token ids in byte order: an implicit trie (tokens sharing a prefix are adjacent)."""
+
+    def __init__(self, ids: list[int], data: list[bytes]):
+        order = sorted(range(len(ids)), key=data.__getitem__)
+        self.ids = [ids[k] for k in order]
+        self.data = [data[k] for k in order]
+
+    def after_prefix(self, prefix: bytes, lo: int) -> int:
+        """Index of the first token (from ``lo``) that does not start with ``prefix``."""
+        head = prefix.rstrip(b"\xff")
+        if not head:
+            return len(self.data)
+        upper = head[:-1] + bytes([head[-1] + 1])
+        return bisect.bisect_left(self.data, upper, lo)
 
 
 class TokenVocabulary:
@@ -383,26 +402,29 @@ class TokenVocabulary:
         self.size = len(token_bytes)
         self.bytes: list[bytes | None] = [t if t else None for t in token_bytes]
         plain = torch.zeros(self.size, dtype=torch.bool)
-        self.not_plain: list[int] = []  # ids that may still be valid inside a string
-        self.by_first: dict[int, list[int]] = {}
+        every: list[int] = []
+        not_plain: list[int] = []  # ids that may still be valid inside a string
         for i, t in enumerate(self.bytes):
             if t is None:
                 continue
-            self.by_first.setdefault(t[0], []).append(i)
+            every.append(i)
             if plain_string_token(t):
                 plain[i] = True
             else:
-                self.not_plain.append(i)
+                not_plain.append(i)
         self.plain = plain
+        self.every = _SortedTokens(every, [self.bytes[i] for i in every])
+        self.not_plain = _SortedTokens(not_plain, [self.bytes[i] for i in not_plain])
 
 
 class GrammarMasks:
     """Per-state allowed-token masks of ``grammar`` over ``vocab``, cached (at most
     ``max_states`` states, least recently used dropped).
 
-    Cost: a state seen before is a dictionary look-up; a new state runs the automaton
-    over the tokens that can start there (every token whose first byte it takes; inside a
-    string only the tokens that are not plain string text). See docs/performance.md.
+    Cost: a state seen before is a dictionary look-up; a new state walks the automaton
+    down the vocabulary's implicit trie (tokens in byte order; a prefix the grammar refuses
+    skips every token under it), inside a string only over the tokens that are not plain
+    string text. See docs/performance.md.
     """
 
     def __init__(self, grammar: JsonObjectGrammar, vocab: TokenVocabulary, max_states: int = 512):
@@ -427,24 +449,43 @@ class GrammarMasks:
         self.computed += 1
         g, vocab = self.grammar, self.vocab
         plain = g.in_plain_string(state)
-        if plain:
-            candidates = vocab.not_plain
-        else:
-            firsts = [b for b in vocab.by_first if g.step(state, b) is not None]
-            candidates = [i for b in firsts for i in vocab.by_first[b]]
-        ids, closing = [], []
-        for i in candidates:
-            after = g.run(state, vocab.bytes[i])
-            if after is not None:
-                ids.append(i)
-                closing.append(g.closing_bytes(after))
+        ids, closing = self._walk(state, vocab.not_plain if plain else vocab.every)
         here = g.closing_bytes(state)
         full = vocab.plain.clone() if plain else torch.zeros(vocab.size, dtype=torch.bool)
         ids_t = torch.tensor(ids, dtype=torch.long)
         full[ids_t] = True
         closing_t = torch.tensor(closing, dtype=torch.long)
         most = max(closing + ([here] if plain else []), default=0)
-        return _StateMasks(full, ids_t, closing_t, plain, here, most)
+        empty = not ids and not (plain and bool(vocab.plain.any()))
+        return _StateMasks(full, ids_t, closing_t, plain, here, most, empty)
+
+    def _walk(self, state: tuple, tokens: _SortedTokens) -> tuple[list[int], list[int]]:
+        """The ids of ``tokens`` the grammar takes from ``state`` and the closing bytes
+        after each: a depth-first walk of the implicit trie, reusing the states of the
+        prefix shared with the previous token."""
+        g, data = self.grammar, tokens.data
+        ids, closing = [], []
+        path = [state]  # path[d]: the state after the first d bytes of ``prev``
+        prev = b""
+        i, n = 0, len(data)
+        while i < n:
+            t = data[i]
+            shared, most = 0, min(len(prev), len(t), len(path) - 1)
+            while shared < most and prev[shared] == t[shared]:
+                shared += 1
+            del path[shared + 1 :]
+            s = path[shared]
+            for d in range(shared, len(t)):
+                s = g.step(s, t[d])
+                if s is None:  # no token under t[: d + 1] is allowed
+                    i, prev = tokens.after_prefix(t[: d + 1], i + 1), t[:d]
+                    break
+                path.append(s)
+            else:
+                ids.append(tokens.ids[i])
+                closing.append(g.closing_bytes(s))
+                i, prev = i + 1, t
+        return ids, closing
 
     def allowed(self, state: tuple, tokens_left: int) -> torch.Tensor:
         """Bool ``[V]``: the tokens allowed next in ``state`` when ``tokens_left`` tokens
@@ -486,11 +527,10 @@ class JsonConstraint:
         or ``None`` when nothing is enforced (see the class)."""
         if self.state is None or self.done:
             return None
-        mask = self.masks.allowed(self.state, tokens_left)
-        if not bool(mask.any()):
+        if self.masks.masks(self.state).empty:
             self.state, self.gave_up = None, "no token of the vocabulary continues the object"
             return None
-        return mask
+        return self.masks.allowed(self.state, tokens_left)
 
     def advance(self, token_id: int) -> None:
         """Feed the generated ``token_id``."""

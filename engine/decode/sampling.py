@@ -32,7 +32,18 @@ def masked_greedy(
     """``greedy`` int64 ``[B]`` (the argmax of float ``logits [B, V]``) with each row ``i``
     of ``allowed`` (row -> bool ``[V]``) replaced by the argmax over its allowed tokens
     (lowest id on ties, as ``torch.argmax``). Other rows keep their token. Returns a new
-    tensor on ``greedy``'s device; one small upload of the ``[len(allowed), V]`` masks."""
+    tensor on ``greedy``'s device.
+
+    On the CPU a row whose unmasked argmax is allowed keeps it (the same token: the lowest
+    id of the row's maximum is then also the lowest allowed one), so only rows the mask
+    overrules pay for a masked argmax over ``V``. On a GPU the rows' masks go up in one
+    ``[len(allowed), V]`` copy and one masked argmax runs on the device (no sync)."""
+    if logits.device.type == "cpu":
+        out = greedy.clone()
+        for i, keep in allowed.items():
+            if not bool(keep[int(greedy[i])]):
+                out[i] = mask_logits(logits[i], keep).argmax()
+        return out
     rows = sorted(allowed)
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     mask = torch.stack([allowed[i] for i in rows])

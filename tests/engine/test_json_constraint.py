@@ -410,32 +410,89 @@ def test_engine_without_token_bytes_fails_the_job_clearly(tiny_model):
 
 @pytest.mark.cuda
 def test_cuda_graph_steps_mask_constrained_rows_and_chain_the_rest():
-    """On CUDA (graph replays): constrained replies parse, unconstrained rows get the
-    same tokens as without their constrained neighbours, and a batch without constrained
-    jobs still chains its steps on the device."""
+    """On CUDA: a step whose batch holds constrained jobs replays its CUDA graph, then takes
+    the masked argmax of those rows (one upload of their masks) and is read before the next
+    launch; the replies parse. The unconstrained rows get bit for bit the tokens of a run
+    whose constrained jobs are replaced by free jobs of the same lengths (the same batches
+    step by step). A batch without constrained jobs still chains its steps on the device."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from engine.model.llama import LlamaModel
     from engine.model.rope import Rope
     from engine.weights.synthetic import TINY, synthetic_weights
 
-    cfg = dataclasses.replace(TINY, vocab_size=V)
+    shape = dict(num_layers=3, hidden_size=256, num_heads=8, num_kv_heads=2, head_dim=64)
+    cfg = dataclasses.replace(TINY, intermediate_size=512, vocab_size=V, **shape)
     weights = synthetic_weights(cfg, device="cuda")
-    model = LlamaModel(weights, torch.device("cuda"), torch.bfloat16, "int4", Rope(cfg.head_dim, cfg.rope_theta))  # noqa: E501
-    alone_engine = _engine(model, True, device="cuda")
-    assert alone_engine.graphs is not None, alone_engine.graphs_off_reason
-    chained = []
-    launch = alone_engine.launch_step
+    rope = Rope(cfg.head_dim, cfg.rope_theta)
+    model = LlamaModel(weights, torch.device("cuda"), torch.bfloat16, "int4", rope)
 
-    def traced(batch, prev=None):
-        chained.append(prev is not None)
-        return launch(batch, prev)
+    def engine(async_decode):
+        eng = _engine(model, async_decode, device="cuda")
+        assert eng.graphs is not None, eng.graphs_off_reason
+        eng.eos_ids = frozenset()  # free twins must not stop early at <|im_end|>
+        calls = []
+        launch, replay = eng.launch_step, eng.graphs.launch
 
-    alone_engine.launch_step = traced
-    alone = _run(alone_engine, [j for j in _jobs(False) if j.sampling.temperature == 0])
-    assert any(chained)
-    mixed = _run(_engine(model, True, device="cuda"), _jobs(True))
-    for job_id, r in alone.items():
-        assert mixed[job_id].token_ids == r.token_ids, job_id
-    for job_id, k in {"json-greedy": KEYS, "json-sampled": ("a\"b", "é"), "json-tight": KEYS}.items():
-        assert _parses_as_object(mixed[job_id].text, k), mixed[job_id].text
+        def traced_launch(batch, prev=None):
+            constrained = any(r.constraint is not None for r in batch)
+            calls.append(("chained" if prev is not None else "launch", constrained))
+            return launch(batch, prev)
+
+        def traced_replay(*args, **kwargs):
+            out = replay(*args, **kwargs)
+            calls.append(("replay", out is not None))
+            return out
+
+        eng.launch_step, eng.graphs.launch = traced_launch, traced_replay
+        return eng, calls
+
+    free_engine, calls = engine(True)
+    _run(free_engine, [j for j in _jobs(False) if j.sampling.temperature == 0])
+    assert ("chained", False) in calls
+
+    jobs = _jobs(True)
+    keys = {"json-greedy": KEYS, "json-sampled": ("a\"b", "é"), "json-tight": KEYS}
+    async_engine, calls = engine(True)  # asked for, but batches with constrained rows not chained
+    asynchronous = _run(async_engine, jobs)
+    assert ("replay", True) in calls and ("launch", True) in calls
+    assert ("chained", True) not in calls
+    mixed_engine, calls = engine(False)
+    mixed = _run(mixed_engine, jobs)
+    for job_id, k in keys.items():
+        for run in (mixed, asynchronous):
+            assert run[job_id].finish_reason == "stop", run[job_id].text
+            assert _parses_as_object(run[job_id].text, k), run[job_id].text
+
+    def twin(job):
+        n = len(mixed[job.id].token_ids)
+        return dataclasses.replace(job, json_keys=None, sampling=dataclasses.replace(job.sampling, max_tokens=n))
+
+    twins = _run(engine(False)[0], [twin(j) if j.json_keys else j for j in jobs])
+    for job_id in ("free0", "free1", "free2"):
+        assert mixed[job_id].token_ids == twins[job_id].token_ids, job_id
+    assert twins["json-greedy"].token_ids != mixed["json-greedy"].token_ids  # the mask acted
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_masked_greedy_is_the_argmax_over_the_allowed_tokens(device):
+    from engine.decode.sampling import masked_greedy
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (5, 50), generator=gen).float().to(device)  # many ties
+    greedy = logits.argmax(dim=-1)
+    allowed = {}
+    for i in (0, 2, 3):
+        allowed[i] = torch.rand(50, generator=gen) < 0.3
+    allowed[3][int(greedy[3])] = True  # an argmax the mask keeps
+    allowed[0][int(greedy[0])] = False  # one it overrules
+    out = masked_greedy(logits, greedy, allowed).cpu()
+    for i in range(5):
+        if i in allowed:
+            ids = allowed[i].nonzero().flatten()
+            best = logits[i].cpu()[ids]
+            assert int(out[i]) == int(ids[(best == best.max()).nonzero()[0, 0]])  # lowest id
+        else:
+            assert int(out[i]) == int(greedy[i])
