@@ -98,8 +98,8 @@ class StepHandle:
     t_launch: float
     audits: list[ev.AuditStep] = field(default_factory=list)  # this step's audited rows
     audit_seconds: dict[str, float] = field(default_factory=dict)  # job id -> audit time
+    allowed: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> bool [V] mask
     t_done: float = 0.0  # when the host saw the step done (end of launch on the CPU)
-    allowed: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Engine:
@@ -753,11 +753,11 @@ class Engine:
             done.record()
             stacked = host
         handle = StepHandle(
-            list(batch), self.step, logits, greedy, stacked, done, t_launch, audits, seconds,
-            allowed=allowed,
+            list(batch), self.step, logits, greedy, stacked, done, t_launch, audits, seconds
         )
         if done is None:  # the CPU ran the step in the launch
             handle.t_done = time.monotonic()
+        handle.allowed = allowed  # the JSON-constrained rows' masks, for sampling
         return handle
 
     def read_step(self, handle: StepHandle) -> tuple[list[int], list[int], list[int], list[int]]:
