@@ -131,3 +131,17 @@ def test_fields_run_end_to_end_gives_the_parsed_object(cli, docs, tmp_path, tiny
     assert free.exit_code == 0, free.output
     (line,) = read_results(tmp_path / "free")
     assert line["data"] is None and line["data_error"]  # random weights: no object unaided
+
+
+def test_manifest_field_lists_are_constrained_and_repeats_refused(cli, docs, tmp_path):
+    (tmp_path / "jobs.yaml").write_text(
+        "jobs:\n  - {id: a, input: docs/alpha.txt, task: extract, fields: [topic, year]}\n"
+        "  - {id: b, input: docs/beta.txt, task: extract, fields: 'topic and year as JSON'}\n"
+    )
+    factory = testing.fake_engine_factory()
+    assert cli("--manifest", "jobs.yaml", engine=factory).exit_code == 0
+    keys = {job.id: job.json_keys for job in factory.engines[0].seen}
+    assert keys == {"a": ("topic", "year"), "b": None}
+    result = cli("docs/alpha.txt", "--task", "extract", "--fields", "topic,year,topic")
+    assert result.exit_code == 2 and "--fields" in result.stderr
+    assert "repeats field name(s) 'topic'" in result.stderr
