@@ -357,12 +357,14 @@ def plain_string_token(data: bytes) -> bool:
 
 @dataclass(frozen=True)
 class _StateMasks:
-    """What one grammar state allows: ``full`` bool ``[V]`` (no budget); the tokens run
-    through the automaton with the closing bytes after each (``ids``, ``closing`` int64
-    ``[n]``); ``plain`` whether the vocabulary's plain-string tokens are allowed too
-    (each leaves the state, hence its closing bytes ``here``, unchanged)."""
+    """What one grammar state allows: the tokens run through the automaton with the
+    closing bytes after each (``ids``, ``closing`` int64 ``[n]``); ``plain`` whether the
+    vocabulary's plain-string tokens are allowed too (each leaves the state, hence its
+    closing bytes ``here``, unchanged), and then ``dense``, the whole bool ``[V]`` mask
+    (kept only for these few states; the others' masks are built from ``ids`` when asked,
+    so the cache holds ``n`` ids per state rather than ``V`` bytes)."""
 
-    full: torch.Tensor
+    dense: torch.Tensor | None
     ids: torch.Tensor
     closing: torch.Tensor
     plain: bool
@@ -451,13 +453,15 @@ class GrammarMasks:
         plain = g.in_plain_string(state)
         ids, closing = self._walk(state, vocab.not_plain if plain else vocab.every)
         here = g.closing_bytes(state)
-        full = vocab.plain.clone() if plain else torch.zeros(vocab.size, dtype=torch.bool)
         ids_t = torch.tensor(ids, dtype=torch.long)
-        full[ids_t] = True
+        dense = None
+        if plain:
+            dense = vocab.plain.clone()
+            dense[ids_t] = True
         closing_t = torch.tensor(closing, dtype=torch.long)
         most = max(closing + ([here] if plain else []), default=0)
         empty = not ids and not (plain and bool(vocab.plain.any()))
-        return _StateMasks(full, ids_t, closing_t, plain, here, most, empty)
+        return _StateMasks(dense, ids_t, closing_t, plain, here, most, empty)
 
     def _walk(self, state: tuple, tokens: _SortedTokens) -> tuple[list[int], list[int]]:
         """The ids of ``tokens`` the grammar takes from ``state`` and the closing bytes
@@ -491,15 +495,25 @@ class GrammarMasks:
         """Bool ``[V]``: the tokens allowed next in ``state`` when ``tokens_left`` tokens
         (this one included) may still be generated: those after which the object can be
         finished in ``tokens_left - 1`` tokens. Where no token can (a budget below the
-        object's closing bytes) the budget is ignored."""
+        object's closing bytes) the budget is ignored. The tensor may be shared with the
+        cache: read it, do not write to it."""
         m = self.masks(state)
-        if m.most <= tokens_left - 1:
-            return m.full
         room = tokens_left - 1
-        mask = self.vocab.plain.clone() if m.plain and m.here <= room else (
-            torch.zeros(self.vocab.size, dtype=torch.bool))  # fmt: skip
-        mask[m.ids[m.closing <= room]] = True
-        return mask if bool(mask.any()) else m.full
+        if m.most <= room:
+            return m.dense if m.dense is not None else self._mask_of(m.ids)
+        if m.plain and m.here <= room:
+            mask = self.vocab.plain.clone()
+            mask[m.ids[m.closing <= room]] = True
+            return mask
+        picked = m.ids[m.closing <= room]
+        if picked.numel() == 0:  # the budget cannot be met: ignored
+            return m.dense if m.dense is not None else self._mask_of(m.ids)
+        return self._mask_of(picked)
+
+    def _mask_of(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(self.vocab.size, dtype=torch.bool)
+        mask[ids] = True
+        return mask
 
 
 class JsonConstraint:
