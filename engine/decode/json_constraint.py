@@ -403,18 +403,16 @@ class TokenVocabulary:
     def __init__(self, token_bytes: Sequence[bytes | None]):
         self.size = len(token_bytes)
         self.bytes: list[bytes | None] = [t if t else None for t in token_bytes]
-        plain = torch.zeros(self.size, dtype=torch.bool)
         every: list[int] = []
+        plain: list[int] = []  # ids whose bytes leave a string's plain state unchanged
         not_plain: list[int] = []  # ids that may still be valid inside a string
         for i, t in enumerate(self.bytes):
             if t is None:
                 continue
             every.append(i)
-            if plain_string_token(t):
-                plain[i] = True
-            else:
-                not_plain.append(i)
-        self.plain = plain
+            (plain if plain_string_token(t) else not_plain).append(i)
+        self.plain = torch.zeros(self.size, dtype=torch.bool)
+        self.plain[torch.tensor(plain, dtype=torch.long)] = True
         self.every = _SortedTokens(every, [self.bytes[i] for i in every])
         self.not_plain = _SortedTokens(not_plain, [self.bytes[i] for i in not_plain])
 
