@@ -10,7 +10,8 @@ Request lifecycle:
    running batch go on between turns.
 4. decode — every running request advances one token per step through
    :class:`engine.decode.attention.DecodeAttention`.
-5. finished — stop token / stop string / max_tokens (or cancelled / failed); pages and
+5. finished — stop token / stop string / max_tokens / the closing ``}`` of a JSON-constrained
+   reply (``Job.json_keys``) (or cancelled / failed); pages and
    slabs are released and the next job is admitted.
 """
 

@@ -373,10 +373,24 @@ def _run(engine, jobs):
     return out
 
 
+@pytest.fixture(scope="module")
+def runs(tiny_model):
+    """``runs(async_decode, constrained)``: the engine's results for :func:`_jobs`, each
+    configuration run once per module."""
+    done = {}
+
+    def get(async_decode: bool, constrained: bool):
+        key = (async_decode, constrained)
+        if key not in done:
+            done[key] = _run(_engine(tiny_model, async_decode), _jobs(constrained))
+        return done[key]
+
+    return get
+
+
 @pytest.mark.parametrize("async_decode", [False, True], ids=["sync", "async"])
-def test_engine_replies_parse_and_neighbours_are_unaffected(tiny_model, async_decode):
-    alone = _run(_engine(tiny_model, async_decode), _jobs(False))
-    mixed = _run(_engine(tiny_model, async_decode), _jobs(True))
+def test_engine_replies_parse_and_neighbours_are_unaffected(runs, async_decode):
+    alone, mixed = runs(async_decode, False), runs(async_decode, True)
     for job_id, r in alone.items():
         assert mixed[job_id].token_ids == r.token_ids, job_id
     keys = {"json-greedy": KEYS, "json-sampled": ("a\"b", "é"), "json-tight": KEYS}
@@ -389,7 +403,7 @@ def test_engine_replies_parse_and_neighbours_are_unaffected(tiny_model, async_de
     with pytest.raises(json.JSONDecodeError):
         json.loads(short.text)
     # the same constrained jobs in both schedules give the same replies
-    other = _run(_engine(tiny_model, not async_decode), _jobs(True))
+    other = runs(not async_decode, True)
     assert {k: r.token_ids for k, r in other.items()} == {k: r.token_ids for k, r in mixed.items()}
 
 
