@@ -13,9 +13,16 @@ includes the upload of the ``[rows, V]`` bool masks). Reported: the one-time voc
 read, the first job's steps (cold: every new grammar state builds its mask), a second
 job with the same keys (warm cache), the budget-tight final steps, and the masked argmax.
 
+With ``--engine`` it also runs the embedded model (on CUDA when there is one) over a batch
+of ``--batch`` copies of an extract prompt, greedy, ``--steps`` tokens each: once all free,
+once with one job constrained to the keys (``Job.json_keys``); the mean step time of the
+steady steps (whole batch, no prefill turn, no graph capture) of each shows what a
+constrained row costs the batch (host mask, upload, masked argmax, and on CUDA the lost
+chaining of steps).
+
 Usage::
 
-    python scripts/bench_json_mask.py [--rows 8] [--out bench_json_mask.json]
+    python scripts/bench_json_mask.py [--rows 8] [--engine --batch 8 --steps 64] [--out bench_json_mask.json]
 
 Prints a table and writes JSON.
 """
@@ -112,10 +119,52 @@ def _masked_argmax_us(vocab_size: int, rows: int, device: str, overrule: bool) -
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def _engine_steps(batch: int, steps: int) -> dict:
+    """Mean steady step time (ms) of ``batch`` greedy jobs, free and with one constrained."""
+    from engine.config import EngineConfig, SamplingParams
+    from engine.events import DecodeStep, Job, JobFinished
+    from engine.load import load_engine
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    cfg = EngineConfig(device=device, dtype=dtype, kv_dtype=dtype, host_pool_gb=2.0,
+                       max_batch=batch, num_threads=1)  # fmt: skip
+    engine = load_engine(cfg)
+    engine.eos_ids = frozenset()  # free jobs run their whole budget: the batch stays whole
+    document = "Quarterly report, Acme Corp, Q3 2026. Revenue rose 12% to 4.1 million dollars."
+    messages = [{"role": "user", "content": f"<document>\n{document}\n</document>\n\n"
+                 f"Extract {', '.join(KEYS)} as one JSON object."}]  # fmt: skip
+    prompt = tuple(engine.tokenizer.encode_chat(messages))
+    out = {"device": device, "batch": batch, "steps": steps}
+    for name, constrained in (("free", False), ("one_constrained", True)):
+        jobs = [
+            Job(f"j{i}", prompt, SamplingParams(max_tokens=steps),
+                json_keys=KEYS if constrained and i == 0 else None)
+            for i in range(batch)
+        ]  # fmt: skip
+        times, texts = [], {}
+        for event in engine.run(jobs):
+            if isinstance(event, DecodeStep):
+                steady = not event.with_prefill and not getattr(event, "graph_capture", False)
+                if steady and event.batch_size == batch:
+                    times.append(event.step_s)
+            elif isinstance(event, JobFinished):
+                texts[event.result.job_id] = event.result.text
+        out[name] = {"steady_steps": len(times), "mean_step_ms": 1e3 * statistics.fmean(times)
+                     if times else None}  # fmt: skip
+        if constrained:
+            out["constrained_reply"] = texts.get("j0")
+    engine.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=8, help="constrained rows in the masked argmax")
     ap.add_argument("--out", default="bench_json_mask.json")
+    ap.add_argument("--engine", action="store_true", help="also time whole decode steps")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=64)
     args = ap.parse_args()
     torch.set_num_threads(1)
     tok = TextTokenizer.from_gguf(default_model_path())
@@ -162,6 +211,15 @@ def main() -> None:
             f"{r['masked_argmax_cpu_kept_us']:9.0f} {r['masked_argmax_cpu_overruled_us']:10.0f} "
             f"{'-' if gpu is None else f'{gpu:7.0f}':>7}"
         )
+    engine = _engine_steps(args.batch, args.steps) if args.engine else None
+    if engine is not None:
+        free, one = (f"{engine[k]['mean_step_ms'] or float('nan'):.2f}" for k in
+                     ("free", "one_constrained"))  # fmt: skip
+        print(f"engine on {engine['device']}, batch {args.batch}, greedy: steady step "
+              f"{free} ms free, {one} ms with one constrained job "
+              f"({engine['free']['steady_steps']} / {engine['one_constrained']['steady_steps']} "
+              "steps)")  # fmt: skip
+        print(f"constrained reply: {engine['constrained_reply']!r}")
     doc = {
         "machine": platform.node(),
         "cpu": platform.processor() or platform.machine(),
@@ -169,6 +227,7 @@ def main() -> None:
         "threads": 1,
         "reply_tokens": [len(r) for r in replies],
         "results": results,
+        "engine": engine,
     }
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
