@@ -18,6 +18,8 @@ class Job:
 
     prompt_ids: token ids of the full rendered prompt, ``[T]`` ints.
     key: opaque string identifying input content + settings (used for resume).
+    json_keys: when set, the reply is constrained to one JSON object with exactly these
+    keys, in this order (:mod:`engine.decode.json_constraint`); ``None``: free text.
     """
 
     id: str
@@ -25,6 +27,7 @@ class Job:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     input_path: str = ""
     meta: dict = field(default_factory=dict)
+    json_keys: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

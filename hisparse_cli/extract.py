@@ -7,6 +7,13 @@ object in prose or a Markdown code fence; the first ``{`` that starts a complete
 object is taken. With field names (``--fields a,b`` or a manifest list) every name must
 be a key of it (other keys are kept); with schema text or no fields any object passes.
 A failed parse leaves the job ``ok`` (its text is on the line and in ``<id>.txt``).
+
+With field names the reply is also *decoded* under a constraint
+(:mod:`engine.decode.json_constraint`, through ``Job.json_keys``): every token is masked
+to a JSON object with exactly those keys in that order, closed within ``max_new_tokens``,
+so the reply is that object and this parse finds it. The parse still runs on every reply
+(a pipeline-parallel run, or a ``max_new_tokens`` below the object's punctuation, is not
+held to the grammar) and is the only thing that puts ``data`` on the results line.
 """
 
 from __future__ import annotations

@@ -104,6 +104,10 @@ def settings_hash(
         "engine": output_settings(config),
         "text": text_options,
     }
+    if task.task == "extract" and isinstance(task.fields, tuple):
+        # the reply is decoded constrained to the JSON object (engine.decode.json_constraint):
+        # not the output an unconstrained run of the same job wrote
+        payload["reply"] = "json-object"
     return _sha256_json(payload)
 
 

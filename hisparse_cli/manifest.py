@@ -696,7 +696,12 @@ def _check_input(value: Any) -> str | None:
 
 
 def _check_fields(value: Any) -> str | None:
-    return _check_strings(value, "a list of field names or schema text")
+    found = _check_strings(value, "a list of field names or schema text")
+    if found is None and isinstance(value, list):  # the keys of one JSON object: distinct
+        repeated = sorted({v for v in value if value.count(v) > 1})
+        if repeated:
+            return f"repeats field name(s) {', '.join(map(repr, repeated))}"
+    return found
 
 
 def _check_stop(value: Any) -> str | None:

@@ -69,7 +69,8 @@ Fields = Annotated[
     str | None,
     typer.Option(
         help="Comma-separated field names for --task extract (e.g. title,date,total): the "
-        "reply is parsed into a JSON object with these keys, the results line's data.",
+        "reply is decoded constrained to one JSON object with exactly these keys, in order; "
+        "the parsed object is the results line's data.",
         rich_help_panel=JOBS,
     ),
 ]

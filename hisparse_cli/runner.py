@@ -928,6 +928,13 @@ class BatchRun:
                     f"compiling the GPU kernels on first use ({cold} is empty; later runs "
                     "reuse it): the first steps take longer"
                 )
+        if self.config.parallel == "pipeline" and len(self.config.devices or ()) > 1:
+            if any(json_keys(j.spec) for j in pending):
+                self.reporter.note(
+                    "--parallel pipeline does not constrain --fields replies to the JSON "
+                    "object; they are only validated afterwards (--parallel data does)",
+                    "warning",
+                )
         started = self.clock()
         try:
             engine = load_engine(self.config, self.request.model)
@@ -1009,7 +1016,7 @@ class BatchRun:
             return []
         meta = {"key": planned.key, "output": spec.output}
         source = str(spec.inputs[0]) if spec.inputs else spec.origin
-        return [Job(spec.id, prompt_ids, spec.sampling, source, meta)]
+        return [Job(spec.id, prompt_ids, spec.sampling, source, meta, json_keys(spec))]
 
     # ----- context_policy chunk (hisparse_cli.chunking) ------------------------------
     def _messages_of(self, spec: Any) -> Callable[[str], list[dict]]:
@@ -1037,7 +1044,7 @@ class BatchRun:
         def make(map_id: str, text: str) -> Job:
             meta = {"key": key, "output": spec.output, "chunk_of": spec.id}
             ids = tuple(encode(messages(text)))
-            return Job(map_id, ids, spec.sampling, str(spec.inputs[0]), meta)
+            return Job(map_id, ids, spec.sampling, str(spec.inputs[0]), meta, json_keys(spec))
 
         jobs = self.chunker.maps(spec.id, chunks, make)
         self.records[spec.id]["chunked"] = self.chunker.jobs[spec.id].summary()
@@ -1066,7 +1073,7 @@ class BatchRun:
         self.chunker.close(job_id)
         self.prompt_tokens[job_id] = len(ids)
         meta = {"key": key, "output": spec.output}
-        return [Job(job_id, ids, spec.sampling, str(spec.inputs[0]), meta)]
+        return [Job(job_id, ids, spec.sampling, str(spec.inputs[0]), meta, json_keys(spec))]
 
     def _handle_map(self, event: Event, map_id: str) -> None:
         """An event of a map job: shown (its row leaves the table when it ends); its text
@@ -1241,6 +1248,16 @@ class BatchRun:
                 "(Ctrl-C or SIGTERM again to stop now)",
                 "warning",
             )
+
+
+def json_keys(spec: Any) -> tuple[str, ...] | None:
+    """The keys a job's reply is constrained to (``Job.json_keys``): the field names of
+    ``--task extract --fields a,b`` (or a manifest list); ``None`` for every other job
+    (schema text, no fields, other tasks: free text, validated afterwards if extract)."""
+    task = spec.task
+    if spec.messages is None and task.task == "extract" and isinstance(task.fields, tuple):
+        return task.fields
+    return None
 
 
 def exit_code(summary: RunSummary) -> int:

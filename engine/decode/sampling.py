@@ -1,6 +1,9 @@
 """Next-token sampling per request: greedy at temperature 0, else temperature, top-k and
 top-p (nucleus, Holtzman et al. 2019, arXiv:1904.09751) with a per-request seeded
-``torch.Generator`` so a job's output depends only on its own seed."""
+``torch.Generator`` so a job's output depends only on its own seed. A request held to a
+grammar (:mod:`engine.decode.json_constraint`) passes its allowed-token mask: the other
+tokens' logits become ``-inf`` before any of that (as llama.cpp's grammar sampler and
+vLLM's structured outputs mask the logits first)."""
 
 from __future__ import annotations
 
@@ -16,8 +19,46 @@ def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generato
     return g
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Pick one token from float32 ``logits [V]``.
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``logits [..., V]`` with ``-inf`` where bool ``allowed [..., V]`` is false (a new
+    tensor on ``logits``' device; ``allowed`` may live on the host)."""
+    keep = allowed.to(logits.device, non_blocking=True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def masked_greedy(
+    logits: torch.Tensor, greedy: torch.Tensor, allowed: dict[int, torch.Tensor]
+) -> torch.Tensor:
+    """``greedy`` int64 ``[B]`` (the argmax of float ``logits [B, V]``) with each row ``i``
+    of ``allowed`` (row -> bool ``[V]``) replaced by the argmax over its allowed tokens
+    (lowest id on ties, as ``torch.argmax``). Other rows keep their token. Returns a new
+    tensor on ``greedy``'s device.
+
+    On the CPU a row whose unmasked argmax is allowed keeps it (the same token: the lowest
+    id of the row's maximum is then also the lowest allowed one), so only rows the mask
+    overrules pay for a masked argmax over ``V``. On a GPU the rows' masks go up in one
+    ``[len(allowed), V]`` copy and one masked argmax runs on the device (no sync)."""
+    if logits.device.type == "cpu":
+        out = greedy.clone()
+        for i, keep in allowed.items():
+            if not bool(keep[int(greedy[i])]):
+                out[i] = mask_logits(logits[i], keep).argmax()
+        return out
+    rows = sorted(allowed)
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    mask = torch.stack([allowed[i] for i in rows])
+    picked = mask_logits(logits.index_select(0, index), mask).argmax(dim=-1)
+    return greedy.index_copy(0, index, picked.to(greedy.dtype))
+
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    allowed: torch.Tensor | None = None,
+) -> int:
+    """Pick one token from float32 ``logits [V]`` (among bool ``allowed [V]`` when given:
+    the others' logits are ``-inf`` first).
 
     Greedy (argmax, lowest id on ties) when ``temperature == 0``; otherwise softmax of
     ``logits / temperature`` restricted to exactly the ``top_k`` most likely tokens (when
@@ -34,6 +75,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     int
         The token id, in ``[0, V)``.
     """
+    if allowed is not None:
+        logits = mask_logits(logits, allowed)
     if params.temperature == 0:
         return int(torch.argmax(logits))
     x = logits.float().cpu() / params.temperature

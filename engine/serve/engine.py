@@ -10,7 +10,8 @@ Request lifecycle:
    running batch go on between turns.
 4. decode — every running request advances one token per step through
    :class:`engine.decode.attention.DecodeAttention`.
-5. finished — stop token / stop string / max_tokens (or cancelled / failed); pages and
+5. finished — stop token / stop string / max_tokens / the closing ``}`` of a JSON-constrained
+   reply (``Job.json_keys``) (or cancelled / failed); pages and
    slabs are released and the next job is admitted.
 """
 
@@ -32,7 +33,8 @@ from engine.decode import audit as fidelity
 from engine.decode import indexers
 from engine.decode.attention import DecodeAttention, StepPlan
 from engine.decode.cuda_graph import DecodeGraphs, split_plan, table_width
-from engine.decode.sampling import make_generator, sample
+from engine.decode.json_constraint import JsonConstraint, JsonConstraints
+from engine.decode.sampling import make_generator, masked_greedy, sample
 from engine.kv.cache import KVCache
 from engine.model.llama import LlamaModel, prefill_attention
 from engine.text.context import too_long_message
@@ -68,6 +70,7 @@ class Request:
     prefill_iter: Iterator[int] | None = None  # the layer being prefilled across turns
     audit_at: frozenset[int] = frozenset()  # decode steps to audit (engine.decode.audit)
     audit: fidelity.AuditTally | None = None
+    constraint: JsonConstraint | None = None  # Job.json_keys: the reply's JSON grammar
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +85,9 @@ class StepHandle:
     ``out`` int64 ``[4, B]`` holds, per row, the greedy token, hits, misses and prefetched
     records (pinned host memory filled by an asynchronous copy on CUDA; ``done`` is the
     event after that copy, ``None`` on CPU). ``logits`` float32 ``[B, V]`` (device) are
-    valid until the next launch (a CUDA graph's static buffer) unless cloned.
+    valid until the next launch (a CUDA graph's static buffer) unless cloned. ``allowed``
+    maps the rows of JSON-constrained requests to their bool ``[V]`` masks (host memory):
+    their greedy token in ``out`` is already the masked argmax, and sampling applies it.
     """
 
     batch: list[Request]
@@ -94,12 +99,18 @@ class StepHandle:
     t_launch: float
     audits: list[ev.AuditStep] = field(default_factory=list)  # this step's audited rows
     audit_seconds: dict[str, float] = field(default_factory=dict)  # job id -> audit time
+    allowed: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> bool [V] mask
     t_done: float = 0.0  # when the host saw the step done (end of launch on the CPU)
     captured: bool = False  # the launch captured a CUDA graph (a one-off per batch shape)
 
 
 class Engine:
     """Batch generation over a KV hierarchy.
+
+    Jobs with ``json_keys`` have their logits masked to the JSON grammar
+    (:mod:`engine.decode.json_constraint`) before sampling; a step whose batch holds such
+    a job is read before the next one is launched (the mask of a row's next token needs
+    its last token), so it is never chained on the device.
 
     Parameters
     ----------
@@ -127,6 +138,7 @@ class Engine:
         budget_sizing: KVSizing | None = None,
     ):
         self.model = model
+        self.json = JsonConstraints(tokenizer, model.config.vocab_size)
         self.model_name = model_name or model.config.name
         self.weight_format = weight_format
         self.weights_info = weights_info
@@ -258,10 +270,17 @@ class Engine:
         yield from self.memory_snapshots()
 
     # ----- scheduling --------------------------------------------------------------
+    constrains_json = True  # whether Job.json_keys is enforced (not by the pipeline engine)
+
     def _check_job(self, job: ev.Job) -> str:
         need = len(job.prompt_ids) + job.sampling.max_tokens
         if not job.prompt_ids:
             return "empty prompt"
+        if job.json_keys is not None and self.constrains_json:
+            try:
+                self.json.masks(job.json_keys)
+            except ValueError as exc:
+                return f"cannot constrain the reply to a JSON object: {exc}"
         if need > self.context_limit:
             return too_long_message(
                 len(job.prompt_ids),
@@ -313,6 +332,8 @@ class Engine:
         self._next_seq += 1
         self.cache.allocate(seq_id, len(job.prompt_ids) + job.sampling.max_tokens)
         req = Request(job, seq_id, time.monotonic(), make_generator(job.sampling, seed))
+        if job.json_keys is not None and self.constrains_json:
+            req.constraint = self.json.new(job.json_keys)
         if self.config.audit_steps:
             req.audit = fidelity.AuditTally()
             req.audit_at = fidelity.audit_schedule(
@@ -405,8 +426,11 @@ class Engine:
             yield from self._read(handle, running)
 
     def _greedy_batch(self, batch: list[Request]) -> bool:
-        """Whether every row's next token is the argmax (the device can feed it on)."""
-        return not self.keep_logits and all(r.job.sampling.temperature == 0 for r in batch)
+        """Whether every row's next token is the unconstrained argmax (the device can feed
+        it on)."""
+        return not self.keep_logits and all(
+            r.job.sampling.temperature == 0 and r.constraint is None for r in batch
+        )
 
     def _chainable(self, prev: StepHandle, batch: list[Request]) -> bool:
         return (
@@ -440,6 +464,8 @@ class Engine:
             if r.closed:
                 continue
             r.generated.append(tok)
+            if r.constraint is not None:
+                r.constraint.advance(tok)
             r.hits += h
             r.misses += m
             r.prefetched += p
@@ -500,6 +526,8 @@ class Engine:
         if cut is not None:
             text = text[:cut]
             req.finish_reason = "stop"
+        elif not req.finish_reason and req.constraint is not None and req.constraint.done:
+            req.finish_reason = "stop"  # the JSON object is complete
         elif not req.finish_reason and len(req.generated) >= sp.max_tokens:
             req.finish_reason = "length"
         if req.finish_reason:
@@ -592,7 +620,10 @@ class Engine:
             logits = m.logits(h[-1:])[0]
             req.logits = logits if self.keep_logits else None
             req.hidden = None
-            req.generated.append(sample(logits, req.job.sampling, req.generator))
+            allowed = self._allowed(req)
+            req.generated.append(sample(logits, req.job.sampling, req.generator, allowed))
+            if req.constraint is not None:
+                req.constraint.advance(req.generated[-1])
             req.t_first = time.monotonic()
             req.phase = "decode"
             self.cache.seqs[req.seq_id].num_tokens = t
@@ -711,6 +742,9 @@ class Engine:
             logits = m.logits(h)
             greedy = logits.argmax(dim=-1)
             counters = [self.attn.hits, self.attn.misses, self.attn.prefetched]
+        allowed = {i: a for i, r in enumerate(batch) if (a := self._allowed(r)) is not None}
+        if allowed:  # built on the host while the device runs the step
+            greedy = masked_greedy(logits, greedy, allowed)
         audits, seconds = self._audit(batch, audited, logits, fed, lens) if audited else ([], {})
         for sid in seq_ids:
             seqs[sid].num_tokens += 1
@@ -731,6 +765,7 @@ class Engine:
         handle.captured = self.graphs is not None and self.graphs.captures > captures
         if done is None:  # the CPU ran the step in the launch
             handle.t_done = time.monotonic()
+        handle.allowed = allowed  # the JSON-constrained rows' masks, for sampling
         return handle
 
     def read_step(self, handle: StepHandle) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -746,13 +781,20 @@ class Engine:
         tokens = [
             greedy[i]
             if r.job.sampling.temperature == 0
-            else sample(handle.logits[i], r.job.sampling, r.generator)
+            else sample(handle.logits[i], r.job.sampling, r.generator, handle.allowed.get(i))
             for i, r in enumerate(handle.batch)
         ]
         if self.keep_logits:
             for i, r in enumerate(handle.batch):
                 r.logits = handle.logits[i]
         return tokens, hits, misses, prefetched
+
+    def _allowed(self, req: Request) -> torch.Tensor | None:
+        """Bool ``[V]`` (host) of the tokens ``req``'s JSON grammar allows next, given the
+        tokens it may still generate; ``None`` for an unconstrained request."""
+        if req.constraint is None:
+            return None
+        return req.constraint.allowed(req.job.sampling.max_tokens - len(req.generated))
 
     def _fed_index(self, req: Request) -> int:
         """Tokens generated when ``req``'s next step is launched (``len(generated)`` on a

@@ -192,8 +192,11 @@ class PipelineEngine(Engine):
     ----------
     link : this stage's :class:`StageLink`; ranges : every stage's layers (``n >= 2``);
     other parameters as :class:`~engine.serve.engine.Engine` (``tracer`` records stage 0's
-    layers, ``cache`` holds them).
+    layers, ``cache`` holds them). The last stage samples, unmasked: ``Job.json_keys`` is
+    not enforced here (such replies are only validated afterwards).
     """
+
+    constrains_json = False
 
     def __init__(
         self, model, tokenizer, config, ops, context_limit, tracer=None, cache=None, *,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from test_cli_run import read_results
 
@@ -72,3 +74,74 @@ def test_fields_flag_without_extract_is_refused_naming_the_flag(cli, docs, tmp_p
     assert "only used with tasks 'extract' and 'custom'" in result.stderr
     empty = cli("docs/alpha.txt", "--task", "extract", "--fields", ",")
     assert empty.exit_code == 2 and "--fields" in empty.stderr
+
+
+def test_field_lists_constrain_the_reply_other_jobs_stay_free(cli, docs, tmp_path):
+    factory = testing.fake_engine_factory(texts={"alpha": '{"topic": "sorting", "year": 2024}'})
+    args = ["docs/alpha.txt", "--task", "extract", "--fields", "topic,year", "--output-dir", "a"]
+    assert cli(*args, engine=factory).exit_code == 0
+    assert factory.engines[0].seen[0].json_keys == ("topic", "year")
+    schema = testing.fake_engine_factory()
+    assert cli("docs/alpha.txt", "--task", "extract", "--output-dir", "b", engine=schema).exit_code == 0
+    plain = testing.fake_engine_factory()
+    assert cli("docs/alpha.txt", "--output-dir", "c", engine=plain).exit_code == 0
+    assert schema.engines[0].seen[0].json_keys is None
+    assert plain.engines[0].seen[0].json_keys is None
+
+
+def test_constrained_replies_get_their_own_resume_key():
+    from engine.config import EngineConfig, SamplingParams
+    from hisparse_cli.keys import settings_hash
+
+    def key(fields):
+        spec = TaskSpec(task="extract", fields=fields)
+        return settings_hash(spec, SamplingParams(), "m", EngineConfig(), {})
+
+    assert key(("a",)) != key("a") and key(("a",)) != key(("b",))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from tiny_models import build_hf  # imports transformers: only where needed
+
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    build_hf(folder, "llama", max_position_embeddings=1024)
+    return folder
+
+
+def test_fields_run_end_to_end_gives_the_parsed_object(cli, docs, tmp_path, tiny_llama):
+    """``hisparse run --fields title,summary`` through the real engine on a tiny random
+    Llama (tests/tiny_models.py, a 256-token byte-level vocabulary): the reply is decoded
+    under the JSON constraint, so the results line has the parsed object with both keys
+    even from random weights; the same run without ``--fields`` gives no object."""
+    from engine.load import load_engine
+
+    def tiny(config, model):
+        return load_engine(config, str(tiny_llama))
+
+    args = ["docs/alpha.txt", "--task", "extract", "--max-new-tokens", "40", "--threads", "1"]
+    result = cli(*args, "--fields", "title,summary", engine=tiny)
+    assert result.exit_code == 0, result.output
+    (line,) = read_results(tmp_path / "hisparse-out")
+    assert line["ok"] and line["data_error"] is None, line
+    assert list(line["data"]) == ["title", "summary"]
+    assert line["data"] == json.loads(line["text"])
+    assert line["generated_tokens"] <= 40 and line["finish_reason"] == "stop"
+    free = cli(*args, "--output-dir", "free", engine=tiny)
+    assert free.exit_code == 0, free.output
+    (line,) = read_results(tmp_path / "free")
+    assert line["data"] is None and line["data_error"]  # random weights: no object unaided
+
+
+def test_manifest_field_lists_are_constrained_and_repeats_refused(cli, docs, tmp_path):
+    (tmp_path / "jobs.yaml").write_text(
+        "jobs:\n  - {id: a, input: docs/alpha.txt, task: extract, fields: [topic, year]}\n"
+        "  - {id: b, input: docs/beta.txt, task: extract, fields: 'topic and year as JSON'}\n"
+    )
+    factory = testing.fake_engine_factory()
+    assert cli("--manifest", "jobs.yaml", engine=factory).exit_code == 0
+    keys = {job.id: job.json_keys for job in factory.engines[0].seen}
+    assert keys == {"a": ("topic", "year"), "b": None}
+    result = cli("docs/alpha.txt", "--task", "extract", "--fields", "topic,year,topic")
+    assert result.exit_code == 2 and "--fields" in result.stderr
+    assert "repeats field name(s) 'topic'" in result.stderr
