@@ -328,13 +328,13 @@ def _rope_append_kernel(
     if HAS_SLOTS:
         slab = tl.load(slab_ids_ptr + b * stride_slab_b + h * stride_slab_h).to(tl.int64)
         slot = tl.load(page_table_ptr + slab * stride_pt_slab + page).to(tl.int64)
-        if slot >= 0:
-            rec = slots_ptr + slot * stride_slots_n + off * stride_slots_s + offs
+        if slot >= 0:  # (a name of its own: `rec` may be an fp8 pointer above)
+            tail = slots_ptr + slot * stride_slots_n + off * stride_slots_s + offs
             odt = slots_ptr.dtype.element_ty
-            tl.store(rec, k1.to(odt), mask=mask)
-            tl.store(rec + HALF, k2.to(odt), mask=mask)
-            tl.store(rec + stride_slots_kv, v1.to(odt), mask=mask)
-            tl.store(rec + stride_slots_kv + HALF, v2.to(odt), mask=mask)
+            tl.store(tail, k1.to(odt), mask=mask)
+            tl.store(tail + HALF, k2.to(odt), mask=mask)
+            tl.store(tail + stride_slots_kv, v1.to(odt), mask=mask)
+            tl.store(tail + stride_slots_kv + HALF, v2.to(odt), mask=mask)
 
 
 def rope_append(

@@ -112,10 +112,15 @@ def save_tokenizer(folder: Path) -> None:
 
 
 def build_hf(folder: Path, family: str, seed: int = 0, **overrides):
-    """Save a tiny random ``family`` model to ``folder``; return the float32 model (eval)."""
+    """Save a tiny random ``family`` model to ``folder``; return the float32 model (eval).
+
+    The reference runs transformers' ``eager`` attention: the one that implements every
+    family's attention in full (its ``sdpa`` path drops Gemma 2's attention-logit
+    soft-cap, and which path is the default differs between transformers versions)."""
     cfg_name, model_name, extra = FAMILIES[family]
     torch.manual_seed(seed)
     cfg = getattr(transformers, cfg_name)(**(BASE | extra | overrides))
+    cfg._attn_implementation = "eager"
     model = getattr(transformers, model_name)(cfg)
     randomise(model, seed + 1)
     model.eval()

@@ -523,8 +523,10 @@ def test_fused_kernels_capture_in_cuda_graph():
     r = torch.randn(b, h, generator=gen).bfloat16().to(DEV)
     w = torch.rand(h, generator=gen).to(DEV)
     q, k, v = _rope_inputs(b, hq, hkv, d, torch.bfloat16, gen)
-    pos = torch.arange(b, device=DEV) * s + 3
-    table = torch.arange(b, dtype=torch.int32, device=DEV)[:, None]
+    pos = torch.arange(b, device=DEV) * s + 3  # request i on its page i (and i after +s/2)
+    # every page of request i maps to pool page i ([b, b]: a [b, 1] table was read out of
+    # bounds at page i > 0, and the writes it steered ended in illegal memory accesses)
+    table = torch.arange(b, dtype=torch.int32, device=DEV)[:, None].expand(b, b).contiguous()
     pool = torch.zeros(b, hkv, 2, s, d, device=DEV, dtype=torch.bfloat16)
     rope = _llama3_params(d)
 
