@@ -288,6 +288,36 @@ def _unused(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t.as_strided((1,) * ndim, (0,) * ndim)
 
 
+def check_pool_writes(
+    kv_pool: torch.Tensor, pool_scale: torch.Tensor | None, write_pool: bool, dev, k: torch.Tensor
+) -> tuple[bool, torch.Tensor]:
+    """Checks of the pool-writing kernels' pool arguments (``kv_pool [P_pool, Hkv, 2, S,
+    D]``, fp8 ``pool_scale [P_pool, Hkv, 2, S]``): the pool (and the scales of an fp8
+    pool) addressable from ``dev`` when written. Returns ``(write_scale, scale)``: whether
+    the scales are written, and the scale argument to pass (a placeholder when not).
+
+    Raises
+    ------
+    ValueError : a pool or scale tensor the device cannot reach, or an fp8 pool written
+        without ``pool_scale``
+    """
+    require(
+        not write_pool or host_visible(kv_pool, dev),
+        f"kv_pool on {kv_pool.device} is not addressable from {dev}",
+    )
+    write_scale = write_pool and kv_pool.dtype == FP8
+    if write_scale:
+        _, hkv, _, s, _ = kv_pool.shape
+        require(pool_scale is not None, "an fp8 kv_pool needs pool_scale")
+        check_tensor("pool_scale", pool_scale, 4, (torch.int8,))
+        check_shape("pool_scale", pool_scale, (kv_pool.shape[0], hkv, 2, s))
+        require(
+            host_visible(pool_scale, dev),
+            f"pool_scale on {pool_scale.device} is not addressable from {dev}",
+        )
+    return write_scale, (pool_scale if write_scale else _unused(k, 4))  # unused: never read
+
+
 def append_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -329,7 +359,6 @@ def append_kv(
     check_tensor("v", v, 3, FLOAT_DTYPES)
     check_tensor("positions", positions, 1, INDEX_DTYPES, unit_last=False)
     check_tensor("block_table", block_table, 2, INDEX_DTYPES)
-    pool_fp8 = kv_pool.dtype == FP8
     check_tensor("kv_pool", kv_pool, 5, (*FLOAT_DTYPES, FP8) if fp8 else FLOAT_DTYPES)
     b, hkv, d = k.shape
     s = kv_pool.shape[3]
@@ -353,17 +382,7 @@ def append_kv(
         check_tensor("staging", staging, 4, FLOAT_DTYPES)
         check_shape("staging", staging, (b, hkv, 2, d))
         check_device(dev, staging=staging)
-    require(
-        not write_pool or host_visible(kv_pool, dev),
-        f"kv_pool on {kv_pool.device} is not addressable from {dev}",
-    )
-    write_scale = write_pool and pool_fp8
-    if write_scale:
-        require(pool_scale is not None, "an fp8 kv_pool needs pool_scale")
-        check_tensor("pool_scale", pool_scale, 4, (torch.int8,))
-        check_shape("pool_scale", pool_scale, (kv_pool.shape[0], hkv, 2, s))
-        require(host_visible(pool_scale, dev), f"pool_scale on {pool_scale.device} is not addressable from {dev}")
-    scale = pool_scale if write_scale else _unused(k, 4)  # never dereferenced then
+    write_scale, scale = check_pool_writes(kv_pool, pool_scale, write_pool, dev, k)
     has_slots = kv_slots is not None
     require(
         has_slots == (page_table is not None) == (slab_ids is not None),

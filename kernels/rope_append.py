@@ -34,7 +34,6 @@ from kernels._launch import (
     check_device,
     check_shape,
     check_tensor,
-    host_visible,
     interpreted,
     next_pow2,
     require,
@@ -46,6 +45,7 @@ from kernels.append_kv import (
     _round_e4m3,
     _unused,
     append_kv_ref,
+    check_pool_writes,
 )
 from kernels.fp8_kv import FP8
 
@@ -384,7 +384,6 @@ def rope_append(
     check_tensor("v", v, 3, FLOAT_DTYPES)
     check_tensor("positions", positions, 1, INDEX_DTYPES, unit_last=False)
     check_tensor("block_table", block_table, 2, INDEX_DTYPES)
-    pool_fp8 = kv_pool.dtype == FP8
     check_tensor("kv_pool", kv_pool, 5, (*FLOAT_DTYPES, FP8) if fp8 else FLOAT_DTYPES)
     b, hq, d = q.shape
     hkv = k.shape[1]
@@ -420,17 +419,7 @@ def rope_append(
         check_tensor("staging", staging, 4, FLOAT_DTYPES)
         check_shape("staging", staging, (b, hkv, 2, d))
         check_device(dev, staging=staging)
-    require(
-        not write_pool or host_visible(kv_pool, dev),
-        f"kv_pool on {kv_pool.device} is not addressable from {dev}",
-    )
-    write_scale = write_pool and pool_fp8
-    if write_scale:
-        require(pool_scale is not None, "an fp8 kv_pool needs pool_scale")
-        check_tensor("pool_scale", pool_scale, 4, (torch.int8,))
-        check_shape("pool_scale", pool_scale, (kv_pool.shape[0], hkv, 2, s))
-        require(host_visible(pool_scale, dev), f"pool_scale on {pool_scale.device} is not addressable from {dev}")
-    scale = pool_scale if write_scale else _unused(k, 4)  # never dereferenced then
+    write_scale, scale = check_pool_writes(kv_pool, pool_scale, write_pool, dev, k)
     has_slots = kv_slots is not None
     require(
         has_slots == (page_table is not None) == (slab_ids is not None),
