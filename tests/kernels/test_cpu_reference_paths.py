@@ -123,3 +123,18 @@ def test_gather_reference_copies_the_same_records(dtype):
     want[load_slots[m].long()] = pool[table.long()[bi, load_pages[m].long()], hi]
     gather_ref(pool, slots, table, load_pages, load_slots)
     assert torch.equal(_bits(slots), _bits(want))
+
+
+def test_rope_cos_sin_memo_follows_its_inputs():
+    from kernels.rope_append import RopeParams, _step_cos_sin, rope_cos_sin_ref
+
+    rope = RopeParams(1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)))
+    for pos in ([5], [5], [6], [5, 9]):
+        p = torch.tensor(pos)
+        for got, want in zip(_step_cos_sin(p, rope, torch.float32), rope_cos_sin_ref(p, rope, torch.float32), strict=True):
+            assert torch.equal(got, want)
+    rope.inv_freq.mul_(2.0)  # the table changed in place: no stale result
+    p = torch.tensor([5, 9])
+    assert torch.equal(_step_cos_sin(p, rope, torch.float32)[0], rope_cos_sin_ref(p, rope, torch.float32)[0])
+    other = RopeParams(rope.inv_freq.clone(), attention_factor=0.5)
+    assert torch.equal(_step_cos_sin(p, other, torch.bfloat16)[1], rope_cos_sin_ref(p, other, torch.bfloat16)[1])
