@@ -70,11 +70,35 @@ def quest_head_bounds_ref(
 
 
 def _bound_terms(q: torch.Tensor, meta: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """float32 ``[B, Hkv, G, P_max, D]``: ``max(q_d * kmin_d, q_d * kmax_d)``."""
+    """float32 ``[B, Hkv, G, P_max, D]``: ``max(q_d * kmin_d, q_d * kmax_d)``.
+
+    Computed in a ``[B, Hkv, P_max, G, D]`` buffer (returned as a permuted view; D stays
+    innermost, so a reduction over D alone gives the same bits as over a contiguous
+    ``[.., G, P_max, D]`` tensor): the broadcast products run along contiguous rows, ~2x
+    faster on CPU. The pages' metadata is gathered with ``index_select`` (whole rows).
+    """
     b, hq, d = q.shape
     hkv = meta.shape[1]
+    p_max = block_table.shape[1]
+    qg = q.float().view(b, hkv, 1, hq // hkv, d)
+    idx = block_table.clamp(min=0).reshape(-1).long()
+    pages = meta.index_select(0, idx).float().view(b, p_max, hkv, 2, d).transpose(1, 2)
+    lo = pages[:, :, :, 0, None, :] * qg  # [B, Hkv, P_max, G, D]
+    hi = pages[:, :, :, 1, None, :] * qg
+    return torch.maximum(lo, hi, out=lo).permute(0, 1, 3, 2, 4)
+
+
+def _bound_terms_contiguous(
+    q: torch.Tensor, meta: torch.Tensor, block_table: torch.Tensor
+) -> torch.Tensor:
+    """:func:`_bound_terms` as a contiguous ``[B, Hkv, G, P_max, D]`` tensor (the ``sum``
+    rule reduces over G and D at once, whose order depends on the layout)."""
+    b, hq, d = q.shape
+    hkv = meta.shape[1]
+    p_max = block_table.shape[1]
     qg = q.float().view(b, hkv, hq // hkv, d)
-    pages = meta[block_table.clamp(min=0).long()].float()  # [B, P_max, Hkv, 2, D]
+    idx = block_table.clamp(min=0).reshape(-1).long()
+    pages = meta.index_select(0, idx).float().view(b, p_max, hkv, 2, d)
     kmin = pages[:, :, :, 0].permute(0, 2, 1, 3)  # [B, Hkv, P_max, D]
     kmax = pages[:, :, :, 1].permute(0, 2, 1, 3)
     lo = torch.einsum("bhgd,bhpd->bhgpd", qg, kmin)
@@ -178,7 +202,7 @@ def quest_scores_ref(
     require(combine in GROUP_COMBINES, f"combine must be one of {GROUP_COMBINES}, got {combine!r}")
     if combine == "sum":  # summed over (G, D) at once, as Quest's rule always was here
         p_max = block_table.shape[1]
-        scores = _bound_terms(q, meta, block_table).sum(dim=(2, 4))
+        scores = _bound_terms_contiguous(q, meta, block_table).sum(dim=(2, 4))
         valid = _valid_pages(num_pages, p_max, q.device)
         return scores.masked_fill(~valid[:, None, :], float("-inf"))
     bounds = quest_head_bounds_ref(q, meta, block_table, num_pages)

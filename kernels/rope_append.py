@@ -80,6 +80,33 @@ def rope_cos_sin_ref(
     )
 
 
+_COS_SIN_MEMO: list = []
+"""The last CPU ``(key, rope, cos, sin)`` of :func:`_step_cos_sin`."""
+
+
+def _step_cos_sin(
+    positions: torch.Tensor, rope: RopeParams, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_cos_sin_ref`, remembered for the last CPU call: every layer of a decode
+    step rotates at the same positions with the same table, so on the CPU the ~10 small ops
+    run once a step instead of once a layer. The key holds the positions' values, the
+    table's identity and version and the dtype, so the result is the one the call would
+    compute. On other devices (reading the positions would synchronise) it always computes.
+    """
+    if positions.device.type != "cpu" or positions.numel() > 256:
+        return rope_cos_sin_ref(positions, rope, dtype)
+    inv = rope.inv_freq
+    key = (
+        tuple(positions.tolist()), inv.data_ptr(), inv._version, inv.device,
+        rope.position_divisor, rope.attention_factor, dtype,
+    )  # fmt: skip
+    if _COS_SIN_MEMO and _COS_SIN_MEMO[0] == key and _COS_SIN_MEMO[1] is rope:
+        return _COS_SIN_MEMO[2], _COS_SIN_MEMO[3]
+    cos, sin = rope_cos_sin_ref(positions, rope, dtype)
+    _COS_SIN_MEMO[:] = [key, rope, cos, sin]
+    return cos, sin
+
+
 def rotate_half_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x [T, H, D]`` rotated with ``cos, sin [T, D]``: ``x * cos + rotate_half(x) * sin``,
     as :func:`engine.model.rope.apply_rope`."""
@@ -122,7 +149,7 @@ def rope_append_ref(
     -------
     ``(q_rot [B, Hq, D], k_rot [B, Hkv, D])`` in the inputs' dtype
     """
-    cos, sin = rope_cos_sin_ref(positions, rope, q.dtype)
+    cos, sin = _step_cos_sin(positions, rope, q.dtype)
     q_rot, k_rot = rotate_half_ref(q, cos, sin), rotate_half_ref(k, cos, sin)
     append_kv_ref(
         k_rot,

@@ -1,0 +1,273 @@
+"""CPU speed against llama.cpp: prefill and decode tokens/s of hisparse and llama-cpp-python
+on the same GGUF, the same prompt tokens and the same thread count, in one process.
+
+The prompt is the chat-templated summarisation request of a corpus document
+(``$HISPARSE_CORPUS``, default ``tutorial-controlflow.txt``) whose text is cut so the
+templated prompt holds about ``--prompt-tokens`` tokens (default 8000: with the decoded
+tokens it stays inside SmolLM2's trained 8192, so neither engine extends its context).
+Both engines get the very same token ids (hisparse's tokenizer, which matches llama.cpp's).
+
+hisparse runs through the engine API exactly as ``hisparse run`` drives it on the CPU
+(``resolve_config`` of the preset, ``load_engine``; ``prefill`` then one ``decode_step`` per
+token, greedy). llama-cpp-python (``pip install -e .[bench]``) runs ``Llama.eval`` over the
+prompt (``n_batch`` 512) and then one ``eval`` per greedy token. Load times are excluded.
+
+The engines alternate (hisparse, llama.cpp, hisparse, llama.cpp, ...: ``--rounds``), so
+contention from other processes on a shared box hits both; each row records the 1-minute
+load average and this process's CPU share (CPU seconds / (wall seconds x threads)). The run
+is labelled ``contended`` when a share fell below 0.9 or the load average exceeded the
+threads by more than 0.5. The table reports the best round of each engine and the ratios
+hisparse / llama.cpp.
+
+Usage::
+
+    python scripts/bench_cpu_llamacpp.py [--threads 2] [--prompt-tokens 8000]
+        [--decode-tokens 32] [--rounds 2] [--preset cpu] [--set weight_format=bf16 ...]
+        [--out docs/bench/cpu_llamacpp.json]
+
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from engine.config import SamplingParams
+from engine.events import Job
+from engine.load import load_engine
+from engine.presets import resolve_config
+from engine.weights.embedded import default_model_path
+
+CORPUS = Path(
+    os.environ.get("HISPARSE_CORPUS", Path(__file__).resolve().parents[2] / "shared" / "corpus")
+)
+
+
+def build_prompt(tokenizer, doc: Path, target: int) -> list[int]:
+    """Chat-templated ``Summarize this document`` prompt of at most ``target`` tokens: the
+    document's text is cut at a token boundary (binary search on the kept doc tokens)."""
+    text = doc.read_text(encoding="utf-8")
+    doc_ids = tokenizer.encode(text)
+
+    def prompt(n: int) -> list[int]:
+        body = tokenizer.decode(doc_ids[:n])
+        return tokenizer.encode_chat(
+            [{"role": "user", "content": "Summarize this document:\n\n" + body}]
+        )
+
+    lo, hi = 0, len(doc_ids)
+    if len(prompt(hi)) <= target:
+        return prompt(hi)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(prompt(mid)) <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    return prompt(lo)
+
+
+class Meter:
+    """Wall time, this process's CPU time and the load average around one phase."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+
+    def __enter__(self):
+        self.w0, self.c0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.w0
+        self.cpu = time.process_time() - self.c0
+        self.load = os.getloadavg()[0]
+        self.share = self.cpu / max(1e-9, self.wall * self.threads)
+
+
+def parse_sets(items: list[str]) -> dict:
+    """``key=value`` strings -> EngineConfig overrides (ints, floats, booleans parsed)."""
+    out = {}
+    for item in items:
+        key, _, raw = item.partition("=")
+        value: object = raw
+        for conv in (int, float):
+            try:
+                value = conv(raw)
+                break
+            except ValueError:
+                pass
+        if raw in ("true", "false"):
+            value = raw == "true"
+        out[key] = value
+    return out
+
+
+class Hisparse:
+    name = "hisparse"
+
+    def __init__(self, preset: str, threads: int, prompt_len: int, n_decode: int, sets: dict):
+        overrides = {"num_threads": threads, "max_batch": 1, "host_pool_gb": 1.0}
+        overrides.update(sets)
+        self.config = resolve_config(preset, cli_overrides=overrides)
+        self.engine = load_engine(self.config)
+        self.n_decode = n_decode
+        self.label = f"hisparse ({preset}: {self.engine.weight_format} weights, "
+        self.label += f"{self.config.attention}" + (
+            f" top_k {self.config.top_k}" if self.config.attention == "sparse" else ""
+        ) + ")"
+
+    def run(self, ids: list[int], threads: int) -> dict:
+        eng = self.engine
+        req = eng.open_request(Job("bench", tuple(ids), SamplingParams(max_tokens=self.n_decode + 1)))
+        with Meter(threads) as pre:
+            eng.prefill(req)
+        with Meter(threads) as dec:
+            for _ in range(self.n_decode):
+                req.generated.append(eng.decode_step([req])[0])
+        tokens = list(req.generated)
+        eng.close_request(req)
+        return row(len(ids), self.n_decode, pre, dec, tokens)
+
+
+class LlamaCpp:
+    name = "llama.cpp"
+
+    def __init__(self, path: Path, threads: int, prompt_len: int, n_decode: int):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(
+            model_path=str(path),
+            n_ctx=prompt_len + n_decode + 16,
+            n_batch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
+        self.n_decode = n_decode
+        self.label = f"llama.cpp (llama-cpp-python {llama_cpp.__version__})"
+
+    def run(self, ids: list[int], threads: int) -> dict:
+        import numpy as np
+
+        llm = self.llm
+        n_vocab = llm.n_vocab()
+
+        def greedy() -> int:  # the last position's logits (Llama.scores holds them only
+            # with logits_all=True, which would compute every prompt position's)
+            return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
+
+        llm.reset()
+        with Meter(threads) as pre:
+            llm.eval(ids)
+            tok = greedy()
+        tokens = [tok]
+        with Meter(threads) as dec:
+            for _ in range(self.n_decode):
+                llm.eval([tok])
+                tok = greedy()
+                tokens.append(tok)
+        return row(len(ids), self.n_decode, pre, dec, tokens)
+
+
+def row(n_prompt: int, n_decode: int, pre: Meter, dec: Meter, tokens: list[int]) -> dict:
+    return {
+        "prefill_tok_s": n_prompt / pre.wall,
+        "decode_tok_s": n_decode / dec.wall,
+        "prefill_s": pre.wall,
+        "decode_s": dec.wall,
+        "cpu_share": [round(pre.share, 3), round(dec.share, 3)],
+        "loadavg_1m": [round(pre.load, 2), round(dec.load, 2)],
+        "tokens": tokens,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--doc", type=Path, default=CORPUS / "tutorial-controlflow.txt")
+    ap.add_argument("--prompt-tokens", type=int, default=8000)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--preset", default="cpu")
+    ap.add_argument("--set", dest="sets", action="append", default=[],
+                    help="EngineConfig override for hisparse, key=value (repeatable)")
+    ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("bench_cpu_llamacpp.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    ours = Hisparse(args.preset, args.threads, args.prompt_tokens, args.decode_tokens,
+                    parse_sets(args.sets))
+    ids = build_prompt(ours.engine.tokenizer, args.doc, args.prompt_tokens)
+    engines = [ours]
+    if not args.skip_llamacpp:
+        engines.append(LlamaCpp(default_model_path(), args.threads, len(ids), args.decode_tokens))
+    runs: dict[str, list[dict]] = {e.name: [] for e in engines}
+    for r in range(args.rounds):
+        for e in engines:
+            res = e.run(ids, args.threads)
+            runs[e.name].append(res)
+            print(f"round {r} {e.name}: prefill {res['prefill_tok_s']:.1f} tok/s, decode "
+                  f"{res['decode_tok_s']:.2f} tok/s, cpu share {res['cpu_share']}, "
+                  f"load {res['loadavg_1m']}", flush=True)
+    best = {
+        name: {
+            "prefill_tok_s": max(x["prefill_tok_s"] for x in rs),
+            "decode_tok_s": max(x["decode_tok_s"] for x in rs),
+        }
+        for name, rs in runs.items()
+    }
+    shares = [s for rs in runs.values() for x in rs for s in x["cpu_share"]]
+    loads = [v for rs in runs.values() for x in rs for v in x["loadavg_1m"]]
+    contended = min(shares) < 0.9 or max(loads) > args.threads + 0.5
+    label = "contended" if contended else "quiet"
+    print(f"\n{args.doc.name}: {len(ids)} prompt tokens, {args.decode_tokens} decode tokens, "
+          f"{args.threads} threads, best of {args.rounds} rounds, {label} "
+          f"(load {min(loads):.1f}-{max(loads):.1f}, cpu share >= {min(shares):.2f})")
+    print(f"{'engine':62s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
+    for e in engines:
+        b = best[e.name]
+        print(f"{e.label:62s} {b['prefill_tok_s']:14.1f} {b['decode_tok_s']:13.2f}")
+    ratios = None
+    if "llama.cpp" in best:
+        ratios = {k: best["hisparse"][k] / best["llama.cpp"][k] for k in best["hisparse"]}
+        print(f"{'ratio hisparse / llama.cpp':62s} {ratios['prefill_tok_s']:14.2f} "
+              f"{ratios['decode_tok_s']:13.2f}")
+        a, b = runs["hisparse"][0]["tokens"], runs["llama.cpp"][0]["tokens"]
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        print(f"greedy tokens identical for the first {same} of {len(a)}")
+    report = {
+        "doc": args.doc.name,
+        "prompt_tokens": len(ids),
+        "decode_tokens": args.decode_tokens,
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "preset": args.preset,
+        "overrides": parse_sets(args.sets),
+        "engines": {e.name: e.label for e in engines},
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d"),
+        "loadavg_before": load_before,
+        "contended": contended,
+        "best": best,
+        "ratios": ratios,
+        "runs": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

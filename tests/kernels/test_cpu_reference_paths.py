@@ -1,0 +1,140 @@
+"""The CPU decode path's references gather whole rows (``index_select`` / ``index_copy_``)
+instead of advanced indexing, and compute the Quest bounds in a row-contiguous layout, for
+speed (docs/performance.md, "CPU decode against llama.cpp"). They must give the same bits
+as the plain formulations they replaced, written out here: the CPU results and the
+correctness ladder's figures must not move."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.bitmask import pack_bits, selected_pages
+from kernels.gather import gather_ref
+from kernels.quest_scores import GROUP_COMBINES, combine_group_ref, quest_scores_ref
+from kernels.sparse_attention import sparse_decode_attention_ref
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """Bit pattern of a float tensor (NaN payloads and signed zeros compared too)."""
+    return x.view(torch.int32 if x.dtype == torch.float32 else torch.int16)
+
+
+def _plain_sparse_attention(q, kv_slots, selection, slot_list, seq_lens, scale, softcap, window):
+    b, hq, d = q.shape
+    hkv, k_max = slot_list.shape[1], slot_list.shape[2]
+    s = kv_slots.shape[2]
+    pages = selected_pages(selection, selection.shape[-1] * 32, k_max).long()
+    rec = kv_slots[slot_list.clamp(min=0).long()].float()
+    keys = rec[:, :, :, 0].reshape(b, hkv, k_max * s, d)
+    vals = rec[:, :, :, 1].reshape(b, hkv, k_max * s, d)
+    pos = pages[..., None] * s + torch.arange(s)
+    lens = seq_lens.long()[:, None, None, None]
+    ok = (pages[..., None] >= 0) & (pos < lens)
+    if window:
+        ok &= pos >= lens - window
+    ok = ok.reshape(b, hkv, 1, k_max * s)
+    logits = torch.einsum("bhgd,bhtd->bhgt", q.float().view(b, hkv, hq // hkv, d), keys) * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits.masked_fill(~ok, float("-inf"))
+    vals = vals.masked_fill(~ok.reshape(b, hkv, k_max * s, 1), 0.0)
+    p = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+    out = torch.einsum("bhgt,bhtd->bhgd", p, vals) / p.sum(dim=-1, keepdim=True)
+    return out.reshape(b, hq, d).to(q.dtype)
+
+
+def _plain_bounds(q, meta, block_table):
+    b, hq, d = q.shape
+    hkv = meta.shape[1]
+    qg = q.float().view(b, hkv, hq // hkv, d)
+    pages = meta[block_table.clamp(min=0).long()].float()
+    kmin = pages[:, :, :, 0].permute(0, 2, 1, 3)
+    kmax = pages[:, :, :, 1].permute(0, 2, 1, 3)
+    lo = torch.einsum("bhgd,bhpd->bhgpd", qg, kmin)
+    hi = torch.einsum("bhgd,bhpd->bhgpd", qg, kmax)
+    return torch.maximum(lo, hi)
+
+
+def _plain_quest(q, meta, block_table, num_pages, combine, scale):
+    p_max = block_table.shape[1]
+    valid = torch.arange(p_max)[None, :] < num_pages[:, None]
+    terms = _plain_bounds(q, meta, block_table)
+    if combine == "sum":
+        return terms.sum(dim=(2, 4)).masked_fill(~valid[:, None, :], float("-inf"))
+    b, hq = q.shape[:2]
+    bounds = terms.sum(dim=4).reshape(b, hq, p_max)
+    bounds = bounds.masked_fill(~valid[:, None, :], float("-inf"))
+    return combine_group_ref(bounds, num_pages, meta.shape[1], combine, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(4))
+def test_sparse_attention_reference_bits_unchanged(dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    b, hkv, grp, d, s = 1 + seed % 3, 1 + seed % 3, [1, 3, 4, 2][seed], [16, 64, 128, 64][seed], 16
+    n_slots, p, k_max = 50, 37, 9
+    q = torch.randn(b, hkv * grp, d, generator=g).to(dtype)
+    kv = torch.randn(n_slots, 2, s, d, generator=g).to(dtype)
+    kv[:4] = float("nan")  # slots no row uses, read by the -1 padding (clamped to 0)
+    mask = torch.zeros(b, hkv, p, dtype=torch.bool)
+    slot_list = torch.full((b, hkv, k_max), -1, dtype=torch.int32)
+    for i in range(b):
+        for h in range(hkv):
+            n = int(torch.randint(0, k_max + 1, (1,), generator=g))
+            mask[i, h, torch.randperm(p, generator=g)[:n]] = True
+            slot_list[i, h, :n] = (torch.randperm(n_slots - 4, generator=g)[:n] + 4).int()
+    selection = pack_bits(mask)
+    lens = torch.randint(1, p * s + 1, (b,), generator=g).int()
+    for window in (None, 40):
+        for softcap in (None, 30.0):
+            args = (q, kv, selection, slot_list, lens, d**-0.5, softcap, window)
+            got = sparse_decode_attention_ref(*args)
+            assert torch.equal(_bits(got), _bits(_plain_sparse_attention(*args)))
+
+
+@pytest.mark.parametrize("combine", GROUP_COMBINES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quest_reference_bits_unchanged(combine, dtype):
+    g = torch.Generator().manual_seed(7)
+    for b, hkv, grp, d, p in ((1, 3, 3, 64, 501), (3, 2, 4, 16, 37), (2, 1, 1, 128, 5)):
+        q = torch.randn(b, hkv * grp, d, generator=g).to(dtype)
+        meta = torch.randn(p + 9, hkv, 2, d, generator=g).sort(dim=2).values.to(dtype)
+        table = torch.randint(-1, p + 9, (b, p), generator=g).int()
+        num_pages = torch.randint(0, p + 1, (b,), generator=g).int()
+        got = quest_scores_ref(q, meta, table, num_pages, combine, d**-0.5)
+        want = _plain_quest(q, meta, table, num_pages, combine, d**-0.5)
+        assert torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_reference_copies_the_same_records(dtype):
+    g = torch.Generator().manual_seed(3)
+    b, hkv, k, s, d, n_pool, n_slots = 2, 3, 6, 16, 64, 40, 80
+    pool = torch.randn(n_pool, hkv, 2, s, d, generator=g).to(dtype)
+    slots = torch.randn(n_slots, 2, s, d, generator=g).to(dtype)
+    table = torch.randperm(n_pool, generator=g)[:20].int().repeat(b, 1)
+    load_pages = torch.randint(-1, 20, (b, hkv, k), generator=g).int()
+    load_slots = torch.randperm(n_slots, generator=g)[: b * hkv * k].view(b, hkv, k).int()
+    load_slots[load_pages < 0] = -1
+    want = slots.clone()
+    m = load_slots >= 0
+    bi, hi, _ = torch.nonzero(m, as_tuple=True)
+    want[load_slots[m].long()] = pool[table.long()[bi, load_pages[m].long()], hi]
+    gather_ref(pool, slots, table, load_pages, load_slots)
+    assert torch.equal(_bits(slots), _bits(want))
+
+
+def test_rope_cos_sin_memo_follows_its_inputs():
+    from kernels.rope_append import RopeParams, _step_cos_sin, rope_cos_sin_ref
+
+    rope = RopeParams(1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)))
+    for pos in ([5], [5], [6], [5, 9]):
+        p = torch.tensor(pos)
+        for got, want in zip(_step_cos_sin(p, rope, torch.float32), rope_cos_sin_ref(p, rope, torch.float32), strict=True):
+            assert torch.equal(got, want)
+    rope.inv_freq.mul_(2.0)  # the table changed in place: no stale result
+    p = torch.tensor([5, 9])
+    assert torch.equal(_step_cos_sin(p, rope, torch.float32)[0], rope_cos_sin_ref(p, rope, torch.float32)[0])
+    other = RopeParams(rope.inv_freq.clone(), attention_factor=0.5)
+    assert torch.equal(_step_cos_sin(p, other, torch.bfloat16)[1], rope_cos_sin_ref(p, other, torch.bfloat16)[1])
