@@ -1,8 +1,10 @@
 """Shared pytest fixtures: the embedded model file, its tokenizer and the text corpus.
 
 The corpus lives in ``shared/corpus`` beside the repository checkout (``../shared``);
-set ``HISPARSE_CORPUS`` to use another folder. A test that takes a ``corpus_file``
-argument runs once per ``*.txt`` file there.
+set ``HISPARSE_CORPUS`` to use another folder. Where neither exists (a clone anywhere
+else), the tests use the repository's ``examples/`` folder, which carries
+``howto-sorting.txt``, the document the real-model tests read. A test that takes a
+``corpus_file`` argument runs once per ``*.txt`` file there.
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ CORPUS_ENV = "HISPARSE_CORPUS"
 
 
 def find_corpus_dir() -> Path:
-    """``$HISPARSE_CORPUS``, else ``<checkout>/../shared/corpus``."""
+    """``$HISPARSE_CORPUS``, else ``<checkout>/../shared/corpus`` where it exists, else the
+    checkout's ``examples/`` (its bundled corpus document)."""
     override = os.environ.get(CORPUS_ENV)
     if override:
         return Path(override)
-    return Path(__file__).resolve().parents[2] / "shared" / "corpus"
+    shared = Path(__file__).resolve().parents[2] / "shared" / "corpus"
+    if shared.is_dir():
+        return shared
+    return Path(__file__).resolve().parents[1] / "examples"
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
