@@ -33,7 +33,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -180,15 +180,51 @@ def triton_cache_is_cold() -> str:
         return str(folder)
 
 
+def fit_preset_host_pool(
+    config: EngineConfig,
+    manifest_engine: Mapping[str, Any] | None,
+    flags: Mapping[str, Any] | None,
+) -> tuple[EngineConfig, str | None]:
+    """A preset's host pool cap cut to what this machine can hold: when neither
+    ``--host-pool`` nor the manifest set ``host_pool_gb`` and the preset's cap exceeds
+    :data:`engine.kv.cache.HOST_POOL_SHARE` of the host memory available now, the cap
+    becomes that share (whole 0.25 GiB, at least 0.25) and the returned note says so. A
+    cap the user chose is left alone (:func:`check_host_pool` refuses it if it does not
+    fit). The pool is a cap: jobs that need more than the cut pool are refused one by one
+    with the sizes, not the whole run.
+
+    Returns ``(config, note or None)``."""
+    chosen = (flags or {}).get("host_pool_gb") is not None or "host_pool_gb" in (
+        manifest_engine or {}
+    )
+    if chosen or not _pool_on_host(config):
+        return config, None
+    from engine.kv.cache import HOST_POOL_SHARE, available_host_bytes
+
+    avail = available_host_bytes(config.host_memory_gb)
+    if avail is None or config.host_pool_gb * 2**30 <= HOST_POOL_SHARE * avail:
+        return config, None
+    fit = max(0.25, int(HOST_POOL_SHARE * avail / 2**30 * 4) / 4)
+    note = (
+        f"host pool: the preset's {config.host_pool_gb:g} GiB cap is more than "
+        f"{HOST_POOL_SHARE:.0%} of the {avail / 2**30:.1f} GiB of host memory available now; "
+        f"using {fit:g} GiB (--host-pool GB to choose)"
+    )
+    return dataclasses.replace(config, host_pool_gb=fit), note
+
+
+def _pool_on_host(config: EngineConfig) -> bool:
+    devices = list(config.devices) or [config.device]
+    return any(d.split(":")[0] == "cpu" for d in devices) or (
+        config.attention == "sparse" and config.hierarchical
+    )
+
+
 def check_host_pool(config: EngineConfig) -> None:
     """Raise ``CacheFullError`` when the host KV pool (``host_pool_gb``, shared by all
     workers) cannot fit in the host memory available now; the pool lives on the host
     on CPU devices and with the hierarchical sparse cache."""
-    devices = list(config.devices) or [config.device]
-    on_host = any(d.split(":")[0] == "cpu" for d in devices) or (
-        config.attention == "sparse" and config.hierarchical
-    )
-    if on_host:
+    if _pool_on_host(config):
         from engine.kv.cache import check_host_memory
 
         check_host_memory(int(config.host_pool_gb * 2**30), config.host_memory_gb)
@@ -333,6 +369,9 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
     )
     check_policy_flags(config, request.preset, manifest.engine, request.engine_overrides)
     config = with_preset_devices(config, request.preset, request.engine_overrides)
+    config, note = fit_preset_host_pool(config, manifest.engine, request.engine_overrides)
+    if note:
+        manifest = dataclasses.replace(manifest, warnings=(*manifest.warnings, note))
     if not request.print_config:  # --print-config may show another machine's config
         check_device_names(config)
         check_devices(config, request.preset, manifest.engine, request.engine_overrides)

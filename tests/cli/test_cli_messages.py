@@ -64,3 +64,17 @@ def test_a_host_pool_over_the_memory_is_refused_before_loading_is_announced(cli,
     assert result.exit_code == 2
     assert "host KV pool needs 1000.0 GiB but only 24.0 GiB" in result.stderr
     assert "loading model" not in result.stdout and cli.factory.engines == []
+
+
+def test_a_preset_pool_over_the_memory_is_cut_to_fit_with_a_warning(cli, docs, monkeypatch):
+    """The default 8 GiB cap on a machine with 4 GiB available: the run goes on with 3.5 GiB
+    (90 % of 4, whole quarter GiB) and says so; a cap the user set is refused instead."""
+    monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "4")
+    result = cli("docs/alpha.txt")
+    assert result.exit_code == 0, result.output
+    assert "the preset's 8 GiB cap is more than 90% of the 4.0 GiB" in result.stderr
+    assert "using 3.5 GiB (--host-pool GB to choose)" in result.stderr
+    [engine] = cli.factory.engines
+    assert engine.config.host_pool_gb == 3.5
+    chosen = cli("docs/beta.txt", "--host-pool", "8")
+    assert chosen.exit_code == 2 and "host KV pool needs 8.0 GiB" in chosen.stderr
