@@ -100,6 +100,28 @@ def max_context_problem(
     )
 
 
+EXTEND_WARN_FACTOR = 32
+"""``--context-policy extend`` beyond this many times the trained context gets a warning."""
+
+
+def max_context_warning(config: EngineConfig, model: str | None) -> str | None:
+    """A note when ``extend`` asks for more than :data:`EXTEND_WARN_FACTOR` times the
+    model's trained context (e.g. ``--max-context 10000000`` on an 8K model): RoPE scaling
+    that far is beyond what the published extensions (YaRN, LongRoPE: 16–32x) were shown
+    to work for, and the page tables sized for it slow every decode step."""
+    if config.context_policy != "extend" or not config.max_context:
+        return None
+    trained = trained_context(model)
+    if trained is None or config.max_context <= EXTEND_WARN_FACTOR * trained:
+        return None
+    return (
+        f"--max-context {config.max_context} is {config.max_context / trained:.0f}x the "
+        f"model's trained context of {trained} tokens: RoPE extension that far is untested "
+        f"(more than {EXTEND_WARN_FACTOR}x), and tables sized for it slow every step; use a "
+        "limit near your longest document"
+    )
+
+
 @dataclass(frozen=True)
 class Oversized:
     """A document that looks longer than the context limit: job id, bytes, estimate."""

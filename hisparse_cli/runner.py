@@ -370,8 +370,9 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
     check_policy_flags(config, request.preset, manifest.engine, request.engine_overrides)
     config = with_preset_devices(config, request.preset, request.engine_overrides)
     config, note = fit_preset_host_pool(config, manifest.engine, request.engine_overrides)
-    if note:
-        manifest = dataclasses.replace(manifest, warnings=(*manifest.warnings, note))
+    notes = [n for n in (note, preflight.max_context_warning(config, request.model)) if n]
+    if notes:
+        manifest = dataclasses.replace(manifest, warnings=(*manifest.warnings, *notes))
     if not request.print_config:  # --print-config may show another machine's config
         check_device_names(config)
         check_devices(config, request.preset, manifest.engine, request.engine_overrides)
@@ -812,6 +813,7 @@ class BatchRun:
             # config.json describes the run that wrote the latest results: a run that only
             # skips jobs leaves the earlier one in place.
             save_config(self.output_dir, config_doc)
+        self._config_doc = config_doc
         self.reporter = make_reporter(
             self.console, self.tracker, self.request.json_progress, self.clock, self.err_console
         )
@@ -960,6 +962,11 @@ class BatchRun:
         self.config, threads_note = with_free_threads(self.config)
         if threads_note:
             self.reporter.note(threads_note)
+            doc = getattr(self, "_config_doc", None)
+            if doc is not None:  # config.json says the count the run uses, and why
+                doc["engine"]["num_threads"] = self.config.num_threads
+                doc.setdefault("effective", {})["num_threads"] = threads_note
+                save_config(self.output_dir, doc)
         if self.config.device.startswith("cuda") or self.config.devices:
             cold = triton_cache_is_cold()
             if cold:

@@ -78,3 +78,16 @@ def test_a_preset_pool_over_the_memory_is_cut_to_fit_with_a_warning(cli, docs, m
     assert engine.config.host_pool_gb == 3.5
     chosen = cli("docs/beta.txt", "--host-pool", "8")
     assert chosen.exit_code == 2 and "host KV pool needs 8.0 GiB" in chosen.stderr
+
+
+def test_config_json_records_the_threads_chosen_from_the_free_cores(cli, docs, monkeypatch):
+    """On a busy box the run picks its CPU threads itself; config.json ("the settings as
+    they take effect") then says that count and why, not ``null``."""
+    import json
+
+    monkeypatch.setattr(runner_module, "free_cpu_threads", lambda config: 1)
+    result = cli("docs/alpha.txt", "--output-dir", "out")
+    assert result.exit_code == 0, result.output
+    doc = json.loads((docs.parent / "out" / "config.json").read_text())
+    assert doc["engine"]["num_threads"] == 1
+    assert "using 1 of" in doc["effective"]["num_threads"]

@@ -157,3 +157,16 @@ def test_device_cuda_without_cuda_exits_2_before_loading(cli, docs, tmp_path, mo
     monkeypatch.setattr(runner_module, "cuda_device_count", lambda: 0)
     result = cli("docs/alpha.txt", "--device", "cuda", engine=never_load)
     assert result.exit_code == 2 and "--device asks for cuda" in result.stderr
+
+
+def test_extend_far_past_the_trained_context_warns(cli, docs, tmp_path):
+    """`extend` to 10M tokens on a 2K model runs, with a warning naming the factor; 32x
+    (the published extensions' reach) does not warn."""
+    model = str(tiny_gguf(tmp_path / "m.gguf"))
+    far = cli("docs/alpha.txt", "--model", model, "--context-policy", "extend",
+              "--max-context", "10000000")  # fmt: skip
+    assert far.exit_code == 0, far.output
+    assert "--max-context 10000000 is 4883x the model's trained context of 2048" in far.stderr
+    near = cli("docs/beta.txt", "--model", model, "--context-policy", "extend",
+               "--max-context", str(32 * 2048))  # fmt: skip
+    assert near.exit_code == 0 and "trained context" not in near.stderr
