@@ -236,14 +236,32 @@ def jobs_from_paths(
     raw = RawManifest()
     warnings: list[str] = []
     found = _Unique()
+    unreadable: list[tuple[str, Problem]] = []  # named paths that are missing or folders
     for pattern in patterns:
         entry = Entry(COMMAND_LINE, "", None, {"input": pattern})
-        found.extend(_expand(pattern, base, entry, raw.problems, warnings))
+        problems: list[Problem] = []
+        found.extend(_expand(pattern, base, entry, problems, warnings))
+        if problems and not _GLOB_CHARS.search(os.path.expanduser(pattern)):
+            unreadable.append((pattern, problems[0]))
+        else:
+            raw.problems.extend(problems)
     files = found.files
-    for ident, path in zip(derive_ids(files, earlier=earlier_jobs), files, strict=True):
+    if not files:  # nothing to run: every problem stops the run, as for a manifest
+        raw.problems.extend(problem for _, problem in unreadable)
+        unreadable = []
+    for _, problem in unreadable:  # the rest of the batch carries on; this job fails
+        warnings.append(f"{problem.message}: that document's job fails, the others run")
+    named = [*files, *(_absolute(base, os.path.expanduser(p)) for p, _ in unreadable)]
+    for i, (ident, path) in enumerate(zip(derive_ids(named, earlier=earlier_jobs), named, strict=True)):
         values = {"id": ident, "input": glob.escape(str(path))}
-        raw.jobs.append(Entry(COMMAND_LINE, f"document {path}", None, values))
+        label = f"document {path}" if i < len(files) else f"{UNREADABLE_LABEL}{path}"
+        raw.jobs.append(Entry(COMMAND_LINE, label, None, values))
     return _build(raw, base, overrides, warnings=warnings)
+
+
+UNREADABLE_LABEL = "unreadable document "
+"""Label of a command-line document that is missing or a folder while others exist: its
+job is kept (it fails on reading, naming the path, and gets its results line)."""
 
 
 # ----------------------------------------------------------------------------- build
@@ -334,6 +352,8 @@ def _job_inputs(
         return []
     value, entry = merged["input"]
     patterns = [value] if isinstance(value, str) else value
+    if job.file == COMMAND_LINE and job.label.startswith(UNREADABLE_LABEL):
+        return [Path(job.label[len(UNREADABLE_LABEL) :])]  # fails when read, naming it
     files = _Unique()
     for pattern in patterns:
         files.extend(_expand(pattern, base, entry, problems, warnings))

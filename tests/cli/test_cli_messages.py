@@ -91,3 +91,26 @@ def test_config_json_records_the_threads_chosen_from_the_free_cores(cli, docs, m
     doc = json.loads((docs.parent / "out" / "config.json").read_text())
     assert doc["engine"]["num_threads"] == 1
     assert "using 1 of" in doc["effective"]["num_threads"]
+
+
+def test_a_missing_file_or_folder_among_the_documents_fails_only_its_own_job(cli, docs):
+    """`hisparse run a.txt missing.txt somedir`: a.txt runs; the missing file and the
+    folder each get a failed results line naming the path (the brief: the rest of the
+    batch carries on), a warning says so before the run, and the exit code is 1."""
+    import json
+
+    (docs / "sub").mkdir()
+    result = cli("docs/alpha.txt", "docs/missing.txt", "docs/sub", "--output-dir", "out")
+    assert result.exit_code == 1, result.output
+    assert "file not found: 'docs/missing.txt'" in result.stderr
+    assert "'docs/sub' is a directory" in result.stderr
+    assert "that document's job fails, the others run" in result.stderr
+    lines = [json.loads(x) for x in (docs.parent / "out" / "results.jsonl").read_text().splitlines()]
+    by_ok = {line["id"]: line for line in lines}
+    assert by_ok["alpha"]["ok"] is True
+    failed = [line for line in lines if not line["ok"]]
+    assert len(failed) == 2
+    assert any("missing.txt" in line["error"] and "not found" in line["error"] for line in failed)
+    assert any("sub" in line["error"] and "directory" in line["error"] for line in failed)
+    alone = cli("docs/missing.txt")  # nothing else to run: refused as before
+    assert alone.exit_code == 2 and "file not found" in alone.stderr
