@@ -237,17 +237,20 @@ def jobs_from_paths(
     warnings: list[str] = []
     found = _Unique()
     unreadable: list[tuple[str, Problem]] = []  # named paths that are missing or folders
+    found_problems: list[Problem] = []  # in the order of the arguments
     for pattern in patterns:
         entry = Entry(COMMAND_LINE, "", None, {"input": pattern})
         problems: list[Problem] = []
         found.extend(_expand(pattern, base, entry, problems, warnings))
         if problems and not _GLOB_CHARS.search(os.path.expanduser(pattern)):
             unreadable.append((pattern, problems[0]))
-        else:
-            raw.problems.extend(problems)
+        found_problems.extend(problems)
     files = found.files
-    if not files:  # nothing to run: every problem stops the run, as for a manifest
-        raw.problems.extend(problem for _, problem in unreadable)
+    if files:  # the named-but-unreadable ones become failing jobs below
+        kept = {id(problem) for _, problem in unreadable}
+        raw.problems.extend(p for p in found_problems if id(p) not in kept)
+    else:  # nothing to run: every problem stops the run, as for a manifest
+        raw.problems.extend(found_problems)
         unreadable = []
     for _, problem in unreadable:  # the rest of the batch carries on; this job fails
         warnings.append(f"{problem.message}: that document's job fails, the others run")
