@@ -32,6 +32,7 @@ from engine.kv.cache import KVCache
 from kernels.bitmask import pack_bits
 from kernels.dispatch import Ops
 from kernels.rope_append import RopeParams
+from kernels.superpage_select import num_candidates
 
 
 @dataclass
@@ -126,6 +127,9 @@ class DecodeAttention:
         self.hits: torch.Tensor | None = None
         self.misses: torch.Tensor | None = None
         self.indexer = indexers.get(config.indexer)
+        self.num_candidates = num_candidates(
+            config.top_k_pages, config.superpage_pages, config.superpage_oversample
+        )
         self.prefetch_pages = (
             config.prefetch_pages
             if cache.hierarchical and config.attention == "sparse" and self.indexer.ranks
@@ -353,7 +357,7 @@ class DecodeAttention:
         """Page scores float32 ``[B, Hkv, P_max]`` of the configured indexer (``None`` for
         the dense indexer, which ranks nothing)."""
         ix = self.indexer
-        if not ix.ranks:
+        if not ix.ranks or self.two_level(layer):
             return None
         scores = ix.score(self.ops, self.cache, plan, layer, q, self.config, self.scale)
         window = self.window(layer)
@@ -362,6 +366,12 @@ class DecodeAttention:
             pages = torch.arange(scores.shape[-1], device=scores.device)
             scores = scores.masked_fill(pages[None, None, :] < lo_page[:, None, None], float("-inf"))
         return scores
+
+    def two_level(self, layer: int) -> bool:
+        """Whether ``layer`` selects through superpages (``page_metadata=superpage``,
+        :mod:`kernels.superpage_select`): full-attention layers of a cache that keeps
+        superpage metadata; scores are then never computed for every page."""
+        return self.cache.superpages and not self.window(layer)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of cache layer ``layer`` in tokens, ``None`` for full attention."""
@@ -382,6 +392,13 @@ class DecodeAttention:
             return self.ops.dense_selection(
                 plan.num_pages, self.cache.model.num_kv_heads, plan.block_table.shape[1]
             )
+        if self.two_level(layer):
+            c = self.cache
+            return self.ops.superpage_select(
+                q, c.meta[layer], c.super_meta[layer], c.page_super, plan.block_table,
+                plan.num_pages, cfg.top_k_pages, self.sink_pages(layer), cfg.window_pages,
+                cfg.superpage_pages, self.num_candidates, cfg.group_combine, self.scale,
+            )  # fmt: skip
         if scores is None:
             scores = self.scores(plan, layer, q)
         selection = self.ops.select_topk(
