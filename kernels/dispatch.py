@@ -23,8 +23,8 @@ from kernels.resolve import resolve_ref
 from kernels.rope_append import rope_append_ref
 from kernels.select_topk import dense_selection, select_topk_ref
 from kernels.slot_list import resident_slot_list
-from kernels.superpage_select import superpage_select_ref
 from kernels.sparse_attention import dense_decode_attention_ref, sparse_decode_attention_ref
+from kernels.superpage_select import superpage_select_ref
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,6 @@ from kernels._launch import (
 from kernels.bitmask import num_words, pack_bits
 from kernels.quest_scores import (
     _normmax_kernel,
-    _quest_scores_kernel,
-    _valid_pages,
     quest_scores,
     quest_scores_ref,
 )
@@ -268,7 +266,9 @@ def _refresh_tail_kernel(
     src = meta_ptr + pool_page[:, None] * stride_meta_p + h * stride_meta_h + offs_d[None, :]
     mask = mask_s[:, None] & mask_d[None, :]
     lo = tl.min(tl.load(src, mask=mask, other=float("inf")).to(tl.float32), axis=0)
-    hi = tl.max(tl.load(src + stride_meta_mm, mask=mask, other=float("-inf")).to(tl.float32), axis=0)
+    hi = tl.max(
+        tl.load(src + stride_meta_mm, mask=mask, other=float("-inf")).to(tl.float32), axis=0
+    )
     first = tl.load(block_table_ptr + b * stride_bt_b + j0, mask=n > 0, other=-1)
     dst_row = tl.load(page_super_ptr + tl.maximum(first, 0), mask=first >= 0, other=-1)
     ok = (n > 0) & (first >= 0) & (dst_row >= 0)

@@ -20,8 +20,8 @@ from kernels.resolve import resolve
 from kernels.rope_append import rope_append
 from kernels.select_topk import dense_selection, select_topk
 from kernels.slot_list import resident_slot_list_triton
-from kernels.superpage_select import superpage_select
 from kernels.sparse_attention import dense_decode_attention, sparse_decode_attention
+from kernels.superpage_select import superpage_select
 
 TRITON_OPS = Ops(
     name="triton",
