@@ -70,7 +70,10 @@ def smollm2_tokenizer(smollm2_gguf_reader):
 
 # --- kernels: Triton's interpreter for tests/kernels/test_kernels.py ---------------------------
 
-KERNEL_TESTS = Path(__file__).parent / "kernels" / "test_kernels.py"
+KERNEL_TESTS = (
+    Path(__file__).parent / "kernels" / "test_kernels.py",
+    Path(__file__).parent / "kernels" / "test_superpage_select.py",
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -78,10 +81,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _interpret_triton_for_kernel_tests(config: pytest.Config) -> None:
-    """Switch Triton's CPU interpreter on when ``test_kernels.py`` is part of the run on a
+    """Switch Triton's CPU interpreter on when a :data:`KERNEL_TESTS` file is part of the run on a
     machine without CUDA. It must be set before anything imports triton (kernels are
     decorated at import), hence here rather than in the module."""
-    if "TRITON_INTERPRET" in os.environ or not _collects(config, KERNEL_TESTS):
+    collects = any(_collects(config, path) for path in KERNEL_TESTS)
+    if "TRITON_INTERPRET" in os.environ or not collects:
         return
     import torch
 
