@@ -49,6 +49,9 @@ CONFIG_KEYS: dict[str, tuple[str, type]] = {
     "window": ("local_window", int),
     "buffer": ("device_buffer", int),
     "hierarchical": ("hierarchical", bool),
+    "meta": ("page_metadata", str),
+    "superpage": ("superpage_pages", int),
+    "oversample": ("superpage_oversample", float),
 }
 """Keys of a sparse configuration spec -> (``EngineConfig`` field, type)."""
 
