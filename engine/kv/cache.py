@@ -248,7 +248,7 @@ class KVCache:
         ]
         self.free_pages: list[int] = list(range(num_pool_pages - 1, -1, -1))
         self.superpage_pages = sp = config.superpage_pages
-        num_super = -(-num_pool_pages // sp) + config.max_batch + 1 if self.superpages else 0
+        num_super = sizing.superpage_rows(config, num_pool_pages)
         self.super_meta = [
             torch.zeros(num_super, hkv, 2, d, dtype=self.dtype, device=device) for _ in range(nl)
         ] if self.superpages else []  # fmt: skip

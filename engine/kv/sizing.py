@@ -96,6 +96,28 @@ def meta_page_bytes(model: ModelConfig, config: EngineConfig, num_layers: int | 
     return nl * model.num_kv_heads * 2 * model.head_dim * dtype_bytes(config.kv_dtype)
 
 
+def superpage_rows(config: EngineConfig, num_pool_pages: int) -> int:
+    """Superpage metadata rows a cache of ``num_pool_pages`` keeps per layer with
+    ``page_metadata=superpage`` (sparse attention): one per ``superpage_pages`` pool pages,
+    plus one partial superpage per running job and one spare; 0 otherwise."""
+    if config.page_metadata != "superpage" or config.attention != "sparse":
+        return 0
+    return -(-num_pool_pages // config.superpage_pages) + config.max_batch + 1
+
+
+def superpage_bytes(
+    model: ModelConfig, config: EngineConfig, num_pool_pages: int, num_layers: int | None = None
+) -> int:
+    """Device bytes of the superpage metadata (rows ``[L, rows, Hkv, 2, D]`` in ``kv_dtype``)
+    and its int32 pool-page map, 0 without superpages (:func:`superpage_rows`)."""
+    rows = superpage_rows(config, num_pool_pages)
+    if not rows:
+        return 0
+    nl = model.num_layers if num_layers is None else num_layers
+    row = model.num_kv_heads * 2 * model.head_dim * dtype_bytes(config.kv_dtype)
+    return nl * rows * row + 4 * num_pool_pages
+
+
 def pool_page_bytes(model: ModelConfig, config: EngineConfig, num_layers: int | None = None) -> int:
     """One pool page over ``num_layers`` layers (default all) and the KV heads:
     ``L x Hkv x record`` (:func:`host_record_bytes`)."""
@@ -134,7 +156,8 @@ def cache_device_bytes(
     layers (default all) allocates."""
     meta = num_pool_pages * meta_page_bytes(model, config, num_layers)
     if not hierarchical(config):
-        return meta + num_pool_pages * pool_page_bytes(model, config, num_layers)
+        supers = superpage_bytes(model, config, num_pool_pages, num_layers)
+        return meta + supers + num_pool_pages * pool_page_bytes(model, config, num_layers)
     per_req = per_request_device_bytes(model, config, max_pages_per_seq, num_layers)
     shared = shared_device_bytes(model, config, num_pool_pages, num_layers)
     return shared + config.max_batch * per_req
@@ -158,12 +181,14 @@ def shared_device_bytes(
     model: ModelConfig, config: EngineConfig, num_pool_pages: int, num_layers: int | None = None
 ) -> int:
     """Hierarchical: what the cache allocates on the device whatever the jobs: page
-    metadata of every host pool page plus :func:`token_staging_bytes`; 0 all-resident
-    (there the metadata grows with the device pool, one page at a time)."""
+    metadata of every host pool page (and :func:`superpage_bytes`) plus
+    :func:`token_staging_bytes`; 0 all-resident (there the metadata grows with the device
+    pool, one page at a time)."""
     if not hierarchical(config):
         return 0
     meta = num_pool_pages * meta_page_bytes(model, config, num_layers)
-    return meta + token_staging_bytes(model, config, num_layers)
+    supers = superpage_bytes(model, config, num_pool_pages, num_layers)
+    return meta + supers + token_staging_bytes(model, config, num_layers)
 
 
 def job_device_bytes(

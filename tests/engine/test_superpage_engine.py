@@ -129,3 +129,16 @@ def test_settings_superpages_cannot_serve_are_refused(changes, fields):
 def test_oversample_below_one_is_refused(bad):
     with pytest.raises(ConfigError, match="superpage_oversample"):
         EngineConfig(superpage_oversample=bad).validate()
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_sizing_counts_the_superpage_rows(hierarchical):
+    from engine.kv import sizing
+
+    engine = make(page_metadata="superpage", hierarchical=hierarchical)
+    c, mc, cfg = engine.cache, engine.model_config, engine.config
+    supers = sum(t.nbytes for t in c.super_meta) + c.page_super.nbytes
+    assert supers == sizing.superpage_bytes(mc, cfg, c.num_pool_pages) > 0
+    assert sizing.superpage_bytes(mc, cfg.replace(page_metadata="exact"), c.num_pool_pages) == 0
+    if hierarchical:
+        assert c.metadata_bytes == sizing.shared_device_bytes(mc, cfg, c.num_pool_pages)
