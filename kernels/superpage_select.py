@@ -56,7 +56,7 @@ from kernels.quest_scores import (
     quest_scores,
     quest_scores_ref,
 )
-from kernels.select_topk import _topk_key_kernel
+from kernels.select_topk import _or, _topk_key_kernel
 
 SUPERPAGE_COMBINES = ("sum", "max", "normmax")
 """GQA combine rules the two-level selection supports (``union`` ranks every page)."""
@@ -407,11 +407,6 @@ def _forced_words_kernel(
     forced = (page < n) & ((page < sink_pages) | (page >= n - window_pages))
     words = tl.reduce(tl.where(forced, 1, 0) << offs_bit[None, :], 1, _or)
     tl.store(sel_ptr + row.to(tl.int64) * num_words + offs_w, words, mask=offs_w < num_words)
-
-
-@triton.jit
-def _or(a, b):
-    return a | b
 
 
 @triton.jit
