@@ -236,8 +236,11 @@ def _refresh_tail_kernel(
     page_super_ptr,
     block_table_ptr,
     num_pages_ptr,
+    table_ptr,
+    n_sp_ptr,
     num_kv_heads,
     p_max,
+    spn,
     stride_meta_p,
     stride_meta_h,
     stride_meta_mm,
@@ -249,12 +252,25 @@ def _refresh_tail_kernel(
     BLOCK_S: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
-    """One (request, KV head): the newest superpage's min / max from its pages' metadata."""
+    """One (request, KV head): the newest superpage's min / max from its pages' metadata;
+    the KV head 0 program also writes the request's superpage table row
+    (:func:`superpage_table`) and superpage count ``ceil(num_pages / S_sp)``."""
     row = tl.program_id(0)
     b = row // num_kv_heads
     h = row % num_kv_heads
     n = tl.load(num_pages_ptr + b).to(tl.int32)
+    if h == 0:
+        tl.store(n_sp_ptr + b, (n + S_SP - 1) // S_SP)
+        for start in range(0, spn, BLOCK_T):
+            offs_t = start + tl.arange(0, BLOCK_T)
+            mask_t = offs_t < spn
+            first = tl.load(
+                block_table_ptr + b * stride_bt_b + offs_t * S_SP, mask=mask_t, other=-1
+            )
+            sup = tl.load(page_super_ptr + tl.maximum(first, 0), mask=first >= 0, other=-1)
+            tl.store(table_ptr + b * spn + offs_t, tl.where(first >= 0, sup, -1), mask=mask_t)
     j0 = (tl.maximum(n - 1, 0) // S_SP) * S_SP
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -458,7 +474,7 @@ def superpage_select(
     """Triton :func:`superpage_select_ref` (same arguments and result; the same bitmask
     where the fp32 bound sums are exact, else equal up to near-ties at the budget's edge).
 
-    Launches: the tail refresh; :func:`kernels.quest_scores.quest_scores` over the
+    Launches: the tail refresh (which also writes the superpage table); :func:`kernels.quest_scores.quest_scores` over the
     superpages; packed keys and ``torch.topk`` for the best ``C``; the candidates' bounds
     (and for ``normmax`` the log-softmax over them); their keys and ``torch.topk`` for the
     budget; the forced words; the picked bits (``atomic_or``). Fixed shapes, no host
@@ -496,17 +512,18 @@ def superpage_select(
         return sel
     g = hq // hkv
     block_d = next_pow2(d)
+    spn = -(-p_max // s)
+    table = torch.empty((b, spn), dtype=torch.int32, device=q.device)
+    n_sp = torch.empty((b,), dtype=torch.int32, device=q.device)
     _refresh_tail_kernel[(b * hkv,)](
-        meta, super_meta, page_super, block_table, num_pages, hkv, p_max,
+        meta, super_meta, page_super, block_table, num_pages, table, n_sp, hkv, p_max, spn,
         meta.stride(0), meta.stride(1), meta.stride(2),
         super_meta.stride(0), super_meta.stride(1), super_meta.stride(2),
         block_table.stride(0),
-        S_SP=s, BLOCK_S=next_pow2(s), D=d, BLOCK_D=block_d, num_warps=4,
+        S_SP=s, BLOCK_S=next_pow2(s), D=d, BLOCK_D=block_d,
+        BLOCK_T=min(1024, next_pow2(spn)), num_warps=4,
     )  # fmt: skip
-    table = superpage_table(page_super, block_table, s)
-    n_sp = (num_pages.to(torch.int32) + (s - 1)) // s
     sp_scores = quest_scores(q, super_meta, table, n_sp, combine, scale)  # [B, Hkv, SPn]
-    spn = sp_scores.shape[-1]
     sp_key = torch.empty((b, hkv, spn), dtype=torch.int64, device=q.device)
     block_sp = min(1024, next_pow2(spn))
     _topk_key_kernel[(b * hkv, -(-spn // block_sp))](
