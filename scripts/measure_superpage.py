@@ -7,24 +7,28 @@ decoding (``hierarchical=False``; bit-identical to the hierarchical path), page 
 
 1. **Exact run** — prefill, then ``--steps`` greedy steps with exact Quest (end-of-turn
    ids masked, so every step yields text). At every step, layer and KV head the
-   selection of ``page_metadata=superpage`` (each ``--oversample``) is also computed from
+   selection of ``page_metadata=superpage`` (each ``--variants`` entry, superpage pages x
+   oversample) is also computed from
    the same query and metadata (superpage bounds rebuilt from the page metadata, which is
    what the engine's superpage rows hold) and compared: the share of (step, layer, KV
    head) rows whose page set equals exact's, and the share of exact's selected pages
    missing from it.
-2. **Superpage runs** — per ``--oversample``, the engine with ``page_metadata=superpage``
-   (its own cache, filled with the prefill's K/V), teacher-forced on the exact run's
-   tokens: greedy agreement (its argmax = exact's) and KL(exact || superpage) per step.
+2. **Teacher-forced runs** on the exact run's tokens, each with its own cache filled with
+   the prefill's K/V: dense attention (``--dense``, the fidelity reference) and, per
+   ``--fidelity`` variant, ``page_metadata=superpage``: greedy agreement (argmax equal)
+   and KL per step, of each superpage run against exact and against dense, and of exact
+   against dense.
 3. **Bytes** — metadata read per step and job (all layers and KV heads) for exact and
-   superpage at this context and at 32K / 128K / 256K with the same budget, next to the
-   job's KV bytes (bf16), from the formula of :mod:`kernels.superpage_select`.
+   superpage at this context (its ``--top-k``) and at 32K / 128K / 256K (``--bytes-top-k``,
+   default 2048 tokens), next to the job's KV bytes (bf16), from the formula of
+   :mod:`kernels.superpage_select`.
 
 Prints a table and writes JSON.
 
 Usage::
 
     OMP_NUM_THREADS=1 python scripts/measure_superpage.py --tokens 8192 --steps 200 \
-        --top-k 512 --oversample 2,4 --out docs/bench/superpage_cpu.json
+        --top-k 512 --variants 16x4,16x8,8x8 --out docs/bench/superpage_cpu.json
 """
 
 from __future__ import annotations
@@ -79,24 +83,40 @@ def name(sp: int, o: float) -> str:
     return f"{sp}x{o:g}"
 
 
-def bytes_table(model, tokens: int, top_k: int, page: int, variants: list) -> dict:
-    """Metadata bytes per step and job (bf16 metadata) vs the job's bf16 KV bytes."""
+def bytes_table(model, tokens: int, top_k: int, long_top_k: int, page: int, variants) -> dict:
+    """Metadata bytes per step and job (bf16 metadata) vs the job's bf16 KV bytes: at the
+    measured context with its ``top_k``, and at 32K / 128K / 256K with ``long_top_k``."""
     hl = model.num_layers * model.num_kv_heads
     out = {}
     for t in sorted({tokens, 32768, 131072, 262144}):
         p = -(-t // page)
         kv = hl * p * 2 * page * model.head_dim * 2
-        row = {"kv_bytes": kv}
+        k = top_k if t == tokens else long_top_k
+        row = {"kv_bytes": kv, "top_k_tokens": k}
         cols = [("exact", 1, None)] + [(name(sp, o), sp, o) for sp, o in variants]
         for key, sp, o in cols:
-            b = hl * meta_rows_per_head(p, -(-top_k // page), sp, o) * 2 * model.head_dim * 2
+            b = hl * meta_rows_per_head(p, -(-k // page), sp, o) * 2 * model.head_dim * 2
             row[key] = {"bytes": b, "kv_over": kv / b}
         out[str(t)] = row
     return out
 
 
+def compare(ref: tuple, got: tuple) -> dict:
+    """Greedy agreement (argmax, end-of-turn masked) and KL(ref || got) over the steps of
+    two teacher-forced runs ``(tokens, log-probabilities)`` on the same tokens."""
+    agree = [a == b for a, b in zip(got[0][1:], ref[0][1:], strict=True)]
+    kls = [float((r.exp() * (r - g)).sum()) for r, g in zip(ref[1], got[1], strict=True)]
+    prefix = next((i for i, ok in enumerate(agree) if not ok), len(agree))
+    return {
+        "greedy_agreement": sum(agree) / len(agree),
+        "first_disagreement_step": prefix,
+        "kl_mean_nats": sum(kls) / len(kls),
+        "kl_max_nats": max(kls),
+    }
+
+
 def engine_config(args, **changes) -> EngineConfig:
-    return EngineConfig(
+    settings = dict(
         attention="sparse",
         hierarchical=False,
         host_pool_gb=args.host_pool_gb,
@@ -107,8 +127,8 @@ def engine_config(args, **changes) -> EngineConfig:
         local_window=64,
         context_policy="extend",
         max_context=args.tokens + args.steps + 64,
-        **changes,
     )
+    return EngineConfig(**{**settings, **changes})
 
 
 def use(engine, cfg: EngineConfig) -> None:
@@ -142,6 +162,18 @@ def main(argv: list[str] | None = None) -> int:
         "--fidelity", default=None, help="variants also decoded teacher-forced (default: all)"
     )
     p.add_argument("--host-pool-gb", type=float, default=1.0)
+    p.add_argument(
+        "--dense",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also decode dense (teacher-forced) as the fidelity reference",
+    )
+    p.add_argument(
+        "--bytes-top-k",
+        type=int,
+        default=2048,
+        help="top_k (tokens) of the byte table's 32K/128K/256K rows",
+    )
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -215,28 +247,33 @@ def main(argv: list[str] | None = None) -> int:
     exact_tokens, exact_logps = decode(req, None)
     engine.close_request(req)
     attn.select = select
-    runs = {}
-    for sp, o in fidelity:
-        log(f"superpage {sp}x{o:g}: teacher-forced decode")
-        use(engine, engine_config(args, page_metadata="superpage", superpage_pages=sp,
-                                  superpage_oversample=o))  # fmt: skip
-        r = engine.open_request(Job(f"s{o}", tuple(ids), SamplingParams(max_tokens=args.steps + 2)))
+
+    def forced_run(cfg_run: EngineConfig, label: str) -> tuple[list[int], list[torch.Tensor]]:
+        log(f"{label}: teacher-forced decode")
+        use(engine, cfg_run)
+        r = engine.open_request(Job(label, tuple(ids), SamplingParams(max_tokens=args.steps + 2)))
         for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
             engine.cache.write_prefill(r.seq_id, layer, k, v, 0)
         engine.cache.seqs[r.seq_id].num_tokens = len(ids)
         r.phase, r.generated, r.logits = "decode", [first], first_logits
-        toks, logps = decode(r, exact_tokens)
-        engine.cache.check_integrity()
-        engine.close_request(r)
-        agree = [a == b for a, b in zip(toks[1:], exact_tokens[1:], strict=True)]
-        kls = [float((e.exp() * (e - s)).sum()) for e, s in zip(exact_logps, logps, strict=True)]
-        prefix = next((i for i, ok in enumerate(agree) if not ok), len(agree))
-        runs[name(sp, o)] = {
-            "greedy_agreement": sum(agree) / len(agree),
-            "exact_match_prefix_steps": prefix,
-            "kl_mean_nats": sum(kls) / len(kls),
-            "kl_max_nats": max(kls),
-        }
+        try:
+            return decode(r, exact_tokens)
+        finally:
+            engine.cache.check_integrity()
+            engine.close_request(r)
+
+    dense = forced_run(engine_config(args, attention="dense"), "dense") if args.dense else None
+    runs = {}
+    for sp, o in fidelity:
+        got = forced_run(
+            engine_config(args, page_metadata="superpage", superpage_pages=sp,
+                          superpage_oversample=o), f"superpage {name(sp, o)}",
+        )  # fmt: skip
+        runs[name(sp, o)] = {"vs_exact": compare((exact_tokens, exact_logps), got)}
+        if dense is not None:
+            runs[name(sp, o)]["vs_dense"] = compare(dense, got)
+    if dense is not None:
+        runs["exact"] = {"vs_dense": compare(dense, (exact_tokens, exact_logps))}
     model = engine.model_config
     result = {
         "what": "two-level superpage selection vs exact flat Quest (issue 20)",
@@ -259,25 +296,36 @@ def main(argv: list[str] | None = None) -> int:
             }
             for (sp, o), st in stats.items()
         },
-        "fidelity_vs_exact": runs,
-        "bytes_per_step_per_job": bytes_table(model, len(ids), args.top_k, args.page_size, variants),
+        "fidelity": runs,
+        "bytes_per_step_per_job": bytes_table(
+            model, len(ids), args.top_k, args.bytes_top_k, args.page_size, variants
+        ),
         "machine": platform.node() + " (2-core CPU, shared with other agents: contended)",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": "python scripts/measure_superpage.py " + " ".join(argv or sys.argv[1:]),
     }
-    print(f"{'variant':<14}{'C':>4}{'same set':>10}{'missing':>9}{'agree':>8}{'KL mean':>9}")
-    for key, sel in result["selection"].items():
-        f = runs.get(key, {"greedy_agreement": float("nan"), "kl_mean_nats": float("nan")})
+    nan = {"greedy_agreement": float("nan"), "kl_mean_nats": float("nan")}
+    print(f"{'variant':<10}{'C':>4}{'same set':>10}{'missing':>9}  vs exact: agree, KL"
+          "   vs dense: agree, KL")  # fmt: skip
+    for key in ["exact", *result["selection"]]:
+        sel = result["selection"].get(key)
+        f = runs.get(key, {})
+        e, d = f.get("vs_exact", nan), f.get("vs_dense", nan)
+        cells = (
+            f"{sel['num_candidates']:>4}{sel['share_rows_same_page_set']:>10.2%}"
+            f"{sel['share_exact_pages_missing']:>9.2%}"
+            if sel
+            else f"{'':>4}{'':>10}{'':>9}"
+        )
         print(
-            f"{key:<14}{sel['num_candidates']:>4}{sel['share_rows_same_page_set']:>10.2%}"
-            f"{sel['share_exact_pages_missing']:>9.2%}{f['greedy_agreement']:>8.3f}"
-            f"{f['kl_mean_nats']:>9.4f}"
+            f"{key:<10}{cells}  {e['greedy_agreement']:>13.3f} {e['kl_mean_nats']:>7.4f}"
+            f"  {d['greedy_agreement']:>13.3f} {d['kl_mean_nats']:>7.4f}"
         )
     for t, row in result["bytes_per_step_per_job"].items():
         cells = "  ".join(
             f"{k} {v['bytes'] / 2**20:.2f} MiB (KV/{v['kv_over']:.0f})"
             for k, v in row.items()
-            if k != "kv_bytes"
+            if isinstance(v, dict)
         )
         print(f"{t:>7} tokens: {cells}")
     if args.out:
