@@ -247,7 +247,7 @@ class KVCache:
             torch.zeros(num_pool_pages, hkv, 2, d, dtype=self.dtype, device=device) for _ in range(nl)
         ]
         self.free_pages: list[int] = list(range(num_pool_pages - 1, -1, -1))
-        self.superpage_pages = sp = config.superpage_pages
+        self.superpage_pages = config.superpage_pages
         num_super = sizing.superpage_rows(config, num_pool_pages)
         self.super_meta = [
             torch.zeros(num_super, hkv, 2, d, dtype=self.dtype, device=device) for _ in range(nl)
