@@ -132,9 +132,9 @@ class DecodeAttention:
             else 0
         )
         self.prefetched: torch.Tensor | None = None
-        # Audit (engine.decode.audit): seq id -> {cache layer: (q [Hq, D], selection
-        # [Hkv, W])} of this step, filled by run() for the seq ids present; None: off.
-        self.capture: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] | None = None
+        # Audit (engine.decode.audit): run() appends (cache layer, plan.row0, q [b, Hq, D],
+        # selection [b, Hkv, W]) of every layer here — references, not copies; None: off.
+        self.capture: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = None
         if self.prefetch_pages:
             cache.enable_late_stream()
 
@@ -227,8 +227,8 @@ class DecodeAttention:
         selection = self.select(plan, layer, q, scores)
         if self.tracer is not None:
             self.tracer(plan, layer + c.layer_offset, selection)  # the model's layer index
-        if self.capture is not None:
-            self._capture(plan, layer, q, selection)
+        if self.capture is not None:  # kept alive: inside a CUDA graph, a static buffer
+            self.capture.append((layer, plan.row0, q, selection))
         if not hier:
             pool = c.pool[layer]
             slot_list = self.ops.resident_slot_list(selection, plan.block_table, self.k_max)
@@ -260,15 +260,6 @@ class DecodeAttention:
         if self.prefetch_pages and scores is not None:
             self.prefetch(plan, layer, scores)
         return out
-
-    def _capture(self, plan: StepPlan, layer: int, q: torch.Tensor, selection: torch.Tensor) -> None:
-        """Copy the query ``[Hq, D]`` and selection ``[Hkv, W]`` of the audited rows of
-        ``plan`` into :attr:`capture` (read-only for the step)."""
-        assert self.capture is not None
-        for i, sid in enumerate(plan.seq_ids):
-            got = self.capture.get(sid)
-            if got is not None:
-                got[layer] = (q[i].detach().clone(), selection[i].clone())
 
     def prefetch(self, plan: StepPlan, layer: int, scores: torch.Tensor) -> None:
         """Load the near misses of ``scores`` (float32 ``[B, Hkv, P_max]``, this step's

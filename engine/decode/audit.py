@@ -15,10 +15,36 @@ step's key/value come from a dense chain of hidden states through every layer, b
 keys and values of the earlier positions are the ones in the KV pool, written by the
 sparse run (prefill is dense in both). It measures this step's selection error, not the
 drift of a whole dense generation. It only reads the pool, after the step's writes have
-landed (:meth:`engine.kv.cache.KVCache.join_late`), so the sparse decode — its tokens,
-hot-buffer slots, page tables and LRU stamps — is the same with and without the audit.
-Its cost per audited step is one single-token forward whose attention reads every record
-of the job's context (on a hierarchical cache: from the host pool).
+landed, so the sparse decode — its tokens, hot-buffer slots, page tables and LRU stamps —
+is the same with and without the audit.
+
+How an audited step runs (:class:`Auditor`, driven by :class:`engine.serve.engine.Engine`):
+
+1. **The sparse step as usual** — on CUDA a replay of its captured graph. With
+   ``audit_steps`` on, every decode step keeps a reference to each layer's query and
+   selection (:attr:`engine.decode.attention.DecodeAttention.capture`); inside a CUDA
+   graph that pins their memory in the graph's pool, so each replay leaves its values
+   there (no extra kernel, same kernels as without the audit).
+2. **Snapshot** (:func:`snapshot`, compute stream, before the next step may overwrite
+   those buffers): the audited rows' queries ``[L, R, Hq, D]``, selections, sparse
+   logits and fed tokens — a handful of small copies.
+3. **One dense pass for all audited rows** (:func:`dense_pass`): per layer the rows'
+   records are staged into one device buffer (:class:`Staging`: a copy per run of
+   consecutive pool pages from the pinned pool), the mass kept is taken from it with the
+   sparse queries (:func:`kernels.oracle_scores.oracle_scores_ref`, before the dense
+   chain's own key/value overwrite this step's position), and the dense chain attends
+   with the engine's ``dense_decode_attention``. Agreement and KL (:func:`compare_rows`)
+   and the mass are left on the device as one ``[3, R]`` tensor: no host sync.
+4. **Overlap** — on CUDA the pass runs on a side stream after the step; the next decode
+   steps go on meanwhile. Its figures come back through pinned memory and an event;
+   the engine reports them once they have landed (:meth:`Auditor.retire`) and waits for
+   them before a job's result is written. A job's pages are never released while a pass
+   reading them is in flight (:meth:`Auditor.wait_seq`). ``seconds``: on CUDA the
+   device span of the pass on its stream (first to last kernel, waits for the host's
+   launches included), split evenly among its rows; on the CPU the host time.
+
+The per-row functions :func:`dense_step_logits` and :func:`mass_kept` are the plain
+reference of the same figures (the tests' oracle for the batched pass).
 
 Torch is imported on first use (:func:`audit_schedule` serves the CLI's test engine).
 """
@@ -26,10 +52,11 @@ Torch is imported on first use (:func:`audit_schedule` serves the CLI's test eng
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.events import AuditStats
+from engine.events import AuditStats, AuditStep
 
 if TYPE_CHECKING:
     import torch
@@ -197,9 +224,331 @@ def _mass_kept(cache, seq_id, captured, num_tokens, scale, unpack_bits) -> float
 
 def compare(sparse_logits: torch.Tensor, dense_logits: torch.Tensor) -> tuple[bool, float]:
     """(top-1 agreement, KL(dense || sparse) in nats) of two float32 ``[V]`` logits."""
+    agree, kl = compare_rows(sparse_logits[None], dense_logits[None])
+    return bool(agree[0]), float(kl[0])
+
+
+def compare_rows(sparse: torch.Tensor, dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``sparse, dense [R, V]`` logits: whether their argmax agrees (bool
+    ``[R]``) and KL(dense || sparse) of their softmax at temperature 1 (float32 ``[R]``,
+    nats, clamped at 0), on the logits' device (no host sync)."""
     import torch
 
-    ls = torch.log_softmax(sparse_logits.float(), -1)
-    ld = torch.log_softmax(dense_logits.float(), -1)
-    kl = float((ld.exp() * (ld - ls)).sum().clamp(min=0.0))
-    return bool(sparse_logits.argmax() == dense_logits.argmax()), kl
+    ls = torch.log_softmax(sparse.float(), -1)
+    ld = torch.log_softmax(dense.float(), -1)
+    kl = (ld.exp() * (ld - ls)).sum(-1).clamp(min=0.0)
+    return sparse.argmax(-1) == dense.argmax(-1), kl
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on ``device`` without a host sync: through pinned memory and
+    an asynchronous copy on CUDA (a plain ``.to`` from pageable memory waits for the
+    stream, i.e. for the decode step queued before it)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class Captured:
+    """The sparse step's per-layer inputs of the audited rows (:func:`snapshot`):
+    ``layers`` the cache layers captured (``L`` of them, ascending), ``q [L, R, Hq, D]``
+    the queries after RoPE, ``selection`` int32 ``[L, R, Hkv, W]`` the bitmasks read."""
+
+    layers: list[int]
+    q: torch.Tensor
+    selection: torch.Tensor
+
+
+def snapshot(entries: list, rows: list[int]) -> Captured | None:
+    """Copy rows ``rows`` of a step's captured queries and selections out of the step's
+    buffers. ``entries``: ``(cache layer, row0, q [b, Hq, D], selection [b, Hkv, W])``
+    as :meth:`engine.decode.attention.DecodeAttention.run` appended them (two chunks per
+    layer, ``row0`` apart, when the batch ran as two micro-batches). ``None`` when
+    nothing was captured (dense attention). A few kernels in all, on the current stream."""
+    if not entries:
+        return None
+    import torch
+
+    layers = sorted({e[0] for e in entries})
+    starts = sorted({e[1] for e in entries})
+    by = {(e[0], e[1]): e[2:] for e in entries}
+    index = to_device(torch.tensor(rows, dtype=torch.long), entries[0][2].device)
+
+    def rows_of(i: int) -> torch.Tensor:
+        parts = [torch.stack([by[(layer, r0)][i] for layer in layers]) for r0 in starts]
+        whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return whole.index_select(1, index)
+
+    return Captured(layers, rows_of(0), rows_of(1))
+
+
+class Staging:
+    """Reads the audited rows' pool records of one layer into one device buffer.
+
+    Parameters
+    ----------
+    cache : the KV hierarchy; seq_ids : the ``R`` rows' sequences; num_tokens : tokens
+    of each row's context (this step's included); device : where the pass runs.
+
+    Attributes
+    ----------
+    block_table : int32 ``[R, P_max]`` (device): row ``r``'s pages in the staged buffer,
+    -1 past them; pages, within : int64 ``[R]`` (device): the staged page and row in it
+    of each row's last position.
+
+    A host pool read for a CUDA device is one asynchronous copy per run of consecutive
+    pool pages (:func:`engine.kv.cache.page_runs`: within one pinned chunk) on the
+    current stream; a device or CPU pool is gathered with one ``index_select``.
+    """
+
+    def __init__(self, cache, seq_ids: list[int], num_tokens: list[int], device):
+        import torch
+
+        from engine.kv.cache import page_runs
+
+        s = cache.page_size
+        self.cache = cache
+        self.device = torch.device(device)
+        per_row = [cache.seqs[sid].pages[: -(-n // s)] for sid, n in zip(seq_ids, num_tokens, strict=True)]
+        self.pages = [p for row in per_row for p in row]
+        width = max(len(row) for row in per_row)
+        table = torch.full((len(per_row), width), -1, dtype=torch.int32)
+        first, last_page = 0, []
+        for r, (row, n) in enumerate(zip(per_row, num_tokens, strict=True)):
+            table[r, : len(row)] = torch.arange(first, first + len(row), dtype=torch.int32)
+            last_page.append(first + (n - 1) // s)
+            first += len(row)
+        self.block_table = to_device(table, self.device)
+        self.last_page = to_device(torch.tensor(last_page, dtype=torch.long), self.device)
+        self.last_row = to_device(torch.tensor([(n - 1) % s for n in num_tokens]), self.device)
+        pool_dev = cache.pool[0].device
+        host_to_cuda = pool_dev.type == "cpu" and self.device.type == "cuda"
+        self.runs = page_runs(self.pages, cache.copy_chunk_pages) if host_to_cuda else None
+        self.index = None if host_to_cuda else to_device(torch.tensor(self.pages), pool_dev)
+
+    def read(self, layer: int, dtype) -> torch.Tensor:
+        """Cache layer ``layer``'s records of every row, ``[P_sum, Hkv, 2, S, D]`` in
+        ``dtype`` (fp8 records dequantised with their scales, as the gather does)."""
+        from kernels.fp8_kv import FP8, fp8_dequantize_ref
+
+        pool = self.cache.pool[layer]
+        rec = self._read(pool)
+        if pool.dtype == FP8:
+            return fp8_dequantize_ref(rec, self._read(self.cache.host.scales[layer]), dtype)
+        return rec.to(dtype)
+
+    def _read(self, t: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        if self.runs is None:
+            return t.index_select(0, self.index).to(self.device)
+        out = torch.empty((len(self.pages), *t.shape[1:]), dtype=t.dtype, device=self.device)
+        for i, first, n in self.runs:
+            out[i : i + n].copy_(t[first : first + n], non_blocking=True)
+        return out
+
+    def put_last(self, records: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k, v [R, Hkv, D]`` at each row's last position of ``records``."""
+        import torch
+
+        r, hkv = k.shape[:2]
+        dev = records.device
+        index = (
+            self.last_page.view(r, 1, 1),
+            torch.arange(hkv, device=dev).view(1, hkv, 1),
+            torch.arange(2, device=dev).view(1, 1, 2),
+            self.last_row.view(r, 1, 1),
+        )
+        records.index_put_(index, torch.stack([k, v], dim=2).to(records.dtype))
+
+
+def dense_pass(
+    model, cache, ops, tokens: torch.Tensor, seq_ids: list[int], num_tokens: list[int],
+    captured: Captured | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The audit's dense forward of ``R`` rows at once and their mass kept.
+
+    Parameters
+    ----------
+    model : the engine's whole model; cache : its KV hierarchy; ops : its kernel set;
+    tokens : int64 ``[R]`` (device) the token each row fed; seq_ids : the rows'
+    sequences; num_tokens : each row's context length including that token (its K/V
+    already in the pool); captured : the sparse step's queries and selections of these
+    rows (:func:`snapshot`), ``None`` when nothing was selected (mass kept 1).
+
+    Returns
+    -------
+    (float32 ``[R, V]`` dense next-token logits, float32 ``[R]`` mass kept: the mean over
+    the captured layers and query heads of the exact softmax mass of the sparse query
+    over the whole context that lies in the selected pages), both on the model's device.
+
+    Per layer: stage the rows' records (:class:`Staging`), take the mass kept from them,
+    overwrite each row's last position with the dense chain's own key/value, then
+    ``ops.dense_decode_attention`` (the dense engine's attention, the model's soft-cap and
+    sliding window included). Equal to :func:`dense_step_logits` and :func:`mass_kept` of
+    each row within rounding.
+    """
+    import torch
+
+    from kernels.bitmask import unpack_bits
+
+    dev = model.device
+    staging = Staging(cache, seq_ids, num_tokens, dev)
+    positions = to_device(torch.tensor([n - 1 for n in num_tokens], dtype=torch.long), dev)
+    lens = to_device(torch.tensor(num_tokens, dtype=torch.int32), dev)
+    table = staging.block_table
+    layer_of = {c: i for i, c in enumerate(captured.layers)} if captured is not None else {}
+    kept = torch.zeros(len(seq_ids), dtype=torch.float32, device=dev)
+    h = model.embed_tokens(tokens)
+    for layer in model.layer_range:
+        local = layer - cache.layer_offset
+        q, k, v = model.qkv(layer, h, positions)
+        records = staging.read(local, k.dtype)
+        i = layer_of.get(local)
+        if i is not None:
+            mass = ops.oracle_scores(captured.q[i], records, table, lens, model.scale)
+            chosen = unpack_bits(captured.selection[i], table.shape[1])
+            kept += (mass.clamp(min=0) * chosen).sum((1, 2))
+        staging.put_last(records, k, v)
+        a = ops.dense_decode_attention(
+            q, records, table, lens, model.scale, model.attn_softcap, model.attn_window(layer)
+        )
+        h = model.finish_layer(layer, h, a)
+    if captured is None:
+        kept.fill_(1.0)
+    else:
+        kept /= len(captured.layers) * captured.q.shape[2]
+    return model.logits(h), kept
+
+
+@dataclass
+class AuditPass:
+    """One step's audited rows, maybe still running (:meth:`Auditor.submit`).
+
+    ``figures`` float32 ``[3, R]`` (host; pinned and filled asynchronously on CUDA):
+    agreement (0/1), KL and mass kept per row. ``done`` is recorded after the copy that
+    fills it (``None``: already filled); ``start`` opens the pass on its stream.
+    ``keep`` holds the device tensors the pass reads until it has finished. ``owners``:
+    seq id -> the engine's request, set when the step is read (rows of requests that
+    closed before are left out)."""
+
+    seq_ids: list[int]
+    job_ids: list[str]
+    steps: list[int]
+    figures: torch.Tensor
+    done: torch.cuda.Event | None
+    start: torch.cuda.Event | None
+    host_seconds: float
+    keep: tuple = ()
+    owners: dict | None = None
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+        self.keep = ()
+
+    @property
+    def seconds(self) -> float:
+        """The pass's time (see the module's step 4); valid once :meth:`ready`."""
+        if self.done is None or self.start is None:
+            return self.host_seconds
+        return self.start.elapsed_time(self.done) / 1000.0
+
+
+class Auditor:
+    """Runs an engine's audit passes (:func:`dense_pass`) and keeps those in flight.
+
+    Parameters
+    ----------
+    model, cache, ops : the engine's; on CUDA the passes run on a side stream.
+    """
+
+    def __init__(self, model, cache, ops):
+        import torch
+
+        self.model, self.cache, self.ops = model, cache, ops
+        cuda = model.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=model.device) if cuda else None
+        self.passes: list[AuditPass] = []
+
+    def submit(
+        self, seq_ids: list[int], job_ids: list[str], steps: list[int], tokens: torch.Tensor,
+        num_tokens: list[int], sparse_logits: torch.Tensor, captured: Captured | None,
+    ) -> AuditPass:
+        """Start the audit of ``R`` rows of the step just launched: ``tokens`` int64
+        ``[R]`` fed, ``num_tokens`` their context lengths, ``sparse_logits`` float32
+        ``[R, V]`` the step's logits of those rows, ``captured`` their queries and
+        selections — all owned by the pass (copies, not the step's buffers). On CUDA the
+        pass waits for the work queued so far on the current stream (the step and its
+        pool writes) and runs on :attr:`stream`; on the CPU it runs now."""
+        import torch
+
+        t0 = time.monotonic()
+        start = done = None
+        if self.stream is None:
+            figures = self._figures(tokens, seq_ids, num_tokens, sparse_logits, captured)
+            keep: tuple = ()
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.model.device))
+            with torch.cuda.stream(self.stream):
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                dev = self._figures(tokens, seq_ids, num_tokens, sparse_logits, captured)
+                figures = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+                figures.copy_(dev, non_blocking=True)
+                done = torch.cuda.Event(enable_timing=True)
+                done.record()
+            keep = (tokens, sparse_logits, captured, dev)
+        p = AuditPass(
+            seq_ids, job_ids, steps, figures, done, start, time.monotonic() - t0, keep
+        )
+        self.passes.append(p)
+        return p
+
+    def _figures(self, tokens, seq_ids, num_tokens, sparse_logits, captured) -> torch.Tensor:
+        import torch
+
+        dense, kept = dense_pass(self.model, self.cache, self.ops, tokens, seq_ids, num_tokens, captured)
+        agree, kl = compare_rows(sparse_logits, dense)
+        return torch.stack([agree.float(), kl, kept])
+
+    def retire(self, wait_seq: int | None = None) -> list[tuple[object, AuditStep, float]]:
+        """Passes whose step has been read and whose figures have landed — and, waited
+        for, those holding ``wait_seq``'s rows: ``(owner, event, seconds)`` per row of a
+        request still open at the read, in launch order. Retired passes are dropped."""
+        out, left = [], []
+        for p in self.passes:
+            if p.owners is None or not (p.ready() or wait_seq in p.seq_ids):
+                left.append(p)
+                continue
+            p.wait()
+            values = p.figures.tolist()
+            share = p.seconds / len(p.seq_ids)
+            now = time.monotonic()
+            for i, sid in enumerate(p.seq_ids):
+                owner = p.owners.get(sid)
+                if owner is not None:
+                    agree, kl, kept = (values[0][i], values[1][i], values[2][i])
+                    event = AuditStep(now, p.job_ids[i], p.steps[i], agree > 0.5, kl, kept)
+                    out.append((owner, event, share))
+        self.passes = left
+        return out
+
+    def wait_seq(self, seq_id: int) -> None:
+        """Wait until no pass in flight reads ``seq_id``'s pages (before they are freed)."""
+        for p in self.passes:
+            if seq_id in p.seq_ids:
+                p.wait()
+
+    def clear(self) -> None:
+        """Wait for every pass and drop them (end of a run)."""
+        for p in self.passes:
+            p.wait()
+        self.passes = []
