@@ -425,6 +425,25 @@ def dense_pass(
     return model.logits(h), kept
 
 
+STAGING_BYTES = 256 << 20
+"""Records staged per layer by one :func:`dense_pass` (bytes): rows beyond it go to
+another pass of the same step (a row alone may exceed it)."""
+
+
+def row_groups(row_bytes: list[int], limit: int) -> list[list[int]]:
+    """Consecutive row indices grouped so that each group's ``row_bytes`` sum to at most
+    ``limit`` (a row larger than ``limit`` forms a group of its own)."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, b in enumerate(row_bytes):
+        if not groups or total + b > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += b
+    return groups
+
+
 @dataclass
 class AuditPass:
     """One step's audited rows, maybe still running (:meth:`Auditor.submit`).
@@ -513,11 +532,29 @@ class Auditor:
         return p
 
     def _figures(self, tokens, seq_ids, num_tokens, sparse_logits, captured) -> torch.Tensor:
+        """float32 ``[3, R]``: agreement, KL and mass kept of each row, one
+        :func:`dense_pass` per group of rows whose staged records fit
+        :data:`STAGING_BYTES` a layer."""
         import torch
 
-        dense, kept = dense_pass(self.model, self.cache, self.ops, tokens, seq_ids, num_tokens, captured)
-        agree, kl = compare_rows(sparse_logits, dense)
-        return torch.stack([agree.float(), kl, kept])
+        s, hkv = self.cache.page_size, self.cache.model.num_kv_heads
+        row_bytes = [-(-n // s) * hkv * self.cache.record_bytes for n in num_tokens]
+        parts = []
+        groups = row_groups(row_bytes, STAGING_BYTES)
+        for g in groups:
+            tok, logits, cap = tokens, sparse_logits, captured
+            if len(groups) > 1:  # index on the device: no host sync
+                idx = to_device(torch.tensor(g), tokens.device)
+                tok, logits = tokens.index_select(0, idx), sparse_logits.index_select(0, idx)
+                if cap is not None:
+                    cap = Captured(cap.layers, cap.q.index_select(1, idx), cap.selection.index_select(1, idx))
+            dense, kept = dense_pass(
+                self.model, self.cache, self.ops, tok, [seq_ids[i] for i in g],
+                [num_tokens[i] for i in g], cap,
+            )
+            agree, kl = compare_rows(logits, dense)
+            parts.append(torch.stack([agree.float(), kl, kept]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def retire(self, wait_seq: int | None = None) -> list[tuple[object, AuditStep, float]]:
         """Passes whose step has been read and whose figures have landed — and, waited

@@ -182,6 +182,30 @@ def test_batched_audit_equals_the_per_row_reference(monkeypatch, path):
     assert torch.equal(figures["eager"], figures[path])
 
 
+def test_row_groups_bound_the_staged_bytes():
+    from engine.decode.audit import row_groups
+
+    assert row_groups([3, 3, 3], 6) == [[0, 1], [2]]
+    assert row_groups([9, 1, 1], 4) == [[0], [1, 2]]  # a row alone may exceed the limit
+    assert row_groups([1, 1], 100) == [[0, 1]]
+
+
+def test_audit_in_row_groups_equals_one_pass(monkeypatch):
+    """Rows split over several dense passes (their records over ``STAGING_BYTES``) get
+    the figures of one pass over all of them."""
+    import engine.decode.audit as fidelity
+
+    figures = []
+    for limit in (fidelity.STAGING_BYTES, 1):
+        monkeypatch.setattr(fidelity, "STAGING_BYTES", limit)
+        eng = make(audit_steps=1)
+        reqs, _, handle = audited_first_step(eng, jobs(max_tokens=2))
+        figures.append(handle.audit.figures.clone())
+        for r in reqs:
+            eng.close_request(r)
+    torch.testing.assert_close(figures[0], figures[1], atol=1e-5, rtol=1e-4)
+
+
 def test_figures_in_flight_are_waited_for(monkeypatch):
     """A pass whose figures have not landed (a CUDA pass on its stream, stood in for on
     the CPU) is reported only once ready — except that a job's result waits for its own,
