@@ -29,12 +29,15 @@ How an audited step runs (:class:`Auditor`, driven by :class:`engine.serve.engin
    those buffers): the audited rows' queries ``[L, R, Hq, D]``, selections, sparse
    logits and fed tokens — a handful of small copies.
 3. **One dense pass for all audited rows** (:func:`dense_pass`): per layer the rows'
-   records are staged into one device buffer (:class:`Staging`: a copy per run of
-   consecutive pool pages from the pinned pool), the mass kept is taken from it with the
-   sparse queries (:func:`kernels.oracle_scores.oracle_scores_ref`, before the dense
-   chain's own key/value overwrite this step's position), and the dense chain attends
-   with the engine's ``dense_decode_attention``. Agreement and KL (:func:`compare_rows`)
-   and the mass are left on the device as one ``[3, R]`` tensor: no host sync.
+   records are gathered into one device buffer (``ops.gather``, the decode's miss
+   loader: on CUDA it reads the pinned host pool through unified addressing), the mass
+   kept is taken from it with the sparse queries
+   (:func:`kernels.oracle_scores.oracle_scores_ref`, before the dense chain's own
+   key/value overwrite this step's position), and the dense chain attends with the
+   engine's ``dense_decode_attention``. Agreement and KL (:func:`compare_rows`) and the
+   mass are left on the device as one ``[3, R]`` tensor. The pass is device work of
+   fixed shapes (rows, block-table width bucket): on CUDA it is captured once per shape
+   and replayed (:class:`Auditor`), some 2,000 kernel launches in one.
 4. **Overlap** — on CUDA the pass runs on a side stream after the step; the next decode
    steps go on meanwhile. Its figures come back through pinned memory and an event;
    the engine reports them once they have landed (:meth:`Auditor.retire`) and waits for
@@ -53,6 +56,8 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -286,137 +291,113 @@ def snapshot(entries: list, rows: list[int]) -> Captured | None:
     return Captured(layers, rows_of(0), rows_of(1))
 
 
-class Staging:
-    """Reads the audited rows' pool records of one layer into one device buffer.
+def stage_plan(lens: torch.Tensor, width: int, num_kv_heads: int, page_size: int):
+    """Where :func:`dense_pass` stages the records of ``R`` rows, all on the device from
+    ``lens`` (int32 ``[R]``, context lengths) and static shapes only:
 
-    Parameters
-    ----------
-    cache : the KV hierarchy; seq_ids : the ``R`` rows' sequences; num_tokens : tokens
-    of each row's context (this step's included); device : where the pass runs.
-
-    Attributes
-    ----------
-    block_table : int32 ``[R, P_max]`` (device): row ``r``'s pages in the staged buffer,
-    -1 past them; pages, within : int64 ``[R]`` (device): the staged page and row in it
-    of each row's last position.
-
-    A host pool read for a CUDA device is one asynchronous copy per run of consecutive
-    pool pages (:func:`engine.kv.cache.page_runs`: within one pinned chunk) on the
-    current stream; a device or CPU pool is gathered with one ``index_select``.
+    * ``load_pages``, ``load_slots`` int32 ``[R, Hkv, W]``: the gather's load list
+      (:func:`kernels.gather.gather_ref`) — request page ``p < ceil(len / S)`` of row
+      ``r`` and KV head ``h`` to staging slot ``(r * W + p) * Hkv + h``, -1 past the
+      context — so the staging buffer ``[R * W * Hkv, 2, S, D]`` viewed as a pool
+      ``[R * W, Hkv, 2, S, D]`` holds row ``r``'s page ``p`` at page ``r * W + p``;
+    * ``table`` int32 ``[R, W]``: that staged page of each row's page;
+    * ``last_page``, ``last_row`` int64 ``[R]``: the staged page and its row holding each
+      row's last position (``len - 1``).
     """
+    import torch
 
-    def __init__(self, cache, seq_ids: list[int], num_tokens: list[int], device):
-        import torch
-
-        from engine.kv.cache import page_runs
-
-        s = cache.page_size
-        self.cache = cache
-        self.device = torch.device(device)
-        per_row = [cache.seqs[sid].pages[: -(-n // s)] for sid, n in zip(seq_ids, num_tokens, strict=True)]
-        self.pages = [p for row in per_row for p in row]
-        width = max(len(row) for row in per_row)
-        table = torch.full((len(per_row), width), -1, dtype=torch.int32)
-        first, last_page = 0, []
-        for r, (row, n) in enumerate(zip(per_row, num_tokens, strict=True)):
-            table[r, : len(row)] = torch.arange(first, first + len(row), dtype=torch.int32)
-            last_page.append(first + (n - 1) // s)
-            first += len(row)
-        self.block_table = to_device(table, self.device)
-        self.last_page = to_device(torch.tensor(last_page, dtype=torch.long), self.device)
-        self.last_row = to_device(torch.tensor([(n - 1) % s for n in num_tokens]), self.device)
-        pool_dev = cache.pool[0].device
-        host_to_cuda = pool_dev.type == "cpu" and self.device.type == "cuda"
-        self.runs = page_runs(self.pages, cache.copy_chunk_pages) if host_to_cuda else None
-        self.index = None if host_to_cuda else to_device(torch.tensor(self.pages), pool_dev)
-
-    def read(self, layer: int, dtype) -> torch.Tensor:
-        """Cache layer ``layer``'s records of every row, ``[P_sum, Hkv, 2, S, D]`` in
-        ``dtype`` (fp8 records dequantised with their scales, as the gather does)."""
-        from kernels.fp8_kv import FP8, fp8_dequantize_ref
-
-        pool = self.cache.pool[layer]
-        rec = self._read(pool)
-        if pool.dtype == FP8:
-            return fp8_dequantize_ref(rec, self._read(self.cache.host.scales[layer]), dtype)
-        return rec.to(dtype)
-
-    def _read(self, t: torch.Tensor) -> torch.Tensor:
-        import torch
-
-        if self.runs is None:
-            return t.index_select(0, self.index).to(self.device)
-        out = torch.empty((len(self.pages), *t.shape[1:]), dtype=t.dtype, device=self.device)
-        for i, first, n in self.runs:
-            out[i : i + n].copy_(t[first : first + n], non_blocking=True)
-        return out
-
-    def put_last(self, records: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k, v [R, Hkv, D]`` at each row's last position of ``records``."""
-        import torch
-
-        r, hkv = k.shape[:2]
-        dev = records.device
-        index = (
-            self.last_page.view(r, 1, 1),
-            torch.arange(hkv, device=dev).view(1, hkv, 1),
-            torch.arange(2, device=dev).view(1, 1, 2),
-            self.last_row.view(r, 1, 1),
-        )
-        records.index_put_(index, torch.stack([k, v], dim=2).to(records.dtype))
+    dev = lens.device
+    r, hkv, s = lens.shape[0], num_kv_heads, page_size
+    lens64 = lens.long()
+    pages = torch.arange(width, device=dev)
+    rows = torch.arange(r, device=dev)
+    valid = (pages[None, :] < torch.div(lens64 + (s - 1), s, rounding_mode="floor")[:, None])
+    table = rows[:, None] * width + pages[None, :]  # [R, W]
+    slots = table[:, None, :] * hkv + torch.arange(hkv, device=dev)[None, :, None]
+    load_pages = torch.where(valid, pages[None, :], -1)[:, None, :].expand(r, hkv, width)
+    load_slots = torch.where(valid[:, None, :], slots, -1)
+    last = lens64 - 1
+    return (
+        load_pages.to(torch.int32).contiguous(),
+        load_slots.to(torch.int32).contiguous(),
+        table.to(torch.int32),
+        rows * width + torch.div(last, s, rounding_mode="floor"),
+        last % s,
+    )
 
 
 def dense_pass(
-    model, cache, ops, tokens: torch.Tensor, seq_ids: list[int], num_tokens: list[int],
+    model,
+    cache,
+    ops,
+    tokens: torch.Tensor,
+    lens: torch.Tensor,
+    block_table: torch.Tensor,
     captured: Captured | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The audit's dense forward of ``R`` rows at once and their mass kept.
+    """The audit's dense forward of ``R`` rows at once and their mass kept; device work
+    only, shapes fixed by the inputs' (no host sync: a CUDA graph can capture it).
 
     Parameters
     ----------
     model : the engine's whole model; cache : its KV hierarchy; ops : its kernel set;
-    tokens : int64 ``[R]`` (device) the token each row fed; seq_ids : the rows'
-    sequences; num_tokens : each row's context length including that token (its K/V
-    already in the pool); captured : the sparse step's queries and selections of these
-    rows (:func:`snapshot`), ``None`` when nothing was selected (mass kept 1).
+    tokens : int64 ``[R]`` the token each row fed; lens : int32 ``[R]`` each row's
+    context length including that token (its K/V already in the pool); block_table :
+    int32 ``[R, W]`` each row's pool pages (-1 past them; ``W`` at least its pages);
+    captured : the sparse step's queries and selections of these rows
+    (:func:`snapshot`), ``None`` when nothing was selected (mass kept 1). All on the
+    model's device.
 
     Returns
     -------
     (float32 ``[R, V]`` dense next-token logits, float32 ``[R]`` mass kept: the mean over
     the captured layers and query heads of the exact softmax mass of the sparse query
-    over the whole context that lies in the selected pages), both on the model's device.
+    over the whole context that lies in the selected pages), on the model's device.
 
-    Per layer: stage the rows' records (:class:`Staging`), take the mass kept from them,
-    overwrite each row's last position with the dense chain's own key/value, then
-    ``ops.dense_decode_attention`` (the dense engine's attention, the model's soft-cap and
-    sliding window included). Equal to :func:`dense_step_logits` and :func:`mass_kept` of
-    each row within rounding.
+    Per layer: gather the rows' records into one staging buffer (``ops.gather``, as the
+    decode's misses: from the pinned host pool through unified addressing on CUDA; fp8
+    records dequantised; :func:`stage_plan`), take the mass kept from it
+    (``ops.oracle_scores`` with the sparse queries), overwrite each row's last position
+    with the dense chain's own key/value, then ``ops.dense_decode_attention`` (the dense
+    engine's attention, the model's soft-cap and sliding window included). Equal to
+    :func:`dense_step_logits` and :func:`mass_kept` of each row within rounding.
     """
     import torch
 
     from kernels.bitmask import unpack_bits
 
     dev = model.device
-    staging = Staging(cache, seq_ids, num_tokens, dev)
-    positions = to_device(torch.tensor([n - 1 for n in num_tokens], dtype=torch.long), dev)
-    lens = to_device(torch.tensor(num_tokens, dtype=torch.int32), dev)
-    table = staging.block_table
+    r, width = block_table.shape
+    hkv, s, d = cache.model.num_kv_heads, cache.page_size, cache.model.head_dim
+    load_pages, load_slots, table, last_page, last_row = stage_plan(lens, width, hkv, s)
+    staging = torch.zeros(r * width * hkv, 2, s, d, dtype=cache.dtype, device=dev)
+    records = staging.view(r * width, hkv, 2, s, d)
+    put = (
+        last_page.view(r, 1, 1),
+        torch.arange(hkv, device=dev).view(1, hkv, 1),
+        torch.arange(2, device=dev).view(1, 1, 2),
+        last_row.view(r, 1, 1),
+    )
     layer_of = {c: i for i, c in enumerate(captured.layers)} if captured is not None else {}
-    kept = torch.zeros(len(seq_ids), dtype=torch.float32, device=dev)
+    kept = torch.zeros(r, dtype=torch.float32, device=dev)
+    positions = lens.long() - 1
     h = model.embed_tokens(tokens)
     for layer in model.layer_range:
         local = layer - cache.layer_offset
         q, k, v = model.qkv(layer, h, positions)
-        records = staging.read(local, k.dtype)
+        scale = {"pool_scale": cache.pool_scale[local]} if cache.host_fp8 else {}
+        ops.gather(cache.pool[local], staging, block_table, load_pages, load_slots, **scale)
         i = layer_of.get(local)
-        if i is not None:
+        if i is not None:  # pages past the selection's words are past every context
             mass = ops.oracle_scores(captured.q[i], records, table, lens, model.scale)
-            chosen = unpack_bits(captured.selection[i], table.shape[1])
-            kept += (mass.clamp(min=0) * chosen).sum((1, 2))
-        staging.put_last(records, k, v)
+            n = min(width, 32 * captured.selection.shape[-1])
+            chosen = unpack_bits(captured.selection[i], n)
+            kept += (mass[..., :n].clamp(min=0) * chosen).sum((1, 2))
+        records.index_put_(put, torch.stack([k, v], dim=2).to(records.dtype))
         a = ops.dense_decode_attention(
-            q, records, table, lens, model.scale, model.attn_softcap, model.attn_window(layer)
-        )
+            q, records.to(q.dtype), table, lens, model.scale, model.attn_softcap,
+            model.attn_window(layer),
+        )  # fmt: skip
         h = model.finish_layer(layer, h, a)
     if captured is None:
         kept.fill_(1.0)
@@ -481,25 +462,59 @@ class AuditPass:
         return self.start.elapsed_time(self.done) / 1000.0
 
 
+@dataclass
+class _PassGraph:
+    """A captured :func:`dense_pass` of one shape: its static inputs and output."""
+
+    tokens: torch.Tensor  # int64 [R]
+    lens: torch.Tensor  # int32 [R]
+    table: torch.Tensor  # int32 [R, W]
+    logits: torch.Tensor  # float32 [R, V], the sparse step's
+    q: torch.Tensor | None  # [L, R, Hq, D]
+    selection: torch.Tensor | None  # int32 [L, R, Hkv, Wsel]
+    layers: list[int]
+    graph: torch.cuda.CUDAGraph | None = None
+    out: torch.Tensor | None = None  # float32 [3, R]
+
+
 class Auditor:
     """Runs an engine's audit passes (:func:`dense_pass`) and keeps those in flight.
 
+    On CUDA the passes run on a side stream and, with ``graphs``, as CUDA graph replays:
+    one graph per (rows, block-table width bucket, captured shape), captured after an
+    eager warm-up (the first pass of that shape), at most ``max_graphs`` kept. The audit
+    graphs have their own memory pool: they run beside the decode's graphs, not in turn.
+
     Parameters
     ----------
-    model, cache, ops : the engine's; on CUDA the passes run on a side stream.
+    model, cache, ops : the engine's; graphs : capture the passes in CUDA graphs
+    (:meth:`engine.decode.cuda_graph.DecodeGraphs.supported` holds for the engine);
+    max_graphs : captured shapes kept.
     """
 
-    def __init__(self, model, cache, ops):
+    def __init__(self, model, cache, ops, graphs: bool = False, max_graphs: int = 4):
         import torch
 
         self.model, self.cache, self.ops = model, cache, ops
         cuda = model.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=model.device) if cuda else None
+        self.use_graphs = cuda and graphs
+        self.max_graphs = max_graphs
+        self.graphs: OrderedDict[tuple, _PassGraph] = OrderedDict()
+        self.pool = None
+        self.captures = 0
+        self.replays = 0
         self.passes: list[AuditPass] = []
 
     def submit(
-        self, seq_ids: list[int], job_ids: list[str], steps: list[int], tokens: torch.Tensor,
-        num_tokens: list[int], sparse_logits: torch.Tensor, captured: Captured | None,
+        self,
+        seq_ids: list[int],
+        job_ids: list[str],
+        steps: list[int],
+        tokens: torch.Tensor,
+        num_tokens: list[int],
+        sparse_logits: torch.Tensor,
+        captured: Captured | None,
     ) -> AuditPass:
         """Start the audit of ``R`` rows of the step just launched: ``tokens`` int64
         ``[R]`` fed, ``num_tokens`` their context lengths, ``sparse_logits`` float32
@@ -525,9 +540,7 @@ class Auditor:
                 done = torch.cuda.Event(enable_timing=True)
                 done.record()
             keep = (tokens, sparse_logits, captured, dev)
-        p = AuditPass(
-            seq_ids, job_ids, steps, figures, done, start, time.monotonic() - t0, keep
-        )
+        p = AuditPass(seq_ids, job_ids, steps, figures, done, start, time.monotonic() - t0, keep)
         self.passes.append(p)
         return p
 
@@ -537,8 +550,9 @@ class Auditor:
         :data:`STAGING_BYTES` a layer."""
         import torch
 
-        s, hkv = self.cache.page_size, self.cache.model.num_kv_heads
-        row_bytes = [-(-n // s) * hkv * self.cache.record_bytes for n in num_tokens]
+        c = self.cache
+        reserved = [len(c.seqs[sid].pages) for sid in seq_ids]
+        row_bytes = [p * c.model.num_kv_heads * c.record_bytes for p in reserved]
         parts = []
         groups = row_groups(row_bytes, STAGING_BYTES)
         for g in groups:
@@ -547,14 +561,89 @@ class Auditor:
                 idx = to_device(torch.tensor(g), tokens.device)
                 tok, logits = tokens.index_select(0, idx), sparse_logits.index_select(0, idx)
                 if cap is not None:
-                    cap = Captured(cap.layers, cap.q.index_select(1, idx), cap.selection.index_select(1, idx))
-            dense, kept = dense_pass(
-                self.model, self.cache, self.ops, tok, [seq_ids[i] for i in g],
-                [num_tokens[i] for i in g], cap,
-            )
-            agree, kl = compare_rows(logits, dense)
-            parts.append(torch.stack([agree.float(), kl, kept]))
+                    q, sel = cap.q.index_select(1, idx), cap.selection.index_select(1, idx)
+                    cap = Captured(cap.layers, q, sel)
+            rows = [seq_ids[i] for i in g]
+            width = max(reserved[i] for i in g)
+            if self.use_graphs:  # one graph per width bucket: a job replays one all its life
+                from engine.decode.cuda_graph import width_bucket
+
+                width = width_bucket(width, c.max_pages_per_seq)
+            table = torch.full((len(g), width), -1, dtype=torch.int32)
+            for j, sid in enumerate(rows):
+                pages = c.seqs[sid].pages
+                table[j, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            dev = self.model.device
+            lens = to_device(torch.tensor([num_tokens[i] for i in g], dtype=torch.int32), dev)
+            out = self._run(tok, lens, to_device(table, dev), logits, cap)
+            parts.append(out.clone() if len(groups) > 1 else out)  # a replay's: static
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def _pass(self, tokens, lens, table, logits, captured) -> torch.Tensor:
+        import torch
+
+        dense, kept = dense_pass(self.model, self.cache, self.ops, tokens, lens, table, captured)
+        agree, kl = compare_rows(logits, dense)
+        return torch.stack([agree.float(), kl, kept])
+
+    def _run(self, tokens, lens, table, logits, captured) -> torch.Tensor:
+        """:meth:`_pass` — replayed from its CUDA graph where :attr:`use_graphs`."""
+        if not self.use_graphs:
+            return self._pass(tokens, lens, table, logits, captured)
+        key = (
+            tuple(table.shape),
+            None if captured is None else (tuple(captured.layers), tuple(captured.selection.shape)),
+        )
+        g = self.graphs.get(key)
+        if g is not None:
+            self.graphs.move_to_end(key)
+            self._load(g, tokens, lens, table, logits, captured)
+            g.graph.replay()
+            self.replays += 1
+            return g.out
+        out = self._pass(tokens, lens, table, logits, captured)  # eager: warm-up and result
+        try:
+            self._capture(key, tokens, lens, table, logits, captured)
+        except Exception as e:  # noqa: BLE001 - audit eagerly from now on
+            self.use_graphs = False
+            self.graphs.clear()
+            warnings.warn(f"audit CUDA graphs disabled (capture failed: {e!r})", stacklevel=2)
+        return out
+
+    def _load(self, g: _PassGraph, tokens, lens, table, logits, captured) -> None:
+        """Copy a pass's inputs into ``g``'s static buffers (on the auditor's stream, after
+        the last replay that read them)."""
+        g.tokens.copy_(tokens)
+        g.lens.copy_(lens)
+        g.table.copy_(table)
+        g.logits.copy_(logits)
+        if captured is not None:
+            g.q.copy_(captured.q)
+            g.selection.copy_(captured.selection)
+
+    def _capture(self, key, tokens, lens, table, logits, captured) -> None:
+        import torch
+
+        while len(self.graphs) >= self.max_graphs:
+            self.graphs.popitem(last=False)
+        g = _PassGraph(
+            tokens.clone(), lens.clone(), table.clone(), logits.clone(),
+            None if captured is None else captured.q.clone(),
+            None if captured is None else captured.selection.clone(),
+            [] if captured is None else list(captured.layers),
+        )  # fmt: skip
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        cap = None if g.q is None else Captured(g.layers, g.q, g.selection)
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool)  # on this stream (see DecodeGraphs._capture)
+        try:
+            g.out = self._pass(g.tokens, g.lens, g.table, g.logits, cap)
+        finally:
+            graph.capture_end()
+        g.graph = graph
+        self.graphs[key] = g
+        self.captures += 1
 
     def retire(self, wait_seq: int | None = None) -> list[tuple[object, AuditStep, float]]:
         """Passes whose step has been read and whose figures have landed — and, waited

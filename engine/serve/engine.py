@@ -189,7 +189,11 @@ class Engine:
             not self.cache.fp8 or self.cache.dtype == getattr(model, "dtype", None)
         )
         self._inflight: StepHandle | None = None
-        self.auditor = fidelity.Auditor(model, self.cache, ops) if config.audit_steps else None
+        self.auditor = (
+            fidelity.Auditor(model, self.cache, ops, graphs=self.graphs is not None)
+            if config.audit_steps
+            else None
+        )
         self._last_read = 0.0
         self._prefilled_since_read = False
 

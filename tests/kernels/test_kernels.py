@@ -1186,3 +1186,48 @@ def test_eviction_policies_are_one_registry():
     assert get_ops("cpu", eviction="lru").resolve is RESOLVERS["lru"][0]
     with pytest.raises(ValueError, match="unknown eviction policy 'fifo'"):
         get_ops("cpu", eviction="fifo")
+
+
+@pytest.mark.parametrize("kv_host_dtype", ["bf16", "fp8"])
+def test_audit_dense_pass_through_the_triton_ops(monkeypatch, kv_host_dtype):
+    """The audit's dense pass (:func:`engine.decode.audit.dense_pass`) through the Triton
+    set — the gather of the rows' records into its staging buffer (fp8 records
+    dequantised) and the paged dense attention over it — equals the reference set's, on
+    two rows of the tiny synthetic model and a block table padded to a graph's width."""
+    if CUDA:
+        pytest.skip("the engine's CUDA audit tests cover it there (tests/engine/test_audit.py)")
+    import engine.decode.audit as fidelity
+    from engine import events as ev
+    from engine.config import SamplingParams
+    from engine.load import load_engine
+
+    seen = {}
+    dense_pass = fidelity.dense_pass
+
+    def spy(*args):
+        seen["args"] = args
+        return dense_pass(*args)
+
+    monkeypatch.setattr(fidelity, "dense_pass", spy)
+    config = EngineConfig(
+        host_pool_gb=0.25, max_batch=2, page_size=16, top_k=48, sink_tokens=16,
+        local_window=16, device_buffer=96, prefill_chunk=128, tokenizer="ids",
+        audit_steps=1, kv_host_dtype=kv_host_dtype,
+    )  # fmt: skip
+    eng = load_engine(config, "synthetic:tiny")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(5, 40000, (n,), generator=gen).tolist() for n in (300, 181)]
+    params = SamplingParams(max_tokens=2)
+    reqs = [eng.open_request(ev.Job(f"j{i}", tuple(p), params)) for i, p in enumerate(prompts)]
+    for r in reqs:
+        eng.prefill(r)
+        r.audit_at = frozenset({1})
+    eng.read_step(eng.launch_step(reqs))
+    model, cache, ref_ops, tokens, lens, table, captured = seen["args"]
+    wide = torch.full((table.shape[0], 64), -1, dtype=torch.int32)
+    wide[:, : table.shape[1]] = table
+    ref = dense_pass(model, cache, ref_ops, tokens, lens, wide, captured)
+    got = dense_pass(model, cache, get_ops("cpu", use_triton=True), tokens, lens, wide, captured)
+    torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], ref[1], atol=1e-6, rtol=1e-5)
+    assert 0.0 < float(ref[1].min()) and float(ref[1].max()) < 1.0
