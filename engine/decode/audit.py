@@ -372,12 +372,11 @@ def dense_pass(
     load_pages, load_slots, table, last_page, last_row = stage_plan(lens, width, hkv, s)
     staging = torch.zeros(r * width * hkv, 2, s, d, dtype=cache.dtype, device=dev)
     records = staging.view(r * width, hkv, 2, s, d)
-    put = (
-        last_page.view(r, 1, 1),
-        torch.arange(hkv, device=dev).view(1, hkv, 1),
-        torch.arange(2, device=dev).view(1, 1, 2),
-        last_row.view(r, 1, 1),
-    )
+    # Rows of staging.view(-1, D) holding each row's last position: (page, head, k|v, row).
+    heads = torch.arange(hkv, device=dev).view(1, hkv, 1)
+    halves = torch.arange(2, device=dev).view(1, 1, 2)
+    put = (((last_page.view(r, 1, 1) * hkv + heads) * 2 + halves) * s + last_row.view(r, 1, 1))
+    put = put.flatten()  # [R * Hkv * 2]
     layer_of = {c: i for i, c in enumerate(captured.layers)} if captured is not None else {}
     kept = torch.zeros(r, dtype=torch.float32, device=dev)
     positions = lens.long() - 1
@@ -393,7 +392,8 @@ def dense_pass(
             n = min(width, 32 * captured.selection.shape[-1])
             chosen = unpack_bits(captured.selection[i], n)
             kept += (mass[..., :n].clamp(min=0) * chosen).sum((1, 2))
-        records.index_put_(put, torch.stack([k, v], dim=2).to(records.dtype))
+        kv = torch.stack([k, v], dim=2).reshape(-1, d)  # [R * Hkv * 2, D]
+        staging.view(-1, d).index_copy_(0, put, kv.to(staging.dtype))
         a = ops.dense_decode_attention(
             q, records.to(q.dtype), table, lens, model.scale, model.attn_softcap,
             model.attn_window(layer),
@@ -601,14 +601,20 @@ class Auditor:
             g.graph.replay()
             self.replays += 1
             return g.out
-        out = self._pass(tokens, lens, table, logits, captured)  # eager: warm-up and result
+        g = self._static(key, tokens, lens, table, logits, captured)
+        out = self._pass(*self._inputs(g))  # eager on the static inputs: warm-up, and result
         try:
-            self._capture(key, tokens, lens, table, logits, captured)
+            self._capture(g)
         except Exception as e:  # noqa: BLE001 - audit eagerly from now on
             self.use_graphs = False
             self.graphs.clear()
             warnings.warn(f"audit CUDA graphs disabled (capture failed: {e!r})", stacklevel=2)
         return out
+
+    @staticmethod
+    def _inputs(g: _PassGraph) -> tuple:
+        cap = None if g.q is None else Captured(g.layers, g.q, g.selection)
+        return g.tokens, g.lens, g.table, g.logits, cap
 
     def _load(self, g: _PassGraph, tokens, lens, table, logits, captured) -> None:
         """Copy a pass's inputs into ``g``'s static buffers (on the auditor's stream, after
@@ -621,9 +627,8 @@ class Auditor:
             g.q.copy_(captured.q)
             g.selection.copy_(captured.selection)
 
-    def _capture(self, key, tokens, lens, table, logits, captured) -> None:
-        import torch
-
+    def _static(self, key, tokens, lens, table, logits, captured) -> _PassGraph:
+        """A new entry for ``key`` whose static inputs are copies of this pass's."""
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
         g = _PassGraph(
@@ -632,17 +637,25 @@ class Auditor:
             None if captured is None else captured.selection.clone(),
             [] if captured is None else list(captured.layers),
         )  # fmt: skip
+        self.graphs[key] = g
+        return g
+
+    def _capture(self, g: _PassGraph) -> None:
+        """Capture :meth:`_pass` of ``g``'s static inputs on the current stream (the
+        auditor's), in the audit graphs' own memory pool. ``capture_begin`` rather than
+        ``torch.cuda.graph``, whose entry synchronises the device (see
+        :meth:`engine.decode.cuda_graph.DecodeGraphs._capture`)."""
+        import torch
+
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        cap = None if g.q is None else Captured(g.layers, g.q, g.selection)
         graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self.pool)  # on this stream (see DecodeGraphs._capture)
+        graph.capture_begin(pool=self.pool)
         try:
-            g.out = self._pass(g.tokens, g.lens, g.table, g.logits, cap)
+            g.out = self._pass(*self._inputs(g))
         finally:
             graph.capture_end()
         g.graph = graph
-        self.graphs[key] = g
         self.captures += 1
 
     def retire(self, wait_seq: int | None = None) -> list[tuple[object, AuditStep, float]]:
