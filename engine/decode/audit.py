@@ -565,7 +565,8 @@ class Auditor:
                     cap = Captured(cap.layers, q, sel)
             rows = [seq_ids[i] for i in g]
             width = max(reserved[i] for i in g)
-            if self.use_graphs:  # one graph per width bucket: a job replays one all its life
+            if self.use_graphs or self.stream is not None:  # CUDA: eager == replay bit for bit
+                # one graph per width bucket: a job replays the same one all its life
                 from engine.decode.cuda_graph import width_bucket
 
                 width = width_bucket(width, c.max_pages_per_seq)
