@@ -502,6 +502,7 @@ class Auditor:
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple, _PassGraph] = OrderedDict()
         self.pool = None
+        self._capture_stream = None
         self.captures = 0
         self.replays = 0
         self.passes: list[AuditPass] = []
@@ -642,20 +643,26 @@ class Auditor:
         return g
 
     def _capture(self, g: _PassGraph) -> None:
-        """Capture :meth:`_pass` of ``g``'s static inputs on the current stream (the
-        auditor's), in the audit graphs' own memory pool. ``capture_begin`` rather than
-        ``torch.cuda.graph``, whose entry synchronises the device (see
+        """Capture :meth:`_pass` of ``g``'s static inputs on a capture stream (replays run
+        on the auditor's), in the audit graphs' own memory pool. ``capture_begin`` rather
+        than ``torch.cuda.graph``, whose entry synchronises the device (see
         :meth:`engine.decode.cuda_graph.DecodeGraphs._capture`)."""
         import torch
 
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(device=self.model.device)
+        stream = self._capture_stream
+        stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self.pool)
-        try:
-            g.out = self._pass(*self._inputs(g))
-        finally:
-            graph.capture_end()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                g.out = self._pass(*self._inputs(g))
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
         g.graph = graph
         self.captures += 1
 
