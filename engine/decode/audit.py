@@ -47,7 +47,9 @@ How an audited step runs (:class:`Auditor`, driven by :class:`engine.serve.engin
    launches included), split evenly among its rows; on the CPU the host time.
 
 The per-row functions :func:`dense_step_logits` and :func:`mass_kept` are the plain
-reference of the same figures (the tests' oracle for the batched pass).
+reference of the same figures (the tests' oracle for the batched pass). Both apply the
+model's attention soft-cap and sliding window (Gemma), as a dense engine's step does;
+until 2026-12-02 the audit's dense chain left them out.
 
 Torch is imported on first use (:func:`audit_schedule` serves the CLI's test engine).
 """
@@ -162,8 +164,9 @@ def dense_step_logits(model, cache, seq_id: int, token: int, position: int) -> t
     """float32 ``[V]``: the next-token logits of feeding ``token`` at ``position`` with
     dense attention in every layer over the job's pool records of positions
     ``0 .. position - 1`` plus the dense chain's own key/value at ``position`` (causal
-    SDPA, :func:`engine.model.llama.prefill_attention`). Needs the whole model in this
-    engine (no pipeline stage)."""
+    SDPA with the model's scale, soft-cap and window,
+    :func:`engine.model.llama.prefill_attention`). Needs the whole model in this engine
+    (no pipeline stage). The plain per-row reference of :func:`dense_pass`."""
     import torch
 
     from engine.model.llama import prefill_attention
@@ -182,7 +185,10 @@ def _dense_chain(model, cache, seq_id, token, position, prefill_attention):
         kc, vc = context_kv(
             cache, seq_id, layer - cache.layer_offset, position, model.device, k.dtype
         )
-        a = prefill_attention(q, torch.cat([kc, k]), torch.cat([vc, v]), position)
+        a = prefill_attention(
+            q, torch.cat([kc, k]), torch.cat([vc, v]), position, model.scale,
+            model.attn_softcap, model.attn_window(layer),
+        )  # fmt: skip
         h = model.finish_layer(layer, h, a)
     return model.logits(h)[0]
 
