@@ -339,7 +339,8 @@ def test_cuda_audit_figures_equal_with_and_without_graphs():
     """The queries and selections an audited graph replay leaves in its pool equal the
     eager step's, and the audit's own graph replays compute what its eager pass does:
     the same audit figures, step by step (same kernels on the same inputs, the block
-    table padded to the same width)."""
+    table padded to the same width; a tolerance only for a library choosing another
+    algorithm inside a graph)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     figures = {}
@@ -347,4 +348,7 @@ def test_cuda_audit_figures_equal_with_and_without_graphs():
         _, steps, _ = run(make(audit_steps=4, cuda_graph=graphs, **CUDA))
         figures[graphs] = sorted((s.job_id, s.step, s.agree, s.kl, s.mass_kept) for s in steps)
     assert len(figures[True]) == 8
-    assert figures[True] == figures[False]
+    for a, b in zip(figures[True], figures[False], strict=True):  # equal up to library noise
+        assert a[:3] == b[:3]
+        assert a[3] == pytest.approx(b[3], rel=1e-3, abs=1e-6)
+        assert a[4] == pytest.approx(b[4], rel=1e-5)
