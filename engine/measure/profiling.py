@@ -129,6 +129,7 @@ KERNEL_PHASES: tuple[tuple[str, str], ...] = (
     ("_select_pack_kernel", "select"),
     ("_resident_slot_list_kernel", "select"),
     ("topk", "select"),
+    ("radixsortkvinplace", "select"),  # torch.topk's sort of the selection keys
     ("_append_kv_kernel", "append"),
     ("_rope_append_kernel", "append"),
     ("_resolve_kernel", "resolve"),

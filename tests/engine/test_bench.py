@@ -402,6 +402,8 @@ def test_kernel_phase_names():
     assert kernel_phase("_gather_fp8_kernel") == "gather"
     assert kernel_phase("_quest_scores_kernel") == "select"
     assert kernel_phase("_normmax_kernel") == "select"
+    assert kernel_phase("void at::native::radixSortKVInPlace<2, -1, 32, 4, long>") == "select"
+    assert kernel_phase("_int4_split_sum_kernel") == "weights"
     assert kernel_phase("void at::native::sbtopk::gatherTopK<float>") == "select"
     assert kernel_phase("void (anonymous namespace)::tinygemm_m16n8k16_chunk_kernel") == "weights"
     assert kernel_phase("nvjet_tst_64x8_64x16_2x1_v_bz_TNN") == "weights"
