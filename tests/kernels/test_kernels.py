@@ -45,7 +45,6 @@ from kernels.quest_scores import (
 )
 from kernels.resolve import resolve, resolve_ref
 from kernels.rmsnorm import rms_norm, rms_norm_ref
-from kernels.swiglu import swiglu, swiglu_ref
 from kernels.rope_append import (
     RopeParams,
     rope_append,
@@ -61,6 +60,7 @@ from kernels.sparse_attention import (
     sparse_decode_attention,
     sparse_decode_attention_ref,
 )
+from kernels.swiglu import swiglu, swiglu_ref
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
