@@ -236,10 +236,7 @@ class DecodeAttention:
             return self.ops.sparse_decode_attention(
                 q, records, selection, slot_list, plan.seq_lens, self.scale, self.softcap, window
             )
-        slot_list, hits, load_slots = self.load(plan, layer, selection, self.k_max)
-        if plan.hits is not None and plan.misses is not None:
-            plan.hits += hits.sum(-1)
-            plan.misses += (load_slots >= 0).sum((-1, -2))
+        slot_list, _, _ = self.load(plan, layer, selection, self.k_max, count=True)
         if deferred:  # the token into its resident tail slot, after the gather
             self.ops.append_kv(
                 k,
@@ -282,14 +279,19 @@ class DecodeAttention:
         self.cache.run_late(work, keep=(scores,))
 
     def load(
-        self, plan: StepPlan, layer: int, selection: torch.Tensor, k_max: int
+        self, plan: StepPlan, layer: int, selection: torch.Tensor, k_max: int,
+        count: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Resolve ``selection`` (int32 ``[B, Hkv, W]``, at most ``k_max`` pages a row)
         against ``layer``'s hot buffer with this step's stamp, then gather its misses from
         the pool (skipped with ``skip_host_io``). Returns the resolve's ``slot_list`` and
         ``load_slots`` (int32 ``[B, Hkv, k_max]``) and ``hits`` (int32 ``[B, Hkv]``); see
-        :func:`kernels.resolve.resolve_ref`."""
+        :func:`kernels.resolve.resolve_ref`. With ``count`` the resolve adds its hits and
+        misses to ``plan.hits`` / ``plan.misses`` (in the same launch on the GPU)."""
         c = self.cache
+        acc = {}
+        if count and plan.hits is not None and plan.misses is not None:
+            acc = {"hits_acc": plan.hits, "misses_acc": plan.misses}
         slot_list, load_pages, load_slots, hits = self.ops.resolve(
             selection,
             plan.slab_ids,
@@ -299,6 +301,7 @@ class DecodeAttention:
             plan.step,
             c.slots_per_slab,
             k_max,
+            **acc,
         )
         if not self.config.skip_host_io:
             scale = {"pool_scale": c.pool_scale[layer]} if c.host_fp8 else {}
