@@ -225,18 +225,6 @@ def main() -> None:
         verdict = "met" if s["target_met"] else "NOT met"
         print(f"new {s['new_tokens']}: added wall {100 * s['added_wall_share']:+.1f}% "
               f"(target <= {100 * TARGET:.0f}%: {verdict}); audit figures {s['audit']}")
-    profile = None
-    if not args.no_profile:
-        at = max(2, args.new_tokens[0] // 2)
-        profile = profile_steps(engines[args.audit], ids, at)
-        print(f"\nprofile of decode step {at} (launch + read + the audit pass, serial):")
-        for name, p in profile.items():
-            print(f"  {name}: {p['wall_ms']:.2f} ms wall, audit pass {p['audit_pass_ms']:.2f} ms "
-                  f"(device span), {p['device_ops']} device ops")
-        for key in ("top_cuda_ops", "top_cpu_ops"):
-            print(f"  audited step, {key}:")
-            for op in profile["audited"][key][:10]:
-                print(f"    {op}")
     meta = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": platform.node(),
@@ -252,7 +240,31 @@ def main() -> None:
         "how": "medians of interleaved runs after one warm-up run per engine; "
         "added_wall_share = (wall audited - wall plain) / wall plain",
     }
-    args.out.write_text(json.dumps({"meta": meta, "results": results, "profile": profile}, indent=1))
+
+    def write(profile) -> None:  # the figures first: a profiler failure cannot lose them
+        out = {"meta": meta, "results": results, "profile": profile}
+        args.out.write_text(json.dumps(out, indent=1))
+
+    write(None)
+    if not args.no_profile:
+        at = max(2, args.new_tokens[0] // 2)
+        try:
+            profile = profile_steps(engines[args.audit], ids, at)
+        except Exception as e:  # noqa: BLE001 - e.g. no CUPTI: keep the timings
+            print(f"profile failed: {e!r}")
+            profile = {"error": repr(e)}
+        else:
+            print(f"\nprofile of decode step {at} (launch + read + the audit pass, serial):")
+            for name, p in profile.items():
+                print(
+                    f"  {name}: {p['wall_ms']:.2f} ms wall, audit pass "
+                    f"{p['audit_pass_ms']:.2f} ms (device span), {p['device_ops']} device ops"
+                )
+            for key in ("top_cuda_ops", "top_cpu_ops"):
+                print(f"  audited step, {key}:")
+                for op in profile["audited"][key][:10]:
+                    print(f"    {op}")
+        write(profile)
     print(f"wrote {args.out}")
 
 
