@@ -156,8 +156,9 @@ class TextTokenizer:
         Parameters
         ----------
         path_or_reader : str, os.PathLike or gguf.GGUFReader
-            The ``.gguf`` file, or a reader already open on it (constructing a reader
-            parses every array and takes seconds on a 49K vocabulary; share one).
+            The ``.gguf`` file (opened with
+            :class:`engine.weights.gguf_reader.FastGGUFReader`), or a reader already open
+            on it (the engine shares the one its weights are read with).
         reference : {"transformers", "llama.cpp"}
             Whose conversion to reproduce where they differ. ``"transformers"`` (default)
             gives the ids of ``AutoTokenizer.from_pretrained(folder, gguf_file=...)``.
@@ -564,16 +565,19 @@ def find_stop(text: str, stops: Iterable[str], start: int = 0) -> int | None:
 
 
 class _GGUFMetadata:
-    """Metadata values of one GGUF file, read with ``gguf.GGUFReader``."""
+    """Metadata values of one GGUF file, read with ``gguf.GGUFReader`` (a path is opened
+    with :class:`engine.weights.gguf_reader.FastGGUFReader`, the same fields sooner)."""
 
     def __init__(self, path_or_reader: Any) -> None:
         import gguf
+
+        from engine.weights.gguf_reader import FastGGUFReader
 
         if isinstance(path_or_reader, gguf.GGUFReader):
             self.reader = path_or_reader
             self.source = str(getattr(path_or_reader.data, "filename", "GGUF"))
         else:
-            self.reader = gguf.GGUFReader(path_or_reader)
+            self.reader = FastGGUFReader(path_or_reader)
             self.source = str(path_or_reader)
 
     def get(self, key: str, default: Any = None) -> Any:
