@@ -41,7 +41,15 @@ from typing import Any, Self
 from rich.console import Console
 
 from engine.config import CacheFullError, ConfigError, EngineConfig
-from engine.events import Event, Job, JobAdmitted, JobFailed, JobFinished, JobResult
+from engine.events import (
+    Event,
+    Job,
+    JobAdmitted,
+    JobFailed,
+    JobFinished,
+    JobResult,
+    StartupTimes,
+)
 from engine.serve.base import BatchEngine
 from engine.serve.workers import WorkerDied
 from engine.text.context import PromptTooLong, chunk_document, fit_prompt
@@ -288,11 +296,13 @@ def execute(
     err_console
         Where usage and validation errors go (default: stderr).
     """
+    marks = {"cli_ready": time.monotonic()}  # the start-up steps (ev.StartupTimes)
     console = console or Console()
     err_console = err_console or Console(stderr=True)
     try:
         request, choice = with_auto_preset(request)
         manifest, config = prepare(request)
+        marks["config_resolved"] = time.monotonic()
     except ManifestError as exc:
         return _usage_failure(
             err_console,
@@ -328,6 +338,7 @@ def execute(
         return EXIT_OK
     batch = BatchRun(request, manifest, config, console, err_console)
     batch.preset_line = preset_line(request.preset, choice)
+    batch.startup_marks = marks
     return batch.run(document)
 
 
@@ -736,6 +747,7 @@ class BatchRun:
         self.output_dir = request.output_dir
         self.model_name = request.model or DEFAULT_MODEL_ID
         self.preset_line = request.preset  # with the reason when it was --preset auto
+        self.startup_marks: dict[str, float] = {}  # ev.StartupTimes of the CLI's steps
         self.tracker = ProgressTracker(clock())
         self.records: dict[str, dict[str, Any]] = {}
         self.prompt_tokens: dict[str, int] = {}  # job id -> tokens of the prompt it was given
@@ -982,6 +994,7 @@ class BatchRun:
                     "warning",
                 )
         started = self.clock()
+        load_started = time.monotonic()
         try:
             engine = load_engine(self.config, self.request.model)
         except Exception as exc:  # noqa: BLE001 - any load failure ends the run cleanly
@@ -991,6 +1004,7 @@ class BatchRun:
             return False
         info = f" ({engine.weights_info})" if engine.weights_info else ""  # tensor types
         self.reporter.note(f"model loaded in {self.clock() - started:.1f}s{info}")
+        self._report_startup(load_started, engine)
         self.prompt_limit = engine.prompt_limit()
         traces = engine.trace_paths
         if len(traces) > 1:  # several devices: one file per worker
@@ -1011,6 +1025,16 @@ class BatchRun:
             finally:
                 engine.close()  # worker processes of several devices, trace files
             return self.cancel.count > 0
+
+    def _report_startup(self, load_started: float, engine: BatchEngine) -> None:
+        """The start-up steps (:class:`engine.events.StartupTimes`) to the reporter: the
+        CLI's, then the engine's load steps where it recorded them (one process); the
+        JSON progress writes them as a ``startup_times`` object, the displays ignore them.
+        """
+        now = time.monotonic()
+        marks = self.startup_marks | {"load_started": load_started}
+        marks |= getattr(engine, "load_marks", None) or {"engine": now}
+        self.reporter.on_event(StartupTimes(now, marks))
 
     def _jobs(self, engine: BatchEngine, pending: list[PlannedJob]) -> Iterator[Job | None]:
         """Jobs for ``engine.run``, built one at a time; stops feeding after Ctrl-C.

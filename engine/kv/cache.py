@@ -49,7 +49,7 @@ import torch
 
 from engine.config import CacheFullError, EngineConfig, ModelConfig, env_overrides
 from engine.kv import sizing
-from engine.kv.host_pool import HostPool
+from engine.kv.host_pool import HostPool, zeros
 from kernels.fp8_kv import FP8, fp8_quantize_ref, fp8_round_ref
 
 
@@ -232,14 +232,12 @@ class KVCache:
             self.pool = [torch.empty(shape, dtype=self.dtype, device=pool_dev) for _ in range(nl)]
         lazy = self.host is not None and self.host.lazy
         self.copy_chunk_pages = self.host.chunk_pages if lazy else 0  # page_runs split there
-        self.meta = [
-            torch.zeros(num_pool_pages, hkv, 2, d, dtype=self.dtype, device=device) for _ in range(nl)
-        ]
+        self.meta = [zeros((num_pool_pages, hkv, 2, d), self.dtype, device) for _ in range(nl)]
         self.free_pages: list[int] = list(range(num_pool_pages - 1, -1, -1))
         self.slots_per_slab = config.buffer_pages
         self.num_slabs = config.max_batch * hkv if self.hierarchical else 0
         n = self.num_slabs * self.slots_per_slab
-        self.slots = [torch.zeros(n, 2, s, d, dtype=self.dtype, device=device) for _ in range(nl)]
+        self.slots = [zeros((n, 2, s, d), self.dtype, device) for _ in range(nl)]
         self.page_table = [
             torch.full((self.num_slabs, max_pages_per_seq), -1, dtype=torch.int32, device=device)
             for _ in range(nl)

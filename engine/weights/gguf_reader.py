@@ -65,7 +65,10 @@ class FastGGUFReader(gguf.GGUFReader):
             parts, end = self._scalar_parts(plain, orig_offs + 12, count, item)
         else:  # arrays of arrays: the stock recursion
             return super()._get_field_parts(orig_offs, raw_type)
-        head = [plain[orig_offs : orig_offs + 4].view(np.uint32), plain[orig_offs + 4 : orig_offs + 12].view(np.uint64)]
+        head = [
+            plain[orig_offs : orig_offs + 4].view(np.uint32),
+            plain[orig_offs + 4 : orig_offs + 12].view(np.uint64),
+        ]
         step = 2 if item == _STRING else 1
         data = list(range(2 + step - 1, 2 + step * count, step))
         types = [GGUFValueType(raw_type)] + ([item] if count else [])

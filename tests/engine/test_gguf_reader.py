@@ -47,7 +47,11 @@ def assert_same_reader(fast: gguf.GGUFReader, stock: gguf.GGUFReader) -> None:
     assert fast.data_offset == stock.data_offset
     assert [t.name for t in fast.tensors] == [t.name for t in stock.tensors]
     for a, b in zip(fast.tensors, stock.tensors, strict=True):
-        assert (a.tensor_type, a.n_bytes, a.data_offset) == (b.tensor_type, b.n_bytes, b.data_offset)
+        assert (a.tensor_type, a.n_bytes, a.data_offset) == (
+            b.tensor_type,
+            b.n_bytes,
+            b.data_offset,
+        )
         assert a.data.shape == b.data.shape and a.data.dtype == b.data.dtype
         assert np.array_equal(a.data, b.data), a.name
 

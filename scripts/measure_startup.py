@@ -1,0 +1,237 @@
+"""Start-up of `hisparse run`: process start to the first prefill, step by step.
+
+Runs ``python -m hisparse_cli run --preset P --max-new-tokens 1 --json-progress DOC`` as
+a subprocess ``--runs`` times per tree (trees interleaved run by run, so a busy machine
+slows them alike) and reads when each step ended, in seconds from just before the process
+was started:
+
+- ``import``: ``import hisparse_cli.main`` alone (a separate process, timed inside it);
+- ``cli_ready`` .. ``engine``: the ``startup_times`` object of the JSON progress
+  (:class:`engine.events.StartupTimes`; ``time.monotonic()`` is one clock for all
+  processes of the machine): CLI parsed, config resolved, load started, engine modules
+  imported, GGUF metadata read, tokenizer built, weights read, model placed, kernels,
+  KV cache and engine built;
+- ``first_prefill``: the ``job_admitted`` event's ``t`` (the engine admits the job and
+  its next step is the job's first prefill chunk: ``Engine.run`` runs ``_admit`` then
+  ``_prefill_turn``), ``first_token``, ``wall``;
+- ``help_s`` / ``presets_s``: wall time of ``hisparse --help`` and ``hisparse presets``.
+
+A tree without the ``startup_times`` object (a checkout from before it existed) reports
+``model_loaded`` (arrival of the "model loaded" line) and the engine events only. The
+figure issue 16 sets a target for is ``first_prefill - weights_load`` (weights read and
+placed: ``model - tokenizer``) <= 3 s.
+
+Usage (CPU, this checkout against another one, 5 runs each):
+
+    python scripts/measure_startup.py --runs 5 --tree "before=/tmp/before" \\
+        --out docs/bench/startup_cpu.json
+
+On the GPU (warm Triton cache: run once first, or let the first run warm it):
+
+    python scripts/measure_startup.py --preset h200 --runs 5 --out startup_h200.json
+
+Extra ``hisparse run`` arguments go after ``--``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKS = (
+    "cli_ready",
+    "config_resolved",
+    "load_started",
+    "engine_imported",
+    "metadata",
+    "tokenizer",
+    "weights",
+    "model",
+    "kernels",
+    "engine",
+)
+ROWS = (
+    ("import", "import hisparse_cli.main (own process)"),
+    ("cli_ready", "CLI parsed (imports done)"),
+    ("config_resolved", "config resolved"),
+    ("load_started", "model load started"),
+    ("engine_imported", "engine modules imported"),
+    ("metadata", "GGUF metadata read"),
+    ("tokenizer", "tokenizer built"),
+    ("weights", "weights read"),
+    ("model", "model placed on the device"),
+    ("engine", "KV cache + engine built"),
+    ("model_loaded", "'model loaded' line arrived"),
+    ("first_prefill", "first prefill starts"),
+    ("first_token", "first token"),
+    ("wall", "wall"),
+    ("weights_load", "weights load (read + placed)"),
+    ("startup_less_weights", "first prefill - weights load"),
+    ("help_s", "hisparse --help (wall)"),
+    ("presets_s", "hisparse presets (wall)"),
+)
+SHORT_DOC_CHARS = 1500  # ~550 prompt tokens of examples/howto-sorting.txt
+
+
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment of a run of ``tree``: its root first on ``PYTHONPATH``, unbuffered."""
+    extra = os.environ.get("PYTHONPATH", "")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tree), extra) if p)}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def import_seconds(tree: Path) -> float:
+    """Seconds ``import hisparse_cli.main`` takes in a fresh interpreter of ``tree``."""
+    code = (
+        "import time; t = time.monotonic(); import hisparse_cli.main; print(time.monotonic() - t)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tree,
+        env=tree_env(tree),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def wall_seconds(tree: Path, args: list[str]) -> float:
+    """Wall time of ``hisparse ARGS`` (output discarded)."""
+    t0 = time.monotonic()
+    subprocess.run(
+        [sys.executable, "-m", "hisparse_cli", *args], cwd=tree, env=tree_env(tree),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True,
+    )  # fmt: skip
+    return time.monotonic() - t0
+
+
+def run_once(tree: Path, preset: str, doc: Path, extra: list[str]) -> dict:
+    """One `hisparse run`; every step in seconds from just before the process started."""
+    with tempfile.TemporaryDirectory(prefix="startup-") as out_dir:
+        cmd = [sys.executable, "-m", "hisparse_cli", "run", "--preset", preset]
+        cmd += ["--max-new-tokens", "1", "--json-progress", "--force", "--output-dir", out_dir]
+        cmd += [*extra, str(doc)]
+        t0 = time.monotonic()
+        proc = subprocess.Popen(
+            cmd, cwd=tree, env=tree_env(tree), stdout=subprocess.PIPE, text=True
+        )
+        events = []
+        for line in proc.stdout:
+            try:
+                events.append((time.monotonic() - t0, json.loads(line)))
+            except json.JSONDecodeError:
+                continue
+        rc = proc.wait()
+        row: dict = {"rc": rc, "wall": time.monotonic() - t0}
+    for arrived, event in events:
+        kind = event.get("event")
+        if kind == "startup_times":
+            row |= {k: v - t0 for k, v in event["marks"].items()}
+        elif kind == "info" and str(event.get("message", "")).startswith("model loaded"):
+            row["model_loaded"] = arrived
+        elif kind == "job_admitted" and "first_prefill" not in row:
+            row["first_prefill"] = event["t"] - t0
+        elif kind == "first_token" and "first_token" not in row:
+            row["first_token"] = event["t"] - t0
+    if "model" in row and "tokenizer" in row:
+        row["weights_load"] = row["model"] - row["tokenizer"]
+        if "first_prefill" in row:
+            row["startup_less_weights"] = row["first_prefill"] - row["weights_load"]
+    return row
+
+
+def medians(rows: list[dict]) -> dict:
+    """Per key, the median over the runs that have it."""
+    keys = {k for r in rows for k in r if isinstance(r[k], int | float) and k != "rc"}
+    return {k: statistics.median(r[k] for r in rows if k in r) for k in sorted(keys)}
+
+
+def table(labels: list[str], summary: dict[str, dict], runs: int) -> str:
+    """One row per step (median seconds from process start), one column per tree."""
+    width = max(12, *(len(x) + 2 for x in labels))
+    lines = [f"{f'median of {runs} (s)':40}" + "".join(f"{x:>{width}}" for x in labels)]
+    for key, name in ROWS:
+        cells = [summary[x].get(key) for x in labels]
+        if all(c is None for c in cells):
+            continue
+        lines.append(
+            f"{name:40}" + "".join(f"{'-' if c is None else f'{c:.2f}':>{width}}" for c in cells)
+        )
+    return "\n".join(lines)
+
+
+def short_document(path: Path | None, folder: Path) -> Path:
+    """``path``, or the first characters of examples/howto-sorting.txt written to ``folder``."""
+    if path is not None:
+        return path.resolve()
+    doc = folder / "short.txt"
+    text = (ROOT / "examples" / "howto-sorting.txt").read_text(encoding="utf-8")
+    doc.write_text(text[:SHORT_DOC_CHARS], encoding="utf-8")
+    return doc
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=5, help="runs per tree (interleaved)")
+    ap.add_argument("--preset", default="cpu", help="hisparse run --preset")
+    ap.add_argument("--doc", type=Path, help="the document (default: a short one, ~550 tokens)")
+    ap.add_argument("--tree", action="append", default=[], help="LABEL=PATH of another checkout")
+    ap.add_argument("--label", default="this tree", help="this checkout's column")
+    ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    ap.add_argument(
+        "run_args", nargs=argparse.REMAINDER, help="-- then more hisparse run arguments"
+    )
+    ns = ap.parse_args()
+    extra = [a for a in ns.run_args if a != "--"]
+    trees = [(ns.label, ROOT)]
+    for spec in ns.tree:
+        label, _, path = spec.partition("=")
+        if not path:
+            ap.error(f"--tree {spec!r}: expected LABEL=PATH")
+        trees.append((label, Path(path).resolve()))
+    runs: dict[str, list[dict]] = {label: [] for label, _ in trees}
+    with tempfile.TemporaryDirectory(prefix="startup-doc-") as tmp:
+        doc = short_document(ns.doc, Path(tmp))
+        for i in range(ns.runs):
+            for label, tree in trees:
+                row = run_once(tree, ns.preset, doc, extra)
+                row["import"] = import_seconds(tree)
+                row["help_s"] = wall_seconds(tree, ["--help"])
+                row["presets_s"] = wall_seconds(tree, ["presets"])
+                runs[label].append(row)
+                first = row.get("first_prefill")
+                shown = "-" if first is None else f"{first:.2f}"
+                print(f"run {i + 1}/{ns.runs} {label}: rc {row['rc']}, first prefill {shown} s, "
+                      f"wall {row['wall']:.1f} s", flush=True)  # fmt: skip
+    labels = [label for label, _ in trees]
+    summary = {label: medians(runs[label]) for label in labels}
+    print(table(labels, summary, ns.runs))
+    ns.out.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "command": sys.argv,
+        "preset": ns.preset,
+        "run_args": extra,
+        "machine": platform.node(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "trees": {label: str(tree) for label, tree in trees},
+        "median_s": summary,
+        "runs": runs,
+    }
+    ns.out.write_text(json.dumps(record, indent=1))
+    print(f"wrote {ns.out}")
+    return 0 if all(r["rc"] == 0 for rows in runs.values() for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
