@@ -196,7 +196,7 @@ def fit_preset_host_pool(
 ) -> tuple[EngineConfig, str | None]:
     """A preset's host pool cap cut to what this machine can hold: when neither
     ``--host-pool`` nor the manifest set ``host_pool_gb`` and the preset's cap exceeds
-    :data:`engine.kv.cache.HOST_POOL_SHARE` of the host memory available now, the cap
+    :data:`engine.kv.sizing.HOST_POOL_SHARE` of the host memory available now, the cap
     becomes that share (whole 0.25 GiB, at least 0.25) and the returned note says so. A
     cap the user chose is left alone (:func:`check_host_pool` refuses it if it does not
     fit). The pool is a cap: jobs that need more than the cut pool are refused one by one
@@ -208,7 +208,7 @@ def fit_preset_host_pool(
     )
     if chosen or not _pool_on_host(config):
         return config, None
-    from engine.kv.cache import HOST_POOL_SHARE, available_host_bytes
+    from engine.kv.sizing import HOST_POOL_SHARE, available_host_bytes
 
     avail = available_host_bytes(config.host_memory_gb)
     if avail is None or config.host_pool_gb * 2**30 <= HOST_POOL_SHARE * avail:
@@ -234,7 +234,7 @@ def check_host_pool(config: EngineConfig) -> None:
     workers) cannot fit in the host memory available now; the pool lives on the host
     on CPU devices and with the hierarchical sparse cache."""
     if _pool_on_host(config):
-        from engine.kv.cache import check_host_memory
+        from engine.kv.sizing import check_host_memory
 
         check_host_memory(int(config.host_pool_gb * 2**30), config.host_memory_gb)
 

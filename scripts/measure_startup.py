@@ -26,9 +26,11 @@ Usage (CPU, this checkout against another one, 5 runs each):
     python scripts/measure_startup.py --runs 5 --tree "before=/tmp/before" \\
         --out docs/bench/startup_cpu.json
 
-On the GPU (warm Triton cache: run once first, or let the first run warm it):
+On the GPU (``--warmup 1``: one unrecorded run per tree first, so the Triton cache is
+warm; the model file passed through to ``hisparse run`` after ``--``):
 
-    python scripts/measure_startup.py --preset h200 --runs 5 --out startup_h200.json
+    python scripts/measure_startup.py --preset h200 --warmup 1 --runs 5 \\
+        --out startup_h200.json -- --model smollm2.gguf
 
 Extra ``hisparse run`` arguments go after ``--``.
 """
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -46,19 +47,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_run import run_stamped, tree_env  # scripts/bench_run.py, beside this file
+
 ROOT = Path(__file__).resolve().parents[1]
-MARKS = (
-    "cli_ready",
-    "config_resolved",
-    "load_started",
-    "engine_imported",
-    "metadata",
-    "tokenizer",
-    "weights",
-    "model",
-    "kernels",
-    "engine",
-)
 ROWS = (
     ("import", "import hisparse_cli.main (own process)"),
     ("cli_ready", "CLI parsed (imports done)"),
@@ -80,14 +71,6 @@ ROWS = (
     ("presets_s", "hisparse presets (wall)"),
 )
 SHORT_DOC_CHARS = 1500  # ~550 prompt tokens of examples/howto-sorting.txt
-
-
-def tree_env(tree: Path) -> dict[str, str]:
-    """The environment of a run of ``tree``: its root first on ``PYTHONPATH``, unbuffered."""
-    extra = os.environ.get("PYTHONPATH", "")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tree), extra) if p)}
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 def import_seconds(tree: Path) -> float:
@@ -119,21 +102,9 @@ def wall_seconds(tree: Path, args: list[str]) -> float:
 def run_once(tree: Path, preset: str, doc: Path, extra: list[str]) -> dict:
     """One `hisparse run`; every step in seconds from just before the process started."""
     with tempfile.TemporaryDirectory(prefix="startup-") as out_dir:
-        cmd = [sys.executable, "-m", "hisparse_cli", "run", "--preset", preset]
-        cmd += ["--max-new-tokens", "1", "--json-progress", "--force", "--output-dir", out_dir]
-        cmd += [*extra, str(doc)]
-        t0 = time.monotonic()
-        proc = subprocess.Popen(
-            cmd, cwd=tree, env=tree_env(tree), stdout=subprocess.PIPE, text=True
-        )
-        events = []
-        for line in proc.stdout:
-            try:
-                events.append((time.monotonic() - t0, json.loads(line)))
-            except json.JSONDecodeError:
-                continue
-        rc = proc.wait()
-        row: dict = {"rc": rc, "wall": time.monotonic() - t0}
+        args = ["--preset", preset, "--max-new-tokens", "1", "--output-dir", out_dir]
+        rc, wall, events, t0 = run_stamped(tree, [*args, *extra, str(doc)])
+    row: dict = {"rc": rc, "wall": wall}
     for arrived, event in events:
         kind = event.get("event")
         if kind == "startup_times":
@@ -181,14 +152,61 @@ def short_document(path: Path | None, folder: Path) -> Path:
     return doc
 
 
+def time_parts(repeats: int) -> dict[str, dict[str, float]]:
+    """The replaced parts against what they replace, in this process, alternating
+    ``repeats`` times (median seconds): gguf-py's ``GGUFReader`` vs ``FastGGUFReader`` on
+    the embedded model; the tokenizer's size bound from its whole JSON
+    (``json.loads(backend.to_str())``, as before) vs from its steps; ``torch.zeros`` vs
+    ``engine.kv.host_pool.zeros`` of the CPU preset's page metadata and hot buffer
+    (30 layers of ``[P, 3, 2, 64]`` and ``[3072, 2, 16, 64]`` float32)."""
+    sys.path.insert(0, str(ROOT))
+    import gguf
+    import torch
+
+    from engine.kv.host_pool import zeros
+    from engine.text.tokenizer import TextTokenizer, _steps
+    from engine.weights.embedded import default_model_path
+    from engine.weights.gguf_reader import FastGGUFReader
+
+    path = default_model_path()
+    backend = TextTokenizer.from_gguf(FastGGUFReader(path), reference="llama.cpp").backend
+    meta, slots = (23301, 3, 2, 64), (3072, 2, 16, 64)  # the cpu preset's 8 GiB pool
+    pairs = {
+        "GGUF metadata": (lambda: gguf.GGUFReader(path), lambda: FastGGUFReader(path)),
+        "tokenizer size bound": (
+            lambda: json.loads(backend.to_str()),
+            lambda: _steps(backend),
+        ),
+        "CPU KV metadata + hot buffer": (
+            lambda: [torch.zeros(s) for _ in range(30) for s in (meta, slots)],
+            lambda: [zeros(s, torch.float32, "cpu") for _ in range(30) for s in (meta, slots)],
+        ),
+    }
+    times: dict[str, dict[str, list[float]]] = {k: {"before": [], "after": []} for k in pairs}
+    for _ in range(repeats):
+        for name, (before, after) in pairs.items():
+            for side, fn in (("before", before), ("after", after)):
+                t0 = time.perf_counter()
+                kept = fn()
+                times[name][side].append(time.perf_counter() - t0)
+                del kept
+    return {k: {side: statistics.median(v) for side, v in d.items()} for k, d in times.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5, help="runs per tree (interleaved)")
+    ap.add_argument(
+        "--warmup", type=int, default=0, help="unrecorded runs per tree first (a cold Triton cache)"
+    )
     ap.add_argument("--preset", default="cpu", help="hisparse run --preset")
     ap.add_argument("--doc", type=Path, help="the document (default: a short one, ~550 tokens)")
     ap.add_argument("--tree", action="append", default=[], help="LABEL=PATH of another checkout")
     ap.add_argument("--label", default="this tree", help="this checkout's column")
     ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    ap.add_argument(
+        "--parts", type=int, default=0, help="also time the replaced parts in-process, N times"
+    )
     ap.add_argument(
         "run_args", nargs=argparse.REMAINDER, help="-- then more hisparse run arguments"
     )
@@ -203,6 +221,11 @@ def main() -> int:
     runs: dict[str, list[dict]] = {label: [] for label, _ in trees}
     with tempfile.TemporaryDirectory(prefix="startup-doc-") as tmp:
         doc = short_document(ns.doc, Path(tmp))
+        for _ in range(ns.warmup):
+            for label, tree in trees:
+                print(
+                    f"warm-up {label}: rc {run_once(tree, ns.preset, doc, extra)['rc']}", flush=True
+                )
         for i in range(ns.runs):
             for label, tree in trees:
                 row = run_once(tree, ns.preset, doc, extra)
@@ -217,15 +240,20 @@ def main() -> int:
     labels = [label for label, _ in trees]
     summary = {label: medians(runs[label]) for label in labels}
     print(table(labels, summary, ns.runs))
+    parts = time_parts(ns.parts) if ns.parts else {}
+    for name, sides in parts.items():
+        print(f"{name:40}{sides['before']:>10.3f} s before {sides['after']:>8.3f} s after")
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "command": sys.argv,
         "preset": ns.preset,
         "run_args": extra,
+        "warmup": ns.warmup,
         "machine": platform.node(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "trees": {label: str(tree) for label, tree in trees},
         "median_s": summary,
+        "parts_median_s": parts,
         "runs": runs,
     }
     ns.out.write_text(json.dumps(record, indent=1))

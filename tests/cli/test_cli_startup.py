@@ -1,4 +1,5 @@
-"""Commands that need no model start without torch (a second or two saved each)."""
+"""Commands that load no model start without torch (a second or two saved each), and
+``run --print-config`` resolves the config without it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ PROBE = textwrap.dedent(
 
     runner.no_gpu_driver = lambda: True  # as on a machine without a GPU driver
     for args in (["--help"], ["--version"], ["presets"], ["presets", "show", "cpu"],
-                 ["plan", "-n", "4", "-c", "32K"], ["run", "--help"]):
+                 ["plan", "-n", "4", "-c", "32K"], ["run", "--help"],
+                 ["run", "--preset", "cpu", "--print-config", "README.md"]):
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 0, (args, result.output)
     print(sorted(m for m in ("torch", "triton", "transformers") if m in sys.modules))
@@ -26,7 +28,7 @@ PROBE = textwrap.dedent(
 )
 
 
-def test_help_presets_and_plan_import_no_torch():
+def test_help_presets_plan_and_print_config_import_no_torch():
     out = subprocess.run(
         [sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, check=True
     )
