@@ -158,19 +158,26 @@ def time_parts(repeats: int) -> dict[str, dict[str, float]]:
     the embedded model; the tokenizer's size bound from its whole JSON
     (``json.loads(backend.to_str())``, as before) vs from its steps; ``torch.zeros`` vs
     ``engine.kv.host_pool.zeros`` of the CPU preset's page metadata and hot buffer
-    (30 layers of ``[P, 3, 2, 64]`` and ``[3072, 2, 16, 64]`` float32)."""
+    (per layer ``[P, Hkv, 2, D]`` and ``[max_batch * Hkv * buffer_pages, 2, S, D]``)."""
     sys.path.insert(0, str(ROOT))
     import gguf
     import torch
 
+    from engine.capacity.shapes import get_model_shape
     from engine.kv.host_pool import zeros
+    from engine.kv.sizing import default_pool_pages
+    from engine.presets import resolve_config
     from engine.text.tokenizer import TextTokenizer, _steps
     from engine.weights.embedded import default_model_path
     from engine.weights.gguf_reader import FastGGUFReader
 
     path = default_model_path()
     backend = TextTokenizer.from_gguf(FastGGUFReader(path), reference="llama.cpp").backend
-    meta, slots = (23301, 3, 2, 64), (3072, 2, 16, 64)  # the cpu preset's 8 GiB pool
+    config, model = resolve_config("cpu"), get_model_shape("smollm2-135m")
+    hkv, d, s = model.num_kv_heads, model.head_dim, config.page_size
+    meta = (default_pool_pages(model, config), hkv, 2, d)
+    slots = (config.max_batch * hkv * config.buffer_pages, 2, s, d)
+    layers = model.num_layers
     pairs = {
         "GGUF metadata": (lambda: gguf.GGUFReader(path), lambda: FastGGUFReader(path)),
         "tokenizer size bound": (
@@ -178,8 +185,8 @@ def time_parts(repeats: int) -> dict[str, dict[str, float]]:
             lambda: _steps(backend),
         ),
         "CPU KV metadata + hot buffer": (
-            lambda: [torch.zeros(s) for _ in range(30) for s in (meta, slots)],
-            lambda: [zeros(s, torch.float32, "cpu") for _ in range(30) for s in (meta, slots)],
+            lambda: [torch.zeros(x) for _ in range(layers) for x in (meta, slots)],
+            lambda: [zeros(x, torch.float32, "cpu") for _ in range(layers) for x in (meta, slots)],
         ),
     }
     times: dict[str, dict[str, list[float]]] = {k: {"before": [], "after": []} for k in pairs}
