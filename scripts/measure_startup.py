@@ -152,10 +152,10 @@ def short_document(path: Path | None, folder: Path) -> Path:
     return doc
 
 
-def time_parts(repeats: int) -> dict[str, dict[str, float]]:
+def time_parts(repeats: int, model: str | None = None) -> dict[str, dict[str, float]]:
     """The replaced parts against what they replace, in this process, alternating
     ``repeats`` times (median seconds): gguf-py's ``GGUFReader`` vs ``FastGGUFReader`` on
-    the embedded model; the tokenizer's size bound from its whole JSON
+    ``model`` (the run's ``--model`` GGUF; default the embedded model); the tokenizer's size bound from its whole JSON
     (``json.loads(backend.to_str())``, as before) vs from its steps; ``torch.zeros`` vs
     ``engine.kv.host_pool.zeros`` of the CPU preset's page metadata and hot buffer
     (per layer ``[P, Hkv, 2, D]`` and ``[max_batch * Hkv * buffer_pages, 2, S, D]``)."""
@@ -171,7 +171,7 @@ def time_parts(repeats: int) -> dict[str, dict[str, float]]:
     from engine.weights.embedded import default_model_path
     from engine.weights.gguf_reader import FastGGUFReader
 
-    path = default_model_path()
+    path = Path(model) if model else default_model_path()
     backend = TextTokenizer.from_gguf(FastGGUFReader(path), reference="llama.cpp").backend
     config, model = resolve_config("cpu"), get_model_shape("smollm2-135m")
     hkv, d, s = model.num_kv_heads, model.head_dim, config.page_size
@@ -247,7 +247,8 @@ def main() -> int:
     labels = [label for label, _ in trees]
     summary = {label: medians(runs[label]) for label in labels}
     print(table(labels, summary, ns.runs))
-    parts = time_parts(ns.parts) if ns.parts else {}
+    model = extra[extra.index("--model") + 1] if "--model" in extra[:-1] else None
+    parts = time_parts(ns.parts, model) if ns.parts else {}
     for name, sides in parts.items():
         print(f"{name:40}{sides['before']:>10.3f} s before {sides['after']:>8.3f} s after")
     ns.out.parent.mkdir(parents=True, exist_ok=True)
