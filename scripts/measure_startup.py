@@ -219,6 +219,7 @@ def main() -> int:
     )
     ns = ap.parse_args()
     extra = [a for a in ns.run_args if a != "--"]
+    extra = [str(Path(a).resolve()) if Path(a).exists() else a for a in extra]  # cwd: each tree
     trees = [(ns.label, ROOT)]
     for spec in ns.tree:
         label, _, path = spec.partition("=")
