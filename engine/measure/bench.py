@@ -85,7 +85,8 @@ from engine.capacity.budget import KVSizing, budget_cache, pool_page_bytes
 from engine.capacity.planner import GIB, format_context
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.events import Job
-from engine.kv.cache import CacheFullError, KVCache, available_host_bytes
+from engine.kv.cache import CacheFullError, KVCache
+from engine.kv.sizing import available_host_bytes
 from engine.measure.bench_kv import (
     MasterKV,
     corpus_dir,

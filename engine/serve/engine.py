@@ -141,6 +141,7 @@ class Engine:
         self.model_name = model_name or model.config.name
         self.weight_format = weight_format
         self.weights_info = weights_info
+        self.load_marks: dict[str, float] = {}  # load steps' end times (ev.StartupTimes)
         self.budget_sizing = budget_sizing
         self.model_config = model.config
         self.tokenizer = tokenizer
