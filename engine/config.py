@@ -223,7 +223,8 @@ class EngineConfig:
         (page_size x superpage_pages))`` superpages are scored and ranked. Sinks, the local
         window and the everything-fits rule are as with ``exact``. Full-attention layers
         only (a sliding-window layer keeps ``exact``); ``group_combine`` sum, max or
-        normmax; no ``prefetch_pages``. Measured in docs/performance.md ("Superpages").
+        normmax; no ``prefetch_pages``. Measured in docs/performance.md ("Compact page
+        metadata: superpages").
     superpage_pages: pages per superpage (``page_metadata=superpage``).
     superpage_oversample: candidate pages scored per (request, layer, KV head), as a
         multiple of the ``top_k`` pages (at least 1; default 8: metadata KV/84 at 128K
