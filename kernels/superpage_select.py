@@ -20,7 +20,10 @@ arXiv:2406.10774) is at least every page's. A decode step, per (request, KV head
    a candidate, so every page is selected, as flat Quest does.
 
 Metadata bytes read per (request, layer, KV head) and step: ``ceil(P / S_sp) + M + S_sp``
-pair rows instead of ``P``.
+pair rows instead of ``P``. The selection equals flat Quest's when every superpage is a
+candidate; with fewer it can miss pages whose superpage's box bound (loose: the min / max
+over ``S_sp`` pages) ranks below ``C`` others (measured in docs/performance.md, "Compact
+page metadata: superpages").
 
 A superpage's metadata row is found through ``page_super [P_pool]`` int32: the superpage
 row of each pool page that starts a superpage of its request (the cache fills it when it
