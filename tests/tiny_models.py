@@ -291,8 +291,32 @@ def write_gguf(
 
 # Byte offsets of the fp16 super-block scales (``d`` / ``dmin``) in ggml's block structs
 # (ggml-common.h) and a value range for them keeping weights near 0.05.
-_F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,)}
-_F16_SCALE = {"Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 1e-5, "Q8_0": 3e-4, "Q4_0": 5e-3}
+_F16_FIELDS = {
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "Q8_0": (0,),
+    "Q4_0": (0,),
+    "Q2_K": (80, 82),  # block_q2_K: scales[16], qs[64], d, dmin
+    "Q3_K": (108,),  # block_q3_K: hmask[32], qs[64], scales[12], d
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),  # block_iq4_xs: d, scales_h, scales_l[4], qs[128]
+}
+_F16_SCALE = {
+    "Q4_K": 1e-4,
+    "Q5_K": 5e-5,
+    "Q6_K": 1e-5,
+    "Q8_0": 3e-4,
+    "Q4_0": 5e-3,
+    "Q2_K": 1e-3,
+    "Q3_K": 4e-4,
+    "Q5_0": 3e-3,
+    "Q5_1": 2e-3,
+    "IQ4_NL": 4e-4,
+    "IQ4_XS": 1e-5,
+}
 
 
 def random_quant_blocks(type_name: str, n: int, k: int, seed: int) -> tuple:
