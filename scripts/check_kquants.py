@@ -149,7 +149,6 @@ def llamacpp_greedy(path: Path, ids: list[int], steps: int, threads: int):
         tokens.append(int(rows[-1].argmax()))
         llm.eval([tokens[-1]])
         rows.append(last())
-    del llm
     return tokens, np.stack(rows)
 
 

@@ -136,8 +136,10 @@ def read_quant_config(raw: dict, path: Path | str) -> PrequantFormat | None:
 
 
 def _refuse(path: Path | str, what: str) -> None:
-    raise PrequantError(f"{path}: {what} is not supported: supported pre-quantised folders are "
-                        f"{SUPPORTED}. {INSTEAD}")
+    raise PrequantError(
+        f"{path}: {what} is not supported: supported pre-quantised folders are "
+        f"{SUPPORTED}. {INSTEAD}"
+    )
 
 
 def unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
