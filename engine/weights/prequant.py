@@ -128,6 +128,8 @@ def read_quant_config(raw: dict, path: Path | str) -> PrequantFormat | None:
             _refuse(path, where.format(f"checkpoint_format={shown!r}"))
         if quant.get("desc_act"):
             _refuse(path, where.format("desc_act=true (act-order, permuted groups)"))
+    if quant.get("lm_head"):
+        _refuse(path, where.format("lm_head=true (a 4-bit LM head)"))
     group = quant.get("group_size", quant.get("q_group_size", 128))
     if not isinstance(group, int) or (group <= 0 and group != -1):
         _refuse(path, where.format(f"group_size={group!r}"))

@@ -192,6 +192,7 @@ def test_fit_group_repeats_scales_exactly():
         ({"quant_method": "gptq", "bits": 4, "is_marlin_format": True}, "marlin"),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version='gemv'"),
         ({"quant_method": "awq", "bits": 4, "version": "marlin"}, "version='marlin'"),
+        ({"quant_method": "gptq", "bits": 4, "lm_head": True}, "lm_head=true"),
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method='bitsandbytes'"),
         ({"quant_method": "exl2", "bits": 4}, "quant_method='exl2'"),
     ],
