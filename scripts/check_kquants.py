@@ -125,9 +125,10 @@ def prompt_ids(tokenizer, doc: Path) -> list[int]:
     return tokenizer.encode_chat(messages)
 
 
-def llamacpp_greedy(path: Path, ids: list[int], steps: int, threads: int):
+def llamacpp_greedy(path: Path, ids: list[int], steps: int, threads: int, forced=None):
     """llama.cpp's greedy continuation of ``ids``: ``(tokens [steps], logits [steps + 1, V])``
-    (the logits after the prompt and after each generated token)."""
+    (the logits after the prompt and after each generated token). With ``forced`` (a token
+    list) those tokens are fed instead of the argmax (teacher forcing)."""
     import llama_cpp
 
     llm = llama_cpp.Llama(
@@ -145,8 +146,8 @@ def llamacpp_greedy(path: Path, ids: list[int], steps: int, threads: int):
 
     llm.eval(ids)
     rows, tokens = [last()], []
-    for _ in range(steps):
-        tokens.append(int(rows[-1].argmax()))
+    for step in range(steps):
+        tokens.append(int(rows[-1].argmax()) if forced is None else forced[step])
         llm.eval([tokens[-1]])
         rows.append(last())
     return tokens, np.stack(rows)
@@ -232,6 +233,14 @@ def check_file(name: str, path: Path, args, ids: list[int]) -> dict:
     del weights
     row["teacher_forced"] = compare(ours, ref)
     row["llamacpp_greedy_tokens"] = tokens
+    if args.control and name != "F32":
+        # llama.cpp on the same weights decoded to F32 (gguf-py): separates how each engine
+        # reads the blocks from llama.cpp's quantised-kernel arithmetic (Q8_K activations).
+        decoded = write_f32_copy(path, args.work_dir / f"decoded_{name}.gguf")
+        _, ctrl = llamacpp_greedy(decoded, ids, len(tokens), args.threads, forced=tokens)
+        decoded.unlink()
+        row["vs_llamacpp_on_decoded_f32"] = compare(ours, ctrl)
+        row["llamacpp_q_vs_llamacpp_decoded_f32"] = compare(torch.from_numpy(ref), ctrl)
     if not args.skip_run:
         row["run"] = hisparse_run(
             path, args.doc, args.work_dir / f"run_{name}", args.max_new_tokens, args.threads
@@ -241,8 +250,8 @@ def check_file(name: str, path: Path, args, ids: list[int]) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = "| type | MiB | top-1 agree | max / mean |Δlogit| | greedy equal | run |"
-    print("\n" + head + "\n|---|---:|---:|---:|---:|---|")
+    head = "| type | MiB | top-1 agree | max / mean |Δlogit| | greedy equal | vs llama.cpp on decoded F32: top-1, max / mean | run |"
+    print("\n" + head + "\n|---|---:|---:|---:|---:|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['type']} | – | – | – | – | {r['error']} |")
@@ -250,10 +259,19 @@ def print_table(rows: list[dict]) -> None:
         tf = r["teacher_forced"]
         run = r.get("run", {})
         status = "skipped" if not run else f"exit {run['exit_code']}, {run['wall_s']} s"
+        c = r.get("vs_llamacpp_on_decoded_f32")
+        ctrl = (
+            "–"
+            if c is None
+            else (
+                f"{c['top1_agreement']:.3f}, {c['max_abs_logit_diff']:.3f} / "
+                f"{c['mean_abs_logit_diff']:.4f}"
+            )
+        )
         print(
             f"| {r['type']} | {r['file_mib']} | {tf['top1_agreement']:.3f} | "
             f"{tf['max_abs_logit_diff']:.2f} / {tf['mean_abs_logit_diff']:.3f} | "
-            f"{tf['greedy_tokens_equal_leading']}/{tf['positions'] - 1} | {status} |"
+            f"{tf['greedy_tokens_equal_leading']}/{tf['positions'] - 1} | {ctrl} | {status} |"
         )
 
 
@@ -268,6 +286,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-run", action="store_true", help="leave out (c), hisparse run")
     ap.add_argument("--with-source", action="store_true", help="also check the F32 source")
+    ap.add_argument(
+        "--no-control",
+        dest="control",
+        action="store_false",
+        help="leave out llama.cpp on each file's weights decoded to F32",
+    )
     ap.add_argument("--out", type=Path, default=Path("docs/bench/kquants_cpu.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -281,7 +305,7 @@ def main() -> None:
     ids = prompt_ids(tokenizer, args.doc)
     print(f"prompt: {len(ids)} tokens of {args.doc.name}; llama-cpp-python {llama_cpp.__version__}")
     rows = []
-    names = (["F32"] if args.with_source else []) + list(args.types)
+    names = list(args.types) + (["F32"] if args.with_source else [])
     for name in names:
         path = src if name == "F32" else args.work_dir / f"smollm2-135m-{name}.gguf"
         try:

@@ -175,6 +175,7 @@ def write_gguf(
     permute: bool | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
     raw_tensors: dict[str, tuple] | None = None,
+    merges: list[str] | None = None,
 ) -> Path:
     """Write ``model``'s weights as a GGUF of ``general.architecture = arch``.
 
@@ -188,6 +189,7 @@ def write_gguf(
         blocks written instead of the model's float tensor (rows in Hugging Face order;
         Q/K rows are permuted like the float ones). The model's weight should hold their
         dequantised values.
+    merges : BPE merges (default none; llama.cpp refuses a ``gpt2`` vocabulary without any)
     """
     import gguf
 
@@ -227,7 +229,7 @@ def write_gguf(
     w.add_tokenizer_pre("default")
     w.add_token_list(list(bytes_to_unicode().values()))
     w.add_token_types([1] * VOCAB)
-    w.add_token_merges([])
+    w.add_token_merges(merges or [])
     w.add_add_bos_token(False)
     if rope.get("rope_type") == "longrope":  # Phi3MiniModel.set_gguf_parameters / extra tensors
         import math

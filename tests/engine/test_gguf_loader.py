@@ -30,6 +30,11 @@ from test_hf_loader import LLAMA3_ROPE  # noqa: E402 - one llama3 rope_scaling f
 def engine_logits(path, ids: torch.Tensor, fmt: str = "float") -> torch.Tensor:
     """Full-sequence forward of the model at ``path`` as the engine places it."""
     weights, _, _ = load_weights(str(path))
+    return weights_logits(weights, ids, fmt)
+
+
+def weights_logits(weights, ids: torch.Tensor, fmt: str = "float") -> torch.Tensor:
+    """Full-sequence forward of loaded ``weights`` (``[T]`` ids -> ``[T, V]`` logits)."""
     cfg = weights.config
     _, rope = context_limit_and_rope(cfg, EngineConfig())
     model = LlamaModel(weights, torch.device("cpu"), torch.float32, fmt, rope)
