@@ -22,7 +22,12 @@ llama.cpp on it, and still summarise a document? (issue 17)
        over prompt + llama.cpp's tokens, :class:`engine.model.llama.LlamaModel`) gives the
        logits at the same positions. Reported: top-1 agreement over those positions, max /
        mean absolute logit difference, and how many leading greedy tokens agree (hisparse's
-       own greedy decode equals llama.cpp's up to the first position whose argmax differs);
+       own greedy decode equals llama.cpp's up to the first position whose argmax differs).
+       Control (``--no-control`` leaves it out): llama.cpp fed the same tokens on the
+       file's weights decoded to F32 by gguf-py, i.e. the same weight values through its
+       float kernels, which do not quantise activations as its K-quant / Q8_0 CPU dot
+       products do (Q8_K / Q8_0 activations); it separates reading the blocks from that
+       arithmetic;
    (c) ``hisparse run DOC --preset cpu --model FILE --max-new-tokens N`` (a subprocess, the
        real command: sparse hierarchical decode) and its summary text.
 
