@@ -321,7 +321,15 @@ def main() -> None:
             print(f"  {name}: {rows[-1]['error']}", flush=True)
             continue
         rows.append(check_file(name, path, args, ids))
+        write_json(args, rows, ids)  # after each file: a long run keeps what it has
     print_table(rows)
+    write_json(args, rows, ids)
+    print(f"wrote {args.out}")
+
+
+def write_json(args, rows: list[dict], ids: list[int]) -> None:
+    import llama_cpp
+
     result = {
         "command": " ".join(sys.argv),
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
@@ -336,7 +344,6 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
