@@ -54,10 +54,11 @@ def smollm2_gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf_reader(smollm2_gguf_path: Path):
-    """``gguf.GGUFReader`` on the embedded model (parsing takes ~3 s, so one per run)."""
-    import gguf
+    """``gguf.GGUFReader`` on the embedded model, as the engine opens it
+    (:class:`engine.weights.gguf_reader.FastGGUFReader`; one per run)."""
+    from engine.weights.gguf_reader import FastGGUFReader
 
-    return gguf.GGUFReader(smollm2_gguf_path)
+    return FastGGUFReader(smollm2_gguf_path)
 
 
 @pytest.fixture(scope="session")

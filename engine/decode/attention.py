@@ -132,9 +132,9 @@ class DecodeAttention:
             else 0
         )
         self.prefetched: torch.Tensor | None = None
-        # Audit (engine.decode.audit): seq id -> {cache layer: (q [Hq, D], selection
-        # [Hkv, W])} of this step, filled by run() for the seq ids present; None: off.
-        self.capture: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] | None = None
+        # Audit (engine.decode.audit): run() appends (cache layer, plan.row0, q [b, Hq, D],
+        # selection [b, Hkv, W]) of every layer here — references, not copies; None: off.
+        self.capture: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = None
         if self.prefetch_pages:
             cache.enable_late_stream()
 
@@ -227,8 +227,8 @@ class DecodeAttention:
         selection = self.select(plan, layer, q, scores)
         if self.tracer is not None:
             self.tracer(plan, layer + c.layer_offset, selection)  # the model's layer index
-        if self.capture is not None:
-            self._capture(plan, layer, q, selection)
+        if self.capture is not None:  # kept alive: inside a CUDA graph, a static buffer
+            self.capture.append((layer, plan.row0, q, selection))
         if not hier:
             pool = c.pool[layer]
             slot_list = self.ops.resident_slot_list(selection, plan.block_table, self.k_max)
@@ -236,10 +236,7 @@ class DecodeAttention:
             return self.ops.sparse_decode_attention(
                 q, records, selection, slot_list, plan.seq_lens, self.scale, self.softcap, window
             )
-        slot_list, hits, load_slots = self.load(plan, layer, selection, self.k_max)
-        if plan.hits is not None and plan.misses is not None:
-            plan.hits += hits.sum(-1)
-            plan.misses += (load_slots >= 0).sum((-1, -2))
+        slot_list, _, _ = self.load(plan, layer, selection, self.k_max, count=True)
         if deferred:  # the token into its resident tail slot, after the gather
             self.ops.append_kv(
                 k,
@@ -260,15 +257,6 @@ class DecodeAttention:
         if self.prefetch_pages and scores is not None:
             self.prefetch(plan, layer, scores)
         return out
-
-    def _capture(self, plan: StepPlan, layer: int, q: torch.Tensor, selection: torch.Tensor) -> None:
-        """Copy the query ``[Hq, D]`` and selection ``[Hkv, W]`` of the audited rows of
-        ``plan`` into :attr:`capture` (read-only for the step)."""
-        assert self.capture is not None
-        for i, sid in enumerate(plan.seq_ids):
-            got = self.capture.get(sid)
-            if got is not None:
-                got[layer] = (q[i].detach().clone(), selection[i].clone())
 
     def prefetch(self, plan: StepPlan, layer: int, scores: torch.Tensor) -> None:
         """Load the near misses of ``scores`` (float32 ``[B, Hkv, P_max]``, this step's
@@ -291,14 +279,19 @@ class DecodeAttention:
         self.cache.run_late(work, keep=(scores,))
 
     def load(
-        self, plan: StepPlan, layer: int, selection: torch.Tensor, k_max: int
+        self, plan: StepPlan, layer: int, selection: torch.Tensor, k_max: int,
+        count: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Resolve ``selection`` (int32 ``[B, Hkv, W]``, at most ``k_max`` pages a row)
         against ``layer``'s hot buffer with this step's stamp, then gather its misses from
         the pool (skipped with ``skip_host_io``). Returns the resolve's ``slot_list`` and
         ``load_slots`` (int32 ``[B, Hkv, k_max]``) and ``hits`` (int32 ``[B, Hkv]``); see
-        :func:`kernels.resolve.resolve_ref`."""
+        :func:`kernels.resolve.resolve_ref`. With ``count`` the resolve adds its hits and
+        misses to ``plan.hits`` / ``plan.misses`` (in the same launch on the GPU)."""
         c = self.cache
+        acc = {}
+        if count and plan.hits is not None and plan.misses is not None:
+            acc = {"hits_acc": plan.hits, "misses_acc": plan.misses}
         slot_list, load_pages, load_slots, hits = self.ops.resolve(
             selection,
             plan.slab_ids,
@@ -308,6 +301,7 @@ class DecodeAttention:
             plan.step,
             c.slots_per_slab,
             k_max,
+            **acc,
         )
         if not self.config.skip_host_io:
             scale = {"pool_scale": c.pool_scale[layer]} if c.host_fp8 else {}

@@ -47,9 +47,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import CacheFullError, EngineConfig, ModelConfig, env_overrides
+from engine.config import CacheFullError, EngineConfig, ModelConfig
 from engine.kv import sizing
-from engine.kv.host_pool import HostPool
+from engine.kv.host_pool import HostPool, zeros
+from engine.kv.sizing import check_host_memory
 from kernels.fp8_kv import FP8, fp8_quantize_ref, fp8_round_ref
 
 
@@ -62,74 +63,6 @@ class SeqCache:
     pages: list[int] = field(default_factory=list)
     slab_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
-
-
-def available_host_bytes(declared_gb: float | None = None) -> int | None:
-    """Host memory available for the KV pool, in bytes: ``declared_gb`` (GiB;
-    ``EngineConfig.host_memory_gb``, from ``$HISPARSE_HOST_MEMORY_GB`` through
-    :func:`engine.config.env_overrides` when not given) — for virtual machines whose memory
-    grows on demand, where ``MemAvailable`` reads far below what can be used — else
-    ``MemAvailable`` of ``/proc/meminfo`` (``None`` where it cannot be read).
-
-    Raises
-    ------
-    ConfigError
-        ``HISPARSE_HOST_MEMORY_GB`` is not a number (a ``ValueError``).
-    ValueError
-        The declared size is not positive.
-    """
-    if declared_gb is None:
-        declared_gb = env_overrides().get("host_memory_gb")
-    if declared_gb is not None:
-        if declared_gb <= 0:
-            raise ValueError(f"HISPARSE_HOST_MEMORY_GB={declared_gb!r} is not a positive number")
-        return int(declared_gb * 2**30)
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-HOST_POOL_SHARE = 0.9
-"""Largest share of the available host memory (:func:`available_host_bytes`) the pool may take."""
-
-
-def check_host_memory(pool_bytes: int, declared_gb: float | None = None) -> None:
-    """Refuse a host pool larger than 90% (:data:`HOST_POOL_SHARE`) of the memory
-    available now.
-
-    Parameters
-    ----------
-    pool_bytes
-        Size of the whole host pool, in bytes.
-    declared_gb
-        ``EngineConfig.host_memory_gb`` (``HISPARSE_HOST_MEMORY_GB``), if declared.
-
-    Raises
-    ------
-    CacheFullError
-        Naming the pool size, what is available (and where that figure came from), the
-        90% rule and the settings to change (``--host-pool``, ``host_pool_gb``,
-        ``HISPARSE_HOST_MEMORY_GB``).
-    """
-    if declared_gb is None:
-        declared_gb = env_overrides().get("host_memory_gb")
-    avail = available_host_bytes(declared_gb)
-    if avail is not None and pool_bytes > HOST_POOL_SHARE * avail:
-        source = f"HISPARSE_HOST_MEMORY_GB={declared_gb:g}" if declared_gb else "MemAvailable"
-        raise CacheFullError(
-            f"the host KV pool needs {pool_bytes / 2**30:.1f} GiB but only "
-            f"{avail / 2**30:.1f} GiB of host memory is available ({source}), and the pool "
-            f"may take at most {HOST_POOL_SHARE:.0%} of it "
-            f"({HOST_POOL_SHARE * avail / 2**30:.1f} GiB); lower the pool with --host-pool GB "
-            "(host_pool_gb in a preset or a manifest's defaults.engine; shared by all "
-            "workers), or, where MemAvailable reads low (memory that grows on demand), "
-            "declare the real size with HISPARSE_HOST_MEMORY_GB"
-        )
 
 
 def release_pinned_cache() -> None:
@@ -232,14 +165,12 @@ class KVCache:
             self.pool = [torch.empty(shape, dtype=self.dtype, device=pool_dev) for _ in range(nl)]
         lazy = self.host is not None and self.host.lazy
         self.copy_chunk_pages = self.host.chunk_pages if lazy else 0  # page_runs split there
-        self.meta = [
-            torch.zeros(num_pool_pages, hkv, 2, d, dtype=self.dtype, device=device) for _ in range(nl)
-        ]
+        self.meta = [zeros((num_pool_pages, hkv, 2, d), self.dtype, device) for _ in range(nl)]
         self.free_pages: list[int] = list(range(num_pool_pages - 1, -1, -1))
         self.slots_per_slab = config.buffer_pages
         self.num_slabs = config.max_batch * hkv if self.hierarchical else 0
         n = self.num_slabs * self.slots_per_slab
-        self.slots = [torch.zeros(n, 2, s, d, dtype=self.dtype, device=device) for _ in range(nl)]
+        self.slots = [zeros((n, 2, s, d), self.dtype, device) for _ in range(nl)]
         self.page_table = [
             torch.full((self.num_slabs, max_pages_per_seq), -1, dtype=torch.int32, device=device)
             for _ in range(nl)

@@ -14,7 +14,14 @@ page metadata stay in ``kv_dtype``. Bytes everywhere; GiB (2**30 bytes) only in 
 
 from __future__ import annotations
 
-from engine.config import DTYPES, ConfigError, EngineConfig, ModelConfig
+from engine.config import (
+    DTYPES,
+    CacheFullError,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    env_overrides,
+)
 
 GIB = 1 << 30
 
@@ -177,3 +184,74 @@ def job_device_bytes(
     if hierarchical(config):
         return per_request_device_bytes(model, config, pages, num_layers)
     return pages * (pool_page_bytes(model, config, num_layers) + meta_page_bytes(model, config, num_layers))
+
+
+# ----------------------------------------------------------------------------- host memory
+
+
+def available_host_bytes(declared_gb: float | None = None) -> int | None:
+    """Host memory available for the KV pool, in bytes: ``declared_gb`` (GiB;
+    ``EngineConfig.host_memory_gb``, from ``$HISPARSE_HOST_MEMORY_GB`` through
+    :func:`engine.config.env_overrides` when not given) — for virtual machines whose memory
+    grows on demand, where ``MemAvailable`` reads far below what can be used — else
+    ``MemAvailable`` of ``/proc/meminfo`` (``None`` where it cannot be read).
+
+    Raises
+    ------
+    ConfigError
+        ``HISPARSE_HOST_MEMORY_GB`` is not a number (a ``ValueError``).
+    ValueError
+        The declared size is not positive.
+    """
+    if declared_gb is None:
+        declared_gb = env_overrides().get("host_memory_gb")
+    if declared_gb is not None:
+        if declared_gb <= 0:
+            raise ValueError(f"HISPARSE_HOST_MEMORY_GB={declared_gb!r} is not a positive number")
+        return int(declared_gb * 2**30)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+HOST_POOL_SHARE = 0.9
+"""Largest share of the available host memory (:func:`available_host_bytes`) the pool may take."""
+
+
+def check_host_memory(pool_bytes: int, declared_gb: float | None = None) -> None:
+    """Refuse a host pool larger than 90% (:data:`HOST_POOL_SHARE`) of the memory
+    available now.
+
+    Parameters
+    ----------
+    pool_bytes
+        Size of the whole host pool, in bytes.
+    declared_gb
+        ``EngineConfig.host_memory_gb`` (``HISPARSE_HOST_MEMORY_GB``), if declared.
+
+    Raises
+    ------
+    CacheFullError
+        Naming the pool size, what is available (and where that figure came from), the
+        90% rule and the settings to change (``--host-pool``, ``host_pool_gb``,
+        ``HISPARSE_HOST_MEMORY_GB``).
+    """
+    if declared_gb is None:
+        declared_gb = env_overrides().get("host_memory_gb")
+    avail = available_host_bytes(declared_gb)
+    if avail is not None and pool_bytes > HOST_POOL_SHARE * avail:
+        source = f"HISPARSE_HOST_MEMORY_GB={declared_gb:g}" if declared_gb else "MemAvailable"
+        raise CacheFullError(
+            f"the host KV pool needs {pool_bytes / 2**30:.1f} GiB but only "
+            f"{avail / 2**30:.1f} GiB of host memory is available ({source}), and the pool "
+            f"may take at most {HOST_POOL_SHARE:.0%} of it "
+            f"({HOST_POOL_SHARE * avail / 2**30:.1f} GiB); lower the pool with --host-pool GB "
+            "(host_pool_gb in a preset or a manifest's defaults.engine; shared by all "
+            "workers), or, where MemAvailable reads low (memory that grows on demand), "
+            "declare the real size with HISPARSE_HOST_MEMORY_GB"
+        )
