@@ -124,6 +124,7 @@ SLOW_TESTS = (
     "test_slow_marks.py",  # inner pytest runs, 10-20 s
     "test_cli_eval.py::test_eval_table_and_answers_equal_engine_runs",  # tiny model, 15-25 s
     "test_cli_extract.py::test_fields_run_end_to_end_gives_the_parsed_object",  # synthetic:tiny
+    "test_gguf_llamacpp.py",  # llama.cpp quantises, then runs twice per type: 5-8 s each
 )
 """Node ids (or their prefixes, e.g. a parametrized test's name) measured over ~5 s on a
 shared 2-core box (``--durations``, OMP_NUM_THREADS=1) that load no model fixture."""
