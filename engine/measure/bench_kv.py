@@ -39,11 +39,17 @@ CORPUS_TOKENS_FORMAT = "hisparse-corpus-tokens"
 
 
 def corpus_dir(override: Path | None = None) -> Path:
-    """``override``, else ``$HISPARSE_CORPUS``, else ``shared/corpus`` beside the checkout."""
+    """``override``, else ``$HISPARSE_CORPUS``, else ``shared/corpus`` beside the checkout
+    (``<checkout>/../shared/corpus``) where it exists, else the checkout's ``examples/``
+    (its bundled corpus document), as the tests do."""
     if override is not None:
         return Path(override)
     env = os.environ.get(CORPUS_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "corpus"
+    if env:
+        return Path(env)
+    checkout = Path(__file__).resolve().parents[2]
+    shared = checkout.parent / "shared" / "corpus"
+    return shared if any(shared.glob("*.txt")) else checkout / "examples"
 
 
 def corpus_streams(tokenizer, directory: Path) -> tuple[list[str], list[list[int]]]:

@@ -408,3 +408,24 @@ def test_kernel_phase_names():
     assert kernel_phase("void (anonymous namespace)::tinygemm_m16n8k16_chunk_kernel") == "weights"
     assert kernel_phase("nvjet_tst_64x8_64x16_2x1_v_bz_TNN") == "weights"
     assert kernel_phase("void at::native::vectorized_elementwise_kernel<4, ...>") == "other"
+
+
+def test_bench_corpus_is_beside_the_checkout_else_the_bundled_examples(monkeypatch, tmp_path):
+    """Without ``$HISPARSE_CORPUS`` the bench reads ``<checkout>/../shared/corpus`` (not a
+    ``shared/`` inside the checkout, as it once did), and where that has no ``*.txt`` the
+    checkout's ``examples/`` (fresh-user finding: a clone elsewhere failed after loading)."""
+    from pathlib import Path
+
+    from engine.measure import bench_kv
+
+    monkeypatch.delenv(bench_kv.CORPUS_ENV, raising=False)
+    checkout = Path(bench_kv.__file__).resolve().parents[2]
+    found = bench_kv.corpus_dir()
+    beside = checkout.parent / "shared" / "corpus"
+    if any(beside.glob("*.txt")):
+        assert found == beside
+    else:
+        assert found == checkout / "examples"
+    assert any(found.glob("*.txt"))
+    monkeypatch.setenv(bench_kv.CORPUS_ENV, str(tmp_path))
+    assert bench_kv.corpus_dir() == tmp_path
