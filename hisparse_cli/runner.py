@@ -168,7 +168,16 @@ def free_cpu_threads(config: EngineConfig) -> int | None:
 def with_free_threads(config: EngineConfig) -> tuple[EngineConfig, str | None]:
     """``config`` with ``num_threads`` set to :func:`free_cpu_threads` when that chose a
     count, and the line that says so (``None`` when it did not); ``hisparse run`` and
-    ``hisparse eval`` both apply it before the model loads."""
+    ``hisparse eval`` both apply it before the model loads. A ``num_threads`` above the
+    machine's CPU count (``--threads 999``) is cut to that count, with a line saying so:
+    OpenMP threads beyond the cores only wait on each other (a run ~4x slower)."""
+    cores = os.cpu_count() or 1
+    if config.num_threads is not None and config.num_threads > cores:
+        note = (
+            f"--threads {config.num_threads} is more than the {cores} CPU threads here: "
+            f"using {cores} (more threads than cores stall each other)"
+        )
+        return config.replace(num_threads=cores), note
     threads = free_cpu_threads(config)
     if not threads:
         return config, None
@@ -999,7 +1008,8 @@ class BatchRun:
                 doc["engine"]["num_threads"] = self.config.num_threads
                 doc.setdefault("effective", {})["num_threads"] = threads_note
                 save_config(self.output_dir, doc)
-        if self.config.device.startswith("cuda") or self.config.devices:
+        devices = [self.config.device, *(self.config.devices or ())]
+        if any(str(d).startswith("cuda") for d in devices):  # the kernels compile on CUDA only
             cold = triton_cache_is_cold()
             if cold:
                 self.reporter.note(

@@ -944,6 +944,20 @@ def test_cpu_threads_follow_the_free_cores(monkeypatch):
     assert free_cpu_threads(EngineConfig()) is None  # the user chose
 
 
+def test_threads_above_the_cpu_count_are_cut_with_a_note(monkeypatch):
+    """``--threads 999`` on a 2-core box ran ~4x slower (fresh-user finding): the count is
+    cut to the CPUs, and a line says so; a count that fits is kept as chosen."""
+    from engine.config import EngineConfig
+    from hisparse_cli.runner import with_free_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("os.getloadavg", lambda: (0.1, 0.1, 0.1))
+    config, note = with_free_threads(EngineConfig(num_threads=999))
+    assert config.num_threads == 2 and "--threads 999" in note and "using 2" in note
+    config, note = with_free_threads(EngineConfig(num_threads=2))
+    assert config.num_threads == 2 and note is None
+
+
 def test_json_progress_reports_the_startup_steps_in_order(cli, docs):
     """The ``startup_times`` object: the CLI's steps, then the engine's (a fake engine
     records none: ``engine`` is when the load returned), on the monotonic clock."""
