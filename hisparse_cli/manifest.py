@@ -406,12 +406,22 @@ def _expand(
         problems.append(
             _problem(entry, "input", f"{pattern!r} is a directory (use a glob such as dir/*.txt)")
         )
-    elif not path.is_file():
+    elif path.is_file():
+        return [path]
+    elif path.exists() or text == "-":
+        what = "standard input" if text == "-" else "not a regular file (a pipe or a device)"
+        problems.append(
+            _problem(
+                entry,
+                "input",
+                f"{pattern!r} is {what}: documents are read from files; save the text to a "
+                "file first",
+            )
+        )
+    else:
         problems.append(
             _problem(entry, "input", f"file not found: {pattern!r} (looked for {path})")
         )
-    else:
-        return [path]
     return []
 
 

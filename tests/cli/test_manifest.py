@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 
 import pytest
@@ -276,6 +277,20 @@ def test_short_form_missing_files_reported_together(docs, monkeypatch):
         and "directory" in messages[2]
     )
     assert {p.field for p in info.value.problems} == {"DOCS"}
+
+
+def test_pipes_devices_and_stdin_are_named_not_missing(docs, monkeypatch):
+    """A FIFO, a device or ``-`` is not "file not found" (fresh-user finding: `<(cat doc)`
+    and `/dev/zero` read as missing): the problem says what it is and what to do."""
+    monkeypatch.chdir(docs)
+    fifo = docs / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(ManifestError) as info:
+        jobs_from_paths(["pipe", "/dev/null", "-"])
+    messages = [p.message for p in info.value.problems]
+    assert len(messages) == 3
+    assert all("file not found" not in m and "save the text to a file" in m for m in messages)
+    assert "pipe or a device" in messages[0] and "standard input" in messages[2]
 
 
 def test_missing_or_null_input_is_required(docs):
