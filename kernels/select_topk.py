@@ -69,6 +69,58 @@ def select_topk_ref(
     return pack_bits(mask & valid[:, None, :])
 
 
+def select_topk_pages_ref(
+    scores: torch.Tensor,
+    num_pages: torch.Tensor,
+    top_k_pages: int,
+    sink_pages: int,
+    window_pages: int,
+    k_max: int,
+) -> torch.Tensor:
+    """The pages :func:`select_topk_ref` selects, as indices in position order instead of
+    a bitmask: equal to ``selected_pages(select_topk_ref(...), P_max, k_max)``
+    (:func:`kernels.bitmask.selected_pages`) without packing and unpacking the bits (the
+    CPU direct path, :class:`engine.decode.attention.DecodeAttention`).
+
+    Parameters
+    ----------
+    scores : float32 ``[B, Hkv, P_max]`` (``-inf`` on unused pages); num_pages : int32
+    ``[B]``; top_k_pages, sink_pages, window_pages : as :func:`select_topk_ref`
+    k_max : K_max, the padded output width
+
+    Returns
+    -------
+    int64 ``[B, Hkv, K_max]``: ascending page indices, padded with -1.
+
+    Raises
+    ------
+    ValueError
+        If a row selects more than ``k_max`` pages.
+    """
+    b, hkv, p_max = scores.shape
+    idx = torch.arange(p_max, device=scores.device)[None, :]
+    n = num_pages.to(scores.device).long()[:, None]
+    valid = idx < n
+    forced = valid & ((idx < sink_pages) | (idx >= n - window_pages))
+    budget = torch.maximum(torch.clamp(n, max=top_k_pages), forced.sum(-1, keepdim=True))
+    k = min(max(top_k_pages, sink_pages + window_pages), p_max)  # the reference's width
+    if k > k_max and b and int(budget.max()) > k_max:
+        raise ValueError(f"a selection holds {int(budget.max())} pages but k_max={k_max}")
+    k = min(k, k_max)
+    key = scores.float().masked_fill(forced[:, None, :], float("inf"))
+    key = key.masked_fill(~valid[:, None, :], float("-inf"))
+    # The reference's stable order; its first ``budget`` entries are valid pages (valid
+    # pages are a prefix of the indices, so they win every tie with the -inf unused ones).
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :k]
+    rank = torch.arange(k, device=scores.device)[None, None, :]
+    drop = rank >= budget[:, :, None]
+    pages = order.masked_fill_(drop, p_max).sort(dim=-1).values
+    pages.masked_fill_(pages == p_max, -1)
+    if k < k_max:
+        pages = torch.nn.functional.pad(pages, (0, k_max - k), value=-1)
+    return pages
+
+
 def dense_selection(num_pages: torch.Tensor, num_kv_heads: int, p_max: int) -> torch.Tensor:
     """Bitmask selecting every used page (the ``dense`` indexer): int32 ``[B, Hkv, W]``."""
     idx = torch.arange(p_max, device=num_pages.device)[None, :]
