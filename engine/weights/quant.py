@@ -220,12 +220,13 @@ class Int4Linear(Linear):
     ``triton_min_rows <= M < DEQUANT_MIN_ROWS`` the Triton dequant-matmul over the source
     weight kept on the device (:func:`kernels.int4_matmul.group_int4_linear`); larger ``M``
     (prefill) dequantises the source to the compute dtype and runs the dense GEMM. On CPU
-    ``_weight_int4pack_mm_for_cpu`` with bf16 activations below ``DEQUANT_MIN_ROWS`` rows
-    (decode; fp32 activations were 10-30x slower in that kernel), the dense GEMM in the
-    activations' dtype over the dequantised weight from there on (prefill).
+    ``_weight_int4pack_mm_for_cpu`` in the compute dtype below ``DEQUANT_MIN_ROWS`` rows
+    (decode; with bf16 activations: with fp32 ones that kernel was 10-30x slower, see
+    docs/performance.md, "CPU decode path"), the dense GEMM over the dequantised weight
+    from there on (prefill: the int4 kernel was ~2x slower than the GEMM there).
 
     Supported group sizes: 32, 64, 128, 256. Activations: bf16 on CUDA; bf16 or fp32 on
-    CPU (cast to bf16 for the int4 kernel). Output has the dtype of ``x``.
+    CPU. Output has the dtype of ``x``.
     """
 
     def __init__(self, w: Int4Weight, bias: torch.Tensor | None, device: torch.device, dtype):
@@ -249,9 +250,7 @@ class Int4Linear(Linear):
             )
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nib, 1)
-            # Prefill (M >= DEQUANT_MIN_ROWS) dequantises to the activations' dtype and runs
-            # the dense GEMM: the CPU int4 kernel was ~2x slower than fp32 GEMM there.
-            self.source = w
+            self.source = w  # prefill (M >= DEQUANT_MIN_ROWS): the dense GEMM
         self.scales_and_zeros = sz.to(device, dtype)
         self.bias = bias
         self.triton_min_rows = TRITON_MIN_ROWS  # EngineConfig.int4_triton_min_rows
@@ -262,9 +261,7 @@ class Int4Linear(Linear):
         rows = x2.shape[0]
         cuda = self.device.type == "cuda"
         if self.source is not None and rows >= DEQUANT_MIN_ROWS:
-            dense_dtype = self.dtype if cuda else x.dtype  # CPU prefill: fp32 activations
-            y = F.linear(x.reshape(-1, shape[-1]).to(dense_dtype),
-                         self.source.dequantize(dense_dtype), self.bias)  # fmt: skip
+            y = F.linear(x2, self.source.dequantize(self.dtype), self.bias)
             return y.view(*shape[:-1], self.out_features).to(x.dtype)
         if cuda and rows >= self.triton_min_rows:
             from kernels.int4_matmul import group_int4_linear
@@ -314,6 +311,5 @@ def make_linear(
         raise ValueError(f"unknown weight_format {weight_format!r}")
     if not isinstance(weight, Int4Weight):
         weight = quantize_int4(weight, 128 if weight.shape[1] % 128 == 0 else 32)
-    # bf16 activations inside the kernel on CPU too: torch's CPU int4 kernel with fp32
-    # activations was 10-30x slower than with bf16 (docs/performance.md, "CPU decode path").
-    return Int4Linear(weight, b, device, torch.bfloat16)
+    int4_dtype = torch.bfloat16 if device.type == "cuda" else dtype
+    return Int4Linear(weight, b, device, int4_dtype)
