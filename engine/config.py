@@ -123,6 +123,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 PARALLEL_MODES = ("data", "pipeline")
 EVICTION_POLICIES = ("lru",)
 KV_HOST_DTYPES = ("bf16", "fp8")
+PAGE_METADATA = ("exact", "superpage")
+SUPERPAGE_COMBINES = ("sum", "max", "normmax")  # = kernels.superpage_select.SUPERPAGE_COMBINES
 TOKENIZER_CHOICES = (None, "ids")
 
 
@@ -168,8 +170,9 @@ class EngineConfig:
         :mod:`engine.decode.cuda_graph`); False launches every kernel eagerly.
     decode_overlap: with CUDA graphs and the hierarchy, decode a batch of two or more as
         two micro-batches on two streams, so the host->device gathers of one can overlap
-        the compute of the other. Off by default: on an H200 it did not pay (the SM-driven
-        gather kernel leaves the other stream no room; see docs/performance.md).
+        the compute of the other. Off by default; the ``h200`` presets turn it on (on an
+        H200 it gains 4-7 % at 8-32 jobs since the small ops were fused; it lost before;
+        docs/performance.md, "The small ops around attention").
     async_decode: launch decode step t+1 before the host reads step t's tokens (greedy
         batches: the device feeds step t's argmax to step t+1), so the host's work between
         steps (stop checks, events, scheduling) overlaps the GPU's step instead of
@@ -222,6 +225,20 @@ class EngineConfig:
         host tier) keep ``kv_dtype`` but round every record the same way, so they hold the
         same KV as the hierarchical path (its exactness reference). Needs a pool-free
         indexer (not ``oracle``) when hierarchical.
+    page_metadata: how the ``quest`` indexer reads page metadata. ``exact`` (the default and
+        the reference): flat Quest, every page's key min / max each step (KV/16 bytes at
+        page 16). ``superpage``: a two-level index (:mod:`kernels.superpage_select`):
+        superpages of ``superpage_pages`` pages, whose min / max bound their pages, are
+        scored first; only the pages of the best ``ceil(superpage_oversample x top_k /
+        (page_size x superpage_pages))`` superpages are scored and ranked. Sinks, the local
+        window and the everything-fits rule are as with ``exact``. Full-attention layers
+        only (a sliding-window layer keeps ``exact``); ``group_combine`` sum, max or
+        normmax; no ``prefetch_pages``. Measured in docs/performance.md ("Compact page
+        metadata: superpages").
+    superpage_pages: pages per superpage (``page_metadata=superpage``).
+    superpage_oversample: candidate pages scored per (request, layer, KV head), as a
+        multiple of the ``top_k`` pages (at least 1; default 8: metadata KV/84 at 128K
+        with top_k 2048, the best measured fidelity within the issue's KV/64).
     devices: the devices of a multi-device run (``--devices``, a preset's
         ``hardware.devices``); empty: the one ``device``.
     parallel: with several ``devices``: ``data`` (a worker per device, each the whole
@@ -278,6 +295,9 @@ class EngineConfig:
     async_decode: bool | None = None
     eviction: str = "lru"
     kv_host_dtype: str = "bf16"
+    page_metadata: str = "exact"
+    superpage_pages: int = 16
+    superpage_oversample: float = 8.0
     devices: tuple[str, ...] = ()
     parallel: str = "data"
     trace_path: str | None = None
@@ -394,6 +414,8 @@ class EngineConfig:
                     "kv_host_dtype bf16",
                 )
             )
+        if self.page_metadata == "superpage":
+            found += self._superpage_problems()
         if self.context_policy == "chunk" and len(self.devices) > 1:
             found.append(
                 SettingProblem(
@@ -409,6 +431,36 @@ class EngineConfig:
                     ("audit_steps", "parallel"),
                     f"audit_steps={self.audit_steps} needs the whole model in one engine, "
                     "not a pipeline of several devices; use --parallel data or drop --audit",
+                )
+            )
+        return found
+
+    def _superpage_problems(self) -> list[SettingProblem]:
+        """What stops ``page_metadata=superpage`` from working with the other settings."""
+        found = []
+        if self.indexer != "quest":
+            found.append(
+                SettingProblem(
+                    ("page_metadata", "indexer"),
+                    f"page_metadata=superpage is a layout of the quest indexer's metadata; "
+                    f"indexer {self.indexer} does not read it (use indexer quest or "
+                    "page_metadata exact)",
+                )
+            )
+        if self.group_combine not in SUPERPAGE_COMBINES:
+            found.append(
+                SettingProblem(
+                    ("page_metadata", "group_combine"),
+                    f"group_combine={self.group_combine} ranks every page; page_metadata="
+                    f"superpage needs one of {', '.join(SUPERPAGE_COMBINES)}",
+                )
+            )
+        if self.prefetch_pages:
+            found.append(
+                SettingProblem(
+                    ("page_metadata", "prefetch_pages"),
+                    "prefetch_pages ranks pages past the budget, which page_metadata="
+                    "superpage does not score; use prefetch_pages 0 or page_metadata exact",
                 )
             )
         return found
@@ -496,6 +548,11 @@ def _positive_or_none(value: Any) -> str | None:
     return None if value is None else _positive(value)
 
 
+def _at_least_one(value: Any) -> str | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 1
+    return None if ok else f"must be a number >= 1, got {value!r}"
+
+
 def _non_negative(value: Any) -> str | None:
     return None if _is_int(value) and value >= 0 else f"must be an integer >= 0, got {value!r}"
 
@@ -564,6 +621,9 @@ SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "async_decode": _flag_or_none,
     "eviction": _choice(EVICTION_POLICIES),
     "kv_host_dtype": _choice(KV_HOST_DTYPES),
+    "page_metadata": _choice(PAGE_METADATA),
+    "superpage_pages": _positive,
+    "superpage_oversample": _at_least_one,
     "devices": _devices,
     "parallel": _choice(PARALLEL_MODES),
     "trace_path": _path_or_none,

@@ -214,3 +214,19 @@ class MemorySnapshot(Event):
     stage: int = -1
     host_pool_pinned: int = 0
     host_pool_dtype: str = ""
+
+
+@dataclass(frozen=True)
+class StartupTimes(Event):
+    """Where a run's start-up went: ``marks`` maps each step, in the order they happen, to
+    the ``time.monotonic()`` at which it ended (``CLOCK_MONOTONIC``: one clock for every
+    process of the machine, so a parent can subtract its own start). A front end adds its
+    own steps (``hisparse run``: ``cli_ready``, ``config_resolved``, ``load_started``)
+    to the engine's (:attr:`engine.serve.engine.Engine.load_marks`, set by
+    :func:`engine.load.load_engine`): ``engine_imported`` (torch, Triton, the engine
+    modules), ``metadata`` (GGUF header and tensor descriptions read), ``tokenizer``
+    (built from the metadata), ``weights`` (tensors read), ``model`` (placed on the
+    device), ``kernels`` (the kernel set chosen), ``engine`` (KV cache and engine built).
+    ``t`` is when the front end reported them. Not yielded by ``Engine.run``."""
+
+    marks: dict[str, float]

@@ -5,6 +5,7 @@ bench and the scripts all build through here."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,7 +31,9 @@ def resolve_device(config: EngineConfig) -> torch.device:
     return dev
 
 
-def load_weights(model: str | None, tokenizer: str | None = None) -> tuple[ModelWeights, object, str]:
+def load_weights(
+    model: str | None, tokenizer: str | None = None, marks: dict[str, float] | None = None
+) -> tuple[ModelWeights, object, str]:
     """Read weights and tokenizer.
 
     Parameters
@@ -40,6 +43,9 @@ def load_weights(model: str | None, tokenizer: str | None = None) -> tuple[Model
         published shape.
     tokenizer : ``config.tokenizer``: ``None`` (the model's own), or for a
         synthetic model ``ids`` (no text: jobs as token ids; see :mod:`engine.weights.synthetic`).
+    marks : where to stamp (``time.monotonic()``) the end of ``metadata``, ``tokenizer``
+        and ``weights`` of a GGUF file (:class:`engine.events.StartupTimes`); other
+        sources stamp ``weights`` only.
 
     Returns
     -------
@@ -54,6 +60,7 @@ def load_weights(model: str | None, tokenizer: str | None = None) -> tuple[Model
     """
     from engine.text.tokenizer import TextTokenizer
 
+    marks = {} if marks is None else marks
     _check_tokenizer_choice(model, tokenizer)
     if model is None:
         from engine.weights.embedded import default_model_path
@@ -62,20 +69,28 @@ def load_weights(model: str | None, tokenizer: str | None = None) -> tuple[Model
     if model.startswith("synthetic:"):
         from engine.weights.synthetic import load_synthetic
 
-        return load_synthetic(model.split(":", 1)[1], tokenizer=tokenizer)
+        loaded = load_synthetic(model.split(":", 1)[1], tokenizer=tokenizer)
+        marks["weights"] = time.monotonic()
+        return loaded
     path = Path(model)
     if path.is_dir():
         from engine.weights.hf import load_hf_folder
 
         tokenizer = TextTokenizer.from_folder(path)  # refused before any weight is read
-        return load_hf_folder(path), tokenizer, path.name
+        weights = load_hf_folder(path)
+        marks["weights"] = time.monotonic()
+        return weights, tokenizer, path.name
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
     from engine.weights import gguf
 
     reader = gguf.open_reader(path)  # every tensor's description checked, no data read
+    marks["metadata"] = time.monotonic()
     tokenizer = TextTokenizer.from_gguf(reader, reference="llama.cpp")  # before the weights
-    return gguf.load_gguf(path, reader), tokenizer, path.stem
+    marks["tokenizer"] = time.monotonic()
+    weights = gguf.load_gguf(path, reader)
+    marks["weights"] = time.monotonic()
+    return weights, tokenizer, path.stem
 
 
 def load_tokenizer(model: str | None, tokenizer: str | None = None) -> tuple[object, str]:
@@ -183,6 +198,7 @@ def place_model(
     stage: tuple[int, int] | None = None,
     rope_config: EngineConfig | None = None,
     weights: tuple[ModelWeights, object, str] | None = None,
+    marks: dict[str, float] | None = None,
 ) -> PlacedModel:
     """The one load sequence every engine is built from: validate -> device -> threads ->
     weights -> context limit and RoPE -> weight format -> placed model -> kernel set.
@@ -196,6 +212,8 @@ def place_model(
     rope_config : settings whose context policy sizes the RoPE table instead of ``config``'s
         (the bench extends RoPE to its longest context)
     weights : already read ``(weights, tokenizer, name)``, skipping :func:`load_weights`
+    marks : where to stamp the end of each step (:func:`load_weights`' ``metadata``,
+        ``tokenizer``, ``weights``, then ``model`` and ``kernels``; ``time.monotonic()``)
 
     Raises
     ------
@@ -215,7 +233,8 @@ def place_model(
         torch.set_num_threads(config.num_threads)
     if device.type == "cpu":
         keep_freed_heap()
-    weights, tokenizer, name = weights or load_weights(model, config.tokenizer)
+    marks = {} if marks is None else marks
+    weights, tokenizer, name = weights or load_weights(model, config.tokenizer, marks)
     layers = None
     if stage is not None:
         rank, world_size = stage
@@ -232,7 +251,9 @@ def place_model(
         for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
             if isinstance(lin, Int4Linear):
                 lin.triton_min_rows = config.int4_triton_min_rows
+    marks["model"] = time.monotonic()
     ops = get_ops(device, config.use_triton, config.eviction)
+    marks["kernels"] = time.monotonic()
     info = describe_placement(weights.formats, fmt, config.dtype)
     return PlacedModel(llm, tokenizer, name, limit, fmt, ops, info)
 
@@ -256,10 +277,15 @@ def load_engine(config: EngineConfig, model: str | None = None, tracer=None) -> 
     caps each one: a data worker sizes its cache this way, a pipeline stage for its own
     layers (:func:`engine.serve.pipeline.stage_budget_cache`).
 
+    A one-process engine's ``load_marks`` holds when each load step ended
+    (:class:`engine.events.StartupTimes`: ``engine_imported``, then :func:`place_model`'s,
+    then ``engine``).
+
     Raises
     ------
     ConfigError, FileNotFoundError, ValueError (unsupported model files)
     """
+    marks = {"engine_imported": time.monotonic()}
     config.validate()
     devices = config.devices
     if devices:
@@ -269,7 +295,7 @@ def load_engine(config: EngineConfig, model: str | None = None, tracer=None) -> 
         if len(devices) > 1:
             return ParallelEngine(config, model, devices, config.parallel or "data")
         config = config.replace(device=devices[0])
-    placed = place_model(config, model)
+    placed = place_model(config, model, marks=marks)
     if tracer is None and config.trace_path:
         from engine.measure.trace import TraceHeader, TraceWriter
 
@@ -280,4 +306,6 @@ def load_engine(config: EngineConfig, model: str | None = None, tracer=None) -> 
         from engine.capacity.budget import budget_cache
 
         config, cache, sizing = budget_cache(placed.model, config, placed.context_limit)
-    return Engine.from_placed(placed, config, tracer=tracer, cache=cache, budget_sizing=sizing)
+    engine = Engine.from_placed(placed, config, tracer=tracer, cache=cache, budget_sizing=sizing)
+    engine.load_marks = marks | {"engine": time.monotonic()}
+    return engine

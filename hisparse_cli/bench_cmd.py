@@ -196,6 +196,7 @@ def bench_command(
     sink_tokens: opt.SinkTokens = None,
     local_window: opt.LocalWindow = None,
     kv_host_dtype: opt.KvHostDtype = None,
+    page_metadata: opt.PageMetadata = None,
     hbm_gbps: HbmOpt = None,
     link_gbps: LinkOpt = None,
     corpus_tokens: CorpusTokensOpt = None,
@@ -238,6 +239,7 @@ def bench_command(
         "sink_tokens": sink_tokens,
         "local_window": local_window,
         "kv_host_dtype": kv_host_dtype,
+        "page_metadata": page_metadata,
     }
     try:
         config = resolve_config(_chosen_preset(preset, device), {}, overrides)

@@ -190,6 +190,16 @@ MemoryBudget = Annotated[
     float | None,
     typer.Option("--memory-budget", help="Device memory to use, GiB.", rich_help_panel=ENGINE),
 ]
+PageMetadata = Annotated[
+    Literal["exact", "superpage"] | None,
+    typer.Option(
+        "--page-metadata",
+        help="Quest page metadata read per step: exact (every page's key min/max, the "
+        "reference) or superpage (score superpages of 16 pages first, then only the pages "
+        "of the best ones: far fewer bytes, near-identical pages).",
+        rich_help_panel=ENGINE,
+    ),
+]
 KvHostDtype = Annotated[
     Literal["bf16", "fp8"] | None,
     typer.Option(

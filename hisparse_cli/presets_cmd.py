@@ -349,12 +349,12 @@ def _host_table(result: Plan) -> Table:
     records = (
         "fp8 + 1 B scale per row (2 x S x (D + 1) per record)"
         if host_dtype == "fp8"
-        else f"{result.config.kv_dtype} records"
+        else f"records in the KV dtype ({result.config.kv_dtype})"
     )
     table.add_row(
         "host KV per job",
         _gib(result.host_needed_bytes // max(result.num_jobs, 1)),
-        f"kv_host_dtype {host_dtype}: {records}",
+        f"host pages {host_dtype}: {records}" if host_dtype == "fp8" else records,
     )
     table.add_row(
         "pinned KV needed", _gib(result.host_needed_bytes), f"{result.num_jobs} job(s)"

@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -41,7 +42,15 @@ from typing import Any, Self
 from rich.console import Console
 
 from engine.config import CacheFullError, ConfigError, EngineConfig
-from engine.events import Event, Job, JobAdmitted, JobFailed, JobFinished, JobResult
+from engine.events import (
+    Event,
+    Job,
+    JobAdmitted,
+    JobFailed,
+    JobFinished,
+    JobResult,
+    StartupTimes,
+)
 from engine.serve.base import BatchEngine
 from engine.serve.workers import WorkerDied
 from engine.text.context import PromptTooLong, chunk_document, fit_prompt
@@ -187,7 +196,7 @@ def fit_preset_host_pool(
 ) -> tuple[EngineConfig, str | None]:
     """A preset's host pool cap cut to what this machine can hold: when neither
     ``--host-pool`` nor the manifest set ``host_pool_gb`` and the preset's cap exceeds
-    :data:`engine.kv.cache.HOST_POOL_SHARE` of the host memory available now, the cap
+    :data:`engine.kv.sizing.HOST_POOL_SHARE` of the host memory available now, the cap
     becomes that share (whole 0.25 GiB, at least 0.25) and the returned note says so. A
     cap the user chose is left alone (:func:`check_host_pool` refuses it if it does not
     fit). The pool is a cap: jobs that need more than the cut pool are refused one by one
@@ -199,7 +208,7 @@ def fit_preset_host_pool(
     )
     if chosen or not _pool_on_host(config):
         return config, None
-    from engine.kv.cache import HOST_POOL_SHARE, available_host_bytes
+    from engine.kv.sizing import HOST_POOL_SHARE, available_host_bytes
 
     avail = available_host_bytes(config.host_memory_gb)
     if avail is None or config.host_pool_gb * 2**30 <= HOST_POOL_SHARE * avail:
@@ -225,7 +234,7 @@ def check_host_pool(config: EngineConfig) -> None:
     workers) cannot fit in the host memory available now; the pool lives on the host
     on CPU devices and with the hierarchical sparse cache."""
     if _pool_on_host(config):
-        from engine.kv.cache import check_host_memory
+        from engine.kv.sizing import check_host_memory
 
         check_host_memory(int(config.host_pool_gb * 2**30), config.host_memory_gb)
 
@@ -240,11 +249,30 @@ def is_config_error(exc: BaseException) -> bool:
     return isinstance(exc, CacheFullError)
 
 
+GPU_DRIVER_NODES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+"""Paths of which a Linux machine with a CUDA (NVIDIA), ROCm (``/dev/kfd``) or WSL
+(``/dev/dxg``) GPU shows at least one; torch's ``cuda`` is one of those."""
+
+
 def cuda_device_count() -> int:
-    """CUDA devices torch can use here (0 without CUDA); tests replace this hook."""
+    """CUDA devices torch can use here (0 without CUDA); tests replace this hook.
+
+    Where no GPU driver can be present (Linux without any of :data:`GPU_DRIVER_NODES`,
+    or macOS) the answer is 0 without importing torch (1-2 s), so ``hisparse presets``
+    and ``plan`` stay fast there; elsewhere torch decides.
+    """
+    if no_gpu_driver():
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def no_gpu_driver() -> bool:
+    """Whether this machine certainly has no device torch's ``cuda`` could use."""
+    if sys.platform == "darwin":
+        return True
+    return sys.platform.startswith("linux") and not any(map(os.path.exists, GPU_DRIVER_NODES))
 
 
 def cuda_device_memory_gib(index: int) -> float:
@@ -288,11 +316,13 @@ def execute(
     err_console
         Where usage and validation errors go (default: stderr).
     """
+    marks = {"cli_ready": time.monotonic()}  # the start-up steps (ev.StartupTimes)
     console = console or Console()
     err_console = err_console or Console(stderr=True)
     try:
         request, choice = with_auto_preset(request)
         manifest, config = prepare(request)
+        marks["config_resolved"] = time.monotonic()
     except ManifestError as exc:
         return _usage_failure(
             err_console,
@@ -328,6 +358,7 @@ def execute(
         return EXIT_OK
     batch = BatchRun(request, manifest, config, console, err_console)
     batch.preset_line = preset_line(request.preset, choice)
+    batch.startup_marks = marks
     return batch.run(document)
 
 
@@ -736,6 +767,7 @@ class BatchRun:
         self.output_dir = request.output_dir
         self.model_name = request.model or DEFAULT_MODEL_ID
         self.preset_line = request.preset  # with the reason when it was --preset auto
+        self.startup_marks: dict[str, float] = {}  # ev.StartupTimes of the CLI's steps
         self.tracker = ProgressTracker(clock())
         self.records: dict[str, dict[str, Any]] = {}
         self.prompt_tokens: dict[str, int] = {}  # job id -> tokens of the prompt it was given
@@ -982,6 +1014,7 @@ class BatchRun:
                     "warning",
                 )
         started = self.clock()
+        load_started = time.monotonic()
         try:
             engine = load_engine(self.config, self.request.model)
         except Exception as exc:  # noqa: BLE001 - any load failure ends the run cleanly
@@ -991,6 +1024,7 @@ class BatchRun:
             return False
         info = f" ({engine.weights_info})" if engine.weights_info else ""  # tensor types
         self.reporter.note(f"model loaded in {self.clock() - started:.1f}s{info}")
+        self._report_startup(load_started, engine)
         self.prompt_limit = engine.prompt_limit()
         traces = engine.trace_paths
         if len(traces) > 1:  # several devices: one file per worker
@@ -1011,6 +1045,16 @@ class BatchRun:
             finally:
                 engine.close()  # worker processes of several devices, trace files
             return self.cancel.count > 0
+
+    def _report_startup(self, load_started: float, engine: BatchEngine) -> None:
+        """The start-up steps (:class:`engine.events.StartupTimes`) to the reporter: the
+        CLI's, then the engine's load steps where it recorded them (one process); the
+        JSON progress writes them as a ``startup_times`` object, the displays ignore them.
+        """
+        now = time.monotonic()
+        marks = self.startup_marks | {"load_started": load_started}
+        marks |= getattr(engine, "load_marks", None) or {"engine": now}
+        self.reporter.on_event(StartupTimes(now, marks))
 
     def _jobs(self, engine: BatchEngine, pending: list[PlannedJob]) -> Iterator[Job | None]:
         """Jobs for ``engine.run``, built one at a time; stops feeding after Ctrl-C.

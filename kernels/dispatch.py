@@ -24,6 +24,7 @@ from kernels.rope_append import rope_append_ref
 from kernels.select_topk import dense_selection, select_topk_ref
 from kernels.slot_list import resident_slot_list
 from kernels.sparse_attention import dense_decode_attention_ref, sparse_decode_attention_ref
+from kernels.superpage_select import superpage_select_ref
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Ops:
     quest_scores: Callable
     oracle_scores: Callable
     select_topk: Callable
+    superpage_select: Callable
     dense_selection: Callable
     resolve: Callable
     resident_slot_list: Callable
@@ -49,6 +51,7 @@ REFERENCE_OPS = Ops(
     quest_scores=quest_scores_ref,
     oracle_scores=oracle_scores_ref,
     select_topk=select_topk_ref,
+    superpage_select=superpage_select_ref,
     dense_selection=dense_selection,
     resolve=resolve_ref,
     resident_slot_list=resident_slot_list,

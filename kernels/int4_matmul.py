@@ -25,6 +25,7 @@ from kernels._launch import (
     FLOAT_DTYPES,
     check_device,
     check_tensor,
+    next_pow2,
     num_sms,
     require,
     require_runnable,
@@ -194,8 +195,27 @@ def _launch(x, q, scale, offset, group: int, config: Q4Config | None) -> torch.T
         num_stages=cfg.num_stages,
     )
     if split > 1:
-        out = y.sum(0).to(x.dtype)
+        block = min(1024, next_pow2(n))
+        _int4_split_sum_kernel[(rows, -(-n // block))](
+            y, out, n, split, y.stride(0), y.stride(1), out.stride(0), BLOCK_N=block
+        )
     return out.reshape(*x.shape[:-1], n)
+
+
+@triton.jit
+def _int4_split_sum_kernel(
+    part_ptr, out_ptr, n, split, stride_part_s, stride_part_m, stride_out_m, BLOCK_N: tl.constexpr
+):
+    """One (row, block of columns) of the split-K partials ``[S, M, N]`` (float32) summed in
+    split order and rounded once to ``out``'s dtype: the reduction and the cast of the
+    split-K product in one launch (instead of torch's sum and copy)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for s in range(split):
+        acc += tl.load(part_ptr + s * stride_part_s + row * stride_part_m + offs_n, mask=mask_n)
+    tl.store(out_ptr + row * stride_out_m + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 def group_int4_linear_ref(

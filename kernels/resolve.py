@@ -54,6 +54,8 @@ def resolve_ref(
     step: int,
     slots_per_slab: int,
     k_max: int,
+    hits_acc: torch.Tensor | None = None,
+    misses_acc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Resolve one layer's selections for the whole batch, updating state in place.
 
@@ -69,6 +71,9 @@ def resolve_ref(
     step : current decode step (monotonic)
     slots_per_slab : C
     k_max : K_max >= pages selected in any row, <= C
+    hits_acc, misses_acc : optional int64 ``[B]`` step counters: each request's hits and
+        misses of this call (summed over its KV heads) are added in place, so a decode
+        step counts its cache traffic without extra reductions per layer
 
     Returns
     -------
@@ -119,11 +124,15 @@ def resolve_ref(
     load_pages = torch.where(miss, pages, neg)
     load_slots = torch.where(miss, victim, neg)
     shape = (b, hkv, k_max)
+    hits = hit.sum(-1).view(b, hkv).to(torch.int32)
+    if hits_acc is not None and misses_acc is not None:
+        hits_acc += hits.sum(-1)
+        misses_acc += miss.view(b, -1).sum(-1)
     return (
         slot_list.view(shape).to(torch.int32),
         load_pages.view(shape).to(torch.int32),
         load_slots.view(shape).to(torch.int32),
-        hit.sum(-1).view(b, hkv).to(torch.int32),
+        hits,
     )
 
 
@@ -140,6 +149,8 @@ def _resolve_kernel(
     load_pages_ptr,
     load_slots_ptr,
     hits_ptr,
+    hits_acc_ptr,
+    misses_acc_ptr,
     ws_ptr,
     keys_ptr,
     num_kv_heads,
@@ -157,6 +168,7 @@ def _resolve_kernel(
     BLOCK_W: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STEP_FROM_PTR: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     """One (request, KV head) row: hits, LRU refresh, victims, page-table update, lists.
 
@@ -248,7 +260,11 @@ def _resolve_kernel(
     tl.store(slot_list_ptr + out_row + offs_k, tl.where(hit, cur, victim), mask=mask_out)
     tl.store(load_pages_ptr + out_row + offs_k, tl.where(miss, page_k, -1), mask=mask_out)
     tl.store(load_slots_ptr + out_row + offs_k, tl.where(miss, victim, -1), mask=mask_out)
-    tl.store(hits_ptr + row, tl.sum(hit.to(tl.int32), axis=0))
+    num_hits = tl.sum(hit.to(tl.int32), axis=0)
+    tl.store(hits_ptr + row, num_hits)
+    if ACCUMULATE:  # the step's per-request counters (integer adds: order-free)
+        tl.atomic_add(hits_acc_ptr + b, num_hits.to(tl.int64))
+        tl.atomic_add(misses_acc_ptr + b, tl.sum(miss_i, axis=0).to(tl.int64))
 
 
 def resolve(
@@ -260,6 +276,8 @@ def resolve(
     step: int | torch.Tensor,
     slots_per_slab: int,
     k_max: int,
+    hits_acc: torch.Tensor | None = None,
+    misses_acc: torch.Tensor | None = None,
     *,
     block_words: int | None = None,
     num_warps: int | None = None,
@@ -277,6 +295,8 @@ def resolve(
         latter lets a captured CUDA graph replay with a new step)
     slots_per_slab : C (up to a few thousand; ~256 is the design point)
     k_max : K_max, ``<= C``
+    hits_acc, misses_acc : optional int64 ``[B]`` counters, contiguous; this call's hits and
+        misses per request are added in place (atomics in the same launch)
     block_words, num_warps : launch shape (selection words per loop iteration, 64 by
         default; warps, 4 by default)
 
@@ -304,6 +324,13 @@ def resolve(
     dev = selection.device
     check_device(dev, slab_ids=slab_ids, page_table=page_table, slot_page=slot_page)
     check_device(dev, slot_last_use=slot_last_use, step=step_ptr)
+    accumulate = hits_acc is not None and misses_acc is not None
+    if accumulate:
+        check_tensor("hits_acc", hits_acc, 1, (torch.int64,))
+        check_tensor("misses_acc", misses_acc, 1, (torch.int64,))
+        check_shape("hits_acc", hits_acc, (b,))
+        check_shape("misses_acc", misses_acc, (b,))
+        check_device(dev, hits_acc=hits_acc, misses_acc=misses_acc)
     require_runnable(dev)
 
     shape = (b, hkv, k_max)
@@ -328,6 +355,8 @@ def resolve(
         load_pages,
         load_slots,
         hits,
+        hits_acc if accumulate else hits,
+        misses_acc if accumulate else hits,
         ws,
         keys,
         hkv,
@@ -345,6 +374,7 @@ def resolve(
         BLOCK_W=max(1, min(block_words or 64, next_pow2(w))),
         BLOCK_K=max(16, next_pow2(k_max)),
         STEP_FROM_PTR=step_from_ptr,
+        ACCUMULATE=accumulate,
         num_warps=num_warps or 4,
     )
     return slot_list, load_pages, load_slots, hits

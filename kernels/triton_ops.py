@@ -2,7 +2,7 @@
 for CUDA devices (or on the CPU under ``TRITON_INTERPRET=1``, in tests).
 
 Every op keeps its reference's signature. The decode hot path (append or RoPE + append,
-Quest scores, top-k selection, resolve, gather, sparse attention, all-resident slot lists)
+Quest scores, top-k selection, two-level superpage selection, resolve, gather, sparse attention, all-resident slot lists)
 runs without host synchronisation, so a decode step can be captured in a CUDA graph;
 ``oracle_scores`` (evaluation only) stays the PyTorch reference. ``dense_decode_attention`` is the sparse
 kernel with every page selected, read in place (the dense baseline; the SDPA reference
@@ -21,12 +21,14 @@ from kernels.rope_append import rope_append
 from kernels.select_topk import dense_selection, select_topk
 from kernels.slot_list import resident_slot_list_triton
 from kernels.sparse_attention import dense_decode_attention, sparse_decode_attention
+from kernels.superpage_select import superpage_select
 
 TRITON_OPS = Ops(
     name="triton",
     quest_scores=quest_scores,
     oracle_scores=oracle_scores_ref,
     select_topk=select_topk,
+    superpage_select=superpage_select,
     dense_selection=dense_selection,
     resolve=resolve,
     resident_slot_list=resident_slot_list_triton,

@@ -31,15 +31,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_once(label: str, tree: Path, args: list[str], out_dir: Path) -> dict:
-    """One `hisparse run`; returns its timings (seconds from the process start)."""
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment of a run of ``tree``: its root first on ``PYTHONPATH``, unbuffered."""
     extra = os.environ.get("PYTHONPATH", "")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tree), extra) if p)}
     env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_stamped(tree: Path, args: list[str]) -> tuple[int, float, list, float]:
+    """``hisparse run ARGS --json-progress --force`` of ``tree``: its exit code, wall
+    seconds, every JSON progress object with the seconds from the start at which it
+    arrived, and the start (``time.monotonic()``, the clock of the objects' ``t``)."""
     cmd = [sys.executable, "-m", "hisparse_cli", "run", *args, "--json-progress", "--force"]
-    cmd += ["--output-dir", str(out_dir)]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=tree, env=tree_env(tree), stdout=subprocess.PIPE, text=True)
     events = []
     for line in proc.stdout:
         try:
@@ -47,7 +53,12 @@ def run_once(label: str, tree: Path, args: list[str], out_dir: Path) -> dict:
         except json.JSONDecodeError:
             continue
     rc = proc.wait()
-    wall = time.monotonic() - t0
+    return rc, time.monotonic() - t0, events, t0
+
+
+def run_once(label: str, tree: Path, args: list[str], out_dir: Path) -> dict:
+    """One `hisparse run`; returns its timings (seconds from the process start)."""
+    rc, wall, events, _ = run_stamped(tree, [*args, "--output-dir", str(out_dir)])
     return summarise(label, rc, wall, events, out_dir / "results.jsonl")
 
 

@@ -54,10 +54,11 @@ def smollm2_gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf_reader(smollm2_gguf_path: Path):
-    """``gguf.GGUFReader`` on the embedded model (parsing takes ~3 s, so one per run)."""
-    import gguf
+    """``gguf.GGUFReader`` on the embedded model, as the engine opens it
+    (:class:`engine.weights.gguf_reader.FastGGUFReader`; one per run)."""
+    from engine.weights.gguf_reader import FastGGUFReader
 
-    return gguf.GGUFReader(smollm2_gguf_path)
+    return FastGGUFReader(smollm2_gguf_path)
 
 
 @pytest.fixture(scope="session")
@@ -70,7 +71,10 @@ def smollm2_tokenizer(smollm2_gguf_reader):
 
 # --- kernels: Triton's interpreter for tests/kernels/test_kernels.py ---------------------------
 
-KERNEL_TESTS = Path(__file__).parent / "kernels" / "test_kernels.py"
+KERNEL_TESTS = (
+    Path(__file__).parent / "kernels" / "test_kernels.py",
+    Path(__file__).parent / "kernels" / "test_superpage_select.py",
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -78,10 +82,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _interpret_triton_for_kernel_tests(config: pytest.Config) -> None:
-    """Switch Triton's CPU interpreter on when ``test_kernels.py`` is part of the run on a
+    """Switch Triton's CPU interpreter on when a :data:`KERNEL_TESTS` file is part of the run on a
     machine without CUDA. It must be set before anything imports triton (kernels are
     decorated at import), hence here rather than in the module."""
-    if "TRITON_INTERPRET" in os.environ or not _collects(config, KERNEL_TESTS):
+    collects = any(_collects(config, path) for path in KERNEL_TESTS)
+    if "TRITON_INTERPRET" in os.environ or not collects:
         return
     import torch
 
@@ -119,6 +124,7 @@ SLOW_TESTS = (
     "test_slow_marks.py",  # inner pytest runs, 10-20 s
     "test_cli_eval.py::test_eval_table_and_answers_equal_engine_runs",  # tiny model, 15-25 s
     "test_cli_extract.py::test_fields_run_end_to_end_gives_the_parsed_object",  # synthetic:tiny
+    "test_gguf_llamacpp.py",  # llama.cpp quantises, then runs twice per type: 5-8 s each
 )
 """Node ids (or their prefixes, e.g. a parametrized test's name) measured over ~5 s on a
 shared 2-core box (``--durations``, OMP_NUM_THREADS=1) that load no model fixture."""

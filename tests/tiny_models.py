@@ -175,6 +175,7 @@ def write_gguf(
     permute: bool | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
     raw_tensors: dict[str, tuple] | None = None,
+    merges: list[str] | None = None,
 ) -> Path:
     """Write ``model``'s weights as a GGUF of ``general.architecture = arch``.
 
@@ -188,6 +189,7 @@ def write_gguf(
         blocks written instead of the model's float tensor (rows in Hugging Face order;
         Q/K rows are permuted like the float ones). The model's weight should hold their
         dequantised values.
+    merges : BPE merges (default none; llama.cpp refuses a ``gpt2`` vocabulary without any)
     """
     import gguf
 
@@ -227,7 +229,7 @@ def write_gguf(
     w.add_tokenizer_pre("default")
     w.add_token_list(list(bytes_to_unicode().values()))
     w.add_token_types([1] * VOCAB)
-    w.add_token_merges([])
+    w.add_token_merges(merges or [])
     w.add_add_bos_token(False)
     if rope.get("rope_type") == "longrope":  # Phi3MiniModel.set_gguf_parameters / extra tensors
         import math
@@ -291,8 +293,32 @@ def write_gguf(
 
 # Byte offsets of the fp16 super-block scales (``d`` / ``dmin``) in ggml's block structs
 # (ggml-common.h) and a value range for them keeping weights near 0.05.
-_F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,)}
-_F16_SCALE = {"Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 1e-5, "Q8_0": 3e-4, "Q4_0": 5e-3}
+_F16_FIELDS = {
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "Q8_0": (0,),
+    "Q4_0": (0,),
+    "Q2_K": (80, 82),  # block_q2_K: scales[16], qs[64], d, dmin
+    "Q3_K": (108,),  # block_q3_K: hmask[32], qs[64], scales[12], d
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),  # block_iq4_xs: d, scales_h, scales_l[4], qs[128]
+}
+_F16_SCALE = {
+    "Q4_K": 1e-4,
+    "Q5_K": 5e-5,
+    "Q6_K": 1e-5,
+    "Q8_0": 3e-4,
+    "Q4_0": 5e-3,
+    "Q2_K": 1e-3,
+    "Q3_K": 4e-4,
+    "Q5_0": 3e-3,
+    "Q5_1": 2e-3,
+    "IQ4_NL": 4e-4,
+    "IQ4_XS": 1e-5,
+}
 
 
 def random_quant_blocks(type_name: str, n: int, k: int, seed: int) -> tuple:

@@ -857,10 +857,14 @@ def _suggestions(model, config, hardware, jobs, context, capacity) -> list[str]:
                 f"more host memory: --host-memory {ram_gb} --host-pool {pool_gb}"
                 + (f" ({metadata[2:]})" if metadata else "")
             )
+        if config.kv_host_dtype == "bf16" and hierarchical(config):
+            share = "a quarter of" if config.kv_dtype == "float32" else "half"
+            out.append(f"{share} the host KV bytes: --kv-host-dtype fp8 (fp8 host pages)")
         if config.kv_dtype == "float32":
-            out.append("half the KV bytes: --kv-dtype bfloat16")
-        elif config.kv_host_dtype == "bf16" and hierarchical(config):
-            out.append("half the host KV bytes: --kv-host-dtype fp8 (fp8 host pages)")
+            out.append(
+                "half the KV bytes: kv_dtype bfloat16 (here --kv-dtype bfloat16; for "
+                "`hisparse run`, `kv_dtype: bfloat16` under a preset's or manifest's engine:)"
+            )
     return out
 
 

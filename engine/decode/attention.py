@@ -38,6 +38,7 @@ from kernels.rope_append import RopeParams
 from kernels.select_topk import select_topk_pages_ref
 from kernels.slot_list import resident_slots_of_pages
 from kernels.sparse_attention import sparse_decode_attention_ref
+from kernels.superpage_select import num_candidates
 
 
 @dataclass
@@ -132,6 +133,9 @@ class DecodeAttention:
         self.hits: torch.Tensor | None = None
         self.misses: torch.Tensor | None = None
         self.indexer = indexers.get(config.indexer)
+        self.num_candidates = num_candidates(
+            config.top_k_pages, config.superpage_pages, config.superpage_oversample
+        )
         self.direct = (
             cache.hierarchical
             and config.cpu_direct_reads
@@ -153,9 +157,9 @@ class DecodeAttention:
         # run that forces Triton on the CPU keeps the kernels' bitmask path).
         self.fast_direct = self.direct and self.indexer.ranks and ops.name == "reference"
         self.prefetched: torch.Tensor | None = None
-        # Audit (engine.decode.audit): seq id -> {cache layer: (q [Hq, D], selection
-        # [Hkv, W])} of this step, filled by run() for the seq ids present; None: off.
-        self.capture: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] | None = None
+        # Audit (engine.decode.audit): run() appends (cache layer, plan.row0, q [b, Hq, D],
+        # selection [b, Hkv, W]) of every layer here — references, not copies; None: off.
+        self.capture: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = None
         if self.prefetch_pages:
             cache.enable_late_stream()
 
@@ -244,14 +248,20 @@ class DecodeAttention:
                 q, c.pool[layer], plan.block_table, plan.seq_lens, self.scale,
                 self.softcap, window,
             )  # fmt: skip
-        if self.fast_direct and not window and self.tracer is None and self.capture is None:
+        if (
+            self.fast_direct
+            and not window
+            and not self.two_level(layer)  # superpage selection keeps its bitmask route
+            and self.tracer is None
+            and self.capture is None
+        ):
             return self.run_direct(plan, layer, q)
         scores = self.scores(plan, layer, q)
         selection = self.select(plan, layer, q, scores)
         if self.tracer is not None:
             self.tracer(plan, layer + c.layer_offset, selection)  # the model's layer index
-        if self.capture is not None:
-            self._capture(plan, layer, q, selection)
+        if self.capture is not None:  # kept alive: inside a CUDA graph, a static buffer
+            self.capture.append((layer, plan.row0, q, selection))
         if not hier:
             pool = c.pool[layer]
             slot_list = self.ops.resident_slot_list(selection, plan.block_table, self.k_max)
@@ -261,10 +271,7 @@ class DecodeAttention:
             return self.ops.sparse_decode_attention(
                 q, records, selection, slot_list, plan.seq_lens, self.scale, self.softcap, window
             )
-        slot_list, hits, load_slots = self.load(plan, layer, selection, self.k_max)
-        if plan.hits is not None and plan.misses is not None:
-            plan.hits += hits.sum(-1)
-            plan.misses += (load_slots >= 0).sum((-1, -2))
+        slot_list, _, _ = self.load(plan, layer, selection, self.k_max, count=True)
         if deferred:  # the token into its resident tail slot, after the gather
             self.ops.append_kv(
                 k,
@@ -288,7 +295,8 @@ class DecodeAttention:
 
     def run_direct(self, plan: StepPlan, layer: int, q: torch.Tensor) -> torch.Tensor:
         """:meth:`run`'s selection and attention on the CPU direct path (:attr:`direct`,
-        full-attention layers, no tracer or audit capture): the top-k pages as indices
+        full-attention layers of flat page metadata, no tracer or audit capture; the other
+        cases take the bitmask route over the same pool): the top-k pages as indices
         (:func:`kernels.select_topk.select_topk_pages_ref`, no bitmask), their records
         read in place from the host pool (slot ``pool_page * Hkv + h``). The same pages in
         the same order as the bitmask path, so the same bits; every selected record is
@@ -307,15 +315,6 @@ class DecodeAttention:
         return sparse_decode_attention_ref(
             q, records, None, slots, plan.seq_lens, self.scale, self.softcap, pages=pages
         )
-
-    def _capture(self, plan: StepPlan, layer: int, q: torch.Tensor, selection: torch.Tensor) -> None:
-        """Copy the query ``[Hq, D]`` and selection ``[Hkv, W]`` of the audited rows of
-        ``plan`` into :attr:`capture` (read-only for the step)."""
-        assert self.capture is not None
-        for i, sid in enumerate(plan.seq_ids):
-            got = self.capture.get(sid)
-            if got is not None:
-                got[layer] = (q[i].detach().clone(), selection[i].clone())
 
     def prefetch(self, plan: StepPlan, layer: int, scores: torch.Tensor) -> None:
         """Load the near misses of ``scores`` (float32 ``[B, Hkv, P_max]``, this step's
@@ -338,14 +337,19 @@ class DecodeAttention:
         self.cache.run_late(work, keep=(scores,))
 
     def load(
-        self, plan: StepPlan, layer: int, selection: torch.Tensor, k_max: int
+        self, plan: StepPlan, layer: int, selection: torch.Tensor, k_max: int,
+        count: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Resolve ``selection`` (int32 ``[B, Hkv, W]``, at most ``k_max`` pages a row)
         against ``layer``'s hot buffer with this step's stamp, then gather its misses from
         the pool (skipped with ``skip_host_io``). Returns the resolve's ``slot_list`` and
         ``load_slots`` (int32 ``[B, Hkv, k_max]``) and ``hits`` (int32 ``[B, Hkv]``); see
-        :func:`kernels.resolve.resolve_ref`."""
+        :func:`kernels.resolve.resolve_ref`. With ``count`` the resolve adds its hits and
+        misses to ``plan.hits`` / ``plan.misses`` (in the same launch on the GPU)."""
         c = self.cache
+        acc = {}
+        if count and plan.hits is not None and plan.misses is not None:
+            acc = {"hits_acc": plan.hits, "misses_acc": plan.misses}
         slot_list, load_pages, load_slots, hits = self.ops.resolve(
             selection,
             plan.slab_ids,
@@ -355,6 +359,7 @@ class DecodeAttention:
             plan.step,
             c.slots_per_slab,
             k_max,
+            **acc,
         )
         if not self.config.skip_host_io:
             scale = {"pool_scale": c.pool_scale[layer]} if c.host_fp8 else {}
@@ -400,7 +405,7 @@ class DecodeAttention:
         """Page scores float32 ``[B, Hkv, P_max]`` of the configured indexer (``None`` for
         the dense indexer, which ranks nothing)."""
         ix = self.indexer
-        if not ix.ranks:
+        if not ix.ranks or self.two_level(layer):
             return None
         scores = ix.score(self.ops, self.cache, plan, layer, q, self.config, self.scale)
         window = self.window(layer)
@@ -409,6 +414,12 @@ class DecodeAttention:
             pages = torch.arange(scores.shape[-1], device=scores.device)
             scores = scores.masked_fill(pages[None, None, :] < lo_page[:, None, None], float("-inf"))
         return scores
+
+    def two_level(self, layer: int) -> bool:
+        """Whether ``layer`` selects through superpages (``page_metadata=superpage``,
+        :mod:`kernels.superpage_select`): full-attention layers of a cache that keeps
+        superpage metadata; scores are then never computed for every page."""
+        return self.cache.superpages and not self.window(layer)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of cache layer ``layer`` in tokens, ``None`` for full attention."""
@@ -429,6 +440,13 @@ class DecodeAttention:
             return self.ops.dense_selection(
                 plan.num_pages, self.cache.model.num_kv_heads, plan.block_table.shape[1]
             )
+        if self.two_level(layer):
+            c = self.cache
+            return self.ops.superpage_select(
+                q, c.meta[layer], c.super_meta[layer], c.page_super, plan.block_table,
+                plan.num_pages, cfg.top_k_pages, self.sink_pages(layer), cfg.window_pages,
+                cfg.superpage_pages, self.num_candidates, cfg.group_combine, self.scale,
+            )  # fmt: skip
         if scores is None:
             scores = self.scores(plan, layer, q)
         selection = self.ops.select_topk(

@@ -29,6 +29,12 @@ hot buffer and LRU tensors are captured by address (they are never reallocated).
 share one memory pool (they never run concurrently); at most ``max_graphs`` are kept,
 least recently used first out.
 
+With the fidelity audit on (``audit_steps``), each captured step also keeps a reference
+to every layer's query and selection (:attr:`engine.decode.attention.DecodeAttention.capture`):
+their memory then stays allocated in the graphs' pool, so each replay leaves its values
+there for the audit to copy (:attr:`DecodeGraphs.last_capture`) — no extra kernel, and
+the same kernels as a graph without the audit.
+
 Not captured (the engine falls back to eager launches): CPU devices, the PyTorch
 reference kernels, the ``oracle`` indexer (it synchronises), a selection tracer, and
 ``config.cuda_graph=False``. A capture that fails disables graphs for the engine with
@@ -39,7 +45,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -104,6 +110,7 @@ class _Entry:
     logits: torch.Tensor | None = None  # float32 [B, V]
     greedy: torch.Tensor | None = None  # int64 [B]
     next: tuple = ()  # (seq_ids, step) the static inputs hold after the last launch
+    capture: list = field(default_factory=list)  # the replay's per-layer q and selection (audit)
     uploaded: torch.cuda.Event | None = None  # after the last copy out of the staging buffers
 
 
@@ -133,6 +140,10 @@ class DecodeGraphs:
         self.replays = 0
         self._side: torch.cuda.Stream | None = None
         self._capture_stream: torch.cuda.Stream | None = None
+        self.keep_capture = bool(engine.config.audit_steps)
+        # The last launch's (cache layer, row0, q, selection) per layer (keep_capture):
+        # valid until the next launch overwrites them.
+        self.last_capture: list = []
 
     @staticmethod
     def supported(engine) -> str:
@@ -193,11 +204,11 @@ class DecodeGraphs:
         attn.hits, attn.misses, attn.prefetched = entry.hits, entry.misses, entry.prefetched
         counters = [entry.hits, entry.misses, entry.prefetched]
         if not self.capture:
-            logits, greedy = self._forward(entry)
+            logits, greedy, self.last_capture = self._forward(entry)
             return logits, greedy, counters
         if entry.graph is None:
             try:
-                logits, greedy = self._warm_and_capture(entry)
+                logits, greedy, self.last_capture = self._warm_and_capture(entry)
                 return logits, greedy, counters
             except Exception as e:  # noqa: BLE001 - keep the batch running eagerly
                 self.disabled_reason = f"capture failed: {e!r}"
@@ -207,9 +218,10 @@ class DecodeGraphs:
                 return None
         entry.graph.replay()
         self.replays += 1
+        self.last_capture = entry.capture
         return entry.logits, entry.greedy, counters
 
-    def _capture(self, graph: torch.cuda.CUDAGraph, e: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
+    def _capture(self, graph: torch.cuda.CUDAGraph, e: _Entry) -> tuple[torch.Tensor, torch.Tensor, list]:
         """Capture :meth:`_forward` into ``graph`` on a side stream.
 
         Not ``torch.cuda.graph``: its ``__enter__`` synchronises the device, may run
@@ -295,8 +307,10 @@ class DecodeGraphs:
             e.uploaded = torch.cuda.Event()
             e.uploaded.record()
 
-    def _forward(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decode step as a function of the static inputs only (captured as is).
+    def _forward(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """The decode step as a function of the static inputs only (captured as is):
+        logits, greedy tokens and, with :attr:`keep_capture`, the per-layer queries and
+        selections (:attr:`engine.decode.attention.DecodeAttention.capture`; else ``[]``).
 
         With :attr:`overlap` the batch runs as two micro-batches, the second on a side
         stream (:meth:`engine.serve.engine.Engine.decode_batch`).
@@ -327,14 +341,19 @@ class DecodeGraphs:
         e.misses.zero_()
         e.prefetched.zero_()
         side = self._side_stream() if m.device.type == "cuda" and self.overlap else None
-        h = eng.decode_batch(plan, m.embed_tokens(tokens), self.overlap, side)
+        eng.attn.capture = [] if self.keep_capture else None
+        try:
+            h = eng.decode_batch(plan, m.embed_tokens(tokens), self.overlap, side)
+            refs = eng.attn.capture or []
+        finally:
+            eng.attn.capture = None
         logits = m.logits(h)
         greedy = logits.argmax(dim=-1)
         # The inputs of a chained next step (Engine.launch_step with the same batch):
         # this step's argmax, every length + 1 and the step number + 1.
         ints[:b].copy_(greedy)
         ints[b:].add_(1)
-        return logits, greedy
+        return logits, greedy, refs
 
     @property
     def overlap(self) -> bool:
@@ -347,13 +366,13 @@ class DecodeGraphs:
             self._side = torch.cuda.Stream(device=self.engine.model.device)
         return self._side
 
-    def _warm_and_capture(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
+    def _warm_and_capture(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor, list]:
         """Run the step eagerly on a side stream (its results are this step's), then
         capture the same function for the following steps."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            logits, greedy = self._forward(e)
+            logits, greedy, refs = self._forward(e)
         torch.cuda.current_stream().wait_stream(side)
         logits, greedy = logits.clone(), greedy.clone()
         ints = e.step_ints.clone()  # the chained inputs the eager step left
@@ -362,10 +381,10 @@ class DecodeGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        e.logits, e.greedy = self._capture(graph, e)
+        e.logits, e.greedy, e.capture = self._capture(graph, e)
         for t, saved in zip((e.hits, e.misses, e.prefetched), counters, strict=True):
             t.copy_(saved)
         e.step_ints.copy_(ints)
         e.graph = graph
         self.captures += 1
-        return logits, greedy
+        return logits, greedy, refs

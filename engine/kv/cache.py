@@ -13,6 +13,12 @@ tables and LRU state. Names follow DESIGN.md.
   rounded through fp8 the same way. Either way the metadata bounds the rounded keys, so
   both paths read the same KV.
 * **Page metadata** — per layer ``[P_pool, Hkv, 2, D]`` key min / max, on the compute device.
+* **Superpage metadata** (``page_metadata=superpage``) — per layer
+  ``super_meta [P_sp_pool, Hkv, 2, D]``: the key min / max of each run of
+  ``superpage_pages`` request pages (:mod:`kernels.superpage_select`); superpage rows are
+  handed out with the pages (``SeqCache.superpages``) and ``page_super [P_pool]`` int32
+  names the row of each pool page that starts a superpage. Prefill writes them with the
+  page metadata; the decode selection refreshes the newest one from its pages.
 * **Hot buffer** — per layer ``[N, 2, S, D]`` record slots, ``N = num_slabs * C``. Each
   (request, KV head) owns one slab (the same slab id in every layer) of ``C`` slots.
 * **Page table** — per layer ``[num_slabs, P_max]`` int32: request page -> slot or -1.
@@ -47,89 +53,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import CacheFullError, EngineConfig, ModelConfig, env_overrides
+from engine.config import CacheFullError, EngineConfig, ModelConfig
 from engine.kv import sizing
-from engine.kv.host_pool import HostPool
+from engine.kv.host_pool import HostPool, zeros
+from engine.kv.sizing import check_host_memory
 from kernels.fp8_kv import FP8, fp8_quantize_ref, fp8_round_ref
+from kernels.superpage_select import superpage_meta_ref
 
 
 @dataclass
 class SeqCache:
     """Cache bookkeeping of one request: ``pages`` (pool page per request page),
-    ``slab_ids`` (one per KV head, hierarchical only) and ``num_tokens`` stored."""
+    ``slab_ids`` (one per KV head, hierarchical only), ``superpages`` (superpage metadata row
+    per ``superpage_pages`` request pages, ``page_metadata=superpage`` only) and
+    ``num_tokens`` stored."""
 
     seq_id: int
     pages: list[int] = field(default_factory=list)
     slab_ids: list[int] = field(default_factory=list)
+    superpages: list[int] = field(default_factory=list)
     num_tokens: int = 0
-
-
-def available_host_bytes(declared_gb: float | None = None) -> int | None:
-    """Host memory available for the KV pool, in bytes: ``declared_gb`` (GiB;
-    ``EngineConfig.host_memory_gb``, from ``$HISPARSE_HOST_MEMORY_GB`` through
-    :func:`engine.config.env_overrides` when not given) — for virtual machines whose memory
-    grows on demand, where ``MemAvailable`` reads far below what can be used — else
-    ``MemAvailable`` of ``/proc/meminfo`` (``None`` where it cannot be read).
-
-    Raises
-    ------
-    ConfigError
-        ``HISPARSE_HOST_MEMORY_GB`` is not a number (a ``ValueError``).
-    ValueError
-        The declared size is not positive.
-    """
-    if declared_gb is None:
-        declared_gb = env_overrides().get("host_memory_gb")
-    if declared_gb is not None:
-        if declared_gb <= 0:
-            raise ValueError(f"HISPARSE_HOST_MEMORY_GB={declared_gb!r} is not a positive number")
-        return int(declared_gb * 2**30)
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-HOST_POOL_SHARE = 0.9
-"""Largest share of the available host memory (:func:`available_host_bytes`) the pool may take."""
-
-
-def check_host_memory(pool_bytes: int, declared_gb: float | None = None) -> None:
-    """Refuse a host pool larger than 90% (:data:`HOST_POOL_SHARE`) of the memory
-    available now.
-
-    Parameters
-    ----------
-    pool_bytes
-        Size of the whole host pool, in bytes.
-    declared_gb
-        ``EngineConfig.host_memory_gb`` (``HISPARSE_HOST_MEMORY_GB``), if declared.
-
-    Raises
-    ------
-    CacheFullError
-        Naming the pool size, what is available (and where that figure came from), the
-        90% rule and the settings to change (``--host-pool``, ``host_pool_gb``,
-        ``HISPARSE_HOST_MEMORY_GB``).
-    """
-    if declared_gb is None:
-        declared_gb = env_overrides().get("host_memory_gb")
-    avail = available_host_bytes(declared_gb)
-    if avail is not None and pool_bytes > HOST_POOL_SHARE * avail:
-        source = f"HISPARSE_HOST_MEMORY_GB={declared_gb:g}" if declared_gb else "MemAvailable"
-        raise CacheFullError(
-            f"the host KV pool needs {pool_bytes / 2**30:.1f} GiB but only "
-            f"{avail / 2**30:.1f} GiB of host memory is available ({source}), and the pool "
-            f"may take at most {HOST_POOL_SHARE:.0%} of it "
-            f"({HOST_POOL_SHARE * avail / 2**30:.1f} GiB); lower the pool with --host-pool GB "
-            "(host_pool_gb in a preset or a manifest's defaults.engine; shared by all "
-            "workers), or, where MemAvailable reads low (memory that grows on demand), "
-            "declare the real size with HISPARSE_HOST_MEMORY_GB"
-        )
 
 
 def release_pinned_cache() -> None:
@@ -199,6 +142,7 @@ class KVCache:
         self.page_size = s = config.page_size
         self.dtype = getattr(torch, config.kv_dtype)
         self.hierarchical = config.attention == "sparse" and config.hierarchical
+        self.superpages = config.page_metadata == "superpage" and config.attention == "sparse"
         layers = layers if layers is not None else range(model.num_layers)
         self.layer_offset, self.num_layers = layers.start, len(layers)
         hkv, d, nl = model.num_kv_heads, model.head_dim, self.num_layers
@@ -232,14 +176,21 @@ class KVCache:
             self.pool = [torch.empty(shape, dtype=self.dtype, device=pool_dev) for _ in range(nl)]
         lazy = self.host is not None and self.host.lazy
         self.copy_chunk_pages = self.host.chunk_pages if lazy else 0  # page_runs split there
-        self.meta = [
-            torch.zeros(num_pool_pages, hkv, 2, d, dtype=self.dtype, device=device) for _ in range(nl)
-        ]
+        self.meta = [zeros((num_pool_pages, hkv, 2, d), self.dtype, device) for _ in range(nl)]
         self.free_pages: list[int] = list(range(num_pool_pages - 1, -1, -1))
+        self.superpage_pages = config.superpage_pages
+        num_super = sizing.superpage_rows(config, num_pool_pages)
+        self.super_meta = [
+            torch.zeros(num_super, hkv, 2, d, dtype=self.dtype, device=device) for _ in range(nl)
+        ] if self.superpages else []  # fmt: skip
+        self.page_super = torch.full(
+            (num_pool_pages if self.superpages else 0,), -1, dtype=torch.int32, device=device
+        )
+        self.free_superpages: list[int] = list(range(num_super - 1, -1, -1))
         self.slots_per_slab = config.buffer_pages
         self.num_slabs = config.max_batch * hkv if self.hierarchical else 0
         n = self.num_slabs * self.slots_per_slab
-        self.slots = [torch.zeros(n, 2, s, d, dtype=self.dtype, device=device) for _ in range(nl)]
+        self.slots = [zeros((n, 2, s, d), self.dtype, device) for _ in range(nl)]
         self.page_table = [
             torch.full((self.num_slabs, max_pages_per_seq), -1, dtype=torch.int32, device=device)
             for _ in range(nl)
@@ -298,9 +249,11 @@ class KVCache:
 
     @property
     def metadata_bytes(self) -> int:
-        """Page metadata plus the decode token staging buffer (both on the device)."""
+        """Page metadata (with superpage metadata and its map) plus the decode token
+        staging buffer (all on the device)."""
         staging = self.token_staging.nbytes if self.token_staging is not None else 0
-        return sum(t.nbytes for t in self.meta) + staging
+        supers = sum(t.nbytes for t in self.super_meta) + self.page_super.nbytes
+        return sum(t.nbytes for t in self.meta) + supers + staging
 
     def enable_late_stream(self) -> None:
         """Create :attr:`late_stream`, the copy stream of :meth:`run_late`, where the pool
@@ -359,7 +312,12 @@ class KVCache:
             need <= len(self.free_pages)
             and slabs <= len(self.free_slabs)
             and need <= self.max_pages_per_seq
+            and self._superpages_for(need) <= len(self.free_superpages)
         )
+
+    def _superpages_for(self, num_pages: int) -> int:
+        """Superpage rows a request of ``num_pages`` pages takes (0 without superpages)."""
+        return -(-num_pages // self.superpage_pages) if self.superpages else 0
 
     def fits_ever(self, num_tokens: int) -> bool:
         """Whether a request of ``num_tokens`` could fit in an empty cache."""
@@ -385,6 +343,11 @@ class KVCache:
                 raise
         if self.hierarchical:
             seq.slab_ids = [self.free_slabs.pop() for _ in range(self.model.num_kv_heads)]
+        if self.superpages and seq.pages:
+            n = self._superpages_for(len(seq.pages))
+            seq.superpages = [self.free_superpages.pop() for _ in range(n)]
+            firsts = torch.tensor(seq.pages[:: self.superpage_pages], device=self.device)
+            self.page_super[firsts] = torch.tensor(seq.superpages, dtype=torch.int32).to(self.device)
         self.seqs[seq_id] = seq
         return seq
 
@@ -405,6 +368,7 @@ class KVCache:
                 self.slot_page[layer][slab * c : (slab + 1) * c] = -1
                 self.slot_last_use[layer][slab * c : (slab + 1) * c] = -1
         self.free_slabs.extend(reversed(seq.slab_ids))
+        self.free_superpages.extend(reversed(seq.superpages))
 
     def block_table(self, seq_ids: list[int], width: int | None = None) -> torch.Tensor:
         """int32 ``[B, width]`` pool pages of each request (-1 padded), on the compute device."""
@@ -458,6 +422,7 @@ class KVCache:
             rec = _records(self._rounded(k), self._rounded(v), self.page_size)
             pool[index] = rec.to(pool.device, self.dtype)
         self._write_meta(layer, pages, self._rounded(k))
+        self._write_super_meta(layer, seq_id, start, k.shape[0])
 
     def write_prefill_chunk(
         self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
@@ -527,8 +492,8 @@ class KVCache:
             torch.cuda.synchronize(self.device)
         self.closed = True
         self.seqs.clear()
-        self.free_pages, self.free_slabs = [], []
-        for name in ("pool", "pool_scale", "meta", "slots", "page_table", "slot_page", "slot_last_use"):
+        self.free_pages, self.free_slabs, self.free_superpages = [], [], []
+        for name in ("pool", "pool_scale", "meta", "super_meta", "slots", "page_table", "slot_page", "slot_last_use"):
             setattr(self, name, [])
         self._staging, self._staging_done = [], [None, None]
         self.token_staging = None
@@ -568,12 +533,26 @@ class KVCache:
         for i, first, n in page_runs(pages):
             meta[first : first + n] = bounds[i : i + n]
 
+    def _write_super_meta(self, layer: int, seq_id: int, start: int, num_tokens: int) -> None:
+        """Recompute, from the page metadata, the superpages a prefill write of
+        ``num_tokens`` tokens at ``start`` touched (their pages written so far)."""
+        if not self.superpages:
+            return
+        seq, sp = self.seqs[seq_id], self.superpage_pages
+        written = self.pages_for(start + num_tokens)
+        first = (start // self.page_size) // sp
+        pages = torch.tensor(seq.pages[first * sp : written], device=self.device)
+        bounds = superpage_meta_ref(self.meta[layer], pages, sp)
+        rows = torch.tensor(seq.superpages[first : first + bounds.shape[0]], device=self.device)
+        self.super_meta[layer][rows] = bounds
+
     def _write_piece(
         self, seq_id: int, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
     ) -> None:
         """One staged write of at most ``staging_pages`` pages."""
         pages = self._prefill_pages(seq_id, k, start)
         self._write_meta(layer, pages, self._rounded(k))
+        self._write_super_meta(layer, seq_id, start, k.shape[0])
         if not self.host_fp8:  # fp8 records: _stage quantises from kv_dtype
             k, v = self._rounded(k), self._rounded(v)
         slot = self._next_staging
@@ -642,7 +621,9 @@ class KVCache:
         * pool pages: every page is either free or owned by exactly one request;
         * slabs: every slab is either free or owned by exactly one (request, KV head);
         * per layer: no page in two slots; page table and slot owners agree; free slabs
-          hold no pages; last-use is -1 exactly for empty slots.
+          hold no pages; last-use is -1 exactly for empty slots;
+        * superpage rows (``page_metadata=superpage``): free or owned once, and
+          ``page_super`` names each request's row at the first page of its superpage.
         """
         owned = [p for s in self.seqs.values() for p in s.pages]
         assert len(owned) == len(set(owned)), "a pool page is owned twice"
@@ -651,6 +632,15 @@ class KVCache:
         slabs = [x for s in self.seqs.values() for x in s.slab_ids]
         assert len(slabs) == len(set(slabs)), "a slab is owned twice"
         assert len(slabs) + len(self.free_slabs) == self.num_slabs, "slabs leaked"
+        supers = [x for s in self.seqs.values() for x in s.superpages]
+        assert len(supers) == len(set(supers)), "a superpage row is owned twice"
+        assert len(supers) + len(self.free_superpages) == len(
+            self.super_meta[0] if self.super_meta else []
+        ), "superpage rows leaked"
+        for s in self.seqs.values():
+            if s.superpages:
+                firsts = self.page_super[torch.tensor(s.pages[:: self.superpage_pages])]
+                assert firsts.tolist() == s.superpages, f"request {s.seq_id}: page_super stale"
         if self.hierarchical:
             for layer in range(self.num_layers):
                 self._check_layer(layer)

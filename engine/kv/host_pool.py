@@ -31,6 +31,7 @@ whole at start with ``pin_memory()`` (torch's allocator, power-of-two blocks).
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 import threading
 import weakref
@@ -175,6 +176,32 @@ class HostPool:
         if self._prefault_thread is not None:
             self._prefault_thread.join()
             self._prefault_thread = None
+
+
+LAZY_ZEROS_MIN_BYTES = 1 << 20
+"""CPU tensors from this size on are zeroed lazily by :func:`zeros`."""
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.zeros(shape, dtype=dtype, device=device)``, without writing the zeros of a
+    large CPU tensor up front.
+
+    On the CPU a tensor of at least :data:`LAZY_ZEROS_MIN_BYTES` is a fresh anonymous
+    mapping (``mmap(MAP_ANONYMOUS)``, whose pages POSIX and Linux hand out zero-filled on
+    first touch), viewed with ``torch.frombuffer``: ``torch.zeros`` writes every byte at
+    once, 1-2 GB for the CPU preset's page metadata and hot buffer (0.7-5 s of its
+    start-up on the development box, docs/performance.md, "Start-up"), and commits
+    memory the run may never use. The mapping is unmapped when the tensor is freed.
+    Other devices and small tensors: ``torch.zeros``.
+    """
+    device = torch.device(device)
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes < LAZY_ZEROS_MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 def _page_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

@@ -14,7 +14,14 @@ page metadata stay in ``kv_dtype``. Bytes everywhere; GiB (2**30 bytes) only in 
 
 from __future__ import annotations
 
-from engine.config import DTYPES, ConfigError, EngineConfig, ModelConfig
+from engine.config import (
+    DTYPES,
+    CacheFullError,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    env_overrides,
+)
 
 GIB = 1 << 30
 
@@ -96,6 +103,28 @@ def meta_page_bytes(model: ModelConfig, config: EngineConfig, num_layers: int | 
     return nl * model.num_kv_heads * 2 * model.head_dim * dtype_bytes(config.kv_dtype)
 
 
+def superpage_rows(config: EngineConfig, num_pool_pages: int) -> int:
+    """Superpage metadata rows a cache of ``num_pool_pages`` keeps per layer with
+    ``page_metadata=superpage`` (sparse attention): one per ``superpage_pages`` pool pages,
+    plus one partial superpage per running job and one spare; 0 otherwise."""
+    if config.page_metadata != "superpage" or config.attention != "sparse":
+        return 0
+    return -(-num_pool_pages // config.superpage_pages) + config.max_batch + 1
+
+
+def superpage_bytes(
+    model: ModelConfig, config: EngineConfig, num_pool_pages: int, num_layers: int | None = None
+) -> int:
+    """Device bytes of the superpage metadata (rows ``[L, rows, Hkv, 2, D]`` in ``kv_dtype``)
+    and its int32 pool-page map, 0 without superpages (:func:`superpage_rows`)."""
+    rows = superpage_rows(config, num_pool_pages)
+    if not rows:
+        return 0
+    nl = model.num_layers if num_layers is None else num_layers
+    row = model.num_kv_heads * 2 * model.head_dim * dtype_bytes(config.kv_dtype)
+    return nl * rows * row + 4 * num_pool_pages
+
+
 def pool_page_bytes(model: ModelConfig, config: EngineConfig, num_layers: int | None = None) -> int:
     """One pool page over ``num_layers`` layers (default all) and the KV heads:
     ``L x Hkv x record`` (:func:`host_record_bytes`)."""
@@ -134,7 +163,8 @@ def cache_device_bytes(
     layers (default all) allocates."""
     meta = num_pool_pages * meta_page_bytes(model, config, num_layers)
     if not hierarchical(config):
-        return meta + num_pool_pages * pool_page_bytes(model, config, num_layers)
+        supers = superpage_bytes(model, config, num_pool_pages, num_layers)
+        return meta + supers + num_pool_pages * pool_page_bytes(model, config, num_layers)
     per_req = per_request_device_bytes(model, config, max_pages_per_seq, num_layers)
     shared = shared_device_bytes(model, config, num_pool_pages, num_layers)
     return shared + config.max_batch * per_req
@@ -158,12 +188,14 @@ def shared_device_bytes(
     model: ModelConfig, config: EngineConfig, num_pool_pages: int, num_layers: int | None = None
 ) -> int:
     """Hierarchical: what the cache allocates on the device whatever the jobs: page
-    metadata of every host pool page plus :func:`token_staging_bytes`; 0 all-resident
-    (there the metadata grows with the device pool, one page at a time)."""
+    metadata of every host pool page (and :func:`superpage_bytes`) plus
+    :func:`token_staging_bytes`; 0 all-resident (there the metadata grows with the device
+    pool, one page at a time)."""
     if not hierarchical(config):
         return 0
     meta = num_pool_pages * meta_page_bytes(model, config, num_layers)
-    return meta + token_staging_bytes(model, config, num_layers)
+    supers = superpage_bytes(model, config, num_pool_pages, num_layers)
+    return meta + supers + token_staging_bytes(model, config, num_layers)
 
 
 def job_device_bytes(
@@ -177,3 +209,74 @@ def job_device_bytes(
     if hierarchical(config):
         return per_request_device_bytes(model, config, pages, num_layers)
     return pages * (pool_page_bytes(model, config, num_layers) + meta_page_bytes(model, config, num_layers))
+
+
+# ----------------------------------------------------------------------------- host memory
+
+
+def available_host_bytes(declared_gb: float | None = None) -> int | None:
+    """Host memory available for the KV pool, in bytes: ``declared_gb`` (GiB;
+    ``EngineConfig.host_memory_gb``, from ``$HISPARSE_HOST_MEMORY_GB`` through
+    :func:`engine.config.env_overrides` when not given) — for virtual machines whose memory
+    grows on demand, where ``MemAvailable`` reads far below what can be used — else
+    ``MemAvailable`` of ``/proc/meminfo`` (``None`` where it cannot be read).
+
+    Raises
+    ------
+    ConfigError
+        ``HISPARSE_HOST_MEMORY_GB`` is not a number (a ``ValueError``).
+    ValueError
+        The declared size is not positive.
+    """
+    if declared_gb is None:
+        declared_gb = env_overrides().get("host_memory_gb")
+    if declared_gb is not None:
+        if declared_gb <= 0:
+            raise ValueError(f"HISPARSE_HOST_MEMORY_GB={declared_gb!r} is not a positive number")
+        return int(declared_gb * 2**30)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+HOST_POOL_SHARE = 0.9
+"""Largest share of the available host memory (:func:`available_host_bytes`) the pool may take."""
+
+
+def check_host_memory(pool_bytes: int, declared_gb: float | None = None) -> None:
+    """Refuse a host pool larger than 90% (:data:`HOST_POOL_SHARE`) of the memory
+    available now.
+
+    Parameters
+    ----------
+    pool_bytes
+        Size of the whole host pool, in bytes.
+    declared_gb
+        ``EngineConfig.host_memory_gb`` (``HISPARSE_HOST_MEMORY_GB``), if declared.
+
+    Raises
+    ------
+    CacheFullError
+        Naming the pool size, what is available (and where that figure came from), the
+        90% rule and the settings to change (``--host-pool``, ``host_pool_gb``,
+        ``HISPARSE_HOST_MEMORY_GB``).
+    """
+    if declared_gb is None:
+        declared_gb = env_overrides().get("host_memory_gb")
+    avail = available_host_bytes(declared_gb)
+    if avail is not None and pool_bytes > HOST_POOL_SHARE * avail:
+        source = f"HISPARSE_HOST_MEMORY_GB={declared_gb:g}" if declared_gb else "MemAvailable"
+        raise CacheFullError(
+            f"the host KV pool needs {pool_bytes / 2**30:.1f} GiB but only "
+            f"{avail / 2**30:.1f} GiB of host memory is available ({source}), and the pool "
+            f"may take at most {HOST_POOL_SHARE:.0%} of it "
+            f"({HOST_POOL_SHARE * avail / 2**30:.1f} GiB); lower the pool with --host-pool GB "
+            "(host_pool_gb in a preset or a manifest's defaults.engine; shared by all "
+            "workers), or, where MemAvailable reads low (memory that grows on demand), "
+            "declare the real size with HISPARSE_HOST_MEMORY_GB"
+        )

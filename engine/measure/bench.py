@@ -85,7 +85,8 @@ from engine.capacity.budget import KVSizing, budget_cache, pool_page_bytes
 from engine.capacity.planner import GIB, format_context
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.events import Job
-from engine.kv.cache import CacheFullError, KVCache, available_host_bytes
+from engine.kv.cache import CacheFullError, KVCache
+from engine.kv.sizing import available_host_bytes
 from engine.measure.bench_kv import (
     MasterKV,
     corpus_dir,
@@ -181,6 +182,7 @@ RUN_FIELDS = (
     "breakdown_source",
     "breakdown_eager_ms",
     "top_kernels",
+    "all_kernels",
     "cuda_graph",
     "roofline",
     "token_sha256",
@@ -468,6 +470,7 @@ def _profile(engine: Engine, reqs: list[Request], steps: int) -> dict[str, Any]:
         "breakdown_ms": kb["breakdown_ms"],
         "breakdown_source": "cuda-graph kernels (profiler)",
         "top_kernels": kb["kernels"],
+        "all_kernels": kb["all_kernels"],
         "breakdown_eager_ms": eager["breakdown_ms"],
         "gather_gbps": moved[0] / (gather_ms / 1e3) / 1e9 if gather_ms > 0 and moved[0] else None,
     }

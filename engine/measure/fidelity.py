@@ -18,7 +18,8 @@ How it runs (all through :class:`engine.serve.engine.Engine` over ONE placed mod
 
 Configurations (:func:`parse_configs`): ``dense``; ``sparse`` (the base settings); or
 ``key=value`` pairs joined by ``:`` on top of the base sparse settings, keys
-:data:`CONFIG_KEYS` (``top_k=2048:page=16``, ``top_k=512:combine=sum``, ``indexer=oracle``).
+:data:`CONFIG_KEYS` (``top_k=2048:page=16``, ``top_k=512:combine=sum``, ``indexer=oracle``,
+``host=fp8``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ CONFIG_KEYS: dict[str, tuple[str, type]] = {
     "window": ("local_window", int),
     "buffer": ("device_buffer", int),
     "hierarchical": ("hierarchical", bool),
+    "host": ("kv_host_dtype", str),  # host-pool records: bf16 or fp8
+    "meta": ("page_metadata", str),
+    "superpage": ("superpage_pages", int),
+    "oversample": ("superpage_oversample", float),
 }
 """Keys of a sparse configuration spec -> (``EngineConfig`` field, type)."""
 

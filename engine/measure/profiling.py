@@ -90,6 +90,7 @@ OP_PHASES = {
     "quest_scores": "select",
     "oracle_scores": "select",
     "select_topk": "select",
+    "superpage_select": "select",
     "dense_selection": "select",
     "resident_slot_list": "select",
     "append_kv": "append",
@@ -124,10 +125,18 @@ def timed_model(model: LlamaModel, timer: PhaseTimer) -> LlamaModel:
 KERNEL_PHASES: tuple[tuple[str, str], ...] = (
     ("_sparse_decode_", "attention"),
     ("_quest_scores_kernel", "select"),
+    ("_normmax_kernel", "select"),  # the group combine of the Quest bounds
     ("_topk_key_kernel", "select"),
     ("_select_pack_kernel", "select"),
+    ("_normmax_kernel", "select"),
+    ("_refresh_tail_kernel", "select"),  # superpage selection (kernels/superpage_select.py)
+    ("_candidate_bounds_kernel", "select"),
+    ("_candidate_key_kernel", "select"),
+    ("_forced_words_kernel", "select"),
+    ("_pick_kernel", "select"),
     ("_resident_slot_list_kernel", "select"),
     ("topk", "select"),
+    ("radixsortkvinplace", "select"),  # torch.topk's sort of the selection keys
     ("_append_kv_kernel", "append"),
     ("_rope_append_kernel", "append"),
     ("_resolve_kernel", "resolve"),
@@ -157,8 +166,9 @@ def kernel_breakdown(run_step: Callable[[], None], steps: int) -> dict[str, Any]
 
     Returns ``{"breakdown_ms": {phase: ms per step, ..., "other": ..., "gpu_busy": sum of
     kernel time, "idle": wall - busy (launch gaps, host work), "total": wall ms per
-    step}, "kernels": [(name, ms per step), ...] top 12}``. Kernels on different streams
-    that overlap are each counted in full, so ``gpu_busy`` may exceed ``total``.
+    step}, "kernels": [(name, ms per step), ...] top 12, "all_kernels": [(name, phase, ms
+    per step, launches per step), ...] every kernel, longest first}``. Kernels on different
+    streams that overlap are each counted in full, so ``gpu_busy`` may exceed ``total``.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -170,10 +180,12 @@ def kernel_breakdown(run_step: Callable[[], None], steps: int) -> dict[str, Any]
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3 / steps
     per_kernel: dict[str, float] = defaultdict(float)
+    launches: dict[str, int] = defaultdict(int)
     for evt in prof.events():
         if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
         per_kernel[evt.name] += evt.time_range.elapsed_us() / 1e3 / steps
+        launches[evt.name] += 1
     phases: dict[str, float] = dict.fromkeys((*PHASES, "other"), 0.0)
     for name, ms in per_kernel.items():
         if "memcpy" in name.lower() or "memset" in name.lower():
@@ -182,5 +194,12 @@ def kernel_breakdown(run_step: Callable[[], None], steps: int) -> dict[str, Any]
         phases[kernel_phase(name)] += ms
     busy = sum(phases.values())
     phases.update(gpu_busy=busy, idle=max(wall_ms - busy, 0.0), total=wall_ms)
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
-    return {"breakdown_ms": phases, "kernels": [(n[:80], round(ms, 4)) for n, ms in top]}
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])
+    every = [
+        (n[:120], kernel_phase(n), round(ms, 4), round(launches[n] / steps, 2)) for n, ms in ranked
+    ]
+    return {
+        "breakdown_ms": phases,
+        "kernels": [(n[:80], round(ms, 4)) for n, ms in ranked[:12]],
+        "all_kernels": every,
+    }

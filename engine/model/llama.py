@@ -41,6 +41,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_ref(x, weight, eps)[0]
 
 
+def _swiglu_unfused(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` as torch's two element-wise ops (the CPU path; in float32 equal
+    to :func:`kernels.swiglu.swiglu_ref`)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def _cat_weights(ws, dtype_like):
     """Concatenate linear weights along N (fused qkv / gate-up). Int4 kept as Int4."""
     from engine.weights.quant import Int4Weight
@@ -106,8 +113,12 @@ class LlamaModel:
             use_triton = torch.device(device).type == "cuda"
         if use_triton:
             from kernels.rmsnorm import rms_norm as norm
+            from kernels.swiglu import swiglu
+
+            self._swiglu = swiglu
         else:
             norm = rms_norm_ref
+            self._swiglu = _swiglu_unfused
         self._norm = norm
         cfg = self.config
         self.layer_range = layers if layers is not None else range(cfg.num_layers)
@@ -196,8 +207,7 @@ class LlamaModel:
         layer = self.layers[i - self.layer_range.start]
         o = layer.wo(attn.reshape(h.shape[0], -1).to(h.dtype))
         x, h = self._norm(o, layer.ffn_norm, self.config.rms_norm_eps, h)  # h + o, fused
-        gate, up = layer.w_gate_up(x).chunk(2, dim=-1)
-        return h + layer.w_down(F.silu(gate) * up)
+        return h + layer.w_down(self._swiglu(layer.w_gate_up(x)))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``[B, H]`` -> float32 ``[B, V]``."""

@@ -97,8 +97,7 @@ class StepHandle:
     out: torch.Tensor
     done: torch.cuda.Event | None
     t_launch: float
-    audits: list[ev.AuditStep] = field(default_factory=list)  # this step's audited rows
-    audit_seconds: dict[str, float] = field(default_factory=dict)  # job id -> audit time
+    audit: fidelity.AuditPass | None = None  # this step's audited rows (maybe in flight)
     allowed: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> bool [V] mask
     t_done: float = 0.0  # when the host saw the step done (end of launch on the CPU)
     captured: bool = False  # the launch captured a CUDA graph (a one-off per batch shape)
@@ -142,6 +141,7 @@ class Engine:
         self.model_name = model_name or model.config.name
         self.weight_format = weight_format
         self.weights_info = weights_info
+        self.load_marks: dict[str, float] = {}  # load steps' end times (ev.StartupTimes)
         self.budget_sizing = budget_sizing
         self.model_config = model.config
         self.tokenizer = tokenizer
@@ -190,6 +190,11 @@ class Engine:
             not self.cache.fp8 or self.cache.dtype == getattr(model, "dtype", None)
         )
         self._inflight: StepHandle | None = None
+        self.auditor = (
+            fidelity.Auditor(model, self.cache, ops, graphs=self.graphs is not None)
+            if config.audit_steps
+            else None
+        )
         self._last_read = 0.0
         self._prefilled_since_read = False
 
@@ -265,6 +270,8 @@ class Engine:
     def _end_run(self) -> Iterator[ev.Event]:
         """End of :meth:`run`: close the trace file and report memory once more (the peaks
         of the whole run)."""
+        if self.auditor is not None:
+            self.auditor.clear()
         if self.tracer is not None and hasattr(self.tracer, "close"):
             self.tracer.close()
         yield from self.memory_snapshots()
@@ -342,8 +349,11 @@ class Engine:
         return req
 
     def _close(self, req: Request) -> None:
-        """Return a request's cache room (and drop a prefill in progress)."""
+        """Return a request's cache room (and drop a prefill in progress), once no audit
+        pass in flight reads its pages."""
         req.prefill_iter = None
+        if self.auditor is not None:
+            self.auditor.wait_seq(req.seq_id)
         self.cache.release(req.seq_id)
 
     def _prefill_turn(self, running: list[Request]) -> Iterator[ev.Event]:
@@ -453,6 +463,8 @@ class Engine:
         try:
             tokens, hits, misses, prefetched = self.read_step(handle)
         except Exception as e:  # noqa: BLE001 - e.g. a CUDA error surfacing at the sync
+            if handle.audit is not None:
+                handle.audit.owners = {}
             for r in [r for r in handle.batch if not r.closed]:
                 yield from self._fail(r, running, f"decode failed: {e}")
             return
@@ -470,6 +482,8 @@ class Engine:
             r.misses += m
             r.prefetched += p
             live.append((r, h, m, p))
+        if handle.audit is not None:  # its rows of jobs still running count
+            handle.audit.owners = {r.seq_id: r for r, *_ in live}
         if not live:
             return
         rb = self.cache.record_bytes
@@ -490,16 +504,20 @@ class Engine:
             with_prefill,
             handle.captured,
         )
-        running_ids = {r.job.id: r for r, *_ in live}
-        for a in handle.audits:
-            r = running_ids.get(a.job_id)
-            if r is None or r.audit is None:
-                continue  # finished at the step before: this step was its ride-along
-            r.audit.add(a.agree, a.kl, a.mass_kept)
-            r.audit.seconds += handle.audit_seconds.get(a.job_id, 0.0)
-            yield a
+        yield from self._audit_results()
         for r, *_ in live:
             yield from self._check_finished(r, running)
+
+    def _audit_results(self, wait_seq: int | None = None) -> Iterator[ev.AuditStep]:
+        """Tally and yield the audited rows whose figures have landed (and, waiting for
+        them, those of ``wait_seq``): :meth:`engine.decode.audit.Auditor.retire`. A job
+        that finished at the step before an audited one (its ride-along) is not counted."""
+        if self.auditor is None:
+            return
+        for r, event, seconds in self.auditor.retire(wait_seq):
+            r.audit.add(event.agree, event.kl, event.mass_kept)
+            r.audit.seconds += seconds
+            yield event
 
     def _check_finished(self, req: Request, running: list[Request]) -> Iterator[ev.Event]:
         """Finish ``req`` on its stop token, a stop string or ``max_tokens``.
@@ -532,6 +550,7 @@ class Engine:
             req.finish_reason = "length"
         if req.finish_reason:
             req.text = text if text is not None else self.tokenizer.decode(req.generated)
+            yield from self._audit_results(req.seq_id)  # its audit complete in its result
             yield self._finish(req, running)
 
     def _finish(self, req: Request, running: list[Request]) -> ev.JobFinished:
@@ -565,6 +584,7 @@ class Engine:
     def _finish_all(self, running: list[Request], reason: str) -> Iterator[ev.Event]:
         for r in list(running):
             r.finish_reason = reason
+            yield from self._audit_results(r.seq_id)
             yield self._finish(r, running)
 
     def _fail(self, req: Request, running: list[Request], error: str) -> Iterator[ev.Event]:
@@ -716,17 +736,15 @@ class Engine:
         lens = [seqs[r.seq_id].num_tokens + 1 for r in batch]
         seq_ids = [r.seq_id for r in batch]
         audited = [i for i, r in enumerate(batch) if self._fed_index(r) in r.audit_at]
-        if prev is not None and audited:  # the audit needs the fed tokens: read them here
-            fed, prev = prev.greedy.tolist(), None
-        else:
-            fed = None if prev is not None else [r.generated[-1] for r in batch]
-        self.attn.capture = {seq_ids[i]: {} for i in audited} if audited else None
+        fed = None if prev is not None else [r.generated[-1] for r in batch]
+        audit_tokens = self._audit_tokens(audited, fed, prev) if audited else None
         out = None
         captures = self.graphs.captures if self.graphs is not None else 0
-        if self.graphs is not None and self.tracer is None and not audited:
+        if self.graphs is not None and self.tracer is None:
             out = self.graphs.launch(seq_ids, fed, lens, self.step, prev.greedy if prev else None)
         if out is not None:
             logits, greedy, counters = out
+            captured = self.graphs.last_capture
         else:
             width = None  # on CUDA the graphs' padded width, so eager == replay bit for bit
             if self.model.device.type == "cuda":
@@ -738,14 +756,21 @@ class Engine:
                 tokens = prev.greedy
             else:
                 tokens = torch.tensor(fed, dtype=torch.long, device=m.device)
-            h = self.decode_batch(plan, m.embed_tokens(tokens), self.split_batches)
+            self.attn.capture = [] if audited else None
+            try:
+                h = self.decode_batch(plan, m.embed_tokens(tokens), self.split_batches)
+                captured = self.attn.capture or []
+            finally:
+                self.attn.capture = None
             logits = m.logits(h)
             greedy = logits.argmax(dim=-1)
             counters = [self.attn.hits, self.attn.misses, self.attn.prefetched]
         allowed = {i: a for i, r in enumerate(batch) if (a := self._allowed(r)) is not None}
         if allowed:  # built on the host while the device runs the step
             greedy = masked_greedy(logits, greedy, allowed)
-        audits, seconds = self._audit(batch, audited, logits, fed, lens) if audited else ([], {})
+        audit = None
+        if audited:
+            audit = self._audit(batch, audited, audit_tokens, logits, captured, lens)
         for sid in seq_ids:
             seqs[sid].num_tokens += 1
         if self.keep_logits:
@@ -760,7 +785,7 @@ class Engine:
             done.record()
             stacked = host
         handle = StepHandle(
-            list(batch), self.step, logits, greedy, stacked, done, t_launch, audits, seconds
+            list(batch), self.step, logits, greedy, stacked, done, t_launch, audit
         )
         handle.captured = self.graphs is not None and self.graphs.captures > captures
         if done is None:  # the CPU ran the step in the launch
@@ -802,39 +827,39 @@ class Engine:
         chained launch): the index :mod:`engine.decode.audit` schedules by."""
         return self.cache.seqs[req.seq_id].num_tokens - len(req.job.prompt_ids) + 1
 
+    def _audit_tokens(
+        self, rows: list[int], fed: list[int] | None, prev: StepHandle | None
+    ) -> torch.Tensor:
+        """int64 ``[R]`` on the model's device: the tokens rows ``rows`` feed this step —
+        taken from ``prev``'s greedy tokens on the device when the step is chained (no
+        host sync; before this launch may overwrite that buffer)."""
+        if prev is not None:
+            index = fidelity.to_device(torch.tensor(rows, dtype=torch.long), prev.greedy.device)
+            return prev.greedy.index_select(0, index)
+        return fidelity.to_device(torch.tensor([fed[i] for i in rows]), self.model.device)
+
     def _audit(
-        self, batch: list[Request], rows: list[int], logits: torch.Tensor,
-        fed: list[int], lens: list[int],
-    ) -> tuple[list[ev.AuditStep], dict[str, float]]:
-        """Audit rows ``rows`` of this step (:mod:`engine.decode.audit`): the dense
-        forward of each, compared with its sparse ``logits [B, V]``; reads the pool only
-        (the step's writes have landed), so the sparse state is untouched. Returns the
-        step's :class:`engine.events.AuditStep` events and the seconds each row's audit
-        took (the requests' tallies take them when
-        the step is read, for the rows still running: a job that finished at the step in
-        flight rides this one, unaudited)."""
-        events: list[ev.AuditStep] = []
-        handle_seconds: dict[str, float] = {}
-        captured = self.attn.capture or {}
-        self.attn.capture = None
-        if self.model.device.type == "cuda":  # the step's pool writes, read by the host below
-            torch.cuda.synchronize(self.model.device)
-        for i in rows:
-            r = batch[i]
-            assert r.audit is not None
-            t0 = time.monotonic()
-            position = lens[i] - 1
-            dense = fidelity.dense_step_logits(self.model, self.cache, r.seq_id, fed[i], position)
-            agree, kl = fidelity.compare(logits[i], dense)
-            kept = fidelity.mass_kept(
-                self.cache, r.seq_id, captured.get(r.seq_id, {}), lens[i], self.model.scale
-            )
-            seconds = time.monotonic() - t0
-            events.append(
-                ev.AuditStep(time.monotonic(), r.job.id, self._fed_index(r), agree, kl, kept)
-            )
-            handle_seconds[r.job.id] = seconds
-        return events, handle_seconds
+        self, batch: list[Request], rows: list[int], tokens: torch.Tensor,
+        logits: torch.Tensor, captured: list, lens: list[int],
+    ) -> fidelity.AuditPass:
+        """Start the audit of rows ``rows`` of the step just launched
+        (:mod:`engine.decode.audit`): copy their sparse ``logits [B, V]`` rows and the
+        step's captured queries and selections out of the step's buffers, then one dense
+        pass for all of them (on CUDA on the auditor's stream, beside the next steps). It
+        reads the pool only, after the step's writes, so the sparse state is untouched;
+        its figures reach the requests when the step is read and they have landed
+        (:meth:`_audit_results`)."""
+        assert self.auditor is not None
+        index = fidelity.to_device(torch.tensor(rows, dtype=torch.long), logits.device)
+        return self.auditor.submit(
+            [batch[i].seq_id for i in rows],
+            [batch[i].job.id for i in rows],
+            [self._fed_index(batch[i]) for i in rows],
+            tokens,
+            [lens[i] for i in rows],
+            logits.index_select(0, index),
+            fidelity.snapshot(captured, rows),
+        )
 
     @torch.inference_mode()
     def decode_batch(

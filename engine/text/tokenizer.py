@@ -156,8 +156,9 @@ class TextTokenizer:
         Parameters
         ----------
         path_or_reader : str, os.PathLike or gguf.GGUFReader
-            The ``.gguf`` file, or a reader already open on it (constructing a reader
-            parses every array and takes seconds on a 49K vocabulary; share one).
+            The ``.gguf`` file (opened with
+            :class:`engine.weights.gguf_reader.FastGGUFReader`), or a reader already open
+            on it (the engine shares the one its weights are read with).
         reference : {"transformers", "llama.cpp"}
             Whose conversion to reproduce where they differ. ``"transformers"`` (default)
             gives the ids of ``AutoTokenizer.from_pretrained(folder, gguf_file=...)``.
@@ -313,8 +314,7 @@ class TextTokenizer:
     def _token_bound(self) -> tuple[int, bytes] | None:
         """(:attr:`max_token_bytes`, the bytes without a vocabulary token, which BPE drops),
         or ``None``."""
-        spec = json.loads(self.backend.to_str())
-        if spec.get("normalizer") is not None or not _byte_level_keeps_text(spec):
+        if self.backend.normalizer is not None or not _byte_level_keeps_text(_steps(self.backend)):
             return None
         added = list(self.backend.get_added_tokens_decoder().values())
         if any(t.lstrip or t.rstrip for t in added):
@@ -564,16 +564,19 @@ def find_stop(text: str, stops: Iterable[str], start: int = 0) -> int | None:
 
 
 class _GGUFMetadata:
-    """Metadata values of one GGUF file, read with ``gguf.GGUFReader``."""
+    """Metadata values of one GGUF file, read with ``gguf.GGUFReader`` (a path is opened
+    with :class:`engine.weights.gguf_reader.FastGGUFReader`, the same fields sooner)."""
 
     def __init__(self, path_or_reader: Any) -> None:
         import gguf
+
+        from engine.weights.gguf_reader import FastGGUFReader
 
         if isinstance(path_or_reader, gguf.GGUFReader):
             self.reader = path_or_reader
             self.source = str(getattr(path_or_reader.data, "filename", "GGUF"))
         else:
-            self.reader = gguf.GGUFReader(path_or_reader)
+            self.reader = FastGGUFReader(path_or_reader)
             self.source = str(path_or_reader)
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -611,6 +614,17 @@ def _byte_level_keeps_text(spec: dict[str, Any]) -> bool:
     removes = any(s.get("type") == "Split" and s.get("behavior") == "Removed" for s in steps)
     keeps = all(kind in _KEEPING_PRE_TOKENIZERS for kind in kinds)
     return "ByteLevel" in kinds and keeps and not removes
+
+
+def _steps(backend: Tokenizer) -> dict[str, Any]:
+    """The parts of ``backend.to_str()``'s JSON that :func:`_byte_level_keeps_text` reads
+    (the model's type and the pre-tokenizer), without serialising the vocabulary and
+    merges (1.5 MB of JSON for SmolLM2, 0.3-0.8 s to write and parse)."""
+    pre = backend.pre_tokenizer
+    return {
+        "model": {"type": type(backend.model).__name__},
+        "pre_tokenizer": None if pre is None else json.loads(pre.__getstate__()),
+    }
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str, reference: str) -> Tokenizer:

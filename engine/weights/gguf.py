@@ -75,8 +75,9 @@ class GGUFError(ValueError):
 
 
 def open_reader(path: Path):
-    """``gguf.GGUFReader`` on ``path``, checking every tensor's description before any
-    tensor data is mapped.
+    """``gguf.GGUFReader`` on ``path`` (as :class:`engine.weights.gguf_reader.FastGGUFReader`
+    parses its metadata arrays: the same fields, ~20x sooner), checking every tensor's
+    description before any tensor data is mapped.
 
     Each tensor's type must be known, its row length (``ne0``, elements) a multiple of
     its type's block size (32 for Q8_0/Q4_0/Q4_1), and its data must lie inside the file
@@ -91,9 +92,9 @@ def open_reader(path: Path):
         ``"{path}: not a readable GGUF file (...)"`` when the header itself cannot be
         parsed.
     """
-    import gguf
+    from engine.weights.gguf_reader import FastGGUFReader
 
-    class CheckedReader(gguf.GGUFReader):
+    class CheckedReader(FastGGUFReader):
         def _build_tensors(self, start_offs: int, fields: list) -> None:
             for field in fields:
                 _check_tensor_info(path, len(self.data), start_offs, field.parts)

@@ -44,7 +44,8 @@ import torch
 
 from engine.config import ModelConfig, RopeScaling
 from engine.model import registry
-from engine.weights.quant import Int4Weight
+from engine.weights import prequant
+from engine.weights.quant import INT4_GROUP_SIZES, Int4Weight
 from engine.weights.types import LayerWeights, ModelWeights, WeightT, split_rows
 
 SUPPORTED_ARCHITECTURES = {
@@ -57,7 +58,7 @@ ROPE_KINDS = ("default", "llama3", "linear", "dynamic", "yarn", "longrope")
 FORMAT_KEY = "hisparse_format"
 GROUP_SIZE_KEY = "hisparse_group_size"
 INT4_FORMAT_PREFIX = "int4-g"
-GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept
+GROUP_SIZES = INT4_GROUP_SIZES
 QWEIGHT, SCALES, OFFSETS = "qweight", "scales", "offsets"
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -235,15 +236,10 @@ def _architecture(raw: dict, path: Path) -> registry.Architecture:
 
 
 def _check_unsupported(raw: dict, arch: registry.Architecture, path: Path) -> None:
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise HFModelError(
-            f"{path}: quantization_config (quant_method={method!r}) is not supported: "
-            "pre-quantised AWQ/GPTQ/bitsandbytes/FP8 folders are not read. Use the original "
-            "float checkpoint (4-bit at load, or once with `hisparse quantize`) or a GGUF "
-            "file (Q4_0, Q4_1, Q4_K run as stored)"
-        )
+    try:
+        prequant.read_quant_config(raw, path)
+    except prequant.PrequantError as exc:
+        raise HFModelError(str(exc)) from None
     if arch.gemma:
         act = raw.get("hidden_activation") or raw.get("hidden_act") or GEMMA_ACTIVATION
         if act != GEMMA_ACTIVATION:
@@ -593,9 +589,19 @@ def _read_linear(
     shape: tuple[int, int],
     group_size: int | None,
     int4_group_size: int | None,
+    quant: prequant.PrequantFormat | None = None,
 ) -> tuple[WeightT, str]:
-    """One linear ``[N, K]``: Int4Weight from ``.qweight/.scales/.offsets`` when present,
-    else the float ``.weight`` (quantised on load when ``int4_group_size`` is set)."""
+    """One linear ``[N, K]``: Int4Weight from AWQ/GPTQ tensors (``quant``) or from
+    ``.qweight/.scales/.offsets`` when present, else the float ``.weight`` (quantised on
+    load when ``int4_group_size`` is set)."""
+    if quant is not None and f"{module}.{QWEIGHT}" in tensors:
+        return read_prequant(tensors, module, shape, quant)
+    if quant is not None and not quant.keeps_float(module):
+        raise HFModelError(
+            f"{tensors.where(module + '.' + QWEIGHT)} is missing: config.json "
+            f"quantization_config declares {quant.method.upper()} 4-bit linears and "
+            "modules_to_not_convert does not name this one"
+        )
     if f"{module}.{QWEIGHT}" in tensors:
         if group_size is None:
             raise HFModelError(
@@ -616,6 +622,53 @@ def _read_linear(
             raise HFModelError(f"{tensors.where(name)}: {exc}") from None
         return quantize_int4(w, g), int4_format(g)
     return w, dtype
+
+
+def read_prequant(
+    tensors: SafetensorsFolder,
+    module: str,
+    shape: tuple[int, int],
+    quant: prequant.PrequantFormat,
+) -> tuple[WeightT, str]:
+    """One AWQ (GEMM) or GPTQ (v1) linear ``[N, K]`` (layouts:
+    :mod:`engine.weights.prequant`) and its ``formats`` label (``AWQ-g128`` ...).
+
+    Returns an :class:`Int4Weight` of a kernel group size (exact, also for a larger group
+    that is a multiple of one), else the float32 decode of the same values.
+
+    Raises
+    ------
+    HFModelError
+        A missing tensor, another dtype or shape than the config's group size gives, or
+        a GPTQ ``g_idx`` that is not ``k // g``.
+    """
+    n, k = shape
+    g = k if quant.group_size == -1 else quant.group_size
+    if k % g or n % 8 or k % 8:
+        raise HFModelError(
+            f"{tensors.where(module + '.' + QWEIGHT)}: [N, K] = {shape} is not whole groups "
+            f"of {g} and packed words of 8"
+        )
+    scale_dtypes = tuple(FLOAT_DTYPES)
+    qshape = (k, n // 8) if quant.method == "awq" else (k // 8, n)
+    tensors.check(f"{module}.{QWEIGHT}", qshape, ("I32",))
+    tensors.check(f"{module}.qzeros", (k // g, n // 8), ("I32",))
+    tensors.check(f"{module}.scales", (k // g, n), scale_dtypes)
+    parts = [tensors.get(f"{module}.{t}") for t in ("qweight", "qzeros", "scales")]
+    if quant.method == "awq":
+        w = prequant.awq_to_int4(*parts)
+    else:
+        if f"{module}.g_idx" in tensors:
+            tensors.check(f"{module}.g_idx", (k,), ("I32", "I64"))
+            try:
+                prequant.check_g_idx(tensors.get(f"{module}.g_idx"), g, tensors.where(module))
+            except prequant.PrequantError as exc:
+                raise HFModelError(str(exc)) from None
+        w = prequant.gptq_to_int4(*parts)
+    fitted = prequant.fit_group(w)
+    if fitted is None:  # no kernel group divides g: exact float values, re-quantised at placement
+        return w.dequantize(), f"{quant.method.upper()} g{g} (float)"
+    return fitted, quant.label(g)
 
 
 def read_int4(tensors: SafetensorsFolder, module: str, shape: tuple[int, int]) -> Int4Weight:
@@ -665,14 +718,22 @@ def group_size_for(k: int, preferred: int) -> int:
     raise ValueError(f"K={k} is not a multiple of any group size in {GROUP_SIZES}")
 
 
-def check_names(tensors: SafetensorsFolder, cfg: ModelConfig, quantized: bool) -> None:
-    """Refuse tensors this engine would silently drop (o_proj bias, extra layers ...)."""
+def check_names(
+    tensors: SafetensorsFolder,
+    cfg: ModelConfig,
+    quantized: bool,
+    quant: prequant.PrequantFormat | None = None,
+) -> None:
+    """Refuse tensors this engine would silently drop (o_proj bias, extra layers ...).
+    ``quantized``: a ``hisparse quantize`` folder; ``quant``: an AWQ/GPTQ folder (each
+    linear may store its 4-bit tensors instead of ``.weight``)."""
     known = set(expected_shapes(cfg))
-    if quantized:
-        for name in list(known):
-            if LINEAR_WEIGHT.match(name):
-                module = name[: -len(".weight")]
-                known |= {f"{module}.{QWEIGHT}", f"{module}.{SCALES}", f"{module}.{OFFSETS}"}
+    extra = (QWEIGHT, SCALES, OFFSETS) if quantized else ()
+    extra += quant.tensors if quant is not None else ()
+    for name in list(known):
+        if extra and LINEAR_WEIGHT.match(name):
+            module = name[: -len(".weight")]
+            known |= {f"{module}.{part}" for part in extra}
     if cfg.tie_word_embeddings:
         known.add(LM_HEAD)  # some tied checkpoints still store a copy; the embedding is used
     for name in tensors.names:
@@ -710,9 +771,10 @@ def load_hf_folder(path: str | Path, *, int4_group_size: int | None = None) -> M
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder not found: {folder}")
     cfg = read_hf_config(folder)
+    quant = prequant.read_quant_config(json.loads((folder / "config.json").read_text()), folder)
     with SafetensorsFolder(folder) as tensors:
         group_size = quantized_group_size(tensors)
-        check_names(tensors, cfg, group_size is not None)
+        check_names(tensors, cfg, group_size is not None, quant)
         formats: dict[str, str] = {}
         norm_plus_one = registry.get(cfg.arch).gemma
 
@@ -724,7 +786,7 @@ def load_hf_folder(path: str | Path, *, int4_group_size: int | None = None) -> M
             return t
 
         layers = [
-            _read_layer(tensors, cfg, i, group_size, int4_group_size, read, formats)
+            _read_layer(tensors, cfg, i, (group_size, int4_group_size, quant), read, formats)
             for i in range(cfg.num_layers)
         ]
         h = cfg.hidden_size
@@ -733,13 +795,13 @@ def load_hf_folder(path: str | Path, *, int4_group_size: int | None = None) -> M
         return ModelWeights(cfg, embed, read(FINAL_NORM, (h,)), layers, lm_head, formats)
 
 
-def _read_layer(tensors, cfg, i, group_size, int4_group_size, read, formats) -> LayerWeights:
+def _read_layer(tensors, cfg, i, linear_args, read, formats) -> LayerWeights:
     prefix = f"model.layers.{i}."
     parts: dict[str, Any] = {}
     split = linear_shapes(cfg)
     for name, (fields, shape) in stored_linears(cfg).items():
         module = prefix + name
-        w, formats[module] = _read_linear(tensors, module, shape, group_size, int4_group_size)
+        w, formats[module] = _read_linear(tensors, module, shape, *linear_args)
         if len(fields) == 1:
             parts[fields[0]] = w
         else:  # Phi-3's fused projections: rows stacked in field order

@@ -169,6 +169,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 128) -> Int4Weight:
     return Int4Weight(_nibbles_to_bytes(q), scale, lo, group_size)
 
 
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # group sizes torch's int4 kernels accept (Int4Linear)
 DEQUANT_MIN_ROWS = 64
 # Decode batches of TRITON_MIN_ROWS..DEQUANT_MIN_ROWS-1 rows on CUDA run the Triton
 # dequant-matmul over the source weight (kernels.int4_matmul.group_int4_linear): tinygemm's

@@ -145,6 +145,11 @@ def quantize_folder(
     if out.resolve() == src.resolve():
         raise HFModelError(f"{out}: the output folder must differ from the source")
     cfg = read_hf_config(src)
+    if "quantization_config" in json.loads((src / "config.json").read_text()):
+        raise HFModelError(
+            f"{src / 'config.json'}: quantization_config: already quantised (AWQ/GPTQ); "
+            "pass the folder to --model as it is (its 4-bit weights are used as stored)"
+        )
     with SafetensorsFolder(src) as tensors:
         if quantized_group_size(tensors) is not None:
             raise HFModelError(f"{src}: already quantised ({tensors.metadata[FORMAT_KEY]})")

@@ -101,7 +101,7 @@ def split_rows(w: WeightT, sizes: list[int]) -> list[WeightT]:
 
 
 # Source formats whose 4-bit codes placement keeps as they are (GGUF types; ``hisparse
-# quantize`` folders record ``int4-g<G>``).
+# quantize`` folders record ``int4-g<G>``, AWQ/GPTQ folders ``AWQ-g<G>`` / ``GPTQ-g<G>``).
 INT4_SOURCE_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
 # Decoder-layer linear weights: GGUF tensor names and Hugging Face module names.
 _LINEAR_NAME = re.compile(
@@ -149,4 +149,4 @@ def describe_placement(formats: dict[str, str], weight_format: str, dtype: str) 
 
 
 def _is_int4(fmt: str) -> bool:
-    return fmt in INT4_SOURCE_FORMATS or fmt.startswith("int4-g")
+    return fmt in INT4_SOURCE_FORMATS or fmt.startswith(("int4-g", "AWQ-g", "GPTQ-g"))

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -941,3 +942,23 @@ def test_cpu_threads_follow_the_free_cores(monkeypatch):
     assert free_cpu_threads(EngineConfig()) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert free_cpu_threads(EngineConfig()) is None  # the user chose
+
+
+def test_json_progress_reports_the_startup_steps_in_order(cli, docs):
+    """The ``startup_times`` object: the CLI's steps, then the engine's (a fake engine
+    records none: ``engine`` is when the load returned), on the monotonic clock."""
+    before = time.monotonic()
+    result = cli("docs/alpha.txt", "--json-progress")
+    objects = [json.loads(line) for line in result.stdout.splitlines()]
+    startup = [o for o in objects if o["event"] == "startup_times"]
+    assert len(startup) == 1
+    marks = startup[0]["marks"]
+    assert list(marks) == ["cli_ready", "config_resolved", "load_started", "engine"]
+    times = list(marks.values())
+    assert before <= times[0] and times == sorted(times) and times[-1] <= startup[0]["t"]
+    kinds = [o["event"] for o in objects]
+    assert kinds.index("startup_times") < kinds.index("job_queued")
+
+
+def test_plain_output_has_no_startup_line(cli, docs):
+    assert "startup" not in cli("docs/alpha.txt").stdout

@@ -96,3 +96,48 @@ def test_engine_on_cuda_matches_transformers(gemma, attention):
     )
     torch.testing.assert_close(first.cpu(), reference_logits(model, IDS)[-1], atol=1e-3, rtol=1e-3)
     assert tokens == greedy_reference(model, IDS, STEPS)
+
+
+@pytest.mark.parametrize("attention", ["dense", "sparse"])
+def test_audit_keeps_the_soft_cap_and_windows(gemma, attention):
+    """The fidelity audit's dense pass attends as the dense engine does, soft-cap and
+    sliding windows included: under dense attention it agrees with the step exactly (KL
+    0, all mass kept); under sparse attention its dense logits equal the per-row
+    reference (:func:`engine.decode.audit.dense_step_logits`, which applies them too)."""
+    import engine.decode.audit as fidelity
+
+    folder, _ = gemma
+    seen = {}
+    dense_pass = fidelity.dense_pass
+
+    def spy(*args):
+        seen["out"] = dense_pass(*args)
+        return seen["out"]
+
+    cfg = EngineConfig(
+        host_pool_gb=0.25, max_batch=1, page_size=16, attention=attention, audit_steps=3,
+        top_k=32, sink_tokens=16, local_window=16,
+    )  # fmt: skip
+    eng = load_engine(cfg, str(folder))
+    req = eng.open_request(Job("j", tuple(IDS.tolist()), SamplingParams(max_tokens=STEPS + 1)))
+    eng.prefill(req)
+    req.audit_at = frozenset({1, 2, 3})
+    fidelity.dense_pass = spy
+    try:
+        for _ in range(3):
+            fed = req.generated[-1]
+            handle = eng.launch_step([req])
+            req.generated.append(eng.read_step(handle)[0][0])
+            handle.audit.wait()
+            agree, kl, kept = handle.audit.figures[:, 0].tolist()
+            if attention == "dense":
+                assert agree == 1.0 and kl < 1e-6 and kept == 1.0
+            else:
+                n = eng.cache.seqs[req.seq_id].num_tokens
+                ref = fidelity.dense_step_logits(eng.model, eng.cache, req.seq_id, fed, n - 1)
+                torch.testing.assert_close(seen["out"][0][0], ref, atol=1e-4, rtol=1e-4)
+                assert 0.0 < kept <= 1.0
+    finally:
+        fidelity.dense_pass = dense_pass
+        eng.auditor.clear()
+        eng.close_request(req)

@@ -30,6 +30,11 @@ from test_hf_loader import LLAMA3_ROPE  # noqa: E402 - one llama3 rope_scaling f
 def engine_logits(path, ids: torch.Tensor, fmt: str = "float") -> torch.Tensor:
     """Full-sequence forward of the model at ``path`` as the engine places it."""
     weights, _, _ = load_weights(str(path))
+    return weights_logits(weights, ids, fmt)
+
+
+def weights_logits(weights, ids: torch.Tensor, fmt: str = "float") -> torch.Tensor:
+    """Full-sequence forward of loaded ``weights`` (``[T]`` ids -> ``[T, V]`` logits)."""
     cfg = weights.config
     _, rope = context_limit_and_rope(cfg, EngineConfig())
     model = LlamaModel(weights, torch.device("cpu"), torch.float32, fmt, rope)
@@ -120,24 +125,29 @@ HF_NAME = {
 }
 
 
-@pytest.fixture(scope="module")
-def kquant(tmp_path_factory):
-    """A tiny llama whose weights are random K-quant blocks (decoded with gguf-py into the
-    transformers reference) and its GGUF holding those blocks."""
+def quant_block_model(folder, types: dict[str, str]):
+    """A tiny llama (:data:`KQ_SHAPE`) whose tensors named in ``types`` (GGUF name -> type)
+    are random blocks of that type (decoded with gguf-py into the transformers reference),
+    and its GGUF holding those blocks: ``(model, path, raw)``."""
     from tiny_models import dequantize_blocks, random_quant_blocks
 
-    folder = tmp_path_factory.mktemp("kquant")
     model = build_hf(folder, "llama", **KQ_SHAPE)
     params = dict(model.named_parameters())
     raw = {}
     with torch.no_grad():
-        for seed, (name, kind) in enumerate(KQ_TYPES.items()):
+        for seed, (name, kind) in enumerate(types.items()):
             p = params[HF_NAME[name]]
             raw[name] = random_quant_blocks(kind, p.shape[0], p.shape[1], seed)
             p.copy_(dequantize_blocks(*raw[name], p.shape[1]))
     model.save_pretrained(folder)
     path = write_gguf(folder / "kq.gguf", model, "llama", raw_tensors=raw)
     return model, path, raw
+
+
+@pytest.fixture(scope="module")
+def kquant(tmp_path_factory):
+    """A tiny llama whose weights are random K-quant blocks of :data:`KQ_TYPES`."""
+    return quant_block_model(tmp_path_factory.mktemp("kquant"), KQ_TYPES)
 
 
 def test_q4_k_kept_exact_as_int4(kquant):
@@ -182,6 +192,27 @@ def test_k_quant_model_matches_transformers(kquant):
     ids = IDS % 256
     torch.testing.assert_close(
         engine_logits(path, ids), reference_logits(model, ids), atol=ATOL, rtol=ATOL
+    )
+
+
+# The other types of llama.cpp's K-quant files of the embedded model (its K = 576 rows are
+# no whole super-blocks, so llama.cpp falls back to Q5_0/Q5_1/Q8_0/IQ4_NL for them) and of
+# Q2_K / Q3_K_M / IQ4_XS files.
+@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS"])
+def test_other_block_types_decode_like_gguf_py(tmp_path, kind):
+    """A Q (permuted rows) and a down projection of ``kind``: decoded bit for bit as gguf-py
+    does, and the model's logits match transformers on those values."""
+    types = {"blk.0.attn_q.weight": kind, "blk.0.ffn_down.weight": kind}
+    model, path, _ = quant_block_model(tmp_path, types)
+    from engine.weights.gguf import load_gguf
+
+    weights = load_gguf(path)
+    ref = dict(model.named_parameters())
+    assert torch.equal(weights.layers[0].wq, ref["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(weights.layers[0].w_down, ref["model.layers.0.mlp.down_proj.weight"])
+    assert weights.formats["blk.0.ffn_down.weight"] == kind
+    torch.testing.assert_close(
+        engine_logits(path, IDS), reference_logits(model, IDS), atol=ATOL, rtol=ATOL
     )
 
 

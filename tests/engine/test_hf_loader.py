@@ -368,8 +368,10 @@ def test_quantize_cli(qwen2, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_prequantised_folder_is_refused(llama_copy, method):
+def test_prequantised_config_over_float_weights_is_refused(llama_copy, method):
+    """AWQ/GPTQ folders are read (tests/engine/test_prequant.py); one whose linears are
+    float ``.weight`` tensors is refused naming the missing ``qweight``, not run float."""
     _edit_config(llama_copy, quantization_config={"quant_method": method, "bits": 4})
-    want = rf"config\.json: quantization_config \(quant_method='{method}'\).*hisparse quantize"
+    want = rf"q_proj\.qweight is missing: config\.json quantization_config declares {method.upper()}"
     with pytest.raises(HFModelError, match=want):
         load_hf_folder(llama_copy)

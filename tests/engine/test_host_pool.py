@@ -82,3 +82,18 @@ def test_chunks_are_registered_in_order_and_the_next_is_backed_ahead(cudart, mon
     assert bool((pool.layers[0][5] == 1.5).all())
     pool.ensure_pinned(10)  # already pinned: nothing registered
     assert len(cudart.registered) == 3 * layers
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [((3, 5), torch.float32), ((300, 3, 2, 64), torch.float32), ((1 << 19, 3), torch.bfloat16)],
+)
+def test_zeros_equal_torch_zeros_and_are_writable(shape, dtype):
+    """Small tensors (torch.zeros) and large ones (a lazily zeroed mapping) alike."""
+    t = host_pool.zeros(shape, dtype, "cpu")
+    want = torch.zeros(shape, dtype=dtype)
+    assert t.shape == want.shape and t.dtype == dtype and t.is_contiguous()
+    assert torch.equal(t, want)
+    t.view(-1)[-1] = 2
+    t[0] = 1
+    assert t.view(-1)[-1] == 2 and bool((t[0] == 1).all()) and t.sum() == 2 + t[0].numel()

@@ -204,7 +204,7 @@ test_cache_state_machine = CacheMachine.TestCase
 
 
 def test_declared_host_memory_overrides_meminfo(monkeypatch):
-    from engine.kv.cache import CacheFullError, available_host_bytes, check_host_memory
+    from engine.kv.sizing import CacheFullError, available_host_bytes, check_host_memory
 
     monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "2")
     assert available_host_bytes() == 2 * 2**30
@@ -219,7 +219,7 @@ def test_declared_host_memory_overrides_meminfo(monkeypatch):
 def test_host_pool_refusal_states_the_rule_and_the_settings(monkeypatch):
     """Issue #19.10: 8.0 GiB of 8.6 GiB available is refused; the message says why (90% of
     what is available) and what to change."""
-    from engine.kv.cache import CacheFullError, check_host_memory
+    from engine.kv.sizing import CacheFullError, check_host_memory
 
     monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "8.6")
     with pytest.raises(CacheFullError) as info:

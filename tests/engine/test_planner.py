@@ -180,6 +180,19 @@ def test_nine_jobs_on_dual4090_are_refused_with_nearest_setting():
     assert any("--host-pool 360" in s for s in result.suggestions)
 
 
+def test_host_bound_cpu_plan_offers_fp8_pages_and_how_run_takes_kv_dtype():
+    """A host-bound plan on the cpu preset (float32 KV, bf16 host pages) offers fp8 host
+    pages (a run flag) first, and the bfloat16 KV hint says how `hisparse run` takes it
+    (no run flag: a preset's or manifest's engine setting)."""
+    config, hardware = _preset("cpu")
+    result = plan(get_model_shape("smollm2-135m"), config, hardware, 64, 32 * 1024)
+    assert not result.feasible
+    [fp8] = [s for s in result.suggestions if "--kv-host-dtype fp8" in s]
+    assert fp8.startswith("a quarter of the host KV bytes")
+    [kv] = [s for s in result.suggestions if "--kv-dtype bfloat16" in s]
+    assert "kv_dtype: bfloat16" in kv and "engine:" in kv
+
+
 def test_memory_budget_caps_each_device():
     config, hardware = _preset("h200", memory_budget_gb=48.0)
     result = plan(LLAMA13, config, hardware, 1, K256)

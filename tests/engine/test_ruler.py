@@ -150,6 +150,10 @@ def test_config_specs():
         512, 32, "sum", 1024,
     )  # fmt: skip
     assert oracle.engine_config(base).indexer == "oracle"
+    [fp8] = fidelity.parse_configs("host=fp8")
+    assert fp8.engine_config(base).kv_host_dtype == "fp8"
+    with pytest.raises(ConfigError, match="config 'host=fp16'"):
+        fidelity.parse_configs("host=fp16")[0].engine_config(base)
     for bad, match in [
         ("top_k=abc", "not a int"),
         ("pages=16", "not key=value"),

@@ -60,6 +60,7 @@ from kernels.sparse_attention import (
     sparse_decode_attention,
     sparse_decode_attention_ref,
 )
+from kernels.swiglu import swiglu, swiglu_ref
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -291,6 +292,31 @@ def test_resolve_matches_reference_over_steps(case, tensor_step):
             ("page_table", "slot_page", "slot_last_use"), ref_state, dev_state, strict=True
         ):
             assert torch.equal(r, o.cpu()), f"step {step}: {name} differs"
+
+
+def test_resolve_accumulates_step_counters():
+    """``hits_acc`` / ``misses_acc``: the reference and the kernel add each request's hits
+    and misses (over its KV heads) to the step counters, equal to counting the outputs."""
+    b, hkv, p_max, c, k_max = 5, 3, 90, 24, 12
+    gen = torch.Generator().manual_seed(11)
+    slab_ids = torch.randperm(b * hkv + 1, generator=gen)[: b * hkv].view(b, hkv).int()
+    ref_state = _resolve_state(b * hkv + 1, p_max, c)
+    dev_state = [t.to(DEVICE, copy=True) for t in ref_state]
+    acc_ref = [torch.full((b,), 7, dtype=torch.int64) for _ in range(2)]
+    acc_dev = [t.to(DEVICE, copy=True) for t in acc_ref]
+    expect = [t.clone() for t in acc_ref]
+    for step in range(4):
+        n = torch.randint(p_max // 2, p_max + 1, (b,), generator=gen)
+        sel = pack_bits(random_selection_mask(n, hkv, p_max, k_max, gen))
+        ref = resolve_ref(sel, slab_ids, *ref_state, step, c, k_max, *acc_ref)
+        out = resolve(sel.to(DEVICE), slab_ids.to(DEVICE), *dev_state, step, c, k_max, *acc_dev)
+        assert all(torch.equal(r, o.cpu()) for r, o in zip(ref, out, strict=True))
+        expect[0] += ref[3].sum(-1)
+        expect[1] += (ref[2] >= 0).sum((-1, -2))
+        for name, e, r, o in zip(("hits", "misses"), expect, acc_ref, acc_dev, strict=True):
+            assert torch.equal(e, r), f"step {step}: reference {name} counter"
+            assert torch.equal(e, o.cpu()), f"step {step}: kernel {name} counter"
+    assert expect[0].sum() > 7 * b and expect[1].sum() > 7 * b  # both counted something
 
 
 @pytest.mark.slow
@@ -608,6 +634,47 @@ def test_rms_norm_ref_is_the_models_norm():
         assert bits_equal(s, x + r)
         assert bits_equal(out, model_rms_norm(x + r, w, 1e-6))
         assert bits_equal(rms_norm_ref(x, w, 1e-6)[0], model_rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize(
+    "rows,ffn,dtype",
+    [(1, 1536, torch.float32), (3, 7, torch.float32), (33, 1025, torch.bfloat16),
+     (5, 2048, torch.float16), (0, 64, torch.float32), (2, 1, torch.bfloat16)],
+    ids=str,
+)
+def test_swiglu_matches_reference(rows, ffn, dtype):
+    """Triton SwiGLU against the reference on awkward widths (more than one column block,
+    odd widths), read through a row stride wider than ``2F`` (a view of a wider buffer)."""
+    gen = torch.Generator().manual_seed(ffn + rows)
+    wide = (torch.randn(rows, 2 * ffn + 3, generator=gen) * 4).to(dtype)
+    x = wide[:, : 2 * ffn]
+    ref = swiglu_ref(x)
+    out = swiglu(x.to(DEVICE))
+    assert out.shape == (rows, ffn) and out.dtype == dtype
+    assert_close(out, ref, ATOL[dtype])
+
+
+def test_swiglu_ref_is_the_unfused_model_math():
+    """In float32 the reference equals torch's ``silu(gate) * up`` (the CPU path) bit for
+    bit; in bf16 it rounds once where torch rounds twice: at most one bf16 step apart."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 2 * 577, generator=gen) * 3
+    gate, up = x.chunk(2, dim=-1)
+    assert bits_equal(swiglu_ref(x), F.silu(gate) * up)
+    xb = x.bfloat16()
+    gb, ub = xb.chunk(2, dim=-1)
+    diff = (swiglu_ref(xb).float() - (F.silu(gb) * ub).float()).abs()
+    step = (F.silu(gb) * ub).float().abs() * 2.0**-7
+    assert bool((diff <= step + 1e-30).all())
+
+
+def test_swiglu_rejects_bad_input():
+    with pytest.raises(ValueError, match="even"):
+        swiglu(torch.zeros(2, 7, device=DEVICE))
+    with pytest.raises(ValueError, match=r"\[R, 2F\]"):
+        swiglu(torch.zeros(2, 3, 8, device=DEVICE))
 
 
 def test_rope_ref_is_the_models_rope():
@@ -1186,3 +1253,48 @@ def test_eviction_policies_are_one_registry():
     assert get_ops("cpu", eviction="lru").resolve is RESOLVERS["lru"][0]
     with pytest.raises(ValueError, match="unknown eviction policy 'fifo'"):
         get_ops("cpu", eviction="fifo")
+
+
+@pytest.mark.parametrize("kv_host_dtype", ["bf16", "fp8"])
+def test_audit_dense_pass_through_the_triton_ops(monkeypatch, kv_host_dtype):
+    """The audit's dense pass (:func:`engine.decode.audit.dense_pass`) through the Triton
+    set — the gather of the rows' records into its staging buffer (fp8 records
+    dequantised) and the paged dense attention over it — equals the reference set's, on
+    two rows of the tiny synthetic model and a block table padded to a graph's width."""
+    if CUDA:
+        pytest.skip("the engine's CUDA audit tests cover it there (tests/engine/test_audit.py)")
+    import engine.decode.audit as fidelity
+    from engine import events as ev
+    from engine.config import SamplingParams
+    from engine.load import load_engine
+
+    seen = {}
+    dense_pass = fidelity.dense_pass
+
+    def spy(*args):
+        seen["args"] = args
+        return dense_pass(*args)
+
+    monkeypatch.setattr(fidelity, "dense_pass", spy)
+    config = EngineConfig(
+        host_pool_gb=0.25, max_batch=2, page_size=16, top_k=48, sink_tokens=16,
+        local_window=16, device_buffer=96, prefill_chunk=128, tokenizer="ids",
+        audit_steps=1, kv_host_dtype=kv_host_dtype,
+    )  # fmt: skip
+    eng = load_engine(config, "synthetic:tiny")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(5, 40000, (n,), generator=gen).tolist() for n in (300, 181)]
+    params = SamplingParams(max_tokens=2)
+    reqs = [eng.open_request(ev.Job(f"j{i}", tuple(p), params)) for i, p in enumerate(prompts)]
+    for r in reqs:
+        eng.prefill(r)
+        r.audit_at = frozenset({1})
+    eng.read_step(eng.launch_step(reqs))
+    model, cache, ref_ops, tokens, lens, table, captured = seen["args"]
+    wide = torch.full((table.shape[0], 64), -1, dtype=torch.int32)
+    wide[:, : table.shape[1]] = table
+    ref = dense_pass(model, cache, ref_ops, tokens, lens, wide, captured)
+    got = dense_pass(model, cache, get_ops("cpu", use_triton=True), tokens, lens, wide, captured)
+    torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], ref[1], atol=1e-6, rtol=1e-5)
+    assert 0.0 < float(ref[1].min()) and float(ref[1].max()) < 1.0

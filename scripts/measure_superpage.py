@@ -1,0 +1,338 @@
+"""Two-level superpage selection against exact (flat) Quest on the real model (issue 20).
+
+CPU, the embedded SmolLM2-135M by default, one long corpus document with the context
+extended past the model's 8K (``context_policy=extend``, YaRN), all-resident sparse
+decoding (``hierarchical=False``; bit-identical to the hierarchical path), page 16,
+``group_combine`` normmax:
+
+1. **Exact run** — prefill, then ``--steps`` greedy steps with exact Quest (end-of-turn
+   ids masked, so every step yields text). At every step, layer and KV head the
+   selection of ``page_metadata=superpage`` (each ``--variants`` entry, superpage pages x
+   oversample) is also computed from
+   the same query and metadata (superpage bounds rebuilt from the page metadata, which is
+   what the engine's superpage rows hold) and compared: the share of (step, layer, KV
+   head) rows whose page set equals exact's, and the share of exact's selected pages
+   missing from it.
+2. **Teacher-forced runs** on the exact run's tokens, each with its own cache filled with
+   the prefill's K/V: dense attention (``--dense``, the fidelity reference) and, per
+   ``--fidelity`` variant, ``page_metadata=superpage``: greedy agreement (argmax equal)
+   and KL per step, of each superpage run against exact and against dense, and of exact
+   against dense.
+3. **Bytes** — metadata read per step and job (all layers and KV heads) for exact and
+   superpage at this context (its ``--top-k``) and at 32K / 128K / 256K (``--bytes-top-k``,
+   default 2048 tokens), next to the job's KV bytes (bf16), from the formula of
+   :mod:`kernels.superpage_select`.
+
+Prints a table and writes JSON.
+
+Usage::
+
+    OMP_NUM_THREADS=1 python scripts/measure_superpage.py --tokens 8192 --steps 200 \
+        --top-k 512 --variants 16x4,16x8,8x8 --out docs/bench/superpage_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.config import EngineConfig, SamplingParams  # noqa: E402
+from engine.decode.attention import DecodeAttention  # noqa: E402
+from engine.events import Job  # noqa: E402
+from engine.kv.cache import KVCache  # noqa: E402
+from engine.load import load_engine  # noqa: E402
+from kernels.bitmask import unpack_bits  # noqa: E402
+from kernels.superpage_select import (  # noqa: E402
+    num_candidates,
+    superpage_meta_ref,
+    superpage_select_ref,
+)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def meta_rows_per_head(num_pages: int, k_pages: int, sp: int, oversample: float | None) -> int:
+    """Metadata pair rows one (request, layer, KV head) reads per step: every page for
+    exact (``oversample`` None), else superpages + candidate pages + the refreshed tail."""
+    if oversample is None:
+        return num_pages
+    c = min(num_candidates(k_pages, sp, oversample), -(-num_pages // sp))
+    return -(-num_pages // sp) + c * sp + sp
+
+
+def parse_variant(text: str) -> tuple[int, float]:
+    """``"16x2"`` -> (superpage_pages 16, oversample 2.0)."""
+    sp, o = text.split("x")
+    return int(sp), float(o)
+
+
+def name(sp: int, o: float) -> str:
+    return f"{sp}x{o:g}"
+
+
+def bytes_table(model, tokens: int, top_k: int, long_top_k: int, page: int, variants) -> dict:
+    """Metadata bytes per step and job (bf16 metadata) vs the job's bf16 KV bytes: at the
+    measured context with its ``top_k``, and at 32K / 128K / 256K with ``long_top_k``."""
+    hl = model.num_layers * model.num_kv_heads
+    out = {}
+    for t in sorted({tokens, 32768, 131072, 262144}):
+        p = -(-t // page)
+        kv = hl * p * 2 * page * model.head_dim * 2
+        k = top_k if t == tokens else long_top_k
+        row = {"kv_bytes": kv, "top_k_tokens": k}
+        cols = [("exact", 1, None)] + [(name(sp, o), sp, o) for sp, o in variants]
+        for key, sp, o in cols:
+            b = hl * meta_rows_per_head(p, -(-k // page), sp, o) * 2 * model.head_dim * 2
+            row[key] = {"bytes": b, "kv_over": kv / b}
+        out[str(t)] = row
+    return out
+
+
+def compare(ref: tuple, got: tuple) -> dict:
+    """Greedy agreement (argmax, end-of-turn masked) and KL(ref || got) over the steps of
+    two teacher-forced runs ``(tokens, log-probabilities)`` on the same tokens."""
+    agree = [a == b for a, b in zip(got[0][1:], ref[0][1:], strict=True)]
+    kls = [float((r.exp() * (r - g)).sum()) for r, g in zip(ref[1], got[1], strict=True)]
+    prefix = next((i for i, ok in enumerate(agree) if not ok), len(agree))
+    return {
+        "greedy_agreement": sum(agree) / len(agree),
+        "first_disagreement_step": prefix,
+        "kl_mean_nats": sum(kls) / len(kls),
+        "kl_max_nats": max(kls),
+    }
+
+
+def engine_config(args, **changes) -> EngineConfig:
+    settings = dict(
+        attention="sparse",
+        hierarchical=False,
+        host_pool_gb=args.host_pool_gb,
+        max_batch=1,
+        page_size=args.page_size,
+        top_k=args.top_k,
+        sink_tokens=16,
+        local_window=64,
+        context_policy="extend",
+        max_context=args.tokens + args.steps + 64,
+    )
+    return EngineConfig(**{**settings, **changes})
+
+
+def use(engine, cfg: EngineConfig) -> None:
+    """Point ``engine`` at a fresh cache and decode attention for ``cfg``."""
+    cfg.validate()
+    engine.cache.close()
+    m = engine.model
+    cache = KVCache(
+        engine.model_config, cfg, m.device, -(-engine.context_limit // cfg.page_size),
+        layers=m.layer_range,
+    )  # fmt: skip
+    windows = [m.attn_window(i) for i in m.layer_range]
+    engine.config, engine.cache = cfg, cache
+    engine.attn = DecodeAttention(cache, cfg, engine.ops, m.scale, None, m.attn_softcap, windows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    env = os.environ.get("HISPARSE_CORPUS")
+    default_corpus = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "corpus"
+    p.add_argument("--corpus", type=Path, default=default_corpus)
+    p.add_argument("--doc", default="library-stdtypes.txt")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--top-k", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument(
+        "--variants", default="16x2,16x4", help="superpage_pages x oversample, comma-separated"
+    )
+    p.add_argument(
+        "--fidelity", default=None, help="variants also decoded teacher-forced (default: all)"
+    )
+    p.add_argument("--host-pool-gb", type=float, default=1.0)
+    p.add_argument(
+        "--dense",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also decode dense (teacher-forced) as the fidelity reference",
+    )
+    p.add_argument(
+        "--bytes-top-k",
+        type=int,
+        default=2048,
+        help="top_k (tokens) of the byte table's 32K/128K/256K rows",
+    )
+    p.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    variants = [parse_variant(v) for v in args.variants.split(",")]
+    fid = args.fidelity.split(",") if args.fidelity is not None else args.variants.split(",")
+    fidelity = [parse_variant(v) for v in fid if v]
+    cfg = engine_config(args)
+    engine = load_engine(cfg, args.model)
+    engine.keep_logits = True
+    attn, ends = engine.attn, sorted(engine.eos_ids)
+    text = (args.corpus / args.doc).read_text("utf-8")
+    ids = engine.tokenizer.encode(text)[: args.tokens]
+    stats = {v: {"rows": 0, "same": 0, "sel": 0, "missing": 0} for v in variants}
+    select = attn.select
+
+    def both(plan, layer, q, scores=None):
+        exact = select(plan, layer, q, scores)
+        meta, p_max = attn.cache.meta[layer], plan.block_table.shape[1]
+        n = int(plan.num_pages[0])
+        pages = plan.block_table[0, :n].long()
+        a = unpack_bits(exact, p_max)
+        for sp, o in variants:
+            super_meta = superpage_meta_ref(meta, pages, sp)
+            page_super = torch.full((meta.shape[0],), -1, dtype=torch.int32)
+            page_super[pages[::sp]] = torch.arange(super_meta.shape[0], dtype=torch.int32)
+            got = superpage_select_ref(
+                q, meta, super_meta.clone(), page_super, plan.block_table, plan.num_pages,
+                cfg.top_k_pages, cfg.sink_pages, cfg.window_pages, sp,
+                num_candidates(cfg.top_k_pages, sp, o), cfg.group_combine, attn.scale,
+            )  # fmt: skip
+            b = unpack_bits(got, p_max)
+            st = stats[(sp, o)]
+            st["rows"] += a.shape[0] * a.shape[1]
+            st["same"] += int((a == b).all(-1).sum())
+            st["sel"] += int(a.sum())
+            st["missing"] += int((a & ~b).sum())
+        return exact
+
+    attn.select = both
+    t0 = time.time()
+    req = engine.open_request(Job("x", tuple(ids), SamplingParams(max_tokens=args.steps + 2)))
+    first = engine.prefill(req)
+    log(f"prefill {len(ids)} tokens: {time.time() - t0:.0f} s")
+    first_logits = req.logits.clone()
+    keys, values = [], []
+    n_pages = engine.cache.pages_for(len(ids))
+    pg = torch.tensor(engine.cache.seqs[req.seq_id].pages[:n_pages], dtype=torch.long)
+    for layer in range(engine.model_config.num_layers):
+        rec = engine.cache.pool[layer][pg]
+        _, hkv, _, s, d = rec.shape
+        kv = rec.permute(2, 0, 3, 1, 4).reshape(2, n_pages * s, hkv, d)
+        keys.append(kv[0, : len(ids)].clone())
+        values.append(kv[1, : len(ids)].clone())
+
+    def decode(req, forced: list[int] | None) -> tuple[list[int], list[torch.Tensor]]:
+        tokens, logps = [first], []
+        t = time.time()
+        for i in range(args.steps):
+            if i > 0:
+                req.generated.append(forced[i] if forced else tokens[-1])
+            engine.decode_step([req])
+            logits = req.logits.float()
+            logps.append(F.log_softmax(logits, -1))
+            logits = logits.clone()
+            logits[ends] = float("-inf")
+            tokens.append(int(logits.argmax()))
+            if i % 25 == 0:
+                log(f"  step {i} ({(time.time() - t) / (i + 1):.2f} s/step)")
+        return tokens, logps
+
+    exact_tokens, exact_logps = decode(req, None)
+    engine.close_request(req)
+    attn.select = select
+
+    def forced_run(cfg_run: EngineConfig, label: str) -> tuple[list[int], list[torch.Tensor]]:
+        log(f"{label}: teacher-forced decode")
+        use(engine, cfg_run)
+        r = engine.open_request(Job(label, tuple(ids), SamplingParams(max_tokens=args.steps + 2)))
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            engine.cache.write_prefill(r.seq_id, layer, k, v, 0)
+        engine.cache.seqs[r.seq_id].num_tokens = len(ids)
+        r.phase, r.generated, r.logits = "decode", [first], first_logits
+        try:
+            return decode(r, exact_tokens)
+        finally:
+            engine.cache.check_integrity()
+            engine.close_request(r)
+
+    dense = forced_run(engine_config(args, attention="dense"), "dense") if args.dense else None
+    runs = {}
+    for sp, o in fidelity:
+        got = forced_run(
+            engine_config(args, page_metadata="superpage", superpage_pages=sp,
+                          superpage_oversample=o), f"superpage {name(sp, o)}",
+        )  # fmt: skip
+        runs[name(sp, o)] = {"vs_exact": compare((exact_tokens, exact_logps), got)}
+        if dense is not None:
+            runs[name(sp, o)]["vs_dense"] = compare(dense, got)
+    if dense is not None:
+        runs["exact"] = {"vs_dense": compare(dense, (exact_tokens, exact_logps))}
+    model = engine.model_config
+    result = {
+        "what": "two-level superpage selection vs exact flat Quest (issue 20)",
+        "model": args.model or "embedded SmolLM2-135M-Instruct",
+        "doc": args.doc,
+        "tokens": len(ids),
+        "steps": args.steps,
+        "top_k_tokens": args.top_k,
+        "page_size": args.page_size,
+        "group_combine": cfg.group_combine,
+        "context_policy": "extend (yarn)",
+        "selection": {
+            name(sp, o): {
+                "superpage_pages": sp,
+                "oversample": o,
+                "num_candidates": num_candidates(cfg.top_k_pages, sp, o),
+                "rows_step_layer_head": st["rows"],
+                "share_rows_same_page_set": st["same"] / max(st["rows"], 1),
+                "share_exact_pages_missing": st["missing"] / max(st["sel"], 1),
+            }
+            for (sp, o), st in stats.items()
+        },
+        "fidelity": runs,
+        "bytes_per_step_per_job": bytes_table(
+            model, len(ids), args.top_k, args.bytes_top_k, args.page_size, variants
+        ),
+        "machine": platform.node() + " (2-core CPU, shared with other agents: contended)",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": "python scripts/measure_superpage.py " + " ".join(argv or sys.argv[1:]),
+    }
+    nan = {"greedy_agreement": float("nan"), "kl_mean_nats": float("nan")}
+    print(f"{'variant':<10}{'C':>4}{'same set':>10}{'missing':>9}  vs exact: agree, KL"
+          "   vs dense: agree, KL")  # fmt: skip
+    for key in ["exact", *result["selection"]]:
+        sel = result["selection"].get(key)
+        f = runs.get(key, {})
+        e, d = f.get("vs_exact", nan), f.get("vs_dense", nan)
+        cells = (
+            f"{sel['num_candidates']:>4}{sel['share_rows_same_page_set']:>10.2%}"
+            f"{sel['share_exact_pages_missing']:>9.2%}"
+            if sel
+            else f"{'':>4}{'':>10}{'':>9}"
+        )
+        print(
+            f"{key:<10}{cells}  {e['greedy_agreement']:>13.3f} {e['kl_mean_nats']:>7.4f}"
+            f"  {d['greedy_agreement']:>13.3f} {d['kl_mean_nats']:>7.4f}"
+        )
+    for t, row in result["bytes_per_step_per_job"].items():
+        cells = "  ".join(
+            f"{k} {v['bytes'] / 2**20:.2f} MiB (KV/{v['kv_over']:.0f})"
+            for k, v in row.items()
+            if isinstance(v, dict)
+        )
+        print(f"{t:>7} tokens: {cells}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
