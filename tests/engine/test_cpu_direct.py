@@ -76,3 +76,16 @@ def test_direct_reads_need_the_cpu_and_host_records():
     assert not make(cpu_direct_reads=True, kv_host_dtype="fp8").attn.direct
     assert not make(cpu_direct_reads=True, hierarchical=False).attn.direct
     assert make(cpu_direct_reads=True, prefetch_pages=2, device_buffer=128).attn.prefetch_pages == 0
+
+
+def test_direct_reads_with_superpages_equal_the_hierarchy():
+    """Superpage selection (``page_metadata=superpage``) keeps its bitmask route on the
+    direct path (its own kernels pick the pages): still the hierarchy's bits."""
+    common = dict(page_metadata="superpage", superpage_oversample=2.0)
+    logits_h, tokens_h, _ = decode(make(cpu_direct_reads=False, **common), 6)
+    direct = make(cpu_direct_reads=True, **common)
+    assert direct.attn.direct and direct.attn.two_level(0)
+    logits_d, tokens_d, counts_d = decode(direct, 6)
+    assert tokens_d == tokens_h
+    assert all(torch.equal(a, b) for a, b in zip(logits_d, logits_h, strict=True))
+    assert all(m == 0 for _, m in counts_d)
