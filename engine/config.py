@@ -138,6 +138,16 @@ class EngineConfig:
     hierarchical: with ``sparse``, keep all KV in the host pool and only a hot buffer of
         ``device_buffer`` tokens per (request, layer, KV head) on the compute device; when
         False every record stays resident in the KV pool (no host tier).
+    cpu_direct_reads: hierarchical on a CPU device only: attention reads the selected
+        records straight from the host pool instead of resolving them into the hot buffer
+        and gathering the misses (on the CPU both live in the same RAM, so the hierarchy
+        would only copy). Outputs are bit-identical either way: it is the all-resident
+        sparse path of the correctness ladder over the host pool. The cache statistics then
+        count every selected record as a hit (read where it lives, nothing copied) and no
+        misses; the miss rate a GPU hot buffer would have is what ``hisparse replay`` of a
+        selection trace (``--trace``) measures. No effect on CUDA, with
+        ``kv_host_dtype=fp8`` (the hot buffer holds the dequantised records) or with
+        ``prefetch_pages``. Default False (the ``cpu`` preset sets it).
     group_combine: how the ``quest`` indexer turns the G query heads' page bounds of a KV
         head into one ranking (:func:`kernels.quest_scores.combine_group_ref`): ``sum``
         (Quest's GQA rule), ``max``, ``normmax`` (max of per-head log-softmax-normalised
@@ -257,6 +267,7 @@ class EngineConfig:
     weight_format: str = "auto"
     attention: str = "sparse"
     hierarchical: bool = True
+    cpu_direct_reads: bool = False
     indexer: str = "quest"
     group_combine: str = "normmax"
     page_size: int = 16
@@ -582,6 +593,7 @@ SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "weight_format": _choice(WEIGHT_FORMATS),
     "attention": _choice(ATTENTION_MODES),
     "hierarchical": _flag,
+    "cpu_direct_reads": _flag,
     "indexer": lambda value: _choice(tuple(INDEXER_REGISTRY))(value),  # read at check time
     "group_combine": _choice(GROUP_COMBINES),
     "page_size": _choice(PAGE_SIZES),

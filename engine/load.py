@@ -125,6 +125,40 @@ def _check_tokenizer_choice(model: str | None, tokenizer: str | None) -> None:
         )
 
 
+_MALLOC_SET = [False]
+
+
+def keep_freed_heap() -> bool:
+    """Make glibc keep freed memory for reuse instead of handing it back to the kernel
+    (once per process; a no-op without glibc). Returns whether the settings were applied.
+
+    A CPU decode step allocates and frees the same few-MiB tensors in every layer (the
+    selected records, the Quest bound terms). With glibc's defaults each such block is
+    ``mmap``ed, page-faulted in and ``munmap``ed again, or trimmed off the heap top, every
+    time: measured here, the page faults were about half the attention ops' CPU time
+    (docs/performance.md, "CPU decode path"). ``M_MMAP_THRESHOLD`` = 32 MiB (glibc's
+    largest) serves blocks below it from the heap, ``M_TRIM_THRESHOLD`` = 1 GiB keeps the
+    freed heap; the environment variables ``MALLOC_MMAP_THRESHOLD_`` /
+    ``MALLOC_TRIM_THRESHOLD_`` do the same from outside (mallopt(3)). The process keeps
+    its peak heap, as jemalloc or tcmalloc (PyTorch's recommended CPU allocators) do.
+    """
+    if _MALLOC_SET[0]:
+        return True
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, musl without mallopt)
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    ok = mallopt(m_mmap_threshold, 32 << 20) == 1 and mallopt(m_trim_threshold, 1 << 30) == 1
+    _MALLOC_SET[0] = ok
+    return ok
+
+
 def pick_weight_format(config: EngineConfig, device: torch.device) -> str:
     """``auto``: int4 (torch's int4 kernel) on CUDA, float on CPU, where torch's CPU int4
     GEMM is slower than fp32 GEMM for these shapes (see docs/performance.md)."""
@@ -197,6 +231,8 @@ def place_model(
     device = resolve_device(config)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    if device.type == "cpu":
+        keep_freed_heap()
     marks = {} if marks is None else marks
     weights, tokenizer, name = weights or load_weights(model, config.tokenizer, marks)
     layers = None

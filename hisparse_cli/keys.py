@@ -29,6 +29,7 @@ OUTPUT_NEUTRAL_SETTINGS = frozenset(
     {
         "device",
         "hierarchical",
+        "cpu_direct_reads",
         "device_buffer",
         "max_batch",
         "prefill_chunk",

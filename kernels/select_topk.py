@@ -27,6 +27,31 @@ from kernels._launch import (
 from kernels.bitmask import num_words, pack_bits
 
 
+def _ranked(
+    scores: torch.Tensor,
+    num_pages: torch.Tensor,
+    top_k_pages: int,
+    sink_pages: int,
+    window_pages: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top-k rule's ranking: ``order`` int64 ``[B, Hkv, k]`` (forced pages first, then
+    by score descending, ties to the lower page; ``k = min(max(top_k_pages, sink_pages +
+    window_pages), P_max)``), ``budget`` int64 ``[B, 1]`` (pages each row keeps: its first
+    ``budget`` entries) and ``valid`` bool ``[B, P_max]`` (page < num_pages)."""
+    p_max = scores.shape[-1]
+    idx = torch.arange(p_max, device=scores.device)[None, :]
+    n = num_pages.to(scores.device).long()[:, None]
+    valid = idx < n
+    forced = valid & ((idx < sink_pages) | (idx >= n - window_pages))
+    budget = torch.maximum(torch.clamp(n, max=top_k_pages), forced.sum(-1, keepdim=True))
+    key = scores.float().masked_fill(forced[:, None, :], float("inf"))
+    key = key.masked_fill(~valid[:, None, :], float("-inf"))
+    k = min(max(top_k_pages, sink_pages + window_pages), p_max)
+    # Stable order: sort descending by score, ascending by index on ties.
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :k]
+    return order, budget, valid
+
+
 def select_topk_ref(
     scores: torch.Tensor,
     num_pages: torch.Tensor,
@@ -52,21 +77,59 @@ def select_topk_ref(
     int32 ``[B, Hkv, ceil(P_max/32)]`` bitmask.
     """
     b, hkv, p_max = scores.shape
-    idx = torch.arange(p_max, device=scores.device)[None, :]
-    n = num_pages.to(scores.device).long()[:, None]
-    valid = idx < n
-    forced = valid & ((idx < sink_pages) | (idx >= n - window_pages))
-    budget = torch.maximum(torch.clamp(n, max=top_k_pages), forced.sum(-1, keepdim=True))
-    key = scores.float().masked_fill(forced[:, None, :], float("inf"))
-    key = key.masked_fill(~valid[:, None, :], float("-inf"))
-    k = min(max(top_k_pages, sink_pages + window_pages), p_max)
-    # Stable order: sort descending by score, ascending by index on ties.
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :k]
+    order, budget, valid = _ranked(scores, num_pages, top_k_pages, sink_pages, window_pages)
+    k = order.shape[-1]
     rank = torch.arange(k, device=scores.device)[None, None, :]
     keep = (rank < budget[:, :, None]).expand(b, hkv, k)
     mask = torch.zeros(b, hkv, p_max, dtype=torch.bool, device=scores.device)
     mask.scatter_(-1, order, keep)
     return pack_bits(mask & valid[:, None, :])
+
+
+def select_topk_pages_ref(
+    scores: torch.Tensor,
+    num_pages: torch.Tensor,
+    top_k_pages: int,
+    sink_pages: int,
+    window_pages: int,
+    k_max: int,
+) -> torch.Tensor:
+    """The pages :func:`select_topk_ref` selects, as indices in position order instead of
+    a bitmask: equal to ``selected_pages(select_topk_ref(...), P_max, k_max)``
+    (:func:`kernels.bitmask.selected_pages`) without packing and unpacking the bits (the
+    CPU direct path, :class:`engine.decode.attention.DecodeAttention`).
+
+    Parameters
+    ----------
+    scores : float32 ``[B, Hkv, P_max]`` (``-inf`` on unused pages); num_pages : int32
+    ``[B]``; top_k_pages, sink_pages, window_pages : as :func:`select_topk_ref`
+    k_max : K_max, the padded output width
+
+    Returns
+    -------
+    int64 ``[B, Hkv, K_max]``: ascending page indices, padded with -1.
+
+    Raises
+    ------
+    ValueError
+        If a row selects more than ``k_max`` pages.
+    """
+    b, hkv, p_max = scores.shape
+    order, budget, _ = _ranked(scores, num_pages, top_k_pages, sink_pages, window_pages)
+    k = order.shape[-1]
+    if k > k_max and b and int(budget.max()) > k_max:
+        raise ValueError(f"a selection holds {int(budget.max())} pages but k_max={k_max}")
+    k = min(k, k_max)
+    # The first ``budget`` entries of the order are valid pages (valid pages are a prefix
+    # of the indices, so they win every tie with the -inf unused ones).
+    order = order[..., :k]
+    rank = torch.arange(k, device=scores.device)[None, None, :]
+    drop = rank >= budget[:, :, None]
+    pages = order.masked_fill_(drop, p_max).sort(dim=-1).values
+    pages.masked_fill_(pages == p_max, -1)
+    if k < k_max:
+        pages = torch.nn.functional.pad(pages, (0, k_max - k), value=-1)
+    return pages
 
 
 def dense_selection(num_pages: torch.Tensor, num_kv_heads: int, p_max: int) -> torch.Tensor:

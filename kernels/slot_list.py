@@ -50,6 +50,23 @@ def resident_slot_list(
     return torch.where(pages >= 0, slots, torch.full_like(slots, -1)).to(torch.int32)
 
 
+def resident_slots_of_pages(
+    pages: torch.Tensor, block_table: torch.Tensor
+) -> torch.Tensor:
+    """:func:`resident_slot_list` from selected page indices instead of a bitmask:
+    ``pages`` int ``[B, Hkv, K_max]`` (position order, -1 padded; e.g.
+    :func:`kernels.select_topk.select_topk_pages_ref`), ``block_table`` int32 ``[B, P_max]``.
+
+    Returns
+    -------
+    int64 ``[B, Hkv, K_max]``: slot ``pool_page * Hkv + h`` of each selected page, -1 padded.
+    """
+    b, hkv, k = pages.shape
+    pool_page = block_table.long().gather(1, pages.clamp(min=0).view(b, hkv * k)).view(b, hkv, k)
+    heads = torch.arange(hkv, device=pages.device)[None, :, None]
+    return (pool_page * hkv + heads).masked_fill_(pages < 0, -1)
+
+
 @triton.jit
 def _resident_slot_list_kernel(
     sel_ptr,

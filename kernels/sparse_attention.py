@@ -48,6 +48,7 @@ def sparse_decode_attention_ref(
     scale: float,
     softcap: float | None = None,
     window: int | None = None,
+    pages: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each request's query over the tokens of its selected pages.
 
@@ -64,6 +65,9 @@ def sparse_decode_attention_ref(
     softcap : logits become ``softcap * tanh(logits / softcap)`` (``None``: off)
     window : only positions ``>= seq_len - window`` count (a sliding-window layer;
         ``None``: all)
+    pages : int ``[B, Hkv, K_max]`` the selected pages in position order, -1 padded
+        (:func:`kernels.bitmask.selected_pages` of ``selection``), when the caller has them:
+        ``selection`` is then not read (may be ``None``). Same result.
 
     Returns
     -------
@@ -72,8 +76,9 @@ def sparse_decode_attention_ref(
     b, hq, d = q.shape
     hkv, k_max = slot_list.shape[1], slot_list.shape[2]
     s = kv_slots.shape[2]
-    p_max = selection.shape[-1] * 32
-    pages = selected_pages(selection, p_max, k_max).long()  # [B, Hkv, K]
+    if pages is None:
+        pages = selected_pages(selection, selection.shape[-1] * 32, k_max)
+    pages = pages.long()  # [B, Hkv, K]
     # Keys and values gathered record by record (index_select copies whole rows; advanced
     # indexing on CPU computes an offset per element and was ~4x slower).
     idx = slot_list.clamp(min=0).reshape(-1).long()

@@ -23,7 +23,10 @@ Usage::
 
     python scripts/bench_cpu_llamacpp.py [--threads 2] [--prompt-tokens 8000]
         [--decode-tokens 32] [--rounds 2] [--preset cpu] [--set weight_format=bf16 ...]
-        [--out docs/bench/cpu_llamacpp.json]
+        [--variant weight_format=int4,dtype=bfloat16 ...] [--out docs/bench/cpu_llamacpp.json]
+
+``--variant`` adds a hisparse engine with those overrides (on top of ``--set``) to the same
+process and rotation, named ``hisparse[overrides]``; every hisparse engine gets its ratios.
 
 Prints a table and writes JSON.
 """
@@ -112,7 +115,9 @@ def parse_sets(items: list[str]) -> dict:
 class Hisparse:
     name = "hisparse"
 
-    def __init__(self, preset: str, threads: int, prompt_len: int, n_decode: int, sets: dict):
+    def __init__(self, preset: str, threads: int, prompt_len: int, n_decode: int, sets: dict,
+                 name: str = "hisparse"):
+        self.name = name
         overrides = {"num_threads": threads, "max_batch": 1, "host_pool_gb": 1.0}
         overrides.update(sets)
         self.config = resolve_config(preset, cli_overrides=overrides)
@@ -200,6 +205,8 @@ def main() -> None:
     ap.add_argument("--preset", default="cpu")
     ap.add_argument("--set", dest="sets", action="append", default=[],
                     help="EngineConfig override for hisparse, key=value (repeatable)")
+    ap.add_argument("--variant", dest="variants", action="append", default=[],
+                    help="another hisparse engine: comma-separated key=value overrides")
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("bench_cpu_llamacpp.json"))
     args = ap.parse_args()
@@ -209,6 +216,10 @@ def main() -> None:
                     parse_sets(args.sets))
     ids = build_prompt(ours.engine.tokenizer, args.doc, args.prompt_tokens)
     engines = [ours]
+    for v in args.variants:
+        sets = {**parse_sets(args.sets), **parse_sets(v.split(","))}
+        engines.append(Hisparse(args.preset, args.threads, args.prompt_tokens,
+                                args.decode_tokens, sets, name=f"hisparse[{v}]"))
     if not args.skip_llamacpp:
         engines.append(LlamaCpp(default_model_path(), args.threads, len(ids), args.decode_tokens))
     runs: dict[str, list[dict]] = {e.name: [] for e in engines}
@@ -238,13 +249,28 @@ def main() -> None:
         b = best[e.name]
         print(f"{e.label:62s} {b['prefill_tok_s']:14.1f} {b['decode_tok_s']:13.2f}")
     ratios = None
+    variant_ratios = {}
     if "llama.cpp" in best:
-        ratios = {k: best["hisparse"][k] / best["llama.cpp"][k] for k in best["hisparse"]}
-        print(f"{'ratio hisparse / llama.cpp':62s} {ratios['prefill_tok_s']:14.2f} "
-              f"{ratios['decode_tok_s']:13.2f}")
-        a, b = runs["hisparse"][0]["tokens"], runs["llama.cpp"][0]["tokens"]
-        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-        print(f"greedy tokens identical for the first {same} of {len(a)}")
+        for e in engines:
+            if e.name == "llama.cpp":
+                continue
+            r = {k: best[e.name][k] / best["llama.cpp"][k] for k in best[e.name]}
+            print(f"{'ratio ' + e.name + ' / llama.cpp':62s} {r['prefill_tok_s']:14.2f} "
+                  f"{r['decode_tok_s']:13.2f}")
+            a, b = runs[e.name][0]["tokens"], runs["llama.cpp"][0]["tokens"]
+            same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                        min(len(a), len(b)))
+            print(f"  {e.name}: greedy tokens identical to llama.cpp's for the first {same} of "
+                  f"{len(a)}")
+            if e.name != "hisparse":
+                c = runs["hisparse"][0]["tokens"]
+                same = next((i for i, (x, y) in enumerate(zip(a, c, strict=False)) if x != y),
+                            min(len(a), len(c)))
+                print(f"  {e.name}: greedy tokens identical to hisparse's for the first {same}")
+            if e.name == "hisparse":
+                ratios = r
+            else:
+                variant_ratios[e.name] = r
     report = {
         "doc": args.doc.name,
         "prompt_tokens": len(ids),
@@ -262,6 +288,7 @@ def main() -> None:
         "contended": contended,
         "best": best,
         "ratios": ratios,
+        "variant_ratios": variant_ratios,
         "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

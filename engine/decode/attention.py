@@ -9,6 +9,9 @@ independent SDPA implementation; ``attention=sparse`` with ``hierarchical=False`
 the selected records straight from a device-resident pool; with ``hierarchical=True``
 (the default) it reads them from the hot buffer after resolve and gather. The two sparse
 modes run the same attention op in the same page order, so they are bit-identical.
+On a CPU device with ``cpu_direct_reads`` the hierarchical cache is read like the
+resident pool (:attr:`DecodeAttention.direct`): the host pool is the compute device's
+RAM there, so resolve and gather would only copy records the attention can read in place.
 
 Sliding-window layers (Gemma 2/3: ``windows[layer]`` tokens) keep their window in both
 modes: attention masks every position before ``seq_len - window`` (the kernels' ``window``
@@ -32,6 +35,9 @@ from engine.kv.cache import KVCache
 from kernels.bitmask import pack_bits
 from kernels.dispatch import Ops
 from kernels.rope_append import RopeParams
+from kernels.select_topk import select_topk_pages_ref
+from kernels.slot_list import resident_slots_of_pages
+from kernels.sparse_attention import sparse_decode_attention_ref
 from kernels.superpage_select import num_candidates
 
 
@@ -130,11 +136,26 @@ class DecodeAttention:
         self.num_candidates = num_candidates(
             config.top_k_pages, config.superpage_pages, config.superpage_oversample
         )
+        self.direct = (
+            cache.hierarchical
+            and config.cpu_direct_reads
+            and cache.device.type == "cpu"
+            and not cache.host_fp8
+        )
+        """Read the selected records straight from the host pool (``cpu_direct_reads`` on a
+        CPU device, bf16/kv_dtype records): no resolve, no gather, the hot buffer unused;
+        every selected record counts as a hit."""
         self.prefetch_pages = (
             config.prefetch_pages
-            if cache.hierarchical and config.attention == "sparse" and self.indexer.ranks
+            if cache.hierarchical
+            and config.attention == "sparse"
+            and self.indexer.ranks
+            and not self.direct
             else 0
         )
+        # The direct path without bitmasks: a ranking indexer and the reference ops (a
+        # run that forces Triton on the CPU keeps the kernels' bitmask path).
+        self.fast_direct = self.direct and self.indexer.ranks and ops.name == "reference"
         self.prefetched: torch.Tensor | None = None
         # Audit (engine.decode.audit): run() appends (cache layer, plan.row0, q [b, Hq, D],
         # selection [b, Hkv, W]) of every layer here — references, not copies; None: off.
@@ -185,7 +206,7 @@ class DecodeAttention:
         are after RoPE; with it they are before, and the append rotates both
         (``ops.rope_append``: one kernel for the RoPE and the append)."""
         c = self.cache
-        hier = c.hierarchical
+        hier = c.hierarchical and not self.direct  # the hot buffer is read and written
         cfg = self.config
         if c.fp8:  # fp8 rounding starts from kv_dtype, as the prefill's does
             k, v = k.to(c.dtype), v.to(c.dtype)
@@ -227,6 +248,14 @@ class DecodeAttention:
                 q, c.pool[layer], plan.block_table, plan.seq_lens, self.scale,
                 self.softcap, window,
             )  # fmt: skip
+        if (
+            self.fast_direct
+            and not window
+            and not self.two_level(layer)  # superpage selection keeps its bitmask route
+            and self.tracer is None
+            and self.capture is None
+        ):
+            return self.run_direct(plan, layer, q)
         scores = self.scores(plan, layer, q)
         selection = self.select(plan, layer, q, scores)
         if self.tracer is not None:
@@ -236,6 +265,8 @@ class DecodeAttention:
         if not hier:
             pool = c.pool[layer]
             slot_list = self.ops.resident_slot_list(selection, plan.block_table, self.k_max)
+            if self.direct and plan.hits is not None:
+                plan.hits += (slot_list >= 0).sum((-1, -2))
             records = pool.view(-1, *pool.shape[2:])
             return self.ops.sparse_decode_attention(
                 q, records, selection, slot_list, plan.seq_lens, self.scale, self.softcap, window
@@ -261,6 +292,29 @@ class DecodeAttention:
         if self.prefetch_pages and scores is not None:
             self.prefetch(plan, layer, scores)
         return out
+
+    def run_direct(self, plan: StepPlan, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """:meth:`run`'s selection and attention on the CPU direct path (:attr:`direct`,
+        full-attention layers of flat page metadata, no tracer or audit capture; the other
+        cases take the bitmask route over the same pool): the top-k pages as indices
+        (:func:`kernels.select_topk.select_topk_pages_ref`, no bitmask), their records
+        read in place from the host pool (slot ``pool_page * Hkv + h``). The same pages in
+        the same order as the bitmask path, so the same bits; every selected record is
+        counted as a hit."""
+        c, cfg = self.cache, self.config
+        scores = self.scores(plan, layer, q)
+        pages = select_topk_pages_ref(
+            scores, plan.num_pages, cfg.top_k_pages, self.sink_pages(layer),
+            cfg.window_pages, self.k_max,
+        )  # fmt: skip
+        slots = resident_slots_of_pages(pages, plan.block_table)
+        if plan.hits is not None:
+            plan.hits += (pages >= 0).sum((-1, -2))
+        pool = c.pool[layer]
+        records = pool.view(-1, *pool.shape[2:])
+        return sparse_decode_attention_ref(
+            q, records, None, slots, plan.seq_lens, self.scale, self.softcap, pages=pages
+        )
 
     def prefetch(self, plan: StepPlan, layer: int, scores: torch.Tensor) -> None:
         """Load the near misses of ``scores`` (float32 ``[B, Hkv, P_max]``, this step's

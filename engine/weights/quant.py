@@ -221,7 +221,10 @@ class Int4Linear(Linear):
     ``triton_min_rows <= M < DEQUANT_MIN_ROWS`` the Triton dequant-matmul over the source
     weight kept on the device (:func:`kernels.int4_matmul.group_int4_linear`); larger ``M``
     (prefill) dequantises the source to the compute dtype and runs the dense GEMM. On CPU
-    always ``_weight_int4pack_mm_for_cpu``.
+    ``_weight_int4pack_mm_for_cpu`` in the compute dtype below ``DEQUANT_MIN_ROWS`` rows
+    (decode; with bf16 activations: with fp32 ones that kernel was 10-30x slower, see
+    docs/performance.md, "CPU decode path"), the dense GEMM over the dequantised weight
+    from there on (prefill: the int4 kernel was ~2x slower than the GEMM there).
 
     Supported group sizes: 32, 64, 128, 256. Activations: bf16 on CUDA; bf16 or fp32 on
     CPU. Output has the dtype of ``x``.
@@ -248,7 +251,7 @@ class Int4Linear(Linear):
             )
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nib, 1)
-            self.source = None
+            self.source = w  # prefill (M >= DEQUANT_MIN_ROWS): the dense GEMM
         self.scales_and_zeros = sz.to(device, dtype)
         self.bias = bias
         self.triton_min_rows = TRITON_MIN_ROWS  # EngineConfig.int4_triton_min_rows
@@ -257,10 +260,11 @@ class Int4Linear(Linear):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(self.dtype)
         rows = x2.shape[0]
+        cuda = self.device.type == "cuda"
         if self.source is not None and rows >= DEQUANT_MIN_ROWS:
             y = F.linear(x2, self.source.dequantize(self.dtype), self.bias)
             return y.view(*shape[:-1], self.out_features).to(x.dtype)
-        if self.source is not None and rows >= self.triton_min_rows:
+        if cuda and rows >= self.triton_min_rows:
             from kernels.int4_matmul import group_int4_linear
 
             w = self.source

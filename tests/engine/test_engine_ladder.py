@@ -212,6 +212,47 @@ def test_hierarchical_bit_identical_to_resident(
         assert torch.equal(mantissa, torch.round(mantissa))
 
 
+def test_cpu_direct_reads_bit_identical_to_hierarchical(weights_path, corpus_dir):
+    """Rung 3 for the CPU direct path (``cpu_direct_reads``, the ``cpu`` preset's default):
+    attention reading the selected records straight from the host pool gives the
+    hierarchical path's logits and tokens bit for bit on the real model, with a hot buffer
+    small enough that the hierarchy misses; the direct path counts every selected record
+    as a hit and none as a miss."""
+    common = dict(
+        attention="sparse", indexer="quest", top_k=256, page_size=16, sink_tokens=16,
+        local_window=32, hierarchical=True, device_buffer=320,
+    )  # fmt: skip
+    hier = make_engine(weights_path, cpu_direct_reads=False, **common)
+    direct = make_engine(weights_path, cpu_direct_reads=True, **common)
+    assert direct.attn.fast_direct
+    doc = (corpus_dir / "howto-sorting.txt").read_text(encoding="utf-8")[:4000]
+    chat = [{"role": "user", "content": "Summarize this document:\n\n" + doc}]
+    ids = hier.tokenizer.encode_chat(chat)  # ~1K tokens: 4 x top_k, 3 x the hot buffer
+    assert len(ids) > 3 * 320
+    steps = 24
+    reqs = [
+        e.open_request(Job(f"j{i}", tuple(ids), SamplingParams(max_tokens=steps + 1)))
+        for i, e in enumerate((hier, direct))
+    ]
+    for e, r in zip((hier, direct), reqs, strict=True):
+        e.prefill(r)
+    assert torch.equal(reqs[0].logits, reqs[1].logits)
+    misses = 0
+    for step in range(steps - 1):
+        tokens = [e.decode_step([r])[0] for e, r in zip((hier, direct), reqs, strict=True)]
+        assert torch.equal(reqs[0].logits, reqs[1].logits), f"logits differ at decode step {step}"
+        assert tokens[0] == tokens[1]
+        selected = int(hier.attn.hits.sum() + hier.attn.misses.sum())
+        misses += int(hier.attn.misses.sum())
+        assert int(direct.attn.hits.sum()) == selected and int(direct.attn.misses.sum()) == 0
+        for r, t in zip(reqs, tokens, strict=True):
+            r.generated.append(t)
+    assert misses > 0
+    for e, r in zip((hier, direct), reqs, strict=True):
+        e.close_request(r)
+        e.cache.check_integrity()
+
+
 def _records_of(cache, seq_id: int, layer: int, num_tokens: int) -> torch.Tensor:
     """A request's K/V records of one layer in token order: ``[T, Hkv, 2, D]`` (an fp8
     host pool's dequantised to ``kv_dtype``)."""

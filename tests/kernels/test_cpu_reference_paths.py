@@ -6,12 +6,16 @@ correctness ladder's figures must not move."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from kernels.bitmask import pack_bits, selected_pages
 from kernels.gather import gather_ref
 from kernels.quest_scores import GROUP_COMBINES, combine_group_ref, quest_scores_ref
+from kernels.select_topk import select_topk_pages_ref, select_topk_ref
+from kernels.slot_list import resident_slot_list, resident_slots_of_pages
 from kernels.sparse_attention import sparse_decode_attention_ref
 
 
@@ -138,3 +142,65 @@ def test_rope_cos_sin_memo_follows_its_inputs():
     assert torch.equal(_step_cos_sin(p, rope, torch.float32)[0], rope_cos_sin_ref(p, rope, torch.float32)[0])
     other = RopeParams(rope.inv_freq.clone(), attention_factor=0.5)
     assert torch.equal(_step_cos_sin(p, other, torch.bfloat16)[1], rope_cos_sin_ref(p, other, torch.bfloat16)[1])
+
+
+# --- the CPU direct path: the selection as page indices, no bitmask (same pages) ---------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_select_topk_pages_equals_the_bitmask_path(seed):
+    """:func:`select_topk_pages_ref` gives the pages of :func:`select_topk_ref`'s bitmask
+    (:func:`selected_pages`): ties (scores rounded to a few values), ``-inf`` and NaN
+    scores on used pages, contexts shorter than the budget, empty contexts, sinks and
+    windows larger than the budget, a padded output width."""
+    g = torch.Generator().manual_seed(seed)
+    b, hkv = 1 + seed % 4, 1 + seed % 3
+    p_max = [5, 37, 64, 501, 130, 33][seed]
+    top_k = [2, 8, 16, 128, 130, 1][seed]
+    sink, window = [(1, 1), (0, 4), (2, 0), (1, 4), (3, 5), (4, 8)][seed]
+    k_max = max(top_k, sink + window) + seed % 2 * 7
+    scores = torch.randn(b, hkv, p_max, generator=g)
+    if seed % 2:
+        scores = (scores * 2).round() / 2  # many ties
+    scores[..., 3::11] = float("-inf")
+    scores[..., 5::17] = float("nan")
+    num_pages = torch.randint(0, p_max + 1, (b,), generator=g).int()
+    num_pages[0] = p_max
+    scores = scores.masked_fill(torch.arange(p_max) >= num_pages[:, None, None].long(), -math.inf)
+    want = selected_pages(select_topk_ref(scores, num_pages, top_k, sink, window), p_max, k_max)
+    got = select_topk_pages_ref(scores, num_pages, top_k, sink, window, k_max)
+    assert got.dtype == torch.int64 and got.shape == (b, hkv, k_max)
+    assert torch.equal(got, want.long())
+
+
+def test_select_topk_pages_refuses_a_narrow_output():
+    scores = torch.randn(1, 1, 40)
+    with pytest.raises(ValueError, match="k_max=4"):
+        select_topk_pages_ref(scores, torch.tensor([40], dtype=torch.int32), 8, 1, 1, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_direct_slots_and_attention_equal_the_bitmask_path(dtype):
+    """Slots of the pool from page indices (:func:`resident_slots_of_pages`) equal
+    :func:`resident_slot_list` of the bitmask, and attention given those pages equals
+    attention that unpacks the bitmask, bit for bit (the CPU direct path against the
+    all-resident path of the correctness ladder)."""
+    g = torch.Generator().manual_seed(11)
+    b, hkv, grp, s, d, n_pool, p_max, top_k = 3, 3, 3, 16, 64, 300, 120, 24
+    pool = torch.randn(n_pool, hkv, 2, s, d, generator=g).to(dtype)
+    table = torch.stack([torch.randperm(n_pool, generator=g)[:p_max] for _ in range(b)]).int()
+    num_pages = torch.tensor([p_max, 17, 90], dtype=torch.int32)
+    table[1, 17:] = -1
+    lens = (num_pages - 1) * s + torch.tensor([16, 3, 9], dtype=torch.int32)
+    scores = torch.randn(b, hkv, p_max, generator=g)
+    scores = scores.masked_fill(torch.arange(p_max) >= num_pages[:, None, None].long(), -math.inf)
+    q = torch.randn(b, hkv * grp, d, generator=g).to(dtype)
+    selection = select_topk_ref(scores, num_pages, top_k, 1, 4)
+    pages = select_topk_pages_ref(scores, num_pages, top_k, 1, 4, top_k)
+    slots = resident_slots_of_pages(pages, table)
+    assert torch.equal(slots, resident_slot_list(selection, table, top_k).long())
+    records = pool.view(-1, 2, s, d)
+    for softcap in (None, 30.0):
+        want = sparse_decode_attention_ref(q, records, selection, slots.int(), lens, 0.125, softcap)
+        got = sparse_decode_attention_ref(q, records, None, slots, lens, 0.125, softcap, pages=pages)
+        assert torch.equal(_bits(got), _bits(want))
