@@ -184,7 +184,8 @@ def _int4(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor) -> Int4Weight:
     s = s.to(torch.float32).contiguous()
     v = q.to(torch.uint8).reshape(n, k // 2, 2)
     packed = (v[..., 0] | (v[..., 1] << 4)).contiguous()
-    return Int4Weight(packed, s, -(z.to(torch.float32) * s), k // s.shape[1])
+    offset = (-(z.to(torch.float32) * s)).contiguous()  # z is a transposed view: its layout
+    return Int4Weight(packed, s, offset, k // s.shape[1])
 
 
 def fit_group(w: Int4Weight) -> Int4Weight | None:

@@ -246,8 +246,8 @@ class Int4Linear(Linear):
             self.packed = torch.ops.aten._convert_weight_to_int4pack(hi_lo, inner)
             # Large-M calls (prefill) dequantise to bf16 and use the dense GEMM, which beats
             # the int4 kernel from M ~ 64 (docs/performance.md, int4 verdict).
-            self.source = Int4Weight(
-                w.q.to(device), w.scale.to(device), w.offset.to(device), w.group_size
+            self.source = Int4Weight(  # the Triton kernel reads rows with a unit stride
+                *(t.to(device).contiguous() for t in (w.q, w.scale, w.offset)), w.group_size
             )
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nib, 1)

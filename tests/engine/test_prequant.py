@@ -219,6 +219,22 @@ def test_act_order_g_idx_is_refused(tmp_path):
         load_hf_folder(tmp_path)
 
 
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_mapped_weights_have_the_int4_kernels_layout(tmp_path, method):
+    """The mapped ``Int4Weight`` passes the CUDA int4 launchers' layout checks (unit stride
+    on the last dimension): an AWQ offset built from a transposed zero-point view did not,
+    and the Triton path refused it on the H200 (2026-12-02)."""
+    from kernels._launch import check_tensor
+
+    save_prequantised(tmp_path, "qwen2", method, 32)
+    for name, w in vars(load_hf_folder(tmp_path).layers[0]).items():
+        if not hasattr(w, "group_size"):
+            continue
+        check_tensor(f"{name}.q", w.q, 2, (torch.uint8,))
+        for part in ("scale", "offset"):
+            check_tensor(f"{name}.{part}", getattr(w, part), 2, (torch.float32,))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_awq_weight_runs_on_cuda_int4_paths(tmp_path):
