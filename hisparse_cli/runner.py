@@ -1044,6 +1044,8 @@ class BatchRun:
                 self.reporter.note(f"the engine stopped with an error: {exc}", "error")
             finally:
                 engine.close()  # worker processes of several devices, trace files
+            if self.cancel.count:
+                self._record_cancelled_chunks()
             return self.cancel.count > 0
 
     def _report_startup(self, load_started: float, engine: BatchEngine) -> None:
@@ -1167,11 +1169,13 @@ class BatchRun:
 
     def _handle_map(self, event: Event, map_id: str) -> None:
         """An event of a map job: shown (its row leaves the table when it ends); its text
-        goes to :attr:`chunker`; its failure fails its job, its cancellation leaves the
-        job not run."""
+        goes to :attr:`chunker`; its failure fails its job; its cancellation ends the job
+        as ``cancelled`` (:meth:`_record_cancelled_chunks`)."""
         self.tracker.update(event)
         self.reporter.on_event(event)
-        if isinstance(event, JobFinished):
+        if isinstance(event, JobAdmitted):
+            self.chunker.admitted(map_id)
+        elif isinstance(event, JobFinished):
             self._retire_map(map_id)
             r = event.result
             if r.finish_reason in SUCCESS_REASONS and not r.error:
@@ -1196,9 +1200,28 @@ class BatchRun:
         if job_id is None:
             return
         if why.startswith("cancelled") or (self.cancel is not None and self.cancel.count):
-            self.tracker.set_phase(job_id, "cancelled")  # not run: no results line
+            self.tracker.set_phase(job_id, "cancelled")  # its line: _record_cancelled_chunks
             return
         self._handle(JobFailed(self.clock(), job_id, f"chunk {map_id} failed: {why}"))
+
+    def _record_cancelled_chunks(self) -> None:
+        """After a cancel, when the engine has ended: a ``cancelled`` line for each chunked
+        job that started (a map job was admitted) but got no line, as for any job that was
+        running; its tokens are those of the map jobs that ran. One whose map jobs never
+        started was not run (no line), like any job never admitted."""
+        for state in self.chunker.cancelled_jobs():
+            base = self.records.get(state.job_id)
+            if base is None:
+                continue
+            self.tracker.set_phase(state.job_id, "cancelled")
+            why = f"cancelled at chunk level {state.level} (map jobs); no reduce step ran"
+            if not state.outstanding and state.done:
+                why = "cancelled before its reduce step ran"
+            record = failure_record({**base, "prompt_tokens": None, "final": None}, why)
+            record = state.attribute({**record, "finish_reason": "cancelled"})
+            state.recorded = True
+            self._flag_earlier_output(record)
+            self.log.append(record)
 
     def _prompt_ids(self, engine: BatchEngine, spec: Any, document: str) -> tuple[int, ...]:
         """The chat prompt under the context policy (:func:`engine.text.context.fit_prompt`):
@@ -1257,6 +1280,7 @@ class BatchRun:
             return
         record = result_record(base, result, self.request.audit_limits)
         if result.job_id in self.chunker.jobs:  # the whole document's tokens, maps included
+            self.chunker.jobs[result.job_id].recorded = True
             record = self.chunker.jobs[result.job_id].attribute(record)
         audit = record.get("audit")
         if audit and audit["flagged"]:
@@ -1295,6 +1319,7 @@ class BatchRun:
             final = self.final.get(job_id) or self._too_long(job_id, tokens)
             record = failure_record({**base, "prompt_tokens": tokens or None, "final": final}, error)
             if job_id in self.chunker.jobs:  # the map jobs that ran before it failed
+                self.chunker.jobs[job_id].recorded = True
                 record = self.chunker.jobs[job_id].attribute(record)
             self._flag_earlier_output(record)
             self.log.append(record)
