@@ -412,6 +412,7 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
         if request.docs:
             check_outputs_over_documents(manifest, request.output_dir)
         check_max_context(config, request, manifest)
+        check_max_new_tokens(config, request, manifest)
     return manifest, config
 
 
@@ -509,6 +510,20 @@ def check_max_context(config: EngineConfig, request: RunRequest, manifest: Manif
         raise UsageError(problem)
 
 
+def check_max_new_tokens(config: EngineConfig, request: RunRequest, manifest: Manifest) -> None:
+    """Raise :class:`UsageError` when a job's ``max_new_tokens`` cannot fit the context
+    limit even with an empty document (:func:`preflight.max_new_tokens_problem`; the
+    trained context read from the model's header, before loading)."""
+    trained = preflight.trained_context(request.model)
+    if trained is None or not manifest.jobs:
+        return
+    limit = preflight.context_limit(config, trained)
+    flag = request.job_overrides.get("max_new_tokens") is not None
+    problem = preflight.max_new_tokens_problem(manifest.jobs, limit, config.context_policy, flag)
+    if problem:
+        raise UsageError(problem)
+
+
 def machine_problems(config: EngineConfig, request: RunRequest, manifest: Manifest) -> list[str]:
     """What would stop this config from running here, each in words; ``--print-config``
     reports them (``problems``) since it skips the checks that refuse a run."""
@@ -518,6 +533,7 @@ def machine_problems(config: EngineConfig, request: RunRequest, manifest: Manife
         lambda: check_devices(config, request.preset, engine, flags),
         lambda: check_trace_path(config),
         lambda: check_max_context(config, request, manifest),
+        lambda: check_max_new_tokens(config, request, manifest),
         lambda: check_host_pool(config),
     ]
     problems = []
@@ -973,7 +989,10 @@ class BatchRun:
         if trained is None:
             return
         limit = preflight.context_limit(self.config, trained)
-        jobs = [(j.spec.id, j.spec.inputs, j.spec.sampling.max_tokens) for j in pending]
+        jobs = [
+            (j.spec.id, j.spec.inputs, j.spec.sampling.max_tokens, preflight.template_tokens(j.spec))
+            for j in pending
+        ]
         found = preflight.oversized_documents(jobs, limit)
         if found:
             statement = preflight.oversized_statement(found, limit, self.config.context_policy)
