@@ -1155,6 +1155,7 @@ class BatchRun:
         def make(map_id: str, text: str) -> Job:
             meta = {"key": key, "output": spec.output, "chunk_of": spec.id}
             ids = tuple(encode(messages(text)))
+            self.tracker.add_job(map_id, part_of=spec.id)  # not counted as a job
             return Job(map_id, ids, spec.sampling, str(spec.inputs[0]), meta, json_keys(spec))
 
         jobs = self.chunker.maps(spec.id, chunks, make)
@@ -1207,12 +1208,11 @@ class BatchRun:
 
     def _retire_map(self, map_id: str) -> None:
         """An ended map job's row leaves the table; its tokens count for its job's results
-        line (:meth:`ChunkScheduler.count`) and for the run (``RunState.map_*_tokens``)."""
-        row = self.tracker.state.jobs.pop(map_id, None)
+        line (:meth:`ChunkScheduler.count`), its progress row and the run
+        (:meth:`ProgressTracker.retire_part`)."""
+        row = self.tracker.retire_part(map_id)
         if row is not None:
             self.chunker.count(map_id, row.prompt_tokens, row.generated)
-            self.tracker.state.map_prompt_tokens += row.prompt_tokens
-            self.tracker.state.map_generated_tokens += row.generated
 
     def _map_failed(self, map_id: str, why: str) -> None:
         job_id = self.chunker.abandon(map_id)

@@ -206,3 +206,41 @@ def test_ctrl_c_during_the_reduce_records_the_job_as_cancelled(cli, long_doc, tm
     assert record["finish_reason"] == "cancelled"
     assert record["chunked"]["map_generated_tokens"] == 4 * len(maps)
     assert record["chunked"]["reduce_generated_tokens"] == 2
+
+
+def test_progress_counts_the_jobs_asked_for_and_a_chunked_job_s_whole_tokens(
+    cli, long_doc, tmp_path
+):
+    result, seen = run_chunked(cli)
+    assert result.exit_code == 0, result.output
+    record = {r["id"]: r for r in read_lines(tmp_path)}["long"]
+    maps = [j for j in seen if j.id.startswith("long@")]
+    done = re.search(r"done long: (\d+) tokens in, (\d+) out \(length; (\d+) chunk parts", result.output)
+    assert done, result.output
+    assert int(done[1]) == record["prompt_tokens"] and int(done[2]) == record["generated_tokens"]
+    assert int(done[3]) == len(maps)
+
+
+def test_the_job_total_stays_what_was_asked_while_map_jobs_come_and_go():
+    from engine.events import JobAdmitted, JobQueued
+    from hisparse_cli.progress import ProgressTracker
+    from hisparse_cli.reporters import progress_line
+
+    tracker = ProgressTracker(0.0)
+    for job_id in ("long", "small"):
+        tracker.add_job(job_id)
+    totals = []
+    for i in (1, 2):
+        tracker.add_job(f"long@1.{i}", part_of="long")
+        tracker.update(JobQueued(0.1, f"long@1.{i}", 100))
+    tracker.update(JobAdmitted(0.2, "long@1.1", 100))
+    totals.append(progress_line(tracker.state, 1.0))
+    tracker.retire_part("long@1.1")
+    totals.append(progress_line(tracker.state, 1.0))
+    tracker.retire_part("long@1.2")
+    totals.append(progress_line(tracker.state, 1.0))
+    assert all("jobs 0/2 ended" in line for line in totals), totals
+    assert "chunk parts 1 running, 1 queued" in totals[0]
+    assert "chunk parts 0 running, 1 queued" in totals[1] and "chunk parts" not in totals[2]
+    assert tracker.state.jobs["long"].part_prompt_tokens == 200
+    assert tracker.state.map_prompt_tokens == 200  # the run's totals, as before
