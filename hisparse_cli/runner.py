@@ -533,7 +533,6 @@ def machine_problems(config: EngineConfig, request: RunRequest, manifest: Manife
         lambda: check_devices(config, request.preset, engine, flags),
         lambda: check_trace_path(config),
         lambda: check_max_context(config, request, manifest),
-        lambda: check_max_new_tokens(config, request, manifest),
         lambda: check_host_pool(config),
     ]
     problems = []
