@@ -160,9 +160,10 @@ def max_new_tokens_problem(
     more = "; or raise --max-context" if policy == "extend" else ""
     return (
         f"{source} cannot fit the model's context of {limit:,} tokens even with an empty "
-        f"document (the prompt around a document takes ~{limit - room:,} tokens): the "
-        f"largest --max-new-tokens that fits is {max(room, 0):,}, less the document's own "
-        f"tokens; no --context-policy helps with that{more}"
+        f"document (the prompt around a document takes at least ~{limit - room:,} tokens, "
+        f"judged from its size): the largest --max-new-tokens that could fit is below "
+        f"{max(room, 0):,}, less the document's own tokens; no --context-policy helps with "
+        f"that{more}"
     )
 
 
@@ -209,7 +210,7 @@ def oversized_statement(found: Sequence[Oversized], limit: int, policy: str) -> 
             f"{len(found)} document(s) fit the model's context of {limit:,} tokens but not "
             f"beside --max-new-tokens, judged from their size before the model loads: "
             f"{shown}{more}; under --context-policy {policy} they will fail; "
-            f"{too_long_advice(policy, room=room)}"
+            f"{too_long_advice(policy, room=room, estimated=True)}"
         )
     return (
         f"{len(found)} document(s) look longer than the model's context of {limit:,} tokens, "

@@ -989,8 +989,8 @@ class BatchRun:
             return
         limit = preflight.context_limit(self.config, trained)
         jobs = [
-            (j.spec.id, j.spec.inputs, j.spec.sampling.max_tokens, preflight.template_tokens(j.spec))
-            for j in pending
+            (s.id, s.inputs, s.sampling.max_tokens, preflight.template_tokens(s))
+            for s in (j.spec for j in pending)
         ]
         found = preflight.oversized_documents(jobs, limit)
         if found:

@@ -89,17 +89,21 @@ advice of every "too long" message (:func:`too_long_advice`, the CLI's pre-load 
 ``hisparse plan``'s note)."""
 
 
-def too_long_advice(policy: str, need: int | None = None, room: int | None = None) -> str:
+def too_long_advice(
+    policy: str, need: int | None = None, room: int | None = None, estimated: bool = False
+) -> str:
     """What to do about a prompt over the limit under ``policy`` (``need``: the tokens it
     needs, when known; ``room``: the largest ``max_tokens`` that fits beside the prompt,
-    when the prompt alone fits and only ``max_tokens`` does not)."""
+    when the prompt alone fits and only ``max_tokens`` does not; ``estimated``: ``room``
+    was judged from the document's size, an upper bound)."""
     if policy == "extend":
         target = f"to at least {need}" if need else "above that"
         choices = f"raise --max-context {target}, or use --context-policy truncate or chunk"
     else:
         choices = f"use {POLICY_CHOICES}"
     if room is not None and room > 0:
-        return f"lower --max-new-tokens to at most {room:,} (the prompt fits), or {choices}"
+        bound = f"below ~{room:,} (judged from its size)" if estimated else f"at most {room:,}"
+        return f"lower --max-new-tokens to {bound} (the prompt fits), or {choices}"
     return choices
 
 

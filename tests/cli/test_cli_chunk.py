@@ -215,7 +215,8 @@ def test_progress_counts_the_jobs_asked_for_and_a_chunked_job_s_whole_tokens(
     assert result.exit_code == 0, result.output
     record = {r["id"]: r for r in read_lines(tmp_path)}["long"]
     maps = [j for j in seen if j.id.startswith("long@")]
-    done = re.search(r"done long: (\d+) tokens in, (\d+) out \(length; (\d+) chunk parts", result.output)
+    line = r"done long: (\d+) tokens in, (\d+) out \(length; (\d+) chunk parts"
+    done = re.search(line, result.output)
     assert done, result.output
     assert int(done[1]) == record["prompt_tokens"] and int(done[2]) == record["generated_tokens"]
     assert int(done[3]) == len(maps)

@@ -186,7 +186,8 @@ def test_max_new_tokens_over_the_context_exits_2_before_loading(cli, docs, tmp_p
     assert result.exit_code == 2, result.output
     err = " ".join(result.stderr.split())
     assert "--max-new-tokens 100,000 cannot fit the model's context of 2,048 tokens" in err
-    fits = int(re.search(r"largest --max-new-tokens that fits is ([\d,]+)", err)[1].replace(",", ""))
+    fits = re.search(r"largest --max-new-tokens that could fit is below ([\d,]+)", err)[1]
+    fits = int(fits.replace(",", ""))
     assert 1900 < fits < 2048  # the context less the prompt around an empty document
     assert "look longer" not in err and not (tmp_path / "hisparse-out").exists()
     engine = testing.fake_engine_factory()
@@ -209,9 +210,12 @@ def test_a_document_that_fits_alone_names_the_max_new_tokens_that_fits(cli, docs
     (docs / "mid.txt").write_text("A long line of prose about sorting things.\n" * 100)  # 4.3 KB
     result = cli("docs/mid.txt", "--model", model, "--max-new-tokens", "1500")
     out = " ".join(result.output.split())
-    statement = "1 document(s) fit the model's context of 2,048 tokens but not beside --max-new-tokens"
+    statement = (
+        "1 document(s) fit the model's context of 2,048 tokens but not beside --max-new-tokens"
+    )
     assert statement in out and "mid (~955 tokens)" in out  # 4300 bytes / 4.5
-    room = int(re.search(r"lower --max-new-tokens to at most ([\d,]+)", out)[1].replace(",", ""))
+    room = re.search(r"lower --max-new-tokens to below ~([\d,]+) \(judged from its size\)", out)[1]
+    room = int(room.replace(",", ""))
     assert 2048 - 955 - 100 < room < 2048 - 955
     assert "--context-policy chunk" in out
     assert out.index(statement) < out.index("loading model")
