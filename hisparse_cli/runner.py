@@ -1233,7 +1233,7 @@ class BatchRun:
                 continue
             self.tracker.set_phase(state.job_id, "cancelled")
             why = f"cancelled at chunk level {state.level} (map jobs); no reduce step ran"
-            if not state.outstanding and state.done:
+            if state.job_id in self.prompt_tokens:  # its reduce job was built, not admitted
                 why = "cancelled before its reduce step ran"
             record = failure_record({**base, "prompt_tokens": None, "final": None}, why)
             record = state.attribute({**record, "finish_reason": "cancelled"})
