@@ -33,13 +33,16 @@ SEPARATOR = "@"
 class ChunkedJob:
     """One job under the ``chunk`` policy: its map levels so far (``chunks``: the map
     jobs of each level), the texts of the current level (index -> text), and the tokens
-    of its map jobs that ended (prompt and generated, every level)."""
+    of its map jobs that ended (prompt and generated, every level); ``started``: a part
+    (map or reduce job) was admitted; ``recorded``: its results line is written."""
 
     job_id: str
     chunks: list[int] = field(default_factory=list)
     texts: dict[int, str] = field(default_factory=dict)
     outstanding: set[str] = field(default_factory=set)
     done: bool = False
+    started: bool = False
+    recorded: bool = False
     map_prompt_tokens: int = 0
     map_generated_tokens: int = 0
 
@@ -108,6 +111,17 @@ class ChunkScheduler:
             state.outstanding.add(map_id)
             jobs.append(make(map_id, text))
         return jobs
+
+    def admitted(self, map_id: str) -> None:
+        """A map job was admitted: its job has started (:meth:`cancelled_jobs`)."""
+        owner = self.owner.get(map_id)
+        if owner is not None:
+            self.jobs[owner[0]].started = True
+
+    def cancelled_jobs(self) -> list[ChunkedJob]:
+        """After a cancel: the jobs that started but have no results line yet (stopped
+        in a map level, between levels or with their reduce job not admitted)."""
+        return [s for s in self.jobs.values() if s.started and not s.recorded]
 
     def count(self, map_id: str, prompt_tokens: int, generated_tokens: int) -> None:
         """Add an ended map job's tokens to its job's (:meth:`ChunkedJob.attribute`)."""

@@ -158,11 +158,24 @@ def render_dashboard(
     return Group(*parts)
 
 
+def chunk_parts(state: RunState) -> str:
+    """``; chunk parts 2 running, 3 queued`` while the chunk policy's map jobs (not
+    counted as jobs) have not all ended, else ``""``."""
+    parts = phase_counts(state, parts=True)
+    running = parts["prefill"] + parts["decode"]
+    if not running and not parts["queued"]:
+        return ""
+    return f"; chunk parts {running} running, {parts['queued']} queued"
+
+
 def render_header(state: RunState, now: float) -> Text:
     """One line: elapsed time and job counts by phase (plus a cancelling notice)."""
     counts = phase_counts(state)
     shown = ", ".join(f"{n} {phase}" for phase, n in counts.items() if n)
-    text = Text(f"hisparse  {fmt_seconds(now - state.started_t)}  jobs: {shown or 'none'}")
+    text = Text(
+        f"hisparse  {fmt_seconds(now - state.started_t)}  jobs: {shown or 'none'}"
+        f"{chunk_parts(state)}"
+    )
     if state.cancelling:
         text.append(
             "  cancelling: finishing running jobs (Ctrl-C again to stop now)", "bold yellow"

@@ -2,8 +2,11 @@
 
 * :func:`max_context_problem`: ``--max-context`` above the model's trained context under a
   policy other than ``extend`` (the engine would refuse it after reading the weights).
+* :func:`max_new_tokens_problem`: a ``max_new_tokens`` that cannot fit the context even
+  with an empty document (no context policy helps; the run is refused).
 * :func:`oversized_documents`: documents whose size alone shows they are longer than the
-  context under ``refuse``, so the user reads the choices before waiting for the load.
+  context under ``refuse``, so the user reads the choices before waiting for the load;
+  one that fits alone but not beside ``max_new_tokens`` gets the largest value that fits.
 
 The trained context comes from the model's header (:func:`trained_context`: GGUF
 key/value pairs or an HF ``config.json``), read in milliseconds; where it cannot be read
@@ -122,46 +125,97 @@ def max_context_warning(config: EngineConfig, model: str | None) -> str | None:
     )
 
 
+def template_tokens(spec: Any) -> int:
+    """Tokens of job ``spec``'s prompt around an empty document, estimated from its chat
+    messages' text at :data:`BYTES_PER_TOKEN` (the chat template's own tokens not
+    counted), so it stays below the real count."""
+    from hisparse_cli.tasks import build_messages
+
+    if spec.messages is not None:  # an OpenAI-batch request: its other messages
+        messages = list(spec.messages)
+    else:
+        name = spec.inputs[0].name if spec.inputs else ""
+        messages = build_messages(spec.task, "", spec.id, name)
+    text = "".join(m["content"] for m in messages if isinstance(m.get("content"), str))
+    return int(len(text.encode()) / BYTES_PER_TOKEN)
+
+
+def max_new_tokens_problem(
+    specs: Sequence[Any], limit: int, policy: str, flag_given: bool
+) -> str | None:
+    """Why a job's ``max_new_tokens`` cannot fit the context limit even with an empty
+    document (beside the prompt's :func:`template_tokens`), or ``None``: no context
+    policy helps, only a smaller ``--max-new-tokens`` (or, under ``extend``, a larger
+    ``--max-context``). ``flag_given``: ``--max-new-tokens`` set it (else each job's own)."""
+    fits = [(spec, limit - template_tokens(spec)) for spec in specs]
+    bad = [(spec, room) for spec, room in fits if spec.sampling.max_tokens > room]
+    if not bad:
+        return None
+    spec, room = min(bad, key=lambda pair: pair[1])
+    source = (
+        f"--max-new-tokens {spec.sampling.max_tokens:,}"
+        if flag_given
+        else f"job {spec.id!r}'s max_new_tokens {spec.sampling.max_tokens:,} ({spec.origin})"
+    )
+    more = "; or raise --max-context" if policy == "extend" else ""
+    return (
+        f"{source} cannot fit the model's context of {limit:,} tokens even with an empty "
+        f"document (the prompt around a document takes at least ~{limit - room:,} tokens, "
+        f"judged from its size): the largest --max-new-tokens that could fit is below "
+        f"{max(room, 0):,}, less the document's own tokens; no --context-policy helps with "
+        f"that{more}"
+    )
+
+
 @dataclass(frozen=True)
 class Oversized:
-    """A document that looks longer than the context limit: job id, bytes, estimate."""
+    """A document that looks longer than the context limit beside ``max_new_tokens``: job
+    id, bytes, estimated tokens of its prompt (document and the text around it), and
+    ``room``: the largest ``max_new_tokens`` that fits beside that prompt (``<= 0``: the
+    document alone does not fit)."""
 
     job_id: str
     size: int
     tokens: int
+    room: int = 0
 
 
 def oversized_documents(
-    jobs: Sequence[tuple[str, Sequence[Path], int]], limit: int
+    jobs: Sequence[tuple[str, Sequence[Path], int, int]], limit: int
 ) -> list[Oversized]:
-    """Jobs (id, inputs, max_tokens) whose inputs' size alone (at :data:`BYTES_PER_TOKEN`)
-    already needs more than ``limit`` tokens beside max_tokens."""
+    """Jobs (id, inputs, max_tokens, :func:`template_tokens`) whose inputs' size alone (at
+    :data:`BYTES_PER_TOKEN`) already needs more than ``limit`` tokens beside max_tokens."""
     found = []
-    for job_id, inputs, max_tokens in jobs:
+    for job_id, inputs, max_tokens, template in jobs:
         try:
             size = sum(Path(p).stat().st_size for p in inputs)
         except OSError:
             continue  # the job fails on reading it, naming the file
         tokens = int(size / BYTES_PER_TOKEN)
-        if tokens + max_tokens > limit:
-            found.append(Oversized(job_id, size, tokens))
+        if tokens + template + max_tokens > limit:
+            found.append(Oversized(job_id, size, tokens, limit - tokens - template))
     return found
 
 
 def oversized_statement(found: Sequence[Oversized], limit: int, policy: str) -> str:
-    """One warning naming the documents and the choices."""
+    """One warning naming the documents and the choices; documents that fit alone, only
+    not beside ``max_new_tokens``, get the largest ``--max-new-tokens`` that fits them."""
+    from engine.text.context import too_long_advice
+
     shown = ", ".join(f"{o.job_id} (~{o.tokens:,} tokens)" for o in found[:5])
     more = f" and {len(found) - 5} more" if len(found) > 5 else ""
-    advice = (
-        "raise --max-context"
-        if policy == "extend"
-        else "use --context-policy extend (RoPE scaling past training; quality not "
-        "guaranteed) or --context-policy truncate (--truncate-keep head|tail|middle)"
-    )
+    if all(o.room > 0 for o in found):
+        room = min(o.room for o in found)
+        return (
+            f"{len(found)} document(s) fit the model's context of {limit:,} tokens but not "
+            f"beside --max-new-tokens, judged from their size before the model loads: "
+            f"{shown}{more}; under --context-policy {policy} they will fail; "
+            f"{too_long_advice(policy, room=room, estimated=True)}"
+        )
     return (
         f"{len(found)} document(s) look longer than the model's context of {limit:,} tokens, "
         f"judged from their size before the model loads: {shown}{more}; under "
-        f"--context-policy {policy} they will fail; {advice}"
+        f"--context-policy {policy} they will fail; {too_long_advice(policy)}"
     )
 
 

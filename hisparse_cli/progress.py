@@ -61,6 +61,14 @@ class JobRow:
     finish_reason: str = ""
     error: str = ""
     last_prefill_t: float | None = None
+    part_of: str = ""
+    """The job a ``context_policy: chunk`` map job is part of (``""``: a job the user
+    asked for); such rows are not counted as jobs (:func:`phase_counts`)."""
+    parts: int = 0
+    part_prompt_tokens: int = 0
+    part_generated: int = 0
+    """A chunked job's map jobs that ended and their tokens (:meth:`ProgressTracker.retire_part`):
+    with the row's own (the reduce job's) they are the job's results line's figures."""
 
 
 @dataclass
@@ -171,10 +179,29 @@ class ProgressTracker:
         self.state = RunState(started_t=started_t, last_t=started_t)
         self.window_s = window_s
 
-    def add_job(self, job_id: str, phase: str = "queued", prompt_tokens: int = 0) -> JobRow:
-        """Register a job before the engine reports it (``skipped`` ones never are)."""
+    def add_job(
+        self, job_id: str, phase: str = "queued", prompt_tokens: int = 0, part_of: str = ""
+    ) -> JobRow:
+        """Register a job before the engine reports it (``skipped`` ones never are);
+        ``part_of``: the job a map job is part of."""
         row = self.state.jobs.setdefault(job_id, JobRow(job_id))
         row.phase, row.prompt_tokens = phase, prompt_tokens or row.prompt_tokens
+        row.part_of = part_of or row.part_of
+        return row
+
+    def retire_part(self, map_id: str) -> JobRow | None:
+        """An ended map job's row leaves the table; its tokens count for its job's row
+        (``part_*``) and for the run (``RunState.map_*_tokens``). Returns the row."""
+        row = self.state.jobs.pop(map_id, None)
+        if row is None:
+            return None
+        self.state.map_prompt_tokens += row.prompt_tokens
+        self.state.map_generated_tokens += row.generated
+        owner = self.state.jobs.get(row.part_of)
+        if owner is not None:
+            owner.parts += 1
+            owner.part_prompt_tokens += row.prompt_tokens
+            owner.part_generated += row.generated
         return row
 
     def finish(self, t: float) -> None:
@@ -405,11 +432,13 @@ def job_eta_s(row: JobRow, now: float) -> float | None:
     return max(0, row.max_tokens - row.generated) / rate
 
 
-def phase_counts(state: RunState) -> dict[str, int]:
-    """Number of jobs in each phase (all of :data:`PHASES`, zeros included)."""
+def phase_counts(state: RunState, parts: bool = False) -> dict[str, int]:
+    """Number of jobs in each phase (all of :data:`PHASES`, zeros included): the jobs the
+    user asked for, or with ``parts`` the chunk policy's map jobs not yet ended."""
     counts = dict.fromkeys(PHASES, 0)
     for row in list(state.jobs.values()):
-        counts[row.phase] = counts.get(row.phase, 0) + 1
+        if bool(row.part_of) == parts:
+            counts[row.phase] = counts.get(row.phase, 0) + 1
     return counts
 
 

@@ -43,6 +43,7 @@ from engine.events import (
 )
 from hisparse_cli.dashboard import (
     LiveDashboard,
+    chunk_parts,
     fmt_bytes,
     fmt_percent,
     fmt_rate,
@@ -133,7 +134,7 @@ class _Ticker:
 def progress_line(state: RunState, now: float) -> str:
     """One status line: elapsed, jobs, throughput, cache, transfer and memory."""
     counts = phase_counts(state)
-    total = len(state.jobs) - counts["skipped"]
+    total = sum(counts.values()) - counts["skipped"]  # the jobs asked for, not map jobs
     ended = counts["done"] + counts["failed"] + counts["cancelled"]
     running = counts["prefill"] + counts["decode"]
     now = state.clock(now)
@@ -142,7 +143,7 @@ def progress_line(state: RunState, now: float) -> str:
         (
             f"[{fmt_seconds(now - state.started_t):>6}] jobs {ended}/{total} ended "
             f"({counts['done']} ok, {counts['failed']} failed, {running} running, "
-            f"{counts['queued']} queued)"
+            f"{counts['queued']} queued{chunk_parts(state)})"
         ),
         f"decode {fmt_rate(decode_tok_s_recent(state, now) if decoding else None)} (5 s), "
         f"{fmt_rate(decode_tok_s_run(state, now) if decoding else None)} run",
@@ -160,14 +161,18 @@ def progress_line(state: RunState, now: float) -> str:
 
 
 def finish_line(row: JobRow) -> str:
-    """One line for a job that ended."""
+    """One line for a job that ended; a chunked job's tokens are its whole document's
+    (map jobs and reduce), as on its results line."""
+    generated = row.generated + row.part_generated
     if row.phase == "failed":
         return f"FAILED {row.id}: {row.error}"
     if row.phase == "cancelled":
-        return f"cancelled {row.id} after {row.generated} tokens"
+        return f"cancelled {row.id} after {generated} tokens"
+    parts = f"; {row.parts} chunk parts + reduce" if row.parts else ""
     return (
-        f"done {row.id}: {row.prompt_tokens} tokens in, {row.generated} out ({row.finish_reason}), "
-        f"TTFT {fmt_seconds(row.ttft_s)}, {fmt_rate(row.decode_tok_s)}"
+        f"done {row.id}: {row.prompt_tokens + row.part_prompt_tokens} tokens in, {generated} "
+        f"out ({row.finish_reason}{parts}), TTFT {fmt_seconds(row.ttft_s)}, "
+        f"{fmt_rate(row.decode_tok_s)}"
     )
 
 
@@ -265,6 +270,7 @@ def progress_json(state: RunState, now: float) -> dict[str, Any]:
         "t": now,
         "elapsed_s": now - state.started_t,
         "jobs": phase_counts(state),
+        "chunk_parts": phase_counts(state, parts=True),  # map jobs not yet ended
         "decode_tok_s": decode_tok_s_recent(state, now) if decoding else None,
         "decode_tok_s_run": decode_tok_s_run(state, now) if decoding else None,
         "prefill_tok_s": prefill_tok_s_live(state, now),

@@ -421,6 +421,7 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
         if request.docs:
             check_outputs_over_documents(manifest, request.output_dir)
         check_max_context(config, request, manifest)
+        check_max_new_tokens(config, request, manifest)
     return manifest, config
 
 
@@ -514,6 +515,20 @@ def check_max_context(config: EngineConfig, request: RunRequest, manifest: Manif
     problem = preflight.max_context_problem(
         config, request.model, request.preset, manifest.engine, request.engine_overrides
     )
+    if problem:
+        raise UsageError(problem)
+
+
+def check_max_new_tokens(config: EngineConfig, request: RunRequest, manifest: Manifest) -> None:
+    """Raise :class:`UsageError` when a job's ``max_new_tokens`` cannot fit the context
+    limit even with an empty document (:func:`preflight.max_new_tokens_problem`; the
+    trained context read from the model's header, before loading)."""
+    trained = preflight.trained_context(request.model)
+    if trained is None or not manifest.jobs:
+        return
+    limit = preflight.context_limit(config, trained)
+    flag = request.job_overrides.get("max_new_tokens") is not None
+    problem = preflight.max_new_tokens_problem(manifest.jobs, limit, config.context_policy, flag)
     if problem:
         raise UsageError(problem)
 
@@ -982,7 +997,10 @@ class BatchRun:
         if trained is None:
             return
         limit = preflight.context_limit(self.config, trained)
-        jobs = [(j.spec.id, j.spec.inputs, j.spec.sampling.max_tokens) for j in pending]
+        jobs = [
+            (s.id, s.inputs, s.sampling.max_tokens, preflight.template_tokens(s))
+            for s in (j.spec for j in pending)
+        ]
         found = preflight.oversized_documents(jobs, limit)
         if found:
             statement = preflight.oversized_statement(found, limit, self.config.context_policy)
@@ -1054,6 +1072,8 @@ class BatchRun:
                 self.reporter.note(f"the engine stopped with an error: {exc}", "error")
             finally:
                 engine.close()  # worker processes of several devices, trace files
+            if self.cancel.count:
+                self._record_cancelled_chunks()
             return self.cancel.count > 0
 
     def _report_startup(self, load_started: float, engine: BatchEngine) -> None:
@@ -1144,6 +1164,7 @@ class BatchRun:
         def make(map_id: str, text: str) -> Job:
             meta = {"key": key, "output": spec.output, "chunk_of": spec.id}
             ids = tuple(encode(messages(text)))
+            self.tracker.add_job(map_id, part_of=spec.id)  # not counted as a job
             return Job(map_id, ids, spec.sampling, str(spec.inputs[0]), meta, json_keys(spec))
 
         jobs = self.chunker.maps(spec.id, chunks, make)
@@ -1177,11 +1198,13 @@ class BatchRun:
 
     def _handle_map(self, event: Event, map_id: str) -> None:
         """An event of a map job: shown (its row leaves the table when it ends); its text
-        goes to :attr:`chunker`; its failure fails its job, its cancellation leaves the
-        job not run."""
+        goes to :attr:`chunker`; its failure fails its job; its cancellation ends the job
+        as ``cancelled`` (:meth:`_record_cancelled_chunks`)."""
         self.tracker.update(event)
         self.reporter.on_event(event)
-        if isinstance(event, JobFinished):
+        if isinstance(event, JobAdmitted):
+            self.chunker.admitted(map_id)
+        elif isinstance(event, JobFinished):
             self._retire_map(map_id)
             r = event.result
             if r.finish_reason in SUCCESS_REASONS and not r.error:
@@ -1194,21 +1217,39 @@ class BatchRun:
 
     def _retire_map(self, map_id: str) -> None:
         """An ended map job's row leaves the table; its tokens count for its job's results
-        line (:meth:`ChunkScheduler.count`) and for the run (``RunState.map_*_tokens``)."""
-        row = self.tracker.state.jobs.pop(map_id, None)
+        line (:meth:`ChunkScheduler.count`), its progress row and the run
+        (:meth:`ProgressTracker.retire_part`)."""
+        row = self.tracker.retire_part(map_id)
         if row is not None:
             self.chunker.count(map_id, row.prompt_tokens, row.generated)
-            self.tracker.state.map_prompt_tokens += row.prompt_tokens
-            self.tracker.state.map_generated_tokens += row.generated
 
     def _map_failed(self, map_id: str, why: str) -> None:
         job_id = self.chunker.abandon(map_id)
         if job_id is None:
             return
         if why.startswith("cancelled") or (self.cancel is not None and self.cancel.count):
-            self.tracker.set_phase(job_id, "cancelled")  # not run: no results line
+            self.tracker.set_phase(job_id, "cancelled")  # its line: _record_cancelled_chunks
             return
         self._handle(JobFailed(self.clock(), job_id, f"chunk {map_id} failed: {why}"))
+
+    def _record_cancelled_chunks(self) -> None:
+        """After a cancel, when the engine has ended: a ``cancelled`` line for each chunked
+        job that started (a map job was admitted) but got no line, as for any job that was
+        running; its tokens are those of the map jobs that ran. One whose map jobs never
+        started was not run (no line), like any job never admitted."""
+        for state in self.chunker.cancelled_jobs():
+            base = self.records.get(state.job_id)
+            if base is None:
+                continue
+            self.tracker.set_phase(state.job_id, "cancelled")
+            why = f"cancelled at chunk level {state.level} (map jobs); no reduce step ran"
+            if state.job_id in self.prompt_tokens:  # its reduce job was built, not admitted
+                why = "cancelled before its reduce step ran"
+            record = failure_record({**base, "prompt_tokens": None, "final": None}, why)
+            record = state.attribute({**record, "finish_reason": "cancelled"})
+            state.recorded = True
+            self._flag_earlier_output(record)
+            self.log.append(record)
 
     def _prompt_ids(self, engine: BatchEngine, spec: Any, document: str) -> tuple[int, ...]:
         """The chat prompt under the context policy (:func:`engine.text.context.fit_prompt`):
@@ -1267,6 +1308,7 @@ class BatchRun:
             return
         record = result_record(base, result, self.request.audit_limits)
         if result.job_id in self.chunker.jobs:  # the whole document's tokens, maps included
+            self.chunker.jobs[result.job_id].recorded = True
             record = self.chunker.jobs[result.job_id].attribute(record)
         audit = record.get("audit")
         if audit and audit["flagged"]:
@@ -1305,6 +1347,7 @@ class BatchRun:
             final = self.final.get(job_id) or self._too_long(job_id, tokens)
             record = failure_record({**base, "prompt_tokens": tokens or None, "final": final}, error)
             if job_id in self.chunker.jobs:  # the map jobs that ran before it failed
+                self.chunker.jobs[job_id].recorded = True
                 record = self.chunker.jobs[job_id].attribute(record)
             self._flag_earlier_output(record)
             self.log.append(record)

@@ -1028,7 +1028,7 @@ def _notes(model, config, hardware, jobs, context) -> list[str]:
         notes.append(
             f"context {context} exceeds {model.name or 'the model'}'s trained "
             f"{model.max_position} tokens: the engine refuses unless context_policy is "
-            "extend or truncate"
+            "extend, truncate or chunk"
         )
     if (
         config.memory_budget_gb is not None

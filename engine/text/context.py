@@ -79,24 +79,41 @@ def context_limit_and_rope(cfg: ModelConfig, config: EngineConfig) -> tuple[int,
     return limit, Rope(cfg.head_dim, cfg.rope_theta, scaling, cfg.rope_freq_factors, context=limit)
 
 
-def too_long_advice(policy: str, need: int | None = None) -> str:
+POLICY_CHOICES = (
+    "--context-policy extend (RoPE scaling past training; quality not guaranteed), "
+    "--context-policy truncate (--truncate-keep head|tail|middle) or --context-policy chunk "
+    "(the task over chunks, then over their results)"
+)
+"""The context policies that let a document longer than the context run, in words: the
+advice of every "too long" message (:func:`too_long_advice`, the CLI's pre-load check,
+``hisparse plan``'s note)."""
+
+
+def too_long_advice(
+    policy: str, need: int | None = None, room: int | None = None, estimated: bool = False
+) -> str:
     """What to do about a prompt over the limit under ``policy`` (``need``: the tokens it
-    needs, when known)."""
+    needs, when known; ``room``: the largest ``max_tokens`` that fits beside the prompt,
+    when the prompt alone fits and only ``max_tokens`` does not; ``estimated``: ``room``
+    was judged from the document's size, an upper bound)."""
     if policy == "extend":
         target = f"to at least {need}" if need else "above that"
-        return f"raise --max-context {target}, or use --context-policy truncate"
-    return (
-        "use --context-policy extend (RoPE scaling), --context-policy truncate or "
-        "--context-policy chunk (the task over chunks, then over their results)"
-    )
+        choices = f"raise --max-context {target}, or use --context-policy truncate or chunk"
+    else:
+        choices = f"use {POLICY_CHOICES}"
+    if room is not None and room > 0:
+        bound = f"below ~{room:,} (judged from its size)" if estimated else f"at most {room:,}"
+        return f"lower --max-new-tokens to {bound} (the prompt fits), or {choices}"
+    return choices
 
 
 def too_long_message(prompt_tokens: int, max_tokens: int, limit: int, policy: str) -> str:
-    """The failure of a tokenised prompt of ``prompt_tokens`` over the context limit."""
+    """The failure of a tokenised prompt of ``prompt_tokens`` over the context limit; when
+    the prompt alone fits, the advice names the largest ``--max-new-tokens`` that fits."""
     need = prompt_tokens + max_tokens
     return (
         f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} exceeds the context "
-        f"limit of {limit} tokens; {too_long_advice(policy, need)}"
+        f"limit of {limit} tokens; {too_long_advice(policy, need, limit - prompt_tokens)}"
     )
 
 

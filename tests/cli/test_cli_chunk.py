@@ -5,7 +5,9 @@ results (chunked again while too long); resume reads only the job's own line."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 
 import pytest
 
@@ -166,3 +168,80 @@ def test_a_failed_map_job_fails_its_job_only_and_resume_redoes_it(cli, long_doc,
     again, seen = run_chunked(cli)
     assert again.exit_code == 0
     assert [j.id for j in seen] == [*maps, "long"]  # only the failed job, map and reduce
+
+
+def interrupt_at(step_no):
+    def on_step(step):
+        if step == step_no:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    return on_step
+
+
+@pytest.mark.parametrize("batch", ["3", "1"])  # map jobs running / long's maps still queued
+def test_ctrl_c_during_map_jobs_records_the_job_as_cancelled(cli, long_doc, tmp_path, batch):
+    result, seen = run_chunked(cli, "--max-batch", batch, on_step=interrupt_at(1))
+    assert result.exit_code == 130, result.output
+    records = {r["id"]: r for r in read_lines(tmp_path)}
+    assert "long" not in [j.id for j in seen]  # no reduce
+    if batch == "1":  # alpha ran alone: long's map jobs never started, so long did not run
+        assert set(records) == {"alpha"} and records["alpha"]["finish_reason"] == "cancelled"
+        return
+    assert set(records) == {"alpha", "long"}  # beta was never admitted: no line
+    long = records["long"]
+    assert long["finish_reason"] == "cancelled" and not long["ok"]
+    assert long["chunked"]["chunks"] >= 3 and long["chunked"]["map_prompt_tokens"] > 0
+    assert long["error"] == "cancelled at chunk level 1 (map jobs); no reduce step ran"
+    again, seen = run_chunked(cli)  # resume redoes the whole job
+    assert again.exit_code == 0 and "long" in [j.id for j in seen]
+
+
+def test_ctrl_c_during_the_reduce_records_the_job_as_cancelled(cli, long_doc, tmp_path):
+    maps = [j.id for j in run_chunked(cli)[1] if j.id.startswith("long@1.")]
+    map_steps = 3 * -(-(len(maps) + 2) // 3)  # batches of 3 (alpha, maps, beta), 3 steps each
+    result, seen = run_chunked(cli, "--force", on_step=interrupt_at(map_steps + 1))
+    assert result.exit_code == 130, result.output
+    assert seen[-1].id == "long"  # the reduce was running
+    record = {r["id"]: r for r in read_lines(tmp_path)[3:]}["long"]
+    assert record["finish_reason"] == "cancelled"
+    assert record["chunked"]["map_generated_tokens"] == 4 * len(maps)
+    assert record["chunked"]["reduce_generated_tokens"] == 2
+
+
+def test_progress_counts_the_jobs_asked_for_and_a_chunked_job_s_whole_tokens(
+    cli, long_doc, tmp_path
+):
+    result, seen = run_chunked(cli)
+    assert result.exit_code == 0, result.output
+    record = {r["id"]: r for r in read_lines(tmp_path)}["long"]
+    maps = [j for j in seen if j.id.startswith("long@")]
+    line = r"done long: (\d+) tokens in, (\d+) out \(length; (\d+) chunk parts"
+    done = re.search(line, result.output)
+    assert done, result.output
+    assert int(done[1]) == record["prompt_tokens"] and int(done[2]) == record["generated_tokens"]
+    assert int(done[3]) == len(maps)
+
+
+def test_the_job_total_stays_what_was_asked_while_map_jobs_come_and_go():
+    from engine.events import JobAdmitted, JobQueued
+    from hisparse_cli.progress import ProgressTracker
+    from hisparse_cli.reporters import progress_line
+
+    tracker = ProgressTracker(0.0)
+    for job_id in ("long", "small"):
+        tracker.add_job(job_id)
+    totals = []
+    for i in (1, 2):
+        tracker.add_job(f"long@1.{i}", part_of="long")
+        tracker.update(JobQueued(0.1, f"long@1.{i}", 100))
+    tracker.update(JobAdmitted(0.2, "long@1.1", 100))
+    totals.append(progress_line(tracker.state, 1.0))
+    tracker.retire_part("long@1.1")
+    totals.append(progress_line(tracker.state, 1.0))
+    tracker.retire_part("long@1.2")
+    totals.append(progress_line(tracker.state, 1.0))
+    assert all("jobs 0/2 ended" in line for line in totals), totals
+    assert "chunk parts 1 running, 1 queued" in totals[0]
+    assert "chunk parts 0 running, 1 queued" in totals[1] and "chunk parts" not in totals[2]
+    assert tracker.state.jobs["long"].part_prompt_tokens == 200
+    assert tracker.state.map_prompt_tokens == 200  # the run's totals, as before

@@ -5,13 +5,14 @@ what ``--print-config`` reports about this machine."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import gguf
 import pytest
 
 from engine.weights.header import GGUFHeaderError, read_gguf_fields
-from hisparse_cli import preflight
+from hisparse_cli import preflight, testing
 from hisparse_cli import runner as runner_module
 
 
@@ -131,6 +132,8 @@ def test_documents_longer_than_the_context_are_named_before_the_model_loads(cli,
     line = out[out.index(statement) :].splitlines()[0]
     assert "big (~3,822 tokens)" in line and "alpha" not in line  # 17200 bytes / 4.5
     assert "--context-policy extend" in out and "--context-policy truncate" in out
+    assert "--context-policy chunk" in out  # every policy that lets it run
+    assert "--max-new-tokens" not in line  # the document is the problem
     assert out.index(statement) < out.index("loading model")
     truncate = cli("docs/big.txt", "--model", model, "--context-policy", "truncate", "--force")
     assert "look longer" not in truncate.output
@@ -170,3 +173,61 @@ def test_extend_far_past_the_trained_context_warns(cli, docs, tmp_path):
     near = cli("docs/beta.txt", "--model", model, "--context-policy", "extend",
                "--max-context", str(32 * 2048))  # fmt: skip
     assert near.exit_code == 0 and "trained context" not in near.stderr
+
+
+@pytest.mark.parametrize("policy", ["refuse", "truncate", "chunk", "extend"])
+def test_max_new_tokens_over_the_context_exits_2_before_loading(cli, docs, tmp_path, policy):
+    """No context policy helps a max_new_tokens that does not fit even an empty
+    document: refused before the load, naming the flag and the largest value that fits."""
+    model = str(tiny_gguf(tmp_path / "m.gguf"))
+    extra = ("--max-context", "2048") if policy == "extend" else ()
+    result = cli("docs/alpha.txt", "--model", model, "--max-new-tokens", "100000",
+                 "--context-policy", policy, *extra, engine=never_load)  # fmt: skip
+    assert result.exit_code == 2, result.output
+    err = " ".join(result.stderr.split())
+    assert "--max-new-tokens 100,000 cannot fit the model's context of 2,048 tokens" in err
+    fits = re.search(r"largest --max-new-tokens that could fit is below ([\d,]+)", err)[1]
+    fits = int(fits.replace(",", ""))
+    assert 1900 < fits < 2048  # the context less the prompt around an empty document
+    assert "look longer" not in err and not (tmp_path / "hisparse-out").exists()
+    engine = testing.fake_engine_factory()
+    ok = cli("docs/alpha.txt", "--model", model, "--max-new-tokens", str(fits - 100), engine=engine)
+    assert ok.exit_code == 0, ok.output
+
+
+def test_max_new_tokens_of_a_manifest_job_is_named_there(cli, docs, tmp_path):
+    model = str(tiny_gguf(tmp_path / "m.gguf"))
+    (tmp_path / "jobs.yaml").write_text(
+        "jobs:\n  - {input: docs/alpha.txt, max_new_tokens: 5000}\n"
+    )
+    result = cli("--manifest", "jobs.yaml", "--model", model, engine=never_load)
+    assert result.exit_code == 2
+    assert "job 'alpha''s max_new_tokens 5,000 (" in " ".join(result.stderr.split())
+
+
+def test_a_document_that_fits_alone_names_the_max_new_tokens_that_fits(cli, docs, tmp_path):
+    model = str(tiny_gguf(tmp_path / "m.gguf"))
+    (docs / "mid.txt").write_text("A long line of prose about sorting things.\n" * 100)  # 4.3 KB
+    result = cli("docs/mid.txt", "--model", model, "--max-new-tokens", "1500")
+    out = " ".join(result.output.split())
+    statement = (
+        "1 document(s) fit the model's context of 2,048 tokens but not beside --max-new-tokens"
+    )
+    assert statement in out and "mid (~955 tokens)" in out  # 4300 bytes / 4.5
+    room = re.search(r"lower --max-new-tokens to below ~([\d,]+) \(judged from its size\)", out)[1]
+    room = int(room.replace(",", ""))
+    assert 2048 - 955 - 100 < room < 2048 - 955
+    assert "--context-policy chunk" in out
+    assert out.index(statement) < out.index("loading model")
+
+
+def test_too_long_advice_names_max_new_tokens_only_when_the_prompt_fits():
+    from engine.text.context import too_long_message
+
+    alone = too_long_message(340, 100000, 8192, "refuse")
+    assert "lower --max-new-tokens to at most 7,852" in alone
+    assert "--context-policy chunk" in alone
+    long = too_long_message(9000, 100, 8192, "refuse")
+    assert "--max-new-tokens" not in long and "--context-policy truncate" in long
+    extend = too_long_message(9000, 100, 8192, "extend")
+    assert "raise --max-context to at least 9100" in extend and "chunk" in extend

@@ -629,3 +629,11 @@ def test_fp8_host_pages_double_jobs_per_host_gib():
     assert link[0] / link[1] == pytest.approx(2 * d / (d + 1), rel=1e-6)
     resident = fp8.replace(hierarchical=False)  # no host tier: fp8 only rounds
     assert sizing.pool_page_bytes(shape, resident) == sizing.pool_page_bytes(shape, bf16)
+
+
+def test_context_past_training_note_names_every_policy_that_runs_it():
+    config, hardware = _preset("dual4090")
+    config = config.replace(context_policy="refuse")
+    result = plan(LLAMA13, config, hardware, 1, 4 * LLAMA13.max_position)
+    (note,) = [n for n in result.notes if "trained" in n]
+    assert "refuses unless context_policy is extend, truncate or chunk" in note
