@@ -299,8 +299,8 @@ def default_prefetch_pages(base: EngineConfig) -> int:
 def mode_config(
     base: EngineConfig, mode: str, prefetch_pages: int | None = None
 ) -> EngineConfig:
-    """The engine config of ``mode`` (see the module notes); only ``prefetch`` has
-    ``prefetch_pages``: ``prefetch_pages`` if given, else the base config's, else
+    """The engine config of ``mode`` (see the module notes), with the hierarchy's own resolve
+    and gather (``cpu_direct_reads`` off); only ``prefetch`` has ``prefetch_pages``: ``prefetch_pages`` if given, else the base config's, else
     :func:`default_prefetch_pages`."""
     prefetch = prefetch_pages or base.prefetch_pages or default_prefetch_pages(base)
     changes = {
@@ -321,7 +321,9 @@ def mode_config(
             "prefetch_pages": prefetch,
         },
     }[mode]
-    return base.replace(**{"prefetch_pages": 0, **changes})
+    # The bench measures the hierarchy itself, also on a CPU device, where the cpu preset
+    # reads the pool in place (cpu_direct_reads: no resolve, no gather, no misses).
+    return base.replace(**{"prefetch_pages": 0, "cpu_direct_reads": False, **changes})
 
 
 def parse_int_list(text: str, parse: Callable[[str], int] = int) -> tuple[int, ...]:
