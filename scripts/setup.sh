@@ -15,11 +15,17 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     # PyTorch's CPU index: PyPI's Linux x86-64 torch wheels are CUDA builds (several GB with
     # their nvidia-* dependencies). A machine that cannot reach that index (or whose pip is
     # configured with a local CPU wheel) falls back to the plain requirement.
-    "$VENV/bin/python" -m pip install -q --retries 1 --timeout 15 \
-        --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" ||
-      { echo "setup: PyTorch's CPU index was not reachable; installing torch==2.13.0 from" \
-          "the configured index (on Linux x86-64 PyPI serves a CUDA build)" >&2
-        "$VENV/bin/python" -m pip install -q "torch==2.13.0"; }
+    CPU_INDEX=https://download.pytorch.org/whl/cpu
+    if "$VENV/bin/python" -c "import sys, urllib.request as u; u.urlopen(sys.argv[1] + '/torch/', timeout=10)" \
+        "$CPU_INDEX" 2>/dev/null &&
+      "$VENV/bin/python" -m pip install -q --retries 1 --timeout 30 --index-url "$CPU_INDEX" \
+        "torch==2.13.0"; then
+      :
+    else
+      echo "setup: PyTorch's CPU index ($CPU_INDEX) was not reachable; installing" \
+        "torch==2.13.0 from the configured index (on Linux x86-64 PyPI serves a CUDA build)" >&2
+      "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+    fi
   fi
 fi
 "$VENV/bin/python" -m pip install -q -e ".[test,dev]"
