@@ -626,12 +626,16 @@ def _check_unique(
     ids: dict[str, Entry] = {}
     outputs: dict[str, tuple[str, Entry]] = {}
     for spec, m in zip(specs, merged, strict=True):
-        if spec is None:
+        # A job with other problems still has its id checked, so one pass reports both.
+        job_id = spec.id if spec is not None else m.get("id", (None, None))[0]
+        if not isinstance(job_id, str) or not job_id:
             continue
         id_entry, out_entry = m["id"][1], m.get("output", m["id"])[1]
-        first = ids.setdefault(spec.id.casefold(), id_entry)
+        first = ids.setdefault(job_id.casefold(), id_entry)
         if first is not id_entry:
-            problems.append(_problem(id_entry, "id", f"duplicate id {spec.id!r} ({_place(first)})"))
+            problems.append(_problem(id_entry, "id", f"duplicate id {job_id!r} ({_place(first)})"))
+            continue
+        if spec is None:
             continue
         owner, first_out = outputs.setdefault(spec.output.casefold(), (spec.id, out_entry))
         if first_out is not out_entry:

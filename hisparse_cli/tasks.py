@@ -106,14 +106,17 @@ def template_problem(template: str) -> str | None:
     if not parsed.is_valid():
         return "is not a valid template: a '$' must start $name or ${name} (write $$ for '$')"
     names = parsed.get_identifiers()
+    found = []  # every problem at once, so one fix-and-retry covers them
     unknown = sorted(set(names) - set(TEMPLATE_VARIABLES))
     if unknown:
         allowed = ", ".join(f"${n}" for n in TEMPLATE_VARIABLES)
-        return f"uses unknown variable(s) {', '.join('$' + n for n in unknown)}; allowed: {allowed}"
+        found.append(
+            f"uses unknown variable(s) {', '.join('$' + n for n in unknown)}; allowed: {allowed}"
+        )
     if "document" not in names:
         hint = " (write ${document}, not {document})" if "{document}" in template else ""
-        return f"must contain ${{document}}{hint}"
-    return None
+        found.append(f"must contain ${{document}}{hint}")
+    return "; and ".join(found) or None
 
 
 def build_messages(spec: TaskSpec, document: str, job_id: str = "", name: str = "") -> list[dict]:

@@ -137,6 +137,30 @@ def test_duplicate_ids_reported_with_both_lines(docs):
     assert "duplicate id 'SAME'" in problem.message and "line 2" in problem.message
 
 
+def test_one_pass_reports_a_duplicate_id_beside_the_jobs_other_problems(docs):
+    """A duplicate id whose job also has a missing input, and a custom prompt with an
+    unknown variable and no ${document}: every problem in one pass (fresh-user finding:
+    the second of each appeared only after the first was fixed)."""
+    path = write_yaml(
+        docs,
+        """
+        jobs:
+          - id: a
+            input: docs/one.txt
+          - id: a
+            input: docs/missing.txt
+          - id: c
+            input: docs/two.txt
+            prompt: "no doc placeholder $foo"
+        """,
+    )
+    problems = problems_of(path)
+    assert "duplicate id 'a'" in find(problems, "jobs[1].id").message
+    assert "file not found" in find(problems, "jobs[1].input").message
+    prompt = find(problems, "jobs[2].prompt").message
+    assert "$foo" in prompt and "${document}" in prompt
+
+
 def test_wrong_types_and_unknown_fields(docs):
     path = write_yaml(
         docs,
