@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import time
 from pathlib import Path
@@ -28,11 +27,10 @@ import torch
 from engine.config import EngineConfig, SamplingParams
 from engine.events import Job
 from engine.load import load_engine
+from engine.measure.bench_kv import corpus_dir
 from engine.weights.embedded import default_model_path
 
-CORPUS = Path(
-    os.environ.get("HISPARSE_CORPUS", Path(__file__).resolve().parents[2] / "shared" / "corpus")
-)
+CORPUS = corpus_dir()  # $HISPARSE_CORPUS, ../shared/corpus, else examples/
 
 
 def prompt_ids(tokenizer, doc: Path) -> list[int]:

@@ -45,12 +45,11 @@ import torch
 from engine.config import SamplingParams
 from engine.events import Job
 from engine.load import load_engine
+from engine.measure.bench_kv import corpus_dir
 from engine.presets import resolve_config
 from engine.weights.embedded import default_model_path
 
-CORPUS = Path(
-    os.environ.get("HISPARSE_CORPUS", Path(__file__).resolve().parents[2] / "shared" / "corpus")
-)
+CORPUS = corpus_dir()  # $HISPARSE_CORPUS, ../shared/corpus, else examples/
 
 
 def build_prompt(tokenizer, doc: Path, target: int) -> list[int]:

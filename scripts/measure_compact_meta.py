@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import sys
 from pathlib import Path
@@ -39,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.config import EngineConfig, SamplingParams  # noqa: E402
 from engine.events import Job  # noqa: E402
 from engine.load import load_engine  # noqa: E402
+from engine.measure.bench_kv import corpus_dir  # noqa: E402
 from kernels.bitmask import unpack_bits  # noqa: E402
 
 
@@ -66,9 +66,7 @@ def dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    env = os.environ.get("HISPARSE_CORPUS")
-    default_corpus = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "corpus"
-    p.add_argument("--corpus", type=Path, default=default_corpus)
+    p.add_argument("--corpus", type=Path, default=corpus_dir())
     p.add_argument("--doc", default="library-re.txt")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--steps", type=int, default=16)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import sys
 from pathlib import Path
@@ -40,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.config import EngineConfig, SamplingParams  # noqa: E402
 from engine.events import Job  # noqa: E402
 from engine.load import load_engine  # noqa: E402
+from engine.measure.bench_kv import corpus_dir  # noqa: E402
 from kernels.fp8_kv import FP8, fp8_round_ref  # noqa: E402
 
 FP8_MAX = 448.0
@@ -90,9 +90,7 @@ def kv_of(engine, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    env = os.environ.get("HISPARSE_CORPUS")
-    default_corpus = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "corpus"
-    p.add_argument("--corpus", type=Path, default=default_corpus)
+    p.add_argument("--corpus", type=Path, default=corpus_dir())
     p.add_argument("--docs", default="howto-sorting.txt", help="comma-separated corpus files")
     p.add_argument("--tokens", type=int, default=1024, help="prompt tokens per document")
     p.add_argument("--page-size", type=int, default=16)

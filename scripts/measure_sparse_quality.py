@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import random
 import re
@@ -69,12 +68,12 @@ from engine.decode.attention import DecodeAttention  # noqa: E402
 from engine.events import Job  # noqa: E402
 from engine.kv.cache import KVCache  # noqa: E402
 from engine.load import load_engine  # noqa: E402
+from engine.measure.bench_kv import corpus_dir  # noqa: E402
 from engine.measure.replay import POLICIES, capacities_from_multiples, replay_trace  # noqa: E402
 from engine.measure.trace import TraceHeader, TraceWriter, read_header  # noqa: E402
 from engine.serve.engine import Engine, Request  # noqa: E402
 from kernels.bitmask import unpack_bits  # noqa: E402
 
-CORPUS_ENV = "HISPARSE_CORPUS"
 QUALITY_DOCS = ("howto-logging.txt", "library-re.txt", "whatsnew-3.11.txt")
 NEEDLE_DOC = "tutorial-controlflow.txt"
 SUMMARY_PROMPT = "Summarize the following document in detail.\n\n"
@@ -281,9 +280,6 @@ class Harness:
             self.engine.tracer = None
 
 
-def corpus_dir() -> Path:
-    env = os.environ.get(CORPUS_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "corpus"
 
 
 def cut_text(tok, text: str, num_tokens: int) -> tuple[str, int]:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import sys
 import time
@@ -52,6 +51,7 @@ from engine.decode.attention import DecodeAttention  # noqa: E402
 from engine.events import Job  # noqa: E402
 from engine.kv.cache import KVCache  # noqa: E402
 from engine.load import load_engine  # noqa: E402
+from engine.measure.bench_kv import corpus_dir  # noqa: E402
 from kernels.bitmask import unpack_bits  # noqa: E402
 from kernels.superpage_select import (  # noqa: E402
     num_candidates,
@@ -147,9 +147,7 @@ def use(engine, cfg: EngineConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    env = os.environ.get("HISPARSE_CORPUS")
-    default_corpus = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "corpus"
-    p.add_argument("--corpus", type=Path, default=default_corpus)
+    p.add_argument("--corpus", type=Path, default=corpus_dir())
     p.add_argument("--doc", default="library-stdtypes.txt")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--steps", type=int, default=200)
