@@ -12,8 +12,9 @@ from typing import Any
 from engine.capacity.budget import record_bytes
 from engine.capacity.planner import GIB, format_context
 from engine.config import ConfigError, EngineConfig
-from engine.kv.sizing import host_record_bytes
+from engine.kv.sizing import dtype_bytes, host_record_bytes
 from engine.model.llama import LlamaModel
+from kernels.superpage_select import num_candidates
 
 REPORT_FILE = "bench.json"
 
@@ -64,8 +65,14 @@ def roofline(
     (missed records as the host pool stores them: fp8 with ``kv_host_dtype=fp8``).
 
     ``pages`` are the jobs' context pages; ``misses_per_step`` records loaded per step
-    (0 for resident modes and for ``noio``, which moves nothing). The Quest metadata the
-    indexer reads (1/S of the KV) is listed but not in the model.
+    (0 for resident modes and for ``noio``, which moves nothing).
+
+    The Quest page metadata the indexer reads is counted apart: ``metadata_bytes`` is what
+    a step reads (every page's key min / max, 1/S of the KV, with ``page_metadata=exact``;
+    superpage rows + the candidates' page rows + the refreshed tail with ``superpage``,
+    :func:`metadata_rows_per_head`), and ``modeled_with_metadata_ms`` /
+    ``measured_over_roofline_with_metadata`` add it at HBM bandwidth; ``modeled_ms`` keeps
+    the weights + KV model of earlier figures.
     """
     cfg = model.config
     rec = record_bytes(cfg, config)
@@ -76,20 +83,43 @@ def roofline(
         0 if (config.skip_host_io or not config.hierarchical or config.attention == "dense") else 1
     )
     missed = int(misses_per_step * host_record_bytes(cfg, config) * moved)  # fp8: 2 S (D + 1)
-    meta = 0 if config.attention == "dense" else sum(pages) * per_page // config.page_size
+    meta = 0
+    if config.attention != "dense" and config.indexer == "quest":
+        pair_row = cfg.num_layers * cfg.num_kv_heads * 2 * cfg.head_dim * dtype_bytes(config.kv_dtype)
+        meta = sum(metadata_rows_per_head(config, p) for p in pages) * pair_row
     hbm, link = hbm_gbps * 1e9, link_gbps * 1e9
     modeled_ms = ((weights + selected) / hbm + missed / link) * 1e3
+    with_meta_ms = modeled_ms + meta / hbm * 1e3
     return {
         "weight_bytes": weights,
         "selected_kv_bytes": selected,
         "missed_kv_bytes": missed,
-        "metadata_bytes_not_modeled": meta,
+        "metadata_bytes": meta,
         "hbm_gbps": hbm_gbps,
         "link_gbps": link_gbps,
         "modeled_ms": modeled_ms,
         "measured_ms": measured_ms,
         "measured_over_roofline": measured_ms / modeled_ms if modeled_ms > 0 else None,
+        "modeled_with_metadata_ms": with_meta_ms,
+        "measured_over_roofline_with_metadata": (
+            measured_ms / with_meta_ms if with_meta_ms > 0 else None
+        ),
     }
+
+
+def metadata_rows_per_head(config: EngineConfig, num_pages: int) -> int:
+    """Page-metadata pair rows (a key min and max of ``D`` values each) that one decode
+    step's Quest selection reads per (job, layer, KV head) for a ``num_pages``-page
+    context: every page with ``page_metadata=exact``; with ``superpage``, every
+    superpage's row, the pages of the ``C`` best superpages (:func:`num_candidates`) and
+    the newest superpage's pages, refreshed each step (the formula of
+    :mod:`kernels.superpage_select`)."""
+    if config.page_metadata != "superpage":
+        return num_pages
+    sp = config.superpage_pages
+    supers = -(-num_pages // sp)
+    c = min(num_candidates(config.top_k_pages, sp, config.superpage_oversample), supers)
+    return supers + c * sp + sp
 
 
 # ----------------------------------------------------------------------------- report
@@ -153,6 +183,8 @@ def point_line(row: dict[str, Any]) -> str:
         f"{row['peak_gpu_bytes'] / GIB:6.2f} GiB" if row["peak_gpu_bytes"] is not None else "   -  "
     )
     roof = row["roofline"]["measured_over_roofline"]
+    roof_meta = row["roofline"].get("measured_over_roofline_with_metadata")
+    roof_m = f" (x{roof_meta:.1f} with metadata)" if roof_meta and roof_meta != roof else ""
     prefetched = row.get("prefetched")
     pf = f"  prefetched {prefetched / row['decode_steps']:.0f}/step" if prefetched else ""
     stop = (
@@ -163,7 +195,7 @@ def point_line(row: dict[str, Any]) -> str:
     return (
         f"{head} {row['decode_tok_s']:9.1f} tok/s  step p50 {row['step_ms_p50']:7.2f} ms p99 "
         f"{row['step_ms_p99']:7.2f} ms  hit {hit}  h2d {row['h2d_gbps']:6.2f} GB/s  peak {peak}"
-        f"  x{roof:.1f} roofline{pf}{stop}"
+        f"  x{roof:.1f} roofline{roof_m}{pf}{stop}"
     )
 
 

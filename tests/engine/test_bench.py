@@ -23,7 +23,7 @@ from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.events import Job
 from engine.measure.bench import MODES, RUN_FIELDS, BenchSpec, hierarchical_pool_pages, run_bench
 from engine.measure.bench_kv import export_kv, page_runs, prefill_window
-from engine.measure.report import roofline, selected_pages
+from engine.measure.report import metadata_rows_per_head, roofline, selected_pages
 from hisparse_cli.bench_cmd import register
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -296,6 +296,30 @@ def test_roofline_terms(tiny):
     assert r["modeled_ms"] == pytest.approx(expect)
     noio = roofline(model, cfg.replace(skip_host_io=True), pages, 10, 1.0, 1000, 50)
     assert noio["missed_kv_bytes"] == 0
+    # exact Quest reads every page's key min and max (2 x D values) per layer and KV head
+    pair_row = model.config.num_layers * model.config.num_kv_heads * 2 * 32 * 4
+    assert r["metadata_bytes"] == 64 * pair_row == sum(pages) * per_page // 16
+    assert r["modeled_with_metadata_ms"] == pytest.approx(
+        expect + r["metadata_bytes"] / 1e12 * 1e3
+    )
+    assert r["measured_over_roofline_with_metadata"] == pytest.approx(
+        1.0 / r["modeled_with_metadata_ms"]
+    )
+    assert roofline(model, cfg.replace(attention="dense"), pages, 0, 1.0, 1000, 50)[
+        "metadata_bytes"
+    ] == 0
+
+
+def test_superpage_metadata_rows_per_step():
+    """Superpage selection reads every superpage row, the C best superpages' page rows and
+    the refreshed newest superpage's pages, per (job, layer, KV head)."""
+    cfg = EngineConfig(**SMALL).replace(page_metadata="superpage", superpage_pages=16,
+                                        superpage_oversample=8, top_k=2048, device_buffer=4096)  # fmt: skip
+    # 128K at page 16: 8192 pages, 512 superpages; top_k 128 pages x 8 = 1024 -> C = 64
+    assert metadata_rows_per_head(cfg, 8192) == 512 + 64 * 16 + 16
+    assert metadata_rows_per_head(cfg.replace(page_metadata="exact"), 8192) == 8192
+    # a short context: C is cut to the superpages there are
+    assert metadata_rows_per_head(cfg, 100) == 7 + 7 * 16 + 16
 
 
 def test_bad_arguments_exit_2(tmp_path):
