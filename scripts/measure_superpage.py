@@ -128,6 +128,10 @@ def engine_config(args, **changes) -> EngineConfig:
         context_policy="extend",
         max_context=args.tokens + args.steps + 64,
     )
+    if args.device != "cpu":
+        # bfloat16 as the GPU presets; eager steps, since the comparison wraps the select
+        settings.update(device=args.device, dtype="bfloat16", kv_dtype="bfloat16",
+                        cuda_graph=False, async_decode=False, decode_overlap=False)  # fmt: skip
     return EngineConfig(**{**settings, **changes})
 
 
@@ -148,7 +152,13 @@ def use(engine, cfg: EngineConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--corpus", type=Path, default=corpus_dir())
-    p.add_argument("--doc", default="library-stdtypes.txt")
+    p.add_argument(
+        "--doc",
+        default="library-stdtypes.txt",
+        help="corpus file, or a comma list read in order and joined by blank lines "
+        "(contexts longer than one document)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (bfloat16, eager steps)")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--top-k", type=int, default=512)
@@ -182,8 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     engine = load_engine(cfg, args.model)
     engine.keep_logits = True
     attn, ends = engine.attn, sorted(engine.eos_ids)
-    text = (args.corpus / args.doc).read_text("utf-8")
+    text = "\n\n".join((args.corpus / d).read_text("utf-8") for d in args.doc.split(","))
     ids = engine.tokenizer.encode(text)[: args.tokens]
+    if len(ids) < args.tokens:
+        log(f"the documents hold {len(ids)} tokens, fewer than --tokens {args.tokens}")
     stats = {v: {"rows": 0, "same": 0, "sel": 0, "missing": 0} for v in variants}
     select = attn.select
 
@@ -195,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         a = unpack_bits(exact, p_max)
         for sp, o in variants:
             super_meta = superpage_meta_ref(meta, pages, sp)
-            page_super = torch.full((meta.shape[0],), -1, dtype=torch.int32)
-            page_super[pages[::sp]] = torch.arange(super_meta.shape[0], dtype=torch.int32)
+            page_super = torch.full((meta.shape[0],), -1, dtype=torch.int32, device=meta.device)
+            page_super[pages[::sp]] = torch.arange(
+                super_meta.shape[0], dtype=torch.int32, device=meta.device
+            )
             got = superpage_select_ref(
                 q, meta, super_meta.clone(), page_super, plan.block_table, plan.num_pages,
                 cfg.top_k_pages, cfg.sink_pages, cfg.window_pages, sp,
@@ -218,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     first_logits = req.logits.clone()
     keys, values = [], []
     n_pages = engine.cache.pages_for(len(ids))
-    pg = torch.tensor(engine.cache.seqs[req.seq_id].pages[:n_pages], dtype=torch.long)
+    pg = torch.tensor(
+        engine.cache.seqs[req.seq_id].pages[:n_pages], dtype=torch.long,
+        device=engine.cache.pool[0].device,
+    )  # fmt: skip
     for layer in range(engine.model_config.num_layers):
         rec = engine.cache.pool[layer][pg]
         _, hkv, _, s, d = rec.shape
@@ -298,7 +315,12 @@ def main(argv: list[str] | None = None) -> int:
         "bytes_per_step_per_job": bytes_table(
             model, len(ids), args.top_k, args.bytes_top_k, args.page_size, variants
         ),
-        "machine": platform.node() + " (2-core CPU, shared with other agents: contended)",
+        "machine": (
+            platform.node() + " (2-core CPU, shared with other agents: contended)"
+            if args.device == "cpu"
+            else f"{platform.node()} ({torch.cuda.get_device_name(args.device)})"
+        ),
+        "device": args.device,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": "python scripts/measure_superpage.py " + " ".join(argv or sys.argv[1:]),
     }
