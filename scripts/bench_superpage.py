@@ -12,7 +12,10 @@ jobs, page 16, top_k 2048 tokens, sink 16 and window 64 tokens, ``normmax``:
    refreshed superpage rows), and replays from a CUDA graph with the same result;
 2. **time** — one layer's select, replayed from a CUDA graph (median of 30), times the
    layers = select per step: exact (``quest_scores`` + ``select_topk``) and superpage at
-   each ``--oversample``; metadata bytes read per step (bf16) and their share of the KV.
+   each ``--oversample``; metadata bytes read per step (bf16) and their share of the KV;
+3. **kernels** (``--profile``) — the same layer's select run eagerly under
+   ``torch.profiler``: device µs per kernel (mean of 20 calls), the breakdown of each
+   variant's time.
 
 The metadata is random (timing does not depend on the values; the fidelity of the
 selection is measured on the real model by ``scripts/measure_superpage.py``).
@@ -128,7 +131,29 @@ def meta_bytes(b: int, hkv: int, d: int, rows_per_head: int) -> int:
     return b * hkv * rows_per_head * 2 * d * 2
 
 
-def bench_shape(name: str, ctx: int, jobs: int, overs: list[float]) -> dict:
+def kernel_breakdown(fn, calls: int = 20) -> dict[str, float]:
+    """Device µs per call of each CUDA kernel ``fn`` launches (``torch.profiler``, eager,
+    mean over ``calls`` calls after a warm-up), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None)
+        if us is None:  # torch < 2.4 names it cuda_time_total
+            us = ev.cuda_time_total
+        if us > 0 and ev.device_type.name == "CUDA":
+            totals[ev.key[:60]] = totals.get(ev.key[:60], 0.0) + us / calls
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def bench_shape(name: str, ctx: int, jobs: int, overs: list[float], prof: bool = False) -> dict:
     layers, hq, hkv, d = SHAPES[name]
     p = ctx // PAGE
     kv_layer = jobs * hkv * p * 2 * PAGE * d * 2
@@ -148,6 +173,8 @@ def bench_shape(name: str, ctx: int, jobs: int, overs: list[float]) -> dict:
             "kv_over_meta": kv_layer / nbytes,
             "meta_gbps": nbytes / us / 1e3,
         }
+        if prof:
+            res[key]["kernels_us_per_layer"] = kernel_breakdown(fn)
     base = res["exact"]["ms_per_step"]
     for key in rows:
         res[key]["vs_exact"] = res[key]["ms_per_step"] / base
@@ -160,6 +187,7 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=32)
     p.add_argument("--oversample", default="2,4,8")
     p.add_argument("--shapes", default="smollm2-135m,qwen2.5-7b")
+    p.add_argument("--profile", action="store_true", help="also list each variant's kernels")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     overs = [float(x) for x in args.oversample.split(",")]
@@ -177,7 +205,7 @@ def main() -> int:
         "shapes": {},
     }
     for name in args.shapes.split(","):
-        res = bench_shape(name, args.context, args.jobs, overs)
+        res = bench_shape(name, args.context, args.jobs, overs, args.profile)
         out["shapes"][name] = res
         print(f"{name}: {args.jobs} jobs x {args.context} tokens, {res['layers']} layers")
         print(f"  check: {res['check']}")
@@ -189,6 +217,12 @@ def main() -> int:
                     f"{r['meta_bytes_per_step'] / 2**20:>10.1f}{r['kv_over_meta']:>7.0f}"
                     f"{r['meta_gbps']:>8.0f}"
                 )
+        for key, r in res.items():
+            if isinstance(r, dict) and "kernels_us_per_layer" in r:
+                k = r["kernels_us_per_layer"]
+                print(f"  {key}: {sum(k.values()):.1f} us of kernels a layer, {len(k)} kinds")
+                for kname, us in k.items():
+                    print(f"    {us:8.2f} us  {kname}")
     ok = all(
         v["triton_equals_reference"] and v["refreshed_rows_equal"] and v["graph_equals_eager"]
         and v["normmax_rows_equal_share"] >= 0.99
