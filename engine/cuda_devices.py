@@ -1,5 +1,5 @@
 """The CUDA devices of this machine (name, memory), read without importing torch or
-creating a CUDA context.
+creating a CUDA context; and that context started early (:func:`start_cuda_context`).
 
 ``hisparse run`` needs the device count and memory before anything else (``--preset
 auto`` and the device checks). Asking torch costs its import (1-2 s) plus the CUDA
@@ -40,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -383,3 +384,57 @@ def probe_cuda_devices(
         return CudaDevices(devices, source, "; ".join(notes), time.perf_counter() - start)
     devices = torch_probe()
     return CudaDevices(devices, "torch", "; ".join(notes), time.perf_counter() - start)
+
+
+# ----------------------------------------------------------------------------- early context
+
+CUDA_LIBRARY = "libcuda.so.1"
+
+
+def load_cuda() -> ctypes.CDLL:
+    """The CUDA driver library (tests replace this loader). Raises ``OSError`` if absent."""
+    return ctypes.CDLL(CUDA_LIBRARY)
+
+
+def start_cuda_context(
+    ordinal: int, marks: dict[str, float], loader: Callable[[], object] = load_cuda
+) -> threading.Thread:
+    """Initialise the CUDA driver and create device ``ordinal``'s primary context on a
+    background thread, while the main thread imports torch.
+
+    torch's first CUDA call (``cuInit``, then the primary context of the device: 0.3 s to
+    seconds, more on a GPU without persistence mode) would otherwise run after its import,
+    on the path to the first prefill. ``ctypes`` releases the GIL during the driver
+    calls, so they overlap the import (which holds the GIL); a thread running Python
+    would not (measured: the torch import and the GGUF read in two threads take as long
+    as one after the other). The runtime API torch uses works in the same primary context
+    (``cuDevicePrimaryCtxRetain``; the reference taken here is kept for the process's
+    life, as torch keeps its own), so torch finds the driver initialised and the context
+    made. ``CUDA_MODULE_LOADING`` is set to ``LAZY`` unless set, as torch does before its
+    own ``cuInit`` (the driver reads it there, once).
+
+    ``ordinal`` counts the devices as CUDA does under this process's
+    ``CUDA_VISIBLE_DEVICES`` (``cuda:N``). Only for a process that will use that device
+    itself and never forks a child that uses CUDA (the data-parallel and pipeline workers
+    are spawned and pick their own devices). On success ``marks["cuda_ready"]`` is the
+    ``time.monotonic()`` when the context was made; on any failure (no driver library, a
+    driver error) nothing is marked and torch reports the error as before.
+
+    Returns the started (daemon) thread.
+    """
+    os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
+
+    def run() -> None:
+        try:
+            cuda = loader()
+            device, context = ctypes.c_int(0), ctypes.c_void_p()
+            if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(device), ordinal) != 0:
+                return
+            if cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) == 0:
+                marks["cuda_ready"] = time.monotonic()
+        except (OSError, AttributeError):
+            return
+
+    thread = threading.Thread(target=run, name="cuda-context", daemon=True)
+    thread.start()
+    return thread

@@ -386,6 +386,17 @@ def execute(
     return batch.run(document)
 
 
+def warm_cuda(config: EngineConfig, marks: dict[str, float]) -> None:
+    """Start the CUDA driver and the context of the run's device in the background
+    (:func:`engine.cuda_devices.start_cuda_context`) when the run uses exactly one CUDA
+    device in this process; tests replace this hook. ``marks`` gets ``cuda_ready``."""
+    devices = list(config.devices) or [config.device]
+    if len(devices) == 1 and devices[0].split(":")[0] == "cuda":
+        from engine.cuda_devices import start_cuda_context
+
+        start_cuda_context(_cuda_index(devices[0]), marks)
+
+
 def preset_line(preset: str, choice: AutoChoice | None) -> str:
     """How the progress output and the summary name the preset: ``cpu`` or
     ``cpu (auto: no CUDA device)``, with how the devices were read where they were."""
@@ -1026,6 +1037,7 @@ class BatchRun:
 
     def _run_engine(self, pending: list[PlannedJob]) -> bool:
         """Load the engine and consume its events; return whether Ctrl-C was pressed."""
+        warm_cuda(self.config, self.startup_marks)  # while torch is imported below
         self._warn_oversized(pending)
         try:  # refused before the "loading model" line (load_engine checks it again)
             check_host_pool(self.config)

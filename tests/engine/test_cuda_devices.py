@@ -310,3 +310,63 @@ def test_nvml_agrees_with_torch_on_this_machine():
         assert abs(mine.memory_gib - theirs.memory_gib) < 0.05, (mine, theirs)
     as_probed = choose_preset([d.memory_gib for d in probed.devices])
     assert as_probed == choose_preset([d.memory_gib for d in seen])
+
+
+class FakeCuda:
+    """``cuInit``, ``cuDeviceGet`` and ``cuDevicePrimaryCtxRetain`` of libcuda."""
+
+    def __init__(self, fail=""):
+        self.fail, self.calls = fail, []
+
+    def cuInit(self, flags):  # noqa: N802
+        self.calls.append(("cuInit", flags))
+        return 3 if self.fail == "cuInit" else 0  # CUDA_ERROR_NOT_INITIALIZED
+
+    def cuDeviceGet(self, device, ordinal):  # noqa: N802
+        self.calls.append(("cuDeviceGet", ordinal))
+        device._obj.value = ordinal
+        return 101 if self.fail == "cuDeviceGet" else 0  # CUDA_ERROR_INVALID_DEVICE
+
+    def cuDevicePrimaryCtxRetain(self, context, device):  # noqa: N802
+        self.calls.append(("cuDevicePrimaryCtxRetain", device.value))
+        context._obj.value = 0xC0
+        return 0
+
+
+def test_start_cuda_context_makes_the_primary_context_of_the_device(monkeypatch):
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    fake, marks = FakeCuda(), {}
+    cd.start_cuda_context(1, marks, lambda: fake).join()
+    assert fake.calls == [("cuInit", 0), ("cuDeviceGet", 1), ("cuDevicePrimaryCtxRetain", 1)]
+    assert "cuda_ready" in marks
+    assert cd.os.environ["CUDA_MODULE_LOADING"] == "LAZY"  # as torch sets it before cuInit
+
+
+def test_start_cuda_context_failures_mark_nothing(monkeypatch):
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")  # the user's choice is kept
+    for fail in ("cuInit", "cuDeviceGet"):
+        fake, marks = FakeCuda(fail), {}
+        cd.start_cuda_context(0, marks, lambda fake=fake: fake).join()
+        assert marks == {} and ("cuDevicePrimaryCtxRetain", 0) not in fake.calls
+
+    def absent():
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    marks = {}
+    cd.start_cuda_context(0, marks, absent).join()
+    assert marks == {} and cd.os.environ["CUDA_MODULE_LOADING"] == "EAGER"
+
+
+@pytest.mark.parametrize(
+    "device, devices, ordinal",
+    [("cuda", (), 0), ("cuda:1", (), 1), ("cpu", ("cuda:2",), 2), ("cpu", (), None),
+     ("cuda:0", ("cuda:0", "cuda:1"), None)],
+)  # fmt: skip
+def test_warm_cuda_only_for_one_cuda_device(monkeypatch, device, devices, ordinal):
+    from engine.config import EngineConfig
+    from hisparse_cli import runner
+
+    started = []
+    monkeypatch.setattr(cd, "start_cuda_context", lambda n, marks: started.append(n))
+    runner.warm_cuda(EngineConfig(device=device, devices=devices), {})
+    assert started == ([] if ordinal is None else [ordinal])
