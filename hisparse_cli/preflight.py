@@ -54,13 +54,14 @@ def _embedded_path() -> Path:
 
 def _gguf_context(path: Path) -> int | None:
     """``<arch>.context_length`` (4096 when absent, as the loader reads it)."""
-    from engine.weights.gguf import SUPPORTED_ARCHS
+    from engine.model.registry import gguf_names  # not engine.weights.gguf: no torch yet
     from engine.weights.header import read_gguf_fields
 
-    keys = {"general.architecture", *(f"{arch}.context_length" for arch in SUPPORTED_ARCHS)}
+    archs = gguf_names()
+    keys = {"general.architecture", *(f"{arch}.context_length" for arch in archs)}
     fields = read_gguf_fields(path, keys)
     arch = fields.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
+    if arch not in archs:
         return None  # the loader names the unsupported architecture
     return int(fields.get(f"{arch}.context_length", 4096))
 

@@ -161,6 +161,8 @@ def register(app: typer.Typer) -> None:
         if choice is not None:  # YAML comments: the output still parses
             typer.echo(f"# auto: {choice.name} on this machine ({choice.reason})")
             typer.echo(f"# auto picks: {rules()}")
+            if choice.read_by:
+                typer.echo(f"# devices {choice.read_by}")
         typer.echo(yaml.safe_dump(resolved, sort_keys=False), nl=False)
 
     app.add_typer(presets_app, name="presets")

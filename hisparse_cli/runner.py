@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -42,6 +43,7 @@ from typing import Any, Self
 from rich.console import Console
 
 from engine.config import CacheFullError, ConfigError, EngineConfig
+from engine.cuda_devices import CudaDevices, probe_cuda_devices
 from engine.events import (
     Event,
     Job,
@@ -264,17 +266,15 @@ GPU_DRIVER_NODES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/d
 
 
 def cuda_device_count() -> int:
-    """CUDA devices torch can use here (0 without CUDA); tests replace this hook.
+    """CUDA devices this process can use (0 without CUDA); tests replace this hook.
 
     Where no GPU driver can be present (Linux without any of :data:`GPU_DRIVER_NODES`,
-    or macOS) the answer is 0 without importing torch (1-2 s), so ``hisparse presets``
-    and ``plan`` stay fast there; elsewhere torch decides.
+    or macOS) the answer is 0 without probing; elsewhere :func:`cuda_devices` reads
+    them through NVML (no torch import, no CUDA context), ``nvidia-smi`` or torch.
     """
     if no_gpu_driver():
         return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return len(cuda_devices().devices)
 
 
 def no_gpu_driver() -> bool:
@@ -284,19 +284,32 @@ def no_gpu_driver() -> bool:
     return sys.platform.startswith("linux") and not any(map(os.path.exists, GPU_DRIVER_NODES))
 
 
-def cuda_device_memory_gib(index: int) -> float:
-    """Total memory of CUDA device ``index`` in GiB; tests replace this hook."""
-    import torch
+@functools.cache
+def cuda_devices() -> CudaDevices:
+    """This process's CUDA devices (:func:`engine.cuda_devices.probe_cuda_devices`),
+    probed once per process."""
+    return probe_cuda_devices()
 
-    return torch.cuda.get_device_properties(index).total_memory / 2**30
+
+def cuda_devices_read_by() -> str:
+    """How :func:`cuda_devices` read the devices (``read through NVML in 0.03 s``), or
+    ``""`` when it has not run in this process (no driver, or the hooks replaced)."""
+    return cuda_devices().describe() if cuda_devices.cache_info().currsize else ""
+
+
+def cuda_device_memory_gib(index: int) -> float:
+    """Total memory of CUDA device ``index`` in GiB, as CUDA reports it; tests replace
+    this hook."""
+    return cuda_devices().devices[index].memory_gib
 
 
 def auto_preset(device_flags: Sequence[str] = ()) -> AutoChoice:
     """What ``--preset auto`` means on this machine (:func:`choose_preset` over the probes
     :func:`cuda_device_count` and :func:`cuda_device_memory_gib`); ``device_flags``: the
-    ``--device`` / ``--devices`` values given."""
+    ``--device`` / ``--devices`` values given. ``read_by`` says how the devices were read."""
     memories = [cuda_device_memory_gib(i) for i in range(cuda_device_count())]
-    return choose_preset(memories, device_flags)
+    choice = choose_preset(memories, device_flags)
+    return dataclasses.replace(choice, read_by=cuda_devices_read_by())
 
 
 def with_auto_preset(request: RunRequest) -> tuple[RunRequest, AutoChoice | None]:
@@ -355,6 +368,8 @@ def execute(
     document = config_document(config, request.preset, request.model)
     if choice is not None:
         document["preset_auto"] = choice.reason
+        if choice.read_by:
+            document["preset_auto_devices"] = choice.read_by
     if request.print_config:
         problems = machine_problems(config, request, manifest)
         printed = {**document, "problems": problems} if problems else document
@@ -371,10 +386,24 @@ def execute(
     return batch.run(document)
 
 
+def warm_cuda(config: EngineConfig, marks: dict[str, float]) -> None:
+    """Start the CUDA driver and the context of the run's device in the background
+    (:func:`engine.cuda_devices.start_cuda_context`) when the run uses exactly one CUDA
+    device in this process; tests replace this hook. ``marks`` gets ``cuda_ready``."""
+    devices = list(config.devices) or [config.device]
+    if len(devices) == 1 and devices[0].split(":")[0] == "cuda":
+        from engine.cuda_devices import start_cuda_context
+
+        start_cuda_context(_cuda_index(devices[0]), marks)
+
+
 def preset_line(preset: str, choice: AutoChoice | None) -> str:
     """How the progress output and the summary name the preset: ``cpu`` or
-    ``cpu (auto: no CUDA device)``."""
-    return preset if choice is None else f"{preset} (auto: {choice.reason})"
+    ``cpu (auto: no CUDA device)``, with how the devices were read where they were."""
+    if choice is None:
+        return preset
+    read_by = f"; devices {choice.read_by}" if choice.read_by else ""
+    return f"{preset} (auto: {choice.reason}{read_by})"
 
 
 def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
@@ -1008,6 +1037,7 @@ class BatchRun:
 
     def _run_engine(self, pending: list[PlannedJob]) -> bool:
         """Load the engine and consume its events; return whether Ctrl-C was pressed."""
+        warm_cuda(self.config, self.startup_marks)  # while torch is imported below
         self._warn_oversized(pending)
         try:  # refused before the "loading model" line (load_engine checks it again)
             check_host_pool(self.config)

@@ -14,7 +14,17 @@ was started:
 - ``first_prefill``: the ``job_admitted`` event's ``t`` (the engine admits the job and
   its next step is the job's first prefill chunk: ``Engine.run`` runs ``_admit`` then
   ``_prefill_turn``), ``first_token``, ``wall``;
-- ``help_s`` / ``presets_s``: wall time of ``hisparse --help`` and ``hisparse presets``.
+- ``help_s`` / ``presets_s``: wall time of ``hisparse --help`` and ``hisparse presets``;
+- ``cuda_ready``: when the background thread of a one-GPU run had made the CUDA context
+  (:func:`engine.cuda_devices.start_cuda_context`).
+
+``--probes N`` also times the pieces alone, each in a fresh interpreter of this tree, N
+times (median): ``python -c pass``; ``import torch``; ``import triton`` after torch;
+the device probe (:func:`engine.cuda_devices.probe_cuda_devices`: NVML, no torch); with
+torch imported, ``torch.cuda.device_count()`` and then the first CUDA tensor (the
+context); ``cuInit`` + the primary context through ctypes; both at once, the way a run
+overlaps them (torch imported while a thread makes the context). On a GPU it prints what
+the probe read against what torch reads (names, GiB), which must agree.
 
 A tree without the ``startup_times`` object (a checkout from before it existed) reports
 ``model_loaded`` (arrival of the "model loaded" line) and the engine events only. The
@@ -32,7 +42,11 @@ warm; the model file passed through to ``hisparse run`` after ``--``):
     python scripts/measure_startup.py --preset h200 --warmup 1 --runs 5 \\
         --out startup_h200.json -- --model smollm2.gguf
 
-Extra ``hisparse run`` arguments go after ``--``.
+Extra ``hisparse run`` arguments go after ``--``. The whole breakdown on an H200 in one
+command (``--preset auto``, the run's default, resolves through NVML):
+
+    python scripts/measure_startup.py --preset auto --warmup 1 --runs 3 --probes 3 \\
+        --out startup_h200.json -- --model /tmp/smol.gguf
 """
 
 from __future__ import annotations
@@ -55,6 +69,7 @@ ROWS = (
     ("cli_ready", "CLI parsed (imports done)"),
     ("config_resolved", "config resolved"),
     ("load_started", "model load started"),
+    ("cuda_ready", "CUDA context made (background thread)"),
     ("engine_imported", "engine modules imported"),
     ("metadata", "GGUF metadata read"),
     ("tokenizer", "tokenizer built"),
@@ -142,6 +157,88 @@ def table(labels: list[str], summary: dict[str, dict], runs: int) -> str:
     return "\n".join(lines)
 
 
+PROBES = {  # name -> Python code run in a fresh interpreter; it prints seconds (JSON)
+    "python": "import time; t = time.perf_counter()",
+    "import torch": "import time; t = time.perf_counter(); import torch",
+    "import triton (torch imported)": (
+        "import torch, time; t = time.perf_counter(); import triton, triton.language"
+    ),
+    "device probe (NVML, no torch)": (
+        "import time; t = time.perf_counter(); from engine.cuda_devices import "
+        "probe_cuda_devices as p; d = p(); extra = dict(source=d.source, note=d.note, "
+        "devices=[(x.name, round(x.memory_gib, 3)) for x in d.devices])"
+    ),
+    "torch.cuda.device_count (torch imported)": (
+        "import torch, time; t = time.perf_counter(); n = torch.cuda.device_count(); "
+        "extra = dict(devices=[(torch.cuda.get_device_properties(i).name, "
+        "round(torch.cuda.get_device_properties(i).total_memory / 2**30, 3)) for i in range(n)])"
+    ),
+    "first CUDA tensor (torch imported, device counted)": (
+        "import torch, time; torch.cuda.device_count(); t = time.perf_counter(); "
+        "torch.zeros(1, device='cuda'); torch.cuda.synchronize()"
+    ),
+    "cuInit + primary context (ctypes)": (
+        "import time, ctypes; t = time.perf_counter(); c = ctypes.CDLL('libcuda.so.1'); "
+        "d, x = ctypes.c_int(), ctypes.c_void_p(); assert c.cuInit(0) == 0; "
+        "assert c.cuDeviceGet(ctypes.byref(d), 0) == 0; "
+        "assert c.cuDevicePrimaryCtxRetain(ctypes.byref(x), d) == 0"
+    ),
+    "import torch + first CUDA tensor": (
+        "import time; t = time.perf_counter(); import torch; torch.zeros(1, device='cuda'); "
+        "torch.cuda.synchronize()"
+    ),
+    "the same, context started on a thread first": (
+        "import time; t = time.perf_counter(); from engine.cuda_devices import "
+        "start_cuda_context as s; m = {}; s(0, m); import torch; "
+        "torch.zeros(1, device='cuda'); torch.cuda.synchronize(); "
+        "extra = dict(cuda_ready=m.get('cuda_ready', 0) - t if m else None)"
+    ),
+}
+
+
+def time_probes(repeats: int) -> dict[str, dict]:
+    """Each of :data:`PROBES` in a fresh interpreter of this tree, ``repeats`` times:
+    median seconds, the runs, and what the probe printed beside its time (or its error)."""
+    found: dict[str, dict] = {}
+    for name, code in PROBES.items():
+        wrapped = (
+            "extra = {}\n" + code.replace("; ", "\n") + "\n"
+            "import json; print(json.dumps(dict(s=time.perf_counter() - t, extra=extra)))"
+        )
+        runs, extra, error = [], None, None
+        for _ in range(repeats):
+            out = subprocess.run(
+                [sys.executable, "-c", wrapped], cwd=ROOT, env=tree_env(ROOT),
+                capture_output=True, text=True,
+            )  # fmt: skip
+            if out.returncode != 0:
+                error = (out.stderr.strip().splitlines() or ["failed"])[-1]
+                break
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            runs.append(row["s"])
+            extra = row["extra"] or extra
+        found[name] = {
+            "median_s": statistics.median(runs) if runs else None,
+            "runs_s": runs,
+            "printed": extra,
+            "error": error,
+        }
+    return found
+
+
+def print_probes(probes: dict[str, dict]) -> None:
+    """One line per probe; then the devices as the probe and as torch read them."""
+    for name, row in probes.items():
+        shown = row["error"] or f"{row['median_s']:.3f} s"
+        print(f"{name:52}{shown}")
+    mine = (probes.get("device probe (NVML, no torch)") or {}).get("printed") or {}
+    theirs = (probes.get("torch.cuda.device_count (torch imported)") or {}).get("printed") or {}
+    if mine or theirs:
+        note = f" ({mine['note']})" if mine.get("note") else ""
+        print(f"device probe answered from {mine.get('source')}: {mine.get('devices')}{note}")
+        print(f"torch reads: {theirs.get('devices')}")
+
+
 def short_document(path: Path | None, folder: Path) -> Path:
     """``path``, or the first characters of examples/howto-sorting.txt written to ``folder``."""
     if path is not None:
@@ -215,6 +312,12 @@ def main() -> int:
         "--parts", type=int, default=0, help="also time the replaced parts in-process, N times"
     )
     ap.add_argument(
+        "--probes",
+        type=int,
+        default=0,
+        help="also time the pieces alone (fresh processes), N times",
+    )
+    ap.add_argument(
         "run_args", nargs=argparse.REMAINDER, help="-- then more hisparse run arguments"
     )
     ns = ap.parse_args()
@@ -252,6 +355,8 @@ def main() -> int:
     parts = time_parts(ns.parts, model) if ns.parts else {}
     for name, sides in parts.items():
         print(f"{name:40}{sides['before']:>10.3f} s before {sides['after']:>8.3f} s after")
+    probes = time_probes(ns.probes) if ns.probes else {}
+    print_probes(probes)
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "command": sys.argv,
@@ -263,6 +368,7 @@ def main() -> int:
         "trees": {label: str(tree) for label, tree in trees},
         "median_s": summary,
         "parts_median_s": parts,
+        "probes": probes,
         "runs": runs,
     }
     ns.out.write_text(json.dumps(record, indent=1))

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a model is built, not by the name lookups
+    import torch
 
 
 class UnsupportedArchitecture(ValueError):
@@ -181,6 +182,12 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
     )
 }
+
+
+def gguf_names() -> tuple[str, ...]:
+    """Every GGUF ``general.architecture`` value the engine reads (torch-free: the CLI's
+    preflight reads the trained context before torch is imported)."""
+    return tuple(n for a in ARCHITECTURES.values() for n in a.gguf_names)
 
 
 def supported() -> str:

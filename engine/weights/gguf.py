@@ -46,7 +46,7 @@ from engine.weights.types import (
     unpermute_qk_rows,
 )
 
-SUPPORTED_ARCHS = tuple(n for a in registry.ARCHITECTURES.values() for n in a.gguf_names)
+SUPPORTED_ARCHS = registry.gguf_names()
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # linears kept as 4-bit codes
 
 _LAYER_TENSORS = {

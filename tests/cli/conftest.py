@@ -18,6 +18,7 @@ def cli(tmp_path, monkeypatch):
     monkeypatch.setattr(settings, "preset_overrides", lambda name: {})
     monkeypatch.setattr(runner_module, "cuda_device_count", lambda: 0)  # --preset auto -> cpu
     monkeypatch.setattr(runner_module, "cuda_device_memory_gib", lambda index: 24.0)
+    monkeypatch.setattr(runner_module, "warm_cuda", lambda config, marks: None)  # fake engine
     monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "256")
     monkeypatch.setattr(runner_module, "free_cpu_threads", lambda config: None)  # not this box's load  # host-pool checks: not this machine's
     factory = testing.fake_engine_factory()
