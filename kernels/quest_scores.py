@@ -230,15 +230,22 @@ def _quest_scores_kernel(
     stride_bt_b,
     stride_out_b,
     stride_out_h,
+    part_m_ptr,
+    part_s_ptr,
+    num_blocks,
+    scale,
     G: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr,
     MODE: tl.constexpr,
+    PARTIALS: tl.constexpr,
 ):
     """One (request, KV head, page block) of the bounds ``u_g = sum_d max(q_g*min, q_g*max)``:
     MODE 0 writes ``sum_g u_g`` and MODE 1 ``max_g u_g`` to ``out [B, Hkv, P_max]``, MODE 2
-    every ``u_g`` to ``out [B, Hq, P_max]`` (row ``h * G + g``)."""
+    every ``u_g`` to ``out [B, Hq, P_max]`` (row ``h * G + g``). With ``PARTIALS`` (MODE 2,
+    ``normmax``) also this block's log-sum-exp terms of ``scale * u_g`` over its valid pages:
+    the maximum ``m`` and ``sum exp(x - m)`` to ``part_m / part_s [B, Hq, num_blocks]``."""
     row = tl.program_id(0)
     pid_p = tl.program_id(1)
     b = row // num_kv_heads
@@ -271,6 +278,13 @@ def _quest_scores_kernel(
             else:
                 dst = out_ptr + b * stride_out_b + (h * G + g) * stride_out_h + offs_p
                 tl.store(dst, tl.where(mask_p, u, float("-inf")), mask=offs_p < p_max)
+                if PARTIALS:
+                    x = tl.where(mask_p, u * scale, float("-inf"))
+                    m = tl.max(x, axis=0)
+                    shift = tl.where(m == float("-inf"), 0.0, m)
+                    part = (b * (num_kv_heads * G) + h * G + g).to(tl.int64) * num_blocks + pid_p
+                    tl.store(part_m_ptr + part, m)
+                    tl.store(part_s_ptr + part, tl.sum(tl.exp(x - shift), axis=0))
     if MODE != 2:
         score = tl.sum(acc, axis=1) if MODE == 0 else best
         score = tl.where(mask_p, score, float("-inf"))
@@ -278,8 +292,70 @@ def _quest_scores_kernel(
         tl.store(dst, score, mask=offs_p < p_max)
 
 
+NORMMAX_PARTIAL_TILE = 2048
+"""Partial log-sum-exp terms (heads x page blocks) :func:`_normmax_kernel` combines per
+loop iteration."""
+
+
 @triton.jit
 def _normmax_kernel(
+    bounds_ptr,
+    part_m_ptr,
+    part_s_ptr,
+    num_pages_ptr,
+    out_ptr,
+    num_kv_heads,
+    p_max,
+    num_blocks,
+    scale,
+    stride_u_b,
+    stride_u_h,
+    stride_out_b,
+    stride_out_h,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_NB: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """One (request, KV head, page block): ``max_g [scale*u_g(p) - logsumexp_p' scale*u_g(p')]``
+    over the ``num_pages`` valid pages. Each head's log-sum-exp comes from the page blocks'
+    partial terms (``m``, ``sum exp(x - m)``) that :func:`_quest_scores_kernel` wrote, combined
+    online; every block of the page axis is its own program (a long context with few jobs
+    keeps the GPU busy: one program per (request, KV head) looping over 16K pages was ~0.16 ms
+    a layer at 256K)."""
+    row = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    b = row // num_kv_heads
+    h = row % num_kv_heads
+    n = tl.load(num_pages_ptr + b)
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < G
+    part = (row * G + offs_g)[:, None].to(tl.int64) * num_blocks
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_G], tl.float32)
+    for start in range(0, num_blocks, BLOCK_NB):
+        offs_nb = start + tl.arange(0, BLOCK_NB)
+        mask = mask_g[:, None] & (offs_nb < num_blocks)[None, :]
+        pm = tl.load(part_m_ptr + part + offs_nb[None, :], mask=mask, other=float("-inf"))
+        ps = tl.load(part_s_ptr + part + offs_nb[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m, tl.max(pm, axis=1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - shift) + tl.sum(ps * tl.exp(pm - shift[:, None]), axis=1)
+        m = m_new
+    lse = tl.where(s > 0, m + tl.log(tl.where(s > 0, s, 1.0)), 0.0)  # no valid page: unused
+    base = bounds_ptr + b * stride_u_b + (h * G + offs_g)[:, None].to(tl.int64) * stride_u_h
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    valid_p = (offs_p < p_max) & (offs_p < n)
+    mask = mask_g[:, None] & valid_p[None, :]
+    x = tl.load(base + offs_p[None, :], mask=mask, other=float("-inf")) * scale
+    y = tl.where(mask, x - lse[:, None], float("-inf"))
+    score = tl.where(valid_p, tl.max(y, axis=0), float("-inf"))
+    dst = out_ptr + b * stride_out_b + h * stride_out_h + offs_p
+    tl.store(dst, score, mask=offs_p < p_max)
+
+
+@triton.jit
+def _normmax_rows_kernel(
     bounds_ptr,
     num_pages_ptr,
     out_ptr,
@@ -296,7 +372,9 @@ def _normmax_kernel(
 ):
     """One (request, KV head): ``max_g [scale*u_g(p) - logsumexp_p' scale*u_g(p')]`` over the
     ``num_pages`` valid pages; two passes over the page axis (online log-sum-exp per head,
-    then the normalised maximum)."""
+    then the normalised maximum) in one program. For short rows (the superpage selection's
+    candidates, :mod:`kernels.superpage_select`); :func:`quest_scores` splits long page axes
+    over programs (:func:`_normmax_kernel`)."""
     row = tl.program_id(0)
     b = row // num_kv_heads
     h = row % num_kv_heads
@@ -388,7 +466,13 @@ def quest_scores(
     )
     block_d = next_pow2(d)
     block_p = max(16, min(64, 4096 // block_d, next_pow2(p_max)))
-    _quest_scores_kernel[(b * hkv, -(-p_max // block_p))](
+    num_blocks = -(-p_max // block_p)
+    normmax = combine == "normmax"
+    # the page blocks' log-sum-exp terms of each head (normmax only)
+    part_m = torch.empty((b, hq, num_blocks) if normmax else (1,), dtype=torch.float32,
+                         device=q.device)  # fmt: skip
+    part_s = torch.empty_like(part_m)
+    _quest_scores_kernel[(b * hkv, num_blocks)](
         q,
         meta,
         block_table,
@@ -404,23 +488,32 @@ def quest_scores(
         block_table.stride(0),
         dst.stride(0),
         dst.stride(1),
+        part_m,
+        part_s,
+        num_blocks,
+        scale,
         G=g,
         D=d,
         BLOCK_D=block_d,
         BLOCK_P=block_p,
         MODE=mode,
+        PARTIALS=normmax,
         num_warps=4,
     )
     if combine == "union":
         return combine_group_ref(dst, num_pages, hkv, "union", scale)
-    if combine == "normmax":
+    if normmax:
         block_g = next_pow2(g)
-        _normmax_kernel[(b * hkv,)](
+        block_p2 = max(16, min(1024 // block_g, next_pow2(p_max)))
+        _normmax_kernel[(b * hkv, -(-p_max // block_p2))](
             dst,
+            part_m,
+            part_s,
             num_pages,
             out,
             hkv,
             p_max,
+            num_blocks,
             scale,
             dst.stride(0),
             dst.stride(1),
@@ -428,7 +521,8 @@ def quest_scores(
             out.stride(1),
             G=g,
             BLOCK_G=block_g,
-            BLOCK_P=max(16, min(1024 // block_g, next_pow2(p_max))),
+            BLOCK_NB=max(16, min(NORMMAX_PARTIAL_TILE // block_g, next_pow2(num_blocks))),
+            BLOCK_P=block_p2,
             num_warps=4,
         )
     return out

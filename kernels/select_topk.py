@@ -214,6 +214,41 @@ def _select_pack_kernel(
     tl.store(sel_ptr + row.to(tl.int64) * num_words + offs_w, words, mask=offs_w < num_words)
 
 
+TOPK_BLOCK = 1024
+"""Row length of :func:`top_keys`' first stage."""
+
+
+def top_keys(key: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` largest of each row of *distinct* keys, descending: ``torch.topk(key, k,
+    dim=-1, sorted=True).values``, computed in two stages where rows are long.
+
+    ``torch.topk`` gives each row of a few very long rows to one thread block (a 256K
+    context at 16-token pages is 16K keys a row, and one job has only ``Hkv`` rows), so it
+    runs on a handful of the GPU's SMs. Rows of at least ``4 x TOPK_BLOCK`` keys are cut
+    into blocks of ``TOPK_BLOCK`` (or the next power of two >= ``k``), each block keeps its
+    own top ``k``, and the top ``k`` of those are the row's: with distinct keys that is the
+    same set in the same order (every key of the row's top ``k`` is in its block's top
+    ``k``). The padding is ``int64`` min, below every key :func:`_topk_key_kernel` makes.
+
+    Parameters
+    ----------
+    key : int64 ``[..., P]``, distinct within a row; k : ``1 <= k <= P``
+
+    Returns
+    -------
+    int64 ``[..., k]``, descending.
+    """
+    p = key.shape[-1]
+    blk = max(TOPK_BLOCK, next_pow2(k))
+    if p < 4 * blk:
+        return torch.topk(key, k, dim=-1, sorted=True).values
+    nb = -(-p // blk)
+    if nb * blk != p:
+        key = torch.nn.functional.pad(key, (0, nb * blk - p), value=torch.iinfo(torch.int64).min)
+    part = torch.topk(key.view(*key.shape[:-1], nb, blk), k, dim=-1, sorted=False).values
+    return torch.topk(part.flatten(-2), k, dim=-1, sorted=True).values
+
+
 def select_topk(
     scores: torch.Tensor,
     num_pages: torch.Tensor,
@@ -260,7 +295,7 @@ def select_topk(
         num_warps=4,
     )
     k = min(max(top_k_pages, sink_pages + window_pages), p_max)
-    top = torch.topk(key, max(k, 1), dim=-1, sorted=True).values
+    top = top_keys(key, max(k, 1))
     block_w = min(32, next_pow2(w))
     _select_pack_kernel[(b * hkv, -(-w // block_w))](
         key,

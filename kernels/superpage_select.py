@@ -55,7 +55,7 @@ from kernels._launch import (
 )
 from kernels.bitmask import num_words, pack_bits
 from kernels.quest_scores import (
-    _normmax_kernel,
+    _normmax_rows_kernel,
     quest_scores,
     quest_scores_ref,
 )
@@ -550,7 +550,7 @@ def superpage_select(
     if mode == 2:
         block_g = next_pow2(g)
         every = torch.full((b,), m, dtype=torch.int32, device=q.device)
-        _normmax_kernel[(b * hkv,)](
+        _normmax_rows_kernel[(b * hkv,)](
             dst, every, score, hkv, m, scale, dst.stride(0), dst.stride(1),
             score.stride(0), score.stride(1),
             G=g, BLOCK_G=block_g, BLOCK_P=max(16, min(1024 // block_g, next_pow2(m))),

@@ -128,7 +128,7 @@ KERNEL_PHASES: tuple[tuple[str, str], ...] = (
     ("_normmax_kernel", "select"),  # the group combine of the Quest bounds
     ("_topk_key_kernel", "select"),
     ("_select_pack_kernel", "select"),
-    ("_normmax_kernel", "select"),
+    ("_normmax_rows_kernel", "select"),
     ("_refresh_tail_kernel", "select"),  # superpage selection (kernels/superpage_select.py)
     ("_candidate_bounds_kernel", "select"),
     ("_candidate_key_kernel", "select"),

@@ -52,7 +52,7 @@ from kernels.rope_append import (
     rope_cos_sin_ref,
     rotate_half_ref,
 )
-from kernels.select_topk import dense_selection, select_topk, select_topk_ref
+from kernels.select_topk import dense_selection, select_topk, select_topk_ref, top_keys
 from kernels.slot_list import resident_slot_list, resident_slot_list_triton
 from kernels.sparse_attention import (
     dense_decode_attention,
@@ -998,6 +998,43 @@ def test_quest_rules_match_reference_random_inputs(combine, b, hq, hkv, d, p_max
     fin = torch.isfinite(ref)
     scale = (t["q"].float().abs().sum(-1).max() * t["meta"].float().abs().max()).item()
     assert (out[fin] - ref[fin]).abs().max() <= 1e-5 * scale * (0.3 if combine == "normmax" else 1)
+
+
+@pytest.mark.parametrize("tile", [16, 2048], ids=["partials_in_several_tiles", "one_tile"])
+def test_normmax_long_page_axis_matches_reference(monkeypatch, tile):
+    """``normmax`` over many page blocks (each head's log-sum-exp combined from the blocks'
+    partial terms, in several loop iterations when the tile is small), rows of different
+    lengths, a row with one page: within fp32 rounding of the reference, and the same
+    selection where the scores are not near-tied."""
+    import kernels.quest_scores as qs
+
+    monkeypatch.setattr(qs, "NORMMAX_PARTIAL_TILE", tile)
+    t = quest_inputs(3, 8, 2, 64, 1500, torch.float32, seed=11, integer=False)
+    t["num_pages"] = torch.tensor([1500, 1033, 1], dtype=t["num_pages"].dtype)
+    args = (t["q"], t["meta"], t["block_table"], t["num_pages"])
+    ref = quest_scores_ref(*args, "normmax", 0.125)
+    with poisoned_allocations():
+        out = quest_scores(*(x.to(DEVICE) for x in args), "normmax", 0.125).cpu()
+    assert torch.equal(torch.isneginf(ref), torch.isneginf(out))
+    fin = torch.isfinite(ref)
+    assert (out[fin] - ref[fin]).abs().max() <= 1e-4
+    sel_ref = select_topk_ref(ref, t["num_pages"], 40, 1, 2)
+    sel = select_topk_ref(out, t["num_pages"], 40, 1, 2)
+    # equal unless the 40th and 41st pages of a row are within the rounding
+    top2 = ref.sort(dim=-1, descending=True).values[..., 38:41]
+    if (top2[..., :-1] - top2[..., 1:]).abs().min() > 1e-4:
+        assert torch.equal(sel, sel_ref)
+
+
+@pytest.mark.parametrize("p,k", [(4096, 128), (5000, 128), (20000, 1), (9000, 2048), (100, 7)])
+def test_top_keys_equals_torch_topk(p, k):
+    """The two-stage top-k of long rows returns exactly ``torch.topk``'s values (distinct
+    keys, as the packed page keys are), padding included."""
+    gen = torch.Generator().manual_seed(p + k)
+    key = torch.randperm(2 * p * 6, generator=gen)[: 6 * p].view(2, 3, p) - p  # distinct
+    key[0, 0, :5] = torch.iinfo(torch.int64).min + 1  # near the padding value
+    want = torch.topk(key, k, dim=-1, sorted=True).values
+    assert torch.equal(top_keys(key.to(DEVICE), k).cpu(), want)
 
 
 def test_union_ranks_each_heads_own_order():
