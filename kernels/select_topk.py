@@ -217,6 +217,10 @@ def _select_pack_kernel(
 TOPK_BLOCK = 1024
 """Row length of :func:`top_keys`' first stage."""
 
+TOPK_FEW_ROWS = 64
+"""Below this many rows :func:`top_keys` splits long rows (with more rows ``torch.topk``
+already fills the GPU: at 128K x 32 jobs the two stages measured slower on an H200)."""
+
 
 def top_keys(key: torch.Tensor, k: int) -> torch.Tensor:
     """The ``k`` largest of each row of *distinct* keys, descending: ``torch.topk(key, k,
@@ -224,7 +228,8 @@ def top_keys(key: torch.Tensor, k: int) -> torch.Tensor:
 
     ``torch.topk`` gives each row of a few very long rows to one thread block (a 256K
     context at 16-token pages is 16K keys a row, and one job has only ``Hkv`` rows), so it
-    runs on a handful of the GPU's SMs. Rows of at least ``4 x TOPK_BLOCK`` keys are cut
+    runs on a handful of the GPU's SMs. With fewer than :data:`TOPK_FEW_ROWS` rows, rows of
+    at least ``4 x TOPK_BLOCK`` keys are cut
     into blocks of ``TOPK_BLOCK`` (or the next power of two >= ``k``), each block keeps its
     own top ``k``, and the top ``k`` of those are the row's: with distinct keys that is the
     same set in the same order (every key of the row's top ``k`` is in its block's top
@@ -240,7 +245,7 @@ def top_keys(key: torch.Tensor, k: int) -> torch.Tensor:
     """
     p = key.shape[-1]
     blk = max(TOPK_BLOCK, next_pow2(k))
-    if p < 4 * blk:
+    if p < 4 * blk or key.numel() >= TOPK_FEW_ROWS * p:
         return torch.topk(key, k, dim=-1, sorted=True).values
     nb = -(-p // blk)
     if nb * blk != p:
