@@ -38,8 +38,15 @@ from hisparse_cli.manifest_source import (
     RawManifest,
     read_manifest_file,
 )
-from hisparse_cli.naming import EarlierJob, derive_ids, name_problem, output_filename
+from hisparse_cli.naming import (
+    EarlierJob,
+    derive_ids,
+    name_problem,
+    output_filename,
+    stdin_job_id,
+)
 from hisparse_cli.tasks import TASKS, TaskSpec, template_problem
+from hisparse_cli.textio import STDIN
 
 JOB_FIELDS = (
     "id",
@@ -213,6 +220,7 @@ def jobs_from_paths(
     overrides: Mapping[str, Any] | None = None,
     base: Path | None = None,
     earlier_jobs: Sequence[EarlierJob] = (),
+    stdin_sha256: str | None = None,
 ) -> Manifest:
     """One job per document (the short form ``hisparse run docs/*.txt``).
 
@@ -221,11 +229,17 @@ def jobs_from_paths(
     patterns
         Paths or globs, relative to ``base`` (default: the current directory). A file
         named twice (also through a symbolic link or another spelling) yields one job;
-        the check is linear in the number of paths.
+        the check is linear in the number of paths. ``-`` is standard input: one job
+        after the files', whose input is :data:`~hisparse_cli.textio.STDIN`, with the id
+        :func:`~hisparse_cli.naming.stdin_job_id` gives it (``stdin``).
     overrides
         Job fields from command-line flags.
     earlier_jobs
         As for :func:`load_manifest`: a document keeps the id an earlier run gave it.
+    stdin_sha256
+        SHA-256 of standard input's bytes when ``-`` is among ``patterns``: standard
+        input with the text of an earlier job over standard input keeps its id, other
+        text gets another id (never taking over an earlier result).
 
     Raises
     ------
@@ -238,7 +252,8 @@ def jobs_from_paths(
     found = _Unique()
     unreadable: list[tuple[str, Problem]] = []  # named paths that are missing or folders
     found_problems: list[Problem] = []  # in the order of the arguments
-    for pattern in patterns:
+    has_stdin = "-" in patterns
+    for pattern in (p for p in patterns if p != "-"):
         entry = Entry(COMMAND_LINE, "", None, {"input": pattern})
         problems: list[Problem] = []
         found.extend(_expand(pattern, base, entry, problems, warnings))
@@ -246,7 +261,7 @@ def jobs_from_paths(
             unreadable.append((pattern, problems[0]))
         found_problems.extend(problems)
     files = found.files
-    if files:  # the named-but-unreadable ones become failing jobs below
+    if files or has_stdin:  # the named-but-unreadable ones become failing jobs
         kept = {id(problem) for _, problem in unreadable}
         raw.problems.extend(p for p in found_problems if id(p) not in kept)
     else:  # nothing to run: every problem stops the run, as for a manifest
@@ -255,16 +270,22 @@ def jobs_from_paths(
     for _, problem in unreadable:  # the rest of the batch carries on; this job fails
         warnings.append(f"{problem.message}: that document's job fails, the others run")
     named = [*files, *(_absolute(base, os.path.expanduser(p)) for p, _ in unreadable)]
-    for i, (ident, path) in enumerate(zip(derive_ids(named, earlier=earlier_jobs), named, strict=True)):
+    stdin_id = None if not has_stdin else stdin_job_id(stdin_sha256, earlier_jobs)
+    ids = derive_ids(named, [stdin_id] if stdin_id else [], earlier=earlier_jobs)
+    for i, (ident, path) in enumerate(zip(ids, named, strict=True)):
         values = {"id": ident, "input": glob.escape(str(path))}
         label = f"document {path}" if i < len(files) else f"{UNREADABLE_LABEL}{path}"
         raw.jobs.append(Entry(COMMAND_LINE, label, None, values))
+    if stdin_id is not None:  # after the files
+        raw.jobs.append(Entry(COMMAND_LINE, STDIN_LABEL, None, {"id": stdin_id, "input": "-"}))
     return _build(raw, base, overrides, warnings=warnings)
 
 
 UNREADABLE_LABEL = "unreadable document "
 """Label of a command-line document that is missing or a folder while others exist: its
 job is kept (it fails on reading, naming the path, and gets its results line)."""
+STDIN_LABEL = "document - (standard input)"
+"""Label of the job over standard input (``hisparse run -``)."""
 
 
 # ----------------------------------------------------------------------------- build
@@ -357,6 +378,8 @@ def _job_inputs(
     patterns = [value] if isinstance(value, str) else value
     if job.file == COMMAND_LINE and job.label.startswith(UNREADABLE_LABEL):
         return [Path(job.label[len(UNREADABLE_LABEL) :])]  # fails when read, naming it
+    if job.file == COMMAND_LINE and job.label == STDIN_LABEL:
+        return [STDIN]
     files = _Unique()
     for pattern in patterns:
         files.extend(_expand(pattern, base, entry, problems, warnings))
@@ -414,8 +437,11 @@ def _expand(
             _problem(
                 entry,
                 "input",
-                f"{pattern!r} is {what}: documents are read from files; save the text to a "
-                "file first",
+                f"{pattern!r} is {what}: a manifest's documents are files; save the text to "
+                "a file, or pipe one document to `hisparse run -`"
+                if text == "-"
+                else f"{pattern!r} is {what}: documents are read from files; save the text "
+                "to a file, or pipe it to `hisparse run -`",
             )
         )
     else:

@@ -79,13 +79,53 @@ def slugify(text: str) -> str:
 class EarlierJob:
     """A job an earlier run recorded in the output directory (its last results line).
 
-    inputs: resolved paths (empty when the line's ``input`` was unreadable);
+    inputs: resolved paths (empty when the line's ``input`` was unreadable; ``-``, not
+        resolved, for standard input);
     output: the file name it wrote (or would have written) there.
+    input_sha256: the SHA-256 of each input the line records (empty when it has none).
     """
 
     id: str
     inputs: tuple[Path, ...]
     output: str
+    input_sha256: tuple[str, ...] = ()
+
+
+STDIN_ID = "stdin"
+"""Id of the job over standard input (``hisparse run -``), when it is free."""
+
+
+def stdin_job_id(sha256: str | None, earlier: Sequence[EarlierJob] = ()) -> str:
+    """Id of the job over standard input whose bytes have SHA-256 ``sha256``.
+
+    Standard input has no path to tell documents apart, so its text does: the id of an
+    earlier job over standard input (``inputs == (Path("-"),)``) with the same
+    ``input_sha256`` that wrote ``<id>.txt`` (resume finds it done), else ``stdin`` when
+    no earlier job holds that id or output name, else ``stdin-`` and the first 8 hex
+    digits of ``sha256`` (more when those are taken too): other text never takes over
+    an earlier job's result.
+
+    Parameters
+    ----------
+    sha256
+        Hex digest of standard input's bytes (``None``: not read; ``stdin``).
+    earlier
+        Jobs earlier runs recorded in the output directory.
+    """
+    stdin = (Path("-"),)
+    for job in sorted(earlier, key=lambda e: e.id):
+        same = sha256 is not None and job.input_sha256 == (sha256,)
+        if job.inputs == stdin and same and job.output == output_filename(job.id):
+            return job.id
+    taken = {job.id.casefold() for job in earlier}
+    taken |= {job.output.removesuffix(".txt").casefold() for job in earlier}
+    if STDIN_ID not in taken or sha256 is None:
+        return STDIN_ID
+    for digits in range(8, len(sha256) + 1, 4):
+        candidate = f"{STDIN_ID}-{sha256[:digits]}"
+        if candidate not in taken:
+            return candidate
+    return f"{STDIN_ID}-{sha256}-{len(earlier)}"
 
 
 def derive_ids(

@@ -31,7 +31,9 @@ FLAG = ""
 Docs = Annotated[
     list[str] | None,
     typer.Argument(
-        help="Documents (paths or globs); one job per file.", show_default=False, metavar="DOCS"
+        help="Documents (paths or globs), one job per file; - reads one from stdin.",
+        show_default=False,
+        metavar="DOCS",
     ),
 ]
 ManifestFile = Annotated[

@@ -25,7 +25,7 @@ from hisparse_cli.keys import job_key, settings_hash
 from hisparse_cli.manifest import JobSpec
 from hisparse_cli.openai_batch import messages_sha256
 from hisparse_cli.results import FINAL_INPUT, FINAL_PROMPT, ResultsLog
-from hisparse_cli.textio import Document, DocumentError, read_documents
+from hisparse_cli.textio import Document, DocumentError, input_bytes, read_documents
 
 RUN, SKIP, INVALID, FAILED_BEFORE = "run", "skip", "invalid", "failed-before"
 
@@ -74,7 +74,7 @@ class PlannedJob:
         return {
             "id": self.spec.id,
             "output": self.spec.output,
-            "input": [str(p) for p in self.spec.inputs],
+            "input": [str(p) for p in self.spec.inputs],  # "-": standard input
             "input_sha256": list(self.input_sha256),
             "key": self.key,
             "settings_hash": self.settings_hash,
@@ -94,6 +94,7 @@ def plan_jobs(
     force: bool = False,
     allow_binary: bool = False,
     retry_failed: bool = False,
+    stdin: bytes | None = None,
 ) -> list[PlannedJob]:
     """Read every job's inputs, compute its resume key and decide its status.
 
@@ -118,24 +119,25 @@ def plan_jobs(
     retry_failed
         Try jobs again whose last line is a final failure with the same key
         (``--retry-failed``; ``force`` does too).
+    stdin
+        The bytes of standard input, for a job over :data:`~hisparse_cli.textio.STDIN`.
     """
     retry = force or retry_failed
-    return [
-        _plan_one(spec, config, model_id, text_options, log, force, allow_binary, retry)
-        for spec in specs
-    ]
+    reading = {**text_options, "allow_binary": allow_binary, "stdin": stdin}
+    return [_plan_one(spec, config, model_id, reading, log, force, retry) for spec in specs]
 
 
 def _plan_one(
     spec: JobSpec,
     config: EngineConfig,
     model_id: str,
-    text_options: dict[str, str],
+    reading: dict[str, Any],
     log: ResultsLog,
     force: bool,
-    allow_binary: bool,
     retry: bool,
 ) -> PlannedJob:
+    """``reading``: :func:`read_documents`'s keyword arguments (text options first)."""
+    text_options = {k: reading[k] for k in ("encoding", "errors")}
     settings = settings_hash(spec.task, spec.sampling, model_id, config, text_options)
     planned = PlannedJob(spec, RUN, settings)
     if spec.messages is not None:  # an OpenAI-batch request: its messages are the input
@@ -145,9 +147,9 @@ def _plan_one(
             return replace(planned, status=SKIP)
         return _unless_failed_before(planned, log, retry, RUN, "", FINAL_PROMPT)
     try:
-        documents = read_documents(spec.inputs, **text_options, allow_binary=allow_binary)
+        documents = read_documents(spec.inputs, **reading)
     except DocumentError as exc:
-        hashes = _content_hashes(spec.inputs) if exc.sha256 is not None else None
+        hashes = _content_hashes(spec.inputs, reading["stdin"]) if exc.sha256 else None
         if hashes is None:  # unreadable: may work next time
             return replace(planned, status=INVALID, error=str(exc))
         key = job_key(hashes, planned.settings_hash)
@@ -172,9 +174,10 @@ def _unless_failed_before(
     return replace(planned, status=status, error=error)
 
 
-def _content_hashes(paths: Sequence[Path]) -> tuple[str, ...] | None:
-    """SHA-256 of each file's bytes, or ``None`` if one cannot be read."""
+def _content_hashes(paths: Sequence[Path], stdin: bytes | None) -> tuple[str, ...] | None:
+    """SHA-256 of each input's bytes (``stdin`` for standard input), or ``None`` if one
+    cannot be read."""
     try:
-        return tuple(hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths)
-    except OSError:
+        return tuple(hashlib.sha256(input_bytes(p, stdin)).hexdigest() for p in paths)
+    except DocumentError:
         return None

@@ -22,6 +22,7 @@ from typing import Any
 
 from engine.config import ConfigError, EngineConfig
 from engine.text.context import context_limit as engine_context_limit
+from hisparse_cli.textio import STDIN, document_name
 
 BYTES_PER_TOKEN = 4.5
 """Bytes of text per token used to estimate a document's length before the tokenizer is
@@ -135,7 +136,7 @@ def template_tokens(spec: Any) -> int:
     if spec.messages is not None:  # an OpenAI-batch request: its other messages
         messages = list(spec.messages)
     else:
-        name = spec.inputs[0].name if spec.inputs else ""
+        name = document_name(spec.inputs[0]) if spec.inputs else ""
         messages = build_messages(spec.task, "", spec.id, name)
     text = "".join(m["content"] for m in messages if isinstance(m.get("content"), str))
     return int(len(text.encode()) / BYTES_PER_TOKEN)
@@ -168,6 +169,12 @@ def max_new_tokens_problem(
     )
 
 
+def _input_size(path: Path, stdin: bytes | None) -> int:
+    if path == STDIN:
+        return len(stdin or b"")
+    return Path(path).stat().st_size
+
+
 @dataclass(frozen=True)
 class Oversized:
     """A document that looks longer than the context limit beside ``max_new_tokens``: job
@@ -182,14 +189,15 @@ class Oversized:
 
 
 def oversized_documents(
-    jobs: Sequence[tuple[str, Sequence[Path], int, int]], limit: int
+    jobs: Sequence[tuple[str, Sequence[Path], int, int]], limit: int, stdin: bytes | None = None
 ) -> list[Oversized]:
     """Jobs (id, inputs, max_tokens, :func:`template_tokens`) whose inputs' size alone (at
-    :data:`BYTES_PER_TOKEN`) already needs more than ``limit`` tokens beside max_tokens."""
+    :data:`BYTES_PER_TOKEN`) already needs more than ``limit`` tokens beside max_tokens.
+    ``stdin``: the bytes of standard input (an input :data:`~hisparse_cli.textio.STDIN`)."""
     found = []
     for job_id, inputs, max_tokens, template in jobs:
         try:
-            size = sum(Path(p).stat().st_size for p in inputs)
+            size = sum(_input_size(p, stdin) for p in inputs)
         except OSError:
             continue  # the job fails on reading it, naming the file
         tokens = int(size / BYTES_PER_TOKEN)

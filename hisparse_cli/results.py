@@ -29,6 +29,7 @@ from typing import Any, Self
 
 from engine.events import AuditStats, JobResult
 from hisparse_cli.naming import EarlierJob
+from hisparse_cli.textio import input_identity
 
 RESULTS_FILE = "results.jsonl"
 LOCK_FILE = ".hisparse.lock"
@@ -174,16 +175,21 @@ def earlier_jobs(output_dir: Path) -> list[EarlierJob]:
 
 def jobs_of(latest: dict[str, dict[str, Any]]) -> list[EarlierJob]:
     """:class:`~hisparse_cli.naming.EarlierJob` of each id's last line (``latest`` as in
-    :class:`ExistingResults`): inputs resolved, or none when ``input`` is not a non-empty
-    list of strings; output ``output``, or the id when that is not a string."""
+    :class:`ExistingResults`): inputs resolved (``-``, standard input, kept as it is), or
+    none when ``input`` is not a non-empty list of strings; output ``output``, or the id
+    when that is not a string; ``input_sha256`` when it is a list of strings."""
     found: list[EarlierJob] = []
     for ident, record in latest.items():
         inputs = record.get("input")
         paths: tuple[Path, ...] = ()
         if isinstance(inputs, list) and inputs and all(isinstance(p, str) for p in inputs):
-            paths = tuple(Path(p).resolve() for p in inputs)
+            paths = tuple(input_identity(p) for p in inputs)
+        hashes = record.get("input_sha256")
+        if not (isinstance(hashes, list) and all(isinstance(h, str) for h in hashes)):
+            hashes = []
         output = record.get("output")
-        found.append(EarlierJob(ident, paths, output if isinstance(output, str) else ident))
+        output = output if isinstance(output, str) else ident
+        found.append(EarlierJob(ident, paths, output, tuple(hashes)))
     return found
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import signal
@@ -91,7 +92,13 @@ from hisparse_cli.settings import (
     save_config,
 )
 from hisparse_cli.tasks import build_messages
-from hisparse_cli.textio import ERROR_MODES, join_documents, read_documents
+from hisparse_cli.textio import (
+    ERROR_MODES,
+    document_name,
+    input_identity,
+    join_documents,
+    read_documents,
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
@@ -113,6 +120,8 @@ class RunRequest:
 
     job_overrides: job fields from flags (``None`` = not given).
     engine_overrides: EngineConfig fields from flags (``None`` = not given).
+    stdin: the bytes of standard input when ``-`` is among ``docs`` (``None``: read by
+        :func:`execute`, from ``sys.stdin``).
     """
 
     docs: tuple[str, ...] = ()
@@ -130,6 +139,7 @@ class RunRequest:
     force: bool = False
     retry_failed: bool = False
     audit_limits: AuditLimits = field(default_factory=AuditLimits)
+    stdin: bytes | None = None
 
     @property
     def text_options(self) -> dict[str, str]:
@@ -342,6 +352,7 @@ def execute(
     console = console or Console()
     err_console = err_console or Console(stderr=True)
     try:
+        request = with_stdin(request)
         request, choice = with_auto_preset(request)
         manifest, config = prepare(request)
         marks["config_resolved"] = time.monotonic()
@@ -397,6 +408,31 @@ def warm_cuda(config: EngineConfig, marks: dict[str, float]) -> None:
         start_cuda_context(_cuda_index(devices[0]), marks)
 
 
+def with_stdin(request: RunRequest, stream: Any = None) -> RunRequest:
+    """``request`` with the bytes of standard input when ``-`` is among its documents and
+    they were not given: all of ``stream`` (default ``sys.stdin``), read once, before
+    anything else, so every step sees the same text.
+
+    Raises
+    ------
+    UsageError
+        Standard input is a terminal (nothing was piped in) or cannot be read.
+    """
+    if "-" not in request.docs or request.stdin is not None:
+        return request
+    stream = sys.stdin if stream is None else stream
+    if stream is None or stream.isatty():
+        raise UsageError(
+            "'-' reads the document from standard input, but standard input is a terminal: "
+            "pipe the text in (cat doc.txt | hisparse run -) or name the file"
+        )
+    try:
+        data = stream.buffer.read() if hasattr(stream, "buffer") else stream.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read standard input: {exc.strerror or exc}") from None
+    return dataclasses.replace(request, stdin=data if isinstance(data, bytes) else data.encode())
+
+
 def preset_line(preset: str, choice: AutoChoice | None) -> str:
     """How the progress output and the summary name the preset: ``cpu`` or
     ``cpu (auto: no CUDA device)``, with how the devices were read where they were."""
@@ -430,7 +466,10 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
                 pass  # an unknown setting: already among the manifest's problems
             raise
     elif request.docs:
-        manifest = jobs_from_paths(request.docs, request.job_overrides, earlier_jobs=earlier)
+        stdin_sha256 = None if request.stdin is None else hashlib.sha256(request.stdin).hexdigest()
+        manifest = jobs_from_paths(
+            request.docs, request.job_overrides, earlier_jobs=earlier, stdin_sha256=stdin_sha256
+        )
     else:
         manifest = Manifest((), {})
     config = resolve_engine_config(
@@ -461,7 +500,7 @@ def check_run_files(manifest: Manifest, output_dir: Path) -> None:
     own = {(output_dir / name).resolve(): name for name in (CONFIG_FILE, RESULTS_FILE, LOCK_FILE)}
     for job in manifest.jobs:
         for path in job.inputs:
-            name = own.get(path.resolve())
+            name = own.get(input_identity(path))
             if name is not None:
                 raise UsageError(
                     f"job {job.id!r} ({job.origin}) reads {path}, which is the run's own "
@@ -475,7 +514,7 @@ def check_outputs_over_documents(manifest: Manifest, output_dir: Path) -> None:
     command line (``<id>.txt`` in ``output_dir``) would be one of the documents, as when
     ``--output-dir`` is the documents' folder: no job could run, so nothing is written.
     When only some collide, those jobs fail and the others run (:func:`output_collisions`)."""
-    inputs = {p.resolve(): p for job in manifest.jobs for p in job.inputs}
+    inputs = {input_identity(p): p for job in manifest.jobs for p in job.inputs}
     hits = [
         (job, inputs[(output_dir / job.output).resolve()])
         for job in manifest.jobs
@@ -509,7 +548,7 @@ def output_collisions(
     readers: dict[Path, tuple[str, Path]] = {}
     for job in jobs:
         for path in job.spec.inputs:
-            readers.setdefault(path.resolve(), (job.spec.id, path))
+            readers.setdefault(input_identity(path), (job.spec.id, path))
     found = {}
     for job in jobs:
         target = output_dir / job.spec.output
@@ -876,6 +915,7 @@ class BatchRun:
             self.request.force,
             self.request.allow_binary,
             self.request.retry_failed,
+            self.request.stdin,
         )
         known = [  # files hisparse wrote: only a successful line wrote its text file
             r["output"]
@@ -892,7 +932,7 @@ class BatchRun:
             else j
             for j in planned
         ]
-        self.input_paths = {p.resolve() for j in planned for p in j.spec.inputs}
+        self.input_paths = {input_identity(p) for j in planned for p in j.spec.inputs}
         runs = any(job.status not in (SKIP, FAILED_BEFORE) for job in planned)
         if runs or not (self.output_dir / CONFIG_FILE).exists():
             # config.json describes the run that wrote the latest results: a run that only
@@ -1004,7 +1044,7 @@ class BatchRun:
         (``writers``: the earlier jobs that wrote it) — an explicit id or output equal to
         another job's: this run replaces the file (the earlier text stays on that job's
         ``results.jsonl`` line)."""
-        mine = tuple(Path(p).resolve() for p in job.spec.inputs)
+        mine = tuple(input_identity(p) for p in job.spec.inputs)
         path = self.output_dir / job.spec.output
         for earlier in writers:
             if earlier.inputs != mine and path.is_file():
@@ -1030,7 +1070,7 @@ class BatchRun:
             (s.id, s.inputs, s.sampling.max_tokens, preflight.template_tokens(s))
             for s in (j.spec for j in pending)
         ]
-        found = preflight.oversized_documents(jobs, limit)
+        found = preflight.oversized_documents(jobs, limit, self.request.stdin)
         if found:
             statement = preflight.oversized_statement(found, limit, self.config.context_policy)
             self.reporter.note(statement, "warning")
@@ -1146,7 +1186,10 @@ class BatchRun:
                 document = openai_batch.last_user_text(spec.messages)
             else:
                 documents = read_documents(
-                    spec.inputs, **self.request.text_options, allow_binary=self.request.allow_binary
+                    spec.inputs,
+                    **self.request.text_options,
+                    allow_binary=self.request.allow_binary,
+                    stdin=self.request.stdin,
                 )
                 planned = planned.with_documents(documents)
                 self.records[spec.id] = planned.base_record(self.model_name)
@@ -1171,7 +1214,7 @@ class BatchRun:
     # ----- context_policy chunk (hisparse_cli.chunking) ------------------------------
     def _messages_of(self, spec: Any) -> Callable[[str], list[dict]]:
         def messages(text: str) -> list[dict]:
-            return build_messages(spec.task, text, spec.id, spec.inputs[0].name)
+            return build_messages(spec.task, text, spec.id, document_name(spec.inputs[0]))
 
         return messages
 
@@ -1294,7 +1337,7 @@ class BatchRun:
         def messages(text: str) -> list[dict]:
             if spec.messages is not None:  # a batch request: ``text`` is its last user message
                 return openai_batch.messages_with(spec.messages, text)
-            return build_messages(spec.task, text, spec.id, spec.inputs[0].name)
+            return build_messages(spec.task, text, spec.id, document_name(spec.inputs[0]))
 
         limit, max_tokens = engine.prompt_limit(), spec.sampling.max_tokens
         ids, cut = fit_prompt(engine.tokenizer, messages, document, limit, max_tokens, engine.config)

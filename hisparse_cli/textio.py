@@ -19,6 +19,10 @@ Policy (applied in this order):
 6. A document that is empty or only whitespace after this is refused.
 
 Every failure is a :class:`DocumentError` carrying the path and the reason.
+
+Standard input is the document :data:`STDIN` (``-`` on the command line): its bytes are
+read once by the caller and passed as ``stdin``; the same policy applies, and messages
+name it ``standard input``.
 """
 
 from __future__ import annotations
@@ -49,6 +53,27 @@ _UTF8_BOM = codecs.BOM_UTF8
 _CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\r\f\v\x1b\x00")
 _CONTROL_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f]")
 
+STDIN = Path("-")
+"""The input path that stands for standard input (``hisparse run -``)."""
+STDIN_NAME = "stdin"
+"""Its name where a file's name goes (the job id, ``$name`` in templates)."""
+
+
+def shown_path(path: Path | str) -> str:
+    """``path`` as messages name it: ``standard input`` for :data:`STDIN`."""
+    return "standard input" if Path(path) == STDIN else str(path)
+
+
+def document_name(path: Path | str) -> str:
+    """A document's file name (``$name``), :data:`STDIN_NAME` for standard input."""
+    return STDIN_NAME if Path(path) == STDIN else Path(path).name
+
+
+def input_identity(path: Path | str) -> Path:
+    """What tells inputs apart: the resolved path, :data:`STDIN` itself for standard
+    input (``-`` is no file in the current directory)."""
+    return STDIN if Path(path) == STDIN else Path(path).resolve()
+
 
 class DocumentError(Exception):
     """A document that cannot be used as text.
@@ -56,7 +81,7 @@ class DocumentError(Exception):
     Attributes
     ----------
     path : Path
-        The offending file.
+        The offending file (:data:`STDIN` for standard input).
     reason : str
         What is wrong with it, and what to do about it when there is a fix.
     sha256 : str or None
@@ -66,7 +91,7 @@ class DocumentError(Exception):
     """
 
     def __init__(self, path: Path | str, reason: str, sha256: str | None = None) -> None:
-        super().__init__(f"{path}: {reason}")
+        super().__init__(f"{shown_path(path)}: {reason}")
         self.path = Path(path)
         self.reason = reason
         self.sha256 = sha256
@@ -101,11 +126,16 @@ class Document:
         if self.first_control is not None:
             offset, line = self.first_control
             where = f" (the first at byte offset {offset}, line {line})"
-        return f"removed {self.removed_controls} control character(s) from {self.path}{where}"
+        source = shown_path(self.path)
+        return f"removed {self.removed_controls} control character(s) from {source}{where}"
 
 
 def read_document(
-    path: Path | str, encoding: str = "utf-8", errors: str = "strict", allow_binary: bool = False
+    path: Path | str,
+    encoding: str = "utf-8",
+    errors: str = "strict",
+    allow_binary: bool = False,
+    stdin: bytes | None = None,
 ) -> Document:
     """Read one document following the module's policy.
 
@@ -121,14 +151,17 @@ def read_document(
         Read a document that looks binary by its NUL / control bytes anyway, decoding
         with ``errors="replace"``; :attr:`Document.warning` says so. Known binary
         formats (PDF, ZIP, images, ...) are refused regardless.
+    stdin
+        The bytes of standard input, read when ``path`` is :data:`STDIN`.
 
     Raises
     ------
     DocumentError
-        Unreadable, binary, undecodable, or empty/whitespace-only.
+        Unreadable, binary, undecodable, or empty/whitespace-only; for :data:`STDIN`
+        also when ``stdin`` is ``None`` (standard input was not read).
     """
     path = Path(path)
-    data = _read_bytes(path)
+    data = _read_bytes(path, stdin)
     codec = codecs.lookup(encoding).name
     digest = hashlib.sha256(data).hexdigest()
     refused = format_reason(data, codec)
@@ -145,8 +178,8 @@ def read_document(
         )
     if binary:
         errors = "replace"
-        warning = f"{path}: {binary}; read as text because of --allow-binary (invalid bytes "
-        warning += "replaced with U+FFFD, control characters removed)"
+        warning = f"{shown_path(path)}: {binary}; read as text because of --allow-binary "
+        warning += "(invalid bytes replaced with U+FFFD, control characters removed)"
     try:
         text = decode_bytes(data, codec, errors)
     except ValueError as exc:
@@ -202,9 +235,11 @@ def read_documents(
     encoding: str = "utf-8",
     errors: str = "strict",
     allow_binary: bool = False,
+    stdin: bytes | None = None,
 ) -> list[Document]:
-    """Read several documents (one job's inputs); the first failure raises."""
-    return [read_document(p, encoding, errors, allow_binary) for p in paths]
+    """Read several documents (one job's inputs); the first failure raises. ``stdin``:
+    the bytes of standard input, for an input :data:`STDIN`."""
+    return [read_document(p, encoding, errors, allow_binary, stdin) for p in paths]
 
 
 def join_documents(documents: Sequence[Document]) -> str:
@@ -303,7 +338,22 @@ def normalise_text(text: str) -> tuple[str, int]:
     return _CONTROL_CHARS.subn("", text)
 
 
-def _read_bytes(path: Path) -> bytes:
+def input_bytes(path: Path, stdin: bytes | None = None) -> bytes:
+    """The bytes of input ``path``: ``stdin`` for :data:`STDIN`, else the file's.
+
+    Raises
+    ------
+    DocumentError
+        A folder, a missing or unreadable file; :data:`STDIN` without ``stdin``.
+    """
+    return _read_bytes(Path(path), stdin)
+
+
+def _read_bytes(path: Path, stdin: bytes | None = None) -> bytes:
+    if path == STDIN:
+        if stdin is None:
+            raise DocumentError(path, "was not read (no bytes of standard input were given)")
+        return stdin
     if path.is_dir():
         raise DocumentError(path, "is a directory")
     try:

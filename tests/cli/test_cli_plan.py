@@ -76,3 +76,30 @@ def test_presets_list_and_show_explain_auto(devices):
     assert shown.exit_code == 0, shown.output
     assert shown.stdout.startswith("# auto: h200 on this machine (1 CUDA device used, 139.8 GiB)")
     assert yaml.safe_load(shown.stdout)["name"] == "h200"  # still YAML
+
+
+def test_plan_uses_the_host_memory_run_uses_and_says_where_it_came_from(devices, monkeypatch):
+    """HISPARSE_HOST_MEMORY_GB is the figure ``hisparse run`` checks its host pool against:
+    ``plan`` takes it too (it used the preset's 32 GiB: fresh-user finding); --host-memory
+    beats it; without either, the preset's figure, naming what run checks instead."""
+    args = ("plan", "-p", "cpu", "-n", "1", "-c", "8K", "--json")
+    monkeypatch.delenv("HISPARSE_HOST_MEMORY_GB", raising=False)
+    preset = json.loads(invoke(*args).stdout)
+    assert preset["hardware"]["host_memory_gb"] == 32
+    assert preset["host_memory_source"].startswith("preset cpu's")
+    monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "48")
+    declared = json.loads(invoke(*args).stdout)
+    assert declared["hardware"]["host_memory_gb"] == 48
+    assert declared["host_memory_source"].startswith("HISPARSE_HOST_MEMORY_GB")
+    assert declared["host"]["usable_bytes"] > preset["host"]["usable_bytes"]
+    flag = json.loads(invoke(*args, "--host-memory", "64").stdout)
+    assert flag["hardware"]["host_memory_gb"] == 64
+    assert flag["host_memory_source"] == "--host-memory"
+    table = invoke(*args[:-1]).stdout
+    assert "│ host RAM         │ 48.00 │ HISPARSE_HOST_MEMORY_GB, as hisparse run uses" in table
+
+
+def test_plan_refuses_a_bad_host_memory_variable(devices, monkeypatch):
+    monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "lots")
+    result = invoke("plan", "-p", "cpu", "-n", "1", "-c", "8K")
+    assert result.exit_code == 2 and "HISPARSE_HOST_MEMORY_GB" in result.output

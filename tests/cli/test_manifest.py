@@ -303,18 +303,19 @@ def test_short_form_missing_files_reported_together(docs, monkeypatch):
     assert {p.field for p in info.value.problems} == {"DOCS"}
 
 
-def test_pipes_devices_and_stdin_are_named_not_missing(docs, monkeypatch):
-    """A FIFO, a device or ``-`` is not "file not found" (fresh-user finding: `<(cat doc)`
-    and `/dev/zero` read as missing): the problem says what it is and what to do."""
+def test_pipes_and_devices_are_named_not_missing(docs, monkeypatch):
+    """A FIFO or a device is not "file not found" (fresh-user finding: `<(cat doc)` and
+    `/dev/zero` read as missing): the problem says what it is and what to do (``-``, standard
+    input, is a job of its own now: tests/cli/test_cli_stdin.py)."""
     monkeypatch.chdir(docs)
     fifo = docs / "pipe"
     os.mkfifo(fifo)
     with pytest.raises(ManifestError) as info:
-        jobs_from_paths(["pipe", "/dev/null", "-"])
+        jobs_from_paths(["pipe", "/dev/null"])
     messages = [p.message for p in info.value.problems]
-    assert len(messages) == 3
+    assert len(messages) == 2
     assert all("file not found" not in m and "save the text to a file" in m for m in messages)
-    assert "pipe or a device" in messages[0] and "standard input" in messages[2]
+    assert all("pipe or a device" in m and "hisparse run -" in m for m in messages)
 
 
 def test_missing_or_null_input_is_required(docs):
