@@ -113,7 +113,9 @@ HostPoolOpt = Annotated[
 HostMemoryOpt = Annotated[
     float | None,
     typer.Option(
-        "--host-memory", help="Host RAM, GiB." + default_is("the preset's"), show_default=False
+        "--host-memory",
+        help="Host RAM, GiB." + default_is("the environment's, as run; else the preset's"),
+        show_default=False,
     ),
 ]
 ParallelOpt = Annotated[
@@ -195,6 +197,8 @@ def plan_command(
 
     With --preset auto (the default) the plan is for this machine's CUDA devices, as `hisparse run` would pick; the output says which preset that is and why.
 
+    Host RAM: --host-memory, else HISPARSE_HOST_MEMORY_GB (what `hisparse run` checks its host pool against), else the preset's; the host table says which.
+
     Exits 2, with the reason and the nearest feasible setting, when they do not fit.
     """
     if removed_top_k is not None:
@@ -221,15 +225,11 @@ def plan_command(
     try:
         loaded = load_preset_full(preset)
         config = resolve_config(loaded, {}, overrides)
+        memory_gb, memory_source = host_memory_figure(
+            host_memory, config.host_memory_gb, loaded.hardware.host_memory_gb, loaded.name
+        )
         hardware = loaded.hardware.replace(
-            **{
-                k: v
-                for k, v in {
-                    "host_memory_gb": host_memory,
-                    "parallel": parallel,
-                }.items()
-                if v is not None
-            }
+            host_memory_gb=memory_gb, **({"parallel": parallel} if parallel else {})
         )
         shape = get_model_shape(model or loaded.model or "smollm2-135m")
         result = plan(shape, config, hardware, jobs, parse_context(context))
@@ -237,15 +237,36 @@ def plan_command(
         _refuse(str(exc))
     if as_json:
         named = {"preset": loaded.name} | ({"preset_auto": choice.reason} if choice else {})
+        named["host_memory_source"] = memory_source
         typer.echo(json.dumps(named | result.to_dict(), indent=2))
     else:
         if choice is not None:
             Console().print(f"preset {choice.name} (auto: {choice.reason})", highlight=False)
-        _render_plan(result, loaded.name)
+        _render_plan(result, loaded.name, memory_source)
     if not result.feasible:
         if not as_json:
             _render_refusal(result)
         raise typer.Exit(EXIT_REFUSED)
+
+
+def host_memory_figure(
+    flag_gb: float | None, declared_gb: float | None, preset_gb: float, preset: str
+) -> tuple[float, str]:
+    """The host RAM a plan uses, in GiB, and where it came from: ``--host-memory``, else
+    ``HISPARSE_HOST_MEMORY_GB`` (``declared_gb``: ``EngineConfig.host_memory_gb``, which
+    ``hisparse run`` checks its host pool against, :func:`engine.kv.sizing.check_host_memory`),
+    else the preset's ``hardware.host_memory_gb``; that last source also says what run
+    would check against here (``MemAvailable``), as run does not read the preset's figure.
+    """
+    if flag_gb is not None:
+        return flag_gb, "--host-memory"
+    if declared_gb is not None:
+        return declared_gb, "HISPARSE_HOST_MEMORY_GB, as hisparse run uses"
+    from engine.kv.sizing import available_host_bytes
+
+    avail = available_host_bytes()
+    here = "" if avail is None else f"; run checks MemAvailable: {avail / GIB:.1f}"
+    return preset_gb, f"preset {preset}'s{here}"
 
 
 def auto_choice(preset: str) -> AutoChoice | None:
@@ -338,11 +359,12 @@ def _device_table(result: Plan) -> Table:
     return table
 
 
-def _host_table(result: Plan) -> Table:
+def _host_table(result: Plan, memory_source: str) -> Table:
     table = Table(title="host memory (GiB)", title_justify="left")
     table.add_column("")
     table.add_column("GiB", justify="right")
     table.add_column("what")
+    table.add_row("host RAM", f"{result.hardware.host_memory_gb:,.2f}", memory_source)
     ctx = format_context(result.context)
     table.add_row(
         "KV per job", _gib(result.job_kv_bytes), f"{ctx} x L x Hkv x D x 2, paged"
@@ -370,7 +392,7 @@ def _host_table(result: Plan) -> Table:
     return table
 
 
-def _render_plan(result: Plan, preset_name: str) -> None:
+def _render_plan(result: Plan, preset_name: str, memory_source: str) -> None:
     console = Console()
     hw, ctx = result.hardware, format_context(result.context)
     console.print(
@@ -379,7 +401,7 @@ def _render_plan(result: Plan, preset_name: str) -> None:
         f"{hw.parallel} parallel, attention {result.config.attention}"
     )
     console.print(_device_table(result))
-    console.print(_host_table(result))
+    console.print(_host_table(result, memory_source))
     cap, dense = result.capacity, result.dense
     host = (
         "no host tier"
