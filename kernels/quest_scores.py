@@ -298,6 +298,19 @@ loop iteration."""
 
 
 @triton.jit
+def _normmax_block(base, lse, mask_g, offs_p, p_max, n, scale, dst_row):
+    """Store ``max_g [scale * u_g(p) - lse_g]`` for the pages ``offs_p`` of one (request, KV
+    head): ``base`` points at its G heads' bounds ``[BLOCK_G, 1]``, ``dst_row`` at its output
+    row; ``-inf`` past ``n`` valid pages."""
+    valid_p = (offs_p < p_max) & (offs_p < n)
+    mask = mask_g[:, None] & valid_p[None, :]
+    x = tl.load(base + offs_p[None, :], mask=mask, other=float("-inf")) * scale
+    y = tl.where(mask, x - lse[:, None], float("-inf"))
+    score = tl.where(valid_p, tl.max(y, axis=0), float("-inf"))
+    tl.store(dst_row + offs_p, score, mask=offs_p < p_max)
+
+
+@triton.jit
 def _normmax_kernel(
     bounds_ptr,
     part_m_ptr,
@@ -345,13 +358,8 @@ def _normmax_kernel(
     lse = tl.where(s > 0, m + tl.log(tl.where(s > 0, s, 1.0)), 0.0)  # no valid page: unused
     base = bounds_ptr + b * stride_u_b + (h * G + offs_g)[:, None].to(tl.int64) * stride_u_h
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    valid_p = (offs_p < p_max) & (offs_p < n)
-    mask = mask_g[:, None] & valid_p[None, :]
-    x = tl.load(base + offs_p[None, :], mask=mask, other=float("-inf")) * scale
-    y = tl.where(mask, x - lse[:, None], float("-inf"))
-    score = tl.where(valid_p, tl.max(y, axis=0), float("-inf"))
-    dst = out_ptr + b * stride_out_b + h * stride_out_h + offs_p
-    tl.store(dst, score, mask=offs_p < p_max)
+    dst_row = out_ptr + b * stride_out_b + h * stride_out_h
+    _normmax_block(base, lse, mask_g, offs_p, p_max, n, scale, dst_row)
 
 
 @triton.jit
@@ -393,15 +401,9 @@ def _normmax_rows_kernel(
         s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
         m = m_new
     lse = tl.where(s > 0, m + tl.log(tl.where(s > 0, s, 1.0)), 0.0)  # no valid page: unused
+    dst_row = out_ptr + b * stride_out_b + h * stride_out_h
     for start in range(0, p_max, BLOCK_P):
-        offs_p = start + tl.arange(0, BLOCK_P)
-        valid_p = (offs_p < p_max) & (offs_p < n)
-        mask = mask_g[:, None] & valid_p[None, :]
-        x = tl.load(base + offs_p[None, :], mask=mask, other=float("-inf")) * scale
-        y = tl.where(mask, x - lse[:, None], float("-inf"))
-        score = tl.where(valid_p, tl.max(y, axis=0), float("-inf"))
-        dst = out_ptr + b * stride_out_b + h * stride_out_h + offs_p
-        tl.store(dst, score, mask=offs_p < p_max)
+        _normmax_block(base, lse, mask_g, start + tl.arange(0, BLOCK_P), p_max, n, scale, dst_row)
 
 
 def quest_scores(
