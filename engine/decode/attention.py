@@ -33,7 +33,7 @@ from engine.config import EngineConfig
 from engine.decode import indexers
 from engine.kv.cache import KVCache
 from kernels.bitmask import pack_bits
-from kernels.dispatch import Ops
+from kernels.dispatch import PYTORCH_OPS, Ops
 from kernels.rope_append import RopeParams
 from kernels.select_topk import select_topk_pages_ref
 from kernels.slot_list import resident_slots_of_pages
@@ -155,7 +155,7 @@ class DecodeAttention:
         )
         # The direct path without bitmasks: a ranking indexer and the reference ops (a
         # run that forces Triton on the CPU keeps the kernels' bitmask path).
-        self.fast_direct = self.direct and self.indexer.ranks and ops.name == "reference"
+        self.fast_direct = self.direct and self.indexer.ranks and ops.name in PYTORCH_OPS
         self.prefetched: torch.Tensor | None = None
         # Audit (engine.decode.audit): run() appends (cache layer, plan.row0, q [b, Hq, D],
         # selection [b, Hkv, W]) of every layer here — references, not copies; None: off.

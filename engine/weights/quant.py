@@ -28,7 +28,12 @@ Compute formats (:func:`make_linear`):
   ``aten._weight_int4pack_mm_for_cpu`` on CPU) with ``scales_and_zeros[K/g, N, 2]`` where
   ``W = (q - 8) * scale + zero``, i.e. ``zero = offset + 8 * scale``; on CUDA, decode
   batches of 8-63 rows use a Triton dequant-matmul and prefill a dense GEMM
-  (:class:`Int4Linear`).
+  (:class:`Int4Linear`). On a CPU with bf16 instructions (:func:`cpu_fast_bf16`) the
+  engine runs the CPU kernel with bf16 activations whatever the compute dtype
+  (:meth:`Int4Linear.set_activation_dtype` from :func:`engine.load.place_model`): the
+  input is rounded to bf16
+  at the product only (as llama.cpp rounds activations to 8 bits for its Q4_1 dot
+  products); the residual stream, norms and attention stay in the compute dtype.
 """
 
 from __future__ import annotations
@@ -183,6 +188,27 @@ DEQUANT_MIN_ROWS = 64
 TRITON_MIN_ROWS = 8
 
 
+def cpu_fast_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX), which
+    torch's CPU int4 kernel uses with bf16 activations.
+
+    Measured on an AVX512-BF16/AMX Xeon (docs/performance.md, "CPU decode path"):
+    ``_weight_int4pack_mm_for_cpu`` with bf16 activations 1.3-2.2x faster than fp32
+    ``F.linear`` on SmolLM2's layers at one row, 4-30x slower with fp32 activations; on the
+    AVX2-only EPYC of 2026-12-01 slower than fp32 even with bf16. The check reads torch's
+    own CPU feature detection (cpuinfo), so the choice is the same on every run of a
+    machine and costs nothing at load, unlike a timed probe on a shared box."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+
+
+def cpu_int4_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Activation dtype of torch's CPU int4 kernel for a model computing in ``dtype``:
+    bf16 where :func:`cpu_fast_bf16`, else ``dtype``."""
+    return torch.bfloat16 if cpu_fast_bf16() else dtype
+
+
 class Linear:
     """``y = x @ W.T (+ b)`` for ``x [M, K]`` -> ``[M, N]``; subclasses choose the format."""
 
@@ -221,13 +247,15 @@ class Int4Linear(Linear):
     ``triton_min_rows <= M < DEQUANT_MIN_ROWS`` the Triton dequant-matmul over the source
     weight kept on the device (:func:`kernels.int4_matmul.group_int4_linear`); larger ``M``
     (prefill) dequantises the source to the compute dtype and runs the dense GEMM. On CPU
-    ``_weight_int4pack_mm_for_cpu`` in the compute dtype below ``DEQUANT_MIN_ROWS`` rows
-    (decode; with bf16 activations: with fp32 ones that kernel was 10-30x slower, see
-    docs/performance.md, "CPU decode path"), the dense GEMM over the dequantised weight
-    from there on (prefill: the int4 kernel was ~2x slower than the GEMM there).
+    ``_weight_int4pack_mm_for_cpu`` in ``dtype`` below ``DEQUANT_MIN_ROWS`` rows
+    (decode; bf16 where the CPU has bf16 instructions, :func:`cpu_int4_dtype`: with fp32
+    activations that kernel was 4-30x slower, see docs/performance.md, "CPU decode path"),
+    the dense GEMM over the weight dequantised to ``dtype`` from there on (prefill: the
+    int4 kernel was ~2x slower than the GEMM there).
 
-    Supported group sizes: 32, 64, 128, 256. Activations: bf16 on CUDA; bf16 or fp32 on
-    CPU. Output has the dtype of ``x``.
+    Supported group sizes: 32, 64, 128, 256. ``dtype``: the kernels' activation dtype
+    (bf16 on CUDA; bf16 or fp32 on CPU); ``x`` of another dtype is cast to it for the
+    product and the output cast back: the output has the dtype of ``x``.
     """
 
     def __init__(self, w: Int4Weight, bias: torch.Tensor | None, device: torch.device, dtype):
@@ -253,8 +281,18 @@ class Int4Linear(Linear):
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nib, 1)
             self.source = w  # prefill (M >= DEQUANT_MIN_ROWS): the dense GEMM
         self.scales_and_zeros = sz.to(device, dtype)
-        self.bias = bias
+        self.bias = bias.to(dtype) if bias is not None else None
         self.triton_min_rows = TRITON_MIN_ROWS  # EngineConfig.int4_triton_min_rows
+
+    def set_activation_dtype(self, dtype: torch.dtype) -> None:
+        """Run the kernels with ``dtype`` activations from now on: the scales, zeros and
+        bias are cast from their current dtype (from float32, what the constructor with
+        ``dtype`` gives). Inputs and outputs keep the caller's dtype."""
+        if dtype == self.dtype:
+            return
+        self.scales_and_zeros = self.scales_and_zeros.float().to(dtype)
+        self.bias = self.bias.float().to(dtype) if self.bias is not None else None
+        self.dtype = dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -303,6 +341,8 @@ def make_linear(
     weight : float ``[N, K]`` or :class:`Int4Weight`
     weight_format : ``float`` (dequantise to ``dtype``) or ``int4`` (torch int4 kernel;
         a float weight is quantised with :func:`quantize_int4` first)
+    dtype : the compute dtype: the int4 kernels' activations on a CPU (bf16 on CUDA;
+        :meth:`Int4Linear.set_activation_dtype` changes it)
     """
     b = bias.to(device, dtype) if bias is not None else None
     if weight_format == "float":

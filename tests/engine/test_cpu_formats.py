@@ -1,0 +1,82 @@
+"""``weight_format: auto`` on a CPU (the ``cpu`` preset): int4 weights run by torch's int4
+kernel with bf16 products where the CPU has bf16 instructions, float weights elsewhere;
+the model line says which and why. The CPU's answer is patched both ways, so the test
+means the same on any machine (the bf16 kernel runs everywhere, only slower without
+them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.weights.quant import DenseLinear, Int4Linear
+
+TINY = dict(host_pool_gb=0.25, max_batch=1, tokenizer="ids")
+
+
+def place(monkeypatch, fast: bool, **overrides):
+    import engine.weights.quant as quant
+    from engine.load import place_model
+
+    monkeypatch.setattr(quant, "cpu_fast_bf16", lambda: fast)
+    return place_model(EngineConfig(**{**TINY, **overrides}), "synthetic:tiny")
+
+
+def logits(placed, ids):
+    from engine.model.llama import prefill_attention
+
+    m = placed.model
+    with torch.no_grad():
+        h = m.embed_tokens(ids)
+        for i in m.layer_range:
+            q, k, v = m.qkv(i, h, torch.arange(len(ids)))
+            h = m.finish_layer(i, h, prefill_attention(q, k, v, 0))
+        return m.logits(h)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_auto_picks_int4_with_bf16_products_only_on_a_bf16_cpu(monkeypatch, fast):
+    placed = place(monkeypatch, fast)
+    linears = [lin for layer in placed.model.layers for lin in (layer.wqkv, layer.w_down)]
+    if fast:
+        assert placed.weight_format == "int4"
+        assert all(isinstance(lin, Int4Linear) and lin.dtype == torch.bfloat16 for lin in linears)
+        assert "int4 kernel with bfloat16 activations; auto: CPU has AVX512-BF16/AMX" in (
+            placed.weights_info
+        )
+    else:
+        assert placed.weight_format == "float"
+        assert all(isinstance(lin, DenseLinear) for lin in linears)
+        assert placed.weights_info.endswith("; auto: no AVX512-BF16/AMX")
+    assert placed.model.dtype == torch.float32  # the residual stream and attention
+
+
+def test_bf16_products_keep_float32_activations_around_them(monkeypatch):
+    """Decode-sized calls (the int4 kernel) and prefill-sized ones (the dense GEMM) return
+    float32, within bf16 rounding of the int4 weights' exact product."""
+    placed = place(monkeypatch, True)
+    lin = placed.model.layers[0].w_gate_up
+    w = lin.source.dequantize()
+    for rows in (1, 5, 70):
+        x = torch.randn(rows, lin.in_features, generator=torch.Generator().manual_seed(rows))
+        y = lin(x)
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y, x @ w.T, atol=0.05, rtol=0.02)
+
+
+def test_explicit_formats_are_kept(monkeypatch):
+    placed = place(monkeypatch, True, weight_format="float")
+    assert placed.weight_format == "float" and "auto" not in placed.weights_info
+    placed = place(monkeypatch, False, weight_format="int4")  # fp32 kernel on a slow CPU
+    lin = placed.model.layers[0].wo
+    assert isinstance(lin, Int4Linear) and lin.dtype == torch.float32
+    assert "int4 kernel with float32 activations" in placed.weights_info
+
+
+def test_bf16_and_float_placements_agree_on_the_logits(monkeypatch):
+    ids = torch.randint(5, 1000, (24,), generator=torch.Generator().manual_seed(1))
+    fast = logits(place(monkeypatch, True), ids)
+    exact = logits(place(monkeypatch, False, weight_format="int4"), ids)
+    rel = (fast - exact).norm() / exact.norm()
+    assert float(rel) < 0.02  # bf16 products only
