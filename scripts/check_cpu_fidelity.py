@@ -11,7 +11,8 @@ against llama.cpp: top-1 agreement, mean KL(llama.cpp || hisparse) of the softma
 (nats), max / mean absolute logit difference, and the same against the first variant.
 
 ``--lm-head int8`` adds the variants again with the tied LM head re-quantised per row to
-int8 (torch's ``_weight_int8pack_mm``, bf16 products) in place of the float head: a
+int8 (torch's ``_weight_int8pack_mm``, bf16 products) in place of the engine's head (float,
+or on a CPU with bf16 instructions the exact Q8_0 codes as two int4 products): a
 measurement of that option, not an engine setting.
 
 Usage::
@@ -129,7 +130,8 @@ def main() -> None:
             eng = load_engine(resolve_config("cpu", cli_overrides={
                 "num_threads": args.threads, "max_batch": 1, "host_pool_gb": 1.0,
                 **parse_sets(v.split(","))}))
-            eng.model.lm_head = Int8RowHead(eng.model.lm_head.weight)
+            m = eng.model  # a Q8_0 head run as int4 keeps no float weight: the tied embedding
+            m.lm_head = Int8RowHead(getattr(m.lm_head, "weight", m.embed))
             engines[v + " +int8 head"] = eng
     tokenizer = next(iter(engines.values())).tokenizer
     ours: dict[str, list[torch.Tensor]] = {name: [] for name in engines}

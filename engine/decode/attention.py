@@ -37,7 +37,6 @@ from kernels.dispatch import PYTORCH_OPS, Ops
 from kernels.rope_append import RopeParams
 from kernels.select_topk import select_topk_pages_ref
 from kernels.slot_list import resident_slots_of_pages
-from kernels.sparse_attention import sparse_decode_attention_ref
 from kernels.superpage_select import num_candidates
 
 
@@ -312,7 +311,7 @@ class DecodeAttention:
             plan.hits += (pages >= 0).sum((-1, -2))
         pool = c.pool[layer]
         records = pool.view(-1, *pool.shape[2:])
-        return sparse_decode_attention_ref(
+        return self.ops.sparse_decode_attention(
             q, records, None, slots, plan.seq_lens, self.scale, self.softcap, pages=pages
         )
 

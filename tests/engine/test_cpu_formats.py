@@ -80,3 +80,45 @@ def test_bf16_and_float_placements_agree_on_the_logits(monkeypatch):
     exact = logits(place(monkeypatch, False, weight_format="int4"), ids)
     rel = (fast - exact).norm() / exact.norm()
     assert float(rel) < 0.02  # bf16 products only
+
+
+def q8_0_values(n, k, seed=0):
+    """A float ``[n, k]`` weight holding Q8_0 values: per 32 elements an fp16 ``d`` and
+    codes in -127..127 whose largest magnitude is 127 (as ggml's quantiser leaves them)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g)
+    q[:, :, 0] = 127 * torch.where(torch.rand(n, k // 32, generator=g) < 0.5, -1, 1)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-4).half().float()
+    return (q * d).view(n, k)
+
+
+def test_q8_head_runs_the_exact_codes_as_two_int4_products():
+    from engine.weights.quant import Q8Int4Linear
+
+    w = q8_0_values(320, 576)
+    head = Q8Int4Linear.from_float(w)
+    assert head is not None and (head.out_features, head.in_features) == (320, 576)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(2))
+    y = head(x)
+    assert y.dtype == torch.float32 and y.shape == (3, 320)
+    want = x.bfloat16().float() @ w.T  # bf16 activations, exact weights
+    rel = (y - want).norm() / want.norm()
+    assert float(rel) < 4e-3  # bf16 scales and bf16 outputs of the two products
+    assert float((y - x @ w.T).norm() / (x @ w.T).norm()) < 8e-3
+
+
+def test_q8_head_refuses_weights_that_are_not_q8_0_values():
+    from engine.weights.quant import Q8Int4Linear
+
+    w = q8_0_values(64, 64)
+    assert Q8Int4Linear.from_float(w + 1e-5) is None  # off the codes
+    assert Q8Int4Linear.from_float(torch.randn(64, 64)) is None
+    assert Q8Int4Linear.from_float(w[:, :48]) is None  # K not whole blocks
+
+
+def test_placement_keeps_a_float_head_that_is_not_q8_0(monkeypatch):
+    from engine.weights.quant import DenseLinear
+
+    placed = place(monkeypatch, True)  # the tiny model's embedding is random float32
+    assert isinstance(placed.model.lm_head, DenseLinear)
+    assert "LM head" not in placed.weights_info
