@@ -159,16 +159,24 @@ def keep_freed_heap() -> bool:
     return ok
 
 
-def pick_weight_format(config: EngineConfig, device: torch.device) -> str:
-    """``auto``: int4 (torch's int4 kernel) on CUDA and on CPUs with bf16 instructions
-    (:func:`engine.weights.quant.cpu_fast_bf16`: AVX512-BF16 or AMX, where that kernel with
-    bf16 activations beats fp32 GEMM at decode), float elsewhere (AVX2 and other CPUs,
-    where it is slower; docs/performance.md, "CPU decode path")."""
+def pick_weight_format(
+    config: EngineConfig, device: torch.device, formats: dict[str, str] | None = None
+) -> str:
+    """``auto``: int4 (torch's int4 kernel) on CUDA; on a CPU int4 only where it is faster
+    and changes no weight: a CPU with bf16 instructions
+    (:func:`engine.weights.quant.cpu_fast_bf16`: AVX512-BF16 or AMX, where the int4 kernel
+    with bf16 activations beats fp32 GEMM at decode) and linears stored 4-bit
+    (``formats``, ``ModelWeights.formats``: GGUF Q4_0/Q4_1/Q4_K, AWQ/GPTQ/int4-g*; a float
+    checkpoint would be re-quantised). Float elsewhere (AVX2 and other CPUs, where it is
+    slower; docs/performance.md, "CPU decode path")."""
     from engine.weights.quant import cpu_fast_bf16
+    from engine.weights.types import linears_stored_int4
 
     if config.weight_format != "auto":
         return config.weight_format
-    return "int4" if device.type == "cuda" or cpu_fast_bf16() else "float"
+    if device.type == "cuda":
+        return "int4"
+    return "int4" if cpu_fast_bf16() and linears_stored_int4(formats or {}) else "float"
 
 
 def cpu_format_note(config: EngineConfig, device: torch.device, fmt: str) -> str:
@@ -180,7 +188,11 @@ def cpu_format_note(config: EngineConfig, device: torch.device, fmt: str) -> str
         return ""
     why = ""
     if config.weight_format == "auto":
-        why = "; auto: " + ("CPU has" if cpu_fast_bf16() else "no") + " AVX512-BF16/AMX"
+        why = "; auto: " + (
+            "CPU has AVX512-BF16/AMX" if cpu_fast_bf16() else "no AVX512-BF16/AMX"
+        )
+        if cpu_fast_bf16() and fmt == "float":
+            why += ", linears not stored 4-bit"
     if fmt == "int4":
         act = str(cpu_int4_dtype(getattr(torch, config.dtype))).removeprefix("torch.")
         return f"; int4 kernel with {act} activations{why}"
@@ -281,7 +293,7 @@ def place_model(
             )
         layers = range(*stage_layers(num_layers, world_size)[rank])
     limit, rope = context_limit_and_rope(weights.config, rope_config or config)
-    fmt = pick_weight_format(config, device)
+    fmt = pick_weight_format(config, device, weights.formats)
     llm = build_model(weights, device, getattr(torch, config.dtype), fmt, rope, layers=layers)
     int4_dtype = cpu_int4_dtype(getattr(torch, config.dtype))  # bf16 products on a fast CPU
     for layer in llm.layers:

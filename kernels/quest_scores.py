@@ -258,7 +258,15 @@ def quest_scores_matmul(
     require(combine in GROUP_COMBINES, f"combine must be one of {GROUP_COMBINES}, got {combine!r}")
     bounds = quest_head_bounds_matmul(q, meta, block_table, num_pages)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return combine_group_ref(bounds, num_pages, meta.shape[1], combine, scale)
+    b, hq, p_max = bounds.shape
+    hkv = meta.shape[1]
+    if combine != "normmax":
+        return combine_group_ref(bounds, num_pages, hkv, combine, scale)
+    # combine_group_ref's normmax without its re-masking (the bounds are -inf past
+    # num_pages already): the same ops on the same values
+    x = bounds.view(b, hkv, hq // hkv, p_max) * scale
+    scores = x.sub_(torch.logsumexp(x, dim=-1, keepdim=True)).amax(dim=2)
+    return scores.masked_fill_(~_valid_pages(num_pages, p_max, q.device)[:, None, :], -math.inf)
 
 
 _COMBINE_SUM, _COMBINE_MAX, _COMBINE_HEADS = 0, 1, 2

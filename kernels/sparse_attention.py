@@ -125,7 +125,10 @@ def sparse_decode_attention_sdpa(
     records, the invalid positions masked): the CPU path (:data:`kernels.dispatch.CPU_OPS`;
     ~15% faster a layer at 8K on the dev box, docs/performance.md, "CPU decode: int4
     products"). Same arguments and result up to float32 rounding (the fused kernel sums in
-    blocks); with ``softcap`` it is the reference (SDPA has no soft-cap).
+    blocks) for float32 records; records of a 16-bit dtype are read as stored and ``q`` is
+    rounded to that dtype for the kernel, which accumulates in float32 (llama.cpp rounds q
+    to f16 for its f16 cache alike): up to that rounding, and the output's. With
+    ``softcap`` it is the reference (SDPA has no soft-cap).
     """
     if softcap:
         return sparse_decode_attention_ref(
@@ -137,10 +140,11 @@ def sparse_decode_attention_sdpa(
     if pages is None:
         pages = selected_pages(selection, selection.shape[-1] * 32, k_max)
     pages = pages.long()
+    dt = kv_slots.dtype if kv_slots.dtype in (torch.bfloat16, torch.float16) else torch.float32
     idx = slot_list.clamp(min=0).reshape(-1).long()
     flat = kv_slots.reshape(kv_slots.shape[0], 2, s * d)
-    keys = flat[:, 0].index_select(0, idx).float().view(b * hkv, 1, k_max * s, d)
-    vals = flat[:, 1].index_select(0, idx).float().view(b * hkv, 1, k_max * s, d)
+    keys = flat[:, 0].index_select(0, idx).to(dt).view(b * hkv, 1, k_max * s, d)
+    vals = flat[:, 1].index_select(0, idx).to(dt).view(b * hkv, 1, k_max * s, d)
     pos = pages[..., None] * s + torch.arange(s, device=q.device)  # [B, Hkv, K, S]
     lens = seq_lens.to(q.device).long()[:, None, None, None]
     ok = (pages[..., None] >= 0) & (pos < lens)
@@ -154,8 +158,8 @@ def sparse_decode_attention_sdpa(
     vals.view(-1, d).index_fill_(0, bad, 0.0)
     ok = ok.view(b * hkv, 1, 1, k_max * s)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.float().view(b * hkv, 1, hq // hkv, d), keys, vals, attn_mask=ok, scale=scale
-    )
+        q.to(dt).view(b * hkv, 1, hq // hkv, d), keys, vals, attn_mask=ok, scale=scale
+    ).float()
     # a row without a valid position is NaN, as in the reference (the fused kernel gives 0)
     out.masked_fill_(~ok.any(dim=-1, keepdim=True), math.nan)
     return out.reshape(b, hq, d).to(q.dtype)

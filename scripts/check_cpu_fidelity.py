@@ -10,15 +10,17 @@ then teacher-forced with llama.cpp's tokens, so both score the same positions. P
 against llama.cpp: top-1 agreement, mean KL(llama.cpp || hisparse) of the softmaxed logits
 (nats), max / mean absolute logit difference, and the same against the first variant.
 
-``--lm-head int8`` adds the variants again with the tied LM head re-quantised per row to
-int8 (torch's ``_weight_int8pack_mm``, bf16 products) in place of the engine's head (float,
-or on a CPU with bf16 instructions the exact Q8_0 codes as two int4 products): a
-measurement of that option, not an engine setting.
+``--heads`` runs each variant with other LM heads too: ``engine`` (what the engine placed:
+float, or with int4 on a CPU with bf16 instructions the exact Q8_0 codes as two int4
+products), ``float`` (the tied embedding in float32, ``F.linear``) and ``int8`` (re-quantised
+per row to int8, torch's ``_weight_int8pack_mm`` with bf16 products): measurements of those
+options, not engine settings.
 
 Usage::
 
     python scripts/check_cpu_fidelity.py [--docs a.txt b.txt] [--prompt-tokens 1500]
-        [--steps 96] [--threads 2] [--variant weight_format=float ...] [--lm-head int8]
+        [--steps 96] [--threads 2] [--variant weight_format=float ...]
+        [--heads engine float int8]
         [--out docs/bench/cpu_fidelity_2026-12-02.json]
 
 Needs llama-cpp-python (``pip install -e .[bench]``). Prints a table and writes JSON.
@@ -48,6 +50,7 @@ from engine.load import load_engine  # noqa: E402
 from engine.measure.bench_kv import corpus_dir  # noqa: E402
 from engine.presets import resolve_config  # noqa: E402
 from engine.weights.embedded import default_model_path  # noqa: E402
+from engine.weights.quant import DenseLinear  # noqa: E402
 
 DEFAULT_DOCS = ("tutorial-controlflow.txt", "howto-sorting.txt", "howto-logging.txt")
 
@@ -109,7 +112,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variant", dest="variants", action="append", default=None,
                     help="hisparse overrides key=value,... (repeatable; default float and int4)")
-    ap.add_argument("--lm-head", choices=("float", "int8"), default="float")
+    ap.add_argument("--heads", nargs="+", choices=("engine", "float", "int8"), default=["engine"])
     ap.add_argument("--out", type=Path, default=Path("cpu_fidelity.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -120,19 +123,19 @@ def main() -> None:
     ]
     engines = {}
     for v in variants:
-        sets = {"num_threads": args.threads, "max_batch": 1, "host_pool_gb": 1.0,
-                **parse_sets(v.split(","))}
-        eng = load_engine(resolve_config("cpu", cli_overrides=sets))
-        engines[v] = eng
-        print(f"{v}: {eng.weight_format} ({eng.weights_info})", flush=True)
-    if args.lm_head == "int8":
-        for v in variants:
-            eng = load_engine(resolve_config("cpu", cli_overrides={
-                "num_threads": args.threads, "max_batch": 1, "host_pool_gb": 1.0,
-                **parse_sets(v.split(","))}))
+        for head in args.heads:
+            sets = {"num_threads": args.threads, "max_batch": 1, "host_pool_gb": 1.0,
+                    **parse_sets(v.split(","))}
+            eng = load_engine(resolve_config("cpu", cli_overrides=sets))
             m = eng.model  # a Q8_0 head run as int4 keeps no float weight: the tied embedding
-            m.lm_head = Int8RowHead(getattr(m.lm_head, "weight", m.embed))
-            engines[v + " +int8 head"] = eng
+            weight = getattr(m.lm_head, "weight", m.embed)
+            if head == "float":
+                m.lm_head = DenseLinear(weight)
+            elif head == "int8":
+                m.lm_head = Int8RowHead(weight)
+            name = v if head == "engine" else f"{v} +{head} head"
+            engines[name] = eng
+            print(f"{name}: {eng.weight_format} ({eng.weights_info})", flush=True)
     tokenizer = next(iter(engines.values())).tokenizer
     ours: dict[str, list[torch.Tensor]] = {name: [] for name in engines}
     refs, prompts = [], []
@@ -155,14 +158,16 @@ def main() -> None:
             "label": f"{engines[name].weight_format}: {engines[name].weights_info}",
             "vs_llamacpp": compare(got, ref_all),
             f"vs_{first}": compare(got, torch.cat(ours[first])),
+            "per_prompt_vs_llamacpp": [compare(o, r) for o, r in zip(ours[name], refs, strict=True)],
         }
     print(f"\n{ref_all.shape[0]} positions ({len(docs)} prompts x {args.steps + 1})")
     print(f"{'variant':40s} {'top-1 vs llama.cpp':>18s} {'KL vs llama.cpp':>16s} "
           f"{'top-1 vs ' + first:>26s} {'KL vs ' + first:>22s}")
     for name, r in rows.items():
         a, b = r["vs_llamacpp"], r[f"vs_{first}"]
+        per = " ".join(f"{x['kl_mean']:.2e}" for x in r["per_prompt_vs_llamacpp"])
         print(f"{name:40s} {a['top1_agreement']:18.4f} {a['kl_mean']:16.2e} "
-              f"{b['top1_agreement']:26.4f} {b['kl_mean']:22.2e}")
+              f"{b['top1_agreement']:26.4f} {b['kl_mean']:22.2e}   KL per prompt: {per}")
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": platform.processor() or platform.machine(),

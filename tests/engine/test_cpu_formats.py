@@ -1,10 +1,13 @@
-"""``weight_format: auto`` on a CPU (the ``cpu`` preset): int4 weights run by torch's int4
-kernel with bf16 products where the CPU has bf16 instructions, float weights elsewhere;
-the model line says which and why. The CPU's answer is patched both ways, so the test
-means the same on any machine (the bf16 kernel runs everywhere, only slower without
-them)."""
+"""``weight_format: auto`` on a CPU (the ``cpu`` preset): linears stored 4-bit run by
+torch's int4 kernel with bf16 products where the CPU has bf16 instructions, float weights
+elsewhere (and for float checkpoints, which int4 would re-quantise); the model line says
+which and why. The CPU's answer is patched both ways, so the test means the same on any
+machine (the bf16 kernel runs everywhere, only slower without them). The tiny synthetic
+model's linears are 4-bit codes; :func:`q4_formats` names them as a Q4_1 GGUF's."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -15,12 +18,26 @@ from engine.weights.quant import DenseLinear, Int4Linear
 TINY = dict(host_pool_gb=0.25, max_batch=1, tokenizer="ids")
 
 
-def place(monkeypatch, fast: bool, **overrides):
+def q4_formats(weights):
+    """``weights`` with the source formats a Q4_1 GGUF of its shape reports."""
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    formats = {
+        f"blk.{i}.{n}.weight": "Q4_1" for i in range(weights.config.num_layers) for n in names
+    }
+    return dataclasses.replace(weights, formats={**formats, "token_embd.weight": "F32"})
+
+
+def place(monkeypatch, fast: bool, stored_int4: bool = True, **overrides):
     import engine.weights.quant as quant
     from engine.load import place_model
+    from engine.weights.synthetic import load_synthetic
 
     monkeypatch.setattr(quant, "cpu_fast_bf16", lambda: fast)
-    return place_model(EngineConfig(**{**TINY, **overrides}), "synthetic:tiny")
+    weights, tokenizer, name = load_synthetic("tiny", tokenizer="ids")
+    if stored_int4:
+        weights = q4_formats(weights)
+    config = EngineConfig(**{**TINY, **overrides})
+    return place_model(config, weights=(weights, tokenizer, name))
 
 
 def logits(placed, ids):
@@ -63,6 +80,12 @@ def test_bf16_products_keep_float32_activations_around_them(monkeypatch):
         y = lin(x)
         assert y.dtype == torch.float32
         torch.testing.assert_close(y, x @ w.T, atol=0.05, rtol=0.02)
+
+
+def test_auto_keeps_a_float_checkpoint_float(monkeypatch):
+    placed = place(monkeypatch, True, stored_int4=False)  # int4 would re-quantise it
+    assert placed.weight_format == "float"
+    assert placed.weights_info.endswith("auto: CPU has AVX512-BF16/AMX, linears not stored 4-bit")
 
 
 def test_explicit_formats_are_kept(monkeypatch):
