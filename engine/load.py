@@ -199,22 +199,6 @@ def cpu_format_note(config: EngineConfig, device: torch.device, fmt: str) -> str
     return why
 
 
-def cpu_q8_head(llm: LlamaModel) -> str:
-    """On a CPU running int4 with bf16 products: an LM head holding ``Q8_0`` values (the
-    embedded model's tied embedding) runs as two int4 products over its exact codes
-    (:class:`engine.weights.quant.Q8Int4Linear`, ~2x faster than float32). Returns the
-    model line's note ("" when the head stays float: no last stage, or not Q8_0 values)."""
-    from engine.weights.quant import DenseLinear, Q8Int4Linear
-
-    if not isinstance(llm.lm_head, DenseLinear) or llm.lm_head.bias is not None:
-        return ""
-    head = Q8Int4Linear.from_float(llm.lm_head.weight)
-    if head is None:
-        return ""
-    llm.lm_head = head
-    return "; LM head: Q8_0 codes as two int4 products"
-
-
 @dataclass(frozen=True)
 class PlacedModel:
     """A model read, placed on its device and ready to build an engine around.
@@ -302,15 +286,12 @@ def place_model(
                 lin.triton_min_rows = config.int4_triton_min_rows
                 if device.type == "cpu":
                     lin.set_activation_dtype(int4_dtype)
-    head_note = ""
-    if device.type == "cpu" and fmt == "int4" and int4_dtype == torch.bfloat16:
-        head_note = cpu_q8_head(llm)
     marks["model"] = time.monotonic()
     ops = get_ops(device, config.use_triton, config.eviction)
     marks["kernels"] = time.monotonic()
     info = describe_placement(weights.formats, fmt, config.dtype) + cpu_format_note(
         config, device, fmt
-    ) + head_note
+    )
     return PlacedModel(llm, tokenizer, name, limit, fmt, ops, info)
 
 

@@ -11,16 +11,16 @@ against llama.cpp: top-1 agreement, mean KL(llama.cpp || hisparse) of the softma
 (nats), max / mean absolute logit difference, and the same against the first variant.
 
 ``--heads`` runs each variant with other LM heads too: ``engine`` (what the engine placed:
-float, or with int4 on a CPU with bf16 instructions the exact Q8_0 codes as two int4
-products), ``float`` (the tied embedding in float32, ``F.linear``) and ``int8`` (re-quantised
-per row to int8, torch's ``_weight_int8pack_mm`` with bf16 products): measurements of those
+the tied embedding in float32), ``q8int4`` (its exact Q8_0 codes as two products of the
+int4 kernel, :class:`engine.weights.quant.Q8Int4Linear`) and ``int8`` (re-quantised per row
+to int8, torch's ``_weight_int8pack_mm`` with bf16 products): measurements of those
 options, not engine settings.
 
 Usage::
 
     python scripts/check_cpu_fidelity.py [--docs a.txt b.txt] [--prompt-tokens 1500]
         [--steps 96] [--threads 2] [--variant weight_format=float ...]
-        [--heads engine float int8]
+        [--heads engine q8int4 int8]
         [--out docs/bench/cpu_fidelity_2026-12-02.json]
 
 Needs llama-cpp-python (``pip install -e .[bench]``). Prints a table and writes JSON.
@@ -50,7 +50,7 @@ from engine.load import load_engine  # noqa: E402
 from engine.measure.bench_kv import corpus_dir  # noqa: E402
 from engine.presets import resolve_config  # noqa: E402
 from engine.weights.embedded import default_model_path  # noqa: E402
-from engine.weights.quant import DenseLinear  # noqa: E402
+from engine.weights.quant import Q8Int4Linear  # noqa: E402
 
 DEFAULT_DOCS = ("tutorial-controlflow.txt", "howto-sorting.txt", "howto-logging.txt")
 
@@ -112,7 +112,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variant", dest="variants", action="append", default=None,
                     help="hisparse overrides key=value,... (repeatable; default float and int4)")
-    ap.add_argument("--heads", nargs="+", choices=("engine", "float", "int8"), default=["engine"])
+    ap.add_argument("--heads", nargs="+", choices=("engine", "q8int4", "int8"), default=["engine"])
     ap.add_argument("--out", type=Path, default=Path("cpu_fidelity.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -127,12 +127,13 @@ def main() -> None:
             sets = {"num_threads": args.threads, "max_batch": 1, "host_pool_gb": 1.0,
                     **parse_sets(v.split(","))}
             eng = load_engine(resolve_config("cpu", cli_overrides=sets))
-            m = eng.model  # a Q8_0 head run as int4 keeps no float weight: the tied embedding
-            weight = getattr(m.lm_head, "weight", m.embed)
-            if head == "float":
-                m.lm_head = DenseLinear(weight)
+            m = eng.model
+            if head == "q8int4":
+                m.lm_head = Q8Int4Linear.from_float(m.lm_head.weight)
+                if m.lm_head is None:
+                    raise SystemExit("--heads q8int4: the LM head does not hold Q8_0 values")
             elif head == "int8":
-                m.lm_head = Int8RowHead(weight)
+                m.lm_head = Int8RowHead(m.lm_head.weight)
             name = v if head == "engine" else f"{v} +{head} head"
             engines[name] = eng
             print(f"{name}: {eng.weight_format} ({eng.weights_info})", flush=True)

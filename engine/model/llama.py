@@ -163,8 +163,7 @@ class LlamaModel:
         """Bytes of weights on the compute device."""
         total = sum(t.nbytes for t in (self.embed, self.norm) if t is not None)
         embed_ptr = self.embed.data_ptr() if self.embed is not None else None
-        head_weight = getattr(self.lm_head, "weight", None)  # a float head may be the embedding
-        if self.lm_head is not None and (head_weight is None or head_weight.data_ptr() != embed_ptr):
+        if self.lm_head is not None and self.lm_head.weight.data_ptr() != embed_ptr:
             total += self.lm_head.nbytes
         for layer in self.layers:
             total += layer.attn_norm.nbytes + layer.ffn_norm.nbytes

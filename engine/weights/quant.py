@@ -330,8 +330,10 @@ class Int4Linear(Linear):
 class Q8Int4Linear(Linear):
     """A weight of int8 codes with one scale per 32 elements along K (GGUF ``Q8_0``:
     ``W = d * q``, ``q`` in -127..127), run on the CPU as two products of torch's int4
-    kernel with bf16 activations (the tied LM head of the embedded model: 3.6 vs 7.7 ms a
-    step in float32, docs/performance.md, "CPU decode: int4 products").
+    kernel with bf16 activations. Measured for the embedded model's tied LM head
+    (``scripts/check_cpu_fidelity.py --heads q8int4``; docs/performance.md, "CPU decode:
+    int4 products"): 3.6 vs 7.7 ms a step in float32, but KL to llama.cpp's logits +40% on
+    every prompt, so the engine keeps the float head; not used by the engine.
 
     With ``u = q + 128`` (0..255) and its nibbles ``hi = u >> 4``, ``lo = u & 15``:
     ``W = 16 d hi - 128 d + d lo``. The int4 kernel computes ``(nib - 8) * scale + zero``,

@@ -137,11 +137,3 @@ def test_q8_head_refuses_weights_that_are_not_q8_0_values():
     assert Q8Int4Linear.from_float(w + 1e-5) is None  # off the codes
     assert Q8Int4Linear.from_float(torch.randn(64, 64)) is None
     assert Q8Int4Linear.from_float(w[:, :48]) is None  # K not whole blocks
-
-
-def test_placement_keeps_a_float_head_that_is_not_q8_0(monkeypatch):
-    from engine.weights.quant import DenseLinear
-
-    placed = place(monkeypatch, True)  # the tiny model's embedding is random float32
-    assert isinstance(placed.model.lm_head, DenseLinear)
-    assert "LM head" not in placed.weights_info

@@ -247,8 +247,7 @@ def test_model_line_says_what_each_type_became(kquant):
 def test_embedded_model_line_and_registry(smollm2_gguf_path, monkeypatch):
     """The real Q4_1 model loads through the registry (no unused tensor refused) and its
     model line names its tensor types; ``auto`` on a CPU with bf16 instructions (patched
-    so on any machine) keeps the Q4_1 codes for the int4 kernel and runs the tied Q8_0
-    head's exact codes as int4 products."""
+    so on any machine) keeps the Q4_1 codes for the int4 kernel (bf16 products)."""
     import engine.weights.quant as quant
     from engine.load import load_engine
 
@@ -260,9 +259,8 @@ def test_embedded_model_line_and_registry(smollm2_gguf_path, monkeypatch):
     )
     monkeypatch.setattr(quant, "cpu_fast_bf16", lambda: True)
     engine = load_engine(config.replace(weight_format="auto"), str(smollm2_gguf_path))
-    assert isinstance(engine.model.lm_head, quant.Q8Int4Linear)
+    assert isinstance(engine.model.layers[0].w_down, quant.Int4Linear)
     assert engine.weights_info == (
         "linears: Q4_1 x210 -> int4 as stored; other: F32 x61, Q8_0 x1 -> float; int4 kernel "
-        "with bfloat16 activations; auto: CPU has AVX512-BF16/AMX; LM head: Q8_0 codes as "
-        "two int4 products"
+        "with bfloat16 activations; auto: CPU has AVX512-BF16/AMX"
     )
