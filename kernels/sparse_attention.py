@@ -39,6 +39,20 @@ from kernels._launch import (
 from kernels.bitmask import selected_pages
 
 
+def _valid_positions(
+    pages: torch.Tensor, seq_lens: torch.Tensor, s: int, window: int | None
+) -> torch.Tensor:
+    """bool ``[B, Hkv, K, S]``: the positions of the selected ``pages`` (int64
+    ``[B, Hkv, K]``, -1 padded) that attention reads: a real page, before ``seq_lens``
+    (int ``[B]``) and, with ``window``, at or after ``seq_len - window``."""
+    pos = pages[..., None] * s + torch.arange(s, device=pages.device)
+    lens = seq_lens.to(pages.device).long()[:, None, None, None]
+    ok = (pages[..., None] >= 0) & (pos < lens)
+    if window:
+        ok &= pos >= lens - window
+    return ok
+
+
 def sparse_decode_attention_ref(
     q: torch.Tensor,
     kv_slots: torch.Tensor,
@@ -90,12 +104,7 @@ def sparse_decode_attention_ref(
     logits = torch.einsum("bhgd,bhtd->bhgt", qg, keys) * scale
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
-    pos = pages[..., None] * s + torch.arange(s, device=q.device)  # [B, Hkv, K, S]
-    lens = seq_lens.to(q.device).long()[:, None, None, None]
-    ok = (pages[..., None] >= 0) & (pos < lens)
-    if window:
-        ok &= pos >= lens - window
-    bad = ~ok.reshape(b, hkv, 1, k_max * s)
+    bad = ~_valid_positions(pages, seq_lens, s, window).reshape(b, hkv, 1, k_max * s)
     logits.masked_fill_(bad, float("-inf"))
     m = logits.amax(dim=-1, keepdim=True)
     p = logits.sub_(m).exp_()
@@ -145,11 +154,7 @@ def sparse_decode_attention_sdpa(
     flat = kv_slots.reshape(kv_slots.shape[0], 2, s * d)
     keys = flat[:, 0].index_select(0, idx).to(dt).view(b * hkv, 1, k_max * s, d)
     vals = flat[:, 1].index_select(0, idx).to(dt).view(b * hkv, 1, k_max * s, d)
-    pos = pages[..., None] * s + torch.arange(s, device=q.device)  # [B, Hkv, K, S]
-    lens = seq_lens.to(q.device).long()[:, None, None, None]
-    ok = (pages[..., None] >= 0) & (pos < lens)
-    if window:
-        ok &= pos >= lens - window
+    ok = _valid_positions(pages, seq_lens, s, window)
     # Masked positions may hold any bits, NaN included (see the reference): their keys and
     # values are zeroed, as the fused kernel adds the mask to the logit (NaN + -inf is NaN)
     # and a 0 weight times a NaN value would reach the output.
