@@ -188,9 +188,7 @@ def cpu_format_note(config: EngineConfig, device: torch.device, fmt: str) -> str
         return ""
     why = ""
     if config.weight_format == "auto":
-        why = "; auto: " + (
-            "CPU has AVX512-BF16/AMX" if cpu_fast_bf16() else "no AVX512-BF16/AMX"
-        )
+        why = "; auto: " + ("CPU has AVX512-BF16/AMX" if cpu_fast_bf16() else "no AVX512-BF16/AMX")
         if cpu_fast_bf16() and fmt == "float":
             why += ", linears not stored 4-bit"
     if fmt == "int4":

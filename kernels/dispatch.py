@@ -1,6 +1,5 @@
 """Pick the kernel set for a device: Triton on CUDA, the PyTorch references elsewhere
-(on a CPU device :data:`CPU_OPS`: the references with Quest's bounds as one GEMM and
-the sparse attention in torch's fused kernel).
+(on a CPU device :data:`CPU_OPS`: the references with Quest's bounds as one GEMM).
 
 The engine calls only :func:`get_ops`; every field of :class:`Ops` has the signature of
 the matching ``*_ref`` function. The eviction policy is a seam: :data:`RESOLVERS` maps a
@@ -25,11 +24,7 @@ from kernels.resolve import resolve_ref
 from kernels.rope_append import rope_append_ref
 from kernels.select_topk import dense_selection, select_topk_ref
 from kernels.slot_list import resident_slot_list
-from kernels.sparse_attention import (
-    dense_decode_attention_ref,
-    sparse_decode_attention_ref,
-    sparse_decode_attention_sdpa,
-)
+from kernels.sparse_attention import dense_decode_attention_ref, sparse_decode_attention_ref
 from kernels.superpage_select import superpage_select_ref
 
 
@@ -68,18 +63,14 @@ REFERENCE_OPS = Ops(
     rope_append=rope_append_ref,
 )
 
-CPU_OPS = dataclasses.replace(
-    REFERENCE_OPS,
-    name="cpu",
-    quest_scores=quest_scores_matmul,
-    sparse_decode_attention=sparse_decode_attention_sdpa,
-)
+CPU_OPS = dataclasses.replace(REFERENCE_OPS, name="cpu", quest_scores=quest_scores_matmul)
 """The CPU path: :data:`REFERENCE_OPS` but for Quest's scores, computed as one GEMM per
-(request, KV head) (:func:`kernels.quest_scores.quest_scores_matmul`, ~3.5x faster), and
-the sparse attention in torch's fused CPU attention
-(:func:`kernels.sparse_attention.sparse_decode_attention_sdpa`, ~15% faster): the same
-values up to float32 rounding; the references stay the oracles. The hierarchical and the
-direct paths both run these, so they still agree bit for bit."""
+(request, KV head) (:func:`kernels.quest_scores.quest_scores_matmul`: the same values up to
+float32 summation order, ~3.5x faster on the CPU); the reference stays the oracle. The
+hierarchical and the direct paths both run it, so they still agree bit for bit. (torch's
+fused CPU attention in place of the reference's was measured and dropped: ~10% faster a
+layer at 1 thread, ~10% slower a step at 2; docs/performance.md, "CPU decode: int4
+products".)"""
 
 PYTORCH_OPS = ("reference", "cpu")
 """Names of the kernel sets made of PyTorch ops (no Triton): :data:`REFERENCE_OPS`, :data:`CPU_OPS`."""

@@ -224,8 +224,8 @@ def quest_head_bounds_matmul(
     q⁺_d * max_d`` (``q⁻ = min(q, 0)``, ``q⁺ = max(q, 0)``), so a head's bounds on all pages
     are ``[q⁻ | q⁺] @ [min | max].T``: a ``[G, 2D] x [2D, P_max]`` GEMM over the page
     records as stored (``meta[p, h]`` is ``[min | max]``), instead of ~10 element-wise passes
-    over ``[P_max, G, D]`` (3-4x faster on a CPU: docs/performance.md, "CPU decode at
-    parity"). The sum runs in the GEMM's order, so values differ from the reference's by
+    over ``[P_max, G, D]`` (3-4x faster on a CPU: docs/performance.md, "CPU decode:
+    int4 products"). The sum runs in the GEMM's order, so values differ from the reference's by
     float32 rounding (relative ~1e-7 of the bound's terms) and a top-k may differ from the
     reference's on near-ties; :func:`quest_head_bounds_ref` stays the oracle.
 

@@ -118,58 +118,6 @@ def sparse_decode_attention_ref(
     return out.reshape(b, hq, d).to(q.dtype)
 
 
-def sparse_decode_attention_sdpa(
-    q: torch.Tensor,
-    kv_slots: torch.Tensor,
-    selection: torch.Tensor,
-    slot_list: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    softcap: float | None = None,
-    window: int | None = None,
-    pages: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`sparse_decode_attention_ref` with the logits, softmax and value product in
-    torch's fused CPU attention (``F.scaled_dot_product_attention`` over the gathered
-    records, the invalid positions masked): the CPU path (:data:`kernels.dispatch.CPU_OPS`;
-    ~15% faster a layer at 8K on the dev box, docs/performance.md, "CPU decode: int4
-    products"). Same arguments and result up to float32 rounding (the fused kernel sums in
-    blocks) for float32 records; records of a 16-bit dtype are read as stored and ``q`` is
-    rounded to that dtype for the kernel, which accumulates in float32 (llama.cpp rounds q
-    to f16 for its f16 cache alike): up to that rounding, and the output's. With
-    ``softcap`` it is the reference (SDPA has no soft-cap).
-    """
-    if softcap:
-        return sparse_decode_attention_ref(
-            q, kv_slots, selection, slot_list, seq_lens, scale, softcap, window, pages
-        )
-    b, hq, d = q.shape
-    hkv, k_max = slot_list.shape[1], slot_list.shape[2]
-    s = kv_slots.shape[2]
-    if pages is None:
-        pages = selected_pages(selection, selection.shape[-1] * 32, k_max)
-    pages = pages.long()
-    dt = kv_slots.dtype if kv_slots.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    idx = slot_list.clamp(min=0).reshape(-1).long()
-    flat = kv_slots.reshape(kv_slots.shape[0], 2, s * d)
-    keys = flat[:, 0].index_select(0, idx).to(dt).view(b * hkv, 1, k_max * s, d)
-    vals = flat[:, 1].index_select(0, idx).to(dt).view(b * hkv, 1, k_max * s, d)
-    ok = _valid_positions(pages, seq_lens, s, window)
-    # Masked positions may hold any bits, NaN included (see the reference): their keys and
-    # values are zeroed, as the fused kernel adds the mask to the logit (NaN + -inf is NaN)
-    # and a 0 weight times a NaN value would reach the output.
-    bad = (~ok).reshape(-1).nonzero().squeeze(1)
-    keys.view(-1, d).index_fill_(0, bad, 0.0)
-    vals.view(-1, d).index_fill_(0, bad, 0.0)
-    ok = ok.view(b * hkv, 1, 1, k_max * s)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.to(dt).view(b * hkv, 1, hq // hkv, d), keys, vals, attn_mask=ok, scale=scale
-    ).float()
-    # a row without a valid position is NaN, as in the reference (the fused kernel gives 0)
-    out.masked_fill_(~ok.any(dim=-1, keepdim=True), math.nan)
-    return out.reshape(b, hq, d).to(q.dtype)
-
-
 def dense_decode_attention_ref(
     q: torch.Tensor,
     kv_pool: torch.Tensor,

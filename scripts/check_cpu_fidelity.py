@@ -105,27 +105,42 @@ def compare(ours: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--docs", nargs="*", default=None)
     ap.add_argument("--prompt-tokens", type=int, default=1500)
     ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--variant", dest="variants", action="append", default=None,
-                    help="hisparse overrides key=value,... (repeatable; default float and int4)")
+    ap.add_argument(
+        "--variant",
+        dest="variants",
+        action="append",
+        default=None,
+        help="hisparse overrides key=value,... (repeatable; default float and int4)",
+    )
     ap.add_argument("--heads", nargs="+", choices=("engine", "q8int4", "int8"), default=["engine"])
     ap.add_argument("--out", type=Path, default=Path("cpu_fidelity.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     variants = args.variants or ["weight_format=float", "weight_format=int4"]
-    docs = [Path(d) for d in args.docs] if args.docs else [
-        corpus_dir() / n if (corpus_dir() / n).exists() else Path("examples") / n
-        for n in DEFAULT_DOCS
-    ]
+    docs = (
+        [Path(d) for d in args.docs]
+        if args.docs
+        else [
+            corpus_dir() / n if (corpus_dir() / n).exists() else Path("examples") / n
+            for n in DEFAULT_DOCS
+        ]
+    )
     engines = {}
     for v in variants:
         for head in args.heads:
-            sets = {"num_threads": args.threads, "max_batch": 1, "host_pool_gb": 1.0,
-                    **parse_sets(v.split(","))}
+            sets = {
+                "num_threads": args.threads,
+                "max_batch": 1,
+                "host_pool_gb": 1.0,
+                **parse_sets(v.split(",")),
+            }
             eng = load_engine(resolve_config("cpu", cli_overrides=sets))
             m = eng.model
             if head == "q8int4":
@@ -144,8 +159,10 @@ def main() -> None:
         ids = build_prompt(tokenizer, doc, args.prompt_tokens)
         t0 = time.perf_counter()
         forced, ref = llamacpp_greedy(default_model_path(), ids, args.steps, args.threads)
-        print(f"{doc.name}: {len(ids)} prompt tokens, llama.cpp {time.perf_counter() - t0:.1f} s",
-              flush=True)
+        print(
+            f"{doc.name}: {len(ids)} prompt tokens, llama.cpp {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
         refs.append(torch.from_numpy(np.asarray(ref)).float())
         prompts.append({"doc": doc.name, "prompt_tokens": len(ids)})
         for name, eng in engines.items():
@@ -159,16 +176,22 @@ def main() -> None:
             "label": f"{engines[name].weight_format}: {engines[name].weights_info}",
             "vs_llamacpp": compare(got, ref_all),
             f"vs_{first}": compare(got, torch.cat(ours[first])),
-            "per_prompt_vs_llamacpp": [compare(o, r) for o, r in zip(ours[name], refs, strict=True)],
+            "per_prompt_vs_llamacpp": [
+                compare(o, r) for o, r in zip(ours[name], refs, strict=True)
+            ],
         }
     print(f"\n{ref_all.shape[0]} positions ({len(docs)} prompts x {args.steps + 1})")
-    print(f"{'variant':40s} {'top-1 vs llama.cpp':>18s} {'KL vs llama.cpp':>16s} "
-          f"{'top-1 vs ' + first:>26s} {'KL vs ' + first:>22s}")
+    print(
+        f"{'variant':40s} {'top-1 vs llama.cpp':>18s} {'KL vs llama.cpp':>16s} "
+        f"{'top-1 vs ' + first:>26s} {'KL vs ' + first:>22s}"
+    )
     for name, r in rows.items():
         a, b = r["vs_llamacpp"], r[f"vs_{first}"]
         per = " ".join(f"{x['kl_mean']:.2e}" for x in r["per_prompt_vs_llamacpp"])
-        print(f"{name:40s} {a['top1_agreement']:18.4f} {a['kl_mean']:16.2e} "
-              f"{b['top1_agreement']:26.4f} {b['kl_mean']:22.2e}   KL per prompt: {per}")
+        print(
+            f"{name:40s} {a['top1_agreement']:18.4f} {a['kl_mean']:16.2e} "
+            f"{b['top1_agreement']:26.4f} {b['kl_mean']:22.2e}   KL per prompt: {per}"
+        )
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": platform.processor() or platform.machine(),
