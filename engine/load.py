@@ -159,12 +159,42 @@ def keep_freed_heap() -> bool:
     return ok
 
 
-def pick_weight_format(config: EngineConfig, device: torch.device) -> str:
-    """``auto``: int4 (torch's int4 kernel) on CUDA, float on CPU, where torch's CPU int4
-    GEMM is slower than fp32 GEMM for these shapes (see docs/performance.md)."""
+def pick_weight_format(
+    config: EngineConfig, device: torch.device, formats: dict[str, str] | None = None
+) -> str:
+    """``auto``: int4 (torch's int4 kernel) on CUDA; on a CPU int4 only where it is faster
+    and changes no weight: a CPU with bf16 instructions
+    (:func:`engine.weights.quant.cpu_fast_bf16`: AVX512-BF16 or AMX, where the int4 kernel
+    with bf16 activations beats fp32 GEMM at decode) and linears stored 4-bit
+    (``formats``, ``ModelWeights.formats``: GGUF Q4_0/Q4_1/Q4_K, AWQ/GPTQ/int4-g*; a float
+    checkpoint would be re-quantised). Float elsewhere (AVX2 and other CPUs, where it is
+    slower; docs/performance.md, "CPU decode path")."""
+    from engine.weights.quant import cpu_fast_bf16
+    from engine.weights.types import linears_stored_int4
+
     if config.weight_format != "auto":
         return config.weight_format
-    return "int4" if device.type == "cuda" else "float"
+    if device.type == "cuda":
+        return "int4"
+    return "int4" if cpu_fast_bf16() and linears_stored_int4(formats or {}) else "float"
+
+
+def cpu_format_note(config: EngineConfig, device: torch.device, fmt: str) -> str:
+    """What the model line adds on a CPU about the linears' arithmetic: the int4 kernel's
+    activation dtype, and why ``auto`` chose the format ("" on other devices)."""
+    from engine.weights.quant import cpu_fast_bf16, cpu_int4_dtype
+
+    if device.type != "cpu":
+        return ""
+    why = ""
+    if config.weight_format == "auto":
+        why = "; auto: " + ("CPU has AVX512-BF16/AMX" if cpu_fast_bf16() else "no AVX512-BF16/AMX")
+        if cpu_fast_bf16() and fmt == "float":
+            why += ", linears not stored 4-bit"
+    if fmt == "int4":
+        act = str(cpu_int4_dtype(getattr(torch, config.dtype))).removeprefix("torch.")
+        return f"; int4 kernel with {act} activations{why}"
+    return why
 
 
 @dataclass(frozen=True)
@@ -224,7 +254,7 @@ def place_model(
     """
     from engine.capacity.planner import stage_layers
     from engine.model.registry import build_model
-    from engine.weights.quant import Int4Linear
+    from engine.weights.quant import Int4Linear, cpu_int4_dtype
     from kernels.dispatch import get_ops
 
     config.validate()
@@ -245,16 +275,21 @@ def place_model(
             )
         layers = range(*stage_layers(num_layers, world_size)[rank])
     limit, rope = context_limit_and_rope(weights.config, rope_config or config)
-    fmt = pick_weight_format(config, device)
+    fmt = pick_weight_format(config, device, weights.formats)
     llm = build_model(weights, device, getattr(torch, config.dtype), fmt, rope, layers=layers)
+    int4_dtype = cpu_int4_dtype(getattr(torch, config.dtype))  # bf16 products on a fast CPU
     for layer in llm.layers:
         for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
             if isinstance(lin, Int4Linear):
                 lin.triton_min_rows = config.int4_triton_min_rows
+                if device.type == "cpu":
+                    lin.set_activation_dtype(int4_dtype)
     marks["model"] = time.monotonic()
     ops = get_ops(device, config.use_triton, config.eviction)
     marks["kernels"] = time.monotonic()
-    info = describe_placement(weights.formats, fmt, config.dtype)
+    info = describe_placement(weights.formats, fmt, config.dtype) + cpu_format_note(
+        config, device, fmt
+    )
     return PlacedModel(llm, tokenizer, name, limit, fmt, ops, info)
 
 

@@ -1,4 +1,5 @@
-"""Pick the kernel set for a device: Triton on CUDA, the PyTorch references elsewhere.
+"""Pick the kernel set for a device: Triton on CUDA, the PyTorch references elsewhere
+(on a CPU device :data:`CPU_OPS`: the references with Quest's bounds as one GEMM).
 
 The engine calls only :func:`get_ops`; every field of :class:`Ops` has the signature of
 the matching ``*_ref`` function. The eviction policy is a seam: :data:`RESOLVERS` maps a
@@ -18,7 +19,7 @@ import torch
 from kernels.append_kv import append_kv_ref
 from kernels.gather import gather_ref
 from kernels.oracle_scores import oracle_scores_ref
-from kernels.quest_scores import quest_scores_ref
+from kernels.quest_scores import quest_scores_matmul, quest_scores_ref
 from kernels.resolve import resolve_ref
 from kernels.rope_append import rope_append_ref
 from kernels.select_topk import dense_selection, select_topk_ref
@@ -62,6 +63,18 @@ REFERENCE_OPS = Ops(
     rope_append=rope_append_ref,
 )
 
+CPU_OPS = dataclasses.replace(REFERENCE_OPS, name="cpu", quest_scores=quest_scores_matmul)
+"""The CPU path: :data:`REFERENCE_OPS` but for Quest's scores, computed as one GEMM per
+(request, KV head) (:func:`kernels.quest_scores.quest_scores_matmul`: the same values up to
+float32 summation order, ~3.5x faster on the CPU); the reference stays the oracle. The
+hierarchical and the direct paths both run it, so they still agree bit for bit. (torch's
+fused CPU attention in place of the reference's was measured and dropped: ~10% faster a
+layer at 1 thread, ~10% slower a step at 2; docs/performance.md, "CPU decode: int4
+products".)"""
+
+PYTORCH_OPS = ("reference", "cpu")
+"""Names of the kernel sets made of PyTorch ops (no Triton): :data:`REFERENCE_OPS`, :data:`CPU_OPS`."""
+
 
 def _lru_triton() -> Callable:
     from kernels.resolve import resolve
@@ -84,7 +97,8 @@ def get_ops(
     ----------
     device : compute device
     use_triton : ``None`` picks Triton exactly when ``device`` is CUDA; ``True`` forces it
-        (e.g. under ``TRITON_INTERPRET=1`` in tests); ``False`` forces the references.
+        (e.g. under ``TRITON_INTERPRET=1`` in tests); ``False`` forces the PyTorch ops
+        (:data:`CPU_OPS` on a CPU device, :data:`REFERENCE_OPS` elsewhere).
     eviction : the resolve step's eviction policy, a key of :data:`RESOLVERS`
 
     Raises
@@ -99,7 +113,7 @@ def get_ops(
         use_triton = device.type == "cuda"
     ref, triton = RESOLVERS[eviction]
     if not use_triton:
-        ops = REFERENCE_OPS
+        ops = CPU_OPS if device.type == "cpu" else REFERENCE_OPS
         return ops if ops.resolve is ref else dataclasses.replace(ops, resolve=ref)
     from kernels.triton_ops import TRITON_OPS
 

@@ -39,6 +39,20 @@ from kernels._launch import (
 from kernels.bitmask import selected_pages
 
 
+def _valid_positions(
+    pages: torch.Tensor, seq_lens: torch.Tensor, s: int, window: int | None
+) -> torch.Tensor:
+    """bool ``[B, Hkv, K, S]``: the positions of the selected ``pages`` (int64
+    ``[B, Hkv, K]``, -1 padded) that attention reads: a real page, before ``seq_lens``
+    (int ``[B]``) and, with ``window``, at or after ``seq_len - window``."""
+    pos = pages[..., None] * s + torch.arange(s, device=pages.device)
+    lens = seq_lens.to(pages.device).long()[:, None, None, None]
+    ok = (pages[..., None] >= 0) & (pos < lens)
+    if window:
+        ok &= pos >= lens - window
+    return ok
+
+
 def sparse_decode_attention_ref(
     q: torch.Tensor,
     kv_slots: torch.Tensor,
@@ -80,29 +94,26 @@ def sparse_decode_attention_ref(
         pages = selected_pages(selection, selection.shape[-1] * 32, k_max)
     pages = pages.long()  # [B, Hkv, K]
     # Keys and values gathered record by record (index_select copies whole rows; advanced
-    # indexing on CPU computes an offset per element and was ~4x slower).
+    # indexing on CPU computes an offset per element and was ~4x slower). The values are
+    # gathered after the logits: the keys are still in cache for their product then (keys
+    # and values of a layer at 8K, 2 x 1.5 MiB in float32, overflow a 2 MiB L2).
     idx = slot_list.clamp(min=0).reshape(-1).long()
     flat = kv_slots.reshape(kv_slots.shape[0], 2, s * d)
     keys = flat[:, 0].index_select(0, idx).float().view(b, hkv, k_max * s, d)
-    vals = flat[:, 1].index_select(0, idx).float().view(b, hkv, k_max * s, d)
-    pos = pages[..., None] * s + torch.arange(s, device=q.device)  # [B, Hkv, K, S]
-    lens = seq_lens.to(q.device).long()[:, None, None, None]
-    ok = (pages[..., None] >= 0) & (pos < lens)
-    if window:
-        ok &= pos >= lens - window
-    bad = ~ok.reshape(b, hkv, 1, k_max * s)
     qg = q.float().view(b, hkv, hq // hkv, d)
     logits = torch.einsum("bhgd,bhtd->bhgt", qg, keys) * scale
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
+    bad = ~_valid_positions(pages, seq_lens, s, window).reshape(b, hkv, 1, k_max * s)
     logits.masked_fill_(bad, float("-inf"))
-    # Unwritten positions (past seq_len, or pool memory never initialised) may hold any
-    # bits, NaN included: zero them so 0-weight * NaN cannot leak into the output. (keys
-    # and vals are fresh copies here, and ``.float()`` copies any other dtype: in place
-    # is safe; only the masked rows are written.)
-    vals.view(-1, d).index_fill_(0, bad.reshape(-1).nonzero().squeeze(1), 0.0)
     m = logits.amax(dim=-1, keepdim=True)
     p = logits.sub_(m).exp_()
+    vals = flat[:, 1].index_select(0, idx).float().view(b, hkv, k_max * s, d)
+    # Unwritten positions (past seq_len, or pool memory never initialised) may hold any
+    # bits, NaN included: zero them so 0-weight * NaN cannot leak into the output. (vals
+    # is a fresh copy here, and ``.float()`` copies any other dtype: in place is safe;
+    # only the masked rows are written.)
+    vals.view(-1, d).index_fill_(0, bad.reshape(-1).nonzero().squeeze(1), 0.0)
     out = torch.einsum("bhgt,bhtd->bhgd", p, vals) / p.sum(dim=-1, keepdim=True)
     return out.reshape(b, hq, d).to(q.dtype)
 

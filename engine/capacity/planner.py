@@ -210,7 +210,9 @@ def format_context(tokens: int) -> str:
 
 
 def weight_format(config: EngineConfig) -> str:
-    """``int4`` or ``float``; ``auto`` plans as int4 on accelerators and float on CPU."""
+    """``int4`` or ``float``; ``auto`` plans as int4 on accelerators and float on CPU (an
+    upper bound there: the engine picks int4 on a CPU only with bf16 instructions and a
+    4-bit checkpoint, :func:`engine.load.pick_weight_format`, which a plan does not see)."""
     if config.weight_format != "auto":
         return config.weight_format
     return "float" if config.device.split(":")[0] == "cpu" else "int4"

@@ -33,11 +33,10 @@ from engine.config import EngineConfig
 from engine.decode import indexers
 from engine.kv.cache import KVCache
 from kernels.bitmask import pack_bits
-from kernels.dispatch import Ops
+from kernels.dispatch import PYTORCH_OPS, Ops
 from kernels.rope_append import RopeParams
 from kernels.select_topk import select_topk_pages_ref
 from kernels.slot_list import resident_slots_of_pages
-from kernels.sparse_attention import sparse_decode_attention_ref
 from kernels.superpage_select import num_candidates
 
 
@@ -155,7 +154,7 @@ class DecodeAttention:
         )
         # The direct path without bitmasks: a ranking indexer and the reference ops (a
         # run that forces Triton on the CPU keeps the kernels' bitmask path).
-        self.fast_direct = self.direct and self.indexer.ranks and ops.name == "reference"
+        self.fast_direct = self.direct and self.indexer.ranks and ops.name in PYTORCH_OPS
         self.prefetched: torch.Tensor | None = None
         # Audit (engine.decode.audit): run() appends (cache layer, plan.row0, q [b, Hq, D],
         # selection [b, Hkv, W]) of every layer here — references, not copies; None: off.
@@ -312,7 +311,7 @@ class DecodeAttention:
             plan.hits += (pages >= 0).sum((-1, -2))
         pool = c.pool[layer]
         records = pool.view(-1, *pool.shape[2:])
-        return sparse_decode_attention_ref(
+        return self.ops.sparse_decode_attention(
             q, records, None, slots, plan.seq_lens, self.scale, self.softcap, pages=pages
         )
 

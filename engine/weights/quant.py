@@ -28,7 +28,12 @@ Compute formats (:func:`make_linear`):
   ``aten._weight_int4pack_mm_for_cpu`` on CPU) with ``scales_and_zeros[K/g, N, 2]`` where
   ``W = (q - 8) * scale + zero``, i.e. ``zero = offset + 8 * scale``; on CUDA, decode
   batches of 8-63 rows use a Triton dequant-matmul and prefill a dense GEMM
-  (:class:`Int4Linear`).
+  (:class:`Int4Linear`). On a CPU with bf16 instructions (:func:`cpu_fast_bf16`) the
+  engine runs the CPU kernel with bf16 activations whatever the compute dtype
+  (:meth:`Int4Linear.set_activation_dtype` from :func:`engine.load.place_model`): the
+  input is rounded to bf16
+  at the product only (as llama.cpp rounds activations to 8 bits for its Q4_1 dot
+  products); the residual stream, norms and attention stay in the compute dtype.
 """
 
 from __future__ import annotations
@@ -183,6 +188,27 @@ DEQUANT_MIN_ROWS = 64
 TRITON_MIN_ROWS = 8
 
 
+def cpu_fast_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX), which
+    torch's CPU int4 kernel uses with bf16 activations.
+
+    Measured on an AVX512-BF16/AMX Xeon (docs/performance.md, "CPU decode path"):
+    ``_weight_int4pack_mm_for_cpu`` with bf16 activations 1.3-2.2x faster than fp32
+    ``F.linear`` on SmolLM2's layers at one row, 4-30x slower with fp32 activations; on the
+    AVX2-only EPYC of 2026-12-01 slower than fp32 even with bf16. The check reads torch's
+    own CPU feature detection (cpuinfo), so the choice is the same on every run of a
+    machine and costs nothing at load, unlike a timed probe on a shared box."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+
+
+def cpu_int4_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Activation dtype of torch's CPU int4 kernel for a model computing in ``dtype``:
+    bf16 where :func:`cpu_fast_bf16`, else ``dtype``."""
+    return torch.bfloat16 if cpu_fast_bf16() else dtype
+
+
 class Linear:
     """``y = x @ W.T (+ b)`` for ``x [M, K]`` -> ``[M, N]``; subclasses choose the format."""
 
@@ -221,13 +247,15 @@ class Int4Linear(Linear):
     ``triton_min_rows <= M < DEQUANT_MIN_ROWS`` the Triton dequant-matmul over the source
     weight kept on the device (:func:`kernels.int4_matmul.group_int4_linear`); larger ``M``
     (prefill) dequantises the source to the compute dtype and runs the dense GEMM. On CPU
-    ``_weight_int4pack_mm_for_cpu`` in the compute dtype below ``DEQUANT_MIN_ROWS`` rows
-    (decode; with bf16 activations: with fp32 ones that kernel was 10-30x slower, see
-    docs/performance.md, "CPU decode path"), the dense GEMM over the dequantised weight
-    from there on (prefill: the int4 kernel was ~2x slower than the GEMM there).
+    ``_weight_int4pack_mm_for_cpu`` in ``dtype`` below ``DEQUANT_MIN_ROWS`` rows
+    (decode; bf16 where the CPU has bf16 instructions, :func:`cpu_int4_dtype`: with fp32
+    activations that kernel was 4-30x slower, see docs/performance.md, "CPU decode path"),
+    the dense GEMM over the weight dequantised to ``dtype`` from there on (prefill: the
+    int4 kernel was ~2x slower than the GEMM there).
 
-    Supported group sizes: 32, 64, 128, 256. Activations: bf16 on CUDA; bf16 or fp32 on
-    CPU. Output has the dtype of ``x``.
+    Supported group sizes: 32, 64, 128, 256. ``dtype``: the kernels' activation dtype
+    (bf16 on CUDA; bf16 or fp32 on CPU); ``x`` of another dtype is cast to it for the
+    product and the output cast back: the output has the dtype of ``x``.
     """
 
     def __init__(self, w: Int4Weight, bias: torch.Tensor | None, device: torch.device, dtype):
@@ -253,8 +281,18 @@ class Int4Linear(Linear):
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nib, 1)
             self.source = w  # prefill (M >= DEQUANT_MIN_ROWS): the dense GEMM
         self.scales_and_zeros = sz.to(device, dtype)
-        self.bias = bias
+        self.bias = bias.to(dtype) if bias is not None else None
         self.triton_min_rows = TRITON_MIN_ROWS  # EngineConfig.int4_triton_min_rows
+
+    def set_activation_dtype(self, dtype: torch.dtype) -> None:
+        """Run the kernels with ``dtype`` activations from now on: the scales, zeros and
+        bias are cast from their current dtype (from float32, what the constructor with
+        ``dtype`` gives). Inputs and outputs keep the caller's dtype."""
+        if dtype == self.dtype:
+            return
+        self.scales_and_zeros = self.scales_and_zeros.float().to(dtype)
+        self.bias = self.bias.float().to(dtype) if self.bias is not None else None
+        self.dtype = dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -289,6 +327,69 @@ class Int4Linear(Linear):
         return self.packed.nbytes + self.scales_and_zeros.nbytes + extra
 
 
+class Q8Int4Linear(Linear):
+    """A weight of int8 codes with one scale per 32 elements along K (GGUF ``Q8_0``:
+    ``W = d * q``, ``q`` in -127..127), run on the CPU as two products of torch's int4
+    kernel with bf16 activations. Measured for the embedded model's tied LM head
+    (``scripts/check_cpu_fidelity.py --heads q8int4``; docs/performance.md, "CPU decode:
+    int4 products"): 3.6 vs 7.7 ms a step in float32, but KL to llama.cpp's logits +40% on
+    every prompt, so the engine keeps the float head; not used by the engine.
+
+    With ``u = q + 128`` (0..255) and its nibbles ``hi = u >> 4``, ``lo = u & 15``:
+    ``W = 16 d hi - 128 d + d lo``. The int4 kernel computes ``(nib - 8) * scale + zero``,
+    so ``hi`` with ``(scale, zero) = (16 d, 0)`` and ``lo`` with ``(d, 8 d)`` sum to ``W``:
+    the weight values are exact; the activations, the scales (bf16 of fp16 ``d``) and each
+    product's output are rounded to bf16, the sum is float32.
+
+    Build with :meth:`from_float`, which refuses weights that are not such codes.
+    """
+
+    GROUP = 32
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor):
+        """``q`` int ``[N, K]`` in -128..127, ``d`` float32 ``[N, K / 32]``."""
+        self.out_features, self.in_features = q.shape
+        u = (q.to(torch.int32) + 128).contiguous()
+        zero = torch.zeros_like(d)
+        self.parts = [
+            self._pack(u >> 4, 16 * d, zero),
+            self._pack(u & 15, d, 8 * d),
+        ]
+
+    @staticmethod
+    def _pack(nibbles, scale, zero):
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1)
+        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+        return packed, sz.to(torch.bfloat16)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> Q8Int4Linear | None:
+        """The codes of a float ``[N, K]`` weight that holds ``Q8_0`` values exactly (per
+        32-element block ``d = max|W| / 127`` and ``W / d`` integers: how ``Q8_0`` blocks
+        dequantise), else ``None`` (another source, or K not whole blocks)."""
+        n, k = weight.shape
+        if k % cls.GROUP:
+            return None
+        blocks = weight.float().view(n, k // cls.GROUP, cls.GROUP)
+        d = blocks.abs().amax(dim=-1) / 127
+        q = torch.round(blocks / d.clamp(min=torch.finfo(torch.float32).tiny)[..., None])
+        if q.abs().max() > 127 or not torch.equal(q * d[..., None], blocks):
+            return None
+        return cls(q.view(n, k).to(torch.int8), d)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = None
+        for packed, sz in self.parts:
+            part = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.GROUP, sz).float()
+            y = part if y is None else y.add_(part)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes + sz.nbytes for p, sz in self.parts)
+
+
 def make_linear(
     weight: torch.Tensor | Int4Weight,
     bias: torch.Tensor | None,
@@ -303,6 +404,8 @@ def make_linear(
     weight : float ``[N, K]`` or :class:`Int4Weight`
     weight_format : ``float`` (dequantise to ``dtype``) or ``int4`` (torch int4 kernel;
         a float weight is quantised with :func:`quantize_int4` first)
+    dtype : the compute dtype: the int4 kernels' activations on a CPU (bf16 on CUDA;
+        :meth:`Int4Linear.set_activation_dtype` changes it)
     """
     b = bias.to(device, dtype) if bias is not None else None
     if weight_format == "float":

@@ -148,5 +148,13 @@ def describe_placement(formats: dict[str, str], weight_format: str, dtype: str) 
     return line
 
 
+def linears_stored_int4(formats: dict[str, str]) -> bool:
+    """Whether every decoder-layer linear of ``formats`` (``ModelWeights.formats``) is
+    stored in a 4-bit format the int4 kernels take as is (no re-quantisation); ``False``
+    when there are none."""
+    linears = [fmt for name, fmt in formats.items() if _LINEAR_NAME.match(name)]
+    return bool(linears) and all(_is_int4(fmt) for fmt in linears)
+
+
 def _is_int4(fmt: str) -> bool:
     return fmt in INT4_SOURCE_FORMATS or fmt.startswith(("int4-g", "AWQ-g", "GPTQ-g"))

@@ -33,9 +33,11 @@ def weights_path(smollm2_gguf_path):
 
 
 def make_engine(path, **overrides):
+    """The ladder runs float32 weights (``weight_format: auto`` would pick the int4 kernel
+    with bf16 products on a CPU with bf16 instructions: tests/engine/test_cpu_formats.py)."""
     from engine.load import load_engine
 
-    cfg = EngineConfig(host_pool_gb=1.0, max_batch=2, **overrides)
+    cfg = EngineConfig(host_pool_gb=1.0, max_batch=2, **{"weight_format": "float", **overrides})
     eng = load_engine(cfg, str(path))
     eng.keep_logits = True
     return eng
@@ -212,15 +214,17 @@ def test_hierarchical_bit_identical_to_resident(
         assert torch.equal(mantissa, torch.round(mantissa))
 
 
-def test_cpu_direct_reads_bit_identical_to_hierarchical(weights_path, corpus_dir):
+@pytest.mark.parametrize("weight_format", ["float", "int4"])
+def test_cpu_direct_reads_bit_identical_to_hierarchical(weights_path, corpus_dir, weight_format):
     """Rung 3 for the CPU direct path (``cpu_direct_reads``, the ``cpu`` preset's default):
     attention reading the selected records straight from the host pool gives the
     hierarchical path's logits and tokens bit for bit on the real model, with a hot buffer
     small enough that the hierarchy misses; the direct path counts every selected record
-    as a hit and none as a miss."""
+    as a hit and none as a miss. With float32 weights and with the int4 kernel (bf16
+    products on a CPU with bf16 instructions: the ``cpu`` preset's ``auto`` there)."""
     common = dict(
         attention="sparse", indexer="quest", top_k=256, page_size=16, sink_tokens=16,
-        local_window=32, hierarchical=True, device_buffer=320,
+        local_window=32, hierarchical=True, device_buffer=320, weight_format=weight_format,
     )  # fmt: skip
     hier = make_engine(weights_path, cpu_direct_reads=False, **common)
     direct = make_engine(weights_path, cpu_direct_reads=True, **common)

@@ -244,13 +244,23 @@ def test_model_line_says_what_each_type_became(kquant):
 
 
 @pytest.mark.slow
-def test_embedded_model_line_and_registry(smollm2_gguf_path):
+def test_embedded_model_line_and_registry(smollm2_gguf_path, monkeypatch):
     """The real Q4_1 model loads through the registry (no unused tensor refused) and its
-    model line names its tensor types."""
+    model line names its tensor types; ``auto`` on a CPU with bf16 instructions (patched
+    so on any machine) keeps the Q4_1 codes for the int4 kernel (bf16 products)."""
+    import engine.weights.quant as quant
     from engine.load import load_engine
 
-    engine = load_engine(EngineConfig(host_pool_gb=1.0, max_batch=1), str(smollm2_gguf_path))
+    config = EngineConfig(host_pool_gb=1.0, max_batch=1, weight_format="float")
+    engine = load_engine(config, str(smollm2_gguf_path))
     assert type(engine.model).__name__ == "LlamaModel" and engine.model.config.arch == "llama"
     assert engine.weights_info == (
         "linears: Q4_1 x210 -> dequantised to float32; other: F32 x61, Q8_0 x1 -> float"
+    )
+    monkeypatch.setattr(quant, "cpu_fast_bf16", lambda: True)
+    engine = load_engine(config.replace(weight_format="auto"), str(smollm2_gguf_path))
+    assert isinstance(engine.model.layers[0].w_down, quant.Int4Linear)
+    assert engine.weights_info == (
+        "linears: Q4_1 x210 -> int4 as stored; other: F32 x61, Q8_0 x1 -> float; int4 kernel "
+        "with bfloat16 activations; auto: CPU has AVX512-BF16/AMX"
     )

@@ -13,7 +13,14 @@ import torch
 
 from kernels.bitmask import pack_bits, selected_pages
 from kernels.gather import gather_ref
-from kernels.quest_scores import GROUP_COMBINES, combine_group_ref, quest_scores_ref
+from kernels.quest_scores import (
+    GROUP_COMBINES,
+    combine_group_ref,
+    quest_head_bounds_matmul,
+    quest_head_bounds_ref,
+    quest_scores_matmul,
+    quest_scores_ref,
+)
 from kernels.select_topk import select_topk_pages_ref, select_topk_ref
 from kernels.slot_list import resident_slot_list, resident_slots_of_pages
 from kernels.sparse_attention import sparse_decode_attention_ref
@@ -109,6 +116,101 @@ def test_quest_reference_bits_unchanged(combine, dtype):
         got = quest_scores_ref(q, meta, table, num_pages, combine, d**-0.5)
         want = _plain_quest(q, meta, table, num_pages, combine, d**-0.5)
         assert torch.equal(_bits(got), _bits(want))
+
+
+def _max_abs(x: torch.Tensor) -> float:
+    return float(x.abs().max()) if x.numel() else 0.0
+
+
+def _quest_case(g, b, hkv, grp, d, p, dtype):
+    q = torch.randn(b, hkv * grp, d, generator=g).to(dtype)
+    meta = (3 * torch.randn(p + 9, hkv, 2, d, generator=g)).sort(dim=2).values.to(dtype)
+    num_pages = torch.randint(0, p + 1, (b,), generator=g).int()
+    num_pages[0] = p  # one full row
+    # distinct pool pages per row (equal pages would tie exactly), -1 past num_pages
+    table = torch.stack([torch.randperm(p + 9, generator=g)[:p] for _ in range(b)]).int()
+    table[torch.arange(p)[None, :] >= num_pages[:, None]] = -1
+    return q, meta, table, num_pages
+
+
+QUEST_SHAPES = ((1, 3, 3, 64, 501), (3, 2, 4, 16, 37), (2, 1, 1, 128, 5), (2, 3, 3, 64, 130))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quest_matmul_bounds_close_to_the_oracle(dtype):
+    """The CPU path's bounds (one GEMM of [q- | q+] against [min | max]) equal the
+    element-wise oracle's up to float32 summation order, and are -inf in the same places."""
+    g = torch.Generator().manual_seed(11)
+    for b, hkv, grp, d, p in QUEST_SHAPES:
+        q, meta, table, num_pages = _quest_case(g, b, hkv, grp, d, p, dtype)
+        want = quest_head_bounds_ref(q, meta, table, num_pages)
+        got = quest_head_bounds_matmul(q, meta, table, num_pages)
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        finite = torch.isfinite(want)
+        # a bound sums D terms |q_d * k_d|: float32 rounding of the sum is below
+        # D * eps * sum_d |q_d| max|k|
+        bound = q.float().abs().sum(-1).max() * meta.float().abs().max()
+        tol = d * torch.finfo(torch.float32).eps * bound
+        assert _max_abs((got - want)[finite]) <= float(tol)
+
+
+def _union_rows_equal(q, meta, table, num_pages, got, want) -> int:
+    """Assert ``union`` scores equal in every (row, KV head) whose heads' oracle bounds
+    have no two values within twice the bounds' rounding (then every head ranks its
+    pages alike); returns the number of rows checked."""
+    b, hkv, grp = q.shape[0], meta.shape[1], q.shape[1] // meta.shape[1]
+    ref = quest_head_bounds_ref(q, meta, table, num_pages)
+    err = _max_abs((quest_head_bounds_matmul(q, meta, table, num_pages) - ref)[ref.isfinite()])
+    checked = 0
+    for i in range(b):
+        n = int(num_pages[i])
+        heads = ref[i, :, :n].reshape(hkv, grp, n).sort(dim=-1).values
+        for h in range(hkv):
+            if n < 2 or float((heads[h, :, 1:] - heads[h, :, :-1]).min()) > 2 * err + 1e-6:
+                assert torch.equal(got[i, h], want[i, h]), (i, h)
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("combine", GROUP_COMBINES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quest_matmul_selects_the_oracles_pages_away_from_ties(combine, dtype):
+    """Scores close to the oracle's; the top-k pages equal the oracle's in every row whose
+    k-th and (k+1)-th oracle scores are further apart than the rounding (a near-tie may
+    go either way, as any two float32 summation orders may)."""
+    g = torch.Generator().manual_seed(5)
+    checked = 0
+    for b, hkv, grp, d, p in QUEST_SHAPES:
+        q, meta, table, num_pages = _quest_case(g, b, hkv, grp, d, p, dtype)
+        want = quest_scores_ref(q, meta, table, num_pages, combine, d**-0.5)
+        got = quest_scores_matmul(q, meta, table, num_pages, combine, d**-0.5)
+        finite = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(got), finite)
+        assert torch.equal(got[~finite], want[~finite])
+        if combine == "union":  # ranks: equal wherever no head's bounds nearly tie
+            checked += _union_rows_equal(q, meta, table, num_pages, got, want)
+            continue
+        err = _max_abs((got - want)[finite])
+        assert err <= 1e-5 * max(1.0, _max_abs(want[finite]))
+        # a page can change sides only where two oracle scores lie within 2 x err
+        tol = 2 * err + 1e-6
+        for top_k in (1, 4, p // 3 + 1):
+            sel_want = select_topk_pages_ref(want, num_pages, top_k, 1, 2, p)
+            sel_got = select_topk_pages_ref(got, num_pages, top_k, 1, 2, p)
+            ranked = want.masked_fill(~finite, -1e30).sort(dim=-1, descending=True).values
+            for i in range(b):
+                for h in range(hkv):
+                    n, k = int(num_pages[i]), top_k
+                    if n <= k + 3:  # everything (or all but the forced pages) fits
+                        assert torch.equal(sel_got[i, h], sel_want[i, h])
+                        continue
+                    # the forced pages (1 sink, 2 local) move the boundary to rank k-3..k
+                    lo = max(0, k - 4)
+                    gaps = ranked[i, h, lo : k + 1] - ranked[i, h, lo + 1 : k + 2]
+                    if float(gaps.min()) > tol:  # no near-tie at the boundary
+                        assert torch.equal(sel_got[i, h], sel_want[i, h]), (b, hkv, i, h, k)
+                        checked += 1
+    assert checked > (8 if combine == "union" else 25)  # most of the 17 rows / 51 (row, k)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

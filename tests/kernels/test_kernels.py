@@ -31,7 +31,7 @@ from engine.config import GROUP_COMBINES as CONFIG_GROUP_COMBINES
 from engine.config import EngineConfig
 from kernels.append_kv import append_kv, append_kv_ref
 from kernels.bitmask import pack_bits, unpack_bits
-from kernels.dispatch import get_ops
+from kernels.dispatch import REFERENCE_OPS, get_ops
 from kernels.fp8_kv import FP8, fp8_dequantize_ref, fp8_quantize_ref, fp8_round_ref
 from kernels.gather import gather, gather_ref
 from kernels.int4_matmul import Q4Config, group_int4_linear, group_int4_linear_ref
@@ -1175,7 +1175,13 @@ def test_group_int4_linear_on_gguf_blocks(kind):
 
 
 def test_get_ops_picks_backend():
-    assert get_ops("cpu").name == "reference"
+    from kernels.quest_scores import quest_scores_matmul
+
+    cpu = get_ops("cpu")
+    assert cpu.name == "cpu" and get_ops("cpu", use_triton=False) is cpu
+    assert cpu.quest_scores is quest_scores_matmul
+    assert cpu.sparse_decode_attention is REFERENCE_OPS.sparse_decode_attention  # the rest
+    assert cpu.select_topk is REFERENCE_OPS.select_topk  # are the references
     assert get_ops("cuda").name == "triton"
     assert get_ops("cpu", use_triton=True).name == "triton"
     assert get_ops("cuda", use_triton=False).name == "reference"
@@ -1215,7 +1221,7 @@ def test_decode_step_hierarchical_equals_resident(buffer_pages):
     bit (same kernel, same K_max, records in other slots)."""
     gen = torch.Generator().manual_seed(buffer_pages)
     b, hq, hkv, d, s, p_max, top_k = 2, 9, 3, 64, 16, 12, 4
-    ops, ref_ops = get_ops(DEVICE, use_triton=True), get_ops("cpu", use_triton=False)
+    ops, ref_ops = get_ops(DEVICE, use_triton=True), REFERENCE_OPS  # the oracle's Quest
     p_pool = b * p_max
     block_table = torch.arange(p_pool).view(b, p_max).int()
     kv_pool = torch.randn(p_pool, hkv, 2, s, d, generator=gen)
