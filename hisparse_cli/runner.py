@@ -1057,9 +1057,9 @@ class BatchRun:
                 return
 
     def _warn_oversized(self, pending: list[PlannedJob]) -> None:
-        """Before the model loads: name the documents whose size alone shows they exceed
-        the context limit under ``refuse``/``extend`` (they would fail only after the
-        load), with the choices."""
+        """Before the model loads: name the documents whose size suggests they may exceed
+        the context limit beside max_new_tokens under ``refuse``/``extend`` (they would
+        fail only after the load), with choices that are safe to follow."""
         if self.config.context_policy in ("truncate", "chunk"):
             return
         trained = preflight.trained_context(self.request.model)
@@ -1067,7 +1067,7 @@ class BatchRun:
             return
         limit = preflight.context_limit(self.config, trained)
         jobs = [
-            (s.id, s.inputs, s.sampling.max_tokens, preflight.template_tokens(s))
+            (s.id, s.inputs, s.sampling.max_tokens, preflight.template_tokens(s, safe=True))
             for s in (j.spec for j in pending)
         ]
         found = preflight.oversized_documents(jobs, limit, self.request.stdin)
