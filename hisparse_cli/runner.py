@@ -934,11 +934,13 @@ class BatchRun:
         ]
         self.input_paths = {input_identity(p) for j in planned for p in j.spec.inputs}
         runs = any(job.status not in (SKIP, FAILED_BEFORE) for job in planned)
-        if runs or not (self.output_dir / CONFIG_FILE).exists():
-            # config.json describes the run that wrote the latest results: a run that only
-            # skips jobs leaves the earlier one in place.
-            save_config(self.output_dir, config_doc)
         self._config_doc = config_doc
+        if not runs and not (self.output_dir / CONFIG_FILE).exists():
+            save_config(self.output_dir, config_doc)
+        # config.json describes the run that wrote the latest results: a run that only
+        # skips jobs, or whose model does not load, leaves the earlier one in place; a run
+        # writes it with its first results line or once its model has loaded.
+        self._config_saved = not runs
         self.reporter = make_reporter(
             self.console, self.tracker, self.request.json_progress, self.clock, self.err_console
         )
@@ -1095,7 +1097,6 @@ class BatchRun:
             if doc is not None:  # config.json says the count the run uses, and why
                 doc["engine"]["num_threads"] = self.config.num_threads
                 doc.setdefault("effective", {})["num_threads"] = threads_note
-                save_config(self.output_dir, doc)
         devices = [self.config.device, *(self.config.devices or ())]
         if any(str(d).startswith("cuda") for d in devices):  # the kernels compile on CUDA only
             cold = triton_cache_is_cold()
@@ -1120,6 +1121,7 @@ class BatchRun:
                 raise LoadConfigError(str(exc)) from exc
             self.reporter.note(f"cannot load the model: {exc}", "error")
             return False
+        self._save_config()  # the jobs run now
         info = f" ({engine.weights_info})" if engine.weights_info else ""  # tensor types
         self.reporter.note(f"model loaded in {self.clock() - started:.1f}s{info}")
         self._report_startup(load_started, engine)
@@ -1322,7 +1324,7 @@ class BatchRun:
             record = state.attribute({**record, "finish_reason": "cancelled"})
             state.recorded = True
             self._flag_earlier_output(record)
-            self.log.append(record)
+            self._append(record)
 
     def _prompt_ids(self, engine: BatchEngine, spec: Any, document: str) -> tuple[int, ...]:
         """The chat prompt under the context policy (:func:`engine.text.context.fit_prompt`):
@@ -1409,6 +1411,17 @@ class BatchRun:
             write_text_atomic(target, result.text.lstrip())  # results.jsonl keeps it raw
         else:
             self._flag_earlier_output(record)
+        self._append(record)
+
+    def _save_config(self) -> None:
+        """Write ``config.json`` once, when this run first runs or records a job."""
+        if not getattr(self, "_config_saved", True):
+            save_config(self.output_dir, self._config_doc)
+            self._config_saved = True
+
+    def _append(self, record: dict[str, Any]) -> None:
+        """A ``results.jsonl`` line, with ``config.json`` written first."""
+        self._save_config()
         self.log.append(record)
 
     def _write_failure(self, job_id: str, error: str) -> None:
@@ -1423,7 +1436,7 @@ class BatchRun:
                 self.chunker.jobs[job_id].recorded = True
                 record = self.chunker.jobs[job_id].attribute(record)
             self._flag_earlier_output(record)
-            self.log.append(record)
+            self._append(record)
 
     def _too_long(self, job_id: str, tokens: int) -> str | None:
         """:data:`FINAL_PROMPT` when the job's tokenised prompt + ``max_tokens`` exceeds the

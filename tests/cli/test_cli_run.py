@@ -976,3 +976,25 @@ def test_json_progress_reports_the_startup_steps_in_order(cli, docs):
 
 def test_plain_output_has_no_startup_line(cli, docs):
     assert "startup" not in cli("docs/alpha.txt").stdout
+
+
+@pytest.mark.parametrize("error", [ValueError("not a GGUF file"), KeyboardInterrupt()])
+def test_a_run_that_fails_to_load_keeps_the_earlier_config_json(cli, docs, tmp_path, error):
+    """config.json describes the last run that ran or recorded a job: a model that does
+    not load (or Ctrl-C during the load) leaves the earlier run's file in place, and a
+    first run in a fresh folder that loads nothing writes none."""
+    assert cli("docs/alpha.txt").exit_code == 0
+    config = tmp_path / "hisparse-out" / "config.json"
+    before = config.read_text()
+
+    def broken(config, model):
+        raise error
+
+    result = cli("docs/alpha.txt", "--max-new-tokens", "7", "--threads", "1",
+                 engine=broken)  # fmt: skip
+    assert result.exit_code in (2, 130), result.output
+    assert config.read_text() == before
+    fresh = cli("docs/alpha.txt", "--output-dir", "fresh", engine=broken)
+    assert fresh.exit_code in (2, 130) and not (tmp_path / "fresh" / "config.json").exists()
+    ran = cli("docs/alpha.txt", "--max-new-tokens", "7", "--threads", "1", engine=cli.factory)
+    assert ran.exit_code == 0 and config.read_text() != before
