@@ -759,6 +759,8 @@ def _check_input(value: Any) -> str | None:
 
 
 def _check_fields(value: Any) -> str | None:
+    if isinstance(value, list) and "" in value:  # --fields a,,b
+        return f"has an empty field name, got {value!r}"
     found = _check_strings(value, "a list of field names or schema text")
     if found is None and isinstance(value, list):  # the keys of one JSON object: distinct
         repeated = sorted({v for v in value if value.count(v) > 1})
