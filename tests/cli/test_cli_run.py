@@ -998,3 +998,16 @@ def test_a_run_that_fails_to_load_keeps_the_earlier_config_json(cli, docs, tmp_p
     assert fresh.exit_code in (2, 130) and not (tmp_path / "fresh" / "config.json").exists()
     ran = cli("docs/alpha.txt", "--max-new-tokens", "7", "--threads", "1", engine=cli.factory)
     assert ran.exit_code == 0 and config.read_text() != before
+
+
+def test_a_document_named_twice_is_one_job_with_a_note(cli, docs, tmp_path):
+    (tmp_path / "link.txt").symlink_to(docs / "alpha.txt")
+    result = cli("docs/alpha.txt", "./docs/alpha.txt", "link.txt", "docs/beta.txt")
+    assert result.exit_code == 0, result.output
+    assert len(read_results(tmp_path / "hisparse-out")) == 2
+    err = " ".join(result.stderr.split())
+    assert "docs/alpha.txt, docs/alpha.txt, link.txt are the same file: one job" in err
+    assert "beta" not in err
+    piped = cli("-", "-", "--output-dir", "o2", input="text from a pipe\n")
+    assert piped.exit_code == 0 and len(read_results(tmp_path / "o2")) == 1
+    assert "'-' (standard input) is named 2 times: one job" in " ".join(piped.stderr.split())
