@@ -906,6 +906,12 @@ def test_broken_gguf_tensors_are_named_before_reading_data(tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
     with pytest.raises(GGUFError, match="not a readable GGUF file"):
         load_gguf(tmp_path / "junk.gguf")
+    (tmp_path / "head.gguf").write_bytes(whole[:64])  # the trial's `head -c 64`
+    with pytest.raises(GGUFError) as info:
+        load_gguf(tmp_path / "head.gguf")
+    message = str(info.value)
+    assert "head.gguf: not a valid GGUF file: truncated" in message and "64 bytes" in message
+    assert "out of bounds" not in message
 
 
 def test_broken_gguf_model_exits_2_naming_the_tensor(cli, docs, tmp_path):
