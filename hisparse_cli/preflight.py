@@ -166,17 +166,29 @@ def safe_tokens(size: int) -> int:
 
 
 def max_new_tokens_problem(
-    specs: Sequence[Any], limit: int, policy: str, flag_given: bool
+    specs: Sequence[Any],
+    limit: int,
+    policy: str,
+    flag_given: bool,
+    limit_source: str | None = None,
 ) -> str | None:
     """Why a job's ``max_new_tokens`` cannot fit the context limit even with an empty
     document (beside the prompt's :func:`template_tokens`), or ``None``: no context
     policy helps, only a smaller ``--max-new-tokens`` (or, under ``extend``, a larger
-    ``--max-context``). ``flag_given``: ``--max-new-tokens`` set it (else each job's own)."""
+    ``--max-context``). ``flag_given``: ``--max-new-tokens`` set it (else each job's own).
+    ``limit_source``: where ``max_context`` was set (:func:`setting_source`), if it was:
+    a limit too small for the prompt alone is then blamed on it."""
     fits = [(spec, limit - template_tokens(spec)) for spec in specs]
     bad = [(spec, room) for spec, room in fits if spec.sampling.max_tokens > room]
     if not bad:
         return None
     spec, room = min(bad, key=lambda pair: pair[1])
+    if room <= 0 and limit_source is not None:
+        return (
+            f"{limit_source} {limit:,} is too small for the prompt: the text around a "
+            f"document alone takes at least ~{limit - room:,} tokens (judged from its size), "
+            "before the document and max_new_tokens; raise it or leave it unset"
+        )
     source = (
         f"--max-new-tokens {spec.sampling.max_tokens:,}"
         if flag_given

@@ -596,7 +596,14 @@ def check_max_new_tokens(config: EngineConfig, request: RunRequest, manifest: Ma
         return
     limit = preflight.context_limit(config, trained)
     flag = request.job_overrides.get("max_new_tokens") is not None
-    problem = preflight.max_new_tokens_problem(manifest.jobs, limit, config.context_policy, flag)
+    source = None
+    if config.max_context and limit == config.max_context:  # the limit is the setting's
+        source = preflight.setting_source(
+            "max_context", request.preset, manifest.engine, request.engine_overrides
+        )
+    problem = preflight.max_new_tokens_problem(
+        manifest.jobs, limit, config.context_policy, flag, source
+    )
     if problem:
         raise UsageError(problem)
 

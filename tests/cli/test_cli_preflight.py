@@ -195,6 +195,15 @@ def test_max_new_tokens_over_the_context_exits_2_before_loading(cli, docs, tmp_p
     assert ok.exit_code == 0, ok.output
 
 
+def test_max_context_too_small_for_the_prompt_names_max_context(cli, docs, tmp_path):
+    model = str(tiny_gguf(tmp_path / "m.gguf"))
+    result = cli("docs/alpha.txt", "--model", model, "--max-context", "10", engine=never_load)
+    assert result.exit_code == 2, result.output
+    err = " ".join(result.stderr.split())
+    assert "--max-context 10 is too small for the prompt" in err
+    assert "below 0" not in err
+
+
 def test_max_new_tokens_of_a_manifest_job_is_named_there(cli, docs, tmp_path):
     model = str(tiny_gguf(tmp_path / "m.gguf"))
     (tmp_path / "jobs.yaml").write_text(
