@@ -762,6 +762,8 @@ def check_request(request: RunRequest) -> None:
         raise UsageError(
             "nothing to run: give documents (hisparse run docs/*.txt) or --manifest FILE"
         )
+    if request.manifest is not None and request.manifest.is_dir():
+        raise UsageError(f"--manifest {request.manifest} is a directory: name the manifest file")
     if request.manifest is not None and not request.manifest.is_file():
         raise UsageError(f"manifest not found: {request.manifest}")
     if request.model is not None and not Path(request.model).exists():

@@ -1017,3 +1017,11 @@ def test_a_document_named_twice_is_one_job_with_a_note(cli, docs, tmp_path):
     piped = cli("-", "-", "--output-dir", "o2", input="text from a pipe\n")
     assert piped.exit_code == 0 and len(read_results(tmp_path / "o2")) == 1
     assert "'-' (standard input) is named 2 times: one job" in " ".join(piped.stderr.split())
+
+
+def test_manifest_that_is_a_directory_is_named_as_one(cli, docs, tmp_path):
+    result = cli("--manifest", "docs")
+    assert result.exit_code == 2
+    assert "--manifest docs is a directory" in " ".join(result.stderr.split())
+    missing = cli("--manifest", "nope.yaml")
+    assert missing.exit_code == 2 and "manifest not found: nope.yaml" in missing.stderr
