@@ -376,7 +376,7 @@ def execute(
         err_console.print(
             f"warning: {warning}", style="yellow", markup=False, highlight=False, soft_wrap=True
         )
-    document = config_document(config, request.preset, request.model)
+    document = config_document(config, request.preset, resolved_model(request.model))
     if choice is not None:
         document["preset_auto"] = choice.reason
         if choice.read_by:
@@ -395,6 +395,19 @@ def execute(
     batch.preset_line = preset_line(request.preset, choice)
     batch.startup_marks = marks
     return batch.run(document)
+
+
+def resolved_model(model: str | None) -> str | None:
+    """``model`` as ``config.json`` records it: the embedded model's file path when none
+    was given (``None`` where it is not installed; loading then says how to install it)."""
+    if model is not None:
+        return model
+    from engine.weights.embedded import default_model_path
+
+    try:
+        return str(default_model_path())
+    except FileNotFoundError:
+        return None
 
 
 def warm_cuda(config: EngineConfig, marks: dict[str, float]) -> None:

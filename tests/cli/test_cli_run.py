@@ -1025,3 +1025,12 @@ def test_manifest_that_is_a_directory_is_named_as_one(cli, docs, tmp_path):
     assert "--manifest docs is a directory" in " ".join(result.stderr.split())
     missing = cli("--manifest", "nope.yaml")
     assert missing.exit_code == 2 and "manifest not found: nope.yaml" in missing.stderr
+
+
+def test_config_json_records_the_embedded_models_path(cli, docs, tmp_path, smollm2_gguf_path):
+    assert cli("docs/alpha.txt").exit_code == 0
+    config = json.loads((tmp_path / "hisparse-out" / "config.json").read_text())
+    assert config["model"] == str(smollm2_gguf_path)
+    again = cli("docs/alpha.txt")  # resume: the done job is skipped
+    assert again.exit_code == 0 and "skipped" in again.output
+    assert len(read_results(tmp_path / "hisparse-out")) == 1
