@@ -1431,6 +1431,12 @@ class BatchRun:
             record = {**record, "ok": False, "finish_reason": "error", "error": error}
         elif record["ok"]:  # the text file without the reply's leading blank lines/spaces;
             write_text_atomic(target, result.text.lstrip())  # results.jsonl keeps it raw
+            if not result.text.strip():  # ok (it stopped as asked), but nothing to read
+                self.reporter.note(
+                    f"{result.job_id}: the reply is empty ({len(result.token_ids)} token(s) "
+                    f"generated, finish_reason {result.finish_reason}): {target} is empty",
+                    "warning",
+                )
         else:
             self._flag_earlier_output(record)
         self._append(record)

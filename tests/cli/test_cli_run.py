@@ -1034,3 +1034,13 @@ def test_config_json_records_the_embedded_models_path(cli, docs, tmp_path, smoll
     again = cli("docs/alpha.txt")  # resume: the done job is skipped
     assert again.exit_code == 0 and "skipped" in again.output
     assert len(read_results(tmp_path / "hisparse-out")) == 1
+
+
+def test_an_empty_reply_is_ok_with_a_warning_naming_the_job(cli, docs, tmp_path):
+    factory = testing.fake_engine_factory(texts={"alpha": ""})
+    result = cli("docs/alpha.txt", "docs/beta.txt", engine=factory)
+    assert result.exit_code == 0, result.output
+    by_id = {r["id"]: r for r in read_results(tmp_path / "hisparse-out")}
+    assert by_id["alpha"]["ok"] and (tmp_path / "hisparse-out" / "alpha.txt").read_text() == ""
+    err = " ".join(result.stderr.split())
+    assert "alpha: the reply is empty" in err and "beta: the reply is empty" not in err
