@@ -219,9 +219,7 @@ def test_a_document_that_fits_alone_names_the_max_new_tokens_that_fits(cli, docs
     (docs / "mid.txt").write_text("A long line of prose about sorting things.\n" * 100)  # 4.3 KB
     result = cli("docs/mid.txt", "--model", model, "--max-new-tokens", "1500")
     out = " ".join(result.output.split())
-    statement = (
-        "1 document(s) may not fit beside --max-new-tokens in the model's context of 2,048"
-    )
+    statement = "1 document(s) may not fit beside --max-new-tokens in the model's context of"
     assert statement in out and "mid (~1,536 tokens)" in out  # 4300 bytes / 2.8
     room = re.search(r"lower --max-new-tokens to at most ~([\d,]+) \(a cautious estimate\)", out)
     room = int(room[1].replace(",", ""))
