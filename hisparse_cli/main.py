@@ -200,10 +200,11 @@ def _device_list(devices: str | None) -> tuple[str, ...] | None:
 
 
 def _field_names(fields: str | None) -> list[str] | None:
-    """``--fields a,b`` -> ``["a", "b"]`` (an empty list, refused as such, for ``","``)."""
+    """``--fields a,b`` -> ``["a", "b"]``; an empty name (``a,,b``, ``","``) is kept, for
+    the manifest's checks to refuse naming the flag."""
     if fields is None:
         return None
-    return [name.strip() for name in fields.split(",") if name.strip()]
+    return [name.strip() for name in fields.split(",")]
 
 
 presets_cmd.register(app)

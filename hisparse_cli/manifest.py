@@ -261,6 +261,9 @@ def jobs_from_paths(
             unreadable.append((pattern, problems[0]))
         found_problems.extend(problems)
     files = found.files
+    warnings.extend(found.notes(base))
+    if patterns.count("-") > 1:
+        warnings.append(f"DOCS: '-' (standard input) is named {patterns.count('-')} times: one job")
     if files or has_stdin:  # the named-but-unreadable ones become failing jobs
         kept = {id(problem) for _, problem in unreadable}
         raw.problems.extend(p for p in found_problems if id(p) not in kept)
@@ -392,14 +395,29 @@ class _Unique:
 
     def __init__(self) -> None:
         self.files: list[Path] = []
-        self._seen: set[Path] = set()
+        self._seen: dict[Path, Path] = {}  # real file -> the path first met
+        self.repeats: dict[Path, list[Path]] = {}  # the path first met -> later spellings
 
     def extend(self, paths: Iterable[Path]) -> None:
         for path in paths:
             real = path.resolve()
             if real not in self._seen:
-                self._seen.add(real)
+                self._seen[real] = path
                 self.files.append(path)
+            else:
+                self.repeats.setdefault(self._seen[real], []).append(path)
+
+    def notes(self, base: Path) -> list[str]:
+        """One note per file named more than once, naming every spelling (relative to
+        ``base`` where they are inside it)."""
+
+        def shown(path: Path) -> str:
+            return str(path.relative_to(base)) if path.is_relative_to(base) else str(path)
+
+        return [
+            f"DOCS: {', '.join(shown(p) for p in [first, *later])} are the same file: one job"
+            for first, later in self.repeats.items()
+        ]
 
 
 def _expand(
@@ -759,6 +777,8 @@ def _check_input(value: Any) -> str | None:
 
 
 def _check_fields(value: Any) -> str | None:
+    if isinstance(value, list) and "" in value:  # --fields a,,b
+        return f"has an empty field name, got {value!r}"
     found = _check_strings(value, "a list of field names or schema text")
     if found is None and isinstance(value, list):  # the keys of one JSON object: distinct
         repeated = sorted({v for v in value if value.count(v) > 1})

@@ -4,9 +4,10 @@
   policy other than ``extend`` (the engine would refuse it after reading the weights).
 * :func:`max_new_tokens_problem`: a ``max_new_tokens`` that cannot fit the context even
   with an empty document (no context policy helps; the run is refused).
-* :func:`oversized_documents`: documents whose size alone shows they are longer than the
-  context under ``refuse``, so the user reads the choices before waiting for the load;
-  one that fits alone but not beside ``max_new_tokens`` gets the largest value that fits.
+* :func:`oversized_documents`: documents whose size suggests they may not fit the context
+  beside ``max_new_tokens`` under ``refuse``, so the user reads the choices before waiting
+  for the load; one that fits alone gets a ``--max-new-tokens`` that is safe to follow
+  (judged at :data:`SAFE_BYTES_PER_TOKEN`, which overestimates the tokens).
 
 The trained context comes from the model's header (:func:`trained_context`: GGUF
 key/value pairs or an HF ``config.json``), read in milliseconds; where it cannot be read
@@ -15,6 +16,7 @@ the checks stay silent and loading reports the real reason.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,19 @@ from hisparse_cli.textio import STDIN, document_name
 BYTES_PER_TOKEN = 4.5
 """Bytes of text per token used to estimate a document's length before the tokenizer is
 loaded: above what English prose and documentation take with the embedded model's
-tokenizer (3.3-4.3 over the corpus), so the estimate stays below the real count."""
+tokenizer (3.3-4.3 over the corpus), so the estimate stays below the real count: used
+where an overestimate would refuse a run that fits (:func:`max_new_tokens_problem`)."""
+
+SAFE_BYTES_PER_TOKEN = 2.8
+"""Bytes of text per token for advice that must be safe to follow (the largest
+``--max-new-tokens`` that fits beside a document): below what ordinary prose and
+documentation take with the embedded model's tokenizer in any 16 KB stretch of the corpus
+(2.99-4.04; whole documents 3.35-4.25), so the tokens it gives are above the real count.
+Tables of numbers go lower (2.1 in docs/performance.md): the advice says it is an estimate."""
+
+CHAT_TEMPLATE_TOKENS = 64
+"""Tokens allowed for the chat template's own markup (role headers, special tokens) in the
+safe estimate; the embedded model's template adds about 10."""
 
 
 def trained_context(model: str | None) -> int | None:
@@ -127,10 +141,11 @@ def max_context_warning(config: EngineConfig, model: str | None) -> str | None:
     )
 
 
-def template_tokens(spec: Any) -> int:
+def template_tokens(spec: Any, safe: bool = False) -> int:
     """Tokens of job ``spec``'s prompt around an empty document, estimated from its chat
     messages' text at :data:`BYTES_PER_TOKEN` (the chat template's own tokens not
-    counted), so it stays below the real count."""
+    counted), so it stays below the real count; ``safe``: at :data:`SAFE_BYTES_PER_TOKEN`
+    plus :data:`CHAT_TEMPLATE_TOKENS`, so it stays above it."""
     from hisparse_cli.tasks import build_messages
 
     if spec.messages is not None:  # an OpenAI-batch request: its other messages
@@ -139,21 +154,41 @@ def template_tokens(spec: Any) -> int:
         name = document_name(spec.inputs[0]) if spec.inputs else ""
         messages = build_messages(spec.task, "", spec.id, name)
     text = "".join(m["content"] for m in messages if isinstance(m.get("content"), str))
+    if safe:
+        return safe_tokens(len(text.encode())) + CHAT_TEMPLATE_TOKENS
     return int(len(text.encode()) / BYTES_PER_TOKEN)
 
 
+def safe_tokens(size: int) -> int:
+    """Tokens of ``size`` bytes of text at :data:`SAFE_BYTES_PER_TOKEN`, rounded up: at
+    least the real count for ordinary text."""
+    return math.ceil(size / SAFE_BYTES_PER_TOKEN)
+
+
 def max_new_tokens_problem(
-    specs: Sequence[Any], limit: int, policy: str, flag_given: bool
+    specs: Sequence[Any],
+    limit: int,
+    policy: str,
+    flag_given: bool,
+    limit_source: str | None = None,
 ) -> str | None:
     """Why a job's ``max_new_tokens`` cannot fit the context limit even with an empty
     document (beside the prompt's :func:`template_tokens`), or ``None``: no context
     policy helps, only a smaller ``--max-new-tokens`` (or, under ``extend``, a larger
-    ``--max-context``). ``flag_given``: ``--max-new-tokens`` set it (else each job's own)."""
+    ``--max-context``). ``flag_given``: ``--max-new-tokens`` set it (else each job's own).
+    ``limit_source``: where ``max_context`` was set (:func:`setting_source`), if it was:
+    a limit too small for the prompt alone is then blamed on it."""
     fits = [(spec, limit - template_tokens(spec)) for spec in specs]
     bad = [(spec, room) for spec, room in fits if spec.sampling.max_tokens > room]
     if not bad:
         return None
     spec, room = min(bad, key=lambda pair: pair[1])
+    if room <= 0 and limit_source is not None:
+        return (
+            f"{limit_source} {limit:,} is too small for the prompt: the text around a "
+            f"document alone takes at least ~{limit - room:,} tokens (judged from its size), "
+            "before the document and max_new_tokens; raise it or leave it unset"
+        )
     source = (
         f"--max-new-tokens {spec.sampling.max_tokens:,}"
         if flag_given
@@ -177,10 +212,10 @@ def _input_size(path: Path, stdin: bytes | None) -> int:
 
 @dataclass(frozen=True)
 class Oversized:
-    """A document that looks longer than the context limit beside ``max_new_tokens``: job
-    id, bytes, estimated tokens of its prompt (document and the text around it), and
-    ``room``: the largest ``max_new_tokens`` that fits beside that prompt (``<= 0``: the
-    document alone does not fit)."""
+    """A document that may not fit the context limit beside ``max_new_tokens``: job id,
+    bytes, its estimated tokens (:func:`safe_tokens`, above the real count), and ``room``:
+    a ``max_new_tokens`` that fits beside its prompt per that estimate (``<= 0``: the
+    document alone may not fit)."""
 
     job_id: str
     size: int
@@ -191,24 +226,26 @@ class Oversized:
 def oversized_documents(
     jobs: Sequence[tuple[str, Sequence[Path], int, int]], limit: int, stdin: bytes | None = None
 ) -> list[Oversized]:
-    """Jobs (id, inputs, max_tokens, :func:`template_tokens`) whose inputs' size alone (at
-    :data:`BYTES_PER_TOKEN`) already needs more than ``limit`` tokens beside max_tokens.
-    ``stdin``: the bytes of standard input (an input :data:`~hisparse_cli.textio.STDIN`)."""
+    """Jobs (id, inputs, max_tokens, ``template_tokens(spec, safe=True)``) whose inputs'
+    size (at :data:`SAFE_BYTES_PER_TOKEN`, an overestimate) may need more than ``limit``
+    tokens beside max_tokens. ``stdin``: the bytes of standard input (an input
+    :data:`~hisparse_cli.textio.STDIN`)."""
     found = []
     for job_id, inputs, max_tokens, template in jobs:
         try:
             size = sum(_input_size(p, stdin) for p in inputs)
         except OSError:
             continue  # the job fails on reading it, naming the file
-        tokens = int(size / BYTES_PER_TOKEN)
+        tokens = safe_tokens(size)
         if tokens + template + max_tokens > limit:
             found.append(Oversized(job_id, size, tokens, limit - tokens - template))
     return found
 
 
 def oversized_statement(found: Sequence[Oversized], limit: int, policy: str) -> str:
-    """One warning naming the documents and the choices; documents that fit alone, only
-    not beside ``max_new_tokens``, get the largest ``--max-new-tokens`` that fits them."""
+    """One warning naming the documents and the choices; documents that fit alone per the
+    safe estimate, only not beside ``max_new_tokens``, get a ``--max-new-tokens`` that
+    fits them per that estimate (the exact figure comes once the model loads)."""
     from engine.text.context import too_long_advice
 
     shown = ", ".join(f"{o.job_id} (~{o.tokens:,} tokens)" for o in found[:5])
@@ -216,15 +253,15 @@ def oversized_statement(found: Sequence[Oversized], limit: int, policy: str) -> 
     if all(o.room > 0 for o in found):
         room = min(o.room for o in found)
         return (
-            f"{len(found)} document(s) fit the model's context of {limit:,} tokens but not "
-            f"beside --max-new-tokens, judged from their size before the model loads: "
-            f"{shown}{more}; under --context-policy {policy} they will fail; "
+            f"{len(found)} document(s) may not fit beside --max-new-tokens in the model's "
+            f"context of {limit:,} tokens, estimated from their size before the model "
+            f"loads: {shown}{more}; under --context-policy {policy} they would fail; "
             f"{too_long_advice(policy, room=room, estimated=True)}"
         )
     return (
-        f"{len(found)} document(s) look longer than the model's context of {limit:,} tokens, "
-        f"judged from their size before the model loads: {shown}{more}; under "
-        f"--context-policy {policy} they will fail; {too_long_advice(policy)}"
+        f"{len(found)} document(s) may be longer than the model's context of {limit:,} "
+        f"tokens, estimated from their size before the model loads: {shown}{more}; under "
+        f"--context-policy {policy} they would fail; {too_long_advice(policy)}"
     )
 
 

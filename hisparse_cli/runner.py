@@ -376,7 +376,7 @@ def execute(
         err_console.print(
             f"warning: {warning}", style="yellow", markup=False, highlight=False, soft_wrap=True
         )
-    document = config_document(config, request.preset, request.model)
+    document = config_document(config, request.preset, resolved_model(request.model))
     if choice is not None:
         document["preset_auto"] = choice.reason
         if choice.read_by:
@@ -395,6 +395,19 @@ def execute(
     batch.preset_line = preset_line(request.preset, choice)
     batch.startup_marks = marks
     return batch.run(document)
+
+
+def resolved_model(model: str | None) -> str | None:
+    """``model`` as ``config.json`` records it: the embedded model's file path when none
+    was given (``None`` where it is not installed; loading then says how to install it)."""
+    if model is not None:
+        return model
+    from engine.weights.embedded import default_model_path
+
+    try:
+        return str(default_model_path())
+    except FileNotFoundError:
+        return None
 
 
 def warm_cuda(config: EngineConfig, marks: dict[str, float]) -> None:
@@ -596,7 +609,14 @@ def check_max_new_tokens(config: EngineConfig, request: RunRequest, manifest: Ma
         return
     limit = preflight.context_limit(config, trained)
     flag = request.job_overrides.get("max_new_tokens") is not None
-    problem = preflight.max_new_tokens_problem(manifest.jobs, limit, config.context_policy, flag)
+    source = None
+    if config.max_context and limit == config.max_context:  # the limit is the setting's
+        source = preflight.setting_source(
+            "max_context", request.preset, manifest.engine, request.engine_overrides
+        )
+    problem = preflight.max_new_tokens_problem(
+        manifest.jobs, limit, config.context_policy, flag, source
+    )
     if problem:
         raise UsageError(problem)
 
@@ -755,6 +775,8 @@ def check_request(request: RunRequest) -> None:
         raise UsageError(
             "nothing to run: give documents (hisparse run docs/*.txt) or --manifest FILE"
         )
+    if request.manifest is not None and request.manifest.is_dir():
+        raise UsageError(f"--manifest {request.manifest} is a directory: name the manifest file")
     if request.manifest is not None and not request.manifest.is_file():
         raise UsageError(f"manifest not found: {request.manifest}")
     if request.model is not None and not Path(request.model).exists():
@@ -934,11 +956,13 @@ class BatchRun:
         ]
         self.input_paths = {input_identity(p) for j in planned for p in j.spec.inputs}
         runs = any(job.status not in (SKIP, FAILED_BEFORE) for job in planned)
-        if runs or not (self.output_dir / CONFIG_FILE).exists():
-            # config.json describes the run that wrote the latest results: a run that only
-            # skips jobs leaves the earlier one in place.
-            save_config(self.output_dir, config_doc)
         self._config_doc = config_doc
+        if not runs and not (self.output_dir / CONFIG_FILE).exists():
+            save_config(self.output_dir, config_doc)
+        # config.json describes the run that wrote the latest results: a run that only
+        # skips jobs, or whose model does not load, leaves the earlier one in place; a run
+        # writes it with its first results line or once its model has loaded.
+        self._config_saved = not runs
         self.reporter = make_reporter(
             self.console, self.tracker, self.request.json_progress, self.clock, self.err_console
         )
@@ -1057,9 +1081,9 @@ class BatchRun:
                 return
 
     def _warn_oversized(self, pending: list[PlannedJob]) -> None:
-        """Before the model loads: name the documents whose size alone shows they exceed
-        the context limit under ``refuse``/``extend`` (they would fail only after the
-        load), with the choices."""
+        """Before the model loads: name the documents whose size suggests they may exceed
+        the context limit beside max_new_tokens under ``refuse``/``extend`` (they would
+        fail only after the load), with choices that are safe to follow."""
         if self.config.context_policy in ("truncate", "chunk"):
             return
         trained = preflight.trained_context(self.request.model)
@@ -1067,7 +1091,7 @@ class BatchRun:
             return
         limit = preflight.context_limit(self.config, trained)
         jobs = [
-            (s.id, s.inputs, s.sampling.max_tokens, preflight.template_tokens(s))
+            (s.id, s.inputs, s.sampling.max_tokens, preflight.template_tokens(s, safe=True))
             for s in (j.spec for j in pending)
         ]
         found = preflight.oversized_documents(jobs, limit, self.request.stdin)
@@ -1095,7 +1119,6 @@ class BatchRun:
             if doc is not None:  # config.json says the count the run uses, and why
                 doc["engine"]["num_threads"] = self.config.num_threads
                 doc.setdefault("effective", {})["num_threads"] = threads_note
-                save_config(self.output_dir, doc)
         devices = [self.config.device, *(self.config.devices or ())]
         if any(str(d).startswith("cuda") for d in devices):  # the kernels compile on CUDA only
             cold = triton_cache_is_cold()
@@ -1120,6 +1143,7 @@ class BatchRun:
                 raise LoadConfigError(str(exc)) from exc
             self.reporter.note(f"cannot load the model: {exc}", "error")
             return False
+        self._save_config()  # the jobs run now
         info = f" ({engine.weights_info})" if engine.weights_info else ""  # tensor types
         self.reporter.note(f"model loaded in {self.clock() - started:.1f}s{info}")
         self._report_startup(load_started, engine)
@@ -1322,7 +1346,7 @@ class BatchRun:
             record = state.attribute({**record, "finish_reason": "cancelled"})
             state.recorded = True
             self._flag_earlier_output(record)
-            self.log.append(record)
+            self._append(record)
 
     def _prompt_ids(self, engine: BatchEngine, spec: Any, document: str) -> tuple[int, ...]:
         """The chat prompt under the context policy (:func:`engine.text.context.fit_prompt`):
@@ -1407,8 +1431,25 @@ class BatchRun:
             record = {**record, "ok": False, "finish_reason": "error", "error": error}
         elif record["ok"]:  # the text file without the reply's leading blank lines/spaces;
             write_text_atomic(target, result.text.lstrip())  # results.jsonl keeps it raw
+            if not result.text.strip():  # ok (it stopped as asked), but nothing to read
+                self.reporter.note(
+                    f"{result.job_id}: the reply is empty ({len(result.token_ids)} token(s) "
+                    f"generated, finish_reason {result.finish_reason}): {target} is empty",
+                    "warning",
+                )
         else:
             self._flag_earlier_output(record)
+        self._append(record)
+
+    def _save_config(self) -> None:
+        """Write ``config.json`` once, when this run first runs or records a job."""
+        if not getattr(self, "_config_saved", True):
+            save_config(self.output_dir, self._config_doc)
+            self._config_saved = True
+
+    def _append(self, record: dict[str, Any]) -> None:
+        """A ``results.jsonl`` line, with ``config.json`` written first."""
+        self._save_config()
         self.log.append(record)
 
     def _write_failure(self, job_id: str, error: str) -> None:
@@ -1423,7 +1464,7 @@ class BatchRun:
                 self.chunker.jobs[job_id].recorded = True
                 record = self.chunker.jobs[job_id].attribute(record)
             self._flag_earlier_output(record)
-            self.log.append(record)
+            self._append(record)
 
     def _too_long(self, job_id: str, tokens: int) -> str | None:
         """:data:`FINAL_PROMPT` when the job's tokenised prompt + ``max_tokens`` exceeds the

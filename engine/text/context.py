@@ -95,14 +95,14 @@ def too_long_advice(
     """What to do about a prompt over the limit under ``policy`` (``need``: the tokens it
     needs, when known; ``room``: the largest ``max_tokens`` that fits beside the prompt,
     when the prompt alone fits and only ``max_tokens`` does not; ``estimated``: ``room``
-    was judged from the document's size, an upper bound)."""
+    was estimated from the document's size, cautiously: a value safe to follow)."""
     if policy == "extend":
         target = f"to at least {need}" if need else "above that"
         choices = f"raise --max-context {target}, or use --context-policy truncate or chunk"
     else:
         choices = f"use {POLICY_CHOICES}"
     if room is not None and room > 0:
-        bound = f"below ~{room:,} (judged from its size)" if estimated else f"at most {room:,}"
+        bound = f"at most ~{room:,} (a cautious estimate)" if estimated else f"at most {room:,}"
         return f"lower --max-new-tokens to {bound} (the prompt fits), or {choices}"
     return choices
 

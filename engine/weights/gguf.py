@@ -30,6 +30,7 @@ BF16 and Q8_0 tensors are dequantised to float32 with ``gguf.quants.dequantize``
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -90,7 +91,8 @@ def open_reader(path: Path):
     GGUFError
         ``"{path}: tensor {name} ({type}, shape [...]): ..."`` for a bad tensor, or
         ``"{path}: not a readable GGUF file (...)"`` when the header itself cannot be
-        parsed.
+        parsed, ``"{path}: not a valid GGUF file: truncated ..."`` when it runs past the
+        end of the file.
     """
     from engine.weights.gguf_reader import FastGGUFReader
 
@@ -104,6 +106,11 @@ def open_reader(path: Path):
         return CheckedReader(str(path))
     except GGUFError:
         raise
+    except (IndexError, struct.error) as e:  # numpy/struct read past the end of the file
+        raise GGUFError(
+            f"{path}: not a valid GGUF file: truncated, its header runs past the end of "
+            f"the file ({Path(path).stat().st_size:,} bytes)"
+        ) from e
     except Exception as e:  # gguf raises ValueError/struct errors on bad files
         raise GGUFError(f"{path}: not a readable GGUF file ({e})") from e
 

@@ -74,6 +74,8 @@ def test_fields_flag_without_extract_is_refused_naming_the_flag(cli, docs, tmp_p
     assert "only used with tasks 'extract' and 'custom'" in result.stderr
     empty = cli("docs/alpha.txt", "--task", "extract", "--fields", ",")
     assert empty.exit_code == 2 and "--fields" in empty.stderr
+    gap = cli("docs/alpha.txt", "--task", "extract", "--fields", "a,,b")
+    assert gap.exit_code == 2 and "--fields: has an empty field name" in gap.stderr
 
 
 def test_field_lists_constrain_the_reply_other_jobs_stay_free(cli, docs, tmp_path):

@@ -906,6 +906,12 @@ def test_broken_gguf_tensors_are_named_before_reading_data(tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
     with pytest.raises(GGUFError, match="not a readable GGUF file"):
         load_gguf(tmp_path / "junk.gguf")
+    (tmp_path / "head.gguf").write_bytes(whole[:64])  # the trial's `head -c 64`
+    with pytest.raises(GGUFError) as info:
+        load_gguf(tmp_path / "head.gguf")
+    message = str(info.value)
+    assert "head.gguf: not a valid GGUF file: truncated" in message and "64 bytes" in message
+    assert "out of bounds" not in message
 
 
 def test_broken_gguf_model_exits_2_naming_the_tensor(cli, docs, tmp_path):
@@ -976,3 +982,65 @@ def test_json_progress_reports_the_startup_steps_in_order(cli, docs):
 
 def test_plain_output_has_no_startup_line(cli, docs):
     assert "startup" not in cli("docs/alpha.txt").stdout
+
+
+@pytest.mark.parametrize("error", [ValueError("not a GGUF file"), KeyboardInterrupt()])
+def test_a_run_that_fails_to_load_keeps_the_earlier_config_json(cli, docs, tmp_path, error):
+    """config.json describes the last run that ran or recorded a job: a model that does
+    not load (or Ctrl-C during the load) leaves the earlier run's file in place, and a
+    first run in a fresh folder that loads nothing writes none."""
+    assert cli("docs/alpha.txt").exit_code == 0
+    config = tmp_path / "hisparse-out" / "config.json"
+    before = config.read_text()
+
+    def broken(config, model):
+        raise error
+
+    result = cli("docs/alpha.txt", "--max-new-tokens", "7", "--threads", "1",
+                 engine=broken)  # fmt: skip
+    assert result.exit_code in (2, 130), result.output
+    assert config.read_text() == before
+    fresh = cli("docs/alpha.txt", "--output-dir", "fresh", engine=broken)
+    assert fresh.exit_code in (2, 130) and not (tmp_path / "fresh" / "config.json").exists()
+    ran = cli("docs/alpha.txt", "--max-new-tokens", "7", "--threads", "1", engine=cli.factory)
+    assert ran.exit_code == 0 and config.read_text() != before
+
+
+def test_a_document_named_twice_is_one_job_with_a_note(cli, docs, tmp_path):
+    (tmp_path / "link.txt").symlink_to(docs / "alpha.txt")
+    result = cli("docs/alpha.txt", "./docs/alpha.txt", "link.txt", "docs/beta.txt")
+    assert result.exit_code == 0, result.output
+    assert len(read_results(tmp_path / "hisparse-out")) == 2
+    err = " ".join(result.stderr.split())
+    assert "docs/alpha.txt, docs/alpha.txt, link.txt are the same file: one job" in err
+    assert "beta" not in err
+    piped = cli("-", "-", "--output-dir", "o2", input="text from a pipe\n")
+    assert piped.exit_code == 0 and len(read_results(tmp_path / "o2")) == 1
+    assert "'-' (standard input) is named 2 times: one job" in " ".join(piped.stderr.split())
+
+
+def test_manifest_that_is_a_directory_is_named_as_one(cli, docs, tmp_path):
+    result = cli("--manifest", "docs")
+    assert result.exit_code == 2
+    assert "--manifest docs is a directory" in " ".join(result.stderr.split())
+    missing = cli("--manifest", "nope.yaml")
+    assert missing.exit_code == 2 and "manifest not found: nope.yaml" in missing.stderr
+
+
+def test_config_json_records_the_embedded_models_path(cli, docs, tmp_path, smollm2_gguf_path):
+    assert cli("docs/alpha.txt").exit_code == 0
+    config = json.loads((tmp_path / "hisparse-out" / "config.json").read_text())
+    assert config["model"] == str(smollm2_gguf_path)
+    again = cli("docs/alpha.txt")  # resume: the done job is skipped
+    assert again.exit_code == 0 and "skipped" in again.output
+    assert len(read_results(tmp_path / "hisparse-out")) == 1
+
+
+def test_an_empty_reply_is_ok_with_a_warning_naming_the_job(cli, docs, tmp_path):
+    factory = testing.fake_engine_factory(texts={"alpha": ""})
+    result = cli("docs/alpha.txt", "docs/beta.txt", engine=factory)
+    assert result.exit_code == 0, result.output
+    by_id = {r["id"]: r for r in read_results(tmp_path / "hisparse-out")}
+    assert by_id["alpha"]["ok"] and (tmp_path / "hisparse-out" / "alpha.txt").read_text() == ""
+    err = " ".join(result.stderr.split())
+    assert "alpha: the reply is empty" in err and "beta: the reply is empty" not in err
