@@ -32,6 +32,9 @@ from engine.serve.workers import (
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 CONFIG = EngineConfig(
+    # float32 weights on every CPU: `auto` keeps the 4-bit linears on CPUs with AVX512-BF16 or
+    # AMX, and the budget test below sizes the stages from the planner's float32 weights
+    weight_format="float",
     host_pool_gb=0.25,
     max_batch=2,
     page_size=16,
