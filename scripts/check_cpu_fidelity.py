@@ -13,14 +13,16 @@ against llama.cpp: top-1 agreement, mean KL(llama.cpp || hisparse) of the softma
 ``--heads`` runs each variant with other LM heads too: ``engine`` (what the engine placed:
 the tied embedding in float32), ``q8int4`` (its exact Q8_0 codes as two products of the
 int4 kernel, :class:`engine.weights.quant.Q8Int4Linear`) and ``int8`` (re-quantised per row
-to int8, torch's ``_weight_int8pack_mm`` with bf16 products): measurements of those
-options, not engine settings.
+to int8, torch's ``_weight_int8pack_mm`` with bf16 products), ``bf16`` and ``fp16`` (the
+float weight, activations and logits rounded to that dtype,
+:class:`engine.weights.quant.CastLinear`): measurements of those options against the head
+the engine placed.
 
 Usage::
 
     python scripts/check_cpu_fidelity.py [--docs a.txt b.txt] [--prompt-tokens 1500]
         [--steps 96] [--threads 2] [--variant weight_format=float ...]
-        [--heads engine q8int4 int8]
+        [--heads engine q8int4 int8 bf16 fp16]
         [--out docs/bench/cpu_fidelity_2026-12-02.json]
 
 Needs llama-cpp-python (``pip install -e .[bench]``). Prints a table and writes JSON.
@@ -50,7 +52,7 @@ from engine.load import load_engine  # noqa: E402
 from engine.measure.bench_kv import corpus_dir  # noqa: E402
 from engine.presets import resolve_config  # noqa: E402
 from engine.weights.embedded import default_model_path  # noqa: E402
-from engine.weights.quant import Q8Int4Linear  # noqa: E402
+from engine.weights.quant import CastLinear, Q8Int4Linear  # noqa: E402
 
 DEFAULT_DOCS = ("tutorial-controlflow.txt", "howto-sorting.txt", "howto-logging.txt")
 
@@ -119,7 +121,7 @@ def main() -> None:
         default=None,
         help="hisparse overrides key=value,... (repeatable; default float and int4)",
     )
-    ap.add_argument("--heads", nargs="+", choices=("engine", "q8int4", "int8"), default=["engine"])
+    ap.add_argument("--heads", nargs="+", choices=("engine", "q8int4", "int8", "bf16", "fp16"), default=["engine"])
     ap.add_argument("--out", type=Path, default=Path("cpu_fidelity.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -149,6 +151,9 @@ def main() -> None:
                     raise SystemExit("--heads q8int4: the LM head does not hold Q8_0 values")
             elif head == "int8":
                 m.lm_head = Int8RowHead(m.lm_head.weight)
+            elif head in ("bf16", "fp16"):
+                dt = torch.bfloat16 if head == "bf16" else torch.float16
+                m.lm_head = CastLinear(m.lm_head.weight.float(), dt)
             name = v if head == "engine" else f"{v} +{head} head"
             engines[name] = eng
             print(f"{name}: {eng.weight_format} ({eng.weights_info})", flush=True)

@@ -240,6 +240,69 @@ class DenseLinear(Linear):
         return self.weight.nbytes + extra
 
 
+class CastLinear(DenseLinear):
+    """A float weight ``[N, K]`` stored in a narrower ``dtype`` (bf16 / fp16) than the
+    compute dtype: ``x`` is rounded to ``dtype`` for the product and the output, computed in
+    ``dtype`` (float32 accumulation inside the GEMM) and returned in ``x.dtype``.
+
+    The CPU LM head's option (:func:`engine.load.place_model`): a one-row GEMV over the
+    49152 x 576 tied embedding reads half the bytes of float32. Its cost is the rounding
+    of the weights, the activations and the logits to ``dtype`` (fp16: 11-bit significand,
+    bf16: 8), measured against llama.cpp by ``scripts/check_cpu_fidelity.py --heads``.
+    """
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
+        super().__init__(weight.to(dtype).contiguous())
+        self.dtype = dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.dtype), self.weight).to(x.dtype)
+
+
+def pick_cpu_lm_head(
+    head: DenseLinear, repeats: int = 3, gain: float = 0.8
+) -> tuple[Linear, str]:
+    """The CPU LM head of a model whose linears already run with bf16 products: ``head``
+    (float32 ``[V, H]``) kept, or an fp16 copy (:class:`CastLinear`) where this machine
+    runs the one-row product in fp16 faster.
+
+    Why fp16 and not bf16 or int8: on the embedded model's tied Q8_0 embedding
+    (``scripts/check_cpu_fidelity.py --heads engine bf16 fp16``, docs/performance.md, "CPU
+    LM head") fp16 left KL to llama.cpp's logits within 1% of the float32 head's (KL to
+    the float32 head 6e-6 nats), where bf16 added 19%, int8 per row 86%. Why timed: fp16
+    GEMV speed depends on the CPU and its torch build (5.4x faster than float32 on an
+    AVX512-BF16 EPYC, slower on an earlier AMX Xeon run), and no feature flag tells it.
+    The two heads' logits differ by that 6e-6 nats, so a probe that flips on a noisy box
+    changes speed, not answers measurably.
+
+    Returns ``(linear, note)``: the head to use and a model-line note of what was measured
+    (best of ``repeats`` one-row products each, fp16 kept when at most ``gain`` of the
+    float32 time). Raises nothing: a head that is not float32 is returned as it is.
+    """
+    import time
+
+    w = head.weight
+    if w.dtype != torch.float32 or w.device.type != "cpu" or head.bias is not None:
+        return head, ""
+    half = CastLinear(w, torch.float16)
+    x = torch.randn(1, w.shape[1], dtype=torch.float32)
+
+    def best_ms(lin: Linear) -> float:
+        lin(x)  # warm-up (first-call allocations and kernel selection)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            lin(x)
+            times.append(time.perf_counter() - t0)
+        return min(times) * 1e3
+
+    with torch.inference_mode():
+        t32, t16 = best_ms(head), best_ms(half)
+    if t16 <= gain * t32:
+        return half, f"; LM head fp16 ({t16:.1f} vs {t32:.1f} ms float32, measured)"
+    return head, f"; LM head float32 (fp16 {t16:.1f} vs {t32:.1f} ms, measured)"
+
+
 class Int4Linear(Linear):
     """4-bit weight run by torch's int4 kernels (``_weight_int4pack_mm[_for_cpu]``).
 
