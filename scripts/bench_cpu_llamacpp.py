@@ -23,10 +23,19 @@ Usage::
 
     python scripts/bench_cpu_llamacpp.py [--threads 2] [--prompt-tokens 8000]
         [--decode-tokens 32] [--rounds 2] [--preset cpu] [--set weight_format=bf16 ...]
-        [--variant weight_format=int4,dtype=bfloat16 ...] [--out docs/bench/cpu_llamacpp.json]
+        [--variant weight_format=int4,dtype=bfloat16 ...] [--profile-steps 8]
+        [--out docs/bench/cpu_llamacpp.json]
 
 ``--variant`` adds a hisparse engine with those overrides (on top of ``--set``) to the same
 process and rotation, named ``hisparse[overrides]``; every hisparse engine gets its ratios.
+
+``--profile-steps N`` adds, per hisparse engine, the breakdown of N decode steps after the
+rounds (same prompt, a fresh prefill): the phases of the eager step (``hisparse bench``'s
+instrumented pass: weights, attention, select, append, other, in ms per step; only for an
+engine off the CPU direct chain, which runs outside the ops that pass wraps), the LM head
+alone (``model.logits`` of one hidden row, timed in a loop), and the PyTorch profiler's
+ATen ops of plain steps — calls per step and self CPU ms per step, the top ``--profile-top``
+ops and the total — which is where the per-step dispatch overhead shows.
 
 Prints a table and writes JSON.
 """
@@ -114,8 +123,15 @@ def parse_sets(items: list[str]) -> dict:
 class Hisparse:
     name = "hisparse"
 
-    def __init__(self, preset: str, threads: int, prompt_len: int, n_decode: int, sets: dict,
-                 name: str = "hisparse"):
+    def __init__(
+        self,
+        preset: str,
+        threads: int,
+        prompt_len: int,
+        n_decode: int,
+        sets: dict,
+        name: str = "hisparse",
+    ):
         self.name = name
         overrides = {"num_threads": threads, "max_batch": 1, "host_pool_gb": 1.0}
         overrides.update(sets)
@@ -123,13 +139,17 @@ class Hisparse:
         self.engine = load_engine(self.config)
         self.n_decode = n_decode
         self.label = f"hisparse ({preset}: {self.engine.weight_format} weights, "
-        self.label += f"{self.config.attention}" + (
-            f" top_k {self.config.top_k}" if self.config.attention == "sparse" else ""
-        ) + ")"
+        self.label += (
+            f"{self.config.attention}"
+            + (f" top_k {self.config.top_k}" if self.config.attention == "sparse" else "")
+            + ")"
+        )
 
     def run(self, ids: list[int], threads: int) -> dict:
         eng = self.engine
-        req = eng.open_request(Job("bench", tuple(ids), SamplingParams(max_tokens=self.n_decode + 1)))
+        req = eng.open_request(
+            Job("bench", tuple(ids), SamplingParams(max_tokens=self.n_decode + 1))
+        )
         with Meter(threads) as pre:
             eng.prefill(req)
         with Meter(threads) as dec:
@@ -180,6 +200,77 @@ class LlamaCpp:
         return row(len(ids), self.n_decode, pre, dec, tokens)
 
 
+def profile(h: Hisparse, ids: list[int], steps: int, top: int) -> dict:
+    """The decode-step breakdown of ``h``'s engine at the end of ``ids``' prefill (see the
+    module docstring): phases, LM head ms, and the ATen ops of ``steps`` plain steps."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from engine.measure.bench import _profile_eager
+
+    eng = h.engine
+    n_steps = 2 + 2 * steps
+    req = eng.open_request(Job("profile", tuple(ids), SamplingParams(max_tokens=n_steps + 2)))
+    try:
+        eng.prefill(req)
+        for _ in range(2):  # warm-up
+            req.generated.append(eng.decode_step([req])[0])
+        # The instrumented pass wraps each op, so it times the op-by-op route; the
+        # engine's own CPU route is the direct chain (engine.decode.cpu_direct), which
+        # only the ATen table below sees.
+        phases = (
+            None if eng.attn.chain_direct else _profile_eager(eng, [req], steps)["breakdown_ms"]
+        )
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                req.generated.append(eng.decode_step([req])[0])
+            wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    finally:
+        eng.close_request(req)
+    ops = [
+        (e.key, e.count / steps, e.self_cpu_time_total / 1e3 / steps)
+        for e in prof.key_averages()
+        if e.key.startswith("aten::")
+    ]
+    ops.sort(key=lambda x: -x[2])
+    hidden = torch.randn(1, eng.model.config.hidden_size, dtype=eng.model.dtype)
+    with torch.inference_mode():
+        for _ in range(3):
+            eng.model.logits(hidden)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            eng.model.logits(hidden)
+        lm_head_ms = (time.perf_counter() - t0) * 1e3 / 20
+    return {
+        "steps": steps,
+        "phases_ms": {k: round(v, 3) for k, v in phases.items()} if phases else None,
+        "chain_direct": eng.attn.chain_direct,
+        "lm_head_ms": round(lm_head_ms, 3),
+        "profiled_step_ms": round(wall_ms, 3),
+        "aten_calls_per_step": round(sum(c for _, c, _ in ops), 1),
+        "aten_self_ms_per_step": round(sum(ms for _, _, ms in ops), 3),
+        "top_ops": [(k, round(c, 1), round(ms, 3)) for k, c, ms in ops[:top]],
+    }
+
+
+def print_profile(name: str, p: dict) -> None:
+    ph = p["phases_ms"]
+    print(f"\n{name}: decode step breakdown over {p['steps']} steps (ms per step)")
+    if ph:
+        print("  phases (eager, instrumented): " + ", ".join(f"{k} {v:.2f}" for k, v in ph.items()))
+    else:
+        print("  phases: none (the CPU direct chain runs outside the ops the pass instruments)")
+    print(
+        f"  LM head alone: {p['lm_head_ms']:.2f} ms; profiled step {p['profiled_step_ms']:.2f} "
+        f"ms: {p['aten_calls_per_step']:.0f} ATen calls, {p['aten_self_ms_per_step']:.2f} ms "
+        "of their self time"
+    )
+    print(f"  {'ATen op':40s} {'calls/step':>10s} {'self ms/step':>13s}")
+    for key, calls, ms in p["top_ops"]:
+        print(f"  {key:40s} {calls:10.1f} {ms:13.3f}")
+
+
 def row(n_prompt: int, n_decode: int, pre: Meter, dec: Meter, tokens: list[int]) -> dict:
     return {
         "prefill_tok_s": n_prompt / pre.wall,
@@ -202,23 +293,49 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--preset", default="cpu")
-    ap.add_argument("--set", dest="sets", action="append", default=[],
-                    help="EngineConfig override for hisparse, key=value (repeatable)")
-    ap.add_argument("--variant", dest="variants", action="append", default=[],
-                    help="another hisparse engine: comma-separated key=value overrides")
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        help="EngineConfig override for hisparse, key=value (repeatable)",
+    )
+    ap.add_argument(
+        "--variant",
+        dest="variants",
+        action="append",
+        default=[],
+        help="another hisparse engine: comma-separated key=value overrides",
+    )
     ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="decode steps of the per-engine breakdown after the rounds (0: none)",
+    )
+    ap.add_argument("--profile-top", type=int, default=25, help="ATen ops listed per profile")
     ap.add_argument("--out", type=Path, default=Path("bench_cpu_llamacpp.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
-    ours = Hisparse(args.preset, args.threads, args.prompt_tokens, args.decode_tokens,
-                    parse_sets(args.sets))
+    ours = Hisparse(
+        args.preset, args.threads, args.prompt_tokens, args.decode_tokens, parse_sets(args.sets)
+    )
     ids = build_prompt(ours.engine.tokenizer, args.doc, args.prompt_tokens)
     engines = [ours]
     for v in args.variants:
         sets = {**parse_sets(args.sets), **parse_sets(v.split(","))}
-        engines.append(Hisparse(args.preset, args.threads, args.prompt_tokens,
-                                args.decode_tokens, sets, name=f"hisparse[{v}]"))
+        engines.append(
+            Hisparse(
+                args.preset,
+                args.threads,
+                args.prompt_tokens,
+                args.decode_tokens,
+                sets,
+                name=f"hisparse[{v}]",
+            )
+        )
     if not args.skip_llamacpp:
         engines.append(LlamaCpp(default_model_path(), args.threads, len(ids), args.decode_tokens))
     runs: dict[str, list[dict]] = {e.name: [] for e in engines}
@@ -226,9 +343,12 @@ def main() -> None:
         for e in engines:
             res = e.run(ids, args.threads)
             runs[e.name].append(res)
-            print(f"round {r} {e.name}: prefill {res['prefill_tok_s']:.1f} tok/s, decode "
-                  f"{res['decode_tok_s']:.2f} tok/s, cpu share {res['cpu_share']}, "
-                  f"load {res['loadavg_1m']}", flush=True)
+            print(
+                f"round {r} {e.name}: prefill {res['prefill_tok_s']:.1f} tok/s, decode "
+                f"{res['decode_tok_s']:.2f} tok/s, cpu share {res['cpu_share']}, "
+                f"load {res['loadavg_1m']}",
+                flush=True,
+            )
     best = {
         name: {
             "prefill_tok_s": max(x["prefill_tok_s"] for x in rs),
@@ -240,9 +360,11 @@ def main() -> None:
     loads = [v for rs in runs.values() for x in rs for v in x["loadavg_1m"]]
     contended = min(shares) < 0.9 or max(loads) > args.threads + 0.5
     label = "contended" if contended else "quiet"
-    print(f"\n{args.doc.name}: {len(ids)} prompt tokens, {args.decode_tokens} decode tokens, "
-          f"{args.threads} threads, best of {args.rounds} rounds, {label} "
-          f"(load {min(loads):.1f}-{max(loads):.1f}, cpu share >= {min(shares):.2f})")
+    print(
+        f"\n{args.doc.name}: {len(ids)} prompt tokens, {args.decode_tokens} decode tokens, "
+        f"{args.threads} threads, best of {args.rounds} rounds, {label} "
+        f"(load {min(loads):.1f}-{max(loads):.1f}, cpu share >= {min(shares):.2f})"
+    )
     print(f"{'engine':62s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
     for e in engines:
         b = best[e.name]
@@ -254,22 +376,36 @@ def main() -> None:
             if e.name == "llama.cpp":
                 continue
             r = {k: best[e.name][k] / best["llama.cpp"][k] for k in best[e.name]}
-            print(f"{'ratio ' + e.name + ' / llama.cpp':62s} {r['prefill_tok_s']:14.2f} "
-                  f"{r['decode_tok_s']:13.2f}")
+            print(
+                f"{'ratio ' + e.name + ' / llama.cpp':62s} {r['prefill_tok_s']:14.2f} "
+                f"{r['decode_tok_s']:13.2f}"
+            )
             a, b = runs[e.name][0]["tokens"], runs["llama.cpp"][0]["tokens"]
-            same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                        min(len(a), len(b)))
-            print(f"  {e.name}: greedy tokens identical to llama.cpp's for the first {same} of "
-                  f"{len(a)}")
+            same = next(
+                (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)),
+            )
+            print(
+                f"  {e.name}: greedy tokens identical to llama.cpp's for the first {same} of "
+                f"{len(a)}"
+            )
             if e.name != "hisparse":
                 c = runs["hisparse"][0]["tokens"]
-                same = next((i for i, (x, y) in enumerate(zip(a, c, strict=False)) if x != y),
-                            min(len(a), len(c)))
+                same = next(
+                    (i for i, (x, y) in enumerate(zip(a, c, strict=False)) if x != y),
+                    min(len(a), len(c)),
+                )
                 print(f"  {e.name}: greedy tokens identical to hisparse's for the first {same}")
             if e.name == "hisparse":
                 ratios = r
             else:
                 variant_ratios[e.name] = r
+    profiles = {}
+    if args.profile_steps > 0:
+        for e in engines:
+            if isinstance(e, Hisparse):
+                profiles[e.name] = profile(e, ids, args.profile_steps, args.profile_top)
+                print_profile(e.name, profiles[e.name])
     report = {
         "doc": args.doc.name,
         "prompt_tokens": len(ids),
@@ -289,6 +425,7 @@ def main() -> None:
         "ratios": ratios,
         "variant_ratios": variant_ratios,
         "runs": runs,
+        "profiles": profiles,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

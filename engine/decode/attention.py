@@ -31,9 +31,11 @@ import torch
 
 from engine.config import EngineConfig
 from engine.decode import indexers
+from engine.decode.cpu_direct import DirectTables, direct_layer
 from engine.kv.cache import KVCache
 from kernels.bitmask import pack_bits
 from kernels.dispatch import PYTORCH_OPS, Ops
+from kernels.quest_scores import quest_scores_matmul
 from kernels.rope_append import RopeParams
 from kernels.select_topk import select_topk_pages_ref
 from kernels.slot_list import resident_slots_of_pages
@@ -50,7 +52,9 @@ class StepPlan:
     found in / loaded into the hot buffer this step, summed over layers (filled by
     :meth:`DecodeAttention.run`); prefetched int64 ``[B]``: records loaded by prefetch this
     step (:meth:`DecodeAttention.prefetch`); row0: the first row of the cache's token
-    staging buffer this plan's rows use (a micro-batch's offset in its step's batch).
+    staging buffer this plan's rows use (a micro-batch's offset in its step's batch);
+    direct_tables: the CPU direct chain's shared index tensors
+    (:class:`engine.decode.cpu_direct.DirectTables`), built by the step's first layer.
     """
 
     seq_ids: list[int]
@@ -64,6 +68,7 @@ class StepPlan:
     misses: torch.Tensor | None = None
     prefetched: torch.Tensor | None = None
     row0: int = 0
+    direct_tables: DirectTables | None = None
 
 
 @dataclass
@@ -155,6 +160,14 @@ class DecodeAttention:
         # The direct path without bitmasks: a ranking indexer and the reference ops (a
         # run that forces Triton on the CPU keeps the kernels' bitmask path).
         self.fast_direct = self.direct and self.indexer.ranks and ops.name in PYTORCH_OPS
+        # Its whole chain on the step's shared tables (engine.decode.cpu_direct): Quest
+        # scored as the CPU ops' GEMM, records as stored (no fp8 rounding).
+        self.chain_direct = (
+            self.fast_direct
+            and config.indexer == "quest"
+            and ops.quest_scores is quest_scores_matmul
+            and not cache.fp8
+        )
         self.prefetched: torch.Tensor | None = None
         # Audit (engine.decode.audit): run() appends (cache layer, plan.row0, q [b, Hq, D],
         # selection [b, Hkv, W]) of every layer here — references, not copies; None: off.
@@ -207,6 +220,16 @@ class DecodeAttention:
         c = self.cache
         hier = c.hierarchical and not self.direct  # the hot buffer is read and written
         cfg = self.config
+        if (
+            self.chain_direct
+            and rope is not None
+            and cfg.attention == "sparse"
+            and not self.window(layer)
+            and not self.two_level(layer)
+            and self.tracer is None
+            and self.capture is None
+        ):
+            return self.run_chain(plan, layer, q, k, v, rope)
         if c.fp8:  # fp8 rounding starts from kv_dtype, as the prefill's does
             k, v = k.to(c.dtype), v.to(c.dtype)
         fp8 = {"fp8": True, "pool_scale": c.pool_scale[layer]} if c.fp8 else {}
@@ -291,6 +314,27 @@ class DecodeAttention:
         if self.prefetch_pages and scores is not None:
             self.prefetch(plan, layer, scores)
         return out
+
+    def run_chain(
+        self, plan: StepPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        rope: RopeParams,
+    ) -> torch.Tensor:
+        """:meth:`run` on the CPU direct path as one chain (:attr:`chain_direct`: Quest with
+        the CPU ops, full-attention layers of flat metadata, RoPE fused, no tracer or audit
+        capture): :func:`engine.decode.cpu_direct.direct_layer` over the step's
+        :class:`~engine.decode.cpu_direct.DirectTables`, built by the plan's first layer.
+        Bit-identical to the append + :meth:`run_direct` route it replaces."""
+        c, cfg = self.cache, self.config
+        if plan.direct_tables is None:
+            plan.direct_tables = DirectTables(
+                plan.block_table, plan.seq_lens, plan.num_pages, plan.positions, c.page_size,
+                c.model.num_kv_heads, cfg.top_k_pages, cfg.sink_pages, cfg.window_pages,
+                self.k_max,
+            )  # fmt: skip
+        return direct_layer(
+            plan.direct_tables, q, k, v, rope, c.pool[layer], c.meta[layer], self.scale,
+            cfg.group_combine, plan.hits,
+        )  # fmt: skip
 
     def run_direct(self, plan: StepPlan, layer: int, q: torch.Tensor) -> torch.Tensor:
         """:meth:`run`'s selection and attention on the CPU direct path (:attr:`direct`,
