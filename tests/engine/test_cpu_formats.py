@@ -137,3 +137,53 @@ def test_q8_head_refuses_weights_that_are_not_q8_0_values():
     assert Q8Int4Linear.from_float(w + 1e-5) is None  # off the codes
     assert Q8Int4Linear.from_float(torch.randn(64, 64)) is None
     assert Q8Int4Linear.from_float(w[:, :48]) is None  # K not whole blocks
+
+
+def test_head_fp16_when_measured_faster_float32_otherwise(monkeypatch):
+    """pick_cpu_lm_head keeps the fp16 copy exactly when its timed product is at most
+    ``gain`` of float32's (the timer patched: the choice, not this box's speed, is tested);
+    the fp16 head's logits are float32 and within fp16 rounding of the float32 head's."""
+    import engine.weights.quant as quant
+
+    w = torch.randn(300, 64, generator=torch.Generator().manual_seed(2)) * 0.05
+    head = DenseLinear(w)
+    clock = iter([])
+
+    def fake_perf_counter():
+        return next(clock)
+
+    monkeypatch.setattr("time.perf_counter", fake_perf_counter)
+    # per product (start, end) pairs: float32 first (3 repeats), then fp16
+    clock = iter([0, 10, 0, 10, 0, 10] + [0, 2, 0, 2, 0, 2])
+    lin, note = quant.pick_cpu_lm_head(head)
+    assert isinstance(lin, quant.CastLinear) and lin.weight.dtype == torch.float16
+    assert "LM head fp16 (2000.0 vs 10000.0 ms float32, measured)" in note
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+    y = lin(x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, head(x), atol=2e-3, rtol=2e-3)
+    clock = iter([0, 10, 0, 10, 0, 10] + [0, 9, 0, 9, 0, 9])  # fp16 only 10% faster
+    lin, note = quant.pick_cpu_lm_head(head)
+    assert lin is head and "LM head float32 (fp16 9000.0 vs 10000.0 ms" in note
+
+
+def test_head_choice_only_with_bf16_products(monkeypatch):
+    """The engine tries the fp16 head only where the linears already run bf16 products
+    (int4 on a bf16 CPU); float placements keep the exact float32 head."""
+    import engine.weights.quant as quant
+
+    calls = []
+    real = quant.pick_cpu_lm_head
+
+    def spy(head, *a, **k):
+        calls.append(head)
+        return real(head, *a, **k)
+
+    monkeypatch.setattr(quant, "pick_cpu_lm_head", spy)
+    placed = place(monkeypatch, True)
+    assert len(calls) == 1 and "LM head" in placed.weights_info
+    placed = place(monkeypatch, True, weight_format="float")
+    assert len(calls) == 1 and isinstance(placed.model.lm_head, DenseLinear)
+    assert placed.model.lm_head.weight.dtype == torch.float32
+    placed = place(monkeypatch, False)
+    assert len(calls) == 1 and "LM head" not in placed.weights_info
