@@ -11,7 +11,9 @@ against llama.cpp: top-1 agreement, mean KL(llama.cpp || hisparse) of the softma
 (nats), max / mean absolute logit difference, and the same against the first variant.
 
 ``--heads`` runs each variant with other LM heads too: ``engine`` (what the engine placed:
-the tied embedding in float32), ``q8int4`` (its exact Q8_0 codes as two products of the
+the tied embedding in float32, or an fp16 copy where the linears run bf16 products and fp16
+measured faster, :func:`engine.weights.quant.pick_cpu_lm_head`), ``float32`` (the float32
+head whatever the engine would pick), ``q8int4`` (its exact Q8_0 codes as two products of the
 int4 kernel, :class:`engine.weights.quant.Q8Int4Linear`) and ``int8`` (re-quantised per row
 to int8, torch's ``_weight_int8pack_mm`` with bf16 products), ``bf16`` and ``fp16`` (the
 float weight, activations and logits rounded to that dtype,
@@ -22,7 +24,7 @@ Usage::
 
     python scripts/check_cpu_fidelity.py [--docs a.txt b.txt] [--prompt-tokens 1500]
         [--steps 96] [--threads 2] [--variant weight_format=float ...]
-        [--heads engine q8int4 int8 bf16 fp16]
+        [--heads engine float32 q8int4 int8 bf16 fp16]
         [--out docs/bench/cpu_fidelity_2026-12-02.json]
 
 Needs llama-cpp-python (``pip install -e .[bench]``). Prints a table and writes JSON.
@@ -36,6 +38,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
 import torch
@@ -46,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu_llamacpp import build_prompt, parse_sets  # noqa: E402
 from check_kquants import llamacpp_greedy  # noqa: E402
 
+import engine.weights.quant as quant  # noqa: E402
 from engine.config import SamplingParams  # noqa: E402
 from engine.events import Job  # noqa: E402
 from engine.load import load_engine  # noqa: E402
@@ -121,7 +125,12 @@ def main() -> None:
         default=None,
         help="hisparse overrides key=value,... (repeatable; default float and int4)",
     )
-    ap.add_argument("--heads", nargs="+", choices=("engine", "q8int4", "int8", "bf16", "fp16"), default=["engine"])
+    ap.add_argument(
+        "--heads",
+        nargs="+",
+        choices=("engine", "float32", "q8int4", "int8", "bf16", "fp16"),
+        default=["engine"],
+    )
     ap.add_argument("--out", type=Path, default=Path("cpu_fidelity.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -143,7 +152,11 @@ def main() -> None:
                 "host_pool_gb": 1.0,
                 **parse_sets(v.split(",")),
             }
-            eng = load_engine(resolve_config("cpu", cli_overrides=sets))
+            if head == "engine":
+                eng = load_engine(resolve_config("cpu", cli_overrides=sets))
+            else:  # every other head starts from the float32 one (no fp16 choice at load)
+                with patch.object(quant, "pick_cpu_lm_head", lambda h: (h, "")):
+                    eng = load_engine(resolve_config("cpu", cli_overrides=sets))
             m = eng.model
             if head == "q8int4":
                 m.lm_head = Q8Int4Linear.from_float(m.lm_head.weight)
