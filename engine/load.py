@@ -86,7 +86,9 @@ def load_weights(
 
     reader = gguf.open_reader(path)  # every tensor's description checked, no data read
     marks["metadata"] = time.monotonic()
-    tokenizer = TextTokenizer.from_gguf(reader, reference="llama.cpp")  # before the weights
+    tokenizer = _TOKENIZERS.get(_file_identity(path))  # built by load_tokenizer already
+    if tokenizer is None:
+        tokenizer = TextTokenizer.from_gguf(reader, reference="llama.cpp")  # before the weights
     marks["tokenizer"] = time.monotonic()
     weights = gguf.load_gguf(path, reader)
     marks["weights"] = time.monotonic()
@@ -114,7 +116,24 @@ def load_tokenizer(model: str | None, tokenizer: str | None = None) -> tuple[obj
         return TextTokenizer.from_folder(path), path.name
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
-    return TextTokenizer.from_gguf(path, reference="llama.cpp"), path.stem
+    key = _file_identity(path)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS.clear()  # one model per process in practice: keep the last
+        _TOKENIZERS[key] = TextTokenizer.from_gguf(path, reference="llama.cpp")
+    return _TOKENIZERS[key], path.stem
+
+
+_TOKENIZERS: dict[tuple, object] = {}
+"""The tokenizer :func:`load_tokenizer` built from a GGUF file, by :func:`_file_identity`:
+:func:`load_weights` of the same unchanged file takes it instead of building it again (the
+CLI counts long documents' tokens before the model loads; a 128K-vocabulary tokenizer takes
+about a second to build)."""
+
+
+def _file_identity(path: Path) -> tuple:
+    """(resolved path, size, mtime in ns) of a file: a rewritten file is another key."""
+    st = path.stat()
+    return (str(path.resolve()), st.st_size, st.st_mtime_ns)
 
 
 def _check_tokenizer_choice(model: str | None, tokenizer: str | None) -> None:
@@ -295,9 +314,11 @@ def place_model(
     marks["model"] = time.monotonic()
     ops = get_ops(device, config.use_triton, config.eviction)
     marks["kernels"] = time.monotonic()
-    info = describe_placement(weights.formats, fmt, config.dtype) + cpu_format_note(
-        config, device, fmt
-    ) + head_note
+    info = (
+        describe_placement(weights.formats, fmt, config.dtype)
+        + cpu_format_note(config, device, fmt)
+        + head_note
+    )
     return PlacedModel(llm, tokenizer, name, limit, fmt, ops, info)
 
 

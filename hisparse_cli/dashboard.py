@@ -195,7 +195,9 @@ def render_memory(state: RunState, width: int | None = None) -> Table:
     table = Table(title="memory", title_justify="left", expand=False)
     table.add_column("device", no_wrap=True)
     for label, _, style in MEMORY_PARTS:
-        table.add_column(label if wide else SHORT_LABELS.get(label, label), justify="right", style=style)
+        table.add_column(
+            label if wide else SHORT_LABELS.get(label, label), justify="right", style=style
+        )
     table.add_column("used", justify="right", style="bold")
     table.add_column("free", justify="right", style="green")
     table.add_column("total", justify="right")
@@ -213,12 +215,18 @@ def render_memory(state: RunState, width: int | None = None) -> Table:
         if state.host_pool_dtype:
             label += f" {state.host_pool_dtype}"
         if 0 < state.host_pool_pinned < total:  # page-locked in chunks as jobs need it
-            label += f" ({size(state.host_pool_pinned)} pinned)" if wide else f" {size(state.host_pool_pinned)}p"
+            label += (
+                f" ({size(state.host_pool_pinned)} pinned)"
+                if wide
+                else f" {size(state.host_pool_pinned)}p"
+            )
         table.add_row(label, *parts, *_totals(used, total - used, total, size), *bar)
     return table
 
 
-def _totals(used: int, free: int, total: int, size: Callable[[float], str] = fmt_bytes) -> list[RenderableType]:
+def _totals(
+    used: int, free: int, total: int, size: Callable[[float], str] = fmt_bytes
+) -> list[RenderableType]:
     """The used / free / total cells, in the table's column order."""
     return [size(used), size(max(0, free)), size(total)]
 
@@ -284,9 +292,7 @@ JOB_FIXED_COLUMNS = 7 + 9 + 9 + 5 + 7 + 5 + 2 * 7 + 8
 cell's padding (2) and the 8 borders."""
 
 
-def render_jobs(
-    state: RunState, now: float, max_rows: int = 20, width: int | None = None
-) -> Table:
+def render_jobs(state: RunState, now: float, max_rows: int = 20, width: int | None = None) -> Table:
     """The job table: running first, then latest finished, then queued; then a
     ``+N more`` line for the jobs that do not fit. Below :data:`WIDE` columns the bars go
     and long ids are shortened apart (:func:`short_ids`)."""
@@ -303,7 +309,11 @@ def render_jobs(
     ):
         table.add_column(name, justify=justify, no_wrap=True)
     rows = visible_rows(state, max_rows)
-    id_width = None if width is None else max(ID_MIN, width - JOB_FIXED_COLUMNS - (0 if not bars else BAR_WIDTH + 1))
+    id_width = (
+        None
+        if width is None
+        else max(ID_MIN, width - JOB_FIXED_COLUMNS - (0 if not bars else BAR_WIDTH + 1))
+    )
     names = short_ids([r.id for r in rows], id_width) if id_width else {r.id: r.id for r in rows}
     for row in rows:
         table.add_row(*job_cells(row, now, bars, names[row.id]))
@@ -456,7 +466,8 @@ class LiveDashboard:
             else getattr(event, "job_id", None)
         )
         if isinstance(event, JobFinished | JobFailed) and job_id in self.tracker.state.jobs:
-            self.console.print(finish_text(self.tracker.state.jobs[job_id]))
+            row = self.tracker.state.jobs[job_id]  # a failure is an error: stderr
+            (self.err_console if row.phase == "failed" else self.console).print(finish_text(row))
         self.refresh()
 
     def refresh(self, force: bool = False) -> None:

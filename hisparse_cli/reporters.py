@@ -205,8 +205,9 @@ class PlainReporter:
         """A line per finished/failed job; a progress line when the interval has passed."""
         if isinstance(event, JobFinished | JobFailed):
             row = self.tracker.state.jobs.get(_job_id(event))
-            if row is not None:
-                self._write(finish_line(row))
+            if row is not None:  # a failure is an error: stderr, as the README says
+                failed = row.phase == "failed"
+                self._write(finish_line(row), self.err_stream if failed else None)
         self._tick(due_only=True)
 
     def _tick(self, due_only: bool = False) -> None:
@@ -329,7 +330,9 @@ class JsonReporter:
         """The timer: a progress object when none was written for ``interval_s`` while a
         job runs (a prefill without events included)."""
         now = self.clock()
-        running = any(r.phase in ("prefill", "decode") for r in list(self.tracker.state.jobs.values()))
+        running = any(
+            r.phase in ("prefill", "decode") for r in list(self.tracker.state.jobs.values())
+        )
         if (self._pending or running) and now - self._printed_t >= self.interval_s:
             self._emit(progress_json(self.tracker.state, now))
             self._printed_t, self._pending = now, False

@@ -56,7 +56,7 @@ from engine.events import (
 )
 from engine.serve.base import BatchEngine
 from engine.serve.workers import WorkerDied
-from engine.text.context import PromptTooLong, chunk_document, fit_prompt
+from engine.text.context import PromptTooLong, chunk_document, fit_prompt, too_long_message
 from hisparse_cli import openai_batch, preflight, settings
 from hisparse_cli.auto_preset import AUTO, AutoChoice, choose_preset
 from hisparse_cli.chunking import ChunkScheduler
@@ -157,6 +157,14 @@ def load_engine(config: EngineConfig, model: str | None) -> Any:
     from engine.load import load_engine as _load_engine
 
     return _load_engine(config, model)
+
+
+def load_tokenizer(config: EngineConfig, model: str | None) -> Any:
+    """``engine.load.load_tokenizer``'s tokenizer of ``model``, no weights read (tests
+    replace this hook, as :func:`load_engine`); the load then reuses it."""
+    from engine.load import load_tokenizer as _load_tokenizer
+
+    return _load_tokenizer(model, config.tokenizer)[0]
 
 
 def free_cpu_threads(config: EngineConfig) -> int | None:
@@ -327,9 +335,7 @@ def with_auto_preset(request: RunRequest) -> tuple[RunRequest, AutoChoice | None
     if request.preset != AUTO:
         return request, None
     flags = request.engine_overrides
-    named = list(flags.get("devices") or ()) or (
-        [flags["device"]] if flags.get("device") else []
-    )
+    named = list(flags.get("devices") or ()) or ([flags["device"]] if flags.get("device") else [])
     choice = auto_preset([str(d) for d in named])
     return dataclasses.replace(request, preset=choice.name), choice
 
@@ -1080,29 +1086,77 @@ class BatchRun:
                 )
                 return
 
-    def _warn_oversized(self, pending: list[PlannedJob]) -> None:
-        """Before the model loads: name the documents whose size suggests they may exceed
-        the context limit beside max_new_tokens under ``refuse``/``extend`` (they would
-        fail only after the load), with choices that are safe to follow."""
+    def _refuse_too_long(self, pending: list[PlannedJob]) -> list[PlannedJob]:
+        """Before the model loads, under ``refuse``/``extend``: the jobs whose document's
+        size says it may not fit the context limit beside max_new_tokens
+        (:func:`preflight.oversized_documents`, a cautious estimate) are tokenised exactly
+        with the model's tokenizer (read from its header, no weights: the load then reuses
+        it), and those over the limit fail now with the engine's own message and choices,
+        so no model is loaded for a job that cannot run. Returns the jobs still to run.
+        Where the tokenizer cannot be read, the estimate is stated as a warning instead and
+        the engine decides after the load."""
         if self.config.context_policy in ("truncate", "chunk"):
-            return
+            return pending
         trained = preflight.trained_context(self.request.model)
         if trained is None:
-            return
+            return pending
         limit = preflight.context_limit(self.config, trained)
         jobs = [
             (s.id, s.inputs, s.sampling.max_tokens, preflight.template_tokens(s, safe=True))
             for s in (j.spec for j in pending)
         ]
-        found = preflight.oversized_documents(jobs, limit, self.request.stdin)
-        if found:
-            statement = preflight.oversized_statement(found, limit, self.config.context_policy)
+        found = {o.job_id for o in preflight.oversized_documents(jobs, limit, self.request.stdin)}
+        if not found:
+            return pending
+        t0 = time.monotonic()
+        try:
+            tokenizer = load_tokenizer(self.config, self.request.model)
+        except Exception:  # noqa: BLE001 - the load reports the real reason; warn only
+            statement = preflight.oversized_statement(
+                [o for o in preflight.oversized_documents(jobs, limit, self.request.stdin)],
+                limit,
+                self.config.context_policy,
+            )
             self.reporter.note(statement, "warning")
+            return pending
+        keep: list[PlannedJob] = []
+        refused: list[tuple[PlannedJob, str]] = []
+        for planned in pending:
+            spec = planned.spec
+            if spec.id not in found:
+                keep.append(planned)
+                continue
+            try:
+                documents, document = self._document_of(planned)
+                ids = tokenizer.encode_chat(self._prompt_messages(spec)(document))
+            except Exception:  # noqa: BLE001 - the job fails as usual, after the load
+                keep.append(planned)
+                continue
+            max_tokens = spec.sampling.max_tokens
+            if len(ids) + max_tokens <= limit:
+                keep.append(planned)
+                continue
+            if documents is not None:
+                planned = planned.with_documents(documents)
+            why = too_long_message(len(ids), max_tokens, limit, self.config.context_policy)
+            refused.append((planned, why))
+        self.reporter.note(
+            f"counted the tokens of {len(found)} long document(s) with the model's tokenizer "
+            f"before loading it ({time.monotonic() - t0:.1f}s): {len(refused)} over the context "
+            f"limit of {limit:,} tokens" + ("; the other jobs run" if refused and keep else "")
+        )
+        for planned, why in refused:
+            self.records[planned.spec.id] = planned.base_record(self.model_name)
+            self.final[planned.spec.id] = FINAL_PROMPT  # the same key fails the same way again
+            self._handle(JobFailed(self.clock(), planned.spec.id, why))
+        return keep
 
     def _run_engine(self, pending: list[PlannedJob]) -> bool:
         """Load the engine and consume its events; return whether Ctrl-C was pressed."""
         warm_cuda(self.config, self.startup_marks)  # while torch is imported below
-        self._warn_oversized(pending)
+        pending = self._refuse_too_long(pending)
+        if not pending:  # every job to run was over the context: no model to load
+            return False
         try:  # refused before the "loading model" line (load_engine checks it again)
             check_host_pool(self.config)
         except CacheFullError as exc:
@@ -1206,18 +1260,10 @@ class BatchRun:
         ``chunk`` when its document does not fit)."""
         spec = planned.spec
         try:
-            if spec.messages is not None:  # an OpenAI-batch request: its last user message
-                document = openai_batch.last_user_text(spec.messages)
-            else:
-                documents = read_documents(
-                    spec.inputs,
-                    **self.request.text_options,
-                    allow_binary=self.request.allow_binary,
-                    stdin=self.request.stdin,
-                )
+            documents, document = self._document_of(planned)
+            if documents is not None:
                 planned = planned.with_documents(documents)
                 self.records[spec.id] = planned.base_record(self.model_name)
-                document = join_documents(documents)
                 if self.config.context_policy == "chunk":
                     chunks = self._chunks(engine, spec, document)
                     if len(chunks) > 1:
@@ -1234,6 +1280,31 @@ class BatchRun:
         meta = {"key": planned.key, "output": spec.output}
         source = str(spec.inputs[0]) if spec.inputs else spec.origin
         return [Job(spec.id, prompt_ids, spec.sampling, source, meta, json_keys(spec))]
+
+    def _document_of(self, planned: PlannedJob) -> tuple[list | None, str]:
+        """``(documents, text)`` of a job: its input files read and joined, or for an
+        OpenAI-batch request ``(None, its last user message)``. Raises what reading raises."""
+        spec = planned.spec
+        if spec.messages is not None:  # an OpenAI-batch request: its last user message
+            return None, openai_batch.last_user_text(spec.messages)
+        documents = read_documents(
+            spec.inputs,
+            **self.request.text_options,
+            allow_binary=self.request.allow_binary,
+            stdin=self.request.stdin,
+        )
+        return documents, join_documents(documents)
+
+    def _prompt_messages(self, spec: Any) -> Callable[[str], list[dict]]:
+        """Document text -> the job's chat messages (an OpenAI-batch request: its own
+        messages with ``text`` as the last user message)."""
+
+        def messages(text: str) -> list[dict]:
+            if spec.messages is not None:
+                return openai_batch.messages_with(spec.messages, text)
+            return build_messages(spec.task, text, spec.id, document_name(spec.inputs[0]))
+
+        return messages
 
     # ----- context_policy chunk (hisparse_cli.chunking) ------------------------------
     def _messages_of(self, spec: Any) -> Callable[[str], list[dict]]:
@@ -1358,13 +1429,11 @@ class BatchRun:
             The prompt cannot fit the context limit (found without tokenising it).
         """
 
-        def messages(text: str) -> list[dict]:
-            if spec.messages is not None:  # a batch request: ``text`` is its last user message
-                return openai_batch.messages_with(spec.messages, text)
-            return build_messages(spec.task, text, spec.id, document_name(spec.inputs[0]))
-
+        messages = self._prompt_messages(spec)
         limit, max_tokens = engine.prompt_limit(), spec.sampling.max_tokens
-        ids, cut = fit_prompt(engine.tokenizer, messages, document, limit, max_tokens, engine.config)
+        ids, cut = fit_prompt(
+            engine.tokenizer, messages, document, limit, max_tokens, engine.config
+        )
         if cut is not None:
             self.records[spec.id]["truncated"] = cut.to_dict()
             self.reporter.note(
@@ -1380,7 +1449,11 @@ class BatchRun:
         After Ctrl-C, a failure of a job never admitted means "not run": it is shown as
         cancelled and gets no results line (the next run does it).
         """
-        job_id = event.result.job_id if isinstance(event, JobFinished) else getattr(event, "job_id", None)
+        job_id = (
+            event.result.job_id
+            if isinstance(event, JobFinished)
+            else getattr(event, "job_id", None)
+        )
         if job_id is not None and self.chunker.is_map(job_id):
             self._handle_map(event, job_id)
             return
@@ -1459,7 +1532,9 @@ class BatchRun:
             row = self.tracker.state.jobs.get(job_id)
             tokens = self.prompt_tokens.get(job_id) or (row.prompt_tokens if row else 0)
             final = self.final.get(job_id) or self._too_long(job_id, tokens)
-            record = failure_record({**base, "prompt_tokens": tokens or None, "final": final}, error)
+            record = failure_record(
+                {**base, "prompt_tokens": tokens or None, "final": final}, error
+            )
             if job_id in self.chunker.jobs:  # the map jobs that ran before it failed
                 self.chunker.jobs[job_id].recorded = True
                 record = self.chunker.jobs[job_id].attribute(record)

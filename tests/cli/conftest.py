@@ -20,9 +20,16 @@ def cli(tmp_path, monkeypatch):
     monkeypatch.setattr(runner_module, "cuda_device_memory_gib", lambda index: 24.0)
     monkeypatch.setattr(runner_module, "warm_cuda", lambda config, marks: None)  # fake engine
     monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "256")
-    monkeypatch.setattr(runner_module, "free_cpu_threads", lambda config: None)  # not this box's load  # host-pool checks: not this machine's
+    monkeypatch.setattr(
+        runner_module, "free_cpu_threads", lambda config: None
+    )  # not this box's load  # host-pool checks: not this machine's
     factory = testing.fake_engine_factory()
     monkeypatch.setattr(runner_module, "load_engine", factory)
+
+    def no_tokenizer(config, model):  # the fake engines' tokenizers are not the model's
+        raise RuntimeError("no tokenizer before the load in these tests")
+
+    monkeypatch.setattr(runner_module, "load_tokenizer", no_tokenizer)
 
     def invoke(*args, engine=None, **kwargs):
         if engine is not None:

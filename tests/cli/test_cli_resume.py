@@ -222,7 +222,7 @@ def test_document_refused_for_its_content_is_final_until_it_changes(run, tmp_pat
     assert failed["id"] == "b" and failed["final"] == "input" and failed["key"]
     result, seen = run()
     assert result.exit_code == 1 and seen == [] and len(lines(tmp_path)) == 3
-    assert "only whitespace" in result.stdout and "not tried again" in result.stderr
+    assert "only whitespace" in result.stderr and "not tried again" in result.stderr
     result, seen = run("--force")  # fails again: its new line replaces the old one
     b_lines = [r for r in lines(tmp_path) if r["id"] == "b"]
     assert result.exit_code == 1 and len(b_lines) == 1 and b_lines[0]["final"] == "input"

@@ -19,6 +19,7 @@ from hisparse_cli import runner as runner_module
 from hisparse_cli import settings, testing
 from hisparse_cli.main import app
 from hisparse_cli.tasks import SUMMARIZE_INSTRUCTION, SYSTEM_PROMPT
+from hisparse_cli.testing import FakeTokenizer
 
 REAL_LOAD_ENGINE = runner_module.load_engine  # before any fixture replaces it
 
@@ -102,7 +103,7 @@ def test_failed_job_gives_exit_1_and_batch_continues(cli, docs, tmp_path):
     )
     assert records["beta"]["ok"]
     assert not (tmp_path / "hisparse-out" / "alpha.txt").exists()
-    assert "FAILED alpha" in result.stdout
+    assert "FAILED alpha" in result.stderr and "FAILED" not in result.stdout  # an error
 
 
 def test_failed_records_carry_the_prompt_tokens_when_known(cli, docs, tmp_path):
@@ -216,7 +217,10 @@ def test_engine_setting_problems_are_reported_together_where_they_were_set(cli, 
         line for line in lines if line.startswith("  jobs.yaml:4: defaults.engine.device_buffer: ")
     ]
     assert len(located) == 2
-    assert "not a multiple of page_size=16" in located[0] and "raise device_buffer to at least" in located[1]
+    assert (
+        "not a multiple of page_size=16" in located[0]
+        and "raise device_buffer to at least" in located[1]
+    )
     assert not (tmp_path / "hisparse-out").exists() and cli.factory.engines == []
 
 
@@ -241,7 +245,8 @@ def test_job_and_engine_setting_problems_come_in_one_report(cli, docs, tmp_path)
     assert lines[0] == "2 problem(s) in the jobs; nothing was run:"
     assert any("jobs.yaml:6" in line and "missing.txt" in line for line in lines[1:])
     assert any(
-        line.startswith("  jobs.yaml:3: defaults.engine.device_buffer: ") and "raise device_buffer to at least 2048 tokens (>= top_k)" in line
+        line.startswith("  jobs.yaml:3: defaults.engine.device_buffer: ")
+        and "raise device_buffer to at least 2048 tokens (>= top_k)" in line
         for line in lines[1:]
     ), lines
     assert cli.factory.engines == []
@@ -375,7 +380,9 @@ def policy_preset(monkeypatch):
     )
 
 
-def test_truncate_keep_and_extend_method_flags_follow_precedence(cli, docs, tmp_path, policy_preset):
+def test_truncate_keep_and_extend_method_flags_follow_precedence(
+    cli, docs, tmp_path, policy_preset
+):
     (tmp_path / "jobs.yaml").write_text(
         "defaults:\n  engine: {truncate_keep: middle}\njobs:\n  - {input: docs/alpha.txt}\n"
     )
@@ -481,7 +488,11 @@ def test_truncated_jobs_say_so_in_results(cli, docs, tmp_path, keep):
     cut = records["long"]["truncated"]
     assert cut["keep"] == keep and cut["original_tokens"] == 400  # one token per word
     assert 0 < cut["kept_tokens"] < 400
-    words = {"head": "kept the head", "tail": "kept the tail", "middle": "kept both ends, cut the middle"}
+    words = {
+        "head": "kept the head",
+        "tail": "kept the tail",
+        "middle": "kept both ends, cut the middle",
+    }
     assert f"cut by {400 - cut['kept_tokens']} tokens ({words[keep]})" in result.stderr
     assert records["long"]["prompt_tokens"] <= 200 - 4
     assert records["alpha"]["truncated"] is None
@@ -762,6 +773,7 @@ def test_unwritable_output_dir_exits_2_before_loading(cli, docs, tmp_path, monke
     out = tmp_path / "ro"
     out.mkdir()
     real_access = runner_module.os.access
+
     def access(path, mode):
         if Path(path) == Path("ro") and mode & os.W_OK:
             return False
@@ -785,7 +797,11 @@ def test_glob_over_two_symlink_loops_returns_and_warns(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(runner_module.__file__).parents[1])}
     done = subprocess.run(
         [sys.executable, "-m", "hisparse_cli", "run", "--manifest", "jobs.yaml", "--print-config"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
     assert done.returncode == 0, done.stderr
     assert "skipped symbolic link d/s/l -> .." in done.stderr
@@ -1044,3 +1060,36 @@ def test_an_empty_reply_is_ok_with_a_warning_naming_the_job(cli, docs, tmp_path)
     assert by_id["alpha"]["ok"] and (tmp_path / "hisparse-out" / "alpha.txt").read_text() == ""
     err = " ".join(result.stderr.split())
     assert "alpha: the reply is empty" in err and "beta: the reply is empty" not in err
+
+
+def test_a_document_over_the_context_fails_before_the_model_loads(cli, docs, tmp_path, monkeypatch):
+    """Documents whose size says they may not fit are tokenised with the model's tokenizer
+    before the load: one over the limit fails then, with the exact count and the choices,
+    and the others run; one that the size flagged but that fits runs; a batch of only
+    over-limit documents loads no model at all."""
+    from hisparse_cli import preflight
+
+    monkeypatch.setattr(preflight, "trained_context", lambda model: 400)
+    monkeypatch.setattr(runner_module, "load_tokenizer", lambda config, model: FakeTokenizer())
+    (docs / "long.txt").write_text(" ".join(f"w{i}" for i in range(600)) + "\n")  # > 400 tokens
+    # 2,000 bytes: over the size estimate's 400 tokens, but one word: it fits
+    (docs / "wide.txt").write_text("x" * 2000 + "\n")
+    result = cli(
+        "docs/long.txt", "docs/wide.txt", "docs/beta.txt", "--max-new-tokens", "4",
+        engine=(factory := testing.fake_engine_factory(limit=400)),
+    )  # fmt: skip
+    assert result.exit_code == 1
+    assert "FAILED long: prompt of " in result.stderr
+    assert "exceeds the context limit of 400 tokens" in result.stderr
+    assert "--context-policy extend" in result.stderr  # the choices
+    assert "counted the tokens of 2 long document(s)" in result.stdout
+    assert "1 over the context limit of 400 tokens; the other jobs run" in result.stdout
+    assert [j.id for j in factory.engines[0].seen] == ["wide", "beta"]
+    records = {r["id"]: r for r in read_results(tmp_path / "hisparse-out")}
+    assert not records["long"]["ok"] and records["long"]["final"] == "prompt"
+    assert records["wide"]["ok"] and records["beta"]["ok"]
+
+    factory = testing.fake_engine_factory(limit=400)
+    result = cli("docs/long.txt", "--max-new-tokens", "4", "--force", engine=factory)
+    assert result.exit_code == 1 and factory.engines == []  # no model loaded
+    assert "FAILED long" in result.stderr and "loading model" not in result.stdout

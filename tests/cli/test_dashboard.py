@@ -218,15 +218,14 @@ def test_plain_progress_lines_end_with_newline_and_are_periodic():
 
 def test_plain_line_per_finish_and_failure():
     tracker = ProgressTracker(0.0)
-    stream = io.StringIO()
-    reporter = PlainReporter(stream, tracker, interval_s=1e9, clock=lambda: 0.0)
+    stream, err = io.StringIO(), io.StringIO()
+    reporter = PlainReporter(stream, tracker, interval_s=1e9, clock=lambda: 0.0, err_stream=err)
     result = JobResult("a", "t", (1, 2), 7, "length", 0.25, 1.0, 3.0)
     for event in (JobFinished(1.0, result), JobFailed(1.0, "b", "bad input")):
         tracker.update(event)
         reporter.on_event(event)
-    assert stream.getvalue() == (
-        "done a: 7 tokens in, 2 out (length), TTFT 0.25s, 3.0 tok/s\nFAILED b: bad input\n"
-    )
+    assert stream.getvalue() == "done a: 7 tokens in, 2 out (length), TTFT 0.25s, 3.0 tok/s\n"
+    assert err.getvalue() == "FAILED b: bad input\n"  # a failure is an error: stderr
 
 
 def test_progress_line_mentions_all_figures():

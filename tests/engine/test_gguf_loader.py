@@ -8,6 +8,8 @@ through :func:`engine.load.load_weights` and the engine's RoPE
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -260,7 +262,26 @@ def test_embedded_model_line_and_registry(smollm2_gguf_path, monkeypatch):
     monkeypatch.setattr(quant, "cpu_fast_bf16", lambda: True)
     engine = load_engine(config.replace(weight_format="auto"), str(smollm2_gguf_path))
     assert isinstance(engine.model.layers[0].w_down, quant.Int4Linear)
-    assert engine.weights_info == (
+    base = (
         "linears: Q4_1 x210 -> int4 as stored; other: F32 x61, Q8_0 x1 -> float; int4 kernel "
         "with bfloat16 activations; auto: CPU has AVX512-BF16/AMX"
     )
+    # then the LM head this machine measured faster (engine.weights.quant.pick_cpu_lm_head)
+    head = r"; LM head (fp16 \([\d.]+ vs [\d.]+ ms float32|float32 \(fp16 [\d.]+ vs [\d.]+ ms), measured\)"
+    info = engine.weights_info
+    assert info.startswith(base) and re.fullmatch(head, info[len(base) :]), info
+
+
+def test_the_load_reuses_the_tokenizer_counted_before_it(llama31):
+    """``load_tokenizer`` (the CLI's token count before the load) and ``load_weights`` of
+    the same unchanged file share one tokenizer; a rewritten file builds its own."""
+    import os
+
+    from engine.load import load_tokenizer
+
+    _, path, _ = llama31
+    tokenizer, _ = load_tokenizer(str(path))
+    assert load_weights(str(path))[1] is tokenizer
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # "rewritten"
+    assert load_weights(str(path))[1] is not tokenizer
