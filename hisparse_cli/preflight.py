@@ -223,20 +223,32 @@ class Oversized:
     room: int = 0
 
 
+BOUND_BYTES_PER_TOKEN = 1.0
+"""Bytes per token that no document can go below: every token of a byte-level BPE or a
+SentencePiece vocabulary with byte fallback covers at least one byte of the text, so a
+document of N bytes is at most N tokens (decoding and control-character removal only
+shorten it). Documents over the limit at this rate are the ones worth tokenising before
+the load (:meth:`hisparse_cli.runner.BatchRun._refuse_too_long`); the others fit."""
+
+
 def oversized_documents(
-    jobs: Sequence[tuple[str, Sequence[Path], int, int]], limit: int, stdin: bytes | None = None
+    jobs: Sequence[tuple[str, Sequence[Path], int, int]],
+    limit: int,
+    stdin: bytes | None = None,
+    bytes_per_token: float = SAFE_BYTES_PER_TOKEN,
 ) -> list[Oversized]:
     """Jobs (id, inputs, max_tokens, ``template_tokens(spec, safe=True)``) whose inputs'
-    size (at :data:`SAFE_BYTES_PER_TOKEN`, an overestimate) may need more than ``limit``
-    tokens beside max_tokens. ``stdin``: the bytes of standard input (an input
-    :data:`~hisparse_cli.textio.STDIN`)."""
+    size at ``bytes_per_token`` (default :data:`SAFE_BYTES_PER_TOKEN`, an overestimate
+    for ordinary text; :data:`BOUND_BYTES_PER_TOKEN`: a bound for any text) may need more
+    than ``limit`` tokens beside max_tokens. ``stdin``: the bytes of standard input (an
+    input :data:`~hisparse_cli.textio.STDIN`)."""
     found = []
     for job_id, inputs, max_tokens, template in jobs:
         try:
             size = sum(_input_size(p, stdin) for p in inputs)
         except OSError:
             continue  # the job fails on reading it, naming the file
-        tokens = safe_tokens(size)
+        tokens = math.ceil(size / bytes_per_token)
         if tokens + template + max_tokens > limit:
             found.append(Oversized(job_id, size, tokens, limit - tokens - template))
     return found

@@ -1087,10 +1087,10 @@ class BatchRun:
                 return
 
     def _refuse_too_long(self, pending: list[PlannedJob]) -> list[PlannedJob]:
-        """Before the model loads, under ``refuse``/``extend``: the jobs whose document's
-        size says it may not fit the context limit beside max_new_tokens
-        (:func:`preflight.oversized_documents`, a cautious estimate) are tokenised exactly
-        with the model's tokenizer (read from its header, no weights: the load then reuses
+        """Before the model loads, under ``refuse``/``extend``: the jobs whose document
+        could exceed the context limit beside max_new_tokens (more bytes than the limit's
+        tokens: :data:`preflight.BOUND_BYTES_PER_TOKEN`) are tokenised exactly with the
+        model's tokenizer (read from its header, no weights: the load then reuses
         it), and those over the limit fail now with the engine's own message and choices,
         so no model is loaded for a job that cannot run. Returns the jobs still to run.
         Where the tokenizer cannot be read, the estimate is stated as a warning instead and
@@ -1105,19 +1105,23 @@ class BatchRun:
             (s.id, s.inputs, s.sampling.max_tokens, preflight.template_tokens(s, safe=True))
             for s in (j.spec for j in pending)
         ]
-        found = {o.job_id for o in preflight.oversized_documents(jobs, limit, self.request.stdin)}
+        # candidates: over the limit at one byte a token, which no text goes below
+        bound = preflight.BOUND_BYTES_PER_TOKEN
+        found = {
+            o.job_id for o in preflight.oversized_documents(jobs, limit, self.request.stdin, bound)
+        }
         if not found:
             return pending
         t0 = time.monotonic()
         try:
             tokenizer = load_tokenizer(self.config, self.request.model)
         except Exception:  # noqa: BLE001 - the load reports the real reason; warn only
-            statement = preflight.oversized_statement(
-                [o for o in preflight.oversized_documents(jobs, limit, self.request.stdin)],
-                limit,
-                self.config.context_policy,
-            )
-            self.reporter.note(statement, "warning")
+            estimated = preflight.oversized_documents(jobs, limit, self.request.stdin)
+            if estimated:
+                statement = preflight.oversized_statement(
+                    estimated, limit, self.config.context_policy
+                )
+                self.reporter.note(statement, "warning")
             return pending
         keep: list[PlannedJob] = []
         refused: list[tuple[PlannedJob, str]] = []
