@@ -388,7 +388,7 @@ def render_summary(summary: RunSummary) -> Table:
     table.add_row("failed", Text(str(summary.failed), "red" if summary.failed else ""))
     table.add_row("skipped (already done)", str(summary.skipped))
     if summary.refused:
-        table.add_row("refused lines", Text(f"{summary.refused} (not run)", "red"))
+        table.add_row("refused inputs", Text(f"{summary.refused} (not run)", "red"))
     if summary.cancelled or summary.not_run:
         table.add_row("cancelled / not run", f"{summary.cancelled} / {summary.not_run}")
     table.add_row("tokens in / out", f"{summary.prompt_tokens:,} / {summary.generated_tokens:,}")

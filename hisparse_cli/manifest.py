@@ -251,6 +251,7 @@ def jobs_from_paths(
     warnings: list[str] = []
     found = _Unique()
     unreadable: list[tuple[str, Problem]] = []  # named paths that are missing or folders
+    unmatched: list[Problem] = []  # globs that give no document
     found_problems: list[Problem] = []  # in the order of the arguments
     has_stdin = "-" in patterns
     for pattern in (p for p in patterns if p != "-"):
@@ -259,17 +260,19 @@ def jobs_from_paths(
         found.extend(_expand(pattern, base, entry, problems, warnings))
         if problems and not _GLOB_CHARS.search(os.path.expanduser(pattern)):
             unreadable.append((pattern, problems[0]))
+        elif problems:
+            unmatched.extend(problems)
         found_problems.extend(problems)
     files = found.files
     warnings.extend(found.notes(base))
     if patterns.count("-") > 1:
         warnings.append(f"DOCS: '-' (standard input) is named {patterns.count('-')} times: one job")
     if files or has_stdin:  # the named-but-unreadable ones become failing jobs
-        kept = {id(problem) for _, problem in unreadable}
+        kept = {id(problem) for _, problem in unreadable} | {id(p) for p in unmatched}
         raw.problems.extend(p for p in found_problems if id(p) not in kept)
     else:  # nothing to run: every problem stops the run, as for a manifest
         raw.problems.extend(found_problems)
-        unreadable = []
+        unreadable, unmatched = [], []
     for _, problem in unreadable:  # the rest of the batch carries on; this job fails
         warnings.append(f"{problem.message}: that document's job fails, the others run")
     named = [*files, *(_absolute(base, os.path.expanduser(p)) for p, _ in unreadable)]
@@ -281,7 +284,21 @@ def jobs_from_paths(
         raw.jobs.append(Entry(COMMAND_LINE, label, None, values))
     if stdin_id is not None:  # after the files
         raw.jobs.append(Entry(COMMAND_LINE, STDIN_LABEL, None, {"id": stdin_id, "input": "-"}))
-    return _build(raw, base, overrides, warnings=warnings)
+    manifest = _build(raw, base, overrides, warnings=warnings)
+    # a glob that gives no document has no job to fail: refused as an input, the rest run
+    return dataclasses.replace(manifest, rejected=tuple(UnmatchedInput(p) for p in unmatched))
+
+
+@dataclass(frozen=True)
+class UnmatchedInput:
+    """A command-line glob that gave no document (it matches nothing, or only folders)
+    while other documents were named: refused like a bad batch line (an error on stderr,
+    counted as refused in the summary, exit status 1), the other documents run."""
+
+    problem: Problem
+
+    def __str__(self) -> str:
+        return f"{self.problem}: nothing from it runs, the other documents do"
 
 
 UNREADABLE_LABEL = "unreadable document "

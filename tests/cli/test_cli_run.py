@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -1093,3 +1094,18 @@ def test_a_document_over_the_context_fails_before_the_model_loads(cli, docs, tmp
     result = cli("docs/long.txt", "--max-new-tokens", "4", "--force", engine=factory)
     assert result.exit_code == 1 and factory.engines == []  # no model loaded
     assert "FAILED long" in result.stderr and "loading model" not in result.stdout
+
+
+def test_a_glob_matching_nothing_is_refused_and_the_rest_run(cli, docs, tmp_path):
+    """A command-line glob with no match among real documents: an error naming the
+    pattern, counted as a refused input, exit 1; the named documents still run. Alone it
+    still stops the run (exit 2)."""
+    result = cli("nodocs/*.md", "docs/alpha.txt")
+    assert result.exit_code == 1
+    assert "glob 'nodocs/*.md' matches no files" in result.stderr
+    assert "nothing from it runs, the other documents do" in result.stderr
+    assert re.search(r"refused inputs\s+│ 1 \(not run\)", result.stdout), result.stdout
+    (record,) = read_results(tmp_path / "hisparse-out")
+    assert record["id"] == "alpha" and record["ok"]
+    result = cli("nodocs/*.md")
+    assert result.exit_code == 2 and "matches no files" in result.output

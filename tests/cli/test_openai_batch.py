@@ -161,7 +161,7 @@ def test_a_refused_duplicate_custom_id_does_not_share_it_and_refusals_are_counte
     )
     result = cli("--manifest", str(path))
     assert result.exit_code == 1, result.output
-    assert re.search(r"refused lines\s+│ 2 \(not run\)", result.stdout), result.stdout
+    assert re.search(r"refused inputs\s+│ 2 \(not run\)", result.stdout), result.stdout
     lines = read_jsonl(tmp_path / "hisparse-out" / openai_batch.BATCH_OUTPUT_FILE)
     assert [x["custom_id"] for x in lines] == ["a", "b", None]  # each custom_id answered once
     answered, bad, duplicate = lines
