@@ -351,7 +351,10 @@ class JsonReporter:
         self._emit({"event": "summary", **dataclasses.asdict(summary)})
 
     def _emit(self, obj: dict[str, Any]) -> None:
-        line = json.dumps({**obj, "time": utc_now()}, ensure_ascii=False, default=str) + "\n"
+        """One JSON line: ``obj`` with ``time`` (wall clock, ISO 8601 UTC) and, where the
+        object has none of its own (notes, skips, the summary), ``t`` on the run's clock."""
+        stamped = {**obj, "t": obj["t"] if "t" in obj else self.clock(), "time": utc_now()}
+        line = json.dumps(stamped, ensure_ascii=False, default=str) + "\n"
         with self._lock:
             self.stream.write(line)
             self.stream.flush()

@@ -611,6 +611,9 @@ def test_json_progress_stdout_is_only_json(cli, docs):
     kinds = [o["event"] for o in objects]
     assert kinds.count("job_finished") == 2 and kinds[-1] == "summary"
     assert objects[-1]["ok"] == 2
+    # every object: the run's clock `t` and the wall-clock `time` (notes and summary too)
+    assert all(isinstance(o["t"], float) and o["time"].endswith("+00:00") for o in objects)
+    assert "info" in kinds
 
 
 def test_non_tty_output_is_plain_lines(cli, docs):
