@@ -45,6 +45,11 @@ class ChunkedJob:
     recorded: bool = False
     map_prompt_tokens: int = 0
     map_generated_tokens: int = 0
+    t_start: float | None = None
+    """When its first map job was admitted (``time.monotonic()``): the job's start, from
+    which its time to first token counts (the reduce step's first token)."""
+    reduce_ttft_s: float | None = None
+    """The reduce step's own time to first token, from its admission."""
 
     @property
     def level(self) -> int:
@@ -53,21 +58,27 @@ class ChunkedJob:
     def summary(self) -> dict[str, object]:
         """The ``chunked`` field of the job's results line: map jobs per level and in
         all, and the number of levels (reduce steps)."""
-        return {"policy": "chunk", "chunks": sum(self.chunks), "levels": self.level,
-                "per_level": list(self.chunks)}
+        return {
+            "policy": "chunk",
+            "chunks": sum(self.chunks),
+            "levels": self.level,
+            "per_level": list(self.chunks),
+        }
 
     def attribute(self, record: dict[str, Any]) -> dict[str, Any]:
         """``record`` (the job's results line, its token counts the reduce job's, ``None``
         when it never ran) counting the whole document: ``prompt_tokens`` and
         ``generated_tokens`` become map jobs' + reduce job's, and ``chunked`` gets the
         parts (``map_prompt_tokens``, ``map_generated_tokens``, ``reduce_prompt_tokens``,
-        ``reduce_generated_tokens``)."""
+        ``reduce_generated_tokens``, ``reduce_ttft_s``: the reduce step's own time to first
+        token; the line's ``ttft_s`` counts from the job's start)."""
         prompt, generated = record.get("prompt_tokens") or 0, record.get("generated_tokens") or 0
         parts = {
             "map_prompt_tokens": self.map_prompt_tokens,
             "map_generated_tokens": self.map_generated_tokens,
             "reduce_prompt_tokens": prompt,
             "reduce_generated_tokens": generated,
+            "reduce_ttft_s": self.reduce_ttft_s,
         }
         total = prompt + self.map_prompt_tokens
         return {
@@ -112,11 +123,19 @@ class ChunkScheduler:
             jobs.append(make(map_id, text))
         return jobs
 
-    def admitted(self, map_id: str) -> None:
-        """A map job was admitted: its job has started (:meth:`cancelled_jobs`)."""
+    def admitted(self, map_id: str, t: float | None = None) -> str | None:
+        """A map job was admitted (at ``t``, ``time.monotonic()``): its job has started
+        (:meth:`cancelled_jobs`); the first admission is the job's start
+        (:attr:`ChunkedJob.t_start`). Returns the job's id when this admission started it."""
         owner = self.owner.get(map_id)
-        if owner is not None:
-            self.jobs[owner[0]].started = True
+        if owner is None:
+            return None
+        state = self.jobs[owner[0]]
+        first = not state.started
+        state.started = True
+        if first and t is not None:
+            state.t_start = t
+        return state.job_id if first else None
 
     def cancelled_jobs(self) -> list[ChunkedJob]:
         """After a cancel: the jobs that started but have no results line yet (stopped
@@ -170,6 +189,4 @@ class ChunkScheduler:
 
     def waiting(self) -> bool:
         """Whether a job still has map jobs running or jobs ready to hand out."""
-        return bool(self.ready) or any(
-            s.outstanding and not s.done for s in self.jobs.values()
-        )
+        return bool(self.ready) or any(s.outstanding and not s.done for s in self.jobs.values())

@@ -891,6 +891,9 @@ class BatchRun:
         self.tracker = ProgressTracker(clock())
         self.records: dict[str, dict[str, Any]] = {}
         self.prompt_tokens: dict[str, int] = {}  # job id -> tokens of the prompt it was given
+        self.reduce_admitted: dict[
+            str, float
+        ] = {}  # job id -> when it (a reduce step) was admitted
         self.specs: dict[str, Any] = {}  # job id -> JobSpec
         self.final: dict[str, str] = {}  # job id -> why its failure is final (results.FINAL_*)
         self.input_paths: set[Path] = set()  # every input of the run, resolved
@@ -1375,7 +1378,9 @@ class BatchRun:
         self.tracker.update(event)
         self.reporter.on_event(event)
         if isinstance(event, JobAdmitted):
-            self.chunker.admitted(map_id)
+            started = self.chunker.admitted(map_id, event.t)
+            if started is not None and started in self.records:  # the job starts with its maps
+                self.records[started]["started_at"] = utc_now()
         elif isinstance(event, JobFinished):
             self._retire_map(map_id)
             r = event.result
@@ -1465,9 +1470,13 @@ class BatchRun:
             self.tracker.set_phase(event.job_id, "cancelled")
             self.reporter.on_event(event)
             return
+        if isinstance(event, JobFinished) and job_id in self.chunker.jobs:
+            event = self._whole_job_ttft(event)
         self.tracker.update(event)
         if isinstance(event, JobAdmitted) and event.job_id in self.records:
-            self.records[event.job_id]["started_at"] = utc_now()
+            self.reduce_admitted[event.job_id] = event.t
+            if event.job_id not in self.chunker.jobs:  # a chunked job started with its maps
+                self.records[event.job_id]["started_at"] = utc_now()
         elif isinstance(event, JobFinished):
             self._write_result(event.result)
         elif isinstance(event, JobFailed):
@@ -1475,6 +1484,20 @@ class BatchRun:
         elif isinstance(event, WorkerDied):
             self.reporter.note(event.error, "error")
         self.reporter.on_event(event)
+
+    def _whole_job_ttft(self, event: JobFinished) -> JobFinished:
+        """A chunked job's reduce step finished: its time to first token counted from the
+        job's start (its first map job's admission) to the reduce step's first token, not
+        from the reduce step's own admission — the wait for the answer, as the results line
+        and the done line report it (the reduce step's own is kept in ``chunked``)."""
+        result = event.result
+        state = self.chunker.jobs[result.job_id]
+        admitted = self.reduce_admitted.get(result.job_id)
+        if state.t_start is None or admitted is None:
+            return event
+        state.reduce_ttft_s = result.ttft_s
+        whole = admitted + result.ttft_s - state.t_start
+        return dataclasses.replace(event, result=dataclasses.replace(result, ttft_s=whole))
 
     def _write_result(self, result: JobResult) -> None:
         base = self.records.get(result.job_id)

@@ -83,8 +83,17 @@ def read_lines(tmp_path):
 def run_chunked(cli, *args, **engine_kwargs):
     factory = testing.fake_engine_factory(limit=LIMIT, **engine_kwargs)
     result = cli(
-        "docs/alpha.txt", "docs/long.txt", "docs/beta.txt", "--context-policy", "chunk",
-        "--max-new-tokens", "4", "--max-batch", "3", *args, engine=factory,
+        "docs/alpha.txt",
+        "docs/long.txt",
+        "docs/beta.txt",
+        "--context-policy",
+        "chunk",
+        "--max-new-tokens",
+        "4",
+        "--max-batch",
+        "3",
+        *args,
+        engine=factory,
     )
     seen = [job for engine in factory.engines for job in engine.seen]
     return result, seen
@@ -107,9 +116,15 @@ def test_long_document_maps_then_reduces_in_the_batch(cli, long_doc, tmp_path):
     records = {r["id"]: r for r in read_lines(tmp_path)}
     assert set(records) == {"alpha", "long", "beta"}  # map jobs get no results line
     assert records["long"]["ok"] and records["long"]["chunked"] == {
-        "policy": "chunk", "chunks": len(maps), "levels": 1, "per_level": [len(maps)],
+        "policy": "chunk",
+        "chunks": len(maps),
+        "levels": 1,
+        "per_level": [len(maps)],
         **{k: records["long"]["chunked"][k] for k in TOKEN_PARTS},  # their test is below
+        "reduce_ttft_s": 0.01,  # the fake engine's; the job's own counts from its first map
     }
+    assert records["long"]["ttft_s"] > records["long"]["chunked"]["reduce_ttft_s"]
+    assert records["long"]["started_at"] <= records["alpha"]["finished_at"]  # with its maps
     assert "chunked" not in records["alpha"]
     assert (tmp_path / "hisparse-out" / "long.txt").read_text() == "output of long: 4 tokens"
     assert f"the task runs on {len(maps)} overlapping chunks" in result.output
@@ -132,10 +147,9 @@ def test_the_documents_line_and_the_summary_count_every_part_s_tokens(cli, long_
         "policy": "chunk", "chunks": len(maps), "levels": 1, "per_level": [len(maps)],
         "map_prompt_tokens": map_prompt, "map_generated_tokens": 4 * len(maps),
         "reduce_prompt_tokens": len(reduce.prompt_ids), "reduce_generated_tokens": 4,
+        "reduce_ttft_s": record["chunked"]["reduce_ttft_s"],
     }  # fmt: skip
-    summary = next(
-        json.loads(x) for x in result.stdout.splitlines() if '"event": "summary"' in x
-    )
+    summary = next(json.loads(x) for x in result.stdout.splitlines() if '"event": "summary"' in x)
     assert summary["prompt_tokens"] == sum(len(j.prompt_ids) for j in seen)  # maps included
     assert summary["generated_tokens"] == 4 * len(seen)
     assert summary["ok"] == 3
