@@ -9,13 +9,13 @@ reference ops that chain is made of — :func:`kernels.rope_append.rope_append_r
 :func:`kernels.slot_list.resident_slots_of_pages` and
 :func:`kernels.sparse_attention.sparse_decode_attention_ref` — each rebuild the index
 tensors those inputs imply (page validity, forced pages, budgets, pool pages of the new
-token, position masks): ~185 ATen calls a layer, at a few microseconds each on a 2-core
-CPU, against ~0.5 ms of arithmetic per layer of the embedded model at 8K.
+token, position masks), each a dispatched ATen call of a few microseconds on a 2-core CPU.
 
 :class:`DirectTables` builds them once a step; :func:`direct_layer` runs the chain's
-arithmetic — the same ops on the same values in the same order — on them, in about a
-third of the calls (measured by ``scripts/bench_cpu_llamacpp.py --profile-steps``,
-docs/performance.md, "CPU decode: one step's tables"). Its outputs, the pool and the
+arithmetic — the same ops on the same values in the same order — on them. On the embedded
+model at 8K the profiler's ATen calls per decode step fell from 18,446 to 10,540 and the
+profiled step from 39.0 to 30.0 ms (``scripts/bench_cpu_llamacpp.py --profile-steps 8``;
+docs/performance.md, "CPU decode: one chain a layer, fp16 LM head"). Its outputs, the pool and the
 metadata it writes are bit-identical to the reference chain's
 (``tests/engine/test_cpu_direct_chain.py``), which stays the oracle. Rewrites that keep
 the values but not the ops one for one: q and k are rotated in one pass of the same

@@ -259,21 +259,20 @@ class CastLinear(DenseLinear):
         return F.linear(x.to(self.dtype), self.weight).to(x.dtype)
 
 
-def pick_cpu_lm_head(
-    head: DenseLinear, repeats: int = 3, gain: float = 0.8
-) -> tuple[Linear, str]:
+def pick_cpu_lm_head(head: DenseLinear, repeats: int = 3, gain: float = 0.8) -> tuple[Linear, str]:
     """The CPU LM head of a model whose linears already run with bf16 products: ``head``
     (float32 ``[V, H]``) kept, or an fp16 copy (:class:`CastLinear`) where this machine
     runs the one-row product in fp16 faster.
 
     Why fp16 and not bf16 or int8: on the embedded model's tied Q8_0 embedding
-    (``scripts/check_cpu_fidelity.py --heads engine bf16 fp16``, docs/performance.md, "CPU
-    LM head") fp16 left KL to llama.cpp's logits within 1% of the float32 head's (KL to
-    the float32 head 6e-6 nats), where bf16 added 19%, int8 per row 86%. Why timed: fp16
-    GEMV speed depends on the CPU and its torch build (5.4x faster than float32 on an
-    AVX512-BF16 EPYC, slower on an earlier AMX Xeon run), and no feature flag tells it.
-    The two heads' logits differ by that 6e-6 nats, so a probe that flips on a noisy box
-    changes speed, not answers measurably.
+    (``scripts/check_cpu_fidelity.py --heads engine float32 bf16 fp16``; docs/performance.md,
+    "CPU decode: one chain a layer, fp16 LM head") fp16 left KL to llama.cpp's logits within
+    1% of the float32 head's (KL between the two 7e-6 nats), where bf16 added 19% and an
+    int8 per-row head 85% (an earlier run of the same script). Why timed: fp16 GEMV speed
+    depends on the CPU and its torch build (~5x faster than float32 on an AVX512-BF16 EPYC,
+    no faster on an earlier AMX Xeon run), and no feature flag tells it. The two heads'
+    outputs differ by that 7e-6 nats, so a probe that flips on a noisy box changes speed,
+    not answers measurably.
 
     Returns ``(linear, note)``: the head to use and a model-line note of what was measured
     (best of ``repeats`` one-row products each, fp16 kept when at most ``gain`` of the
