@@ -1147,11 +1147,12 @@ class BatchRun:
                 planned = planned.with_documents(documents)
             why = too_long_message(len(ids), max_tokens, limit, self.config.context_policy)
             refused.append((planned, why))
-        self.reporter.note(
-            f"counted the tokens of {len(found)} long document(s) with the model's tokenizer "
-            f"before loading it ({time.monotonic() - t0:.1f}s): {len(refused)} over the context "
-            f"limit of {limit:,} tokens" + ("; the other jobs run" if refused and keep else "")
-        )
+        if refused:  # documents that fit are not mentioned
+            self.reporter.note(
+                f"counted the tokens of {len(found)} long document(s) with the model's tokenizer "
+                f"before loading it ({time.monotonic() - t0:.1f}s): {len(refused)} over the context "
+                f"limit of {limit:,} tokens" + ("; the other jobs run" if refused and keep else "")
+            )
         for planned, why in refused:
             self.records[planned.spec.id] = planned.base_record(self.model_name)
             self.final[planned.spec.id] = FINAL_PROMPT  # the same key fails the same way again

@@ -1097,6 +1097,8 @@ def test_a_document_over_the_context_fails_before_the_model_loads(cli, docs, tmp
     result = cli("docs/long.txt", "--max-new-tokens", "4", "--force", engine=factory)
     assert result.exit_code == 1 and factory.engines == []  # no model loaded
     assert "FAILED long" in result.stderr and "loading model" not in result.stdout
+    result = cli("docs/wide.txt", "--max-new-tokens", "4", "--force")  # counted, and fits
+    assert result.exit_code == 0 and "counted the tokens" not in result.output
 
 
 def test_a_glob_matching_nothing_is_refused_and_the_rest_run(cli, docs, tmp_path):
