@@ -891,9 +891,7 @@ class BatchRun:
         self.tracker = ProgressTracker(clock())
         self.records: dict[str, dict[str, Any]] = {}
         self.prompt_tokens: dict[str, int] = {}  # job id -> tokens of the prompt it was given
-        self.reduce_admitted: dict[
-            str, float
-        ] = {}  # job id -> when it (a reduce step) was admitted
+        self.reduce_admitted: dict[str, float] = {}  # job id -> when it was admitted
         self.specs: dict[str, Any] = {}  # job id -> JobSpec
         self.final: dict[str, str] = {}  # job id -> why its failure is final (results.FINAL_*)
         self.input_paths: set[Path] = set()  # every input of the run, resolved
@@ -1149,7 +1147,8 @@ class BatchRun:
             refused.append((planned, why))
         if refused:  # documents that fit are not mentioned
             self.reporter.note(
-                f"counted the tokens of {len(found)} long document(s) with the model's tokenizer "
+                f"counted the tokens of {len(found)} document(s) that could exceed the context, "
+                f"with the model's tokenizer "
                 f"before loading it ({time.monotonic() - t0:.1f}s): {len(refused)} over the context "
                 f"limit of {limit:,} tokens" + ("; the other jobs run" if refused and keep else "")
             )
@@ -1315,17 +1314,11 @@ class BatchRun:
         return messages
 
     # ----- context_policy chunk (hisparse_cli.chunking) ------------------------------
-    def _messages_of(self, spec: Any) -> Callable[[str], list[dict]]:
-        def messages(text: str) -> list[dict]:
-            return build_messages(spec.task, text, spec.id, document_name(spec.inputs[0]))
-
-        return messages
-
     def _chunks(self, engine: BatchEngine, spec: Any, document: str) -> list[str]:
         """``document`` as chunks whose prompts fit (one when it fits whole)."""
         return chunk_document(
             engine.tokenizer,
-            self._messages_of(spec),
+            self._prompt_messages(spec),
             document,
             engine.prompt_limit(),
             spec.sampling.max_tokens,
@@ -1335,7 +1328,7 @@ class BatchRun:
         """The next level's map jobs of ``spec``'s job, noted in its results line's
         ``chunked`` field."""
         assert self.engine is not None
-        encode, messages = self.engine.tokenizer.encode_chat, self._messages_of(spec)
+        encode, messages = self.engine.tokenizer.encode_chat, self._prompt_messages(spec)
 
         def make(map_id: str, text: str) -> Job:
             meta = {"key": key, "output": spec.output, "chunk_of": spec.id}
@@ -1362,7 +1355,7 @@ class BatchRun:
             chunks = self._chunks(self.engine, spec, document)
             if len(chunks) > 1:
                 return self._map_jobs(spec, key, chunks)
-            ids = tuple(self.engine.tokenizer.encode_chat(self._messages_of(spec)(document)))
+            ids = tuple(self.engine.tokenizer.encode_chat(self._prompt_messages(spec)(document)))
         except Exception as exc:  # noqa: BLE001 - one bad job must not stop the batch
             self.chunker.close(job_id)
             self._handle(JobFailed(self.clock(), job_id, f"chunk policy: reduce step: {exc}"))

@@ -1086,7 +1086,7 @@ def test_a_document_over_the_context_fails_before_the_model_loads(cli, docs, tmp
     assert "FAILED long: prompt of " in result.stderr
     assert "exceeds the context limit of 400 tokens" in result.stderr
     assert "--context-policy extend" in result.stderr  # the choices
-    assert "counted the tokens of 2 long document(s)" in result.stdout
+    assert "counted the tokens of 2 document(s) that could exceed the context" in result.stdout
     assert "1 over the context limit of 400 tokens; the other jobs run" in result.stdout
     assert [j.id for j in factory.engines[0].seen] == ["wide", "beta"]
     records = {r["id"]: r for r in read_results(tmp_path / "hisparse-out")}
