@@ -263,7 +263,12 @@ Trace = Annotated[
 
 OutputDir = Annotated[
     Path,
-    typer.Option(help="Where results.jsonl, config.json and <job>.txt go.", rich_help_panel=OUTPUT),
+    typer.Option(
+        "--output-dir",
+        "-o",
+        help="Where results.jsonl, config.json and <job>.txt go.",
+        rich_help_panel=OUTPUT,
+    ),
 ]
 
 Audit = Annotated[

@@ -1114,3 +1114,12 @@ def test_a_glob_matching_nothing_is_refused_and_the_rest_run(cli, docs, tmp_path
     assert record["id"] == "alpha" and record["ok"]
     result = cli("nodocs/*.md")
     assert result.exit_code == 2 and "matches no files" in result.output
+
+
+def test_output_dir_has_the_short_flag_o(cli, docs, tmp_path):
+    """``-o`` is ``--output-dir`` (as in ``hisparse eval``)."""
+    result = cli("docs/alpha.txt", "-o", "elsewhere")
+    assert result.exit_code == 0, result.output
+    (record,) = read_results(tmp_path / "elsewhere")
+    assert record["id"] == "alpha" and record["ok"]
+    assert not (tmp_path / "hisparse-out").exists()
