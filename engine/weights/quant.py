@@ -268,11 +268,12 @@ def pick_cpu_lm_head(head: DenseLinear, repeats: int = 3, gain: float = 0.8) -> 
     (``scripts/check_cpu_fidelity.py --heads engine float32 bf16 fp16``; docs/performance.md,
     "CPU decode: one chain a layer, fp16 LM head") fp16 left KL to llama.cpp's logits within
     1% of the float32 head's (KL between the two 7e-6 nats), where bf16 added 19% and an
-    int8 per-row head 85% (an earlier run of the same script). Why timed: fp16 GEMV speed
-    depends on the CPU and its torch build (~5x faster than float32 on an AVX512-BF16 EPYC,
-    no faster on an earlier AMX Xeon run), and no feature flag tells it. The two heads'
-    outputs differ by that 7e-6 nats, so a probe that flips on a noisy box changes speed,
-    not answers measurably.
+    int8 per-row head 85% (an earlier run of the same script). Why timed: the fp16 head's
+    speed was measured on one CPU only (an AVX512-BF16 EPYC without AVX512-FP16: 1.4 vs
+    7.5 ms a step, ``scripts/bench_cpu_llamacpp.py --profile-steps``), torch's CPU fp16 GEMV
+    speed on other CPUs is not something a feature flag reports, so the load measures
+    instead of assuming. The two heads' outputs differ by that 7e-6 nats, so a probe that
+    flips on a noisy box changes speed, not answers measurably.
 
     Returns ``(linear, note)``: the head to use and a model-line note of what was measured
     (best of ``repeats`` one-row products each, fp16 kept when at most ``gain`` of the
