@@ -139,6 +139,24 @@ def dense_selection(num_pages: torch.Tensor, num_kv_heads: int, p_max: int) -> t
     return pack_bits(mask[:, None, :].expand(-1, num_kv_heads, -1))
 
 
+KEY_MIN = -9223372036854775808
+"""int64 min: the padding key, below every key :func:`_order_key` makes for a page below
+``2**32 - 1``."""
+KEY_MIN_C = tl.constexpr(KEY_MIN)
+""":data:`KEY_MIN` for use inside kernels."""
+
+
+@triton.jit
+def _order_key(x, page):
+    """Distinct int64 keys of float32 scores ``x`` at pages ``page`` (same shape): high
+    word the score's order-preserving bits (-0.0 as +0.0, as in the float sort), low word
+    ``2**32 - 1 - page``; descending key order = score descending, ties to the lower page."""
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return bits.to(tl.int64) * 4294967296 + (4294967295 - page.to(tl.int64))
+
+
 @triton.jit
 def _topk_key_kernel(
     scores_ptr,
@@ -168,10 +186,7 @@ def _topk_key_kernel(
     forced = valid & ((offs_p < sink_pages) | (offs_p >= n - window_pages))
     x = tl.where(forced, float("inf"), x)
     x = tl.where(valid, x, float("-inf"))
-    x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties +0.0, as in the float sort
-    bits = x.to(tl.int32, bitcast=True)
-    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    key = bits.to(tl.int64) * 4294967296 + (4294967295 - offs_p.to(tl.int64))
+    key = _order_key(x, offs_p)
     tl.store(key_ptr + row.to(tl.int64) * p_max + offs_p, key, mask=mask_p)
 
 
@@ -249,7 +264,7 @@ def top_keys(key: torch.Tensor, k: int) -> torch.Tensor:
         return torch.topk(key, k, dim=-1, sorted=True).values
     nb = -(-p // blk)
     if nb * blk != p:
-        key = torch.nn.functional.pad(key, (0, nb * blk - p), value=torch.iinfo(torch.int64).min)
+        key = torch.nn.functional.pad(key, (0, nb * blk - p), value=KEY_MIN)
     part = torch.topk(key.view(*key.shape[:-1], nb, blk), k, dim=-1, sorted=False).values
     return torch.topk(part.flatten(-2), k, dim=-1, sorted=True).values
 

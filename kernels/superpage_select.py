@@ -59,7 +59,7 @@ from kernels.quest_scores import (
     quest_scores,
     quest_scores_ref,
 )
-from kernels.select_topk import _or, _topk_key_kernel
+from kernels.select_topk import KEY_MIN_C, _or, _order_key, _topk_key_kernel
 
 SUPERPAGE_COMBINES = ("sum", "max", "normmax")
 """GQA combine rules the two-level selection supports (``union`` ranks every page)."""
@@ -397,11 +397,7 @@ def _candidate_key_kernel(
     x = tl.load(score_ptr + base, mask=in_m, other=float("-inf")).to(tl.float32)
     forced = (page < sink_pages) | (page >= n - window_pages)
     x = tl.where((page < n) & ~forced, x, float("-inf"))
-    x = tl.where(x == 0.0, 0.0, x)
-    bits = x.to(tl.int32, bitcast=True)
-    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    key = bits.to(tl.int64) * 4294967296 + (4294967295 - page.to(tl.int64))
-    tl.store(key_ptr + base, key, mask=in_m)
+    tl.store(key_ptr + base, _order_key(x, page), mask=in_m)
 
 
 @triton.jit
@@ -459,6 +455,135 @@ def _pick_kernel(
     tl.atomic_or(word, (1 << (page % 32)).to(tl.int32), mask=usable)
 
 
+FUSED_SORT_MAX = 4096
+"""Longest row (superpages, or candidate pages ``M``; rounded up to a power of two) that
+:func:`superpage_select` ranks inside one program with ``tl.sort``; longer rows go through
+``torch.topk`` and the separate key / forced-word / pick kernels."""
+
+
+@triton.jit
+def _ranked(key, K: tl.constexpr):
+    """The ``K`` largest of a row of keys, descending (``tl.topk``; ``tl.sort`` when ``K``
+    is the whole row)."""
+    if K == key.shape[0]:
+        return tl.sort(key, descending=True)
+    return tl.topk(key, K)
+
+
+def _sort_warps(n: int) -> int:
+    """Warps of a program that ranks a row of ``n`` keys in registers (8 from 512 keys:
+    SmolLM2's superpage select at 128K x 32 jobs took 50 us a layer at 8 warps, 60 at 4,
+    82 at 2; ``scripts/bench_superpage.py``, H200, 2026-12-02)."""
+    return 4 if n < 512 else 8
+
+
+def _rank_width(k: int, n: int) -> int:
+    """Keys a row's ranking keeps: the next power of two >= ``k`` (``tl.topk``), or the
+    whole row of ``next_pow2(n)`` (``tl.sort``) where that is no wider."""
+    return min(next_pow2(max(k, 1)), next_pow2(n))
+
+
+@triton.jit
+def _top_superpages_kernel(
+    score_ptr,
+    n_sp_ptr,
+    top_ptr,
+    num_kv_heads,
+    spn,
+    c,
+    stride_sc_b,
+    stride_sc_h,
+    BLOCK: tl.constexpr,
+    K: tl.constexpr,
+):
+    """One (request, KV head): the keys of its best ``c <= K`` superpages, descending (what
+    :func:`kernels.select_topk._topk_key_kernel` with no forced pages and ``torch.topk``
+    give), from one in-register sort of the row's ``spn <= BLOCK`` keys."""
+    row = tl.program_id(0)
+    b = row // num_kv_heads
+    h = row % num_kv_heads
+    n = tl.load(n_sp_ptr + b)
+    offs = tl.arange(0, BLOCK)
+    in_row = offs < spn
+    x = tl.load(score_ptr + b * stride_sc_b + h * stride_sc_h + offs, mask=in_row, other=0.0)
+    x = tl.where(offs < n, x.to(tl.float32), float("-inf"))
+    key = tl.where(in_row, _order_key(x, offs), KEY_MIN_C)
+    top = _ranked(key, K)
+    offs_k = tl.arange(0, K)
+    tl.store(top_ptr + row.to(tl.int64) * c + offs_k, top, mask=offs_k < c)
+
+
+@triton.jit
+def _pick_candidates_kernel(
+    bounds_ptr,
+    cand_ptr,
+    num_pages_ptr,
+    sel_ptr,
+    num_kv_heads,
+    p_max,
+    num_cand,
+    num_words,
+    top_k_pages,
+    sink_pages,
+    window_pages,
+    scale,
+    stride_u_b,
+    stride_u_h,
+    G: tl.constexpr,
+    NORMMAX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """One (request, KV head): steps 4-5 of the module docstring after the candidates'
+    bounds, in one program. ``NORMMAX``: each head's log-softmax over the candidates
+    (``bounds [B, Hq, M]``), the maximum over the group; else ``bounds [B, Hkv, M]`` are
+    the scores. Then the candidates' keys (forced and unused pages ``-inf``), their best
+    ``K >= top_k_pages`` in registers for the ``free``-th best key, the row's forced words, and the bits of
+    the usable candidates at or above that key (``atomic_or``: a word can hold pages of two
+    candidate superpages)."""
+    row = tl.program_id(0)
+    b = row // num_kv_heads
+    h = row % num_kv_heads
+    n = tl.minimum(tl.load(num_pages_ptr + b).to(tl.int32), p_max)
+    offs_m = tl.arange(0, BLOCK_M)
+    in_m = offs_m < num_cand
+    page = tl.load(cand_ptr + row.to(tl.int64) * num_cand + offs_m, mask=in_m, other=0)
+    valid = in_m & (page < n)
+    if NORMMAX:
+        score = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for g in tl.static_range(G):
+            src = bounds_ptr + b * stride_u_b + (h * G + g) * stride_u_h + offs_m
+            x = tl.load(src, mask=valid, other=float("-inf")) * scale
+            m = tl.max(x, axis=0)
+            shift = tl.where(m == float("-inf"), 0.0, m)
+            total = tl.sum(tl.exp(x - shift), axis=0)
+            lse = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), 0.0)
+            score = tl.maximum(score, tl.where(valid, x - lse, float("-inf")))
+    else:
+        src = bounds_ptr + b * stride_u_b + h * stride_u_h + offs_m
+        score = tl.load(src, mask=valid, other=float("-inf"))
+    usable = valid & ~((page < sink_pages) | (page >= n - window_pages))
+    key = tl.where(in_m, _order_key(tl.where(usable, score, float("-inf")), page), KEY_MIN_C)
+    ranked = _ranked(key, K)
+    forced = n - tl.maximum(n - window_pages - sink_pages, 0)
+    free = tl.maximum(tl.minimum(n, top_k_pages), forced) - forced
+    last = tl.minimum(tl.minimum(free, num_cand), K) - 1
+    thr = tl.sum(tl.where(tl.arange(0, K) == last, ranked, 0), axis=0)
+    thr = tl.where(free > 0, thr, 9223372036854775807)  # no free slot: nothing picked
+    picked = usable & (key >= thr)
+    sel_row = sel_ptr + row.to(tl.int64) * num_words
+    offs_bit = tl.arange(0, 32)
+    for start in range(0, num_words, BLOCK_W):
+        offs_w = start + tl.arange(0, BLOCK_W)
+        pg = offs_w[:, None] * 32 + offs_bit[None, :]
+        is_forced = (pg < n) & ((pg < sink_pages) | (pg >= n - window_pages))
+        words = tl.reduce(tl.where(is_forced, 1, 0) << offs_bit[None, :], 1, _or)
+        tl.store(sel_row + offs_w, words, mask=offs_w < num_words)
+    tl.debug_barrier()  # the words above are written before any thread ORs into them
+    tl.atomic_or(sel_row + page // 32, (1 << (page % 32)).to(tl.int32), mask=picked)
+
+
 def superpage_select(
     q: torch.Tensor,
     meta: torch.Tensor,
@@ -477,11 +602,14 @@ def superpage_select(
     """Triton :func:`superpage_select_ref` (same arguments and result; the same bitmask
     where the fp32 bound sums are exact, else equal up to near-ties at the budget's edge).
 
-    Launches: the tail refresh (which also writes the superpage table); :func:`kernels.quest_scores.quest_scores` over the
-    superpages; packed keys and ``torch.topk`` for the best ``C``; the candidates' bounds
-    (and for ``normmax`` the log-softmax over them); their keys and ``torch.topk`` for the
-    budget; the forced words; the picked bits (``atomic_or``). Fixed shapes, no host
-    synchronisation.
+    Launches: the tail refresh (which also writes the superpage table);
+    :func:`kernels.quest_scores.quest_scores` over the superpages; the best ``C``
+    superpages (:func:`_top_superpages_kernel`: one in-register sort a row); the
+    candidates' bounds; then one program a row for the rest (:func:`_pick_candidates_kernel`:
+    ``normmax``'s log-softmax over the candidates, their keys, the sort for the budget,
+    the forced words and the picked bits). Rows longer than :data:`FUSED_SORT_MAX` keys
+    take ``torch.topk`` and separate key, forced-word and pick kernels instead. Fixed
+    shapes, no host synchronisation.
 
     Raises
     ------
@@ -527,14 +655,21 @@ def superpage_select(
         BLOCK_T=min(1024, next_pow2(spn)), num_warps=4,
     )  # fmt: skip
     sp_scores = quest_scores(q, super_meta, table, n_sp, combine, scale)  # [B, Hkv, SPn]
-    sp_key = torch.empty((b, hkv, spn), dtype=torch.int64, device=q.device)
-    block_sp = min(1024, next_pow2(spn))
-    _topk_key_kernel[(b * hkv, -(-spn // block_sp))](
-        sp_scores, n_sp, sp_key, hkv, spn, 0, 0, sp_scores.stride(0), sp_scores.stride(1),
-        BLOCK_P=block_sp, num_warps=4,
-    )  # fmt: skip
     c = min(num_candidates, spn)
-    sp_top = torch.topk(sp_key, c, dim=-1, sorted=True).values.contiguous()
+    if next_pow2(spn) <= FUSED_SORT_MAX:
+        sp_top = torch.empty((b, hkv, c), dtype=torch.int64, device=q.device)
+        _top_superpages_kernel[(b * hkv,)](
+            sp_scores, n_sp, sp_top, hkv, spn, c, sp_scores.stride(0), sp_scores.stride(1),
+            BLOCK=next_pow2(spn), K=_rank_width(c, spn), num_warps=_sort_warps(spn),
+        )  # fmt: skip
+    else:
+        sp_key = torch.empty((b, hkv, spn), dtype=torch.int64, device=q.device)
+        block_sp = min(1024, next_pow2(spn))
+        _topk_key_kernel[(b * hkv, -(-spn // block_sp))](
+            sp_scores, n_sp, sp_key, hkv, spn, 0, 0, sp_scores.stride(0), sp_scores.stride(1),
+            BLOCK_P=block_sp, num_warps=4,
+        )  # fmt: skip
+        sp_top = torch.topk(sp_key, c, dim=-1, sorted=True).values.contiguous()
     m = c * s
     cand = torch.empty((b, hkv, m), dtype=torch.int32, device=q.device)
     score = torch.empty((b, hkv, m), dtype=torch.float32, device=q.device)
@@ -547,6 +682,15 @@ def superpage_select(
         block_table.stride(0), dst.stride(0), dst.stride(1),
         G=g, S_SP=s, D=d, BLOCK_D=block_d, BLOCK_M=block_m, MODE=mode, num_warps=4,
     )  # fmt: skip
+    if next_pow2(m) <= FUSED_SORT_MAX:
+        _pick_candidates_kernel[(b * hkv,)](
+            dst, cand, num_pages, sel, hkv, p_max, m, w, top_k_pages, sink_pages, window_pages,
+            scale, dst.stride(0), dst.stride(1),
+            G=g, NORMMAX=mode == 2, BLOCK_M=next_pow2(m), K=_rank_width(top_k_pages, m),
+            BLOCK_W=min(128, next_pow2(w)),
+            num_warps=_sort_warps(m),
+        )  # fmt: skip
+        return sel
     if mode == 2:
         block_g = next_pow2(g)
         every = torch.full((b,), m, dtype=torch.int32, device=q.device)

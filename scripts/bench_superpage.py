@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import time_us  # noqa: E402
 
+import kernels.superpage_select as superpage_module  # noqa: E402
 from kernels.quest_scores import quest_scores  # noqa: E402
 from kernels.select_topk import select_topk  # noqa: E402
 from kernels.superpage_select import (  # noqa: E402
@@ -83,12 +84,21 @@ def make_step(b: int, hq: int, hkv: int, d: int, ctx: int, integer: bool, seed: 
                 block_table=block_table, num_pages=num_pages)  # fmt: skip
 
 
-def run_superpage(t: dict, c: int, ref: bool = False, combine: str = "normmax") -> torch.Tensor:
+def run_superpage(
+    t: dict, c: int, ref: bool = False, combine: str = "normmax", ranking: str = "fused"
+) -> torch.Tensor:
+    """One layer's superpage select; ``ranking="topk"`` takes the ``torch.topk`` path the
+    kernels keep for rows past ``FUSED_SORT_MAX`` (the path before the fused kernels)."""
     fn = superpage_select_ref if ref else superpage_select
-    return fn(
-        t["q"], t["meta"], t["super_meta"], t["page_super"], t["block_table"], t["num_pages"],
-        TOP_K // PAGE, SINK // PAGE, WINDOW // PAGE, SP, c, combine, None,
-    )  # fmt: skip
+    saved = superpage_module.FUSED_SORT_MAX
+    superpage_module.FUSED_SORT_MAX = 0 if ranking == "topk" else saved
+    try:
+        return fn(
+            t["q"], t["meta"], t["super_meta"], t["page_super"], t["block_table"],
+            t["num_pages"], TOP_K // PAGE, SINK // PAGE, WINDOW // PAGE, SP, c, combine, None,
+        )  # fmt: skip
+    finally:
+        superpage_module.FUSED_SORT_MAX = saved
 
 
 def run_exact(t: dict) -> torch.Tensor:
@@ -96,34 +106,36 @@ def run_exact(t: dict) -> torch.Tensor:
     return select_topk(scores, t["num_pages"], TOP_K // PAGE, SINK // PAGE, WINDOW // PAGE)
 
 
-def check(hq: int, hkv: int, d: int, ctx: int, overs: list[float]) -> dict:
+def check(hq: int, hkv: int, d: int, ctx: int, overs: list[float], rankings: list[str]) -> dict:
     """Triton == reference (and graph replay == eager) on 4 jobs of ``ctx``, exact inputs,
     the ``max`` rule (exact sums: bit for bit); ``normmax`` reported as the share of
     (job, KV head) rows equal (the GPU's exp/log round differently)."""
     out = {}
-    for o in overs:
+    for o, r in [(o, r) for o in overs for r in rankings]:
         c = num_candidates(TOP_K // PAGE, SP, o)
         t = make_step(4, hq, hkv, d, ctx, integer=True, seed=1)
         t_ref = {**t, "super_meta": t["super_meta"].clone()}
-        eager = run_superpage(t, c, combine="max")
+        eager = run_superpage(t, c, combine="max", ranking=r)
         want = run_superpage(t_ref, c, ref=True, combine="max")
-        norm = run_superpage(t, c) == run_superpage(t_ref, c, ref=True)
+        norm = run_superpage(t, c, ranking=r) == run_superpage(t_ref, c, ref=True)
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            run_superpage(t, c, combine="max")  # warm-up outside the capture
+            run_superpage(t, c, combine="max", ranking=r)  # warm-up outside the capture
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(graph):
-            captured = run_superpage(t, c, combine="max")
+            captured = run_superpage(t, c, combine="max", ranking=r)
         graph.replay()
         torch.cuda.synchronize()
-        out[f"x{o:g}"] = {
+        out[f"x{o:g}" + ("" if r == "fused" else f" {r}")] = {
             "triton_equals_reference": bool(torch.equal(eager, want)),
             "refreshed_rows_equal": bool(torch.equal(t["super_meta"], t_ref["super_meta"])),
             "graph_equals_eager": bool(torch.equal(captured, eager)),
         }
-        out[f"x{o:g}"]["normmax_rows_equal_share"] = norm.all(-1).float().mean().item()
+        out[f"x{o:g}" + ("" if r == "fused" else f" {r}")]["normmax_rows_equal_share"] = (
+            norm.all(-1).float().mean().item()
+        )
     return out
 
 
@@ -153,16 +165,20 @@ def kernel_breakdown(fn, calls: int = 20) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def bench_shape(name: str, ctx: int, jobs: int, overs: list[float], prof: bool = False) -> dict:
+def bench_shape(
+    name: str, ctx: int, jobs: int, overs: list[float], rankings: list[str], prof: bool = False
+) -> dict:
     layers, hq, hkv, d = SHAPES[name]
     p = ctx // PAGE
     kv_layer = jobs * hkv * p * 2 * PAGE * d * 2
-    res = {"layers": layers, "hq": hq, "hkv": hkv, "d": d, "check": check(hq, hkv, d, 8192, overs)}
+    checked = check(hq, hkv, d, 8192, overs, rankings)
+    res = {"layers": layers, "hq": hq, "hkv": hkv, "d": d, "check": checked}
     t = make_step(jobs, hq, hkv, d, ctx, integer=False, seed=2)
     rows = {"exact": (lambda: run_exact(t), p)}
-    for o in overs:
+    for o, r in [(o, r) for o in overs for r in rankings]:
         c = num_candidates(TOP_K // PAGE, SP, o)
-        rows[f"superpage x{o:g}"] = (lambda c=c: run_superpage(t, c), -(-p // SP) + c * SP + SP)
+        key = f"superpage x{o:g}" + ("" if r == "fused" else f" {r}")
+        rows[key] = (lambda c=c, r=r: run_superpage(t, c, ranking=r), -(-p // SP) + c * SP + SP)
     for key, (fn, rows_per_head) in rows.items():
         us = time_us([fn])
         nbytes = meta_bytes(jobs, hkv, d, rows_per_head)
@@ -188,9 +204,18 @@ def main() -> int:
     p.add_argument("--oversample", default="2,4,8")
     p.add_argument("--shapes", default="smollm2-135m,qwen2.5-7b")
     p.add_argument("--profile", action="store_true", help="also list each variant's kernels")
+    p.add_argument(
+        "--rankings",
+        default="fused,topk",
+        help="superpage ranking paths to time: fused (rows sorted in one program), topk "
+        "(torch.topk and separate kernels, the path for rows past FUSED_SORT_MAX)",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     overs = [float(x) for x in args.oversample.split(",")]
+    rankings = args.rankings.split(",")
+    if not set(rankings) <= {"fused", "topk"}:
+        p.error(f"--rankings: fused and/or topk, not {args.rankings!r}")
     out = {
         "what": "select per decode step: exact Quest vs superpage (issue 20)",
         "context": args.context,
@@ -205,15 +230,15 @@ def main() -> int:
         "shapes": {},
     }
     for name in args.shapes.split(","):
-        res = bench_shape(name, args.context, args.jobs, overs, args.profile)
+        res = bench_shape(name, args.context, args.jobs, overs, rankings, args.profile)
         out["shapes"][name] = res
         print(f"{name}: {args.jobs} jobs x {args.context} tokens, {res['layers']} layers")
         print(f"  check: {res['check']}")
-        print(f"  {'variant':<16}{'ms/step':>9}{'vs exact':>10}{'MiB/step':>10}{'KV/x':>7}{'GB/s':>8}")
+        print(f"  {'variant':<22}{'ms/step':>9}{'vs exact':>10}{'MiB/step':>10}{'KV/x':>7}{'GB/s':>8}")
         for key, r in res.items():
             if isinstance(r, dict) and "ms_per_step" in r:
                 print(
-                    f"  {key:<16}{r['ms_per_step']:>9.3f}{r['vs_exact']:>10.2f}"
+                    f"  {key:<22}{r['ms_per_step']:>9.3f}{r['vs_exact']:>10.2f}"
                     f"{r['meta_bytes_per_step'] / 2**20:>10.1f}{r['kv_over_meta']:>7.0f}"
                     f"{r['meta_gbps']:>8.0f}"
                 )

@@ -10,6 +10,7 @@ import pytest
 import torch
 from kernel_cases import poisoned_allocations
 
+import kernels.superpage_select as superpage_select_module
 from kernels.bitmask import unpack_bits
 from kernels.quest_scores import quest_scores_ref
 from kernels.select_topk import select_topk_ref
@@ -74,9 +75,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("ranking", ["fused sort", "torch.topk"])
 @pytest.mark.parametrize("combine", SUPERPAGE_COMBINES)
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_triton_matches_reference(case, combine):
+def test_triton_matches_reference(case, combine, ranking, monkeypatch):
+    """Both ways of ranking (rows sorted inside one program, or ``torch.topk`` and the
+    separate key / forced-word / pick kernels for rows past ``FUSED_SORT_MAX``)."""
+    if ranking == "torch.topk":
+        monkeypatch.setattr(superpage_select_module, "FUSED_SORT_MAX", 0)
     b, hq, hkv, d, s_sp, p_max, nums, top_k, sink, window, c = case
     args = superpage_case(b, hq, hkv, d, s_sp, p_max, nums, seed=p_max + hq)
     q, meta, super_meta, page_super, block_table, num_pages = args
