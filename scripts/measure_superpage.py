@@ -18,6 +18,9 @@ decoding (``hierarchical=False``; bit-identical to the hierarchical path), page 
    ``--fidelity`` variant, ``page_metadata=superpage``: greedy agreement (argmax equal)
    and KL per step, of each superpage run against exact and against dense, and of exact
    against dense.
+   With dense, also the paired difference superpage - exact against dense (agreement
+   and KL per step, block-bootstrap 95 % intervals); ``--pool A.json B.json ...`` pools
+   that comparison over several runs (documents) without running anything.
 3. **Bytes** — metadata read per step and job (all layers and KV heads) for exact and
    superpage at this context (its ``--top-k``) and at 32K / 128K / 256K (``--bytes-top-k``,
    default 2048 tokens), next to the job's KV bytes (bf16), from the formula of
@@ -103,7 +106,8 @@ def bytes_table(model, tokens: int, top_k: int, long_top_k: int, page: int, vari
 
 def compare(ref: tuple, got: tuple) -> dict:
     """Greedy agreement (argmax, end-of-turn masked) and KL(ref || got) over the steps of
-    two teacher-forced runs ``(tokens, log-probabilities)`` on the same tokens."""
+    two teacher-forced runs ``(tokens, log-probabilities)`` on the same tokens; the
+    per-step values too (``agree_steps``, ``kl_steps``: the paired comparison's input)."""
     agree = [a == b for a, b in zip(got[0][1:], ref[0][1:], strict=True)]
     kls = [float((r.exp() * (r - g)).sum()) for r, g in zip(ref[1], got[1], strict=True)]
     prefix = next((i for i, ok in enumerate(agree) if not ok), len(agree))
@@ -112,7 +116,86 @@ def compare(ref: tuple, got: tuple) -> dict:
         "first_disagreement_step": prefix,
         "kl_mean_nats": sum(kls) / len(kls),
         "kl_max_nats": max(kls),
+        "agree_steps": [int(a) for a in agree],
+        "kl_steps": kls,
     }
+
+
+BOOT_BLOCK, BOOT_SAMPLES = 16, 4000
+"""Moving-block bootstrap: blocks of consecutive decode steps (neighbouring steps of one
+text are correlated), resamples."""
+
+
+def paired(runs: list[tuple[list, list]], seed: int = 0) -> dict:
+    """Paired difference variant - exact of a per-step measure against dense (one
+    ``(exact_steps, variant_steps)`` pair per document run): mean and its 95 % interval by
+    a moving-block bootstrap (Künsch 1989) that resamples blocks of :data:`BOOT_BLOCK`
+    steps within each run, so each run keeps its weight."""
+    gen = torch.Generator().manual_seed(seed)
+    diffs = [torch.tensor(v, dtype=torch.float64) - torch.tensor(e, dtype=torch.float64)
+             for e, v in runs]  # fmt: skip
+    total = sum(d.numel() for d in diffs)
+    means = torch.zeros(BOOT_SAMPLES, dtype=torch.float64)
+    for d in diffs:
+        n = d.numel()
+        blk = min(BOOT_BLOCK, n)
+        starts = torch.randint(0, n - blk + 1, (BOOT_SAMPLES, -(-n // blk)), generator=gen)
+        idx = (starts[..., None] + torch.arange(blk)).flatten(1)[:, :n]
+        means += d[idx].sum(1)
+    means /= total
+    lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64))
+    mean = float(sum(d.sum() for d in diffs) / total)
+    return {"steps": total, "mean": mean, "ci95": [float(lo), float(hi)]}
+
+
+def paired_against_dense(results: list[dict], variant: str) -> dict:
+    """Superpage ``variant`` minus exact, each against dense, over the runs ``results``
+    (this script's JSON): greedy agreement (> 0: the variant agrees more) and KL (> 0: the
+    variant is further from dense). "No loss" at 95 %: the agreement interval's upper end
+    is >= 0 and the KL interval's lower end is <= 0."""
+    agree, kl = [], []
+    for r in results:
+        e, v = r["fidelity"]["exact"]["vs_dense"], r["fidelity"][variant]["vs_dense"]
+        agree.append((e["agree_steps"], v["agree_steps"]))
+        kl.append((e["kl_steps"], v["kl_steps"]))
+    out = {"greedy_agreement": paired(agree), "kl_nats": paired(kl, seed=1)}
+    out["no_loss_at_95"] = (
+        out["greedy_agreement"]["ci95"][1] >= 0 and out["kl_nats"]["ci95"][0] <= 0
+    )
+    return out
+
+
+def pool(paths: list[Path], out: Path | None) -> int:
+    """``--pool``: the paired comparison over several runs' JSON files (same variants)."""
+    results = [json.loads(p.read_text()) for p in paths]
+    variants = [v for v in results[0]["fidelity"] if v != "exact"]
+    pooled = {
+        "what": "superpage vs exact, each against dense, pooled over runs (issue 20)",
+        "runs": [
+            {
+                "file": str(p),
+                "doc": r["doc"],
+                "tokens": r["tokens"],
+                "steps": r["steps"],
+                "top_k_tokens": r["top_k_tokens"],
+            }
+            for p, r in zip(paths, results, strict=True)
+        ],  # fmt: skip
+        "variants": {v: paired_against_dense(results, v) for v in variants},
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    print(f"{len(results)} runs, {sum(r['steps'] for r in results)} steps")
+    print(f"{'variant':<10}{'agreement diff [95% CI]':>34}{'KL diff nats [95% CI]':>36}  no loss")
+    for v, r in pooled["variants"].items():
+        a, k = r["greedy_agreement"], r["kl_nats"]
+        print(
+            f"{v:<10}{a['mean']:>+10.4f} [{a['ci95'][0]:+.4f}, {a['ci95'][1]:+.4f}]"
+            f"{k['mean']:>+14.4f} [{k['ci95'][0]:+.4f}, {k['ci95'][1]:+.4f}]"
+            f"  {'yes' if r['no_loss_at_95'] else 'NO'}"
+        )
+    if out:
+        out.write_text(json.dumps(pooled, indent=2) + "\n")
+    return 0
 
 
 def engine_config(args, **changes) -> EngineConfig:
@@ -184,7 +267,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--pool",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="no run: pool these runs' JSON (superpage vs exact, each against dense, paired "
+        "by step, block-bootstrap 95%% intervals) and write --out",
+    )
     args = p.parse_args(argv)
+    if args.pool:
+        return pool(args.pool, args.out)
     variants = [parse_variant(v) for v in args.variants.split(",")]
     fid = args.fidelity.split(",") if args.fidelity is not None else args.variants.split(",")
     fidelity = [parse_variant(v) for v in fid if v]
@@ -289,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
             runs[name(sp, o)]["vs_dense"] = compare(dense, got)
     if dense is not None:
         runs["exact"] = {"vs_dense": compare(dense, (exact_tokens, exact_logps))}
+        for sp, o in fidelity:
+            runs[name(sp, o)]["paired_vs_exact_against_dense"] = paired_against_dense(
+                [{"fidelity": runs}], name(sp, o)
+            )
     model = engine.model_config
     result = {
         "what": "two-level superpage selection vs exact flat Quest (issue 20)",
