@@ -134,6 +134,8 @@ KERNEL_PHASES: tuple[tuple[str, str], ...] = (
     ("_candidate_key_kernel", "select"),
     ("_forced_words_kernel", "select"),
     ("_pick_kernel", "select"),
+    ("_top_superpages_kernel", "select"),
+    ("_pick_candidates_kernel", "select"),
     ("_resident_slot_list_kernel", "select"),
     ("topk", "select"),
     ("radixsortkvinplace", "select"),  # torch.topk's sort of the selection keys

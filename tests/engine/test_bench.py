@@ -434,6 +434,22 @@ def test_kernel_phase_names():
     assert kernel_phase("void at::native::vectorized_elementwise_kernel<4, ...>") == "other"
 
 
+def test_every_selection_kernel_is_counted_as_select():
+    """Each Triton kernel of the selection modules lands in the ``select`` phase of a graph
+    step's breakdown (two new superpage kernels once showed up as ``other``)."""
+    import re
+    from pathlib import Path
+
+    from engine.measure.profiling import kernel_phase
+
+    root = Path(__file__).resolve().parents[2] / "kernels"
+    for module in ("quest_scores.py", "select_topk.py", "superpage_select.py"):
+        names = re.findall(r"@triton\.jit\ndef (_\w+_kernel)\(", (root / module).read_text())
+        assert names, module
+        for name in names:
+            assert kernel_phase(name) == "select", f"{module}: {name}"
+
+
 def test_bench_corpus_is_beside_the_checkout_else_the_bundled_examples(monkeypatch, tmp_path):
     """Without ``$HISPARSE_CORPUS`` the bench reads ``<checkout>/../shared/corpus`` (not a
     ``shared/`` inside the checkout, as it once did), and where that has no ``*.txt`` the
