@@ -1071,14 +1071,17 @@ class BatchRun:
         return [j for j in planned if j.status == RUN]
 
     def _warn_replaced_output(self, job: PlannedJob, writers: list[EarlierJob]) -> None:
-        """Warn when ``<output>`` holds the result of an earlier job over other inputs
-        (``writers``: the earlier jobs that wrote it) — an explicit id or output equal to
-        another job's: this run replaces the file (the earlier text stays on that job's
-        ``results.jsonl`` line)."""
+        """Warn when ``<output>`` holds an earlier result this run replaces (``writers``: the
+        earlier jobs that wrote it): a job over other inputs (an explicit id or output equal
+        to another job's), or this job's own earlier answer under another resume key (other
+        settings or document content). The earlier text stays on its ``results.jsonl``
+        line."""
         mine = tuple(input_identity(p) for p in job.spec.inputs)
         path = self.output_dir / job.spec.output
+        if not path.is_file():
+            return
         for earlier in writers:
-            if earlier.inputs != mine and path.is_file():
+            if earlier.inputs != mine:
                 inputs = ", ".join(map(str, earlier.inputs)) or "unrecorded inputs"
                 self.reporter.note(
                     f"{job.spec.id}: {path} holds earlier job {earlier.id}'s result for "
@@ -1086,6 +1089,16 @@ class BatchRun:
                     "warning",
                 )
                 return
+        line = self.log.existing.latest.get(job.spec.id)
+        key = self.records.get(job.spec.id, {}).get("key")
+        own = any(e.id == job.spec.id for e in writers)
+        if own and line and line.get("ok") and line.get("key") != key:
+            self.reporter.note(
+                f"{job.spec.id}: {path} holds this job's earlier answer, made with other "
+                f"settings or document content; this run replaces it (that text stays in "
+                f"{RESULTS_FILE})",
+                "warning",
+            )
 
     def _refuse_too_long(self, pending: list[PlannedJob]) -> list[PlannedJob]:
         """Before the model loads, under ``refuse``/``extend``: the jobs whose document

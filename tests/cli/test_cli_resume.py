@@ -49,8 +49,13 @@ def test_second_run_skips_everything_and_loads_no_engine(run, tmp_path):
 def test_changed_input_redoes_only_that_job(run, tmp_path):
     run()
     (tmp_path / "docs" / "b.txt").write_text("document b, edited\n")
-    assert run()[1] == ["b"]
+    result, seen = run()
+    assert seen == ["b"]
+    assert "b: hisparse-out/b.txt holds this job's earlier answer" in " ".join(
+        result.stderr.split()
+    )
     assert [r["id"] for r in lines(tmp_path)] == ["a", "b", "c", "b"]
+    assert "holds" not in run("--force")[0].stderr  # the same keys, redone on purpose
 
 
 def test_adding_a_same_named_document_keeps_earlier_ids(run, tmp_path):
@@ -109,7 +114,11 @@ def test_a_new_document_never_takes_an_earlier_documents_id(tmp_path, monkeypatc
 
 def test_changed_settings_redo_all(run):
     run()
-    assert run("--temperature", "0.3")[1] == ["a", "b", "c"]
+    result, seen = run("--temperature", "0.3")
+    assert seen == ["a", "b", "c"]
+    stderr = " ".join(result.stderr.split())  # the earlier answers' files are replaced: said
+    for name in ("a", "b", "c"):
+        assert f"{name}: hisparse-out/{name}.txt holds this job's earlier answer" in stderr
     assert run("--temperature", "0.3", "--top-k-tokens", "1024")[1] == ["a", "b", "c"]
     assert run("--temperature", "0.3", "--top-k-tokens", "1024", "--max-batch", "2")[1] == []
 
