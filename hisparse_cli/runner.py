@@ -1092,7 +1092,7 @@ class BatchRun:
         line = self.log.existing.latest.get(job.spec.id)
         key = self.records.get(job.spec.id, {}).get("key")
         own = any(e.id == job.spec.id for e in writers)
-        if own and line and line.get("ok") and line.get("key") != key:
+        if own and line and line.get("key") != key:
             self.reporter.note(
                 f"{job.spec.id}: {path} holds this job's earlier answer, made with other "
                 f"settings or document content; this run replaces it (that text stays in "

@@ -457,8 +457,8 @@ def _pick_kernel(
 
 FUSED_SORT_MAX = 4096
 """Longest row (superpages, or candidate pages ``M``; rounded up to a power of two) that
-:func:`superpage_select` ranks inside one program with ``tl.sort``; longer rows go through
-``torch.topk`` and the separate key / forced-word / pick kernels."""
+:func:`superpage_select` ranks inside one program (``tl.topk`` / ``tl.sort``); longer rows
+go through ``torch.topk`` and the separate key / forced-word / pick kernels."""
 
 
 @triton.jit
@@ -498,7 +498,7 @@ def _top_superpages_kernel(
 ):
     """One (request, KV head): the keys of its best ``c <= K`` superpages, descending (what
     :func:`kernels.select_topk._topk_key_kernel` with no forced pages and ``torch.topk``
-    give), from one in-register sort of the row's ``spn <= BLOCK`` keys."""
+    give), ranked in registers from the row's ``spn <= BLOCK`` keys."""
     row = tl.program_id(0)
     b = row // num_kv_heads
     h = row % num_kv_heads
@@ -539,9 +539,9 @@ def _pick_candidates_kernel(
     bounds, in one program. ``NORMMAX``: each head's log-softmax over the candidates
     (``bounds [B, Hq, M]``), the maximum over the group; else ``bounds [B, Hkv, M]`` are
     the scores. Then the candidates' keys (forced and unused pages ``-inf``), their best
-    ``K >= top_k_pages`` in registers for the ``free``-th best key, the row's forced words, and the bits of
-    the usable candidates at or above that key (``atomic_or``: a word can hold pages of two
-    candidate superpages)."""
+    ``K`` (``>= top_k_pages``, or the whole row) ranked in registers for the ``free``-th
+    best key, the row's forced words, and the bits of the usable candidates at or above
+    that key (``atomic_or``: a word can hold pages of two candidate superpages)."""
     row = tl.program_id(0)
     b = row // num_kv_heads
     h = row % num_kv_heads
