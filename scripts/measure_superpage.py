@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import platform
 import sys
 import time
@@ -56,10 +57,12 @@ from engine.kv.cache import KVCache  # noqa: E402
 from engine.load import load_engine  # noqa: E402
 from engine.measure.bench_kv import corpus_dir  # noqa: E402
 from kernels.bitmask import unpack_bits  # noqa: E402
+from kernels.quest_scores import quest_scores_ref  # noqa: E402
 from kernels.superpage_select import (  # noqa: E402
     num_candidates,
     superpage_meta_ref,
     superpage_select_ref,
+    superpage_table,
 )
 
 
@@ -198,6 +201,53 @@ def pool(paths: list[Path], out: Path | None) -> int:
     return 0
 
 
+def sticky_select_ref(
+    q, meta, super_meta, page_super, block_table, num_pages, top_k_pages, sink_pages,
+    window_pages, superpage_pages, num_cand, scale, prev,
+):  # fmt: skip
+    """Measured only, not an engine mode: the two-level selection (``normmax``) whose
+    candidates are the pages of the best ``num_cand`` superpages **and** the pages the
+    same (layer, KV head) selected at the previous step (``prev`` bool ``[B, Hkv, P_max]``,
+    or None at the first step). Scores every page's Quest bound here, for simplicity; an
+    engine version would read only the candidates' (``M + top_k`` rows). Returns bool
+    ``[B, Hkv, P_max]``."""
+    b, hq, d = q.shape
+    hkv = meta.shape[1]
+    g, p_max, s = hq // hkv, block_table.shape[1], superpage_pages
+    n = num_pages.long().to(q.device)
+    idx = torch.arange(p_max, device=q.device)
+    valid = idx[None, :] < n[:, None]  # [B, P]
+    sp_scores = quest_scores_ref(
+        q, super_meta, superpage_table(page_super, block_table, s), (n + s - 1) // s,
+        "normmax", scale,
+    )  # fmt: skip
+    c = min(num_cand, sp_scores.shape[-1])
+    top = torch.sort(sp_scores, dim=-1, descending=True, stable=True).indices[..., :c]
+    cand = torch.zeros(b, hkv, p_max, dtype=torch.bool, device=q.device)
+    pages = (top[..., None] * s + torch.arange(s, device=q.device)).flatten(2)
+    cand.scatter_(-1, pages.clamp(max=p_max - 1), pages < p_max)
+    if prev is not None:  # the page table may have grown by a page since
+        width = min(prev.shape[-1], p_max)
+        cand[..., :width] |= prev[..., :width]
+    cand &= valid[:, None, :]
+    rows = meta[block_table.long().clamp(min=0)].float()  # [B, P, Hkv, 2, D]
+    qg = q.float().view(b, 1, hkv, g, d)
+    u = torch.maximum(qg * rows[:, :, :, None, 0], qg * rows[:, :, :, None, 1]).sum(-1)
+    x = (u * scale).permute(0, 2, 3, 1)  # [B, Hkv, G, P]
+    x = x.masked_fill(~cand[:, :, None, :], -math.inf)
+    score = (x - torch.logsumexp(x, dim=-1, keepdim=True)).amax(2)  # [B, Hkv, P]
+    forced = valid & ((idx[None, :] < sink_pages) | (idx[None, :] >= n[:, None] - window_pages))
+    usable = cand & ~forced[:, None, :]
+    score = score.masked_fill(~usable, -math.inf)
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+    n_forced = forced.sum(-1)
+    free = (torch.maximum(n.clamp(max=top_k_pages), n_forced) - n_forced)[:, None, None]
+    ranked_usable = usable.gather(-1, order)
+    keep = ranked_usable & (torch.arange(p_max, device=q.device) < free)
+    picked = torch.zeros_like(cand).scatter_(-1, order, keep)
+    return picked | forced[:, None, :]
+
+
 def engine_config(args, **changes) -> EngineConfig:
     settings = dict(
         attention="sparse",
@@ -266,6 +316,12 @@ def main(argv: list[str] | None = None) -> int:
         help="top_k (tokens) of the byte table's 32K/128K/256K rows",
     )
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
+    p.add_argument(
+        "--sticky",
+        action="store_true",
+        help="also compare, per variant, candidates that add the pages the variant picked at "
+        "the previous step (measured only: sticky_select_ref, normmax)",
+    )
     p.add_argument("--out", type=Path, default=None)
     p.add_argument(
         "--pool",
@@ -289,7 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     ids = engine.tokenizer.encode(text)[: args.tokens]
     if len(ids) < args.tokens:
         log(f"the documents hold {len(ids)} tokens, fewer than --tokens {args.tokens}")
-    stats = {v: {"rows": 0, "same": 0, "sel": 0, "missing": 0} for v in variants}
+    keys = [*variants, *[(sp, o, "sticky") for sp, o in variants if args.sticky]]
+    stats = {v: {"rows": 0, "same": 0, "sel": 0, "missing": 0} for v in keys}
+    prev: dict[tuple, torch.Tensor] = {}  # (variant, layer) -> last sticky selection
     select = attn.select
 
     def both(plan, layer, q, scores=None):
@@ -309,12 +367,21 @@ def main(argv: list[str] | None = None) -> int:
                 cfg.top_k_pages, cfg.sink_pages, cfg.window_pages, sp,
                 num_candidates(cfg.top_k_pages, sp, o), cfg.group_combine, attn.scale,
             )  # fmt: skip
-            b = unpack_bits(got, p_max)
-            st = stats[(sp, o)]
-            st["rows"] += a.shape[0] * a.shape[1]
-            st["same"] += int((a == b).all(-1).sum())
-            st["sel"] += int(a.sum())
-            st["missing"] += int((a & ~b).sum())
+            picks = {(sp, o): unpack_bits(got, p_max)}
+            if args.sticky:
+                picks[(sp, o, "sticky")] = sticky = sticky_select_ref(
+                    q, meta, super_meta, page_super, plan.block_table, plan.num_pages,
+                    cfg.top_k_pages, cfg.sink_pages, cfg.window_pages, sp,
+                    num_candidates(cfg.top_k_pages, sp, o), attn.scale,
+                    prev.get((sp, o, layer)),
+                )  # fmt: skip
+                prev[(sp, o, layer)] = sticky
+            for key, b in picks.items():
+                st = stats[key]
+                st["rows"] += a.shape[0] * a.shape[1]
+                st["same"] += int((a == b).all(-1).sum())
+                st["sel"] += int(a.sum())
+                st["missing"] += int((a & ~b).sum())
         return exact
 
     attn.select = both
@@ -398,15 +465,16 @@ def main(argv: list[str] | None = None) -> int:
         "group_combine": cfg.group_combine,
         "context_policy": "extend (yarn)",
         "selection": {
-            name(sp, o): {
-                "superpage_pages": sp,
-                "oversample": o,
-                "num_candidates": num_candidates(cfg.top_k_pages, sp, o),
+            name(*key[:2]) + (" sticky" if len(key) > 2 else ""): {
+                "superpage_pages": key[0],
+                "oversample": key[1],
+                "num_candidates": num_candidates(cfg.top_k_pages, key[0], key[1]),
+                "previous_step_pages_added": len(key) > 2,
                 "rows_step_layer_head": st["rows"],
                 "share_rows_same_page_set": st["same"] / max(st["rows"], 1),
                 "share_exact_pages_missing": st["missing"] / max(st["sel"], 1),
             }
-            for (sp, o), st in stats.items()
+            for key, st in stats.items()
         },
         "fidelity": runs,
         "bytes_per_step_per_job": bytes_table(
@@ -422,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python scripts/measure_superpage.py " + " ".join(argv or sys.argv[1:]),
     }
     nan = {"greedy_agreement": float("nan"), "kl_mean_nats": float("nan")}
-    print(f"{'variant':<10}{'C':>4}{'same set':>10}{'missing':>9}  vs exact: agree, KL"
+    print(f"{'variant':<13}{'C':>4}{'same set':>10}{'missing':>9}  vs exact: agree, KL"
           "   vs dense: agree, KL")  # fmt: skip
     for key in ["exact", *result["selection"]]:
         sel = result["selection"].get(key)
@@ -435,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
             else f"{'':>4}{'':>10}{'':>9}"
         )
         print(
-            f"{key:<10}{cells}  {e['greedy_agreement']:>13.3f} {e['kl_mean_nats']:>7.4f}"
+            f"{key:<13}{cells}  {e['greedy_agreement']:>13.3f} {e['kl_mean_nats']:>7.4f}"
             f"  {d['greedy_agreement']:>13.3f} {d['kl_mean_nats']:>7.4f}"
         )
     for t, row in result["bytes_per_step_per_job"].items():

@@ -61,3 +61,41 @@ def test_pool_says_no_loss_only_when_the_intervals_allow_it(tmp_path, capsys):
     pooled = json.loads(out.read_text())["variants"]["16x8"]
     assert pooled["no_loss_at_95"] is False and pooled["kl_nats"]["ci95"][0] > 0
     assert "NO" in capsys.readouterr().out
+
+
+def test_sticky_select_with_every_page_a_candidate_is_flat_quest():
+    """The measured-only sticky rule: with the previous step's pages covering every page
+    (or every superpage kept) every page is a candidate, so it selects as flat Quest's
+    normmax does; with one superpage and no previous pages it keeps only that one's pages
+    beside the forced ones."""
+    import torch
+
+    from kernels.bitmask import unpack_bits
+    from kernels.quest_scores import quest_scores_ref
+    from kernels.select_topk import select_topk_ref
+    from kernels.superpage_select import superpage_meta_ref
+
+    m = load_script()
+    gen = torch.Generator().manual_seed(3)
+    n, s, hkv, hq, d = 40, 4, 2, 4, 8
+    meta = (torch.randint(-8, 8, (n + 3, hkv, 2, d), generator=gen) / 4).sort(dim=2).values
+    q = torch.randint(-4, 4, (1, hq, d), generator=gen) / 2
+    pages = torch.randperm(n + 3, generator=gen)[:n]
+    block_table = pages.int()[None, :]
+    num_pages = torch.tensor([n], dtype=torch.int32)
+    sup = superpage_meta_ref(meta, pages, s)
+    page_super = torch.full((n + 3,), -1, dtype=torch.int32)
+    page_super[pages[::s]] = torch.arange(sup.shape[0], dtype=torch.int32)
+    args = (q, meta, sup, page_super, block_table, num_pages, 8, 1, 2, s)
+    flat = unpack_bits(
+        select_topk_ref(quest_scores_ref(q, meta, block_table, num_pages, "normmax", 0.5),
+                        num_pages, 8, 1, 2), n)  # fmt: skip
+    every = torch.ones(1, hkv, n, dtype=torch.bool)
+    assert torch.equal(m.sticky_select_ref(*args, 1, 0.5, every), flat)
+    assert torch.equal(m.sticky_select_ref(*args, n // s, 0.5, None), flat)
+    one = m.sticky_select_ref(*args, 1, 0.5, None)
+    forced = torch.zeros(n, dtype=torch.bool)
+    forced[:1] = forced[-2:] = True
+    for h in range(hkv):
+        free = (one[0, h] & ~forced).nonzero().flatten()
+        assert 0 < free.numel() <= s and (free // s).unique().numel() == 1
