@@ -56,7 +56,9 @@ ConfigsOpt = Annotated[
     typer.Option(
         help="Decode configurations, comma list: dense, sparse (the preset's sparse "
         "settings) or key=value pairs joined by ':' over them, keys top_k, page, indexer, "
-        "combine, sink, window, buffer, hierarchical (top_k=512:page=32, indexer=oracle).",
+        "combine, sink, window, buffer, hierarchical, host (bf16|fp8), meta "
+        "(exact|superpage), superpage, oversample (top_k=512:page=32, indexer=oracle, "
+        "meta=superpage:oversample=4).",
         rich_help_panel=EVAL,
     ),
 ]
@@ -194,6 +196,7 @@ def _run(model, base, configs, texts, tasks, lengths, depths, samples, seed, max
     lengths = [n for n in lengths if n <= limit]
     if not lengths:
         _fail(f"no length fits the context limit of {limit} tokens")
+    _note_budget_covers(base, configs, lengths)
     tok = placed.tokenizer
     try:
         hay = ruler.Haystack.from_texts(texts, tok) if texts else ruler.Haystack.noise(tok)
@@ -221,6 +224,23 @@ def _run(model, base, configs, texts, tasks, lengths, depths, samples, seed, max
         "haystack": "noise" if not texts else f"{len(texts)} file(s)",
     }
     return report
+
+
+def _note_budget_covers(base, configs, lengths: list[int]) -> None:
+    """Say which sparse configurations select every page at some length (a budget of
+    ``top_k`` tokens covers the whole prompt there), so they measure dense attention."""
+    for config in configs:
+        cfg = config.engine_config(base)
+        if cfg.attention == "dense":
+            continue
+        covered = [n for n in lengths if cfg.top_k >= n]
+        if covered:
+            typer.echo(
+                f"note: {config.name} keeps top_k {cfg.top_k} tokens, the whole prompt at "
+                f"length(s) {', '.join(map(str, covered))}: every page is selected there, so "
+                "it decodes as dense (a longer length or a smaller top_k=N tests the sparsity)",
+                err=True,
+            )
 
 
 def _write(report, output_dir: Path) -> None:

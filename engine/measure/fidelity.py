@@ -369,7 +369,14 @@ def _settings(cfg: EngineConfig) -> dict[str, Any]:
         "device_buffer": cfg.device_buffer_tokens,
         "sink_tokens": cfg.sink_tokens,
         "local_window": cfg.local_window,
+        "kv_host_dtype": cfg.kv_host_dtype,
+        "page_metadata": cfg.page_metadata,
     }
+    if cfg.page_metadata == "superpage":
+        out |= {
+            "superpage_pages": cfg.superpage_pages,
+            "superpage_oversample": cfg.superpage_oversample,
+        }
     return out
 
 

@@ -42,6 +42,7 @@ def test_eval_table_and_answers_equal_engine_runs(tiny, tmp_path):
     cells = {(c["task"], c["length"], c["config"]) for c in report["table"]}
     assert cells == {(t, n, c) for t in ("niah_single", "vt") for n in (600, 900) for c in names}
     assert "niah_single" in result.output and "top_k=64:page=16" in result.output
+    assert "every page is selected" not in result.stderr  # both budgets below 600 tokens
 
     # the same prompts through Engine.run, one engine per configuration
     tok, _ = load_tokenizer(str(tiny))
@@ -67,6 +68,26 @@ def test_eval_table_and_answers_equal_engine_runs(tiny, tmp_path):
 
     r = CliRunner().invoke(app, [*args, "--lengths", "4K"], catch_exceptions=False)
     assert r.exit_code == 2 and "no length fits" in r.output and "extend" in r.output
+
+
+def test_eval_records_page_metadata_and_says_when_the_budget_holds_every_page(tiny, tmp_path):
+    """``meta=superpage`` is told apart from ``sparse`` in eval.json (fresh-user finding:
+    both showed the same settings), and a budget that covers the whole prompt is named."""
+    out = tmp_path / "out"
+    args = ["eval", "--model", str(tiny), "--preset", "cpu", "--lengths", "600", "--depths",
+            "0.5", "--tasks", "niah_single", "--max-new-tokens", "3", "--threads", "1",
+            "--configs", "top_k=2048,top_k=256:meta=superpage:oversample=2", "-o", str(out)]  # fmt: skip
+    result = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    settings = {
+        c["name"]: c["settings"] for c in json.loads((out / "eval.json").read_text())["configs"]
+    }
+    assert settings["top_k=2048"]["page_metadata"] == "exact"
+    sp = settings["top_k=256:meta=superpage:oversample=2"]
+    assert sp["page_metadata"] == "superpage" and sp["superpage_oversample"] == 2.0
+    err = " ".join(result.stderr.split())
+    assert "note: top_k=2048 keeps top_k 2048 tokens, the whole prompt at length(s) 600" in err
+    assert "note: top_k=256" not in err
 
 
 def test_eval_refuses_bad_arguments_before_loading(tmp_path):
