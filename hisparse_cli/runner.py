@@ -980,6 +980,13 @@ class BatchRun:
                 self.reporter.note(warning, "warning")
             for rejected in self.manifest.rejected:  # bad OpenAI-batch lines: the rest run
                 self.reporter.note(str(rejected), "error")
+            if self.config.page_metadata == "superpage" and self.config.device == "cpu" and runs:
+                self.reporter.note(  # a fresh user found it slower and nothing said why
+                    "page_metadata superpage on the CPU decodes slower than exact (its "
+                    "selection does not run in the CPU's one-chain decode); it saves GPU "
+                    "metadata reads at long contexts",
+                    "warning",
+                )
             pending = self._register(planned)
             try:
                 if pending:

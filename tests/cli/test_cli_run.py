@@ -66,6 +66,16 @@ def test_run_writes_results_texts_and_config(cli, docs, tmp_path):
     assert "done alpha" in result.stdout and "jobs ok" in result.stdout
 
 
+def test_superpage_metadata_on_the_cpu_says_it_is_slower(cli, docs):
+    """A fresh user found ``--page-metadata superpage`` decoding slower on the CPU with
+    nothing saying why; the run now says so (and only where it applies)."""
+    result = cli("docs/alpha.txt", "--max-new-tokens", "2", "--page-metadata", "superpage")
+    assert result.exit_code == 0, result.output
+    assert "superpage on the CPU decodes slower than exact" in " ".join(result.stderr.split())
+    result = cli("docs/beta.txt", "--max-new-tokens", "2")
+    assert "superpage" not in result.stderr
+
+
 def test_engine_receives_rendered_prompt_and_sampling(cli, docs):
     result = cli(
         "docs/alpha.txt", "--temperature", "0.5", "--seed", "3", "--stop", "END", "--stop", "###"
