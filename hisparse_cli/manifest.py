@@ -809,7 +809,11 @@ def _check_stop(value: Any) -> str | None:
 
 
 def _check_task(value: Any) -> str | None:
-    return None if value in TASKS else f"must be one of {', '.join(TASKS)}, got {value!r}"
+    if value in TASKS:
+        return None
+    close = difflib.get_close_matches(value, TASKS, n=1) if isinstance(value, str) else []
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"must be one of {', '.join(TASKS)}, got {value!r}{hint}"
 
 
 def _check_prompt(value: Any) -> str | None:

@@ -185,6 +185,15 @@ def test_wrong_types_and_unknown_fields(docs):
     assert "defaults.engine" in find(problems, "jobs[0].engine").message
 
 
+def test_a_misspelt_task_gets_a_hint(docs):
+    path = write_yaml(docs, "jobs:\n  - id: a\n    input: docs/one.txt\n    task: summarise\n")
+    message = find(problems_of(path), "jobs[0].task").message
+    assert "got 'summarise' (did you mean 'summarize'?)" in message
+    assert "did you mean" not in find(problems_of(write_yaml(
+        docs, "jobs:\n  - id: a\n    input: docs/one.txt\n    task: translate\n")),
+        "jobs[0].task").message  # fmt: skip
+
+
 def test_yaml_syntax_error_has_line(docs):
     path = docs / "jobs.yaml"
     path.write_text("jobs:\n  - id: a\n    input: [unclosed\n")
