@@ -479,7 +479,10 @@ def _sort_warps(n: int) -> int:
 
 def _rank_width(k: int, n: int) -> int:
     """Keys a row's ranking keeps: the next power of two >= ``k`` (``tl.topk``), or the
-    whole row of ``next_pow2(n)`` (``tl.sort``) where that is no wider."""
+    whole row of ``next_pow2(n)`` (``tl.sort``) where that is no wider or where this
+    Triton has no ``tl.topk`` (``pyproject.toml`` allows Triton 3.2)."""
+    if not hasattr(tl, "topk"):
+        return next_pow2(n)
     return min(next_pow2(max(k, 1)), next_pow2(n))
 
 

@@ -75,14 +75,17 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("ranking", ["fused sort", "torch.topk"])
+@pytest.mark.parametrize("ranking", ["fused sort", "fused, no tl.topk", "torch.topk"])
 @pytest.mark.parametrize("combine", SUPERPAGE_COMBINES)
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_triton_matches_reference(case, combine, ranking, monkeypatch):
-    """Both ways of ranking (rows sorted inside one program, or ``torch.topk`` and the
-    separate key / forced-word / pick kernels for rows past ``FUSED_SORT_MAX``)."""
+    """Every way of ranking: rows ranked inside one program (``tl.topk``, or ``tl.sort``
+    of the whole row where Triton lacks it), or ``torch.topk`` and the separate key /
+    forced-word / pick kernels for rows past ``FUSED_SORT_MAX``."""
     if ranking == "torch.topk":
         monkeypatch.setattr(superpage_select_module, "FUSED_SORT_MAX", 0)
+    elif ranking == "fused, no tl.topk":  # a Triton without tl.topk sorts whole rows
+        monkeypatch.delattr(superpage_select_module.tl, "topk")
     b, hq, hkv, d, s_sp, p_max, nums, top_k, sink, window, c = case
     args = superpage_case(b, hq, hkv, d, s_sp, p_max, nums, seed=p_max + hq)
     q, meta, super_meta, page_super, block_table, num_pages = args
