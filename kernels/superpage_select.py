@@ -479,11 +479,15 @@ def _sort_warps(n: int) -> int:
 
 def _rank_width(k: int, n: int) -> int:
     """Keys a row's ranking keeps: the next power of two >= ``k`` (``tl.topk``), or the
-    whole row of ``next_pow2(n)`` (``tl.sort``) where that is no wider or where this
-    Triton has no ``tl.topk`` (``pyproject.toml`` allows Triton 3.2)."""
-    if not hasattr(tl, "topk"):
-        return next_pow2(n)
+    whole row of ``next_pow2(n)`` (``tl.sort``) where that is no wider."""
     return min(next_pow2(max(k, 1)), next_pow2(n))
+
+
+def _fused_ranking(n: int) -> bool:
+    """Whether a row of ``n`` keys is ranked inside one program: at most
+    :data:`FUSED_SORT_MAX` keys, and a Triton with ``tl.topk`` (``pyproject.toml`` allows
+    Triton 3.2; without it the ``torch.topk`` path runs, as for long rows)."""
+    return next_pow2(n) <= FUSED_SORT_MAX and hasattr(tl, "topk")
 
 
 @triton.jit
@@ -610,9 +614,9 @@ def superpage_select(
     superpages (:func:`_top_superpages_kernel`: one in-register sort a row); the
     candidates' bounds; then one program a row for the rest (:func:`_pick_candidates_kernel`:
     ``normmax``'s log-softmax over the candidates, their keys, the sort for the budget,
-    the forced words and the picked bits). Rows longer than :data:`FUSED_SORT_MAX` keys
-    take ``torch.topk`` and separate key, forced-word and pick kernels instead. Fixed
-    shapes, no host synchronisation.
+    the forced words and the picked bits). Rows longer than :data:`FUSED_SORT_MAX` keys,
+    or a Triton without ``tl.topk``, take ``torch.topk`` and separate key, forced-word and
+    pick kernels instead. Fixed shapes, no host synchronisation.
 
     Raises
     ------
@@ -659,7 +663,7 @@ def superpage_select(
     )  # fmt: skip
     sp_scores = quest_scores(q, super_meta, table, n_sp, combine, scale)  # [B, Hkv, SPn]
     c = min(num_candidates, spn)
-    if next_pow2(spn) <= FUSED_SORT_MAX:
+    if _fused_ranking(spn):
         sp_top = torch.empty((b, hkv, c), dtype=torch.int64, device=q.device)
         _top_superpages_kernel[(b * hkv,)](
             sp_scores, n_sp, sp_top, hkv, spn, c, sp_scores.stride(0), sp_scores.stride(1),
@@ -685,7 +689,7 @@ def superpage_select(
         block_table.stride(0), dst.stride(0), dst.stride(1),
         G=g, S_SP=s, D=d, BLOCK_D=block_d, BLOCK_M=block_m, MODE=mode, num_warps=4,
     )  # fmt: skip
-    if next_pow2(m) <= FUSED_SORT_MAX:
+    if _fused_ranking(m):
         _pick_candidates_kernel[(b * hkv,)](
             dst, cand, num_pages, sel, hkv, p_max, m, w, top_k_pages, sink_pages, window_pages,
             scale, dst.stride(0), dst.stride(1),

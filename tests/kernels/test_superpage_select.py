@@ -75,16 +75,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("ranking", ["fused sort", "fused, no tl.topk", "torch.topk"])
+@pytest.mark.parametrize("ranking", ["fused", "no tl.topk", "torch.topk"])
 @pytest.mark.parametrize("combine", SUPERPAGE_COMBINES)
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_triton_matches_reference(case, combine, ranking, monkeypatch):
-    """Every way of ranking: rows ranked inside one program (``tl.topk``, or ``tl.sort``
-    of the whole row where Triton lacks it), or ``torch.topk`` and the separate key /
-    forced-word / pick kernels for rows past ``FUSED_SORT_MAX``."""
+    """Both ways of ranking: rows ranked inside one program (``tl.topk``, ``tl.sort`` where
+    the top is the whole row), or ``torch.topk`` and the separate key / forced-word / pick
+    kernels (rows past ``FUSED_SORT_MAX``, or a Triton without ``tl.topk``)."""
     if ranking == "torch.topk":
         monkeypatch.setattr(superpage_select_module, "FUSED_SORT_MAX", 0)
-    elif ranking == "fused, no tl.topk":  # a Triton without tl.topk sorts whole rows
+    elif ranking == "no tl.topk":  # a Triton without tl.topk takes the torch.topk path
         monkeypatch.delattr(superpage_select_module.tl, "topk")
     b, hq, hkv, d, s_sp, p_max, nums, top_k, sink, window, c = case
     args = superpage_case(b, hq, hkv, d, s_sp, p_max, nums, seed=p_max + hq)
