@@ -192,7 +192,7 @@ def max_new_tokens_problem(
     source = (
         f"--max-new-tokens {spec.sampling.max_tokens:,}"
         if flag_given
-        else f"job {spec.id!r}'s max_new_tokens {spec.sampling.max_tokens:,} ({spec.origin})"
+        else f"max_new_tokens {spec.sampling.max_tokens:,} of job {spec.id!r} ({spec.origin})"
     )
     more = "; or raise --max-context" if policy == "extend" else ""
     return (

@@ -543,8 +543,8 @@ def check_outputs_over_documents(manifest: Manifest, output_dir: Path) -> None:
         job, path = hits[0]
         more = f" (and {len(hits) - 1} more: every job)" if len(hits) > 1 else ""
         raise UsageError(
-            f"--output-dir {output_dir} would overwrite the documents: job {job.id!r}'s "
-            f"result {output_dir / job.output} is the document {path}{more}; nothing was "
+            f"--output-dir {output_dir} would overwrite the documents: the result of job "
+            f"{job.id!r}, {output_dir / job.output}, is the document {path}{more}; nothing was "
             "written: choose another --output-dir (the default is hisparse-out)"
         )
 

@@ -211,7 +211,7 @@ def test_max_new_tokens_of_a_manifest_job_is_named_there(cli, docs, tmp_path):
     )
     result = cli("--manifest", "jobs.yaml", "--model", model, engine=never_load)
     assert result.exit_code == 2
-    assert "job 'alpha''s max_new_tokens 5,000 (" in " ".join(result.stderr.split())
+    assert "max_new_tokens 5,000 of job 'alpha' (" in " ".join(result.stderr.split())
 
 
 def test_a_document_that_fits_alone_names_the_max_new_tokens_that_fits(cli, docs, tmp_path):
