@@ -141,16 +141,28 @@ def eval_command(
     from hisparse_cli.bench_cmd import _chosen_preset
     from hisparse_cli.runner import with_free_threads
 
-    try:
-        length_list = sorted(_unique("--lengths", _items(lengths), parse_context, "tokens"))
-        depth_list = _unique("--depths", _items(depths), float)
-        task_list = list(ruler.TASKS) if tasks.strip() == "all" else _items(tasks)
-        ruler.check_tasks(task_list)
-        _unique("--tasks", task_list, str)
+    def task_names() -> list[str]:
+        names = list(ruler.TASKS) if tasks.strip() == "all" else _items(tasks)
+        ruler.check_tasks(names)
+        _unique("--tasks", names, str)
+        return names
+
+    def config_specs() -> list[Any]:
         try:
-            config_list = fidelity.parse_configs(configs)
+            return fidelity.parse_configs(configs)
         except ValueError as exc:
             raise ValueError(f"--configs: {exc}") from None
+
+    try:
+        errors: list[str] = []  # every option's problem at once, not only the first
+        length_list = _collect(
+            errors, lambda: sorted(_unique("--lengths", _items(lengths), parse_context, "tokens"))
+        )
+        depth_list = _collect(errors, lambda: _unique("--depths", _items(depths), float))
+        task_list = _collect(errors, task_names)
+        config_list = _collect(errors, config_specs)
+        if errors:
+            raise ValueError("\n".join(errors))
         if not length_list or not depth_list:
             raise ValueError("--lengths and --depths need at least one value each")
         if context_policy == "extend" and max_context is None:
@@ -254,6 +266,15 @@ def _write(report, output_dir: Path) -> None:
     typer.echo(
         f"wrote {path}" + (f"; {note}" if note else f", {output_dir / eval_report.HEATMAP_FILE}")
     )
+
+
+def _collect(errors: list[str], check: Callable[[], Any]) -> Any:
+    """``check()``, or ``None`` with its ``ValueError``'s message appended to ``errors``."""
+    try:
+        return check()
+    except ValueError as exc:
+        errors.append(str(exc))
+        return None
 
 
 def _unique(

@@ -54,6 +54,19 @@ def test_duplicates_are_refused_before_the_model_loads(tmp_path, placed, args, m
     assert placed == []  # refused before place_model
 
 
+def test_every_options_problem_is_reported_at_once(tmp_path, placed):
+    """A fresh user's finding: only the first of several bad options was named."""
+    result = run_eval(
+        tmp_path, "--lengths", "2K,2K", "--depths", "0.5,.5", "--tasks", "nope",
+        "--configs", "dense,dense",
+    )  # fmt: skip
+    out = " ".join(result.output.split())
+    assert result.exit_code == 2 and placed == []
+    for message in ("--lengths: '2K' is given twice", "--depths: '0.5' and '.5'", "nope",
+                    "--configs: config 'dense' given twice"):  # fmt: skip
+        assert message in out, out
+
+
 def test_distinct_values_reach_the_model_load(tmp_path, placed):
     result = run_eval(tmp_path, "--lengths", "2K,4K", "--tasks", "niah_single,vt")
     assert result.exit_code == 2 and "stopped before loading (test)" in result.output
