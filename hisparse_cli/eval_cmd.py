@@ -347,5 +347,6 @@ def _read_haystack(paths: list[str]) -> list[str]:
 
 
 def _fail(message: str):
-    typer.echo(f"error: {message}", err=True)
+    for line in message.splitlines() or [message]:
+        typer.echo(f"error: {line}", err=True)
     raise typer.Exit(EXIT_USAGE)
