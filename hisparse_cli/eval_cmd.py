@@ -155,10 +155,16 @@ def eval_command(
 
     try:
         errors: list[str] = []  # every option's problem at once, not only the first
+        def length(text: str) -> int:
+            try:
+                return parse_context(text)
+            except ValueError as exc:
+                raise ValueError(f"--lengths: {exc}") from None
+
         length_list = _collect(
-            errors, lambda: sorted(_unique("--lengths", _items(lengths), parse_context, "tokens"))
+            errors, lambda: sorted(_unique("--lengths", _items(lengths), length, "tokens"))
         )
-        depth_list = _collect(errors, lambda: _unique("--depths", _items(depths), float))
+        depth_list = _collect(errors, lambda: _unique("--depths", _items(depths), _depth))
         task_list = _collect(errors, task_names)
         config_list = _collect(errors, config_specs)
         if errors:
@@ -268,6 +274,23 @@ def _write(report, output_dir: Path) -> None:
     )
 
 
+def _depth(text: str) -> float:
+    """A needle depth: a fraction of the haystack in [0, 1].
+
+    Raises
+    ------
+    ValueError
+        Not a number, or outside [0, 1].
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"--depths: {text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"--depths: {text!r} is outside [0, 1] (a fraction of the haystack)")
+    return value
+
+
 def _collect(errors: list[str], check: Callable[[], Any]) -> Any:
     """``check()``, or ``None`` with its ``ValueError``'s message appended to ``errors``."""
     try:
@@ -286,11 +309,17 @@ def _unique(
     Raises
     ------
     ValueError
-        An item given twice, or of the same value as an earlier one.
+        Items given twice or of the same value as an earlier one, or whose ``value``
+        raised ``ValueError``: every such item, one line each.
     """
     seen: list[tuple[Any, Any]] = []  # (value, item); values need not be hashable
+    problems: list[str] = []
     for item in items:
-        v = value(item)
+        try:
+            v = value(item)
+        except ValueError as exc:
+            problems.append(str(exc))
+            continue
         earlier = next((i for w, i in seen if w == v), None)
         if earlier is not None:
             first, given = str(getattr(earlier, "name", earlier)), str(getattr(item, "name", item))
@@ -300,8 +329,11 @@ def _unique(
                 same = f"{first!r} and {given!r} are both {v} tokens"
             else:
                 same = f"{first!r} and {given!r} are the same {what or 'value'}"
-            raise ValueError(f"{option}: {same}; give each once")
+            problems.append(f"{option}: {same}; give each once")
+            continue
         seen.append((v, item))
+    if problems:
+        raise ValueError("\n".join(problems))
     return [v for v, _ in seen]
 
 

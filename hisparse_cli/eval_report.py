@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,8 @@ def accuracy_table(report: dict[str, Any]) -> Table:
     rows, configs, acc = cells(report)
     n = {(c["task"], c["length"]): c["samples"] for c in report["table"]}
     table = Table(title=f"hisparse eval: accuracy (%) - {report['model']}")
-    for head in ("task", "length", "samples", *configs):
-        table.add_column(head, justify="left" if head == "task" else "right")
+    for head in ("task", "length", "samples", *configs):  # long names wrap, never cut
+        table.add_column(head, justify="left" if head == "task" else "right", overflow="fold")
     for task, length in rows:
         dense = acc.get((task, length, "dense"))
         out = []
@@ -79,7 +80,9 @@ def heatmap(report: dict[str, Any], path: Path) -> str:
             ax.text(j, i, f"{v:.0f}", ha="center", va="center", color="w" if v < 60 else "k")
     fig.colorbar(im, ax=ax, label="accuracy (%)")
     ax.set_title(f"hisparse eval - {report['model']}")
-    fig.tight_layout()
+    with warnings.catch_warnings():  # long config names: a looser layout, not a warning
+        warnings.filterwarnings("ignore", "Tight layout not applied", UserWarning)
+        fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return ""

@@ -101,6 +101,7 @@ def parse_configs(text: str) -> list[EvalConfig]:
         An empty list, a repeated name, an unknown key, or a value of the wrong type.
     """
     out: list[EvalConfig] = []
+    errors: list[str] = []  # every bad spec at once
     for spec in (s.strip() for s in text.split(",")):
         if not spec:
             continue
@@ -109,13 +110,23 @@ def parse_configs(text: str) -> list[EvalConfig]:
         elif spec == "sparse":
             changes = {"attention": "sparse"}
         else:
-            changes = {"attention": "sparse", **_spec_changes(spec)}
+            try:
+                changes = {"attention": "sparse", **_spec_changes(spec)}
+            except ValueError as exc:
+                errors.append(str(exc))
+                continue
         if any(c.name == spec for c in out):
-            raise ValueError(f"config {spec!r} given twice")
+            errors.append(f"config {spec!r} given twice")
+            continue
         out.append(EvalConfig(spec, tuple(changes.items())))
+    if errors:
+        raise ValueError("\n--configs: ".join(errors))
     if not out:
         raise ValueError("no configurations given (e.g. --configs dense,sparse)")
     return out
+
+
+TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
 def _spec_changes(spec: str) -> dict[str, Any]:
@@ -137,10 +148,23 @@ def _spec_changes(spec: str) -> dict[str, Any]:
             else:
                 changes[name] = kind(value)
         except ValueError:
-            raise ValueError(f"config {spec!r}: {key}={value!r} is not a {kind.__name__}") from None
+            raise ValueError(
+                f"config {spec!r}: {key}={value!r} is not {TYPE_NAMES[kind]}"
+            ) from None
+    superpage_only = [k for k in ("superpage", "oversample") if k in _keys_of(spec)]
+    if superpage_only and changes.get("page_metadata") != "superpage":
+        raise ValueError(
+            f"config {spec!r}: {' and '.join(superpage_only)} "
+            f"{'work' if len(superpage_only) > 1 else 'works'} only with meta=superpage "
+            "(add it to this config)"
+        )
     if "top_k" in changes and "device_buffer" not in changes:
         changes["device_buffer"] = None  # 2 x top_k (EngineConfig's default)
     return changes
+
+
+def _keys_of(spec: str) -> list[str]:
+    return [item.partition("=")[0].strip() for item in spec.split(":")]
 
 
 # ----------------------------------------------------------------------------- running

@@ -87,7 +87,25 @@ def test_eval_records_page_metadata_and_says_when_the_budget_holds_every_page(ti
     assert sp["page_metadata"] == "superpage" and sp["superpage_oversample"] == 2.0
     err = " ".join(result.stderr.split())
     assert "note: top_k=2048 keeps top_k 2048 tokens, the whole prompt at length(s) 600" in err
-    assert "note: top_k=256" not in err
+    assert "note: top_k=256" not in err and "Warning" not in err  # matplotlib's too
+
+
+def test_eval_table_never_cuts_config_names():
+    """Two long names sharing a prefix stayed apart only in eval.json (a fresh user's
+    finding at 80 columns: both columns read ``top_k=256:met…``)."""
+    from rich.console import Console
+
+    from hisparse_cli.eval_report import accuracy_table
+
+    names = ["dense", "top_k=256:meta=superpage", "top_k=256:meta=superpage:oversample=2"]
+    report = {"model": "m", "configs": [{"name": n} for n in names], "table": [
+        {"task": "niah_single", "length": 2048, "config": n, "accuracy": 50.0, "samples": 1}
+        for n in names]}  # fmt: skip
+    console = Console(width=80, record=True, force_terminal=False)
+    console.print(accuracy_table(report))
+    text = console.export_text()
+    assert "…" not in text and "..." not in text  # wrapped inside its column instead
+    assert "oversam" in text and text.count("uperpage") == 2
 
 
 def test_eval_refuses_bad_arguments_before_loading(tmp_path):

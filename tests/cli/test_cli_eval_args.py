@@ -55,16 +55,20 @@ def test_duplicates_are_refused_before_the_model_loads(tmp_path, placed, args, m
 
 
 def test_every_options_problem_is_reported_at_once(tmp_path, placed):
-    """A fresh user's finding: only the first of several bad options was named."""
+    """Fresh users' findings: only the first of several bad options (or of several bad
+    values of one option) was named; a depth outside [0, 1] only after the preset line."""
     result = run_eval(
-        tmp_path, "--lengths", "2K,2K", "--depths", "0.5,.5", "--tasks", "nope",
-        "--configs", "dense,dense",
+        tmp_path, "--lengths", "2K,2K,3X", "--depths", "0.5,.5,1.5", "--tasks", "nope",
+        "--configs", "dense,dense,top_k=abc,top_k=256:oversample=2",
     )  # fmt: skip
     out = " ".join(result.output.split())
     assert result.exit_code == 2 and placed == []
-    for message in ("--lengths: '2K' is given twice", "--depths: '0.5' and '.5'", "nope",
-                    "--configs: config 'dense' given twice"):  # fmt: skip
+    for message in ("--lengths: '2K' is given twice", "--lengths: context '3X' is not",
+                    "--depths: '0.5' and '.5'", "--depths: '1.5' is outside [0, 1]", "nope",
+                    "--configs: config 'dense' given twice", "top_k='abc' is not an integer",
+                    "oversample works only with meta=superpage"):  # fmt: skip
         assert message in out, out
+    assert "preset" not in out  # refused before the preset is resolved
 
 
 def test_distinct_values_reach_the_model_load(tmp_path, placed):

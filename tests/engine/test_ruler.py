@@ -155,7 +155,8 @@ def test_config_specs():
     with pytest.raises(ConfigError, match="config 'host=fp16'"):
         fidelity.parse_configs("host=fp16")[0].engine_config(base)
     for bad, match in [
-        ("top_k=abc", "not a int"),
+        ("top_k=abc", "not an integer"),
+        ("oversample=2", "oversample works only with meta=superpage"),
         ("pages=16", "not key=value"),
         ("dense,dense", "twice"),
         ("", "no configurations"),
