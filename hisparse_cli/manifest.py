@@ -756,11 +756,18 @@ def _engine_problem(name: str, value: Any) -> str | None:
         return f"unknown engine setting{hint}"
     declared = _ENGINE_FIELDS[name]
     accepted = tuple(t for part in declared.split(" | ") for t in _TYPE_NAMES.get(part, (object,)))
-    if isinstance(value, bool) and bool not in accepted:
-        return f"must be {declared}, got {value!r}"
-    if not isinstance(value, accepted):
-        return f"must be {declared}, got {value!r}"
+    if (isinstance(value, bool) and bool not in accepted) or not isinstance(value, accepted):
+        return f"must be {_plain_type(declared)}, got {value!r}"
     return setting_problem(name, value)
+
+
+_PLAIN_TYPES = {"str": "a string", "int": "an integer", "float": "a number",
+                "bool": "true or false", "None": "null", "dict[str, Any]": "a mapping"}  # fmt: skip
+
+
+def _plain_type(declared: str) -> str:
+    """``"int | None"`` -> ``"an integer or null"``: a field's type in words."""
+    return " or ".join(_PLAIN_TYPES.get(part, part) for part in declared.split(" | "))
 
 
 # ----------------------------------------------------------------------------- checks

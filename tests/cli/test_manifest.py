@@ -367,7 +367,7 @@ def test_engine_setting_values_are_all_reported_with_lines(docs):
         "host_pool_gb": (6, "> 0"),
         "num_threads": (7, "positive integer"),
         "context_policy": (8, "one of refuse, extend, truncate"),
-        "cuda_graph": (9, "bool"),
+        "cuda_graph": (9, "must be true or false"),
     }
     for name, (line, phrase) in expected.items():
         problem = find(problems, f"defaults.engine.{name}")
