@@ -203,14 +203,17 @@ def pool(paths: list[Path], out: Path | None) -> int:
 
 def sticky_select_ref(
     q, meta, super_meta, page_super, block_table, num_pages, top_k_pages, sink_pages,
-    window_pages, superpage_pages, num_cand, scale, prev,
+    window_pages, superpage_pages, num_cand, scale, prev, lse_over_all=False, out_cand=None,
 ):  # fmt: skip
     """Measured only, not an engine mode: the two-level selection (``normmax``) whose
     candidates are the pages of the best ``num_cand`` superpages **and** the pages the
     same (layer, KV head) selected at the previous step (``prev`` bool ``[B, Hkv, P_max]``,
-    or None at the first step). Scores every page's Quest bound here, for simplicity; an
-    engine version would read only the candidates' (``M + top_k`` rows). Returns bool
-    ``[B, Hkv, P_max]``."""
+    or None: the superpages' pages only). Scores every page's Quest bound here, for
+    simplicity; an engine version would read only the candidates' (``M + top_k`` rows).
+    ``lse_over_all``: each head's log-sum-exp over every page, as exact Quest's normmax,
+    instead of over the candidates (a diagnosis: how much of the difference from exact is
+    the normalisation, not the candidates). ``out_cand``: a list that receives the
+    candidate mask. Returns bool ``[B, Hkv, P_max]``."""
     b, hq, d = q.shape
     hkv = meta.shape[1]
     g, p_max, s = hq // hkv, block_table.shape[1], superpage_pages
@@ -234,8 +237,12 @@ def sticky_select_ref(
     qg = q.float().view(b, 1, hkv, g, d)
     u = torch.maximum(qg * rows[:, :, :, None, 0], qg * rows[:, :, :, None, 1]).sum(-1)
     x = (u * scale).permute(0, 2, 3, 1)  # [B, Hkv, G, P]
+    over = valid[:, None, None, :] if lse_over_all else cand[:, :, None, :]
+    lse = torch.logsumexp(x.masked_fill(~over, -math.inf), dim=-1, keepdim=True)
     x = x.masked_fill(~cand[:, :, None, :], -math.inf)
-    score = (x - torch.logsumexp(x, dim=-1, keepdim=True)).amax(2)  # [B, Hkv, P]
+    score = (x - lse).amax(2)  # [B, Hkv, P]
+    if out_cand is not None:
+        out_cand.append(cand)
     forced = valid & ((idx[None, :] < sink_pages) | (idx[None, :] >= n[:, None] - window_pages))
     usable = cand & ~forced[:, None, :]
     score = score.masked_fill(~usable, -math.inf)
@@ -317,6 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
     p.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="also, per variant: which of exact's missing pages lie outside the candidates, "
+        "and the selection with each head's log-sum-exp over every page (measured only)",
+    )
+    p.add_argument(
         "--sticky",
         action="store_true",
         help="also compare, per variant, candidates that add the pages the variant picked at "
@@ -346,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(ids) < args.tokens:
         log(f"the documents hold {len(ids)} tokens, fewer than --tokens {args.tokens}")
     keys = [*variants, *[(sp, o, "sticky") for sp, o in variants if args.sticky]]
+    keys += [(sp, o, "global lse") for sp, o in variants if args.diagnose]
     stats = {v: {"rows": 0, "same": 0, "sel": 0, "missing": 0} for v in keys}
+    outside = {v: 0 for v in variants}  # ... of them, outside its candidates (--diagnose)
     prev: dict[tuple, torch.Tensor] = {}  # (variant, layer) -> last sticky selection
     select = attn.select
 
@@ -376,6 +391,16 @@ def main(argv: list[str] | None = None) -> int:
                     prev.get((sp, o, layer)),
                 )  # fmt: skip
                 prev[(sp, o, layer)] = sticky
+            if args.diagnose:
+                cands: list[torch.Tensor] = []
+                picks[(sp, o, "global lse")] = sticky_select_ref(
+                    q, meta, super_meta, page_super, plan.block_table, plan.num_pages,
+                    cfg.top_k_pages, cfg.sink_pages, cfg.window_pages, sp,
+                    num_candidates(cfg.top_k_pages, sp, o), attn.scale, None,
+                    lse_over_all=True, out_cand=cands,
+                )  # fmt: skip
+                missed = a & ~picks[(sp, o)]  # exact's pages the superpage rule lacks ...
+                outside[(sp, o)] += int((missed & ~cands[0][..., : a.shape[-1]]).sum())
             for key, b in picks.items():
                 st = stats[key]
                 st["rows"] += a.shape[0] * a.shape[1]
@@ -465,14 +490,23 @@ def main(argv: list[str] | None = None) -> int:
         "group_combine": cfg.group_combine,
         "context_policy": "extend (yarn)",
         "selection": {
-            name(*key[:2]) + (" sticky" if len(key) > 2 else ""): {
+            name(*key[:2]) + (f" {key[2]}" if len(key) > 2 else ""): {
                 "superpage_pages": key[0],
                 "oversample": key[1],
                 "num_candidates": num_candidates(cfg.top_k_pages, key[0], key[1]),
-                "previous_step_pages_added": len(key) > 2,
+                "previous_step_pages_added": len(key) > 2 and key[2] == "sticky",
+                "lse_over_every_page": len(key) > 2 and key[2] == "global lse",
                 "rows_step_layer_head": st["rows"],
                 "share_rows_same_page_set": st["same"] / max(st["rows"], 1),
                 "share_exact_pages_missing": st["missing"] / max(st["sel"], 1),
+                **(
+                    {
+                        "share_exact_pages_missing_outside_candidates": outside[key]
+                        / max(st["sel"], 1)
+                    }
+                    if args.diagnose and len(key) == 2
+                    else {}
+                ),
             }
             for key, st in stats.items()
         },

@@ -93,6 +93,11 @@ def test_sticky_select_with_every_page_a_candidate_is_flat_quest():
     every = torch.ones(1, hkv, n, dtype=torch.bool)
     assert torch.equal(m.sticky_select_ref(*args, 1, 0.5, every), flat)
     assert torch.equal(m.sticky_select_ref(*args, n // s, 0.5, None), flat)
+    cands: list = []  # the diagnosis: exact's normalisation over every page, same candidates
+    assert torch.equal(
+        m.sticky_select_ref(*args, n // s, 0.5, None, lse_over_all=True, out_cand=cands), flat
+    )
+    assert cands[0].all()
     one = m.sticky_select_ref(*args, 1, 0.5, None)
     forced = torch.zeros(n, dtype=torch.bool)
     forced[:1] = forced[-2:] = True
