@@ -153,14 +153,14 @@ def eval_command(
         except ValueError as exc:
             raise ValueError(f"--configs: {exc}") from None
 
+    def length(text: str) -> int:
+        try:
+            return parse_context(text)
+        except ValueError as exc:
+            raise ValueError(f"--lengths: {exc}") from None
+
     try:
         errors: list[str] = []  # every option's problem at once, not only the first
-        def length(text: str) -> int:
-            try:
-                return parse_context(text)
-            except ValueError as exc:
-                raise ValueError(f"--lengths: {exc}") from None
-
         length_list = _collect(
             errors, lambda: sorted(_unique("--lengths", _items(lengths), length, "tokens"))
         )
