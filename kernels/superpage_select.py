@@ -471,9 +471,9 @@ def _ranked(key, K: tl.constexpr):
 
 
 def _sort_warps(n: int) -> int:
-    """Warps of a program that ranks a row of ``n`` keys in registers: 8 from 512 keys
-    (chosen by hand on an H200 at SmolLM2's 128K x 32-job shape, where 8 warps beat 4 and
-    2; ``scripts/bench_superpage.py`` times the result)."""
+    """Warps of a program that ranks a row of ``n`` keys in registers: 8 from 512 keys.
+    A hand choice for SmolLM2's 128K x 32-job shape, not compared against other counts by
+    a repo benchmark; ``scripts/bench_superpage.py`` times the result."""
     return 4 if n < 512 else 8
 
 
