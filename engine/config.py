@@ -248,8 +248,10 @@ class EngineConfig:
     tokenizer: ``None`` (the model's own) or, for a synthetic model, ``ids`` (jobs given
         as token ids; see :mod:`engine.weights.synthetic`).
     int4_triton_min_rows: decode batches of at least this many rows run 4-bit linears
-        with the Triton dequant-matmul instead of torch's tinygemm (CUDA); environment
-        ``HISPARSE_INT4_TRITON_MIN_ROWS``.
+        with the Triton kernels, fewer with torch's tinygemm (CUDA); environment
+        ``HISPARSE_INT4_TRITON_MIN_ROWS``. Default 1: Triton for every batch and one copy
+        of each 4-bit weight on the device; above 1 tinygemm's packed copy is kept too
+        (0.625 B/param more; :data:`engine.weights.quant.TRITON_MIN_ROWS`).
     host_memory_gb: host memory the KV pool may use, declared (GiB) for virtual machines
         whose ``MemAvailable`` reads low; ``None`` reads ``/proc/meminfo``; environment
         ``HISPARSE_HOST_MEMORY_GB``. The pool is refused above 90% of it.
@@ -302,7 +304,7 @@ class EngineConfig:
     parallel: str = "data"
     trace_path: str | None = None
     tokenizer: str | None = None
-    int4_triton_min_rows: int = 8
+    int4_triton_min_rows: int = 1
     host_memory_gb: float | None = None
     audit_steps: int = 0
     audit_seed: int = 0

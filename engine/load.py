@@ -295,14 +295,15 @@ def place_model(
         layers = range(*stage_layers(num_layers, world_size)[rank])
     limit, rope = context_limit_and_rope(weights.config, rope_config or config)
     fmt = pick_weight_format(config, device, weights.formats)
-    llm = build_model(weights, device, getattr(torch, config.dtype), fmt, rope, layers=layers)
+    llm = build_model(
+        weights, device, getattr(torch, config.dtype), fmt, rope, layers=layers,
+        int4_triton_min_rows=config.int4_triton_min_rows,
+    )
     int4_dtype = cpu_int4_dtype(getattr(torch, config.dtype))  # bf16 products on a fast CPU
     for layer in llm.layers:
         for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
-            if isinstance(lin, Int4Linear):
-                lin.triton_min_rows = config.int4_triton_min_rows
-                if device.type == "cpu":
-                    lin.set_activation_dtype(int4_dtype)
+            if isinstance(lin, Int4Linear) and device.type == "cpu":
+                lin.set_activation_dtype(int4_dtype)
     head_note = ""
     if (
         device.type == "cpu"

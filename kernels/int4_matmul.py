@@ -128,9 +128,91 @@ def _group_int4_linear_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _group_int4_gemv_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    offset_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_x_m,
+    stride_q_n,
+    stride_scale_n,
+    stride_offset_n,
+    stride_y_s,
+    stride_y_m,
+    split_k,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """One (M tile, N tile, K split) without tensor cores, for the fewest rows: the tile's
+    weights are dequantised to float32 once and each of the ``BLOCK_M`` activation rows
+    is multiplied and summed along K in registers (``BLOCK_M`` is unrolled). Same layout,
+    masks and split-K partials as :func:`_group_int4_linear_kernel`; the products and sums
+    are float32 throughout (the weights are not rounded to the activations' dtype)."""
+    pid_mn = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid_mn // grid_n
+    pid_n = pid_mn % grid_n
+    HALF: tl.constexpr = BLOCK_K // 2
+    offs_mt = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_i = tl.arange(0, HALF)
+    mask_n = offs_n < N
+    scale_rows = scale_ptr + offs_n[:, None] * stride_scale_n
+    offset_rows = offset_ptr + offs_n[:, None] * stride_offset_n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kt in range(pid_k, tl.cdiv(K, BLOCK_K), split_k):
+        byte_i = kt * HALF + offs_i
+        qb = tl.load(
+            q_ptr + offs_n[:, None] * stride_q_n + byte_i[None, :],
+            mask=mask_n[:, None] & (byte_i < K // 2)[None, :],
+            other=0,
+        )
+        if GROUP >= BLOCK_K:
+            col = (kt * BLOCK_K) // GROUP
+            mask_c = mask_n & ((offs_n * 0 + col) < K // GROUP)
+            scale = tl.load(scale_ptr + offs_n * stride_scale_n + col, mask=mask_c, other=0.0)
+            scale = scale.to(tl.float32)[:, None]
+            low = tl.load(offset_ptr + offs_n * stride_offset_n + col, mask=mask_c, other=0.0)
+            low = low.to(tl.float32)[:, None]
+        else:
+            NG: tl.constexpr = BLOCK_K // GROUP
+            cols = kt * NG + tl.arange(0, NG)
+            mask_c = mask_n[:, None] & (cols < K // GROUP)[None, :]
+            scale = _load_repeated(scale_rows, cols, mask_c, BLOCK_N, NG, GROUP // 2)
+            low = _load_repeated(offset_rows, cols, mask_c, BLOCK_N, NG, GROUP // 2)
+        w_lo = (qb & 15).to(tl.float32) * scale + low
+        w_hi = (qb >> 4).to(tl.float32) * scale + low
+        offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+        for mi in tl.static_range(BLOCK_M):
+            row = pid_m * BLOCK_M + mi
+            xr = tl.load(
+                x_ptr + row * stride_x_m + offs_k,
+                mask=(offs_k < K) & ((offs_k * 0 + row) < M),
+                other=0.0,
+            ).to(tl.float32)
+            x_lo, x_hi = tl.split(tl.reshape(xr, [HALF, 2]))
+            part = tl.sum(w_lo * x_lo[None, :] + w_hi * x_hi[None, :], axis=1)
+            acc = tl.where(offs_mt[:, None] == mi, acc + part[None, :], acc)
+    offs_m = pid_m * BLOCK_M + offs_mt
+    y = y_ptr + pid_k * stride_y_s + offs_m[:, None] * stride_y_m + offs_n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & mask_n[None, :])
+
+
 @dataclass(frozen=True)
 class Q4Config:
-    """Tile shape of :func:`group_int4_linear` (``block_k`` a power of two, at least 32)."""
+    """Tile shape of :func:`group_int4_linear` (``block_k`` a power of two, at least 32).
+
+    ``kind``: ``"dot"`` runs :func:`_group_int4_linear_kernel` (tensor cores; ``block_m``
+    at least 16), ``"gemv"`` runs :func:`_group_int4_gemv_kernel` (float32 multiply-adds;
+    any power-of-two ``block_m``, for the fewest rows)."""
 
     block_m: int
     block_n: int
@@ -138,10 +220,25 @@ class Q4Config:
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
+    kind: str = "dot"
 
 
 def q4_config(m: int, n: int, k: int, device: torch.device) -> Q4Config:
-    """Default tiles: thin M tiles and split-K so that small-M products fill the device."""
+    """Default tiles: thin M tiles and split-K so that small-M products fill the device.
+
+    One row runs the ``gemv`` kernel (32 rows of W by 256 of K a program, 8 warps, split-K
+    to about four programs per SM), more rows the tensor-core kernel. From the tile sweep
+    of ``scripts/bench_kernels.py --sections int4_tune`` (H100, 2026-12-02,
+    docs/performance.md "One int4 copy on the GPU"): at one row the best ``gemv`` tile
+    beat the ``dot`` default by 10-17 % a layer on qwen2.5-7b and lost from two rows
+    (the float32 products of every row grow with M); across the ``dot`` tiles and
+    split-K values swept, the defaults below were within 6 % of the best tile on 29 of
+    the 32 (linear, group, rows) cases from 4 to 32 rows, 12 % at worst."""
+    if m == 1:
+        block_k = 256
+        tiles = -(-n // 32)
+        split_k = max(1, min(-(-k // block_k), 16, -(-4 * num_sms(device) // tiles)))
+        return Q4Config(1, 32, block_k, split_k, num_warps=8, num_stages=3, kind="gemv")
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     block_n = 64 if m <= 64 else 128
     block_k = 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
@@ -164,12 +261,44 @@ def _launch(x, q, scale, offset, group: int, config: Q4Config | None) -> torch.T
         cfg.block_k >= 32 and cfg.block_k & (cfg.block_k - 1) == 0,
         f"block_k={cfg.block_k} must be a power of two of at least 32",
     )
+    require(cfg.kind in ("dot", "gemv"), f"kind={cfg.kind!r} must be 'dot' or 'gemv'")
+    require(
+        cfg.block_m >= 1 and cfg.block_m & (cfg.block_m - 1) == 0 and cfg.block_n >= 16
+        and cfg.block_n & (cfg.block_n - 1) == 0 and (cfg.kind == "gemv" or cfg.block_m >= 16),
+        f"block_m={cfg.block_m}, block_n={cfg.block_n}: powers of two, block_n >= 16 "
+        "(block_m >= 16 for kind 'dot')",
+    )
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out.reshape(*x.shape[:-1], n)
     split = cfg.split_k
     y = out if split == 1 else torch.empty((split, rows, n), dtype=torch.float32, device=x.device)
     grid = (-(-rows // cfg.block_m) * -(-n // cfg.block_n), split)
+    if cfg.kind == "gemv":
+        _group_int4_gemv_kernel[grid](
+            x2,
+            q,
+            scale,
+            offset,
+            y,
+            rows,
+            n,
+            k,
+            x2.stride(0),
+            q.stride(0),
+            scale.stride(0),
+            offset.stride(0),
+            0 if split == 1 else y.stride(0),
+            y.stride(-2),
+            split,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP=group,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        return _finish_split(y, out, rows, n, split, x.shape)
     _group_int4_linear_kernel[grid](
         x2,
         q,
@@ -194,12 +323,18 @@ def _launch(x, q, scale, offset, group: int, config: Q4Config | None) -> torch.T
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    return _finish_split(y, out, rows, n, split, x.shape)
+
+
+def _finish_split(y, out, rows: int, n: int, split: int, shape) -> torch.Tensor:
+    """Sum the split-K partials ``y [split, rows, n]`` into ``out`` (nothing when ``split``
+    is 1: the kernel wrote ``out``) and give it the activations' leading shape."""
     if split > 1:
         block = min(1024, next_pow2(n))
         _int4_split_sum_kernel[(rows, -(-n // block))](
             y, out, n, split, y.stride(0), y.stride(1), out.stride(0), BLOCK_N=block
         )
-    return out.reshape(*x.shape[:-1], n)
+    return out.reshape(*shape[:-1], n)
 
 
 @triton.jit

@@ -21,6 +21,11 @@ Sections (``--sections``, comma-separated; all by default):
 * ``int4_decode`` — one layer's four linears of qwen2.5-7b and llama3.1-8b through the
   engine's ``Int4Linear`` regimes (tinygemm, Triton over the source weight, dequantise +
   GEMM) at decode batch sizes 1-48: where ``TRITON_MIN_ROWS`` belongs;
+* ``int4_tune`` — the Triton W4A16 kernels' tile space on qwen2.5-7b's four decode linears,
+  group 128 (``quantize_int4``) and 32 (GGUF blocks), decode rows 1-32: the tensor-core
+  kernel (``kind="dot"``) and the float32 multiply-add one (``kind="gemv"``) over tiles and
+  split-K, against tinygemm and the default ``q4_config``; µs, GB/s of weight bytes, the
+  best config of each (linear, rows): where ``q4_config``'s choices come from;
 * ``fused`` — the element-wise work of one decode layer around attention (everything but
   the linears, attention and the MLP activation), unfused (torch RMSNorm, residual adds,
   cos/sin + rotate-half, ``append_kv``) against fused (``kernels.rmsnorm.rms_norm`` with the
@@ -34,6 +39,7 @@ after warm-up, median of ``reps``; inputs rotate over enough copies to exceed th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -458,6 +464,7 @@ def bench_gather_fp8(out: dict) -> None:
 
 # --- int4 ------------------------------------------------------------------------------------
 
+TG = 64  # Int4Linear keeps tinygemm's packed copy (timed beside the Triton kernels)
 INT4_SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (14336, 4096), (4096, 14336)]
 INT4_MS = [1, 8, 32, 256]
 INT4_GROUP = 32
@@ -496,12 +503,13 @@ def bench_int4(out: dict) -> None:
         n_bf = copies_for(n * k * 2, cap=4)
         w_copies = [w_bf16] + [w_bf16.clone() for _ in range(n_bf - 1)]
         # Separate device copies (Int4Linear keeps a weight already on the device as it is).
-        lins = [Int4Linear(q, None, DEV, torch.bfloat16)] + [
+        lins = [Int4Linear(q, None, DEV, torch.bfloat16, triton_min_rows=TG)] + [
             Int4Linear(
                 Int4Weight(q.q.clone(), q.scale.clone(), q.offset.clone(), INT4_GROUP),
                 None,
                 DEV,
                 torch.bfloat16,
+                triton_min_rows=TG,
             )
             for _ in range(n_q - 1)
         ]
@@ -651,7 +659,7 @@ def bench_int4_decode(out: dict) -> None:
         lins = []
         for n, k in shapes:
             w = quantize_int4(torch.randn(n, k, generator=gen, device=DEV) * 0.02)
-            lins.append(Int4Linear(w, None, torch.device(DEV), torch.bfloat16))
+            lins.append(Int4Linear(w, None, torch.device(DEV), torch.bfloat16, triton_min_rows=TG))
         hidden = shapes[1][1]
         for m in DECODE_MS:
             xs = [torch.randn(m, k, generator=gen, device=DEV).bfloat16() for _, k in shapes]
@@ -693,6 +701,114 @@ def bench_int4_decode(out: dict) -> None:
             )
         del lins
         torch.cuda.empty_cache()
+
+
+TUNE_MS = [1, 2, 4, 8, 16, 32]
+TUNE_GROUPS = [128, 32]
+
+
+def _tune_tiles(m: int) -> list[Q4Config]:
+    """Tile candidates (split-K left to phase two): the gemv kernel up to 8 rows (one M
+    tile of ``next_pow2(m)`` rows), the dot kernel from 4 rows."""
+    cands = []
+    if m <= 8:
+        bm = next_pow2_int(m)
+        for bn in (32, 64):
+            for bk in (256, 512):
+                for warps in (4, 8):
+                    cands.append(Q4Config(bm, bn, bk, 1, warps, 3, kind="gemv"))
+    if m >= 4:
+        bm = 16 if m <= 16 else 32
+        for bn in (64, 128):
+            for bk in (128, 256):
+                for warps in (4, 8):
+                    cands.append(Q4Config(bm, bn, bk, 1, warps, 3 if bk == 256 else 4))
+    return cands
+
+
+def next_pow2_int(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def bench_int4_tune(out: dict) -> None:
+    """Phase one: every tile of :func:`_tune_tiles` with the split-K that gives about two
+    programs per SM; phase two: the best three tiles at split-K 1/2/4/8/16. Weight bytes:
+    nibbles plus the float32 scale and offset per group."""
+    from engine.weights.quant import Int4Linear, Int4Weight, quantize_int4
+
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    rows = out.setdefault("int4_tune", [])
+    shapes = DECODE_LAYERS["qwen2.5-7b"]
+    for group in TUNE_GROUPS:
+        for n, k in shapes:
+            q = quantize_int4(torch.randn(n, k, generator=gen, device=DEV) * 0.02, group_size=group)
+            nbytes = n * k // 2 + n * (k // group) * 8
+            copies = [q] + [
+                Int4Weight(q.q.clone(), q.scale.clone(), q.offset.clone(), group)
+                for _ in range(copies_for(nbytes, cap=8) - 1)
+            ]
+            lin = Int4Linear(q, None, DEV, torch.bfloat16, triton_min_rows=TG)
+            for m in TUNE_MS:
+                x = torch.randn(m, k, generator=gen, device=DEV).bfloat16()
+                ref = group_int4_linear_ref(x.float(), q.q, q.scale, q.offset, group)
+
+                def timed(cfg):
+                    y = group_int4_linear(x, q.q, q.scale, q.offset, group, config=cfg)
+                    err = ((y.float() - ref).norm() / ref.norm()).item()
+                    if not err < 1e-2:
+                        raise AssertionError(f"{cfg}: relative error {err:.3g}")
+                    calls = [
+                        lambda w=w: group_int4_linear(x, w.q, w.scale, w.offset, group, config=cfg)
+                        for w in copies
+                    ]
+                    return time_us(calls, reps=10)
+
+                def fill_split(cfg):
+                    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+                    return max(1, min(k // cfg.block_k, 16, (2 * sms) // max(tiles, 1)))
+
+                row = {"n": n, "k": k, "m": m, "group": group, "weight_bytes": nbytes}
+                row["tinygemm_us"] = time_us(
+                    [lambda: torch.ops.aten._weight_int4pack_mm(
+                        x, lin.packed, group, lin.scales_and_zeros)],
+                    reps=10,
+                ) if m < 64 else None
+                row["default_us"] = timed(q4_config(m, n, k, DEV))
+                row["default_config"] = q4_config(m, n, k, DEV).__dict__
+                phase1 = []
+                for cfg in _tune_tiles(m):
+                    cfg = dataclasses.replace(cfg, split_k=fill_split(cfg))
+                    try:
+                        phase1.append((timed(cfg), cfg))
+                    except Exception as err:  # noqa: BLE001 - a tile that does not compile
+                        print(f"  {cfg}: {err!r}"[:300], flush=True)
+                phase1.sort(key=lambda t: t[0])
+                trials = list(phase1)
+                for _, cfg in phase1[:3]:
+                    for split in (1, 2, 4, 8, 16):
+                        if split != cfg.split_k and split <= k // cfg.block_k:
+                            c2 = dataclasses.replace(cfg, split_k=split)
+                            trials.append((timed(c2), c2))
+                best = {}
+                for us, cfg in trials:
+                    if cfg.kind not in best or us < best[cfg.kind][0]:
+                        best[cfg.kind] = (us, cfg)
+                for kind, (us, cfg) in best.items():
+                    row[f"best_{kind}_us"] = us
+                    row[f"best_{kind}_config"] = cfg.__dict__
+                row["best_gbps"] = nbytes / min(us for us, _ in best.values()) / 1e3
+                rows.append(row)
+                print(
+                    f"  g{group} N={n:5d} K={k:5d} M={m:2d}: tinygemm {row['tinygemm_us'] or 0:6.1f} "
+                    f"default {row['default_us']:6.1f} "
+                    + " ".join(f"{kd} {us:6.1f} ({c.block_m},{c.block_n},{c.block_k},s{c.split_k},"
+                               f"w{c.num_warps})" for kd, (us, c) in best.items())
+                    + f" = {row['best_gbps']:5.0f} GB/s",
+                    flush=True,
+                )
+            del copies, lin, q
+            torch.cuda.empty_cache()
 
 
 # --- fused norm / RoPE + append (one decode layer's ops around attention) -------------------
@@ -843,6 +959,8 @@ def main() -> int:
                 bench_int4(res)
             elif name == "int4_decode":
                 bench_int4_decode(res)
+            elif name == "int4_tune":
+                bench_int4_tune(res)
             elif name == "fused":
                 bench_fused(res)
             else:

@@ -69,9 +69,10 @@ from engine.kv.sizing import (  # noqa: F401 - re-exported: the planner's vocabu
 
 INT4_GROUP_SIZE = 128
 INT4_GROUP_OVERHEAD_BYTES = 4  # one bf16 scale + one bf16 zero point per group
-# On CUDA each int4 linear also keeps its source blocks (uint8 nibbles + float32 scale and
-# offset per group) for prefill-sized calls, which dequantise them to bf16 for the dense
-# GEMM (engine.weights.quant.Int4Linear): another 0.5 B/param + 8 B per group.
+# On CUDA each int4 linear keeps its source blocks (uint8 nibbles + float32 scale and
+# offset per group), read by the Triton decode kernels and dequantised to bf16 for the
+# prefill's dense GEMM (engine.weights.quant.Int4Linear): 0.5 B/param + 8 B per group;
+# tinygemm's packed copy (the CPU's only copy) only with int4_triton_min_rows > 1.
 INT4_CUDA_SOURCE_GROUP_BYTES = 8
 # Prefill-sized int4 calls on CUDA dequantise the layer's weight to bf16 first; the
 # transient (int32 nibbles, float32 weight, bf16 copy) peaks near 12 B per element of the
@@ -274,9 +275,10 @@ def weight_bytes(
 
     Notes
     -----
-    int4 linears cost 0.5 B/param + 4 B per group of :data:`INT4_GROUP_SIZE`, twice the
-    nibbles plus :data:`INT4_CUDA_SOURCE_GROUP_BYTES` per group more on CUDA (the kept
-    source blocks; measured: docs/performance.md, plan vs measured memory); the
+    int4 linears cost 0.5 B/param + 4 B per group of :data:`INT4_GROUP_SIZE` (tinygemm's
+    packing: the CPU, or CUDA with ``int4_triton_min_rows > 1``), and on CUDA 0.5 B/param
+    + :data:`INT4_CUDA_SOURCE_GROUP_BYTES` per group for the source blocks the Triton
+    kernels read (measured: docs/performance.md, plan vs measured memory); the
     embedding, lm_head, norms and biases stay in ``config.dtype``.
     """
     start, end = layers if layers is not None else (0, model.num_layers)
@@ -285,9 +287,12 @@ def weight_bytes(
     linear = _linear_params_per_layer(model) * num_layers
     if weight_format(config) == "int4":
         groups = -(-linear // INT4_GROUP_SIZE)
-        linear_bytes = linear // 2 + groups * INT4_GROUP_OVERHEAD_BYTES
+        packed = linear // 2 + groups * INT4_GROUP_OVERHEAD_BYTES
         if str(config.device).startswith("cuda"):
-            linear_bytes += linear // 2 + groups * INT4_CUDA_SOURCE_GROUP_BYTES
+            source = linear // 2 + groups * INT4_CUDA_SOURCE_GROUP_BYTES
+            linear_bytes = source + (packed if config.int4_triton_min_rows > 1 else 0)
+        else:
+            linear_bytes = packed
     else:
         linear_bytes = linear * b
     vocab_matrix = model.vocab_size * model.hidden_size

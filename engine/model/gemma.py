@@ -57,6 +57,7 @@ class GemmaModel(LlamaModel):
         weight_format: str,
         rope: Rope,
         layers: range | None = None,
+        int4_triton_min_rows: int | None = None,
     ):
         cfg = weights.config
         start = (layers if layers is not None else range(cfg.num_layers)).start
@@ -71,7 +72,10 @@ class GemmaModel(LlamaModel):
                     lw.post_ffn_norm.to(device, torch.float32),
                 )
             )
-        super().__init__(weights, device, dtype, weight_format, rope, layers=layers)
+        super().__init__(
+            weights, device, dtype, weight_format, rope, layers=layers,
+            int4_triton_min_rows=int4_triton_min_rows,
+        )
         self.post_norms = post
         self.scale = float(cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.attn_softcap = cfg.attn_softcap

@@ -78,6 +78,9 @@ class LlamaModel:
     layers : the decoder layers to place (a pipeline stage), default all. The token
         embedding is placed only with layer 0, the final norm and LM head only with the
         last layer (``None`` otherwise). Methods take global layer indices.
+    int4_triton_min_rows : for ``int4`` on CUDA, the fewest decode rows run by the Triton
+        kernels; below it torch's tinygemm, whose packed copy of every weight is kept only
+        then (:class:`engine.weights.quant.Int4Linear`); ``None``: its default
     use_triton : the norms (residual add fused) as :func:`kernels.rmsnorm.rms_norm`;
         ``None`` picks Triton exactly on CUDA (as :func:`kernels.dispatch.get_ops`), the
         reference :func:`kernels.rmsnorm.rms_norm_ref` (the unfused ops) elsewhere
@@ -101,6 +104,7 @@ class LlamaModel:
         rope: Rope,
         layers: range | None = None,
         use_triton: bool | None = None,
+        int4_triton_min_rows: int | None = None,
     ):
         self.config: ModelConfig = weights.config
         self.device = device
@@ -129,6 +133,7 @@ class LlamaModel:
         head = weights.lm_head if weights.lm_head is not None else weights.embed
         self.lm_head = make_linear(head, None, "float", device, dtype) if last else None
         self.layers: list[Layer] = []
+        int4 = {} if int4_triton_min_rows is None else {"triton_min_rows": int4_triton_min_rows}
         for lw in weights.layers[self.layer_range.start : self.layer_range.stop]:
             bias = None
             if lw.bq is not None:
@@ -138,13 +143,13 @@ class LlamaModel:
                     attn_norm=lw.attn_norm.to(device, torch.float32),
                     ffn_norm=lw.ffn_norm.to(device, torch.float32),
                     wqkv=make_linear(
-                        _cat_weights([lw.wq, lw.wk, lw.wv], dtype), bias, weight_format, device, dtype
+                        _cat_weights([lw.wq, lw.wk, lw.wv], dtype), bias, weight_format, device, dtype, **int4
                     ),
-                    wo=make_linear(lw.wo, None, weight_format, device, dtype),
+                    wo=make_linear(lw.wo, None, weight_format, device, dtype, **int4),
                     w_gate_up=make_linear(
-                        _cat_weights([lw.w_gate, lw.w_up], dtype), None, weight_format, device, dtype
+                        _cat_weights([lw.w_gate, lw.w_up], dtype), None, weight_format, device, dtype, **int4
                     ),
-                    w_down=make_linear(lw.w_down, None, weight_format, device, dtype),
+                    w_down=make_linear(lw.w_down, None, weight_format, device, dtype, **int4),
                     q_norm=_norm_on(lw.q_norm, device),
                     k_norm=_norm_on(lw.k_norm, device),
                 )

@@ -39,16 +39,16 @@ class UnsupportedArchitecture(ValueError):
     the supported ones."""
 
 
-def _build_llama(weights, device, dtype, weight_format, rope, layers=None):
+def _build_llama(weights, device, dtype, weight_format, rope, layers=None, **kw):
     from engine.model.llama import LlamaModel
 
-    return LlamaModel(weights, device, dtype, weight_format, rope, layers=layers)
+    return LlamaModel(weights, device, dtype, weight_format, rope, layers=layers, **kw)
 
 
-def _build_gemma(weights, device, dtype, weight_format, rope, layers=None):
+def _build_gemma(weights, device, dtype, weight_format, rope, layers=None, **kw):
     from engine.model.gemma import GemmaModel
 
-    return GemmaModel(weights, device, dtype, weight_format, rope, layers=layers)
+    return GemmaModel(weights, device, dtype, weight_format, rope, layers=layers, **kw)
 
 
 @dataclass(frozen=True)
@@ -259,6 +259,7 @@ def build_model(
     weight_format: str,
     rope,
     layers: range | None = None,
+    int4_triton_min_rows: int | None = None,
 ):
     """Place ``weights`` on ``device`` as the model of their architecture.
 
@@ -269,6 +270,7 @@ def build_model(
     weight_format : ``float`` or ``int4`` (:func:`engine.weights.quant.make_linear`)
     rope : :class:`engine.model.rope.Rope`
     layers : the decoder layers to place (a pipeline stage), default all
+    int4_triton_min_rows : see :class:`engine.model.llama.LlamaModel`
 
     Raises
     ------
@@ -276,4 +278,7 @@ def build_model(
         ``weights.config.arch`` is not registered.
     """
     arch = get(weights.config.arch)
-    return arch.build(weights, device, dtype, weight_format, rope, layers=layers)
+    return arch.build(
+        weights, device, dtype, weight_format, rope, layers=layers,
+        int4_triton_min_rows=int4_triton_min_rows,
+    )

@@ -176,16 +176,19 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 128) -> Int4Weight:
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # group sizes torch's int4 kernels accept (Int4Linear)
 DEQUANT_MIN_ROWS = 64
-# Decode batches of TRITON_MIN_ROWS..DEQUANT_MIN_ROWS-1 rows on CUDA run the Triton
-# dequant-matmul over the source weight (kernels.int4_matmul.group_int4_linear): tinygemm's
-# time grows about linearly with the rows, the Triton kernel's barely (H200, a qwen2.5-7b
-# layer's four linears, mean us per linear: tinygemm 20.7 / 45.4 / 74.6 / 135.7 at 1 / 8 /
-# 16 / 32 rows, Triton 34.2 / 33.9 / 36.7 / 41.2; llama3.1-8b alike; crossover at 8 rows:
-# scripts/bench_kernels.py --sections int4_decode, docs/performance.md "W4A16 for decode
-# batches"). The default of EngineConfig.int4_triton_min_rows (environment
-# HISPARSE_INT4_TRITON_MIN_ROWS; a large value keeps tinygemm), set on each linear by
-# engine.load.place_model.
-TRITON_MIN_ROWS = 8
+# Decode batches of TRITON_MIN_ROWS..DEQUANT_MIN_ROWS-1 rows on CUDA run the Triton kernels
+# over the source weight (kernels.int4_matmul.group_int4_linear), fewer rows torch's
+# tinygemm over a second, packed copy of the weight. Default 1: Triton for every decode
+# batch and no packed copy, 0.53-0.625 B/param less device memory (45 % of a GGUF model's
+# int4 weight bytes at group 32). The cost is speed below 8 rows, where tinygemm is faster
+# (1 x H200, 2026-12-02, qwen2.5-7b's four decode linears at group 128, mean µs per linear,
+# tinygemm / Triton: 20.8 / 29.1 at one row (the "gemv" kernel), 28.8 / 32.0 at four;
+# 45.4 / 32.1 at eight): in the engine 12-14 % slower steps at 1 and 4 jobs of 256K
+# (scripts/bench_kernels.py --sections int4_decode and the qwen2.5-7b bench,
+# docs/performance.md "One int4 copy on the GPU"). EngineConfig.int4_triton_min_rows
+# (presets, environment HISPARSE_INT4_TRITON_MIN_ROWS) sets it; the h200 presets, with
+# memory to spare, set 8.
+TRITON_MIN_ROWS = 1
 
 
 def cpu_fast_bf16() -> bool:
@@ -306,10 +309,12 @@ def pick_cpu_lm_head(head: DenseLinear, repeats: int = 3, gain: float = 0.8) -> 
 class Int4Linear(Linear):
     """4-bit weight run by torch's int4 kernels (``_weight_int4pack_mm[_for_cpu]``).
 
-    On CUDA by the number of rows ``M`` of ``x``: ``M < triton_min_rows`` tinygemm;
-    ``triton_min_rows <= M < DEQUANT_MIN_ROWS`` the Triton dequant-matmul over the source
-    weight kept on the device (:func:`kernels.int4_matmul.group_int4_linear`); larger ``M``
-    (prefill) dequantises the source to the compute dtype and runs the dense GEMM. On CPU
+    On CUDA by the number of rows ``M`` of ``x``: ``M < triton_min_rows`` tinygemm (over a
+    packed copy kept only when ``triton_min_rows > 1``); ``triton_min_rows <= M <
+    DEQUANT_MIN_ROWS`` the Triton dequant-matmul over the source weight kept on the device
+    (:func:`kernels.int4_matmul.group_int4_linear`); larger ``M`` (prefill) dequantises the
+    source to the compute dtype and runs the dense GEMM. ``triton_min_rows``: see
+    :data:`TRITON_MIN_ROWS` (default 1: no tinygemm, one copy of the weight). On CPU
     ``_weight_int4pack_mm_for_cpu`` in ``dtype`` below ``DEQUANT_MIN_ROWS`` rows
     (decode; bf16 where the CPU has bf16 instructions, :func:`cpu_int4_dtype`: with fp32
     activations that kernel was 4-30x slower, see docs/performance.md, "CPU decode path"),
@@ -321,31 +326,42 @@ class Int4Linear(Linear):
     product and the output cast back: the output has the dtype of ``x``.
     """
 
-    def __init__(self, w: Int4Weight, bias: torch.Tensor | None, device: torch.device, dtype):
+    def __init__(
+        self,
+        w: Int4Weight,
+        bias: torch.Tensor | None,
+        device: torch.device,
+        dtype,
+        triton_min_rows: int = TRITON_MIN_ROWS,
+    ):
         self.out_features, self.in_features = w.shape
         self.group_size = w.group_size
         self.device = device
         self.dtype = dtype
-        nib = w.nibbles().to(device)
         zero = w.offset + 8 * w.scale
         sz = torch.stack([w.scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+        if triton_min_rows < 1:
+            raise ValueError(f"triton_min_rows must be at least 1, got {triton_min_rows}")
+        self.triton_min_rows = triton_min_rows  # EngineConfig.int4_triton_min_rows
         if device.type == "cuda":
-            # CUDA packer: uint8 [N, K/2] with element 2i in the high nibble (gpt-fast/torchao).
-            hi_lo = ((nib[:, ::2] << 4) | nib[:, 1::2]).to(torch.uint8)
-            k = self.in_features
-            inner = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(hi_lo, inner)
+            self.packed = None  # tinygemm's copy, only where it runs (rows < triton_min_rows)
+            if triton_min_rows > 1:
+                # CUDA packer: uint8 [N, K/2], element 2i in the high nibble (gpt-fast/torchao).
+                nib = w.nibbles().to(device)
+                hi_lo = ((nib[:, ::2] << 4) | nib[:, 1::2]).to(torch.uint8)
+                k = self.in_features
+                inner = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+                self.packed = torch.ops.aten._convert_weight_to_int4pack(hi_lo, inner)
             # Large-M calls (prefill) dequantise to bf16 and use the dense GEMM, which beats
             # the int4 kernel from M ~ 64 (docs/performance.md, int4 verdict).
             self.source = Int4Weight(  # the Triton kernel reads rows with a unit stride
                 *(t.to(device).contiguous() for t in (w.q, w.scale, w.offset)), w.group_size
             )
         else:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nib, 1)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.nibbles(), 1)
             self.source = w  # prefill (M >= DEQUANT_MIN_ROWS): the dense GEMM
-        self.scales_and_zeros = sz.to(device, dtype)
+        self.scales_and_zeros = sz.to(device, dtype) if self.packed is not None else None
         self.bias = bias.to(dtype) if bias is not None else None
-        self.triton_min_rows = TRITON_MIN_ROWS  # EngineConfig.int4_triton_min_rows
 
     def set_activation_dtype(self, dtype: torch.dtype) -> None:
         """Run the kernels with ``dtype`` activations from now on: the scales, zeros and
@@ -353,7 +369,8 @@ class Int4Linear(Linear):
         ``dtype`` gives). Inputs and outputs keep the caller's dtype."""
         if dtype == self.dtype:
             return
-        self.scales_and_zeros = self.scales_and_zeros.float().to(dtype)
+        if self.scales_and_zeros is not None:
+            self.scales_and_zeros = self.scales_and_zeros.float().to(dtype)
         self.bias = self.bias.float().to(dtype) if self.bias is not None else None
         self.dtype = dtype
 
@@ -387,7 +404,9 @@ class Int4Linear(Linear):
         extra = 0
         if self.source is not None:
             extra = sum(t.nbytes for t in (self.source.q, self.source.scale, self.source.offset))
-        return self.packed.nbytes + self.scales_and_zeros.nbytes + extra
+        if self.packed is not None:
+            extra += self.packed.nbytes + self.scales_and_zeros.nbytes
+        return extra
 
 
 class Q8Int4Linear(Linear):
@@ -459,6 +478,7 @@ def make_linear(
     weight_format: str,
     device: torch.device,
     dtype: torch.dtype,
+    triton_min_rows: int | None = None,
 ) -> Linear:
     """Build the compute-side linear layer.
 
@@ -469,6 +489,7 @@ def make_linear(
         a float weight is quantised with :func:`quantize_int4` first)
     dtype : the compute dtype: the int4 kernels' activations on a CPU (bf16 on CUDA;
         :meth:`Int4Linear.set_activation_dtype` changes it)
+    triton_min_rows : :class:`Int4Linear`'s (``None``: :data:`TRITON_MIN_ROWS`)
     """
     b = bias.to(device, dtype) if bias is not None else None
     if weight_format == "float":
@@ -479,4 +500,5 @@ def make_linear(
     if not isinstance(weight, Int4Weight):
         weight = quantize_int4(weight, 128 if weight.shape[1] % 128 == 0 else 32)
     int4_dtype = torch.bfloat16 if device.type == "cuda" else dtype
-    return Int4Linear(weight, b, device, int4_dtype)
+    rows = TRITON_MIN_ROWS if triton_min_rows is None else triton_min_rows
+    return Int4Linear(weight, b, device, int4_dtype, triton_min_rows=rows)

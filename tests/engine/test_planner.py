@@ -79,6 +79,23 @@ def test_int4_weights_keep_embeddings_and_head_in_bf16():
     assert 5.5 * GIB < expected < 6.5 * GIB
 
 
+def test_int4_weights_on_cuda_count_tinygemm_copy_only_when_kept():
+    """On CUDA the Triton kernels read the source blocks (0.5 B/param + 8 B a group);
+    tinygemm's packed copy is counted only with ``int4_triton_min_rows`` above 1."""
+    base = EngineConfig(weight_format="int4", dtype="bfloat16", device="cuda")
+    vocab_bytes = 2 * 32000 * 5120 * 2
+    linear = 40 * (5120 * 5120 * 2 + 5120 * 1024 * 2 + 3 * 5120 * 13824)
+    norms = (40 * 2 + 1) * 5120 * 2
+    source = linear // 2 + linear // 128 * 8
+    packed = linear // 2 + linear // 128 * 4
+    assert weight_bytes(LLAMA13, base) == source + vocab_bytes + norms
+    both = base.replace(int4_triton_min_rows=8)
+    assert weight_bytes(LLAMA13, both) == source + packed + vocab_bytes + norms
+    # the presets: both copies where memory is plentiful, one on the 24 GB cards
+    assert _preset("h200")[0].int4_triton_min_rows == 8
+    assert _preset("dual4090-24")[0].int4_triton_min_rows == 1
+
+
 def test_job_device_bytes_is_a_whole_slab_and_its_tables():
     """A hierarchical job claims one slab of device_buffer slots per (layer, KV head) with
     its page table and LRU state; the page metadata belongs to the host pool's pages."""

@@ -1140,12 +1140,23 @@ def test_group_int4_linear_matches_reference(m, n, k, g, dtype):
     w = quantize_int4(torch.randn(n, k, generator=gen) * 0.05, group_size=g)
     x = torch.randn(m, k, generator=gen).to(dtype)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
-    configs = (None, Q4Config(16, 32, 64, 3), Q4Config(16, 64, 128, 1), Q4Config(32, 16, 32, 2))
+    configs = (
+        None,
+        Q4Config(16, 32, 64, 3),
+        Q4Config(16, 64, 128, 1),
+        Q4Config(32, 16, 32, 2),
+        Q4Config(4, 32, 64, 3, kind="gemv"),  # M tiles of 4 rows, split-K
+        Q4Config(1, 16, 256, 2, kind="gemv"),  # one row a program; K tile past K and groups
+    )
     dev = _check_group_int4_linear(w, x, configs, tol)
     with pytest.raises(ValueError, match="group_size"):
         group_int4_linear(*dev, 3)
     with pytest.raises(ValueError, match="block_k"):
         group_int4_linear(*dev, g, config=Q4Config(16, 32, 48, 1))
+    with pytest.raises(ValueError, match="kind"):
+        group_int4_linear(*dev, g, config=Q4Config(16, 32, 64, 1, kind="mma"))
+    with pytest.raises(ValueError, match="block_m"):
+        group_int4_linear(*dev, g, config=Q4Config(4, 32, 64, 1))  # dot needs 16 rows
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
@@ -1168,7 +1179,9 @@ def test_group_int4_linear_on_gguf_blocks(kind):
     w = int4_from_gguf_blocks(np.ascontiguousarray(raw.numpy()), kind, (n, k))
     assert w.group_size == 32
     x = torch.randn(m, k, generator=gen)
-    _check_group_int4_linear(w, x, (None, Q4Config(16, 32, 64, 2)), 1e-6)
+    _check_group_int4_linear(
+        w, x, (None, Q4Config(16, 32, 64, 2), Q4Config(4, 16, 128, 2, kind="gemv")), 1e-6
+    )
 
 
 # --- dispatch, launcher checks, the whole decode step -------------------------------------

@@ -26,7 +26,7 @@ from kernels.append_kv import append_kv, append_kv_ref
 from kernels.bitmask import pack_bits
 from kernels.fp8_kv import FP8, fp8_quantize_ref
 from kernels.gather import gather, gather_ref
-from kernels.int4_matmul import group_int4_linear, group_int4_linear_ref, q4_config
+from kernels.int4_matmul import Q4Config, group_int4_linear, group_int4_linear_ref, q4_config
 from kernels.quest_scores import quest_scores, quest_scores_ref
 from kernels.resolve import resolve, resolve_ref
 from kernels.rmsnorm import rms_norm, rms_norm_ref
@@ -372,30 +372,39 @@ def test_group_int4_linear_cuda(m, n, k, g):
     ref = group_int4_linear_ref(x.float(), *dev, g)
     default = q4_config(m, n, k, x.device)
     variant = dataclasses.replace(default, block_n=128, split_k=max(2, default.split_k // 2))
-    for cfg in (None, variant):
+    gemv = Q4Config(min(8, 1 << (m - 1).bit_length()), 32, 256, 2, kind="gemv")
+    for cfg in (None, variant, gemv):
         out = group_int4_linear(x, *dev, g, config=cfg)
         assert out.dtype == torch.bfloat16 and out.shape == (m, n)
         rel = ((out.float() - ref).norm() / ref.norm()).item()
         assert rel < 1e-2, f"triton int4 relative error {rel:.3g} ({cfg})"
-    lin = Int4Linear(w, None, torch.device(DEV), torch.bfloat16)
+    lin = Int4Linear(w, None, torch.device(DEV), torch.bfloat16, triton_min_rows=64)
     out_tg = torch.ops.aten._weight_int4pack_mm(x, lin.packed, g, lin.scales_and_zeros)
     rel_tg = ((out_tg.float() - ref).norm() / ref.norm()).item()
     assert rel_tg < 2e-2, f"tinygemm relative error {rel_tg:.3g}"
 
 
-@pytest.mark.parametrize("m", [1, 8, 16, 33, 63, 64, 100])
+@pytest.mark.parametrize("m", [1, 2, 8, 16, 33, 63, 64, 100])
 @pytest.mark.parametrize("g", [32, 128])
-def test_int4_linear_regimes_on_cuda(m, g):
-    """Int4Linear on CUDA picks tinygemm, the Triton dequant-matmul or the dense GEMM by
-    the row count; every regime matches the fp32 product of the dequantised weight."""
+@pytest.mark.parametrize("min_rows", [1, 8])
+def test_int4_linear_regimes_on_cuda(m, g, min_rows):
+    """Int4Linear on CUDA picks tinygemm (below ``triton_min_rows``), the Triton kernels
+    or the dense GEMM by the row count; every regime matches the fp32 product of the
+    dequantised weight. With the default ``triton_min_rows`` of 1 no packed copy is kept:
+    the linear's bytes are the source blocks alone."""
     from engine.weights.quant import DEQUANT_MIN_ROWS, TRITON_MIN_ROWS, Int4Linear, quantize_int4
 
-    assert TRITON_MIN_ROWS < DEQUANT_MIN_ROWS
+    assert TRITON_MIN_ROWS == 1 < DEQUANT_MIN_ROWS
     gen = torch.Generator().manual_seed(m + g)
     n, k = 384, 1024
     w = quantize_int4(torch.randn(n, k, generator=gen) * 0.05, group_size=g)
     bias = torch.randn(n, generator=gen).to(DEV, torch.bfloat16)
-    lin = Int4Linear(w, bias, torch.device(DEV), torch.bfloat16)
+    lin = Int4Linear(w, bias, torch.device(DEV), torch.bfloat16, triton_min_rows=min_rows)
+    source = n * k // 2 + 2 * n * (k // g) * 4
+    if min_rows == 1:
+        assert lin.packed is None and lin.nbytes == source
+    else:
+        assert lin.packed is not None and lin.nbytes > source
     x = torch.randn(m, k, generator=gen).to(DEV, torch.bfloat16)
     ref = x.float() @ w.dequantize().to(DEV).T + bias.float()
     out = lin(x)
