@@ -69,6 +69,10 @@ class ModelConfig:
     ``head_dim``); ``sliding_layers``: the layers attending only to the last
     ``sliding_window`` positions (tokens); ``rope_local_theta``: RoPE base of those layers
     when it differs from ``rope_theta`` (Gemma 3), unscaled.
+    ``int4_group_size``: elements per scale of the 4-bit linears as the engine holds them,
+    for the planner's byte counts (32 for a GGUF file's Q4_0/Q4_1/Q4_K blocks,
+    :func:`engine.capacity.shapes.shape_from_gguf`; 128 otherwise, as ``quantize_int4``
+    makes them).
     """
 
     arch: str
@@ -94,6 +98,7 @@ class ModelConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     rope_local_theta: float | None = None
+    int4_group_size: int = 128
 
     @property
     def group_size(self) -> int:

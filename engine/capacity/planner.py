@@ -277,8 +277,8 @@ def weight_bytes(
     -----
     int4 linears cost 0.5 B/param + 4 B per group of :data:`INT4_GROUP_SIZE` (tinygemm's
     packing: the CPU, or CUDA with ``int4_triton_min_rows > 1``), and on CUDA 0.5 B/param
-    + :data:`INT4_CUDA_SOURCE_GROUP_BYTES` per group for the source blocks the Triton
-    kernels read (measured: docs/performance.md, plan vs measured memory); the
+    + :data:`INT4_CUDA_SOURCE_GROUP_BYTES` per group of ``model.int4_group_size`` (32 for a
+    GGUF file's 4-bit blocks) for the source blocks the Triton kernels read (measured: docs/performance.md, plan vs measured memory); the
     embedding, lm_head, norms and biases stay in ``config.dtype``.
     """
     start, end = layers if layers is not None else (0, model.num_layers)
@@ -286,9 +286,9 @@ def weight_bytes(
     b = dtype_bytes(config.dtype)
     linear = _linear_params_per_layer(model) * num_layers
     if weight_format(config) == "int4":
-        groups = -(-linear // INT4_GROUP_SIZE)
-        packed = linear // 2 + groups * INT4_GROUP_OVERHEAD_BYTES
+        packed = linear // 2 + -(-linear // INT4_GROUP_SIZE) * INT4_GROUP_OVERHEAD_BYTES
         if str(config.device).startswith("cuda"):
+            groups = -(-linear // model.int4_group_size)
             source = linear // 2 + groups * INT4_CUDA_SOURCE_GROUP_BYTES
             linear_bytes = source + (packed if config.int4_triton_min_rows > 1 else 0)
         else:

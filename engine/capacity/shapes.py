@@ -11,6 +11,7 @@ Shape symbols: ``L`` layers, ``H`` hidden size, ``Hq`` query heads, ``Hkv`` KV h
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from engine.config import ConfigError, ModelConfig, RopeScaling
@@ -135,14 +136,42 @@ def get_model_shape(name_or_path: str) -> ModelConfig:
     if len(found) == 1:
         return MODEL_SHAPES[found[0]]
     path = Path(name_or_path)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return shape_from_gguf(path)
     if path.is_dir():
         path = path / "config.json"
     if path.suffix == ".json" and path.is_file():
         return shape_from_hf_config(path)
     raise ConfigError(
         f"unknown model {name_or_path!r}: known shapes are {', '.join(list_models())} "
-        "(or pass a Hugging Face config.json)"
+        "(or pass a GGUF file or a Hugging Face config.json)"
     )
+
+
+def shape_from_gguf(path: str | Path) -> ModelConfig:
+    """The shape of a GGUF file, from its header (the engine's own reader and
+    :func:`engine.weights.gguf.read_config`; no tensor data is read). Its
+    ``int4_group_size`` is 32 where the file's layer-0 query projection is a 4-bit block
+    type the engine keeps as is (Q4_0, Q4_1, Q4_K: one scale per 32 elements), else 128
+    (other types are re-quantised by ``quantize_int4``).
+
+    Raises
+    ------
+    ConfigError
+        The file is not a readable GGUF file of a supported architecture (the message
+        names the file).
+    """
+    from engine.weights.gguf import INT4_TYPES, GGUFError, open_reader, read_config
+
+    path = Path(path)
+    try:
+        reader = open_reader(path)
+        shape = read_config(reader, path)
+    except GGUFError as exc:
+        raise ConfigError(str(exc)) from None
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    group = 32 if types.get("blk.0.attn_q.weight") in INT4_TYPES else 128
+    return replace(shape, int4_group_size=group)
 
 
 def shape_from_hf_config(path: str | Path) -> ModelConfig:

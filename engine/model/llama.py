@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.model.rope import Rope, apply_rope
-from engine.weights.quant import Linear, make_linear
+from engine.weights.quant import DenseLinear, Linear, make_linear
 from engine.weights.types import ModelWeights
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rope_append import RopeParams
@@ -131,7 +131,11 @@ class LlamaModel:
         self.embed = weights.embed.to(device, dtype) if first else None
         self.norm = weights.norm.to(device, torch.float32) if last else None
         head = weights.lm_head if weights.lm_head is not None else weights.embed
-        self.lm_head = make_linear(head, None, "float", device, dtype) if last else None
+        if last and weights.lm_head is None and self.embed is not None:
+            # tied: the head reads the placed embedding (one device copy, not two)
+            self.lm_head = DenseLinear(self.embed)
+        else:
+            self.lm_head = make_linear(head, None, "float", device, dtype) if last else None
         self.layers: list[Layer] = []
         int4 = {} if int4_triton_min_rows is None else {"triton_min_rows": int4_triton_min_rows}
         for lw in weights.layers[self.layer_range.start : self.layer_range.stop]:

@@ -266,3 +266,45 @@ def test_gemma_norms_are_one_plus_w(tmp_path):
         torch.testing.assert_close(ours, theirs.weight.detach() + 1)
     cfg = weights.config
     assert (cfg.sliding_layers, cfg.sliding_window, cfg.rope_local_theta) == ((0,), 8, 10000.0)
+
+
+def test_tied_head_shares_the_placed_embedding(tmp_path):
+    """A tied model's LM head reads the placed embedding: one copy of the ``[V, H]`` matrix
+    in the compute dtype (bf16 here, where placing the head separately made a second
+    one), counted once by ``weight_bytes``; the logits are the embedding's product."""
+    model = build_hf(tmp_path, "qwen2")
+    assert model.config.tie_word_embeddings
+    weights, _, _ = load_weights(str(tmp_path))
+    _, rope = context_limit_and_rope(weights.config, EngineConfig())
+    placed = registry.build_model(weights, torch.device("cpu"), torch.bfloat16, "float", rope)
+    assert placed.lm_head.weight.data_ptr() == placed.embed.data_ptr()
+    layers = sum(
+        x.nbytes
+        for layer in placed.layers
+        for x in (layer.attn_norm, layer.ffn_norm, layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
+    )
+    assert placed.weight_bytes == placed.embed.nbytes + placed.norm.nbytes + layers
+    h = torch.randn(3, placed.config.hidden_size).bfloat16()
+    torch.testing.assert_close(placed.lm_head(h), h @ placed.embed.T)
+
+
+def test_plan_reads_a_gguf_shape(tmp_path):
+    """``hisparse plan --model FILE.gguf``: the shape from the file's header (no tensor
+    data), its 4-bit blocks' group (32) for the weight bytes; a file that is not a GGUF is
+    refused with its name."""
+    from engine.capacity.shapes import get_model_shape
+    from engine.config import ConfigError
+
+    model = build_hf(tmp_path / "hf", "llama")
+    path = write_gguf(tmp_path / "tiny.gguf", model, "llama")
+    shape = get_model_shape(str(path))
+    assert (shape.num_layers, shape.hidden_size, shape.num_kv_heads) == (
+        model.config.num_hidden_layers,
+        model.config.hidden_size,
+        model.config.num_key_value_heads,
+    )
+    assert shape.int4_group_size == 128  # F32 linears: re-quantised by quantize_int4
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("not a model")
+    with pytest.raises(ConfigError, match="notes.gguf"):
+        get_model_shape(str(bad))

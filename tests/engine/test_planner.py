@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -654,3 +655,16 @@ def test_context_past_training_note_names_every_policy_that_runs_it():
     result = plan(LLAMA13, config, hardware, 1, 4 * LLAMA13.max_position)
     (note,) = [n for n in result.notes if "trained" in n]
     assert "refuses unless context_policy is extend, truncate or chunk" in note
+
+
+def test_plan_of_a_q4_gguf_counts_its_32_element_groups(smollm2_gguf_path):
+    """The embedded model's GGUF (Q4_1 linears) plans with the group the engine keeps:
+    32 elements a float32 scale and offset, 0.75 B/param of source on CUDA."""
+    from engine.capacity.planner import _linear_params_per_layer
+
+    shape = get_model_shape(str(smollm2_gguf_path))
+    assert shape.int4_group_size == 32 and shape.num_layers == 30
+    config = EngineConfig(weight_format="int4", dtype="bfloat16", device="cuda")
+    at_128 = weight_bytes(dataclasses.replace(shape, int4_group_size=128), config)
+    linear = _linear_params_per_layer(shape) * shape.num_layers
+    assert weight_bytes(shape, config) - at_128 == linear // 32 * 8 - linear // 128 * 8
