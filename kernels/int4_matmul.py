@@ -43,6 +43,46 @@ def _load_repeated(rows, idx, mask, BLOCK_N: tl.constexpr, N: tl.constexpr, REP:
 
 
 @triton.jit
+def _dequant_tile(
+    q_ptr, scale_ptr, offset_ptr, offs_n, mask_n, kt, K,
+    stride_q_n, stride_scale_n, stride_offset_n,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+):
+    """K tile ``kt`` of the weight rows ``offs_n`` as float32 ``(w_lo, w_hi)``, each
+    ``[BLOCK_N, BLOCK_K / 2]``: the elements ``2j`` (low nibbles) and ``2j + 1`` (high
+    nibbles) of byte ``j``, times their group's scale plus its offset (0 past ``K`` or
+    ``N``). Whole groups per tile (both powers of two): one scale per row, or
+    ``BLOCK_K / GROUP`` per row broadcast over their ``GROUP / 2`` bytes in registers."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    byte_i = kt * HALF + tl.arange(0, HALF)
+    qb = tl.load(
+        q_ptr + offs_n[:, None] * stride_q_n + byte_i[None, :],
+        mask=mask_n[:, None] & (byte_i < K // 2)[None, :],
+        other=0,
+    )
+    if GROUP >= BLOCK_K:
+        col = (kt * BLOCK_K) // GROUP
+        mask_c = mask_n & ((offs_n * 0 + col) < K // GROUP)
+        scale = tl.load(scale_ptr + offs_n * stride_scale_n + col, mask=mask_c, other=0.0)
+        scale = scale.to(tl.float32)[:, None]
+        low = tl.load(offset_ptr + offs_n * stride_offset_n + col, mask=mask_c, other=0.0)
+        low = low.to(tl.float32)[:, None]
+    else:
+        NG: tl.constexpr = BLOCK_K // GROUP
+        cols = kt * NG + tl.arange(0, NG)
+        mask_c = mask_n[:, None] & (cols < K // GROUP)[None, :]
+        scale = _load_repeated(
+            scale_ptr + offs_n[:, None] * stride_scale_n, cols, mask_c, BLOCK_N, NG, GROUP // 2
+        )
+        low = _load_repeated(
+            offset_ptr + offs_n[:, None] * stride_offset_n, cols, mask_c, BLOCK_N, NG, GROUP // 2
+        )
+    w_lo = (qb & 15).to(tl.float32) * scale + low
+    w_hi = (qb >> 4).to(tl.float32) * scale + low
+    return w_lo, w_hi
+
+
+@triton.jit
 def _group_int4_linear_kernel(
     x_ptr,
     q_ptr,
@@ -80,36 +120,14 @@ def _group_int4_linear_kernel(
     HALF: tl.constexpr = BLOCK_K // 2
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_i = tl.arange(0, HALF)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    scale_rows = scale_ptr + offs_n[:, None] * stride_scale_n
-    offset_rows = offset_ptr + offs_n[:, None] * stride_offset_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for kt in range(pid_k, tl.cdiv(K, BLOCK_K), split_k):
-        byte_i = kt * HALF + offs_i  # [HALF]
-        qb = tl.load(
-            q_ptr + offs_n[:, None] * stride_q_n + byte_i[None, :],
-            mask=mask_n[:, None] & (byte_i < K // 2)[None, :],
-            other=0,
+        w_lo, w_hi = _dequant_tile(
+            q_ptr, scale_ptr, offset_ptr, offs_n, mask_n, kt, K,
+            stride_q_n, stride_scale_n, stride_offset_n, BLOCK_N, BLOCK_K, GROUP,
         )
-        # Whole groups per tile (both powers of two): one scale per row, or NG per row
-        # broadcast over their GROUP / 2 bytes in registers.
-        if GROUP >= BLOCK_K:
-            col = (kt * BLOCK_K) // GROUP
-            mask_c = mask_n & ((offs_n * 0 + col) < K // GROUP)
-            scale = tl.load(scale_ptr + offs_n * stride_scale_n + col, mask=mask_c, other=0.0)
-            scale = scale.to(tl.float32)[:, None]
-            low = tl.load(offset_ptr + offs_n * stride_offset_n + col, mask=mask_c, other=0.0)
-            low = low.to(tl.float32)[:, None]
-        else:
-            NG: tl.constexpr = BLOCK_K // GROUP
-            cols = kt * NG + tl.arange(0, NG)
-            mask_c = mask_n[:, None] & (cols < K // GROUP)[None, :]
-            scale = _load_repeated(scale_rows, cols, mask_c, BLOCK_N, NG, GROUP // 2)
-            low = _load_repeated(offset_rows, cols, mask_c, BLOCK_N, NG, GROUP // 2)
-        w_lo = (qb & 15).to(tl.float32) * scale + low
-        w_hi = (qb >> 4).to(tl.float32) * scale + low
         # Elements 2j and 2j + 1 of the tile: one contiguous load, split in registers.
         offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
         x_tile = tl.load(
@@ -151,10 +169,13 @@ def _group_int4_gemv_kernel(
     GROUP: tl.constexpr,
 ):
     """One (M tile, N tile, K split) without tensor cores, for the fewest rows: the tile's
-    weights are dequantised to float32 once and each of the ``BLOCK_M`` activation rows
-    is multiplied and summed along K in registers (``BLOCK_M`` is unrolled). Same layout,
-    masks and split-K partials as :func:`_group_int4_linear_kernel`; the products and sums
-    are float32 throughout (the weights are not rounded to the activations' dtype)."""
+    weights are dequantised to float32 once and multiplied by each of the ``BLOCK_M``
+    activation rows; the products accumulate element-wise in a ``[BLOCK_M, BLOCK_N,
+    BLOCK_K / 2]`` register tile over the split's K tiles and are summed along K once at
+    the end (no cross-thread reduction per tile). Same layout, masks and split-K partials
+    as :func:`_group_int4_linear_kernel`; the products and sums are float32 throughout
+    (the weights are not rounded to the activations' dtype), so the summation order
+    differs from the ``dot`` kernel's."""
     pid_mn = tl.program_id(0)
     pid_k = tl.program_id(1)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -163,47 +184,26 @@ def _group_int4_gemv_kernel(
     HALF: tl.constexpr = BLOCK_K // 2
     offs_mt = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_i = tl.arange(0, HALF)
     mask_n = offs_n < N
-    scale_rows = scale_ptr + offs_n[:, None] * stride_scale_n
-    offset_rows = offset_ptr + offs_n[:, None] * stride_offset_n
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kt in range(pid_k, tl.cdiv(K, BLOCK_K), split_k):
-        byte_i = kt * HALF + offs_i
-        qb = tl.load(
-            q_ptr + offs_n[:, None] * stride_q_n + byte_i[None, :],
-            mask=mask_n[:, None] & (byte_i < K // 2)[None, :],
-            other=0,
-        )
-        if GROUP >= BLOCK_K:
-            col = (kt * BLOCK_K) // GROUP
-            mask_c = mask_n & ((offs_n * 0 + col) < K // GROUP)
-            scale = tl.load(scale_ptr + offs_n * stride_scale_n + col, mask=mask_c, other=0.0)
-            scale = scale.to(tl.float32)[:, None]
-            low = tl.load(offset_ptr + offs_n * stride_offset_n + col, mask=mask_c, other=0.0)
-            low = low.to(tl.float32)[:, None]
-        else:
-            NG: tl.constexpr = BLOCK_K // GROUP
-            cols = kt * NG + tl.arange(0, NG)
-            mask_c = mask_n[:, None] & (cols < K // GROUP)[None, :]
-            scale = _load_repeated(scale_rows, cols, mask_c, BLOCK_N, NG, GROUP // 2)
-            low = _load_repeated(offset_rows, cols, mask_c, BLOCK_N, NG, GROUP // 2)
-        w_lo = (qb & 15).to(tl.float32) * scale + low
-        w_hi = (qb >> 4).to(tl.float32) * scale + low
-        offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-        for mi in tl.static_range(BLOCK_M):
-            row = pid_m * BLOCK_M + mi
-            xr = tl.load(
-                x_ptr + row * stride_x_m + offs_k,
-                mask=(offs_k < K) & ((offs_k * 0 + row) < M),
-                other=0.0,
-            ).to(tl.float32)
-            x_lo, x_hi = tl.split(tl.reshape(xr, [HALF, 2]))
-            part = tl.sum(w_lo * x_lo[None, :] + w_hi * x_hi[None, :], axis=1)
-            acc = tl.where(offs_mt[:, None] == mi, acc + part[None, :], acc)
     offs_m = pid_m * BLOCK_M + offs_mt
+    mask_m = offs_m < M
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N, HALF], tl.float32)
+    for kt in range(pid_k, tl.cdiv(K, BLOCK_K), split_k):
+        w_lo, w_hi = _dequant_tile(
+            q_ptr, scale_ptr, offset_ptr, offs_n, mask_n, kt, K,
+            stride_q_n, stride_scale_n, stride_offset_n, BLOCK_N, BLOCK_K, GROUP,
+        )
+        offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+        x_tile = tl.load(
+            x_ptr + offs_m[:, None] * stride_x_m + offs_k[None, :],
+            mask=mask_m[:, None] & (offs_k < K)[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        x_lo, x_hi = tl.split(tl.reshape(x_tile, [BLOCK_M, HALF, 2]))
+        acc3 += w_lo[None, :, :] * x_lo[:, None, :] + w_hi[None, :, :] * x_hi[:, None, :]
+    acc = tl.sum(acc3, axis=2)
     y = y_ptr + pid_k * stride_y_s + offs_m[:, None] * stride_y_m + offs_n[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & mask_n[None, :])
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @dataclass(frozen=True)

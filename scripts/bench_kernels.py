@@ -920,6 +920,11 @@ def main() -> int:
     parser.add_argument(
         "--sections", default="ceilings,attention,resolve,gather,gather_fp8,int4,int4_decode,fused"
     )
+    parser.add_argument(
+        "--tune-rows",
+        default=",".join(map(str, TUNE_MS)),
+        help="int4_tune: the decode row counts to sweep (comma list)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -934,6 +939,7 @@ def main() -> int:
         "errors": {},
     }
     sections = args.sections.split(",")
+    TUNE_MS[:] = [int(v) for v in args.tune_rows.split(",")]
 
     def save() -> None:
         if args.out:
