@@ -169,13 +169,15 @@ def _group_int4_gemv_kernel(
     GROUP: tl.constexpr,
 ):
     """One (M tile, N tile, K split) without tensor cores, for the fewest rows: the tile's
-    weights are dequantised to float32 once and multiplied by each of the ``BLOCK_M``
-    activation rows; the products accumulate element-wise in a ``[BLOCK_M, BLOCK_N,
-    BLOCK_K / 2]`` register tile over the split's K tiles and are summed along K once at
-    the end (no cross-thread reduction per tile). Same layout, masks and split-K partials
-    as :func:`_group_int4_linear_kernel`; the products and sums are float32 throughout
-    (the weights are not rounded to the activations' dtype), so the summation order
-    differs from the ``dot`` kernel's."""
+    weights are dequantised to float32 once and each of the ``BLOCK_M`` activation rows
+    is multiplied and summed along K in registers (``BLOCK_M`` is unrolled). Same layout,
+    masks and split-K partials as :func:`_group_int4_linear_kernel`; the products and sums
+    are float32 throughout (the weights are not rounded to the activations' dtype).
+    Kept over a variant that accumulated the products element-wise over the K tiles and
+    summed once at the end: one row of qwen2.5-7b's four linears at group 128, default
+    tiles, mean µs a linear (``scripts/bench_kernels.py --sections int4_decode``, H100
+    80GB, 2026-12-02): this version 29.2, the variant 37.9, tinygemm 20.0
+    (docs/performance.md, "One int4 copy on the GPU")."""
     pid_mn = tl.program_id(0)
     pid_k = tl.program_id(1)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -187,21 +189,23 @@ def _group_int4_gemv_kernel(
     mask_n = offs_n < N
     offs_m = pid_m * BLOCK_M + offs_mt
     mask_m = offs_m < M
-    acc3 = tl.zeros([BLOCK_M, BLOCK_N, HALF], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for kt in range(pid_k, tl.cdiv(K, BLOCK_K), split_k):
         w_lo, w_hi = _dequant_tile(
             q_ptr, scale_ptr, offset_ptr, offs_n, mask_n, kt, K,
             stride_q_n, stride_scale_n, stride_offset_n, BLOCK_N, BLOCK_K, GROUP,
         )
         offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-        x_tile = tl.load(
-            x_ptr + offs_m[:, None] * stride_x_m + offs_k[None, :],
-            mask=mask_m[:, None] & (offs_k < K)[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        x_lo, x_hi = tl.split(tl.reshape(x_tile, [BLOCK_M, HALF, 2]))
-        acc3 += w_lo[None, :, :] * x_lo[:, None, :] + w_hi[None, :, :] * x_hi[:, None, :]
-    acc = tl.sum(acc3, axis=2)
+        for mi in tl.static_range(BLOCK_M):
+            row = pid_m * BLOCK_M + mi
+            xr = tl.load(
+                x_ptr + row * stride_x_m + offs_k,
+                mask=(offs_k < K) & ((offs_k * 0 + row) < M),
+                other=0.0,
+            ).to(tl.float32)
+            x_lo, x_hi = tl.split(tl.reshape(xr, [HALF, 2]))
+            part = tl.sum(w_lo * x_lo[None, :] + w_hi * x_hi[None, :], axis=1)
+            acc = tl.where(offs_mt[:, None] == mi, acc + part[None, :], acc)
     y = y_ptr + pid_k * stride_y_s + offs_m[:, None] * stride_y_m + offs_n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
