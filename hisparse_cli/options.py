@@ -104,11 +104,18 @@ TopK = Annotated[
     int | None,
     typer.Option(
         "--top-k",
-        help="Sample from the K most likely tokens (0 = off). Not the sparse budget.",
+        help="Sample from the K most likely tokens (0 or -1 = off). Not the sparse budget.",
         rich_help_panel=SAMPLING,
     ),
 ]
-Seed = Annotated[int | None, typer.Option(help="Sampling seed.", rich_help_panel=SAMPLING)]
+Seed = Annotated[
+    int | None,
+    typer.Option(
+        help="Sampling seed. Default: one derived from each job's id, so a rerun of a job "
+        "draws the same sample; pass another seed for a different one.",
+        rich_help_panel=SAMPLING,
+    ),
+]
 Stop = Annotated[
     list[str] | None, typer.Option(help="Stop string (repeatable).", rich_help_panel=SAMPLING)
 ]

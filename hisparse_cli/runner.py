@@ -504,6 +504,7 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
         check_device_names(config)
         check_devices(config, request.preset, manifest.engine, request.engine_overrides)
         check_trace_path(config)
+        check_trace_outputs(config, manifest, request.output_dir)
         check_run_files(manifest, request.output_dir)
         if request.docs:
             check_outputs_over_documents(manifest, request.output_dir)
@@ -526,6 +527,27 @@ def check_run_files(manifest: Manifest, output_dir: Path) -> None:
                     f"{name} in --output-dir {output_dir}; a run writes that file, so copy the "
                     "input elsewhere or choose another --output-dir"
                 )
+
+
+def check_trace_outputs(config: EngineConfig, manifest: Manifest, output_dir: Path) -> None:
+    """Raise :class:`UsageError` when the ``--trace`` file would be one the run writes in
+    ``output_dir`` (``config.json``, ``results.jsonl``, the lock file, a job's result file)
+    or one of its inputs, even before it exists: the trace would replace it."""
+    if not config.trace_path:
+        return
+    trace = Path(config.trace_path).resolve()
+    own = {
+        (output_dir / name).resolve(): f"the run's {name}"
+        for name in (CONFIG_FILE, RESULTS_FILE, LOCK_FILE)
+    }
+    for job in manifest.jobs:
+        own[(output_dir / job.output).resolve()] = f"job {job.id!r}'s result file"
+        own |= {input_identity(p): f"an input of job {job.id!r}" for p in job.inputs}
+    if trace in own:
+        raise UsageError(
+            f"--trace {config.trace_path} would replace {own[trace]}; a trace never replaces "
+            "a file the run reads or writes: choose another name"
+        )
 
 
 def check_outputs_over_documents(manifest: Manifest, output_dir: Path) -> None:
@@ -801,17 +823,33 @@ def check_request(request: RunRequest) -> None:
 
 def check_trace_path(config: EngineConfig) -> None:
     """Raise :class:`UsageError` when the ``--trace`` file (``trace_path``; several
-    workers write ``STEM.wN.jsonl`` beside it) cannot be written, before the model loads."""
+    workers write ``STEM.wN.jsonl`` beside it) cannot be written, before the model loads.
+
+    A trace never replaces a file: one that exists already (a document, ``results.jsonl``,
+    an earlier trace) is refused by name. Missing folders are made when the trace opens,
+    so the nearest existing one must be a writable folder."""
+    from engine.serve.workers import worker_trace_path
+
     trace = config.trace_path
     if not trace:
         return
     path = Path(trace)
-    parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise UsageError(f"--trace {trace} is a directory; give a file name")
+    workers = len(config.devices)
+    files = [worker_trace_path(trace, r) for r in range(workers)] if workers > 1 else [trace]
+    for name in files:
+        if os.path.lexists(name):
+            raise UsageError(
+                f"--trace {trace}: {name} already exists; a trace never replaces a file "
+                "(remove it or choose another name)"
+            )
+    parent = path.parent if str(path.parent) else Path(".")
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
     if not parent.is_dir():
-        raise UsageError(f"--trace {trace}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"--trace {trace}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"--trace {trace}: not writable")
 
 

@@ -206,6 +206,8 @@ class TraceWriter:
 
     def _open(self) -> IO[str]:
         if self._file is None:
+            if not self._started:  # --trace out/sel.jsonl before out/ exists
+                self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = _open_text(self.path, "a" if self._started else "w")
             if not self._started:
                 self._file.write(json.dumps(self.header.to_json()) + "\n")

@@ -274,8 +274,11 @@ def test_job_and_engine_setting_problems_come_in_one_report(cli, docs, tmp_path)
         (["docs/alpha.txt", "--model", "missing.gguf"], "model not found"),
         (["docs/missing.txt"], "file not found"),
         (["docs/alpha.txt", "--task", "answer"], "--question"),
-        (["docs/alpha.txt", "--trace", "nowhere/sel.jsonl"], "folder nowhere does not exist"),
+        (["docs/alpha.txt", "--trace", "docs/alpha.txt"], "already exists; a trace never replaces"),
+        (["docs/alpha.txt", "--trace", "docs/alpha.txt/sel.jsonl"], "docs/alpha.txt is not a folder"),
         (["docs/alpha.txt", "--trace", "docs"], "is a directory"),
+        (["docs/alpha.txt", "-o", "new", "--trace", "new/results.jsonl"], "would replace the run's results.jsonl"),
+        (["docs/alpha.txt", "-o", "new", "--trace", "new/alpha.txt"], "would replace job 'alpha''s result file"),
     ],
 )
 def test_usage_errors_exit_2(cli, docs, args, phrase):

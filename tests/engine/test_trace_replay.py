@@ -112,8 +112,10 @@ def fake_plan(seq_ids, num_pages, step):
     )
 
 
-@pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz"])
+@pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz", "new/folder/t.jsonl"])
 def test_trace_round_trip(tmp_path, name):
+    """Records written, closed, appended and read back; a trace's missing folders are made
+    when it opens (``--trace out/sel.jsonl`` before the run makes ``out/``)."""
     path = tmp_path / name
     writer = TraceWriter(path, header())
     gen = torch.Generator().manual_seed(0)
