@@ -665,6 +665,9 @@ def test_ctrl_c_cancels_running_jobs_and_exits_130(cli, docs, tmp_path):
             os.kill(os.getpid(), signal.SIGINT)
 
     engine = testing.fake_engine_factory(on_step=interrupt)
+    # the handler the run must put back: Python's default, unless something else in this
+    # test process (an xdist worker runs many tests) installed another one before
+    previous = signal.getsignal(signal.SIGINT)
     try:
         result = cli("docs/alpha.txt", "docs/beta.txt", "--max-batch", "1", engine=engine)
     except KeyboardInterrupt:
@@ -677,7 +680,7 @@ def test_ctrl_c_cancels_running_jobs_and_exits_130(cli, docs, tmp_path):
     assert "cancelling" in result.stderr and "interrupted" in result.stdout
     assert "cancelled beta after 0 tokens" in result.stdout  # never admitted: no results line
     assert "│ 2 / 0" in result.stdout  # cancelled / not run
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is previous
     again = testing.fake_engine_factory()
     assert cli("docs/alpha.txt", "docs/beta.txt", "--max-batch", "1", engine=again).exit_code == 0
     assert [job.id for job in again.engines[0].seen] == ["alpha", "beta"]  # both redone
