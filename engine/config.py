@@ -8,6 +8,7 @@ fields) and :meth:`EngineConfig.validate` raises :class:`ConfigError` with all o
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -113,7 +114,9 @@ class ModelConfig:
                 f"num_kv_heads={self.num_kv_heads}"
             )
         if self.head_dim % 2:
-            raise ConfigError(f"model {self.name!r}: head_dim={self.head_dim} must be even for RoPE")
+            raise ConfigError(
+                f"model {self.name!r}: head_dim={self.head_dim} must be even for RoPE"
+            )
 
 
 ATTENTION_MODES = ("dense", "sparse")
@@ -698,12 +701,19 @@ def layered_config(layers: Iterable[tuple[str, Mapping[str, Any]]]) -> EngineCon
     return config
 
 
+def job_seed(job_id: str) -> int:
+    """A job's default sampling seed, 0 <= seed < 2**32: the first 32 bits of the SHA-256
+    of its id (UTF-8), so a rerun of a job samples the same tokens and jobs differ."""
+    return int(hashlib.sha256(job_id.encode()).hexdigest()[:8], 16)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-job sampling, named as in vLLM's ``SamplingParams``.
 
     temperature 0 means greedy. top_k 0 (or -1) disables top-k filtering. ``max_tokens``
     is the number of new tokens. ``stop`` strings end generation (not included in text).
+    ``seed`` None: the engine seeds the job's generator with :func:`job_seed` of its id.
     """
 
     temperature: float = 0.0
@@ -712,6 +722,10 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     max_tokens: int = 256
+
+    def seed_for(self, job_id: str) -> int:
+        """The seed the job's sampling generator gets: ``seed``, else :func:`job_seed`."""
+        return self.seed if self.seed is not None else job_seed(job_id)
 
     def validate(self) -> None:
         if self.temperature < 0:

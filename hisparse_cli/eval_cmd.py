@@ -98,7 +98,13 @@ EvalMaxContext = Annotated[
 ]
 OutputDirOpt = Annotated[
     Path,
-    typer.Option("--output-dir", "-o", help="Folder for eval.json and eval.png."),
+    typer.Option(
+        "--output-dir",
+        "-o",
+        parser=opt.nonempty_path,
+        metavar="DIR",
+        help="Folder for eval.json and eval.png.",
+    ),
 ]
 
 

@@ -17,6 +17,19 @@ AUDIT = "Audit"
 take a column) their long names would be cut at 80 columns."""
 
 
+def nonempty_path(value: str | Path) -> Path:
+    """Typer parser of a path option: ``""`` (an unset shell variable, ``-o "$OUT"``) is
+    refused instead of being read as ``.``, the current folder.
+
+    Raises
+    ------
+    typer.BadParameter : the value is empty or only spaces.
+    """
+    if not str(value).strip():
+        raise typer.BadParameter("is empty (an unset shell variable?); give a path")
+    return Path(value)
+
+
 def default_is(value: str) -> str:
     """`` [default: VALUE]`` for the help text of an option whose real default is ``None``
     ("not given": a preset or manifest may set it), shown as a value (Typer's
@@ -41,6 +54,8 @@ ManifestFile = Annotated[
     typer.Option(
         "--manifest",
         "-m",
+        parser=nonempty_path,
+        metavar="FILE",
         help="Job manifest (.yaml or .jsonl) instead of DOCS.",
         rich_help_panel=JOBS,
     ),
@@ -262,6 +277,8 @@ Parallel = Annotated[
 Trace = Annotated[
     Path | None,
     typer.Option(
+        parser=nonempty_path,
+        metavar="FILE",
         help="Record every selection to FILE (hisparse replay FILE); with several devices one "
         "file per worker, FILE.w0.jsonl, FILE.w1.jsonl, ...",
         rich_help_panel=ENGINE,
@@ -273,6 +290,8 @@ OutputDir = Annotated[
     typer.Option(
         "--output-dir",
         "-o",
+        parser=nonempty_path,
+        metavar="DIR",
         help="Where results.jsonl, config.json and <job>.txt go.",
         rich_help_panel=OUTPUT,
     ),
@@ -335,7 +354,8 @@ PrintConfig = Annotated[
     typer.Option(
         metavar=FLAG,
         show_default=False,
-        help="Print the resolved config and exit.",
+        help="Print the resolved config (engine settings, and each job's task, inputs and "
+        "sampling) and exit; nothing is run or written.",
         rich_help_panel=OUTPUT,
     ),
 ]

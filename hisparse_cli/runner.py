@@ -88,6 +88,7 @@ from hisparse_cli.settings import (
     SettingsError,
     config_document,
     engine_flag,
+    job_settings,
     resolve_engine_config,
     save_config,
 )
@@ -389,7 +390,9 @@ def execute(
             document["preset_auto_devices"] = choice.read_by
     if request.print_config:
         problems = machine_problems(config, request, manifest)
-        printed = {**document, "problems": problems} if problems else document
+        printed = {**document, "jobs": [job_settings(spec) for spec in manifest.jobs]}
+        if problems:
+            printed["problems"] = problems
         console.file.write(json.dumps(printed, indent=2, sort_keys=True, default=str) + "\n")
         for problem in problems:
             err_console.print(

@@ -8,6 +8,7 @@ this module validates the result once, at the end, and reports every problem tog
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -50,7 +51,9 @@ def preset_overrides(name: str) -> dict[str, Any]:
         from hisparse_cli.auto_preset import name_auto
 
         text = name_auto(str(exc))  # "unknown preset 'x'; ...": named once, not twice
-        raise ConfigError(text if f"preset {name!r}" in text else f"preset {name!r}: {text}") from None
+        raise ConfigError(
+            text if f"preset {name!r}" in text else f"preset {name!r}: {text}"
+        ) from None
 
 
 class SettingsError(ConfigError):
@@ -172,6 +175,26 @@ def config_document(config: EngineConfig, preset: str, model: str | None) -> dic
     if notes:
         document["effective"] = notes
     return document
+
+
+def job_settings(spec: Any) -> dict[str, Any]:
+    """What ``--print-config`` shows of one job (a :class:`~hisparse_cli.manifest.JobSpec`):
+    its id, where it was given, its inputs, task, result file and sampling settings as the
+    run would apply them (preset < manifest defaults < the job's own < flags); a seed not
+    given is shown as the one derived from the job id, with ``seed_from: "job id"``."""
+    task = {k: v for k, v in dataclasses.asdict(spec.task).items() if v is not None}
+    sampling = dataclasses.asdict(spec.sampling)
+    sampling["stop"] = list(sampling["stop"])
+    if spec.sampling.seed is None:  # what the engine uses (engine.config.job_seed)
+        sampling["seed"], sampling["seed_from"] = spec.sampling.seed_for(spec.id), "job id"
+    return {
+        "id": spec.id,
+        "origin": spec.origin,
+        "inputs": [str(p) for p in spec.inputs],
+        **task,
+        "output": spec.output,
+        "sampling": sampling,
+    }
 
 
 def save_config(output_dir: Path, document: dict[str, Any]) -> Path:

@@ -12,7 +12,8 @@ jobs, page 16, top_k 2048 tokens, sink 16 and window 64 tokens, ``normmax``:
    refreshed superpage rows), and replays from a CUDA graph with the same result;
 2. **time** — one layer's select, replayed from a CUDA graph (median of 30), times the
    layers = select per step: exact (``quest_scores`` + ``select_topk``) and superpage at
-   each ``--oversample``; metadata bytes read per step (bf16) and their share of the KV;
+   each ``--variants`` entry (superpage pages x oversample, e.g. ``16x8``, ``8x8``);
+   metadata bytes read per step (bf16) and their share of the KV;
 3. **kernels** (``--profile``) — the same layer's select run eagerly under
    ``torch.profiler``: device µs per kernel (mean of 20 calls), the breakdown of each
    variant's time.
@@ -55,11 +56,14 @@ SHAPES = {  # layers, Hq, Hkv, D
     "smollm2-135m": (30, 9, 3, 64),
     "qwen2.5-7b": (28, 28, 4, 128),
 }
-PAGE, SP, TOP_K, SINK, WINDOW = 16, 16, 2048, 16, 64
+PAGE, TOP_K, SINK, WINDOW = 16, 2048, 16, 64
 
 
-def make_step(b: int, hq: int, hkv: int, d: int, ctx: int, integer: bool, seed: int) -> dict:
-    """One layer's selection inputs for ``b`` jobs of ``ctx`` tokens, pool pages shuffled."""
+def make_step(
+    b: int, hq: int, hkv: int, d: int, ctx: int, integer: bool, seed: int, sp: int
+) -> dict:
+    """One layer's selection inputs for ``b`` jobs of ``ctx`` tokens, pool pages shuffled,
+    superpages of ``sp`` pages (``ctx // PAGE`` a multiple of ``sp``)."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
     p = ctx // PAGE
     n_pool = b * p
@@ -73,19 +77,21 @@ def make_step(b: int, hq: int, hkv: int, d: int, ctx: int, integer: bool, seed: 
     q = q.to(torch.bfloat16)
     block_table = torch.randperm(n_pool, generator=gen, device=DEV).view(b, p).int()
     num_pages = torch.full((b,), p, dtype=torch.int32, device=DEV)
-    spn = -(-p // SP)
-    rows = meta[block_table.long()].view(b, spn, SP, hkv, 2, d)
-    super_meta = torch.stack(
-        [rows[..., 0, :].amin(2), rows[..., 1, :].amax(2)], dim=-2
-    ).view(b * spn, hkv, 2, d)  # row of superpage j of job i: i * spn + j
+    spn = -(-p // sp)
+    rows = meta[block_table.long()].view(b, spn, sp, hkv, 2, d)
+    super_meta = torch.stack([rows[..., 0, :].amin(2), rows[..., 1, :].amax(2)], dim=-2).view(
+        b * spn, hkv, 2, d
+    )  # row of superpage j of job i: i * spn + j
     page_super = torch.full((n_pool,), -1, dtype=torch.int32, device=DEV)
-    page_super[block_table[:, ::SP].long()] = torch.arange(b * spn, device=DEV, dtype=torch.int32).view(b, spn)
+    page_super[block_table[:, ::sp].long()] = torch.arange(
+        b * spn, device=DEV, dtype=torch.int32
+    ).view(b, spn)
     return dict(q=q, meta=meta, super_meta=super_meta, page_super=page_super,
                 block_table=block_table, num_pages=num_pages)  # fmt: skip
 
 
 def run_superpage(
-    t: dict, c: int, ref: bool = False, combine: str = "normmax", ranking: str = "fused"
+    t: dict, sp: int, c: int, ref: bool = False, combine: str = "normmax", ranking: str = "fused"
 ) -> torch.Tensor:
     """One layer's superpage select; ``ranking="topk"`` takes the ``torch.topk`` path the
     kernels keep for rows past ``FUSED_SORT_MAX`` (the path before the fused kernels)."""
@@ -95,7 +101,7 @@ def run_superpage(
     try:
         return fn(
             t["q"], t["meta"], t["super_meta"], t["page_super"], t["block_table"],
-            t["num_pages"], TOP_K // PAGE, SINK // PAGE, WINDOW // PAGE, SP, c, combine, None,
+            t["num_pages"], TOP_K // PAGE, SINK // PAGE, WINDOW // PAGE, sp, c, combine, None,
         )  # fmt: skip
     finally:
         superpage_module.FUSED_SORT_MAX = saved
@@ -106,36 +112,37 @@ def run_exact(t: dict) -> torch.Tensor:
     return select_topk(scores, t["num_pages"], TOP_K // PAGE, SINK // PAGE, WINDOW // PAGE)
 
 
-def check(hq: int, hkv: int, d: int, ctx: int, overs: list[float], rankings: list[str]) -> dict:
+def check(
+    hq: int, hkv: int, d: int, ctx: int, variants: list[tuple[int, float]], rankings: list[str]
+) -> dict:
     """Triton == reference (and graph replay == eager) on 4 jobs of ``ctx``, exact inputs,
     the ``max`` rule (exact sums: bit for bit); ``normmax`` reported as the share of
     (job, KV head) rows equal (the GPU's exp/log round differently)."""
     out = {}
-    for o, r in [(o, r) for o in overs for r in rankings]:
-        c = num_candidates(TOP_K // PAGE, SP, o)
-        t = make_step(4, hq, hkv, d, ctx, integer=True, seed=1)
+    for (sp, o), r in [(v, r) for v in variants for r in rankings]:
+        c = num_candidates(TOP_K // PAGE, sp, o)
+        t = make_step(4, hq, hkv, d, ctx, integer=True, seed=1, sp=sp)
         t_ref = {**t, "super_meta": t["super_meta"].clone()}
-        eager = run_superpage(t, c, combine="max", ranking=r)
-        want = run_superpage(t_ref, c, ref=True, combine="max")
-        norm = run_superpage(t, c, ranking=r) == run_superpage(t_ref, c, ref=True)
+        eager = run_superpage(t, sp, c, combine="max", ranking=r)
+        want = run_superpage(t_ref, sp, c, ref=True, combine="max")
+        norm = run_superpage(t, sp, c, ranking=r) == run_superpage(t_ref, sp, c, ref=True)
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            run_superpage(t, c, combine="max", ranking=r)  # warm-up outside the capture
+            run_superpage(t, sp, c, combine="max", ranking=r)  # warm-up outside the capture
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(graph):
-            captured = run_superpage(t, c, combine="max", ranking=r)
+            captured = run_superpage(t, sp, c, combine="max", ranking=r)
         graph.replay()
         torch.cuda.synchronize()
-        out[f"x{o:g}" + ("" if r == "fused" else f" {r}")] = {
+        name = variant_name(sp, o, r)
+        out[name] = {
             "triton_equals_reference": bool(torch.equal(eager, want)),
             "refreshed_rows_equal": bool(torch.equal(t["super_meta"], t_ref["super_meta"])),
             "graph_equals_eager": bool(torch.equal(captured, eager)),
         }
-        out[f"x{o:g}" + ("" if r == "fused" else f" {r}")]["normmax_rows_equal_share"] = (
-            norm.all(-1).float().mean().item()
-        )
+        out[name]["normmax_rows_equal_share"] = norm.all(-1).float().mean().item()
     return out
 
 
@@ -165,20 +172,35 @@ def kernel_breakdown(fn, calls: int = 20) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
+def variant_name(sp: int, oversample: float, ranking: str) -> str:
+    return f"{sp}x{oversample:g}" + ("" if ranking == "fused" else f" {ranking}")
+
+
 def bench_shape(
-    name: str, ctx: int, jobs: int, overs: list[float], rankings: list[str], prof: bool = False
+    name: str,
+    ctx: int,
+    jobs: int,
+    variants: list[tuple[int, float]],
+    rankings: list[str],
+    prof: bool = False,
 ) -> dict:
     layers, hq, hkv, d = SHAPES[name]
     p = ctx // PAGE
     kv_layer = jobs * hkv * p * 2 * PAGE * d * 2
-    checked = check(hq, hkv, d, 8192, overs, rankings)
+    checked = check(hq, hkv, d, 8192, variants, rankings)
     res = {"layers": layers, "hq": hq, "hkv": hkv, "d": d, "check": checked}
-    t = make_step(jobs, hq, hkv, d, ctx, integer=False, seed=2)
-    rows = {"exact": (lambda: run_exact(t), p)}
-    for o, r in [(o, r) for o in overs for r in rankings]:
-        c = num_candidates(TOP_K // PAGE, SP, o)
-        key = f"superpage x{o:g}" + ("" if r == "fused" else f" {r}")
-        rows[key] = (lambda c=c, r=r: run_superpage(t, c, ranking=r), -(-p // SP) + c * SP + SP)
+    steps = {
+        sp: make_step(jobs, hq, hkv, d, ctx, integer=False, seed=2, sp=sp) for sp, _ in variants
+    }
+    t0 = next(iter(steps.values()))  # the page metadata and queries are the same for every sp
+    rows = {"exact": (lambda: run_exact(t0), p)}
+    for (sp, o), r in [(v, r) for v in variants for r in rankings]:
+        c = num_candidates(TOP_K // PAGE, sp, o)
+        key = "superpage " + variant_name(sp, o, r)
+        rows[key] = (
+            lambda t=steps[sp], sp=sp, c=c, r=r: run_superpage(t, sp, c, ranking=r),
+            -(-p // sp) + c * sp + sp,
+        )
     for key, (fn, rows_per_head) in rows.items():
         us = time_us([fn])
         nbytes = meta_bytes(jobs, hkv, d, rows_per_head)
@@ -197,11 +219,25 @@ def bench_shape(
     return res
 
 
+def parse_variants(text: str) -> list[tuple[int, float]]:
+    """``"16x8,8x8"`` -> ``[(16, 8.0), (8, 8.0)]`` (superpage pages x oversample)."""
+    out = []
+    for item in text.split(","):
+        sp, _, o = item.strip().partition("x")
+        out.append((int(sp), float(o)))
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--jobs", type=int, default=32)
-    p.add_argument("--oversample", default="2,4,8")
+    p.add_argument(
+        "--variants",
+        default="16x2,16x4,16x8",
+        help="superpage pages x oversample, comma-separated (the engine's superpage_pages, "
+        "superpage_oversample)",
+    )
     p.add_argument("--shapes", default="smollm2-135m,qwen2.5-7b")
     p.add_argument("--profile", action="store_true", help="also list each variant's kernels")
     p.add_argument(
@@ -212,7 +248,10 @@ def main() -> int:
     )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    overs = [float(x) for x in args.oversample.split(",")]
+    try:
+        variants = parse_variants(args.variants)
+    except ValueError:
+        p.error(f"--variants: SxO items such as 16x8,8x8, not {args.variants!r}")
     rankings = args.rankings.split(",")
     if not set(rankings) <= {"fused", "topk"}:
         p.error(f"--rankings: fused and/or topk, not {args.rankings!r}")
@@ -221,7 +260,7 @@ def main() -> int:
         "context": args.context,
         "jobs": args.jobs,
         "page_size": PAGE,
-        "superpage_pages": SP,
+        "variants": args.variants,
         "top_k_tokens": TOP_K,
         "device": torch.cuda.get_device_name(DEV),
         "torch": torch.__version__,
@@ -230,11 +269,13 @@ def main() -> int:
         "shapes": {},
     }
     for name in args.shapes.split(","):
-        res = bench_shape(name, args.context, args.jobs, overs, rankings, args.profile)
+        res = bench_shape(name, args.context, args.jobs, variants, rankings, args.profile)
         out["shapes"][name] = res
         print(f"{name}: {args.jobs} jobs x {args.context} tokens, {res['layers']} layers")
         print(f"  check: {res['check']}")
-        print(f"  {'variant':<22}{'ms/step':>9}{'vs exact':>10}{'MiB/step':>10}{'KV/x':>7}{'GB/s':>8}")
+        print(
+            f"  {'variant':<22}{'ms/step':>9}{'vs exact':>10}{'MiB/step':>10}{'KV/x':>7}{'GB/s':>8}"
+        )
         for key, r in res.items():
             if isinstance(r, dict) and "ms_per_step" in r:
                 print(

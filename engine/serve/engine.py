@@ -17,7 +17,6 @@ Request lifecycle:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from collections import deque
@@ -28,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine import events as ev
-from engine.config import EngineConfig
+from engine.config import EngineConfig, job_seed
 from engine.decode import audit as fidelity
 from engine.decode import indexers
 from engine.decode.attention import DecodeAttention, StepPlan
@@ -149,8 +148,10 @@ class Engine:
         self.ops = ops
         self.context_limit = context_limit
         max_pages = -(-context_limit // config.page_size)
-        self.cache = cache if cache is not None else KVCache(
-            model.config, config, model.device, max_pages, layers=model.layer_range
+        self.cache = (
+            cache
+            if cache is not None
+            else KVCache(model.config, config, model.device, max_pages, layers=model.layer_range)
         )
         _check_dense_indexer(config, self.cache.pages_for(context_limit))
         self.attn = DecodeAttention(
@@ -179,9 +180,7 @@ class Engine:
         self.graphs_off_reason = why_not
         # Asynchronous decode (config.async_decode): the step launched but not yet read.
         self.async_decode = (
-            config.async_decode
-            if config.async_decode is not None
-            else model.device.type == "cuda"
+            config.async_decode if config.async_decode is not None else model.device.type == "cuda"
         )
         # RoPE fused into the decode append where the model allows it (not Gemma's two
         # RoPE bases); fp8 records round from kv_dtype, so there only where it is the
@@ -328,8 +327,7 @@ class Engine:
             if not self.cache.can_admit(need):
                 return
             queue.popleft()
-            seed = int(hashlib.sha256(job.id.encode()).hexdigest()[:8], 16)
-            req = self._open(job, seed)
+            req = self._open(job, job_seed(job.id))
             running.append(req)
             yield ev.JobAdmitted(req.t_admit, job.id, len(job.prompt_ids))
 
@@ -386,7 +384,9 @@ class Engine:
             return
         req.prefill_iter = None
         n = len(req.job.prompt_ids)
-        yield ev.PrefillProgress(time.monotonic(), req.job.id, req.next_layer, self.model_config.num_layers, n)
+        yield ev.PrefillProgress(
+            time.monotonic(), req.job.id, req.next_layer, self.model_config.num_layers, n
+        )
         if req.phase == "decode":
             yield ev.FirstToken(req.t_first, req.job.id, req.t_first - req.t_admit)
             yield from self._check_finished(req, running)
@@ -561,7 +561,9 @@ class Engine:
         decode_s = now - req.t_first if req.t_first else 0.0
         n_dec = max(len(req.generated) - 1, 0)
         n_prompt = len(req.job.prompt_ids)
-        text = req.text if req.finish_reason != "cancelled" else self.tokenizer.decode(req.generated)
+        text = (
+            req.text if req.finish_reason != "cancelled" else self.tokenizer.decode(req.generated)
+        )
         result = ev.JobResult(
             job_id=req.job.id,
             text=text,
@@ -784,9 +786,7 @@ class Engine:
             done = torch.cuda.Event()
             done.record()
             stacked = host
-        handle = StepHandle(
-            list(batch), self.step, logits, greedy, stacked, done, t_launch, audit
-        )
+        handle = StepHandle(list(batch), self.step, logits, greedy, stacked, done, t_launch, audit)
         handle.captured = self.graphs is not None and self.graphs.captures > captures
         if done is None:  # the CPU ran the step in the launch
             handle.t_done = time.monotonic()
@@ -839,8 +839,13 @@ class Engine:
         return fidelity.to_device(torch.tensor([fed[i] for i in rows]), self.model.device)
 
     def _audit(
-        self, batch: list[Request], rows: list[int], tokens: torch.Tensor,
-        logits: torch.Tensor, captured: list, lens: list[int],
+        self,
+        batch: list[Request],
+        rows: list[int],
+        tokens: torch.Tensor,
+        logits: torch.Tensor,
+        captured: list,
+        lens: list[int],
     ) -> fidelity.AuditPass:
         """Start the audit of rows ``rows`` of the step just launched
         (:mod:`engine.decode.audit`): copy their sparse ``logits [B, V]`` rows and the

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from engine.config import ConfigError
+from engine.config import ConfigError, job_seed
 from hisparse_cli import runner as runner_module
 from hisparse_cli import settings, testing
 from hisparse_cli.main import app
@@ -279,6 +279,9 @@ def test_job_and_engine_setting_problems_come_in_one_report(cli, docs, tmp_path)
         (["docs/alpha.txt", "--trace", "docs"], "is a directory"),
         (["docs/alpha.txt", "-o", "new", "--trace", "new/results.jsonl"], "would replace the run's results.jsonl"),
         (["docs/alpha.txt", "-o", "new", "--trace", "new/alpha.txt"], "would replace job 'alpha''s result file"),
+        (["docs/alpha.txt", "-o", ""], "'--output-dir' / '-o': is empty"),
+        (["docs/alpha.txt", "--trace", " "], "'--trace': is empty"),
+        (["--manifest", ""], "'--manifest' / '-m': is empty"),
     ],
 )
 def test_usage_errors_exit_2(cli, docs, args, phrase):
@@ -308,6 +311,29 @@ def test_print_config_precedence(cli, docs, tmp_path, monkeypatch):
     assert engine["top_k"] == 1024  # manifest beats preset
     assert engine["max_batch"] == 16  # flag beats manifest
     assert engine["trace_path"] == "t.json"
+    assert not (tmp_path / "hisparse-out").exists()
+
+
+def test_print_config_lists_each_jobs_task_and_sampling(cli, docs, tmp_path):
+    (tmp_path / "jobs.yaml").write_text(
+        "defaults: {temperature: 0.5, max_new_tokens: 40, top_p: 0.9}\n"
+        "jobs:\n"
+        "  - {id: a, input: docs/alpha.txt, temperature: 0.9, seed: 7}\n"
+        "  - {id: b, input: docs/beta.txt, task: answer, question: 'Why?'}\n"
+    )
+    result = cli("--manifest", "jobs.yaml", "--max-new-tokens", "12", "--print-config")
+    assert result.exit_code == 0, result.output
+    a, b = json.loads(result.stdout)["jobs"]
+    assert (a["id"], a["task"], a["origin"]) == ("a", "summarize", "jobs.yaml:3")
+    assert a["sampling"] == {
+        "temperature": 0.9, "top_p": 0.9, "top_k": 0, "seed": 7, "stop": [], "max_tokens": 12
+    }  # fmt: skip
+    assert (b["task"], b["question"], b["output"]) == ("answer", "Why?", "b.txt")
+    assert b["inputs"] == [str(tmp_path / "docs" / "beta.txt")]
+    assert b["sampling"]["temperature"] == 0.5 and b["sampling"]["max_tokens"] == 12
+    # no seed given: the one the engine derives from the job id, and where it came from
+    assert (b["sampling"]["seed"], b["sampling"]["seed_from"]) == (job_seed("b"), "job id")
+    assert job_seed("b") != job_seed("a")
     assert not (tmp_path / "hisparse-out").exists()
 
 
