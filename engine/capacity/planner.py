@@ -847,7 +847,17 @@ def _suggestions(model, config, hardware, jobs, context, capacity) -> list[str]:
     if 1 <= capacity.max_jobs < jobs:
         out.append(f"fewer jobs: --jobs {capacity.max_jobs}")
     if capacity.device_limit < jobs:
-        out.extend(_device_hints(model, config, hardware, jobs, context))
+        if config.max_batch < jobs:
+            # max_batch caps the device limit below ``jobs`` whatever the memory: re-plan
+            # the device hints with it raised to ``jobs`` and say so in each hint
+            raised = config.replace(max_batch=jobs)
+            flag = f"--max-batch {jobs} "
+            out.extend(
+                hint.replace(": ", ": " + flag, 1)
+                for hint in _device_hints(model, raised, hardware, jobs, context)
+            )
+        else:
+            out.extend(_device_hints(model, config, hardware, jobs, context))
     if capacity.host_limit is not None and capacity.host_limit < jobs:
         needed = jobs * job_host_bytes(model, config, context)
         pool_gb = math.ceil(needed / GIB)

@@ -223,6 +223,7 @@ _HINT_FIELDS = {
     "--top-k-tokens": ("top_k", int),
     "--page-size": ("page_size", int),
     "--host-pool": ("host_pool_gb", float),
+    "--max-batch": ("max_batch", int),
     "weight_format": ("weight_format", str),
 }
 
@@ -274,6 +275,24 @@ def test_device_bound_suggests_a_smaller_buffer_that_fits():
     for other in result.suggestions:
         if other.startswith(("smaller", "larger pages")):
             assert _replan(shape, config, hardware, jobs, 32 * 1024, other).feasible, other
+
+
+def test_device_hints_past_max_batch_raise_it():
+    """More jobs than ``max_batch`` (the issue-16 point: 32 x 128K of SmolLM2 in 8 GiB on
+    the h200 preset, whose max_batch is 16): the device limit is capped below the jobs
+    whatever the memory, so every device hint also raises max_batch, and each fits when
+    applied with every flag it names. Before, only "fewer jobs" was offered."""
+    config, hardware = _preset("h200", memory_budget_gb=8.0)
+    shape = MODEL_SHAPES["smollm2-135m"]
+    assert config.max_batch == 16
+    result = plan(shape, config, hardware, 32, 128 * 1024)
+    assert not result.feasible
+    device = [s for s in result.suggestions if s.startswith(("smaller", "larger pages"))]
+    assert device, result.suggestions
+    for hint in device:
+        assert _hint_flags(hint)["--max-batch"] == "32", hint
+        assert _replan(shape, config, hardware, 32, 128 * 1024, hint).feasible, hint
+    assert "fewer jobs: --jobs 5" in result.suggestions
 
 
 def test_metadata_bound_suggests_the_host_pool_the_jobs_need():
