@@ -390,15 +390,17 @@ def execute(
             document["preset_auto_devices"] = choice.read_by
     if request.print_config:
         problems = machine_problems(config, request, manifest)
+        warnings = config_warnings(config)
         printed = {**document, "jobs": [job_settings(spec) for spec in manifest.jobs]}
         if problems:
             printed["problems"] = problems
+        if warnings:
+            printed["warnings"] = warnings
         console.file.write(json.dumps(printed, indent=2, sort_keys=True, default=str) + "\n")
-        for problem in problems:
+        for line in [f"a run would be refused here: {p}" for p in problems] + warnings:
             err_console.print(
-                f"warning: a run would be refused here: {problem}",
-                style="yellow", markup=False, highlight=False, soft_wrap=True,
-            )  # fmt: skip
+                f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True
+            )
         return EXIT_OK
     batch = BatchRun(request, manifest, config, console, err_console)
     batch.preset_line = preset_line(request.preset, choice)
@@ -650,6 +652,19 @@ def check_max_new_tokens(config: EngineConfig, request: RunRequest, manifest: Ma
     )
     if problem:
         raise UsageError(problem)
+
+
+def config_warnings(config: EngineConfig) -> list[str]:
+    """Settings that run but cost the user something they may not expect, in words: the
+    run notes them as warnings when it starts, ``--print-config`` under ``warnings``."""
+    found = []
+    if config.page_metadata == "superpage" and config.device == "cpu":
+        found.append(  # a fresh user found it slower and nothing said why
+            "page_metadata superpage on the CPU decodes slower than exact (its selection "
+            "does not run in the CPU's one-chain decode); it saves GPU metadata reads at "
+            "long contexts"
+        )
+    return found
 
 
 def machine_problems(config: EngineConfig, request: RunRequest, manifest: Manifest) -> list[str]:
@@ -1021,13 +1036,8 @@ class BatchRun:
                 self.reporter.note(warning, "warning")
             for rejected in self.manifest.rejected:  # bad OpenAI-batch lines: the rest run
                 self.reporter.note(str(rejected), "error")
-            if self.config.page_metadata == "superpage" and self.config.device == "cpu" and runs:
-                self.reporter.note(  # a fresh user found it slower and nothing said why
-                    "page_metadata superpage on the CPU decodes slower than exact (its "
-                    "selection does not run in the CPU's one-chain decode); it saves GPU "
-                    "metadata reads at long contexts",
-                    "warning",
-                )
+            for warning in config_warnings(self.config) if runs else ():
+                self.reporter.note(warning, "warning")
             pending = self._register(planned)
             try:
                 if pending:

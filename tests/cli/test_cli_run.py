@@ -74,6 +74,12 @@ def test_superpage_metadata_on_the_cpu_says_it_is_slower(cli, docs):
     assert "superpage on the CPU decodes slower than exact" in " ".join(result.stderr.split())
     result = cli("docs/beta.txt", "--max-new-tokens", "2")
     assert "superpage" not in result.stderr
+    # --print-config says it too: on stderr and under "warnings"
+    shown = cli("docs/alpha.txt", "--page-metadata", "superpage", "--print-config")
+    assert shown.exit_code == 0, shown.output
+    assert "superpage on the CPU decodes slower than exact" in " ".join(shown.stderr.split())
+    assert "decodes slower than exact" in json.loads(shown.stdout)["warnings"][0]
+    assert "warnings" not in json.loads(cli("docs/alpha.txt", "--print-config").stdout)
 
 
 def test_engine_receives_rendered_prompt_and_sampling(cli, docs):
