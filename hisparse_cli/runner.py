@@ -57,7 +57,7 @@ from engine.events import (
 from engine.serve.base import BatchEngine
 from engine.serve.workers import WorkerDied
 from engine.text.context import PromptTooLong, chunk_document, fit_prompt, too_long_message
-from hisparse_cli import openai_batch, preflight, settings
+from hisparse_cli import openai_batch, preflight, settings, textio
 from hisparse_cli.auto_preset import AUTO, AutoChoice, choose_preset
 from hisparse_cli.chunking import ChunkScheduler
 from hisparse_cli.extract import parse_extracted
@@ -451,7 +451,10 @@ def with_stdin(request: RunRequest, stream: Any = None) -> RunRequest:
             "pipe the text in (cat doc.txt | hisparse run -) or name the file"
         )
     try:
-        data = stream.buffer.read() if hasattr(stream, "buffer") else stream.read()
+        # one byte past the cap, so an endless stream (/dev/zero) fails its job, not the
+        # memory (textio.MAX_DOCUMENT_BYTES)
+        limit = textio.MAX_DOCUMENT_BYTES + 1
+        data = stream.buffer.read(limit) if hasattr(stream, "buffer") else stream.read(limit)
     except OSError as exc:
         raise UsageError(f"cannot read standard input: {exc.strerror or exc}") from None
     return dataclasses.replace(request, stdin=data if isinstance(data, bytes) else data.encode())

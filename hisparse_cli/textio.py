@@ -30,11 +30,17 @@ from __future__ import annotations
 import codecs
 import hashlib
 import re
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 SAMPLE_BYTES = 64 * 1024
+MAX_DOCUMENT_BYTES = 1 << 30
+"""Largest document read, 1 GiB (about 250M tokens, far past any context or map-reduce
+run): a larger file, or standard input that goes on past it (``/dev/zero``), fails its
+job instead of filling the memory."""
+
 MAX_NUL_SHARE = 0.01
 MAX_CONTROL_SHARE = 0.05
 ERROR_MODES = ("strict", "replace")
@@ -353,15 +359,32 @@ def _read_bytes(path: Path, stdin: bytes | None = None) -> bytes:
     if path == STDIN:
         if stdin is None:
             raise DocumentError(path, "was not read (no bytes of standard input were given)")
+        if len(stdin) > MAX_DOCUMENT_BYTES:
+            raise DocumentError(path, f"goes on past {_TOO_LARGE}")
         return stdin
-    if path.is_dir():
-        raise DocumentError(path, "is a directory")
     try:
+        mode = path.stat().st_mode
+        if stat.S_ISDIR(mode):
+            raise DocumentError(path, "is a directory")
+        if not stat.S_ISREG(mode):  # reading /dev/zero or a FIFO never ends
+            raise DocumentError(
+                path,
+                "is not a regular file (a pipe or a device): documents are read from "
+                "files; save the text to a file, or pipe it to `hisparse run -`",
+            )
+        if path.stat().st_size > MAX_DOCUMENT_BYTES:
+            raise DocumentError(path, f"is larger than {_TOO_LARGE}")
         return path.read_bytes()
     except FileNotFoundError:
         raise DocumentError(path, "file not found") from None
     except OSError as exc:
         raise DocumentError(path, f"cannot be read: {exc.strerror or exc}") from None
+
+
+_TOO_LARGE = (
+    f"{MAX_DOCUMENT_BYTES >> 30} GiB, the largest document read (split it into several "
+    "documents)"
+)
 
 
 def _ascii_compatible(codec: str) -> bool:

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hisparse_cli import runner as runner_module
+from hisparse_cli import textio
 from hisparse_cli.main import app
 from hisparse_cli.manifest import ManifestError, jobs_from_paths, load_manifest
 from hisparse_cli.naming import EarlierJob, stdin_job_id
@@ -122,14 +123,28 @@ def test_stdin_is_read_once_and_only_for_dash():
         def isatty(self):
             return False
 
-        def read(self):
+        def read(self, size=-1):  # as io.BufferedReader.read
             Stream.reads += 1
-            return b"text"
+            return b"text"[:size] if size >= 0 else b"text"
 
     assert with_stdin(RunRequest(docs=("a.txt",)), Stream()).stdin is None
     request = with_stdin(RunRequest(docs=("-",)), Stream())
     assert request.stdin == b"text" and with_stdin(request, Stream()) is request
     assert Stream.reads == 1
+
+
+def test_endless_stdin_fails_its_job_and_the_rest_run(cli, docs, monkeypatch, tmp_path):
+    """Fresh-user finding: `hisparse run - < /dev/zero` read until the memory ran out.
+    Standard input is read up to one byte past the document cap; past it, the stdin job
+    fails by name and the other documents run."""
+    cap = (tmp_path / "docs" / "alpha.txt").stat().st_size  # alpha fits exactly
+    monkeypatch.setattr(textio, "MAX_DOCUMENT_BYTES", cap)
+    result = cli("--max-new-tokens", "3", "docs/alpha.txt", "-", input="x" * (cap + 1))
+    assert result.exit_code == 1, result.output
+    records = {r["id"]: r for r in lines(tmp_path / "hisparse-out")}
+    assert records["alpha"]["ok"]
+    assert not records["stdin"]["ok"] and "goes on past" in records["stdin"]["error"]
+    assert [job.id for job in seen(cli)] == ["alpha"]
 
 
 def test_print_config_with_stdin_runs_nothing(cli, tmp_path):

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import threading
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hisparse_cli import textio
 from hisparse_cli.textio import (
+    STDIN,
     DocumentError,
     join_documents,
     normalise_text,
@@ -127,6 +133,45 @@ def test_missing_file_and_directory(tmp_path):
         read_document(tmp_path / "nope.txt")
     with pytest.raises(DocumentError, match="directory"):
         read_document(tmp_path)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+def test_pipe_or_device_is_refused_without_reading_it(tmp_path):
+    """Fresh-user finding: a FIFO among the documents hung the run and /dev/zero filled
+    the memory, though the warning said only that job fails. A writer thread feeds the
+    FIFO, so a reader that opens it anyway gets text (and the test fails) instead of
+    blocking."""
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+
+    def feed():
+        try:
+            with open(fifo, "w") as handle:  # blocks until a reader opens it
+                handle.write("text from a pipe\n")
+        except BrokenPipeError:  # the reader below that only frees this thread
+            pass
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    try:
+        with pytest.raises(DocumentError, match="not a regular file"):
+            read_document(fifo)
+    finally:
+        if writer.is_alive():  # nobody read it: open and drop a reader to free the thread
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join(timeout=5)
+    if os.path.exists("/dev/zero"):
+        with pytest.raises(DocumentError, match="not a regular file"):
+            read_document(Path("/dev/zero"))
+
+
+def test_larger_than_the_cap_is_refused_before_reading(tmp_path, monkeypatch):
+    monkeypatch.setattr(textio, "MAX_DOCUMENT_BYTES", 16)
+    with pytest.raises(DocumentError, match="is larger than"):
+        read_document(write(tmp_path, "big.txt", b"x" * 17))
+    assert read_document(write(tmp_path, "ok.txt", b"y" * 16)).text == "y" * 16
+    with pytest.raises(DocumentError, match="goes on past"):
+        read_document(STDIN, stdin=b"z" * 17)
 
 
 def test_sha256_is_of_raw_bytes(tmp_path):
