@@ -378,7 +378,13 @@ class EngineConfig:
             if (message := setting_problem(name, getattr(self, name)))
         ]
         bad = {p.fields[0] for p in found}
-        found += [p for p in self._consistency_problems() if not bad & set(p.fields)]
+        try:
+            consistency = self._consistency_problems()
+        except (ArithmeticError, TypeError, ValueError):
+            if not bad:
+                raise
+            consistency = []  # a bad value (page_size 0) broke a cross-field check's arithmetic
+        found += [p for p in consistency if not bad & set(p.fields)]
         return found
 
     def _consistency_problems(self) -> list[SettingProblem]:

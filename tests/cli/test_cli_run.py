@@ -275,6 +275,8 @@ def test_job_and_engine_setting_problems_come_in_one_report(cli, docs, tmp_path)
         ([], "nothing to run"),
         (["docs/alpha.txt", "--manifest", "jobs.yaml"], "not both"),
         (["docs/alpha.txt", "--page-size", "7"], "--page-size: must be one of 16, 32, 64"),
+        # 0 also broke a cross-field check's arithmetic (ZeroDivisionError, exit 1)
+        (["docs/alpha.txt", "--page-size", "0"], "--page-size: must be one of 16, 32, 64"),
         (["docs/alpha.txt", "--top-k-tokens", "4096", "--device-buffer", "1024"], "device_buffer"),
         (["docs/alpha.txt", "--encoding", "klingon"], "unknown --encoding"),
         (["docs/alpha.txt", "--model", "missing.gguf"], "model not found"),
