@@ -201,6 +201,26 @@ def test_yaml_syntax_error_has_line(docs):
     assert problem.line is not None and "not valid YAML" in problem.message
 
 
+def test_yaml_alias_bomb_is_refused_without_expanding_it(docs):
+    """Fresh-user finding: nine levels of ten aliases (the "billion laughs" file, 10**9
+    values once expanded) as a job's stop list hung the validation. The manifest is now
+    sized with each alias counted as what it names, and refused past a million values;
+    a few aliases (a shared stop list) still work."""
+    levels = ["a: &a [" + ", ".join(['"lol"'] * 10) + "]"]
+    for prev, name in zip("abcdefgh", "bcdefghi", strict=True):
+        levels.append(f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 10) + "]")
+    path = docs / "jobs.yaml"
+    path.write_text("\n".join(levels) + "\njobs:\n  - {input: docs/one.txt, stop: *i}\n")
+    (problem,) = problems_of(path)
+    assert "expands to more than 1,000,000 values through YAML aliases" in problem.message
+    path.write_text("x: &x [*x]\njobs:\n  - {input: docs/one.txt}\n")  # contains itself
+    assert "through YAML aliases" in problems_of(path)[0].message
+    shared = 'defaults:\n  stop: &s ["END", "STOP"]\njobs:\n  - {input: docs/one.txt, stop: *s}\n'
+    path.write_text(shared)
+    (job,) = load_manifest(path).jobs
+    assert job.sampling.stop == ("END", "STOP")
+
+
 def test_yaml_duplicate_key_is_reported(docs):
     path = write_yaml(docs, "jobs:\n  - id: a\n    input: docs/one.txt\n    id: b\n")
     problem = find(problems_of(path), "jobs[0].id")
