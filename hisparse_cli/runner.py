@@ -396,10 +396,16 @@ def execute(
             printed["problems"] = problems
         if warnings:
             printed["warnings"] = warnings
+        if manifest.rejected:  # bad batch lines, globs that matched nothing: a run skips them
+            printed["rejected"] = [str(r) for r in manifest.rejected]
         console.file.write(json.dumps(printed, indent=2, sort_keys=True, default=str) + "\n")
         for line in [f"a run would be refused here: {p}" for p in problems] + warnings:
             err_console.print(
                 f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True
+            )
+        for rejected in manifest.rejected:  # as the run reports them; the others would run
+            err_console.print(
+                f"error: {rejected}", style="red", markup=False, highlight=False, soft_wrap=True
             )
         return EXIT_OK
     batch = BatchRun(request, manifest, config, console, err_console)

@@ -175,3 +175,16 @@ def test_a_refused_duplicate_custom_id_does_not_share_it_and_refusals_are_counte
     as_json = cli("--manifest", str(path), "--json-progress", "--force")
     summary = [json.loads(x) for x in as_json.stdout.splitlines() if '"summary"' in x][-1]
     assert summary["refused"] == 2 and summary["ok"] == 1
+
+
+def test_print_config_lists_the_lines_a_run_would_refuse(cli, tmp_path):
+    """Fresh-user finding: `--print-config` on a batch file showed only its good requests
+    and said nothing of the refused lines that the run reports."""
+    path = write_batch(tmp_path / "b.jsonl", request("a"), request("b", n=2), "{oops")
+    result = cli("--manifest", str(path), "--print-config")
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)
+    assert [job["id"] for job in shown["jobs"]] == ["a"]
+    assert [line.split(": ")[0] for line in shown["rejected"]] == [f"{path}:2", f"{path}:3"]
+    assert f"error: {path}:2:" in result.stderr and f"error: {path}:3:" in result.stderr
+    assert not (tmp_path / "hisparse-out").exists()
