@@ -258,8 +258,8 @@ def jobs_from_paths(
         entry = Entry(COMMAND_LINE, "", None, {"input": pattern})
         problems: list[Problem] = []
         found.extend(_expand(pattern, base, entry, problems, warnings))
-        if problems and not _GLOB_CHARS.search(os.path.expanduser(pattern)):
-            unreadable.append((pattern, problems[0]))
+        if problems and pattern.strip() and not _GLOB_CHARS.search(os.path.expanduser(pattern)):
+            unreadable.append((pattern, problems[0]))  # a job that fails: it names a file
         elif problems:
             unmatched.extend(problems)
         found_problems.extend(problems)
@@ -447,6 +447,11 @@ def _expand(
     """Files matching ``pattern`` (relative to ``base``), reporting missing ones; a
     symbolic link a ``**`` glob did not follow (:func:`walk_glob`) is noted in
     ``warnings``."""
+    if not pattern.strip():  # "" would be the current folder
+        problems.append(
+            _problem(entry, "input", f"{pattern!r} is empty (an unset shell variable?)")
+        )
+        return []
     text = os.path.expanduser(pattern)
     if _GLOB_CHARS.search(text):
         matches, skipped = walk_glob(text, base)

@@ -30,6 +30,18 @@ def nonempty_path(value: str | Path) -> Path:
     return Path(value)
 
 
+def nonempty_text(value: str) -> str:
+    """Typer parser of a text option that names something (a model): ``""`` is refused.
+
+    Raises
+    ------
+    typer.BadParameter : the value is empty or only spaces.
+    """
+    if not str(value).strip():
+        raise typer.BadParameter("is empty (an unset shell variable?)")
+    return str(value)
+
+
 def default_is(value: str) -> str:
     """`` [default: VALUE]`` for the help text of an option whose real default is ``None``
     ("not given": a preset or manifest may set it), shown as a value (Typer's
@@ -63,6 +75,8 @@ ManifestFile = Annotated[
 Model = Annotated[
     str | None,
     typer.Option(
+        parser=nonempty_text,
+        metavar="FILE",
         help="Model file (GGUF) or folder." + default_is("the embedded SmolLM2-135M-Instruct"),
         show_default=False,
         rich_help_panel=JOBS,

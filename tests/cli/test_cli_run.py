@@ -290,6 +290,7 @@ def test_job_and_engine_setting_problems_come_in_one_report(cli, docs, tmp_path)
         (["docs/alpha.txt", "-o", ""], "'--output-dir' / '-o': is empty"),
         (["docs/alpha.txt", "--trace", " "], "'--trace': is empty"),
         (["--manifest", ""], "'--manifest' / '-m': is empty"),
+        (["docs/alpha.txt", "--model", ""], "'--model': is empty"),
     ],
 )
 def test_usage_errors_exit_2(cli, docs, args, phrase):
@@ -1164,6 +1165,19 @@ def test_a_glob_matching_nothing_is_refused_and_the_rest_run(cli, docs, tmp_path
     assert record["id"] == "alpha" and record["ok"]
     result = cli("nodocs/*.md")
     assert result.exit_code == 2 and "matches no files" in result.output
+
+
+def test_an_empty_document_argument_is_refused_and_the_rest_run(cli, docs, tmp_path):
+    """Fresh-user finding: `hisparse run "$DOC"` with DOC unset read "" as the current
+    folder ("'' is a directory"). Now an empty argument is refused by name like a glob
+    that matches nothing: no job, exit 1, the named documents run; alone, exit 2."""
+    result = cli("", "docs/alpha.txt")
+    assert result.exit_code == 1, result.output
+    assert "DOCS: '' is empty (an unset shell variable?)" in result.stderr
+    (record,) = read_results(tmp_path / "hisparse-out")
+    assert record["id"] == "alpha" and record["ok"]
+    result = cli(" ")
+    assert result.exit_code == 2 and "is empty" in result.output
 
 
 def test_output_dir_has_the_short_flag_o(cli, docs, tmp_path):
