@@ -34,7 +34,13 @@ def parse_extracted(
             value, _ = _DECODER.raw_decode(text, start)
         except json.JSONDecodeError as exc:
             if last_error == "no JSON object in the reply":
-                last_error = f"invalid JSON at character {exc.pos}: {exc.msg}"
+                # json's messages either end in "at" (where the bad part starts) or not
+                where = (
+                    f" character {exc.pos}"
+                    if exc.msg.endswith(" at")
+                    else f" at character {exc.pos}"
+                )
+                last_error = f"invalid JSON: {exc.msg}{where}"
             start = text.find("{", start + 1)
             continue
         if isinstance(value, dict):

@@ -1596,6 +1596,8 @@ class BatchRun:
                     f"{error}; the reply stopped at max_new_tokens inside a JSON object: "
                     "raise --max-new-tokens"
                 )
+            if result.finish_reason == "cancelled":
+                error = None  # a cut-off reply is expected to be incomplete: no noise
             record["data"], record["data_error"] = data, error
             if error and record["ok"]:
                 self.reporter.note(f"{result.job_id}: no data extracted: {error}", "warning")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 from test_cli_run import read_results
@@ -31,7 +33,8 @@ def test_replies_that_hold_the_object(text, fields, data):
     "text, fields, phrase",
     [
         ("I cannot find that.", ("title",), "no JSON object in the reply"),
-        ('{"title": "cut', ("title",), "invalid JSON at character"),
+        ('{"title": "cut', ("title",), "invalid JSON: Unterminated string starting at character 10"),
+        ('{"title" "x"}', ("title",), "invalid JSON: Expecting ':' delimiter at character 9"),
         ('{"title": "x"}', ("title", "date"), "lacks field(s) 'date'"),
         ("[1, 2]", None, "no JSON object"),
     ],
@@ -147,3 +150,19 @@ def test_manifest_field_lists_are_constrained_and_repeats_refused(cli, docs, tmp
     result = cli("docs/alpha.txt", "--task", "extract", "--fields", "topic,year,topic")
     assert result.exit_code == 2 and "--fields" in result.stderr
     assert "repeats field name(s) 'topic'" in result.stderr
+
+
+def test_a_cancelled_extract_reply_has_no_data_error(cli, docs, tmp_path):
+    """Fresh-user finding: a job cut off by Ctrl-C got a data_error for its (naturally)
+    incomplete JSON, noise on a line that already says cancelled."""
+
+    def interrupt(step):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    factory = testing.fake_engine_factory(texts={"alpha": '{"topic": "sor'}, on_step=interrupt)
+    result = cli("docs/alpha.txt", "--task", "extract", "--fields", "topic", engine=factory)
+    assert result.exit_code == 130, result.output
+    (record,) = [json.loads(x) for x in (tmp_path / "hisparse-out" / "results.jsonl").open()]
+    assert record["finish_reason"] == "cancelled"
+    assert record["data"] is None and record["data_error"] is None
