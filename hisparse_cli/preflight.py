@@ -173,9 +173,9 @@ def max_new_tokens_problem(
     limit_source: str | None = None,
 ) -> str | None:
     """Why a job's ``max_new_tokens`` cannot fit the context limit even with an empty
-    document (beside the prompt's :func:`template_tokens`), or ``None``: no context
-    policy helps, only a smaller ``--max-new-tokens`` (or, under ``extend``, a larger
-    ``--max-context``). ``flag_given``: ``--max-new-tokens`` set it (else each job's own).
+    document (beside the prompt's :func:`template_tokens`), or ``None``: truncating or
+    chunking does not help, only a smaller ``--max-new-tokens`` or a larger context
+    (``extend`` with a larger ``--max-context``). ``flag_given``: ``--max-new-tokens`` set it (else each job's own).
     ``limit_source``: where ``max_context`` was set (:func:`setting_source`), if it was:
     a limit too small for the prompt alone is then blamed on it."""
     fits = [(spec, limit - template_tokens(spec)) for spec in specs]
@@ -194,13 +194,18 @@ def max_new_tokens_problem(
         if flag_given
         else f"max_new_tokens {spec.sampling.max_tokens:,} of job {spec.id!r} ({spec.origin})"
     )
-    more = "; or raise --max-context" if policy == "extend" else ""
+    more = (
+        "; or raise --max-context"
+        if policy == "extend"
+        else "; or --context-policy extend with a --max-context above it (RoPE scaling past "
+        "the model's trained context, which may cost quality)"
+    )
     return (
         f"{source} cannot fit the model's context of {limit:,} tokens even with an empty "
         f"document (the prompt around a document takes at least ~{limit - room:,} tokens, "
         f"judged from its size): the largest --max-new-tokens that could fit is below "
-        f"{max(room, 0):,}, less the document's own tokens; no --context-policy helps with "
-        f"that{more}"
+        f"{max(room, 0):,}, less the document's own tokens; truncating or chunking the "
+        f"document does not help with that{more}"
     )
 
 

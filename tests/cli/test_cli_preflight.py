@@ -177,8 +177,9 @@ def test_extend_far_past_the_trained_context_warns(cli, docs, tmp_path):
 
 @pytest.mark.parametrize("policy", ["refuse", "truncate", "chunk", "extend"])
 def test_max_new_tokens_over_the_context_exits_2_before_loading(cli, docs, tmp_path, policy):
-    """No context policy helps a max_new_tokens that does not fit even an empty
-    document: refused before the load, naming the flag and the largest value that fits."""
+    """Truncating or chunking does not help a max_new_tokens that does not fit even an
+    empty document: refused before the load, naming the flag, the largest value that
+    fits, and the larger context that would hold it."""
     model = str(tiny_gguf(tmp_path / "m.gguf"))
     extra = ("--max-context", "2048") if policy == "extend" else ()
     result = cli("docs/alpha.txt", "--model", model, "--max-new-tokens", "100000",
@@ -190,6 +191,11 @@ def test_max_new_tokens_over_the_context_exits_2_before_loading(cli, docs, tmp_p
     fits = int(fits.replace(",", ""))
     assert 1900 < fits < 2048  # the context less the prompt around an empty document
     assert "may be longer" not in err and not (tmp_path / "hisparse-out").exists()
+    # what does help: a larger context (fresh-user finding: it said no policy helps)
+    if policy == "extend":
+        assert "or raise --max-context" in err
+    else:
+        assert "or --context-policy extend with a --max-context above it" in err
     engine = testing.fake_engine_factory()
     ok = cli("docs/alpha.txt", "--model", model, "--max-new-tokens", str(fits - 100), engine=engine)
     assert ok.exit_code == 0, ok.output
