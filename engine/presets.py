@@ -282,7 +282,8 @@ def _check_keys(
                 if unknown[1:]
                 else ""
             )
-            + f"; known {prefix or 'top-level '}keys: {', '.join(known)}"
+            + f"; known {'keys under ' + prefix.rstrip('.') if prefix else 'top-level keys'}: "
+            + ", ".join(known)
         )
 
 

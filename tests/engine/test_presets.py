@@ -191,6 +191,9 @@ def test_unknown_key_names_file_and_key(tmp_path, old, new, key):
     with pytest.raises(PresetError) as info:
         load_preset(str(path))
     assert str(path) in str(info.value) and key in str(info.value)
+    section = key.rpartition(".")[0]  # where the known keys were looked for
+    known = f"known keys under {section}:" if section else "known "
+    assert known in str(info.value) and ".keys" not in str(info.value)  # was "engine.keys"
 
 
 def test_wrong_type_names_file_and_key(tmp_path):
