@@ -83,6 +83,11 @@ class TaskSpec:
             found.append(
                 ("fields", f"is only used with tasks 'extract' and 'custom', not {self.task!r}")
             )
+        if self.task == "custom" and self.prompt and string.Template(self.prompt).is_valid():
+            used = string.Template(self.prompt).get_identifiers()
+            for name, value in (("question", self.question), ("fields", self.fields)):
+                if name in used and not value:  # it would be replaced by nothing
+                    found.append((name, f"is required: the custom prompt uses ${name}"))
         return found
 
     def to_dict(self) -> dict:

@@ -289,12 +289,18 @@ def test_custom_template_problems(docs):
           - {id: a, input: docs/one.txt, task: custom, prompt: "Summarize {document}"}
           - {id: b, input: docs/one.txt, template: "Use $undefined with ${document}"}
           - {id: c, input: docs/one.txt, task: custom}
+          - {id: d, input: docs/one.txt, prompt: "Q: $question F: ${fields} D: $document"}
+          - {id: e, input: docs/one.txt, prompt: "Q: $question D: $document", question: "Who?"}
         """,
     )
     problems = problems_of(path)
     assert "${document}" in find(problems, "jobs[0].prompt").message
     assert "$undefined" in find(problems, "jobs[1].template").message
     assert "required for task 'custom'" in find(problems, "jobs[2].prompt").message
+    # a variable the prompt uses but the job does not give would be replaced by nothing
+    assert "the custom prompt uses $question" in find(problems, "jobs[3].question").message
+    assert "the custom prompt uses $fields" in find(problems, "jobs[3].fields").message
+    assert not [p for p in problems if p.field.startswith("jobs[4]")]
 
 
 @pytest.mark.parametrize(
