@@ -91,12 +91,20 @@ def lock_output_dir(output_dir: Path) -> Iterator[None]:
     except ImportError:  # pragma: no cover - not on POSIX
         yield
         return
-    fd = os.open(Path(output_dir) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    path = Path(output_dir) / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise OutputDirBusy(f"another hisparse run is using {output_dir}") from None
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            who = f" (process {holder})" if holder.isdigit() else ""
+            raise OutputDirBusy(
+                f"another hisparse run{who} is using {output_dir}: it holds the lock on "
+                f"{path}; wait for it to end, or choose another --output-dir"
+            ) from None
+        os.ftruncate(fd, 0)  # the holder's process id, for the message above
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
         os.close(fd)

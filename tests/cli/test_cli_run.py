@@ -687,11 +687,17 @@ def test_busy_output_dir_exits_2(cli, docs, tmp_path):
     out.mkdir()
     fd = os.open(out / ".hisparse.lock", os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, b"4242\n")  # as a holding run writes its process id
     try:
         result = cli("docs/alpha.txt")
     finally:
         os.close(fd)
-    assert result.exit_code == 2 and "another hisparse run" in result.stderr
+    err = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and "another hisparse run (process 4242) is using" in err
+    assert ".hisparse.lock" in err and "choose another --output-dir" in err
+    # once free, a run takes the lock and writes its own process id there
+    assert cli("docs/alpha.txt").exit_code == 0
+    assert (out / ".hisparse.lock").read_text().strip() == str(os.getpid())
 
 
 def test_ctrl_c_cancels_running_jobs_and_exits_130(cli, docs, tmp_path):
