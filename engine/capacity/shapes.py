@@ -142,6 +142,16 @@ def get_model_shape(name_or_path: str) -> ModelConfig:
         path = path / "config.json"
     if path.suffix == ".json" and path.is_file():
         return shape_from_hf_config(path)
+    if path.is_file():  # a file, but neither a GGUF nor a config.json
+        raise ConfigError(
+            f"model {name_or_path!r} is a file but not a model: pass a .gguf file, a Hugging "
+            f"Face config.json (or its folder), or a known shape ({', '.join(list_models())})"
+        )
+    if Path(name_or_path).is_dir():  # a folder without config.json
+        raise ConfigError(
+            f"model folder {name_or_path!r} has no config.json: pass a .gguf file, a Hugging "
+            f"Face model folder, or a known shape ({', '.join(list_models())})"
+        )
     raise ConfigError(
         f"unknown model {name_or_path!r}: known shapes are {', '.join(list_models())} "
         "(or pass a GGUF file or a Hugging Face config.json)"

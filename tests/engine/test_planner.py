@@ -414,8 +414,17 @@ def test_parse_context_rejects(text):
 
 
 def test_unknown_model_lists_known_shapes():
-    with pytest.raises(ConfigError, match="llama2-13b"):
+    with pytest.raises(ConfigError, match="unknown model 'gpt-5'.*llama2-13b"):
         get_model_shape("gpt-5")
+
+
+def test_a_file_or_folder_that_is_not_a_model_is_named_so(tmp_path):
+    """Fresh-user finding: a text file given as --model read "unknown model"."""
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ConfigError, match="is a file but not a model: pass a .gguf file"):
+        get_model_shape(str(tmp_path / "notes.txt"))
+    with pytest.raises(ConfigError, match="has no config.json"):
+        get_model_shape(str(tmp_path))
 
 
 def test_model_from_hf_config_json(tmp_path):
