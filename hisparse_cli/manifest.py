@@ -853,8 +853,19 @@ def _check_top_k(value: Any) -> str | None:
     return None if ok else f"must be an integer >= 0 (0 or -1 disables), got {value!r}"
 
 
+MAX_SEED = 2**64 - 1
+"""Largest seed ``torch.Generator.manual_seed`` takes (a 64-bit unsigned integer)."""
+
+
 def _check_seed(value: Any) -> str | None:
-    return None if _is_int(value) else f"must be an integer, got {value!r}"
+    if not _is_int(value):
+        return f"must be an integer, got {value!r}"
+    if not 0 <= value <= MAX_SEED:  # a larger one crashed the run at admission
+        return (
+            f"must be from 0 to {MAX_SEED} (2**64 - 1), got {value}; -1 does not mean a "
+            "random seed here: leave it unset for one derived from the job id"
+        )
+    return None
 
 
 _CHECKS: dict[str, Callable[[Any], str | None]] = {

@@ -173,7 +173,10 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any] | str:
         "temperature": (lambda v: _number(v) and v >= 0, "a number >= 0"),
         "top_p": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
         "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= -1, "an integer >= -1"),
-        "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+        "seed": (
+            lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**64,
+            "an integer from 0 to 2**64 - 1",
+        ),
     }
     for name, (ok, what) in checks.items():
         if body.get(name) is not None:

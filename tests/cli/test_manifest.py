@@ -185,6 +185,19 @@ def test_wrong_types_and_unknown_fields(docs):
     assert "defaults.engine" in find(problems, "jobs[0].engine").message
 
 
+@pytest.mark.parametrize("seed", [-1, 2**64, 99999999999999999999])
+def test_a_seed_outside_64_bits_is_refused(docs, seed):
+    """Fresh-user finding: --seed 99999999999999999999 passed validation and crashed the
+    run at admission (torch's generator takes 0 .. 2**64 - 1); -1 is not "random" here."""
+    path = write_yaml(docs, f"jobs:\n  - {{input: docs/one.txt, seed: {seed}}}\n")
+    message = find(problems_of(path), "jobs[0].seed").message
+    assert "must be from 0 to 18446744073709551615" in message
+    with pytest.raises(ManifestError, match="--seed: must be from 0"):
+        jobs_from_paths([str(docs / "docs/one.txt")], {"seed": seed})
+    path = write_yaml(docs, f"jobs:\n  - {{input: docs/one.txt, seed: {2**64 - 1}}}\n")
+    assert load_manifest(path).jobs[0].sampling.seed == 2**64 - 1
+
+
 def test_a_misspelt_task_gets_a_hint(docs):
     path = write_yaml(docs, "jobs:\n  - id: a\n    input: docs/one.txt\n    task: summarise\n")
     message = find(problems_of(path), "jobs[0].task").message

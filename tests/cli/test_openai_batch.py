@@ -188,3 +188,11 @@ def test_print_config_lists_the_lines_a_run_would_refuse(cli, tmp_path):
     assert [line.split(": ")[0] for line in shown["rejected"]] == [f"{path}:2", f"{path}:3"]
     assert f"error: {path}:2:" in result.stderr and f"error: {path}:3:" in result.stderr
     assert not (tmp_path / "hisparse-out").exists()
+
+
+def test_a_batch_seed_outside_64_bits_is_refused(tmp_path):
+    path = write_batch(tmp_path / "b.jsonl", request("a", seed=2**64), request("b", seed=7))
+    manifest = load_manifest(path)
+    assert [j.id for j in manifest.jobs] == ["b"]
+    (rejected,) = manifest.rejected
+    assert "body.seed must be an integer from 0 to 2**64 - 1" in str(rejected)
