@@ -17,29 +17,23 @@ AUDIT = "Audit"
 take a column) their long names would be cut at 80 columns."""
 
 
-def nonempty_path(value: str | Path) -> Path:
-    """Typer parser of a path option: ``""`` (an unset shell variable, ``-o "$OUT"``) is
-    refused instead of being read as ``.``, the current folder.
+def nonempty_text(value: str | Path) -> str:
+    """Typer parser of an option that names something (a model, a file, a folder): ``""``
+    or spaces (an unset shell variable, ``-o "$OUT"``) are refused instead of being read
+    as ``.``, the current folder.
 
     Raises
     ------
     typer.BadParameter : the value is empty or only spaces.
     """
     if not str(value).strip():
-        raise typer.BadParameter("is empty (an unset shell variable?); give a path")
-    return Path(value)
-
-
-def nonempty_text(value: str) -> str:
-    """Typer parser of a text option that names something (a model): ``""`` is refused.
-
-    Raises
-    ------
-    typer.BadParameter : the value is empty or only spaces.
-    """
-    if not str(value).strip():
-        raise typer.BadParameter("is empty (an unset shell variable?)")
+        raise typer.BadParameter("is empty (an unset shell variable?); give a path or a name")
     return str(value)
+
+
+def nonempty_path(value: str | Path) -> Path:
+    """:func:`nonempty_text` as a :class:`~pathlib.Path`."""
+    return Path(nonempty_text(value))
 
 
 def default_is(value: str) -> str:
