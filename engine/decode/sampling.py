@@ -11,6 +11,10 @@ import torch
 
 from engine.config import SamplingParams
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this sample greedily (as vLLM's ``_SAMPLING_EPS``): dividing float32
+logits by a smaller one (1e-300 is 0 in float32) overflows to inf and nan."""
+
 
 def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generator:
     """CPU generator seeded with ``params.seed`` (or ``fallback_seed`` when unset)."""
@@ -60,7 +64,8 @@ def sample(
     """Pick one token from float32 ``logits [V]`` (among bool ``allowed [V]`` when given:
     the others' logits are ``-inf`` first).
 
-    Greedy (argmax, lowest id on ties) when ``temperature == 0``; otherwise softmax of
+    Greedy (argmax, lowest id on ties) when ``temperature`` is under
+    :data:`GREEDY_BELOW` (0 included); otherwise softmax of
     ``logits / temperature`` restricted to exactly the ``top_k`` most likely tokens (when
     > 0; among equal logits the lowest ids are kept, so ``top_k=1`` is greedy) and to the
     smallest set whose probability reaches ``top_p`` (ties again in id order).
@@ -77,7 +82,7 @@ def sample(
     """
     if allowed is not None:
         logits = mask_logits(logits, allowed)
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:  # the limit of sampling as temperature -> 0
         return int(torch.argmax(logits))
     x = logits.float().cpu() / params.temperature
     if params.top_k and 0 < params.top_k < x.numel():
@@ -88,6 +93,7 @@ def sample(
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True, stable=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p
+        keep[0] = True  # the most likely token always (a top_p under float32's least is 0)
         mask = torch.zeros_like(probs, dtype=torch.bool)
         mask[order[keep]] = True
         probs = torch.where(mask, probs, torch.zeros_like(probs))

@@ -381,3 +381,22 @@ def test_top_k_keeps_exactly_k_lowest_ids_on_ties():
         for s in range(100)
     }
     assert picks_p == {0, 1}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-300),  # 0 in float32: logits / 0 -> inf, nan
+        SamplingParams(temperature=9e-6, top_k=3),
+        SamplingParams(temperature=0.7, top_p=1e-300),  # under float32's least: kept nothing
+    ],
+)
+def test_tiny_temperature_or_top_p_samples_the_most_likely_token(params):
+    """Fresh-user finding: --temperature 1e-300, or --top-p 1e-300, failed the job with
+    torch's "probability tensor contains inf, nan". A temperature under GREEDY_BELOW is
+    greedy (the limit as it goes to 0); top_p always keeps the most likely token."""
+    from engine.decode.sampling import sample
+
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9, 3.0])
+    for seed in range(20):
+        assert sample(logits, params, torch.Generator().manual_seed(seed)) == 1
