@@ -249,11 +249,63 @@ def resolved_preset_dict(name_or_path: str | Path) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- helpers
 
 
+MAX_YAML_VALUES = 1_000_000
+"""Largest number of values a YAML manifest or preset may expand to once every alias is replaced by
+what it names. Aliases of aliases grow exponentially (the "billion laughs" file: nine
+levels of ten), and validation walks every value."""
+
+
+def yaml_expanded_size(root: yaml.Node) -> int:
+    """How many nodes ``root`` stands for with every alias expanded (more than
+    :data:`MAX_YAML_VALUES` for a node that contains itself); each distinct node is sized
+    once (an alias is the same node object again), so this is linear in the file. The
+    recursion is as deep as the composer's own."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:  # &a [*a]: endless once expanded
+            return MAX_YAML_VALUES + 1
+        open_nodes.add(key)
+        total = 1
+        for child in _children(node):
+            total += size(child)
+            if total > MAX_YAML_VALUES:
+                break
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    return size(root)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
+    loader = yaml.SafeLoader(path.read_text(encoding="utf-8"))
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        root = loader.get_single_node()
+        if root is not None and yaml_expanded_size(root) > MAX_YAML_VALUES:
+            raise PresetError(
+                f"{path}: expands to more than {MAX_YAML_VALUES:,} values through YAML "
+                "aliases (*name repeating &name)"
+            )
+        data = loader.construct_document(root) if root is not None else None
     except yaml.YAMLError as exc:
         raise PresetError(f"{path}: not valid YAML: {exc}") from None
+    finally:
+        loader.dispose()
     if not isinstance(data, dict):
         raise PresetError(
             f"{path}: a preset is a YAML mapping with description/hardware/engine"

@@ -33,6 +33,8 @@ from typing import Any
 
 import yaml
 
+from engine.presets import MAX_YAML_VALUES, yaml_expanded_size
+
 COMMAND_LINE = "command line"
 YAML_SUFFIXES = (".yaml", ".yml", ".json")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -125,7 +127,7 @@ def _read_yaml(file: str, text: str, raw: RawManifest) -> None:
         root = loader.get_single_node()
         if root is None:
             raw.problems.append(Problem(file, None, "", "manifest is empty"))
-        elif _expanded_size(root) > MAX_YAML_VALUES:  # "billion laughs": aliases of aliases
+        elif yaml_expanded_size(root) > MAX_YAML_VALUES:  # "billion laughs": aliases of aliases
             raw.problems.append(
                 Problem(
                     file,
@@ -149,47 +151,6 @@ def _read_yaml(file: str, text: str, raw: RawManifest) -> None:
         raw.problems.append(Problem(file, line, "", f"not valid YAML: {_yaml_message(exc)}"))
     finally:
         loader.dispose()
-
-
-MAX_YAML_VALUES = 1_000_000
-"""Largest number of values a YAML manifest may expand to once every alias is replaced by
-what it names. Aliases of aliases grow exponentially (the "billion laughs" file: nine
-levels of ten), and validation walks every value."""
-
-
-def _expanded_size(root: yaml.Node) -> int:
-    """How many nodes ``root`` stands for with every alias expanded (more than
-    :data:`MAX_YAML_VALUES` for a node that contains itself); each distinct node is sized
-    once (an alias is the same node object again), so this is linear in the file. The
-    recursion is as deep as the composer's own."""
-    sizes: dict[int, int] = {}
-    open_nodes: set[int] = set()
-
-    def size(node: yaml.Node) -> int:
-        key = id(node)
-        if key in sizes:
-            return sizes[key]
-        if key in open_nodes:  # &a [*a]: endless once expanded
-            return MAX_YAML_VALUES + 1
-        open_nodes.add(key)
-        total = 1
-        for child in _children(node):
-            total += size(child)
-            if total > MAX_YAML_VALUES:
-                break
-        open_nodes.discard(key)
-        sizes[key] = total
-        return total
-
-    return size(root)
-
-
-def _children(node: yaml.Node) -> list[yaml.Node]:
-    if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    if isinstance(node, yaml.MappingNode):
-        return [part for pair in node.value for part in pair]
-    return []
 
 
 def _yaml_top(file: str, root: yaml.MappingNode, loader: yaml.SafeLoader, raw: RawManifest) -> None:

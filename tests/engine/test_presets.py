@@ -276,3 +276,18 @@ def test_cli_presets_show_unknown_exits_2():
     result = _invoke("presets", "show", "nope")
     assert result.exit_code == 2
     assert "unknown preset" in result.output
+
+
+def test_a_preset_that_expands_through_aliases_is_refused(tmp_path):
+    """Fresh-user finding: the manifest's alias-bomb guard did not cover presets; nine
+    levels of ten aliases under description hung `presets show`, `plan` and `run`."""
+    levels = ["a: &a [" + ", ".join(['"lol"'] * 10) + "]"]
+    for prev, name in zip("abcdefgh", "bcdefghi", strict=True):
+        levels.append(f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 10) + "]")
+    path = _write(tmp_path, "\n".join(levels) + "\ndescription: *i\n")
+    with pytest.raises(PresetError, match="expands to more than 1,000,000 values"):
+        load_preset(str(path))
+    shared = GOOD.replace("description: test box", "description: &d test box").replace(
+        "sampling:", "model: *d\nsampling:"
+    )  # a few aliases still load
+    assert load_preset_full(_write(tmp_path, shared, "ok.yaml")).model == "test box"
