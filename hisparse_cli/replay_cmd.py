@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
 
@@ -26,11 +27,29 @@ if TYPE_CHECKING:
 EXIT_BAD_INPUT = 2
 DEFAULT_MULTIPLES = (1.0, 2.0, 4.0)
 
+def _regular_files(paths: list[Path]) -> list[Path]:
+    """Refuse a pipe or a device among the traces: reading /dev/zero never ends (and
+    filled the memory), a FIFO with no writer blocks forever.
+
+    Raises
+    ------
+    typer.BadParameter : a path that is not a regular file.
+    """
+    for path in paths or []:
+        if path.exists() and not stat.S_ISREG(path.stat().st_mode):
+            raise typer.BadParameter(
+                f"{path} is not a regular file (a pipe or a device): a trace is a file "
+                "written by hisparse run --trace"
+            )
+    return paths
+
+
 TraceArg = Annotated[
     list[Path],
     typer.Argument(
         exists=True,
         dir_okay=False,
+        callback=_regular_files,
         metavar="TRACES",
         help="Selection trace (hisparse run --trace FILE); with several devices, every "
         "worker's file (FILE.w0.jsonl FILE.w1.jsonl ...).",

@@ -5,6 +5,7 @@ real-model trace == the engine's own hit / miss counts."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from types import SimpleNamespace
 
@@ -176,6 +177,15 @@ def test_replay_command(tmp_path):
     assert {c for _, c in got} == {3, 4, 8}
     bad = CliRunner().invoke(app, ["replay", str(path), "--policy", "mru"])
     assert bad.exit_code == 2
+    # a pipe or a device is refused before it is opened (fresh-user finding: /dev/zero
+    # filled the memory, a FIFO with no writer blocked forever)
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "pipe.jsonl")
+        for name in (str(tmp_path / "pipe.jsonl"), "/dev/zero"):
+            if os.path.exists(name):
+                refused = CliRunner().invoke(app, ["replay", name])
+                text = " ".join(refused.output.replace("│", " ").split())  # the error box
+                assert refused.exit_code == 2 and "is not a regular file (a pipe" in text
 
 
 def test_stage_traces_replay_as_one(tmp_path):
