@@ -577,8 +577,15 @@ def _non_negative_or_none(value: Any) -> str | None:
     return None if value is None else _non_negative(value)
 
 
+MAX_GIB = 1_000_000
+"""Largest memory figure (GiB) a setting may give: far past any machine; its bytes must
+stay a finite integer (1e308 GiB overflowed the planner)."""
+
+
 def _gib(value: Any) -> str | None:
-    return None if _is_number(value) and value > 0 else f"must be a number > 0 (GiB), got {value!r}"
+    if _is_number(value) and 0 < value <= MAX_GIB:
+        return None
+    return f"must be a number > 0 and <= {MAX_GIB:,} (GiB), got {value!r}"
 
 
 def _gib_or_none(value: Any) -> str | None:

@@ -861,10 +861,13 @@ def _check_seed(value: Any) -> str | None:
     if not _is_int(value):
         return f"must be an integer, got {value!r}"
     if not 0 <= value <= MAX_SEED:  # a larger one crashed the run at admission
-        return (
-            f"must be from 0 to {MAX_SEED} (2**64 - 1), got {value}; -1 does not mean a "
-            "random seed here: leave it unset for one derived from the job id"
+        hint = (
+            "; a negative seed does not mean a random one here: leave it unset for one "
+            "derived from the job id"
+            if value < 0
+            else ""
         )
+        return f"must be from 0 to {MAX_SEED} (2**64 - 1), got {value}{hint}"
     return None
 
 

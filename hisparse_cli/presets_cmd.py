@@ -32,7 +32,7 @@ from engine.presets import (
     resolved_preset_dict,
 )
 from hisparse_cli.auto_preset import AUTO, AutoChoice, name_auto, rules
-from hisparse_cli.options import default_is
+from hisparse_cli.options import default_is, nonempty_text
 
 EXIT_REFUSED = 2
 
@@ -51,6 +51,7 @@ ModelOpt = Annotated[
     typer.Option(
         "--model",
         "-m",
+        parser=nonempty_text,
         metavar="NAME|FILE",
         help="Model shape name or config.json." + default_is("the preset's, else smollm2-135m"),
         show_default=False,

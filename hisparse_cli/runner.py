@@ -846,6 +846,13 @@ def check_request(request: RunRequest) -> None:
         raise UsageError(f"--output-dir {request.output_dir} exists and is not a directory")
     if request.output_dir.is_dir() and not os.access(request.output_dir, os.W_OK | os.X_OK):
         raise UsageError(f"--output-dir {request.output_dir} is not writable")
+    for name in (RESULTS_FILE, CONFIG_FILE, LOCK_FILE):  # a folder there: a traceback before
+        own = request.output_dir / name
+        if own.exists() and not own.is_file():
+            raise UsageError(
+                f"{own} is not a regular file (a folder?); a run writes its {name} there: "
+                "move it away or choose another --output-dir"
+            )
 
 
 def check_trace_path(config: EngineConfig) -> None:

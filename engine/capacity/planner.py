@@ -90,6 +90,11 @@ LRU_MISS_RATE = 0.134
 PARALLEL_MODES = ("data", "pipeline")
 
 
+MAX_HARDWARE_FIGURE = 1_000_000
+"""Largest memory (GiB) or link speed (GB/s) a hardware description may give: far past
+any machine, and small enough that its byte counts stay finite integers."""
+
+
 @dataclass(frozen=True)
 class Hardware:
     """The box a preset describes: identical devices and one host.
@@ -139,9 +144,11 @@ class Hardware:
             )
         for name in ("memory_gb", "host_link_gbps", "host_memory_gb"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value <= 0:
+            ok = isinstance(value, (int, float)) and math.isfinite(value)
+            if not ok or not 0 < value <= MAX_HARDWARE_FIGURE:  # bytes of 1e308 GiB: inf
                 raise ConfigError(
-                    f"hardware.{name} must be a positive number, got {value!r}"
+                    f"hardware.{name} must be a number > 0 and <= {MAX_HARDWARE_FIGURE:,}, "
+                    f"got {value!r}"
                 )
 
     @classmethod

@@ -1186,6 +1186,18 @@ def test_an_empty_document_argument_is_refused_and_the_rest_run(cli, docs, tmp_p
     assert result.exit_code == 2 and "is empty" in result.output
 
 
+@pytest.mark.parametrize("name", ["results.jsonl", "config.json", ".hisparse.lock"])
+def test_a_folder_where_the_run_writes_its_files_is_a_usage_error(cli, docs, tmp_path, name):
+    """Fresh-user finding: results.jsonl or config.json as a folder in the output dir
+    ended in an IsADirectoryError traceback (exit 1)."""
+    (tmp_path / "hisparse-out" / name).mkdir(parents=True)
+    result = cli("docs/alpha.txt")
+    assert result.exit_code == 2, result.output
+    err = " ".join(result.stderr.split())
+    assert f"{name} is not a regular file (a folder?)" in err and "choose another --output-dir" in err
+    assert cli.factory.engines == []
+
+
 def test_output_dir_has_the_short_flag_o(cli, docs, tmp_path):
     """``-o`` is ``--output-dir`` (as in ``hisparse eval``)."""
     result = cli("docs/alpha.txt", "-o", "elsewhere")

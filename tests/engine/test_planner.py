@@ -502,6 +502,24 @@ def test_cli_plan_old_top_k_flag_says_what_to_use():
     assert "--top-k-tokens 1024" in result.output and "sampling filter" in result.output
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--host-memory", "inf"),
+        ("--host-memory", "nan"),
+        ("--host-memory", "1e308"),
+        ("--host-pool", "1e308"),
+        ("--memory-budget", "1e308"),
+    ],
+)
+def test_cli_plan_refuses_infinite_or_huge_memory(flags):
+    """Fresh-user finding: these ended in OverflowError / ValueError tracebacks (exit 1):
+    their byte counts are not finite integers."""
+    result = _invoke("plan", "-n", "1", "-c", "8K", *flags)
+    assert result.exit_code == 2, result.output
+    assert "<= 1,000,000" in " ".join(result.output.split())
+
+
 def test_cli_plan_bad_context_exits_2():
     result = _invoke("plan", "-p", "cpu", "-n", "1", "-c", "lots")
     assert result.exit_code == 2
