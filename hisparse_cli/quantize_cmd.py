@@ -13,18 +13,24 @@ from typing import Annotated, NoReturn
 import typer
 from rich.console import Console
 
+from hisparse_cli.options import nonempty_path
+
 EXIT_REFUSED = 2
 
 SrcArg = Annotated[
     Path,
     typer.Argument(
+        parser=nonempty_path,
         help="Hugging Face model folder: config.json + *.safetensors (single or sharded).",
         show_default=False,
         metavar="SRC",
     ),
 ]
 OutArg = Annotated[
-    Path, typer.Argument(help="Output folder (created).", show_default=False, metavar="OUT")
+    Path,
+    typer.Argument(
+        parser=nonempty_path, help="Output folder (created).", show_default=False, metavar="OUT"
+    ),
 ]
 GroupSizeOpt = Annotated[
     int,

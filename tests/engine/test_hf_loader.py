@@ -365,6 +365,8 @@ def test_quantize_cli(qwen2, tmp_path):
 
     again = CliRunner().invoke(app, ["quantize", str(folder), str(out)])
     assert again.exit_code == 2 and "exists" in again.output
+    empty = CliRunner().invoke(app, ["quantize", "", ""])  # was read as "." and "."
+    assert empty.exit_code == 2 and "is empty" in empty.output
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
