@@ -34,6 +34,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -885,6 +886,12 @@ def check_trace_path(config: EngineConfig) -> None:
         raise UsageError(f"--trace {trace}: {parent} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"--trace {trace}: not writable")
+    try:  # os.access says yes to root everywhere (/proc too): try a file there, then drop it
+        fd, probe = tempfile.mkstemp(prefix=".hisparse-trace-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(f"--trace {trace}: not writable ({exc.strerror or exc})") from None
 
 
 def _usage_failure(err_console: Console, headline: str, problems: list) -> int:

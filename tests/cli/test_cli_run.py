@@ -285,6 +285,10 @@ def test_job_and_engine_setting_problems_come_in_one_report(cli, docs, tmp_path)
         (["docs/alpha.txt", "--trace", "docs/alpha.txt"], "already exists; a trace never replaces"),
         (["docs/alpha.txt", "--trace", "docs/alpha.txt/sel.jsonl"], "docs/alpha.txt is not a folder"),
         (["docs/alpha.txt", "--trace", "docs"], "is a directory"),
+        # /proc takes no new files, though os.access says yes to root (fresh-user finding:
+        # the run loaded the model, then failed every job)
+        *([(["docs/alpha.txt", "--trace", "/proc/sel.jsonl"], "not writable")]
+          if os.path.isdir("/proc/self") else []),
         (["docs/alpha.txt", "-o", "new", "--trace", "new/results.jsonl"], "would replace the run's results.jsonl"),
         (["docs/alpha.txt", "-o", "new", "--trace", "new/alpha.txt"], "would replace job 'alpha''s result file"),
         (["docs/alpha.txt", "-o", ""], "'--output-dir' / '-o': is empty"),
