@@ -363,7 +363,8 @@ def _read_bytes(path: Path, stdin: bytes | None = None) -> bytes:
             raise DocumentError(path, f"goes on past {_TOO_LARGE}")
         return stdin
     try:
-        mode = path.stat().st_mode
+        info = path.stat()
+        mode = info.st_mode
         if stat.S_ISDIR(mode):
             raise DocumentError(path, "is a directory")
         if not stat.S_ISREG(mode):  # reading /dev/zero or a FIFO never ends
@@ -372,7 +373,7 @@ def _read_bytes(path: Path, stdin: bytes | None = None) -> bytes:
                 "is not a regular file (a pipe or a device): documents are read from "
                 "files; save the text to a file, or pipe it to `hisparse run -`",
             )
-        if path.stat().st_size > MAX_DOCUMENT_BYTES:
+        if info.st_size > MAX_DOCUMENT_BYTES:
             raise DocumentError(path, f"is larger than {_TOO_LARGE}")
         return path.read_bytes()
     except FileNotFoundError:
