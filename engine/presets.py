@@ -250,8 +250,8 @@ def resolved_preset_dict(name_or_path: str | Path) -> dict[str, Any]:
 
 
 MAX_YAML_VALUES = 1_000_000
-"""Largest number of values a YAML manifest or preset may expand to once every alias is replaced by
-what it names. Aliases of aliases grow exponentially (the "billion laughs" file: nine
+"""Largest number of values a YAML manifest or preset may expand to once every alias is
+replaced by what it names. Aliases of aliases grow exponentially (the "billion laughs" file: nine
 levels of ten), and validation walks every value."""
 
 
@@ -288,8 +288,6 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
     if isinstance(node, yaml.MappingNode):
         return [part for pair in node.value for part in pair]
     return []
-
-
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
