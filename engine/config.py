@@ -211,15 +211,6 @@ class EngineConfig:
         extra launches per layer of the copy stream cost more than they hide
         (docs/performance.md, "Decode write-through"). Either way the pool bytes are
         the same.
-    gather_in_attention: hierarchical, Triton ops: the misses of a layer are read from the
-        pool by the sparse attention's own launch (the program that walks a missed page
-        loads its record, uses it and stores it into its slot:
-        :func:`kernels.sparse_attention.gather_sparse_attention`) instead of a gather
-        kernel before it, so the layer no longer waits for a whole gather; outputs and
-        slots are bit-identical either way. Not with ``decode_write_stream`` (the new
-        token's host write may still be in flight, so the tail page is gathered
-        first) nor ``skip_host_io``. False: the separate gather kernel (the bench's
-        ``unfused`` mode).
     prefetch_pages: hierarchical only; after each layer's attention, load the next
         ``prefetch_pages`` pages of this step's indexer ranking (ranks ``top_k`` +1 ..
         +``prefetch_pages``, the near misses) into the hot buffer when they are not resident,
@@ -299,7 +290,6 @@ class EngineConfig:
     prefill_turn_tokens: int | None = None
     prefill_copy_stream: bool = True
     decode_write_stream: bool = False
-    gather_in_attention: bool = True
     prefetch_pages: int = 0
     host_pool_gb: float = 8.0
     memory_budget_gb: float | None = None
@@ -639,7 +629,6 @@ SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "prefill_turn_tokens": _non_negative_or_none,
     "prefill_copy_stream": _flag,
     "decode_write_stream": _flag,
-    "gather_in_attention": _flag,
     "prefetch_pages": _non_negative,
     "host_pool_gb": _gib,
     "memory_budget_gb": _gib_or_none,

@@ -49,9 +49,7 @@ ModesOpt = Annotated[
     typer.Option(
         help="dense, sparse, hierarchical, noio, copystream (hierarchical with the decode "
         "write-through on a copy stream), prefetch (hierarchical with near-miss prefetch on "
-        "the copy stream), unfused (hierarchical with a gather kernel before each attention "
-        "instead of the misses read inside it) — comma list."
-        + opt.default_is("dense, sparse, hierarchical, noio"),
+        "the copy stream) — comma list." + opt.default_is("dense, sparse, hierarchical, noio"),
         show_default=False,
         rich_help_panel=BENCH,
     ),

@@ -36,7 +36,6 @@ OUTPUT_NEUTRAL_SETTINGS = frozenset(
         "prefill_turn_tokens",
         "prefill_copy_stream",
         "decode_write_stream",
-        "gather_in_attention",  # the same records, read in the attention launch
         "prefetch_pages",
         "cuda_graph",
         "decode_overlap",

@@ -24,11 +24,7 @@ from kernels.resolve import resolve_ref
 from kernels.rope_append import rope_append_ref
 from kernels.select_topk import dense_selection, select_topk_ref
 from kernels.slot_list import resident_slot_list
-from kernels.sparse_attention import (
-    dense_decode_attention_ref,
-    gather_sparse_attention_ref,
-    sparse_decode_attention_ref,
-)
+from kernels.sparse_attention import dense_decode_attention_ref, sparse_decode_attention_ref
 from kernels.superpage_select import superpage_select_ref
 
 
@@ -46,7 +42,6 @@ class Ops:
     resident_slot_list: Callable
     gather: Callable
     sparse_decode_attention: Callable
-    gather_sparse_attention: Callable
     dense_decode_attention: Callable
     append_kv: Callable
     rope_append: Callable
@@ -63,7 +58,6 @@ REFERENCE_OPS = Ops(
     resident_slot_list=resident_slot_list,
     gather=gather_ref,
     sparse_decode_attention=sparse_decode_attention_ref,
-    gather_sparse_attention=gather_sparse_attention_ref,
     dense_decode_attention=dense_decode_attention_ref,
     append_kv=append_kv_ref,
     rope_append=rope_append_ref,

@@ -30,7 +30,6 @@ from kernels._launch import (
     check_device,
     check_shape,
     check_tensor,
-    host_visible,
     interpreted,
     next_pow2,
     num_sms,
@@ -38,8 +37,6 @@ from kernels._launch import (
     require_runnable,
 )
 from kernels.bitmask import selected_pages
-from kernels.fp8_kv import FP8
-from kernels.gather import gather_ref
 
 
 def _valid_positions(
@@ -212,17 +209,6 @@ def _sparse_decode_split_kernel(
     stride_o_2,
     stride_lse_r,
     stride_lse_s,
-    pool_ptr,
-    pool_scale_ptr,
-    block_table_ptr,
-    load_pages_ptr,
-    stride_pool_p,
-    stride_pool_h,
-    stride_sc_p,
-    stride_sc_h,
-    stride_bt_b,
-    stride_lp_b,
-    stride_lp_h,
     G: tl.constexpr,
     BLOCK_G: tl.constexpr,
     D: tl.constexpr,
@@ -234,7 +220,6 @@ def _sparse_decode_split_kernel(
     DIRECT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
-    GATHER: tl.constexpr,
 ):
     """One (request, KV head, split): attention over selected-page ranks
     ``[split * pages_per_split, (split + 1) * pages_per_split)``.
@@ -252,13 +237,6 @@ def _sparse_decode_split_kernel(
     ``c_lo`` is the page holding ``lo`` (its tokens before ``lo`` masked). The first rank
     walked still holds a valid token, so the running max stays finite; a split left with
     no rank keeps ``l = 0`` (log-sum-exp ``-inf`` in the merge).
-
-    ``GATHER`` (1: a pool in the slots' dtype, 2: an fp8 pool with int8 row exponents):
-    the gather of the resolve's misses runs here. Rank ``j`` with ``load_pages[b, h, j] >=
-    0`` is a miss: its whole record is read from the pool (pinned host memory, through
-    unified addressing), dequantised as :func:`kernels.gather.gather_fp8` does, stored
-    into its slot ``slot_list[b, h, j]``, and its valid rows are used for this tile, so
-    the tile never reads the slot it writes. Each rank is walked by exactly one program.
     """
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -315,10 +293,6 @@ def _sparse_decode_split_kernel(
     tile_rank = offs_n // PAGE_SIZE
     tok = offs_n % PAGE_SIZE
     sl_row = slot_list_ptr + b * stride_sl_b + h * stride_sl_h
-    lp_row = load_pages_ptr + b * stride_lp_b + h * stride_lp_h
-    bt_row = block_table_ptr + b * stride_bt_b
-    pool_head = pool_ptr + h * stride_pool_h
-    scale_head = pool_scale_ptr + h * stride_sc_h
 
     # Every tile's first rank holds a valid token (r0 < n_valid), so m_i stays finite.
     # Loads feed tl.dot directly (masked by validity), which keeps them pipelined.
@@ -334,35 +308,9 @@ def _sparse_decode_split_kernel(
         if WINDOW:  # rank c_lo may be the page the window starts in
             valid = valid & ((rank != c_lo) | (tok >= lo_cut))
         rec = kv_ptr + slot * stride_kv_n + tok * stride_kv_s
-        if GATHER:
-            load_page = tl.load(lp_row + rank, mask=mask_n, other=-1)
-            miss = load_page >= 0
-            pool_page = tl.load(bt_row + tl.maximum(load_page, 0), mask=miss, other=0)
-            from_slot = valid & ~miss
-        else:
-            from_slot = valid
-        mask_kv = from_slot[:, None] & mask_d[None, :]
+        mask_kv = valid[:, None] & mask_d[None, :]
         k = tl.load(rec[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
         v = tl.load(rec[:, None] + stride_kv_kv + offs_d[None, :], mask=mask_kv, other=0.0)
-        if GATHER:
-            # The miss's whole record (every row, as the gather copies it) from the pool.
-            src = pool_head + pool_page.to(tl.int64) * stride_pool_p + tok * D
-            mask_h = miss[:, None] & mask_d[None, :]
-            kh = tl.load(src[:, None] + offs_d[None, :], mask=mask_h, other=0.0)
-            vh = tl.load(src[:, None] + PAGE_SIZE * D + offs_d[None, :], mask=mask_h, other=0.0)
-            if GATHER == 2:  # q * 2**e in float32, then the slots' dtype (gather_fp8)
-                sc = scale_head + pool_page.to(tl.int64) * stride_sc_p + tok
-                ke = tl.load(sc, mask=miss, other=0).to(tl.int32)
-                ve = tl.load(sc + PAGE_SIZE, mask=miss, other=0).to(tl.int32)
-                ks = ((ke + 127) << 23).to(tl.float32, bitcast=True)
-                vs = ((ve + 127) << 23).to(tl.float32, bitcast=True)
-                kh = (kh.to(tl.float32) * ks[:, None]).to(kv_ptr.dtype.element_ty)
-                vh = (vh.to(tl.float32) * vs[:, None]).to(kv_ptr.dtype.element_ty)
-            tl.store(rec[:, None] + offs_d[None, :], kh, mask=mask_h)
-            tl.store(rec[:, None] + stride_kv_kv + offs_d[None, :], vh, mask=mask_h)
-            use = (miss & valid)[:, None]
-            k = tl.where(use, kh, k)
-            v = tl.where(use, vh, v)
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -484,7 +432,6 @@ def sparse_decode_attention(
     *,
     pages_per_split: int | None = None,
     config: DecodeConfig | None = None,
-    gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Triton :func:`sparse_decode_attention_ref`: same arguments, same result within
     rounding (fp32 inputs: 1e-5; bf16/fp16: the output dtype's rounding).
@@ -504,9 +451,6 @@ def sparse_decode_attention(
         deterministic for a given ``(B, Hkv, K_max)`` and launch shape, and independent
         of slot placement.
     config : launch shape (:class:`DecodeConfig`); ``None`` for the default
-    gather : ``(kv_pool, block_table, load_pages, pool_scale)``: gather the resolve's
-        misses in this launch (:func:`gather_sparse_attention`, which checks them);
-        ``None``: the slots already hold every selected record
 
     Returns
     -------
@@ -590,7 +534,6 @@ def sparse_decode_attention(
         *stride_o,
         lse_part.stride(0),
         lse_part.stride(1),
-        *_gather_args(gather, kv_slots, slot_list),
         G=g,
         BLOCK_G=max(16, next_pow2(g)),
         D=d,
@@ -602,7 +545,6 @@ def sparse_decode_attention(
         DIRECT=direct,
         SOFTCAP=bool(softcap),
         WINDOW=bool(window),
-        GATHER=0 if gather is None else (1 if gather[3] is None else 2),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -627,149 +569,6 @@ def sparse_decode_attention(
             num_warps=4,
         )
     return out
-
-
-def _gather_args(
-    gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
-    kv_slots: torch.Tensor,
-    slot_list: torch.Tensor,
-) -> tuple:
-    """The split kernel's gather arguments: pool, scales, block table, load pages and their
-    strides (placeholders that are never read when ``gather`` is ``None``)."""
-    if gather is None:
-        return (kv_slots, kv_slots, slot_list, slot_list, 0, 0, 0, 0, 0, 0, 0)
-    kv_pool, block_table, load_pages, pool_scale = gather
-    scale = kv_pool if pool_scale is None else pool_scale
-    sc_strides = (0, 0) if pool_scale is None else (pool_scale.stride(0), pool_scale.stride(1))
-    return (
-        kv_pool, scale, block_table, load_pages,
-        kv_pool.stride(0), kv_pool.stride(1), *sc_strides,
-        block_table.stride(0), load_pages.stride(0), load_pages.stride(1),
-    )  # fmt: skip
-
-
-def gather_sparse_attention_ref(
-    q: torch.Tensor,
-    kv_slots: torch.Tensor,
-    selection: torch.Tensor,
-    slot_list: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    softcap: float | None = None,
-    window: int | None = None,
-    *,
-    kv_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    load_pages: torch.Tensor,
-    load_slots: torch.Tensor,
-    pool_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The resolve's misses gathered into their slots, then sparse attention over the
-    slots: :func:`kernels.gather.gather_ref` followed by
-    :func:`sparse_decode_attention_ref` (the first eight arguments are the latter's; the
-    keywords the former's, see there). Returns ``[B, Hq, D]`` in ``q.dtype``; the slots
-    hold the missed records afterwards."""
-    gather_ref(kv_pool, kv_slots, block_table, load_pages, load_slots, pool_scale)
-    return sparse_decode_attention_ref(
-        q, kv_slots, selection, slot_list, seq_lens, scale, softcap, window
-    )
-
-
-def gather_sparse_attention(
-    q: torch.Tensor,
-    kv_slots: torch.Tensor,
-    selection: torch.Tensor,
-    slot_list: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    softcap: float | None = None,
-    window: int | None = None,
-    *,
-    kv_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    load_pages: torch.Tensor,
-    load_slots: torch.Tensor,
-    pool_scale: torch.Tensor | None = None,
-    pages_per_split: int | None = None,
-    config: DecodeConfig | None = None,
-) -> torch.Tensor:
-    """Triton :func:`gather_sparse_attention_ref` in the attention's launches: the program
-    that walks a missed page reads its record from ``kv_pool`` (pinned host memory through
-    unified addressing, or the device), uses it, and stores it into its slot, so the
-    gather leaves each layer's critical path as a kernel of its own (issue 16). Outputs
-    and the slots afterwards are bit-identical to :func:`kernels.gather.gather` followed
-    by :func:`sparse_decode_attention` with the same launch shape.
-
-    Parameters
-    ----------
-    q, kv_slots, selection, slot_list, seq_lens, scale, softcap, window, pages_per_split,
-        config : as in :func:`sparse_decode_attention`
-    kv_pool : ``[P_pool, Hkv, 2, S, D]`` one layer of the pool, records ``[2, S, D]``
-        contiguous; in ``kv_slots``' dtype, or float8_e4m3fn with ``pool_scale``
-    block_table : int32/int64 ``[B, P_max]`` request page -> pool page, unit stride
-    load_pages : int32/int64 ``[B, Hkv, K_max]`` the resolve's load list: the request page
-        of each missed rank, -1 elsewhere; unit stride on ``K_max``
-    load_slots : int32/int64 ``[B, Hkv, K_max]`` the resolve's destination slots; by the
-        resolve's contract equal to ``slot_list`` wherever ``load_pages >= 0`` (not
-        checked: that would synchronise with the host), so the kernel stores each miss
-        into ``slot_list``'s slot. Every missed rank must be one the attention walks: a
-        page of the selection inside ``seq_lens`` (and the window), as the resolve of a
-        selection from :mod:`kernels.select_topk` or :mod:`kernels.superpage_select` gives
-    pool_scale : int8 ``[P_pool, Hkv, 2, S]`` the fp8 pool's row exponents, each record's
-        ``[2, S]`` contiguous; ``None`` for a pool in the slots' dtype
-
-    Raises
-    ------
-    ValueError
-        Shapes, dtypes, strides or devices that do not fit, naming the argument.
-    """
-    check_tensor("kv_pool", kv_pool, 5, (kv_slots.dtype, FP8))
-    check_tensor("block_table", block_table, 2, INDEX_DTYPES)
-    check_tensor("load_pages", load_pages, 3, INDEX_DTYPES)
-    check_tensor("load_slots", load_slots, 3, INDEX_DTYPES)
-    check_shape("load_pages", load_pages, tuple(slot_list.shape))
-    check_shape("load_slots", load_slots, tuple(slot_list.shape))
-    require(
-        block_table.shape[0] == q.shape[0],
-        f"block_table has {block_table.shape[0]} rows, batch is {q.shape[0]}",
-    )
-    p, hkv, two, s, d = kv_pool.shape
-    require(
-        hkv == slot_list.shape[1], f"kv_pool has {hkv} KV heads, slot_list {slot_list.shape[1]}"
-    )
-    require(
-        kv_pool.shape[2:] == kv_slots.shape[1:],
-        f"record shapes differ: pool {tuple(kv_pool.shape[2:])}, slots {tuple(kv_slots.shape[1:])}",
-    )
-    require(
-        list(kv_pool.stride()[2:]) == [s * d, d, 1],
-        f"kv_pool records must be contiguous, got strides {kv_pool.stride()}",
-    )
-    fp8 = kv_pool.dtype == FP8
-    require(
-        fp8 == (pool_scale is not None),
-        "an fp8 kv_pool needs its pool_scale, and only an fp8 pool has one",
-    )
-    if pool_scale is not None:
-        check_tensor("pool_scale", pool_scale, 4, (torch.int8,))
-        check_shape("pool_scale", pool_scale, (p, hkv, two, s))
-        require(
-            list(pool_scale.stride()[2:]) == [s, 1],
-            f"pool_scale rows must be contiguous, got strides {pool_scale.stride()}",
-        )
-    dev = q.device
-    check_device(dev, block_table=block_table, load_pages=load_pages, load_slots=load_slots)
-    for name, t in (("kv_pool", kv_pool), ("pool_scale", pool_scale)):
-        if t is not None:
-            require(
-                host_visible(t, dev),
-                f"{name} on {t.device} is not addressable from {dev} (pin host memory)",
-            )
-    return sparse_decode_attention(
-        q, kv_slots, selection, slot_list, seq_lens, scale, softcap, window,
-        pages_per_split=pages_per_split, config=config,
-        gather=(kv_pool, block_table, load_pages, pool_scale),
-    )  # fmt: skip
 
 
 def dense_decode_attention(

@@ -2,8 +2,7 @@
 for CUDA devices (or on the CPU under ``TRITON_INTERPRET=1``, in tests).
 
 Every op keeps its reference's signature. The decode hot path (append or RoPE + append,
-Quest scores, top-k selection, two-level superpage selection, resolve, gather, sparse attention
-(or both in one launch), all-resident slot lists)
+Quest scores, top-k selection, two-level superpage selection, resolve, gather, sparse attention, all-resident slot lists)
 runs without host synchronisation, so a decode step can be captured in a CUDA graph;
 ``oracle_scores`` (evaluation only) stays the PyTorch reference. ``dense_decode_attention`` is the sparse
 kernel with every page selected, read in place (the dense baseline; the SDPA reference
@@ -21,11 +20,7 @@ from kernels.resolve import resolve
 from kernels.rope_append import rope_append
 from kernels.select_topk import dense_selection, select_topk
 from kernels.slot_list import resident_slot_list_triton
-from kernels.sparse_attention import (
-    dense_decode_attention,
-    gather_sparse_attention,
-    sparse_decode_attention,
-)
+from kernels.sparse_attention import dense_decode_attention, sparse_decode_attention
 from kernels.superpage_select import superpage_select
 
 TRITON_OPS = Ops(
@@ -39,7 +34,6 @@ TRITON_OPS = Ops(
     resident_slot_list=resident_slot_list_triton,
     gather=gather,
     sparse_decode_attention=sparse_decode_attention,
-    gather_sparse_attention=gather_sparse_attention,
     dense_decode_attention=dense_decode_attention,
     append_kv=append_kv,
     rope_append=rope_append,

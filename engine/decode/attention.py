@@ -169,12 +169,6 @@ class DecodeAttention:
             and not cache.fp8
         )
         self.prefetched: torch.Tensor | None = None
-        self.gather_in_attention = (
-            config.gather_in_attention and not config.skip_host_io and not self.direct
-        )
-        """Gather each layer's misses in its attention launch
-        (``EngineConfig.gather_in_attention``; the deferred-write path keeps the separate
-        gather, see :meth:`run`)."""
         # Audit (engine.decode.audit): run() appends (cache layer, plan.row0, q [b, Hq, D],
         # selection [b, Hkv, W]) of every layer here — references, not copies; None: off.
         self.capture: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = None
@@ -299,29 +293,24 @@ class DecodeAttention:
             return self.ops.sparse_decode_attention(
                 q, records, selection, slot_list, plan.seq_lens, self.scale, self.softcap, window
             )
-        if self.gather_in_attention and not deferred:
-            # Resolve; the misses are read by the attention's own launch (bit-identical).
-            slot_list, load_pages, load_slots, _ = self.resolve_lists(
-                plan, layer, selection, self.k_max, count=True
+        slot_list, _, _ = self.load(plan, layer, selection, self.k_max, count=True)
+        if deferred:  # the token into its resident tail slot, after the gather
+            self.ops.append_kv(
+                k,
+                v,
+                plan.positions,
+                plan.block_table,
+                c.pool[layer],
+                None,
+                c.slots[layer],
+                c.page_table[layer],
+                plan.slab_ids,
+                write_pool=False,
+                **fp8,
             )
-            scale = {"pool_scale": c.pool_scale[layer]} if c.host_fp8 else {}
-            out = self.ops.gather_sparse_attention(
-                q, c.slots[layer], selection, slot_list, plan.seq_lens, self.scale,
-                self.softcap, window, kv_pool=c.pool[layer], block_table=plan.block_table,
-                load_pages=load_pages, load_slots=load_slots, **scale,
-            )  # fmt: skip
-        else:
-            slot_list, _, _ = self.load(plan, layer, selection, self.k_max, count=True)
-            if deferred:  # the token into its resident tail slot, after the gather
-                self.ops.append_kv(
-                    k, v, plan.positions, plan.block_table, c.pool[layer], None,
-                    c.slots[layer], c.page_table[layer], plan.slab_ids, write_pool=False,
-                    **fp8,
-                )  # fmt: skip
-            out = self.ops.sparse_decode_attention(
-                q, c.slots[layer], selection, slot_list, plan.seq_lens, self.scale,
-                self.softcap, window,
-            )  # fmt: skip
+        out = self.ops.sparse_decode_attention(
+            q, c.slots[layer], selection, slot_list, plan.seq_lens, self.scale, self.softcap, window
+        )
         if self.prefetch_pages and scores is not None:
             self.prefetch(plan, layer, scores)
         return out
@@ -401,27 +390,10 @@ class DecodeAttention:
         :func:`kernels.resolve.resolve_ref`. With ``count`` the resolve adds its hits and
         misses to ``plan.hits`` / ``plan.misses`` (in the same launch on the GPU)."""
         c = self.cache
-        slot_list, load_pages, load_slots, hits = self.resolve_lists(
-            plan, layer, selection, k_max, count
-        )
-        if not self.config.skip_host_io:
-            scale = {"pool_scale": c.pool_scale[layer]} if c.host_fp8 else {}
-            self.ops.gather(
-                c.pool[layer], c.slots[layer], plan.block_table, load_pages, load_slots, **scale
-            )
-        return slot_list, hits, load_slots
-
-    def resolve_lists(
-        self, plan: StepPlan, layer: int, selection: torch.Tensor, k_max: int, count: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The resolve op on ``layer``'s hot buffer with this step's stamp (see
-        :meth:`load`, which gathers after it): ``slot_list, load_pages, load_slots``
-        (int32 ``[B, Hkv, k_max]``) and ``hits`` (int32 ``[B, Hkv]``)."""
-        c = self.cache
         acc = {}
         if count and plan.hits is not None and plan.misses is not None:
             acc = {"hits_acc": plan.hits, "misses_acc": plan.misses}
-        return self.ops.resolve(
+        slot_list, load_pages, load_slots, hits = self.ops.resolve(
             selection,
             plan.slab_ids,
             c.page_table[layer],
@@ -432,6 +404,12 @@ class DecodeAttention:
             k_max,
             **acc,
         )
+        if not self.config.skip_host_io:
+            scale = {"pool_scale": c.pool_scale[layer]} if c.host_fp8 else {}
+            self.ops.gather(
+                c.pool[layer], c.slots[layer], plan.block_table, load_pages, load_slots, **scale
+            )
+        return slot_list, hits, load_slots
 
     def stage_and_write(
         self,

@@ -9,12 +9,7 @@ Modes (:data:`MODES`), all built on ONE placed :class:`engine.model.llama.LlamaM
 * ``dense`` — dense attention, every record resident in a device KV pool;
 * ``sparse`` — the same sparse attention as the hierarchy, KV pool resident on the device
   (``hierarchical=False``): the all-resident sparse baseline;
-* ``hierarchical`` — host pool + hot buffer (resolve, gather of misses; with
-  ``gather_in_attention``, the default, the misses are read inside the attention launch);
-* ``unfused`` (not in the default sweep) — ``hierarchical`` with
-  ``gather_in_attention=False``: a gather kernel before each layer's attention;
-  ``unfused`` vs ``hierarchical`` is the step time with and without the gather on the
-  layer's critical path;
+* ``hierarchical`` — host pool + hot buffer (resolve, gather of misses);
 * ``noio`` — ``hierarchical`` with ``skip_host_io=True``: gathers skipped, output invalid;
   the throughput ceiling if all host IO were hidden;
 * ``copystream`` (not in the default sweep) — ``hierarchical`` with
@@ -115,7 +110,7 @@ from engine.model.llama import LlamaModel
 from engine.serve.engine import Engine, Request
 from kernels.dispatch import Ops
 
-MODES = ("dense", "sparse", "hierarchical", "noio", "copystream", "prefetch", "unfused")
+MODES = ("dense", "sparse", "hierarchical", "noio", "copystream", "prefetch")
 DEFAULT_MODES = MODES[:4]
 DEFAULT_PREFETCH_FRACTION = 0.25  # prefetch mode: near-miss pages per top-k page
 PREFILL_METHODS = ("auto", "full", "window")
@@ -324,12 +319,6 @@ def mode_config(
             "hierarchical": True,
             "skip_host_io": False,
             "prefetch_pages": prefetch,
-        },
-        "unfused": {
-            "attention": "sparse",
-            "hierarchical": True,
-            "skip_host_io": False,
-            "gather_in_attention": False,
         },
     }[mode]
     # The bench measures the hierarchy itself, also on a CPU device, where the cpu preset

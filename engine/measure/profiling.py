@@ -86,7 +86,6 @@ class TimedLinear(Linear):
 
 OP_PHASES = {
     "sparse_decode_attention": "attention",
-    "gather_sparse_attention": "attention",  # the gather of the misses fused in
     "dense_decode_attention": "attention",
     "quest_scores": "select",
     "oracle_scores": "select",

@@ -75,13 +75,6 @@ MODES = {
         prefetch_pages=4,
         decode_write_stream=True,
     ),
-    "hierarchical-separate-gather": dict(
-        attention="sparse",
-        top_k=128,
-        device_buffer=160,
-        local_window=32,
-        gather_in_attention=False,
-    ),
     "sparse-resident": dict(attention="sparse", hierarchical=False, top_k=128),
     "dense": dict(attention="dense"),
 }
@@ -211,40 +204,6 @@ def test_decode_write_stream_changes_nothing(model):
                 n = min(s, pa.num_tokens - j * s)
                 if n > 0:
                     assert torch.equal(a[j, :, :, :n], b[j, :, :, :n]), f"layer {layer} page {j}"
-
-
-@pytest.mark.parametrize("host_dtype", ["bf16", "fp8"])
-def test_gather_in_attention_changes_nothing(model, host_dtype):
-    """The misses gathered by the attention launch (``gather_in_attention``, the default)
-    vs a gather kernel before it, both replayed from graphs on two streams: the same
-    tokens, logits, hits and misses every step, and the same record in every mapped slot
-    of the hot buffer at the end (the token rows each page holds)."""
-    hier = dict(MODES["hierarchical-two-streams"], kv_host_dtype=host_dtype)
-    engines = {
-        name: _engine(model, True, gather_in_attention=on, **hier)
-        for name, on in (("fused", True), ("kernel", False))
-    }
-    assert engines["fused"].attn.gather_in_attention
-    assert not engines["kernel"].attn.gather_in_attention
-    runs, _ = _replay_pair(engines, [900, 2500, 70], seed=6)
-    (fa, ra), (ka, rk) = runs["fused"], runs["kernel"]
-    assert torch.equal(fa.attn.hits, ka.attn.hits) and torch.equal(fa.attn.misses, ka.attn.misses)
-    s = fa.cache.page_size
-    compared = 0
-    for layer in range(fa.cache.num_layers):
-        for x, y in zip(ra, rk, strict=True):
-            sx, sy = fa.cache.seqs[x.seq_id], ka.cache.seqs[y.seq_id]
-            for slab_x, slab_y in zip(sx.slab_ids, sy.slab_ids, strict=True):
-                px = fa.cache.page_table[layer][slab_x].cpu()
-                py = ka.cache.page_table[layer][slab_y].cpu()
-                assert torch.equal(px >= 0, py >= 0), f"layer {layer}: residency differs"
-                for page in torch.nonzero(px >= 0).flatten().tolist():
-                    n = min(s, sx.num_tokens - page * s)
-                    a = fa.cache.slots[layer][int(px[page])][:, :n]
-                    b = ka.cache.slots[layer][int(py[page])][:, :n]
-                    assert torch.equal(a, b), f"layer {layer} page {page}: slot records differ"
-                    compared += 1
-    assert compared > 0
 
 
 # ----- asynchronous decode (EngineConfig.async_decode) ---------------------------------

@@ -24,7 +24,6 @@ from kernel_cases import (
     poisoned_allocations,
     quest_inputs,
     random_selection_mask,
-    random_seq_lens,
     to_device,
 )
 
@@ -58,8 +57,6 @@ from kernels.slot_list import resident_slot_list, resident_slot_list_triton
 from kernels.sparse_attention import (
     dense_decode_attention,
     dense_decode_attention_ref,
-    gather_sparse_attention,
-    gather_sparse_attention_ref,
     sparse_decode_attention,
     sparse_decode_attention_ref,
 )
@@ -423,102 +420,6 @@ def test_gather_fp8_dequantises_exactly(dtype, s, d):
         pool_scale=e.to(DEVICE),
     )
     assert bits_equal(ref_slots, dev_slots.cpu())
-
-
-# The gather of the misses inside the attention launch (gather_sparse_attention).
-GATHER_ATTENTION_CASES = [
-    # pool dtype, slots dtype, s, d, pages_per_split, window
-    ("same", torch.float32, 16, 64, 2, None),
-    ("same", torch.bfloat16, 32, 64, None, None),
-    ("fp8", torch.bfloat16, 16, 64, 1, None),
-    ("fp8", torch.float32, 32, 40, 3, None),  # a head dim that is not a power of two
-    ("fp8", torch.bfloat16, 16, 64, 2, 37),  # a window starting mid-page
-]
-
-
-def _resolved_step(pool_kind, dtype, s, d, window, seed):
-    """A layer after one resolve on a partly warm hot buffer: the step's selection, the
-    resolve's lists (hits and misses mixed) and every tensor the gather and the attention
-    read; the hot buffer holds the first step's records and poison elsewhere."""
-    gen = torch.Generator().manual_seed(seed)
-    b, hq, hkv, p_max, k, c = 3, 9, 3, 12, 5, 9
-    seq_lens = random_seq_lens(b, p_max, s, gen)
-    seq_lens[0] = p_max * s - 3  # a long context with a partial tail page
-    num_pages = -(-seq_lens // s)
-    p_pool = b * p_max + 4
-    block_table = torch.randperm(p_pool, generator=gen)[: b * p_max].view(b, p_max).int()
-    if pool_kind == "fp8":  # rows 4x apart at most: logits within fp32's tolerance
-        x = torch.randn(p_pool, hkv, 2, s, d, generator=gen)
-        x = x * torch.exp2(torch.randint(-1, 2, (p_pool, hkv, 2, s, 1), generator=gen).float())
-        pool, pool_scale = fp8_quantize_ref(x)
-    else:
-        pool, pool_scale = torch.randn(p_pool, hkv, 2, s, d, generator=gen).to(dtype), None
-    slots = poison_(torch.empty(b * hkv * c, 2, s, d, dtype=dtype))
-    state = _resolve_state(b * hkv, p_max, c)
-    slab_ids = torch.arange(b * hkv, dtype=torch.int32).view(b, hkv)
-    k_max = k + 1
-    for step in (1, 2):
-        mask = random_selection_mask(num_pages, hkv, p_max, k, gen)
-        if window:
-            lo_page = (seq_lens.long() - window).clamp(min=0) // s
-            mask &= torch.arange(p_max)[None, None, :] >= lo_page[:, None, None]
-        selection = pack_bits(mask)
-        slot_list, load_pages, load_slots, _ = resolve_ref(
-            selection, slab_ids, *state, step, c, k_max
-        )
-        if step == 1:  # the warm part of the hot buffer
-            gather_ref(pool, slots, block_table, load_pages, load_slots, pool_scale)
-    assert bool((load_pages >= 0).any()) and bool(((slot_list >= 0) & (load_pages < 0)).any())
-    return {
-        "q": torch.randn(b, hq, d, generator=gen).to(dtype),
-        "kv_slots": slots,
-        "selection": selection,
-        "slot_list": slot_list,
-        "seq_lens": seq_lens,
-        "scale": d**-0.5,
-        "window": window,
-    }, {
-        "kv_pool": pool,
-        "block_table": block_table,
-        "load_pages": load_pages,
-        "load_slots": load_slots,
-        "pool_scale": pool_scale,
-    }
-
-
-@pytest.mark.parametrize("pool_kind,dtype,s,d,pps,window", GATHER_ATTENTION_CASES, ids=str)
-def test_gather_in_attention_equals_gather_then_attention(pool_kind, dtype, s, d, pps, window):
-    """The attention launch that gathers its misses gives the separate gather + attention
-    launches' output and hot buffer bit for bit (every slot, the poisoned ones included),
-    and the reference's within the attention tolerance."""
-    attn, load = _resolved_step(pool_kind, dtype, s, d, window, seed=s + d + (window or 0))
-    ref_attn = dict(attn, kv_slots=attn["kv_slots"].clone())
-    ref = gather_sparse_attention_ref(**ref_attn, **load)
-    two = to_device(attn, DEVICE)
-    gather(**{k: v.to(DEVICE) if v is not None else None for k, v in load.items()},
-           kv_slots=two["kv_slots"])  # fmt: skip
-    want = sparse_decode_attention(**two, pages_per_split=pps)
-    one = to_device(attn, DEVICE)
-    with poisoned_allocations():
-        got = gather_sparse_attention(
-            **one, **{k: v.to(DEVICE) if v is not None else None for k, v in load.items()},
-            pages_per_split=pps,
-        )  # fmt: skip
-    assert bits_equal(got.cpu(), want.cpu())
-    assert bits_equal(one["kv_slots"].cpu(), two["kv_slots"].cpu())
-    assert bits_equal(one["kv_slots"].cpu(), ref_attn["kv_slots"])
-    assert_close(got, ref, ATOL[dtype])
-
-
-def test_gather_in_attention_refuses_a_pool_without_its_scales():
-    attn, load = _resolved_step("fp8", torch.float32, 16, 64, None, seed=5)
-    load["pool_scale"] = None
-    with pytest.raises(ValueError, match="pool_scale"):
-        gather_sparse_attention(**to_device(attn, DEVICE), **to_device(load, DEVICE))
-    attn, load = _resolved_step("same", torch.float32, 16, 64, None, seed=6)
-    load["block_table"] = load["block_table"][:2]
-    with pytest.raises(ValueError, match="block_table has 2 rows"):
-        gather_sparse_attention(**to_device(attn, DEVICE), **to_device(load, DEVICE))
 
 
 def test_fp8_round_is_close_and_idempotent():

@@ -40,7 +40,6 @@ from kernels.rope_append import (
 from kernels.select_topk import select_topk, select_topk_ref
 from kernels.sparse_attention import (
     dense_decode_attention_ref,
-    gather_sparse_attention,
     sparse_decode_attention,
     sparse_decode_attention_ref,
 )
@@ -288,26 +287,14 @@ def test_quest_and_select_cuda(b, hq, hkv, p_max):
         )
 
 
-@pytest.mark.parametrize(
-    "fused,fp8",
-    [(False, False), (True, False), (True, True)],
-    ids=["gather-kernel", "gather-in-attention", "gather-in-attention-fp8"],
-)
-def test_decode_step_captures_in_cuda_graph(fused, fp8):
+def test_decode_step_captures_in_cuda_graph():
     """select -> resolve -> gather (pinned pool) -> attention in one CUDA graph, replayed
-    over steps with a device step counter; equal to the eager references (the hot buffer
-    bit for bit). ``fused``: the misses are gathered by the attention launch
-    (:func:`gather_sparse_attention`); ``fp8``: from an fp8 pool and its exponents."""
+    over steps with a device step counter; equal to the eager references."""
     gen = torch.Generator().manual_seed(2)
     b, hq, hkv, d, s, p_max, top_k, c = 4, 32, 8, 128, 64, 64, 8, 16
     p_pool = b * p_max
     block_table = torch.arange(p_pool).view(b, p_max).int()
-    kv_pool = torch.randn(p_pool, hkv, 2, s, d, generator=gen).bfloat16()
-    scale = {}
-    if fp8:
-        kv_pool, pool_scale = fp8_quantize_ref(kv_pool.float())
-        scale = {"pool_scale": pool_scale.pin_memory()}
-    kv_pool = kv_pool.pin_memory()
+    kv_pool = torch.randn(p_pool, hkv, 2, s, d, generator=gen).bfloat16().pin_memory()
     seq_lens = torch.full((b,), p_max * s - 5, dtype=torch.int32)
     num_pages = -(-seq_lens // s)
     slab_ids = torch.arange(b * hkv).view(b, hkv).int()
@@ -331,12 +318,7 @@ def test_decode_step_captures_in_cuda_graph(fused, fp8):
     def step_fn():
         sel = select_topk(st["scores"], nump_dev, top_k, 1, 2)
         slot_list, lp, ls, _ = resolve(sel, slab_dev, *st["state"], st["step"], c, top_k)
-        if fused:
-            return gather_sparse_attention(
-                st["q"], st["slots"], sel, slot_list, seq_dev, d**-0.5, kv_pool=kv_pool,
-                block_table=bt_dev, load_pages=lp, load_slots=ls, **scale,
-            )  # fmt: skip
-        gather(kv_pool, st["slots"], bt_dev, lp, ls, **scale)
+        gather(kv_pool, st["slots"], bt_dev, lp, ls)
         return sparse_decode_attention(st["q"], st["slots"], sel, slot_list, seq_dev, d**-0.5)
 
     st["scores"].normal_()
@@ -357,7 +339,7 @@ def test_decode_step_captures_in_cuda_graph(fused, fp8):
         graph.replay()
         sel = select_topk_ref(scores, num_pages, top_k, 1, 2)
         r = resolve_ref(sel, slab_ids, *state_ref, step, c, top_k)
-        gather_ref(kv_pool, slots_ref, block_table, r[1], r[2], **scale)
+        gather_ref(kv_pool, slots_ref, block_table, r[1], r[2])
         ref = sparse_decode_attention_ref(q, slots_ref, sel, r[0], seq_lens, d**-0.5)
         torch.cuda.synchronize()
         for x, y in zip(state_ref, st["state"], strict=True):
