@@ -211,6 +211,11 @@ class EngineConfig:
         extra launches per layer of the copy stream cost more than they hide
         (docs/performance.md, "Decode write-through"). Either way the pool bytes are
         the same.
+    gather_turns: hierarchical with ``decode_overlap`` on CUDA: the two micro-batches'
+        gathers take turns on the host link, each waiting for the other's previous one
+        (:class:`engine.decode.attention.LinkTurns`), instead of starting together and
+        sharing it; the same bytes move, so outputs are bit-identical. False: no order
+        between them (the bench's ``sharedlink`` mode).
     prefetch_pages: hierarchical only; after each layer's attention, load the next
         ``prefetch_pages`` pages of this step's indexer ranking (ranks ``top_k`` +1 ..
         +``prefetch_pages``, the near misses) into the hot buffer when they are not resident,
@@ -290,6 +295,7 @@ class EngineConfig:
     prefill_turn_tokens: int | None = None
     prefill_copy_stream: bool = True
     decode_write_stream: bool = False
+    gather_turns: bool = True
     prefetch_pages: int = 0
     host_pool_gb: float = 8.0
     memory_budget_gb: float | None = None
@@ -629,6 +635,7 @@ SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "prefill_turn_tokens": _non_negative_or_none,
     "prefill_copy_stream": _flag,
     "decode_write_stream": _flag,
+    "gather_turns": _flag,
     "prefetch_pages": _non_negative,
     "host_pool_gb": _gib,
     "memory_budget_gb": _gib_or_none,

@@ -49,7 +49,8 @@ ModesOpt = Annotated[
     typer.Option(
         help="dense, sparse, hierarchical, noio, copystream (hierarchical with the decode "
         "write-through on a copy stream), prefetch (hierarchical with near-miss prefetch on "
-        "the copy stream) — comma list." + opt.default_is("dense, sparse, hierarchical, noio"),
+        "the copy stream), sharedlink (hierarchical with the two micro-batches' gathers "
+        "sharing the host link instead of taking turns) — comma list." + opt.default_is("dense, sparse, hierarchical, noio"),
         show_default=False,
         rich_help_panel=BENCH,
     ),

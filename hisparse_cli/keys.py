@@ -36,6 +36,7 @@ OUTPUT_NEUTRAL_SETTINGS = frozenset(
         "prefill_turn_tokens",
         "prefill_copy_stream",
         "decode_write_stream",
+        "gather_turns",
         "prefetch_pages",
         "cuda_graph",
         "decode_overlap",

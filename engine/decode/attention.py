@@ -54,7 +54,9 @@ class StepPlan:
     step (:meth:`DecodeAttention.prefetch`); row0: the first row of the cache's token
     staging buffer this plan's rows use (a micro-batch's offset in its step's batch);
     direct_tables: the CPU direct chain's shared index tensors
-    (:class:`engine.decode.cpu_direct.DirectTables`), built by the step's first layer.
+    (:class:`engine.decode.cpu_direct.DirectTables`), built by the step's first layer;
+    link_turns: shared by a step's two micro-batches on two CUDA streams, so that their
+    gathers take turns on the host link (:class:`LinkTurns`); ``None``: no ordering.
     """
 
     seq_ids: list[int]
@@ -69,6 +71,35 @@ class StepPlan:
     prefetched: torch.Tensor | None = None
     row0: int = 0
     direct_tables: DirectTables | None = None
+    link_turns: LinkTurns | None = None
+
+
+class LinkTurns:
+    """The host link taken in turns by the gathers of a step's micro-batches.
+
+    With ``decode_overlap`` two micro-batches run the same chain of kernels on two CUDA
+    streams, and the GPU runs them in near lockstep: their gathers of a layer start
+    together, share the link, and each waits twice as long, while neither chain has other
+    work to overlap. Issued layer by layer in alternation (:meth:`Engine.decode_batch`),
+    each gather waits for the previously issued one (the other micro-batch's) to finish
+    (a CUDA event; inside a captured graph, an edge), so one gather has the whole link
+    while the other micro-batch computes. Only the order of the gathers changes: each
+    reads and writes the same bytes, so results are bit-identical.
+    """
+
+    def __init__(self) -> None:
+        self.last: torch.cuda.Event | None = None
+
+    def wait(self) -> None:
+        """Make the current stream wait for the last gather issued."""
+        if self.last is not None:
+            torch.cuda.current_stream().wait_event(self.last)
+
+    def done(self) -> None:
+        """Mark the gather just issued on the current stream as the last one."""
+        event = torch.cuda.Event()
+        event.record()
+        self.last = event
 
 
 @dataclass
@@ -293,7 +324,9 @@ class DecodeAttention:
             return self.ops.sparse_decode_attention(
                 q, records, selection, slot_list, plan.seq_lens, self.scale, self.softcap, window
             )
-        slot_list, _, _ = self.load(plan, layer, selection, self.k_max, count=True)
+        slot_list, _, _ = self.load(
+            plan, layer, selection, self.k_max, count=True, turns=plan.link_turns
+        )
         if deferred:  # the token into its resident tail slot, after the gather
             self.ops.append_kv(
                 k,
@@ -381,14 +414,16 @@ class DecodeAttention:
 
     def load(
         self, plan: StepPlan, layer: int, selection: torch.Tensor, k_max: int,
-        count: bool = False,
+        count: bool = False, turns: LinkTurns | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Resolve ``selection`` (int32 ``[B, Hkv, W]``, at most ``k_max`` pages a row)
         against ``layer``'s hot buffer with this step's stamp, then gather its misses from
         the pool (skipped with ``skip_host_io``). Returns the resolve's ``slot_list`` and
         ``load_slots`` (int32 ``[B, Hkv, k_max]``) and ``hits`` (int32 ``[B, Hkv]``); see
         :func:`kernels.resolve.resolve_ref`. With ``count`` the resolve adds its hits and
-        misses to ``plan.hits`` / ``plan.misses`` (in the same launch on the GPU)."""
+        misses to ``plan.hits`` / ``plan.misses`` (in the same launch on the GPU). With
+        ``turns`` the gather waits for the last one issued and becomes the last one
+        (:class:`LinkTurns`)."""
         c = self.cache
         acc = {}
         if count and plan.hits is not None and plan.misses is not None:
@@ -406,9 +441,13 @@ class DecodeAttention:
         )
         if not self.config.skip_host_io:
             scale = {"pool_scale": c.pool_scale[layer]} if c.host_fp8 else {}
+            if turns is not None:
+                turns.wait()
             self.ops.gather(
                 c.pool[layer], c.slots[layer], plan.block_table, load_pages, load_slots, **scale
             )
+            if turns is not None:
+                turns.done()
         return slot_list, hits, load_slots
 
     def stage_and_write(

@@ -17,6 +17,10 @@ Modes (:data:`MODES`), all built on ONE placed :class:`engine.model.llama.LlamaM
   instead of the append kernel on the compute stream (the default); ``copystream`` vs
   ``hierarchical`` is the step time with and without the copy stream hiding the
   write-through.
+* ``sharedlink`` (not in the default sweep) — ``hierarchical`` with
+  ``gather_turns=False``: the two micro-batches' gathers (``decode_overlap``) share the
+  host link at once instead of taking turns; ``sharedlink`` vs ``hierarchical`` is the
+  step time with and without the turns;
 * ``prefetch`` (not in the default sweep) — ``hierarchical`` with ``prefetch_pages``
   (``--prefetch-pages``, else the base config's, else :func:`default_prefetch_pages`): after each
   layer's attention the near misses of its ranking are loaded on the copy stream
@@ -110,7 +114,7 @@ from engine.model.llama import LlamaModel
 from engine.serve.engine import Engine, Request
 from kernels.dispatch import Ops
 
-MODES = ("dense", "sparse", "hierarchical", "noio", "copystream", "prefetch")
+MODES = ("dense", "sparse", "hierarchical", "noio", "copystream", "prefetch", "sharedlink")
 DEFAULT_MODES = MODES[:4]
 DEFAULT_PREFETCH_FRACTION = 0.25  # prefetch mode: near-miss pages per top-k page
 PREFILL_METHODS = ("auto", "full", "window")
@@ -319,6 +323,12 @@ def mode_config(
             "hierarchical": True,
             "skip_host_io": False,
             "prefetch_pages": prefetch,
+        },
+        "sharedlink": {
+            "attention": "sparse",
+            "hierarchical": True,
+            "skip_host_io": False,
+            "gather_turns": False,
         },
     }[mode]
     # The bench measures the hierarchy itself, also on a CPU device, where the cpu preset

@@ -30,7 +30,7 @@ from engine import events as ev
 from engine.config import EngineConfig, job_seed
 from engine.decode import audit as fidelity
 from engine.decode import indexers
-from engine.decode.attention import DecodeAttention, StepPlan
+from engine.decode.attention import DecodeAttention, LinkTurns, StepPlan
 from engine.decode.cuda_graph import DecodeGraphs, split_plan, table_width
 from engine.decode.json_constraint import JsonConstraint, JsonConstraints
 from engine.decode.sampling import make_generator, masked_greedy, sample
@@ -874,6 +874,8 @@ class Engine:
         (and B >= 2): rows ``[:ceil(B/2)]`` and the rest, each a chain through every layer.
         With a ``side`` stream the second chain runs there, beside the first: the GPU then
         overlaps one chain's gathers (waiting on the host link) with the other's compute.
+        With ``gather_turns`` (hierarchical) the chains are issued layer by layer and
+        their gathers take turns on the link (:class:`engine.decode.attention.LinkTurns`).
         The halves own disjoint slabs, pages and counter rows, so they share no writable
         state; each row's result does not depend on the split.
         """
@@ -885,12 +887,26 @@ class Engine:
         if side is None:
             h1 = self.decode_layers(first, h[:half])
             h2 = self.decode_layers(second, h[half:])
-        else:
-            side.wait_stream(torch.cuda.current_stream())
+            return torch.cat([h1, h2])
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        if not (self.config.gather_turns and self.cache.hierarchical):
             with torch.cuda.stream(side):
                 h2 = self.decode_layers(second, h[half:])
             h1 = self.decode_layers(first, h[:half])
-            torch.cuda.current_stream().wait_stream(side)
+        else:  # issued layer by layer, so each gather can wait for the other chain's
+            first.link_turns = second.link_turns = LinkTurns()
+            h1, h2 = h[:half], h[half:]
+            try:
+                for layer in self.model.layer_range:
+                    with torch.cuda.stream(side):
+                        h2 = self.decode_layer(second, layer, h2)
+                    h1 = self.decode_layer(first, layer, h1)
+            finally:  # each chain's late pool writes and prefetches land on its stream
+                with torch.cuda.stream(side):
+                    self.cache.join_late()
+                self.cache.join_late()
+        main.wait_stream(side)
         return torch.cat([h1, h2])
 
     @torch.inference_mode()
@@ -898,19 +914,25 @@ class Engine:
         """This engine's layers for one decode step of ``plan``'s batch: ``h [B, H]`` ->
         ``[B, H]`` (each layer appends its K/V and attends through the cache; the RoPE of
         q and k is fused into the append where :attr:`fused_rope`)."""
-        m, offset = self.model, self.cache.layer_offset
         try:
-            for layer in m.layer_range:
-                if self.fused_rope:
-                    q, k, v = m.qkv(layer, h, plan.positions, rotate=False)
-                    a = self.attn.run(plan, layer - offset, q, k, v, m.rope_params)
-                else:
-                    q, k, v = m.qkv(layer, h, plan.positions)
-                    a = self.attn.run(plan, layer - offset, q, k, v)
-                h = m.finish_layer(layer, h, a)
+            for layer in self.model.layer_range:
+                h = self.decode_layer(plan, layer, h)
         finally:  # the step's late pool writes and prefetches land before anything else
             self.cache.join_late()
         return h
+
+    def decode_layer(self, plan: StepPlan, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """The model's ``layer`` for one decode step of ``plan``'s batch: ``h [B, H]`` ->
+        ``[B, H]`` (see :meth:`decode_layers`, which also joins the late writes)."""
+        m = self.model
+        cache_layer = layer - self.cache.layer_offset
+        if self.fused_rope:
+            q, k, v = m.qkv(layer, h, plan.positions, rotate=False)
+            a = self.attn.run(plan, cache_layer, q, k, v, m.rope_params)
+        else:
+            q, k, v = m.qkv(layer, h, plan.positions)
+            a = self.attn.run(plan, cache_layer, q, k, v)
+        return m.finish_layer(layer, h, a)
 
     def memory_snapshots(self) -> list[ev.MemorySnapshot]:
         """Snapshots of every device this engine drives (one here; a pipeline's stage 0

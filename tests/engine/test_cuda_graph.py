@@ -206,6 +206,22 @@ def test_decode_write_stream_changes_nothing(model):
                     assert torch.equal(a[j, :, :, :n], b[j, :, :, :n]), f"layer {layer} page {j}"
 
 
+def test_gather_turns_change_nothing(model):
+    """The two micro-batches' gathers taking turns on the host link (``gather_turns``, the
+    default with ``decode_overlap``) vs sharing it, both replayed from graphs on two
+    streams, with fp8 host records: the same tokens, logits, hits and misses every step."""
+    hier = dict(MODES["hierarchical-two-streams"], kv_host_dtype="fp8")
+    engines = {
+        name: _engine(model, True, gather_turns=on, **hier)
+        for name, on in (("turns", True), ("shared", False))
+    }
+    runs, _ = _replay_pair(engines, [900, 2500, 70, 1300], seed=8)
+    (ta, _), (sa, _) = runs["turns"], runs["shared"]
+    assert ta.graphs.overlap and sa.graphs.overlap
+    assert torch.equal(ta.attn.hits, sa.attn.hits) and torch.equal(ta.attn.misses, sa.attn.misses)
+    assert int(ta.attn.misses.sum()) + int(ta.attn.hits.sum()) > 0
+
+
 # ----- asynchronous decode (EngineConfig.async_decode) ---------------------------------
 
 
