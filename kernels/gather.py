@@ -32,11 +32,6 @@ from kernels._launch import (
 )
 from kernels.fp8_kv import FP8, fp8_dequantize_ref
 
-# Load-list entries per program of the gather kernels. A step's load lists are mostly
-# hits (-1: 95 % at 128K with the real model), so a program per entry mostly starts,
-# reads one index and retires.
-GATHER_ENTRIES = 4
-
 
 def gather_ref(
     kv_pool: torch.Tensor,
@@ -82,26 +77,6 @@ def gather_ref(
 
 
 @triton.jit
-def _load_entry(
-    entry, num_entries, num_kv_heads, k_max,
-    load_pages_ptr, load_slots_ptr, block_table_ptr,
-    stride_bt_b, stride_lp_b, stride_lp_h, stride_ls_b, stride_ls_h,
-):
-    """Load-list entry ``entry`` (flat over ``[B, Hkv, K]``): its KV head, its slot (-1:
-    no load, or past the list) and, for a load, its pool page (int64)."""
-    k = entry % k_max
-    bh = entry // k_max
-    h = bh % num_kv_heads
-    b = bh // num_kv_heads
-    slot = tl.load(
-        load_slots_ptr + b * stride_ls_b + h * stride_ls_h + k, mask=entry < num_entries, other=-1
-    )
-    page = tl.load(load_pages_ptr + b * stride_lp_b + h * stride_lp_h + k, mask=slot >= 0, other=0)
-    pool_page = tl.load(block_table_ptr + b * stride_bt_b + page, mask=slot >= 0, other=0)
-    return h, slot, pool_page.to(tl.int64)
-
-
-@triton.jit
 def _gather_kernel(
     pool_ptr,
     slots_ptr,
@@ -119,30 +94,27 @@ def _gather_kernel(
     stride_lp_h,
     stride_ls_b,
     stride_ls_h,
-    num_entries,
     BLOCK: tl.constexpr,
-    ENTRIES: tl.constexpr,
 ):
-    """``ENTRIES`` consecutive load-list entries, one chunk of ``BLOCK`` words of each:
-    copy those that are loads.
+    """One (load-list entry, chunk of ``BLOCK`` words): copy it if the entry is a load.
 
-    Records are copied as 32-bit words, so the copy is byte-exact for every dtype. Most
-    entries are hits (no load): a program per entry would spend most of the launch
-    starting and retiring programs that copy nothing.
+    Records are copied as 32-bit words, so the copy is byte-exact for every dtype.
     """
+    entry = tl.program_id(0)
     chunk = tl.program_id(1)
-    for i in tl.static_range(ENTRIES):
-        h, slot, pool_page = _load_entry(
-            tl.program_id(0) * ENTRIES + i, num_entries, num_kv_heads, k_max,
-            load_pages_ptr, load_slots_ptr, block_table_ptr,
-            stride_bt_b, stride_lp_b, stride_lp_h, stride_ls_b, stride_ls_h,
-        )
-        if slot >= 0:
-            src = pool_ptr + pool_page * stride_pool_p + h * stride_pool_h
-            dst = slots_ptr + slot.to(tl.int64) * stride_slots_n
-            offs = chunk * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < record_words
-            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+    k = entry % k_max
+    bh = entry // k_max
+    h = bh % num_kv_heads
+    b = bh // num_kv_heads
+    slot = tl.load(load_slots_ptr + b * stride_ls_b + h * stride_ls_h + k)
+    if slot >= 0:
+        page = tl.load(load_pages_ptr + b * stride_lp_b + h * stride_lp_h + k)
+        pool_page = tl.load(block_table_ptr + b * stride_bt_b + page).to(tl.int64)
+        src = pool_ptr + pool_page * stride_pool_p + h * stride_pool_h
+        dst = slots_ptr + slot.to(tl.int64) * stride_slots_n
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < record_words
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
 def _as_words(name: str, t: torch.Tensor, lead: int) -> torch.Tensor:
@@ -214,7 +186,7 @@ def gather(
         return
     record_words = pool_words.shape[2] * pool_words.shape[3] * pool_words.shape[4]
     block = min(4096, next_pow2(record_words))
-    grid = (-(-b * hkv * k_max // GATHER_ENTRIES), -(-record_words // block))
+    grid = (b * hkv * k_max, -(-record_words // block))
     _gather_kernel[grid](
         pool_words,
         slot_words,
@@ -232,9 +204,7 @@ def gather(
         load_pages.stride(1),
         load_slots.stride(0),
         load_slots.stride(1),
-        b * hkv * k_max,
         BLOCK=block,
-        ENTRIES=GATHER_ENTRIES,
         num_warps=8,
     )
 
@@ -260,40 +230,37 @@ def _gather_fp8_kernel(
     stride_lp_h,
     stride_ls_b,
     stride_ls_h,
-    num_entries,
     D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    ENTRIES: tl.constexpr,
 ):
-    """``ENTRIES`` consecutive load-list entries, one block of ``BLOCK_R`` rows of each:
-    dequantise the rows of those that are loads.
+    """One (load-list entry, block of ``BLOCK_R`` rows): dequantise the rows of a load.
 
     A record is ``2 x S`` rows of ``D`` fp8 values (keys then values) with one int8
     exponent per row; row ``r`` of the slot gets ``q[r] * 2**e[r]`` in the slots' dtype.
     """
+    entry = tl.program_id(0)
     chunk = tl.program_id(1)
-    for i in tl.static_range(ENTRIES):
-        h, slot, pool_page = _load_entry(
-            tl.program_id(0) * ENTRIES + i, num_entries, num_kv_heads, k_max,
-            load_pages_ptr, load_slots_ptr, block_table_ptr,
-            stride_bt_b, stride_lp_b, stride_lp_h, stride_ls_b, stride_ls_h,
-        )
-        if slot >= 0:
-            rows = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
-            cols = tl.arange(0, BLOCK_D)
-            rmask = rows < num_rows
-            mask = rmask[:, None] & (cols < D)[None, :]
-            offs = rows[:, None] * D + cols[None, :]
-            src = pool_ptr + pool_page * stride_pool_p + h * stride_pool_h
-            q = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-            e = tl.load(
-                scale_ptr + pool_page * stride_sc_p + h * stride_sc_h + rows, mask=rmask, other=0
-            )
-            scale = ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-            out = q * scale[:, None]
-            dst = slots_ptr + slot.to(tl.int64) * stride_slots_n
-            tl.store(dst + offs, out.to(slots_ptr.dtype.element_ty), mask=mask)
+    k = entry % k_max
+    bh = entry // k_max
+    h = bh % num_kv_heads
+    b = bh // num_kv_heads
+    slot = tl.load(load_slots_ptr + b * stride_ls_b + h * stride_ls_h + k)
+    if slot >= 0:
+        page = tl.load(load_pages_ptr + b * stride_lp_b + h * stride_lp_h + k)
+        pool_page = tl.load(block_table_ptr + b * stride_bt_b + page).to(tl.int64)
+        rows = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_D)
+        rmask = rows < num_rows
+        mask = rmask[:, None] & (cols < D)[None, :]
+        offs = rows[:, None] * D + cols[None, :]
+        src = pool_ptr + pool_page * stride_pool_p + h * stride_pool_h
+        q = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        e = tl.load(scale_ptr + pool_page * stride_sc_p + h * stride_sc_h + rows, mask=rmask, other=0)
+        scale = ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+        out = q * scale[:, None]
+        dst = slots_ptr + slot.to(tl.int64) * stride_slots_n
+        tl.store(dst + offs, out.to(slots_ptr.dtype.element_ty), mask=mask)
 
 
 def gather_fp8(
@@ -353,7 +320,7 @@ def gather_fp8(
     num_rows = two * s
     block_d = next_pow2(d)
     block_r = max(1, min(next_pow2(num_rows), 4096 // block_d))
-    grid = (-(-b * hkv * k_max // GATHER_ENTRIES), -(-num_rows // block_r))
+    grid = (b * hkv * k_max, -(-num_rows // block_r))
     _gather_fp8_kernel[grid](
         kv_pool,
         pool_scale,
@@ -374,10 +341,8 @@ def gather_fp8(
         load_pages.stride(1),
         load_slots.stride(0),
         load_slots.stride(1),
-        b * hkv * k_max,
         D=d,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
-        ENTRIES=GATHER_ENTRIES,
         num_warps=8,
     )

