@@ -108,6 +108,17 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 DEVICE_KINDS = ("cpu", "cuda")
 
 
+def job_where(spec: Any) -> str:
+    """Where a job comes from, for its error messages: its document's path (``and N
+    more`` for a job over several), else its origin (``manifest:line`` or ``command
+    line``)."""
+    inputs = list(getattr(spec, "inputs", ()) or ())
+    if not inputs:
+        return str(spec.origin)
+    more = f" and {len(inputs) - 1} more" if len(inputs) > 1 else ""
+    return f"{inputs[0]}{more}"
+
+
 class UsageError(Exception):
     """The command line cannot work as given (exit 2)."""
 
@@ -686,6 +697,7 @@ def machine_problems(config: EngineConfig, request: RunRequest, manifest: Manife
         lambda: check_devices(config, request.preset, engine, flags),
         lambda: check_trace_path(config),
         lambda: check_max_context(config, request, manifest),
+        lambda: check_max_new_tokens(config, request, manifest),
         lambda: check_host_pool(config),
     ]
     problems = []
@@ -1238,7 +1250,7 @@ class BatchRun:
             if documents is not None:
                 planned = planned.with_documents(documents)
             why = too_long_message(len(ids), max_tokens, limit, self.config.context_policy)
-            refused.append((planned, why))
+            refused.append((planned, f"{job_where(spec)}: {why}"))
         if refused:  # documents that fit are not mentioned
             self.reporter.note(
                 f"counted the tokens of {len(found)} document(s) that could exceed the context, "
@@ -1373,10 +1385,11 @@ class BatchRun:
             self.prompt_tokens[spec.id] = len(prompt_ids)
         except PromptTooLong as exc:
             self.final[spec.id] = FINAL_PROMPT  # the same key fails the same way again
-            self._handle(JobFailed(self.clock(), spec.id, str(exc)))
+            self._handle(JobFailed(self.clock(), spec.id, f"{job_where(spec)}: {exc}"))
             return []
         except Exception as exc:  # noqa: BLE001 - one bad job must not stop the batch
-            self._handle(JobFailed(self.clock(), spec.id, f"cannot prepare the prompt: {exc}"))
+            why = f"{job_where(spec)}: cannot prepare the prompt: {exc}"
+            self._handle(JobFailed(self.clock(), spec.id, why))
             return []
         meta = {"key": planned.key, "output": spec.output}
         source = str(spec.inputs[0]) if spec.inputs else spec.origin

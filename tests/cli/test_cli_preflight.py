@@ -156,6 +156,18 @@ def test_print_config_reports_what_would_refuse_the_run(cli, docs, tmp_path, mon
     assert "problems" not in json.loads(clean.stdout)
 
 
+def test_print_config_reports_a_max_new_tokens_that_cannot_fit(cli, docs, tmp_path):
+    """The run refuses it (exit 2, below); --print-config says so under ``problems``."""
+    model = str(tiny_gguf(tmp_path / "m.gguf"))
+    args = ("docs/alpha.txt", "--model", model, "--max-new-tokens", "100000")
+    result = cli(*args, "--print-config")
+    assert result.exit_code == 0, result.output
+    (problem,) = json.loads(result.stdout)["problems"]
+    assert "--max-new-tokens 100,000 cannot fit the model's context of 2,048" in problem
+    assert "a run would be refused here: --max-new-tokens 100,000" in result.stderr
+    assert cli(*args, engine=never_load).exit_code == 2
+
+
 def test_device_cuda_without_cuda_exits_2_before_loading(cli, docs, tmp_path, monkeypatch):
     monkeypatch.setattr(runner_module, "cuda_device_count", lambda: 0)
     result = cli("docs/alpha.txt", "--device", "cuda", engine=never_load)

@@ -592,7 +592,7 @@ def test_a_prompt_that_cannot_fit_is_refused_without_tokenising(cli, docs, tmp_p
     assert tokenizer.encoded == [] and engine.seen == []  # never tokenised, never queued
     (record,) = read_results(tmp_path / "hisparse-out")[-1:]
     assert record["id"] == "doc" and record["ok"] is False and record["prompt_tokens"] is None
-    assert f"prompt of at least {tokens + 1} tokens" in record["error"]
+    assert f"doc.txt: prompt of at least {tokens + 1} tokens" in record["error"]
     assert f"exceeds the context limit of {tokens + 4} tokens" in record["error"]
     assert "--context-policy truncate" in record["error"]
 
@@ -1144,7 +1144,8 @@ def test_a_document_over_the_context_fails_before_the_model_loads(cli, docs, tmp
         engine=(factory := testing.fake_engine_factory(limit=400)),
     )  # fmt: skip
     assert result.exit_code == 1
-    assert "FAILED long: prompt of " in result.stderr
+    err = " ".join(result.stderr.split())
+    assert f"FAILED long: {docs / 'long.txt'}: prompt of " in err  # names the file
     assert "exceeds the context limit of 400 tokens" in result.stderr
     assert "--context-policy extend" in result.stderr  # the choices
     assert "counted the tokens of 2 document(s) that could exceed the context" in result.stdout
