@@ -21,7 +21,9 @@ the README); ``HISPARSE_PRESETS_DIR`` overrides it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,14 @@ from typing import Any
 import yaml
 
 from engine.capacity.planner import Hardware
-from engine.config import ConfigError, EngineConfig, SamplingParams, given, layered_config
+from engine.config import (
+    ConfigError,
+    EngineConfig,
+    SamplingParams,
+    given,
+    layered_config,
+    setting_problem,
+)
 
 TOP_LEVEL_KEYS = ("description", "model", "hardware", "engine", "sampling")
 ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineConfig))
@@ -141,17 +150,27 @@ def load_preset_full(name_or_path: str | Path) -> Preset:
         the wrong type, or engine/sampling settings that fail validation.
     """
     path = preset_path(name_or_path)
-    data = _read_yaml(path)
-    _check_keys(path, "", data, TOP_LEVEL_KEYS)
-    engine = _block(path, data, "engine")
-    sampling = _block(path, data, "sampling")
-    _check_keys(path, "engine.", engine, ENGINE_KEYS)
-    _check_keys(path, "sampling.", sampling, SAMPLING_KEYS)
-    _check_types(path, "engine.", engine, EngineConfig)
-    _check_types(path, "sampling.", sampling, SamplingParams)
+    data, lines = _read_yaml(path)
+    problems = _key_problems(path, lines, "", data, TOP_LEVEL_KEYS)
+    blocks = {}
+    for name in ("hardware", "engine", "sampling"):
+        blocks[name] = data.get(name) or {}
+        if not isinstance(blocks[name], dict):
+            problems.append(
+                f"{_at(path, lines, (name,))}: {name} must be a mapping, "
+                f"got {type(blocks[name]).__name__}"
+            )
+            blocks[name] = {}
+    engine, sampling = dict(blocks["engine"]), dict(blocks["sampling"])
+    problems += _key_problems(path, lines, "engine", engine, ENGINE_KEYS)
+    problems += _key_problems(path, lines, "sampling", sampling, SAMPLING_KEYS)
+    problems += _value_problems(path, lines, "engine", engine, EngineConfig, setting_problem)
+    problems += _value_problems(path, lines, "sampling", sampling, SamplingParams)
+    if problems:  # every one at once, each with its line, as a manifest's are
+        raise PresetError("\n".join(problems))
     try:
-        hardware = Hardware.from_dict(_block(path, data, "hardware"), source=str(path))
-        EngineConfig().replace(**engine).validate()
+        hardware = Hardware.from_dict(dict(blocks["hardware"]), source=str(path))
+        EngineConfig().replace(**engine).validate()  # what only clashes between settings
         _sampling(sampling).validate()
     except PresetError:
         raise
@@ -290,7 +309,9 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
     return []
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], int]]:
+    """The preset's mapping and the line (1-based) of each top-level key and of each key
+    of a block: ``("engine", "page_size") -> 27``."""
     loader = yaml.SafeLoader(path.read_text(encoding="utf-8"))
     try:
         root = loader.get_single_node()
@@ -308,47 +329,73 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise PresetError(
             f"{path}: a preset is a YAML mapping with description/hardware/engine"
         )
-    return data
+    return data, _key_lines(root)
 
 
-def _block(path: Path, data: dict[str, Any], name: str) -> dict[str, Any]:
-    block = data.get(name) or {}
-    if not isinstance(block, dict):
-        raise PresetError(
-            f"{path}: {name} must be a mapping, got {type(block).__name__}"
+def _key_lines(root: yaml.Node) -> dict[tuple[str, ...], int]:
+    lines: dict[tuple[str, ...], int] = {}
+    for key, value in root.value if isinstance(root, yaml.MappingNode) else ():
+        lines[(str(key.value),)] = key.start_mark.line + 1
+        for inner, _ in value.value if isinstance(value, yaml.MappingNode) else ():
+            lines[(str(key.value), str(inner.value))] = inner.start_mark.line + 1
+    return lines
+
+
+def _at(path: Path, lines: dict[tuple[str, ...], int], key: tuple[str, ...]) -> str:
+    """``path:line`` of ``key`` (``path`` alone where the line is not known)."""
+    line = lines.get(key)
+    return f"{path}:{line}" if line else str(path)
+
+
+def _key_problems(
+    path: Path,
+    lines: dict[tuple[str, ...], int],
+    block: str,
+    values: dict[str, Any],
+    known: tuple[str, ...],
+) -> list[str]:
+    """One message per unknown key of ``block`` ("" for the top level), with the
+    closest known key and the list of known ones."""
+    where = f"keys under {block}" if block else "top-level keys"
+    problems = []
+    for name in sorted(set(values) - set(known), key=str):
+        close = difflib.get_close_matches(str(name), known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        key = (block, str(name)) if block else (str(name),)
+        problems.append(
+            f"{_at(path, lines, key)}: {'.'.join(key)}: unknown key{hint}; "
+            f"known {where}: {', '.join(known)}"
         )
-    return dict(block)
+    return problems
 
 
-def _check_keys(
-    path: Path, prefix: str, block: dict[str, Any], known: tuple[str, ...]
-) -> None:
-    unknown = sorted(set(block) - set(known))
-    if unknown:
-        raise PresetError(
-            f"{path}: unknown key {prefix}{unknown[0]}"
-            + (
-                f" (and {', '.join(prefix + k for k in unknown[1:])})"
-                if unknown[1:]
-                else ""
-            )
-            + f"; known {'keys under ' + prefix.rstrip('.') if prefix else 'top-level keys'}: "
-            + ", ".join(known)
-        )
-
-
-def _check_types(path: Path, prefix: str, block: dict[str, Any], cls: type) -> None:
-    declared = {f.name: f.type for f in dataclasses.fields(cls)}
-    for key, value in block.items():
-        kind = str(declared[key])
+def _value_problems(
+    path: Path,
+    lines: dict[tuple[str, ...], int],
+    block: str,
+    values: dict[str, Any],
+    cls: type,
+    check: Callable[[str, Any], str | None] | None = None,
+) -> list[str]:
+    """One message per known key of ``block`` whose value has the wrong type for its
+    ``cls`` field or, with ``check``, fails ``check(name, value)`` on its own."""
+    declared = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    problems = []
+    for name, value in values.items():
+        if name not in declared:
+            continue  # reported by _key_problems
+        kind = declared[name]
         accepted = _ACCEPTED_TYPES.get(kind)
-        if accepted is None:
-            continue
-        wrong_bool = isinstance(value, bool) and bool not in accepted
-        if wrong_bool or not isinstance(value, accepted):
-            raise PresetError(
-                f"{path}: {prefix}{key} must be {_TYPE_WORDS.get(kind, kind)}, got {value!r}"
-            )
+        message = None
+        if accepted is not None and (
+            (isinstance(value, bool) and bool not in accepted) or not isinstance(value, accepted)
+        ):
+            message = f"must be {_TYPE_WORDS.get(kind, kind)}, got {value!r}"
+        elif check is not None:
+            message = check(name, value)
+        if message:
+            problems.append(f"{_at(path, lines, (block, name))}: {block}.{name}: {message}")
+    return problems
 
 
 def _preset_engine(

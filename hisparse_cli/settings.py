@@ -51,9 +51,8 @@ def preset_overrides(name: str) -> dict[str, Any]:
         from hisparse_cli.auto_preset import name_auto
 
         text = name_auto(str(exc))  # "unknown preset 'x'; ...": named once, not twice
-        raise ConfigError(
-            text if f"preset {name!r}" in text else f"preset {name!r}: {text}"
-        ) from None
+        named = f"preset {name!r}" in text or text.startswith(str(Path(name).expanduser()))
+        raise ConfigError(text if named else f"preset {name!r}: {text}") from None
 
 
 class SettingsError(ConfigError):

@@ -198,14 +198,38 @@ def test_unknown_key_names_file_and_key(tmp_path, old, new, key):
 
 def test_wrong_type_names_file_and_key(tmp_path):
     path = _write(tmp_path, GOOD.replace("page_size: 32", "page_size: '32'"))
-    with pytest.raises(PresetError, match=r"mine\.yaml: engine\.page_size must be an integer, got"):
+    with pytest.raises(PresetError, match=r"mine\.yaml:4: engine\.page_size: must be an integer, got"):
         load_preset(str(path))
 
 
 def test_invalid_value_names_file(tmp_path):
     path = _write(tmp_path, GOOD.replace("page_size: 32", "page_size: 48"))
-    with pytest.raises(PresetError, match=r"mine\.yaml: page_size: must be one of 16, 32, 64, got 48"):
+    with pytest.raises(PresetError, match=r"mine\.yaml:4: engine\.page_size: must be one of 16, 32, 64, got 48"):
         load_preset(str(path))
+
+
+def test_every_problem_at_once_with_its_line_and_the_closest_key(tmp_path):
+    """As a manifest's defaults.engine: each bad key and value of the file in one error,
+    each with its line, an unknown key with the closest known one."""
+    text = (
+        "description: test box\n"
+        "hardware: {devices: [cuda:0], memory_gb: 24, host_link_gbps: 20, host_memory_gb: 64}\n"
+        "engine:\n"
+        "  top_kk: 1024\n"
+        "  page_size: 17\n"
+        "  hierarchical: 'yes'\n"
+        "sampling:\n"
+        "  temprature: 0.0\n"
+    )
+    path = _write(tmp_path, text)
+    with pytest.raises(PresetError) as info:
+        load_preset_full(path)
+    lines = str(info.value).splitlines()
+    assert len(lines) == 4, lines
+    assert lines[0].startswith(f"{path}:4: engine.top_kk: unknown key (did you mean 'top_k'?)")
+    assert lines[1].startswith(f"{path}:8: sampling.temprature: unknown key (did you mean 'temperature'?)")
+    assert lines[2] == f"{path}:5: engine.page_size: must be one of 16, 32, 64, got 17"
+    assert lines[3] == f"{path}:6: engine.hierarchical: must be true or false, got 'yes'"
 
 
 def test_bad_hardware_value(tmp_path):
