@@ -323,7 +323,12 @@ def _gib(n: int) -> str:
 
 def _device_table(result: Plan) -> Table:
     pipeline = result.hardware.parallel == "pipeline" and len(result.devices) > 1
-    table = Table(title="device memory (GiB)", title_justify="left")
+    title = (
+        "working memory (GiB), in host RAM"
+        if result.hardware.shares_host_memory
+        else "device memory (GiB)"
+    )
+    table = Table(title=title, title_justify="left")
     table.add_column("")
     for d in result.devices:
         layers = f" L{d.layers[0]}-{d.layers[1] - 1}" if pipeline else ""
@@ -381,15 +386,19 @@ def _host_table(result: Plan, memory_source: str) -> Table:
         _gib(result.host_needed_bytes // max(result.num_jobs, 1)),
         f"host pages {host_dtype}: {records}" if host_dtype == "fp8" else records,
     )
+    shared = result.hardware.shares_host_memory  # CPU devices: no pinning, no copies
     table.add_row(
-        "pinned KV needed", _gib(result.host_needed_bytes), f"{result.num_jobs} job(s)"
+        "KV needed in the pool" if shared else "pinned KV needed",
+        _gib(result.host_needed_bytes),
+        f"{result.num_jobs} job(s)",
     )
     table.add_row(
         "host pool", _gib(result.host_pool_bytes), "host_pool_gb, within usable RAM"
     )
-    table.add_row(
-        "usable host RAM", _gib(result.host_usable_bytes), "RAM less max(10 %, 4 GiB)"
-    )
+    usable = "RAM less max(10 %, 4 GiB)"
+    if shared:
+        usable += " and the working memory above"
+    table.add_row("usable host RAM", _gib(result.host_usable_bytes), usable)
     return table
 
 
