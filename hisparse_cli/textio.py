@@ -6,7 +6,7 @@ Policy (applied in this order):
 2. Refused as binary: a known binary signature (PDF, ZIP/Office, PNG, JPEG, GIF,
    gzip, ELF), or, for ASCII-compatible encodings, more than 1% NUL bytes or more than
    5% other control bytes in the first 64 KiB (the message gives the byte offset of the
-   first NUL). A UTF-16/32 byte-order mark while decoding as UTF-8 is refused with a hint
+   first NUL or control byte). A UTF-16/32 byte-order mark while decoding as UTF-8 is refused with a hint
    to pass ``--encoding utf-16``. ``allow_binary`` (``--allow-binary``) overrides the NUL
    and control-byte test, not the signatures: such a document is decoded with
    ``errors="replace"`` and carries a :attr:`Document.warning`.
@@ -285,8 +285,8 @@ def format_reason(data: bytes, codec: str) -> str | None:
 def looks_binary(data: bytes, codec: str) -> str | None:
     """Why ``data`` looks binary by its NUL or control bytes (first 64 KiB), or ``None``.
 
-    Only for ASCII-compatible codecs; the NUL message gives the byte offset of the first
-    NUL in the file.
+    Only for ASCII-compatible codecs; the message gives the byte offset of the first NUL
+    (or control byte) in the file.
     """
     if not _ascii_compatible(codec):
         return None
@@ -301,7 +301,11 @@ def looks_binary(data: bytes, codec: str) -> str | None:
         )
     controls = sum(sample.count(b) for b in _CONTROL_BYTES)
     if controls / len(sample) > MAX_CONTROL_SHARE:
-        return f"looks binary: {controls} control bytes in the first {len(sample)} bytes"
+        first = min(i for i in (sample.find(b) for b in _CONTROL_BYTES) if i >= 0)
+        return (
+            f"looks binary: {controls} control bytes in the first {len(sample)} bytes "
+            f"(the first at byte offset {first})"
+        )
     return None
 
 

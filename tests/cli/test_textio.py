@@ -98,6 +98,14 @@ def test_binary_files_are_refused(tmp_path, data, phrase):
         read_document(write(tmp_path, "blob.bin", data))
 
 
+def test_control_byte_refusal_names_the_first_ones_offset(tmp_path):
+    path = write(tmp_path, "ctl.txt", b"plain text " + bytes(range(1, 9)) * 100)
+    with pytest.raises(DocumentError) as info:
+        read_document(path)
+    assert "800 control bytes" in str(info.value)
+    assert "first at byte offset 11" in str(info.value)
+
+
 def test_nul_refusal_names_file_first_nul_offset_and_override(tmp_path):
     path = write(tmp_path, "short.txt", b"A short note\x00 with a NUL.\n")
     with pytest.raises(DocumentError) as info:
