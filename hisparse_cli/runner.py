@@ -835,6 +835,22 @@ def _device_source(
     return f"preset {preset!r}", "use --preset cpu"
 
 
+def check_gguf_magic(path: Path) -> None:
+    """Raise :class:`UsageError` unless ``path`` starts with the GGUF magic (the four bytes
+    ``GGUF``, https://github.com/ggml-org/ggml/blob/master/docs/gguf.md): a wrong file is
+    named before the model line and the tokenizer, not after."""
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise UsageError(f"--model {path}: cannot read it: {exc.strerror or exc}") from None
+    if magic != b"GGUF":
+        raise UsageError(
+            f"--model {path}: not a GGUF file (it starts with {magic!r}, a GGUF file with "
+            "b'GGUF'); give a .gguf file or a Hugging Face model folder"
+        )
+
+
 def check_request(request: RunRequest) -> None:
     """Raise :class:`UsageError` for contradictory or impossible arguments."""
     if request.manifest is not None and request.docs:
@@ -849,6 +865,8 @@ def check_request(request: RunRequest) -> None:
         raise UsageError(f"manifest not found: {request.manifest}")
     if request.model is not None and not Path(request.model).exists():
         raise UsageError(f"model not found: {request.model}")
+    if request.model is not None and Path(request.model).is_file():
+        check_gguf_magic(Path(request.model))
     if request.errors not in ERROR_MODES:
         raise UsageError(f"--errors must be one of {', '.join(ERROR_MODES)}")
     try:

@@ -762,6 +762,18 @@ def test_config_errors_at_model_load_exit_2_without_traceback(cli, docs, error):
     assert "Traceback" not in result.stdout + result.stderr
 
 
+def test_a_model_that_is_not_gguf_exits_2_before_the_model_line(cli, docs, tmp_path):
+    (tmp_path / "notes.txt").write_text("not a model\n")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    for name, starts in (("notes.txt", "b'not '"), ("empty.gguf", "b''")):
+        load = lambda config, model: pytest.fail("model was loaded")  # noqa: E731
+        result = cli("docs/alpha.txt", "--model", str(tmp_path / name), engine=load)
+        assert result.exit_code == 2, result.output
+        err = " ".join(result.stderr.split())
+        assert f"--model {tmp_path / name}: not a GGUF file (it starts with {starts}" in err
+        assert "loading model" not in result.stdout + result.stderr
+
+
 def test_host_pool_larger_than_memory_exits_2_before_loading(cli, docs, monkeypatch):
     import engine.load
 
