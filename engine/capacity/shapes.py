@@ -189,9 +189,20 @@ def shape_from_hf_config(path: str | Path) -> ModelConfig:
 
     ``head_dim`` defaults to ``hidden_size // num_attention_heads`` and
     ``num_key_value_heads`` to ``num_attention_heads`` (MHA), as in transformers.
+
+    Raises
+    ------
+    ConfigError
+        The file cannot be read, is not JSON, is not a JSON object, or lacks a field or
+        has one of the wrong type (the message names the file).
     """
     path = Path(path)
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read it as JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: a config.json is a JSON object, got {type(cfg).__name__}")
     try:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -213,6 +224,8 @@ def shape_from_hf_config(path: str | Path) -> ModelConfig:
         )
     except KeyError as exc:
         raise ConfigError(f"{path}: missing field {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:  # "hidden_size": "big", or a list
+        raise ConfigError(f"{path}: a field has the wrong type: {exc}") from None
     shape.validate()
     return shape
 

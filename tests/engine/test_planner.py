@@ -427,6 +427,24 @@ def test_a_file_or_folder_that_is_not_a_model_is_named_so(tmp_path):
         get_model_shape(str(tmp_path))
 
 
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('{"hidden_size": 8\n"x": 1}', "cannot read it as JSON: Expecting ',' delimiter"),
+        ("[1, 2]", "a config.json is a JSON object, got list"),
+        ('{"num_attention_heads": "x", "hidden_size": 8, "num_hidden_layers": 2}',
+         "a field has the wrong type"),
+    ],
+)
+def test_a_bad_config_json_is_named_not_a_traceback(tmp_path, text, says):
+    """Fresh-user finding: `plan --model FOLDER` with a malformed config.json ended in
+    a JSONDecodeError / TypeError traceback (exit 1)."""
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError) as info:
+        get_model_shape(str(tmp_path))
+    assert str(info.value).startswith(f"{tmp_path / 'config.json'}: ") and says in str(info.value)
+
+
 def test_model_from_hf_config_json(tmp_path):
     cfg = {
         "model_type": "llama",
