@@ -748,9 +748,31 @@ class SamplingParams:
         return self.seed if self.seed is not None else job_seed(job_id)
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_tokens <= 0:
-            raise ConfigError(f"max_tokens must be > 0, got {self.max_tokens}")
+        """Raise :class:`ConfigError` naming the first field at fault
+        (:func:`sampling_problem`)."""
+        for f in dataclasses.fields(self):
+            problem = sampling_problem(f.name, getattr(self, f.name))
+            if problem:
+                raise ConfigError(f"{f.name} {problem}")
+
+
+MAX_SEED = 2**64 - 1
+"""Largest sampling seed (the generator takes an unsigned 64-bit seed)."""
+
+
+def sampling_problem(name: str, value: Any) -> str | None:
+    """What is wrong with ``value`` for :class:`SamplingParams` field ``name`` on its own
+    (its type is checked where it is read; the message leaves the name out), or ``None``."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None  # seed None, stop: nothing to range-check
+    if name == "temperature" and not value >= 0:
+        return f"must be >= 0, got {value}"
+    if name == "top_p" and not 0 < value <= 1:
+        return f"must be in (0, 1], got {value}"
+    if name == "max_tokens" and value <= 0:
+        return f"must be > 0, got {value}"
+    if name == "top_k" and value < 0:
+        return f"must be >= 0 (0: off), got {value}"
+    if name == "seed" and not 0 <= value <= MAX_SEED:
+        return f"must be from 0 to {MAX_SEED} (2**64 - 1), got {value}"
+    return None

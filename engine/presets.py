@@ -37,10 +37,12 @@ from engine.config import (
     SamplingParams,
     given,
     layered_config,
+    sampling_problem,
     setting_problem,
 )
 
 TOP_LEVEL_KEYS = ("description", "model", "hardware", "engine", "sampling")
+HARDWARE_KEYS = tuple(f.name for f in dataclasses.fields(Hardware))
 ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -150,8 +152,8 @@ def load_preset_full(name_or_path: str | Path) -> Preset:
         the wrong type, or engine/sampling settings that fail validation.
     """
     path = preset_path(name_or_path)
-    data, lines = _read_yaml(path)
-    problems = _key_problems(path, lines, "", data, TOP_LEVEL_KEYS)
+    data, lines, problems = _read_yaml(path)
+    problems += _key_problems(path, lines, "", data, TOP_LEVEL_KEYS)
     blocks = {}
     for name in ("hardware", "engine", "sampling"):
         blocks[name] = data.get(name) or {}
@@ -162,10 +164,13 @@ def load_preset_full(name_or_path: str | Path) -> Preset:
             )
             blocks[name] = {}
     engine, sampling = dict(blocks["engine"]), dict(blocks["sampling"])
-    problems += _key_problems(path, lines, "engine", engine, ENGINE_KEYS)
-    problems += _key_problems(path, lines, "sampling", sampling, SAMPLING_KEYS)
-    problems += _value_problems(path, lines, "engine", engine, EngineConfig, setting_problem)
-    problems += _value_problems(path, lines, "sampling", sampling, SamplingParams)
+    for name, block, known, cls, check in (
+        ("hardware", blocks["hardware"], HARDWARE_KEYS, Hardware, Hardware.field_problem),
+        ("engine", engine, ENGINE_KEYS, EngineConfig, setting_problem),
+        ("sampling", sampling, SAMPLING_KEYS, SamplingParams, sampling_problem),
+    ):
+        problems += _key_problems(path, lines, name, block, known)
+        problems += _value_problems(path, lines, name, block, cls, check)
     if problems:  # every one at once, each with its line, as a manifest's are
         raise PresetError("\n".join(problems))
     try:
@@ -175,7 +180,8 @@ def load_preset_full(name_or_path: str | Path) -> Preset:
     except PresetError:
         raise
     except ConfigError as exc:
-        raise PresetError(f"{path}: {exc}") from None
+        text = str(exc)
+        raise PresetError(text if text.startswith(str(path)) else f"{path}: {text}") from None
     model = data.get("model")
     return Preset(
         name=path.stem,
@@ -309,10 +315,17 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
     return []
 
 
-def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], int]]:
-    """The preset's mapping and the line (1-based) of each top-level key and of each key
-    of a block: ``("engine", "page_size") -> 27``."""
-    loader = yaml.SafeLoader(path.read_text(encoding="utf-8"))
+def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], int], list[str]]:
+    """The preset's mapping, the line (1-based) of each top-level key and of each key of a
+    block (``("engine", "page_size") -> 27``), and a problem for each key given twice (YAML
+    keeps the last silently)."""
+    with path.open(encoding="utf-8") as stream:  # YAML's messages name the file
+        return _compose(path, yaml.SafeLoader(stream))
+
+
+def _compose(
+    path: Path, loader: yaml.SafeLoader
+) -> tuple[dict[str, Any], dict[tuple[str, ...], int], list[str]]:
     try:
         root = loader.get_single_node()
         if root is not None and yaml_expanded_size(root) > MAX_YAML_VALUES:
@@ -329,16 +342,29 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], int]]:
         raise PresetError(
             f"{path}: a preset is a YAML mapping with description/hardware/engine"
         )
-    return data, _key_lines(root)
-
-
-def _key_lines(root: yaml.Node) -> dict[tuple[str, ...], int]:
     lines: dict[tuple[str, ...], int] = {}
-    for key, value in root.value if isinstance(root, yaml.MappingNode) else ():
-        lines[(str(key.value),)] = key.start_mark.line + 1
+    problems: list[str] = []
+    for key, value in root.value:
+        _note_line(path, lines, problems, (str(key.value),), key)
         for inner, _ in value.value if isinstance(value, yaml.MappingNode) else ():
-            lines[(str(key.value), str(inner.value))] = inner.start_mark.line + 1
-    return lines
+            _note_line(path, lines, problems, (str(key.value), str(inner.value)), inner)
+    return data, lines, problems
+
+
+def _note_line(
+    path: Path,
+    lines: dict[tuple[str, ...], int],
+    problems: list[str],
+    key: tuple[str, ...],
+    node: yaml.Node,
+) -> None:
+    line = node.start_mark.line + 1
+    if key in lines:
+        problems.append(
+            f"{path}:{line}: {'.'.join(key)}: duplicate key (first given on line {lines[key]})"
+        )
+    else:
+        lines[key] = line
 
 
 def _at(path: Path, lines: dict[tuple[str, ...], int], key: tuple[str, ...]) -> str:

@@ -90,6 +90,9 @@ LRU_MISS_RATE = 0.134
 PARALLEL_MODES = ("data", "pipeline")
 
 
+DEVICE_NAME = re.compile(r"cpu|cuda(:\d+)?")
+"""A device a preset's ``hardware.devices`` may name."""
+
 MAX_HARDWARE_FIGURE = 1_000_000
 """Largest memory (GiB) or link speed (GB/s) a hardware description may give: far past
 any machine, and small enough that its byte counts stay finite integers."""
@@ -134,22 +137,32 @@ class Hardware:
         out["devices"] = list(self.devices)
         return out
 
+    @staticmethod
+    def field_problem(name: str, value: Any) -> str | None:
+        """What is wrong with ``value`` for field ``name`` on its own (the message leaves
+        the name out: "must be one of data, pipeline, got 'x'"), or ``None``."""
+        if name == "devices":
+            if isinstance(value, str) or not isinstance(value, list | tuple) or not value:
+                return "must be a non-empty list of device names (cpu, cuda, cuda:N)"
+            bad = [d for d in value if not isinstance(d, str) or not DEVICE_NAME.fullmatch(d)]
+            if bad:
+                return f"unknown device(s) {', '.join(map(repr, bad))}: use cpu, cuda or cuda:N"
+        if name == "parallel" and value not in PARALLEL_MODES:
+            return f"must be one of {', '.join(PARALLEL_MODES)}, got {value!r}"
+        if name in ("memory_gb", "host_link_gbps", "host_memory_gb"):
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if not ok or not math.isfinite(value) or not 0 < value <= MAX_HARDWARE_FIGURE:
+                # bytes of 1e308 GiB: inf
+                return f"must be a number > 0 and <= {MAX_HARDWARE_FIGURE:,}, got {value!r}"
+        return None
+
     def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the field."""
-        if not self.devices:
-            raise ConfigError("hardware.devices must list at least one device")
-        if self.parallel not in PARALLEL_MODES:
-            raise ConfigError(
-                f"hardware.parallel={self.parallel!r} is not one of {', '.join(PARALLEL_MODES)}"
-            )
-        for name in ("memory_gb", "host_link_gbps", "host_memory_gb"):
-            value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and math.isfinite(value)
-            if not ok or not 0 < value <= MAX_HARDWARE_FIGURE:  # bytes of 1e308 GiB: inf
-                raise ConfigError(
-                    f"hardware.{name} must be a number > 0 and <= {MAX_HARDWARE_FIGURE:,}, "
-                    f"got {value!r}"
-                )
+        """Raise :class:`ConfigError` naming the first field at fault
+        (:meth:`field_problem`)."""
+        for f in dataclasses.fields(self):
+            problem = self.field_problem(f.name, getattr(self, f.name))
+            if problem:
+                raise ConfigError(f"hardware.{f.name}: {problem}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "hardware") -> Hardware:
