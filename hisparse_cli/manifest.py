@@ -149,6 +149,7 @@ def load_manifest(
     path: Path | str,
     overrides: Mapping[str, Any] | None = None,
     earlier_jobs: Sequence[EarlierJob] = (),
+    sampling_base: Entry | None = None,
 ) -> Manifest:
     """Read and validate a YAML or JSONL manifest.
 
@@ -163,6 +164,9 @@ def load_manifest(
         Jobs earlier runs recorded in the output directory
         (:func:`hisparse_cli.results.earlier_jobs`): jobs without an ``id`` over the same
         inputs keep their ids; other derived ids avoid their ids and output files.
+    sampling_base
+        Sampling fields below the manifest's (the preset's ``sampling`` block,
+        :func:`hisparse_cli.settings.preset_sampling`).
 
     Raises
     ------
@@ -172,15 +176,20 @@ def load_manifest(
     path = Path(path)
     raw = read_manifest_file(path)
     if raw.batch is not None:
-        return _build_batch(raw, str(path), overrides)
-    return _build(raw, path.parent, overrides, earlier_jobs)
+        return _build_batch(raw, str(path), overrides, sampling_base)
+    return _build(raw, path.parent, overrides, earlier_jobs, sampling_base=sampling_base)
 
 
 BATCH_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 """Job flags that apply to an OpenAI batch (they beat each request's body)."""
 
 
-def _build_batch(raw: RawManifest, file: str, overrides: Mapping[str, Any] | None) -> Manifest:
+def _build_batch(
+    raw: RawManifest,
+    file: str,
+    overrides: Mapping[str, Any] | None,
+    sampling_base: Entry | None = None,
+) -> Manifest:
     """Jobs of an OpenAI-batch manifest (:mod:`hisparse_cli.openai_batch`): bad lines are
     rejected one by one (the rest run); a flag that cannot apply (``--task``, ``--prompt``,
     ...) or a bad flag value is a :class:`ManifestError`."""
@@ -202,7 +211,8 @@ def _build_batch(raw: RawManifest, file: str, overrides: Mapping[str, Any] | Non
     jobs = []
     for request in requests:
         ident = openai_batch.job_id_for(request.custom_id, taken)
-        sampling = openai_batch.sampling_params({**request.sampling, **cli.values})
+        base = sampling_base.values if sampling_base is not None else {}
+        sampling = openai_batch.sampling_params({**base, **request.sampling, **cli.values})
         jobs.append(
             JobSpec(
                 ident, (), TaskSpec(task=openai_batch.CHAT_TASK), sampling,
@@ -221,6 +231,7 @@ def jobs_from_paths(
     base: Path | None = None,
     earlier_jobs: Sequence[EarlierJob] = (),
     stdin_sha256: str | None = None,
+    sampling_base: Entry | None = None,
 ) -> Manifest:
     """One job per document (the short form ``hisparse run docs/*.txt``).
 
@@ -240,6 +251,8 @@ def jobs_from_paths(
         SHA-256 of standard input's bytes when ``-`` is among ``patterns``: standard
         input with the text of an earlier job over standard input keeps its id, other
         text gets another id (never taking over an earlier result).
+    sampling_base
+        As for :func:`load_manifest`.
 
     Raises
     ------
@@ -284,7 +297,7 @@ def jobs_from_paths(
         raw.jobs.append(Entry(COMMAND_LINE, label, None, values))
     if stdin_id is not None:  # after the files
         raw.jobs.append(Entry(COMMAND_LINE, STDIN_LABEL, None, {"id": stdin_id, "input": "-"}))
-    manifest = _build(raw, base, overrides, warnings=warnings)
+    manifest = _build(raw, base, overrides, warnings=warnings, sampling_base=sampling_base)
     # a glob that gives no document has no job to fail: refused as an input, the rest run
     return dataclasses.replace(manifest, rejected=tuple(UnmatchedInput(p) for p in unmatched))
 
@@ -317,6 +330,7 @@ def _build(
     overrides: Mapping[str, Any] | None,
     earlier_jobs: Sequence[EarlierJob] = (),
     warnings: list[str] | None = None,
+    sampling_base: Entry | None = None,
 ) -> Manifest:
     problems = raw.problems
     warnings = [] if warnings is None else warnings
@@ -325,7 +339,7 @@ def _build(
     defaults = raw.defaults and _clean(raw.defaults, problems, allowed=_DEFAULT_FIELDS)
     engine = _engine_settings(raw.engine, problems)
     jobs = [_clean(e, problems, allowed=JOB_FIELDS) for e in raw.jobs]
-    merged = [_merge([defaults, job, cli]) for job in jobs]
+    merged = [_merge([sampling_base, defaults, job, cli]) for job in jobs]
     inputs = [
         _job_inputs(m, job, base, problems, warnings) for m, job in zip(merged, jobs, strict=True)
     ]

@@ -106,7 +106,10 @@ Question = Annotated[
 MaxNewTokens = Annotated[
     int | None,
     typer.Option(
-        help="New tokens per job." + default_is("256"), show_default=False, rich_help_panel=SAMPLING
+        help="New tokens per job."
+        + default_is("the preset's sampling.max_tokens: 256 on cpu, 512 on the GPU presets"),
+        show_default=False,
+        rich_help_panel=SAMPLING,
     ),
 ]
 Temperature = Annotated[

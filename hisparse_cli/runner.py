@@ -90,6 +90,7 @@ from hisparse_cli.settings import (
     config_document,
     engine_flag,
     job_settings,
+    preset_sampling,
     resolve_engine_config,
     save_config,
 )
@@ -158,6 +159,13 @@ class RunRequest:
     def text_options(self) -> dict[str, str]:
         """How documents are decoded; part of every job's resume key."""
         return {"encoding": self.encoding, "errors": self.errors}
+
+
+def import_engine_modules() -> None:
+    """Import :mod:`engine.load` and with it torch, triton and the kernels (a hook tests
+    replace): their native extensions load here, where a stop signal is only recorded
+    (:class:`_StopSignalsDeferred`)."""
+    import engine.load  # noqa: F401
 
 
 def load_engine(config: EngineConfig, model: str | None) -> Any:
@@ -497,9 +505,10 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
     """
     check_request(request)
     earlier = earlier_jobs(request.output_dir) if request.output_dir.is_dir() else []
+    sampling = preset_sampling(request.preset)
     if request.manifest is not None:
         try:
-            manifest = load_manifest(request.manifest, request.job_overrides, earlier)
+            manifest = load_manifest(request.manifest, request.job_overrides, earlier, sampling)
         except ManifestError as exc:  # add the combined engine settings' problems, if any
             try:
                 resolve_engine_config(
@@ -513,7 +522,11 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
     elif request.docs:
         stdin_sha256 = None if request.stdin is None else hashlib.sha256(request.stdin).hexdigest()
         manifest = jobs_from_paths(
-            request.docs, request.job_overrides, earlier_jobs=earlier, stdin_sha256=stdin_sha256
+            request.docs,
+            request.job_overrides,
+            earlier_jobs=earlier,
+            stdin_sha256=stdin_sha256,
+            sampling_base=sampling,
         )
     else:
         manifest = Manifest((), {})
@@ -958,6 +971,32 @@ class _SigintCanceller:
             signal.signal(sig, previous)
 
 
+class _StopSignalsDeferred:
+    """While active, SIGINT and SIGTERM are only recorded (``signals``, in order): the
+    model load's imports of torch and triton load native extensions that call back into
+    Python, and a ``KeyboardInterrupt`` raised inside such a callback aborts the process
+    (``terminate called after throwing an instance of 'nanobind::python_error'``, exit 134,
+    no summary) — a fresh user's SIGTERM 3 s into a run did. The caller stops after the
+    block (:func:`import_engine_modules`: a few seconds; the weights' load after it stays
+    interruptible)."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.signals.append(signum)
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
 class _SigtermAsInterrupt:
     """While active, SIGTERM raises ``KeyboardInterrupt`` (as Ctrl-C does) so the run
     records what it has and prints the summary; ``received`` says whether it came."""
@@ -1321,6 +1360,11 @@ class BatchRun:
                 )
         started = self.clock()
         load_started = time.monotonic()
+        with _StopSignalsDeferred() as stop:
+            import_engine_modules()
+        if stop.signals:  # Ctrl-C or SIGTERM during the imports: stop now it is safe
+            self.sigterm.received = stop.signals[0] == signal.SIGTERM
+            raise KeyboardInterrupt
         try:
             engine = load_engine(self.config, self.request.model)
         except Exception as exc:  # noqa: BLE001 - any load failure ends the run cleanly

@@ -30,23 +30,52 @@ CONFIG_FILE = "config.json"
 
 
 def preset_overrides(name: str) -> dict[str, Any]:
-    """EngineConfig overrides of preset ``name`` (``engine.presets.load_preset``).
-
-    While ``engine.presets`` does not exist every preset is empty.
+    """EngineConfig overrides of preset ``name`` (the preset's ``engine`` block).
 
     Raises
     ------
     ConfigError
         The preset is unknown or malformed (the message names it).
     """
+    preset = _load_preset(name)
+    return {} if preset is None else dict(preset.engine)
+
+
+PRESET_SAMPLING_FIELDS = {"max_tokens": "max_new_tokens"}
+"""A preset ``sampling`` key -> the job field it sets, where the names differ."""
+
+
+def preset_sampling(name: str) -> Entry | None:
+    """The ``sampling`` block of preset ``name`` as the lowest layer of every job's
+    sampling fields (below the manifest's defaults, the job and the flags; a preset's
+    ``max_tokens`` is the jobs' ``max_new_tokens``), or ``None`` when it sets none.
+
+    Raises
+    ------
+    ConfigError
+        The preset is unknown or malformed (the message names it).
+    """
+    preset = _load_preset(name)
+    if preset is None or not preset.sampling:
+        return None
+    values = {
+        PRESET_SAMPLING_FIELDS.get(key, key): list(value) if key == "stop" else value
+        for key, value in preset.sampling.items()
+    }
+    return Entry(str(preset.path), "preset sampling", None, values)
+
+
+def _load_preset(name: str) -> Any:
+    """:func:`engine.presets.load_preset_full` of ``name`` (``None`` while
+    ``engine.presets`` does not exist), its errors as a :class:`ConfigError` naming it."""
     try:
-        from engine.presets import load_preset
+        from engine.presets import load_preset_full
     except ModuleNotFoundError as exc:
         if exc.name != "engine.presets":
             raise
-        return {}
+        return None
     try:
-        return dict(load_preset(name))
+        return load_preset_full(name)
     except (OSError, KeyError, ValueError) as exc:  # ConfigError is a ValueError
         from hisparse_cli.auto_preset import name_auto
 

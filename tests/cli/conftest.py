@@ -19,6 +19,7 @@ def cli(tmp_path, monkeypatch):
     monkeypatch.setattr(runner_module, "cuda_device_count", lambda: 0)  # --preset auto -> cpu
     monkeypatch.setattr(runner_module, "cuda_device_memory_gib", lambda index: 24.0)
     monkeypatch.setattr(runner_module, "warm_cuda", lambda config, marks: None)  # fake engine
+    monkeypatch.setattr(runner_module, "import_engine_modules", lambda: None)  # no torch
     monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "256")
     monkeypatch.setattr(
         runner_module, "free_cpu_threads", lambda config: None

@@ -48,7 +48,12 @@ def test_run_flags_have_no_bool_placeholder_and_pair_with_no():
 def test_run_defaults_are_shown_as_values():
     text = CliRunner().invoke(app, ["run", "--help"], env=WIDE).stdout
     assert "[default: (" not in text
-    for default in ("[default: 256]", "[default: auto]", "[default: 2 x --top-k-tokens]"):
+    defaults = (
+        "[default: the preset's sampling.max_tokens: 256 on cpu, 512 on the GPU presets]",
+        "[default: auto]",
+        "[default: 2 x --top-k-tokens]",
+    )
+    for default in defaults:
         assert default in text
 
 

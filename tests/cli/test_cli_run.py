@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from engine.config import ConfigError, job_seed
@@ -325,6 +326,33 @@ def test_print_config_precedence(cli, docs, tmp_path, monkeypatch):
     assert engine["max_batch"] == 16  # flag beats manifest
     assert engine["trace_path"] == "t.json"
     assert not (tmp_path / "hisparse-out").exists()
+
+
+def test_a_presets_sampling_block_is_each_jobs_default(cli, docs, tmp_path):
+    """A fresh user's preset file set max_tokens 3 and a temperature, and run generated
+    the built-in 256 greedy tokens: the block was checked, then ignored. It is the lowest
+    layer of every job's sampling: manifest defaults, the job and flags beat it."""
+    preset = yaml.safe_load((Path(__file__).parents[2] / "presets" / "cpu.yaml").read_text())
+    preset["sampling"] = {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 7,
+                          "stop": ["END"], "max_tokens": 3}  # fmt: skip
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(preset))
+    args = ("--preset", "mine.yaml", "--print-config")
+    (job,) = json.loads(cli("docs/alpha.txt", *args).stdout)["jobs"]
+    assert job["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 7,
+                               "stop": ["END"], "max_tokens": 3}  # fmt: skip
+    (job,) = json.loads(cli("docs/alpha.txt", *args, "--max-new-tokens", "9").stdout)["jobs"]
+    assert job["sampling"]["max_tokens"] == 9 and job["sampling"]["top_k"] == 5
+    (tmp_path / "jobs.yaml").write_text(
+        "defaults: {temperature: 0.0}\njobs:\n  - {input: docs/alpha.txt, top_k: 2}\n"
+    )
+    (job,) = json.loads(cli("--manifest", "jobs.yaml", *args).stdout)["jobs"]
+    assert job["sampling"]["temperature"] == 0.0 and job["sampling"]["top_k"] == 2
+    assert job["sampling"]["max_tokens"] == 3 and job["sampling"]["stop"] == ["END"]
+    engine = testing.fake_engine_factory()
+    result = cli("docs/alpha.txt", "--preset", "mine.yaml", "--device", "cpu", engine=engine)
+    assert result.exit_code == 0, result.output
+    (seen,) = engine.engines[0].seen
+    assert seen.sampling.max_tokens == 3 and seen.sampling.temperature == 0.7
 
 
 def test_print_config_lists_each_jobs_task_and_sampling(cli, docs, tmp_path):
@@ -834,6 +862,24 @@ def test_sigterm_while_loading_the_model_prints_the_summary_and_exits_143(cli, d
     result = cli("docs/alpha.txt", engine=slow_load)
     assert result.exit_code == 143
     assert "interrupted" in result.stdout
+
+
+def test_a_stop_signal_during_the_engine_imports_waits_for_them(cli, docs, monkeypatch):
+    """SIGTERM 3 s into a run, while triton was imported, aborted the process (exit 134,
+    a C++ terminate, no summary): during the imports a stop signal is only recorded, and
+    the run stops, exit 143 with its summary, once they are done, before the load."""
+    done = []
+
+    def imports():
+        os.kill(os.getpid(), signal.SIGTERM)
+        done.append("imports finished")  # a KeyboardInterrupt here is what aborted
+
+    monkeypatch.setattr(runner_module, "import_engine_modules", imports)
+    previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    result = cli("docs/alpha.txt", engine=lambda config, model: pytest.fail("loaded"))
+    assert result.exit_code == 143 and done == ["imports finished"]
+    assert "interrupted" in result.stdout
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == previous
 
 
 def test_threads_flag_sets_num_threads(cli, docs, monkeypatch):

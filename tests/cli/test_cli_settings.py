@@ -70,11 +70,11 @@ def test_missing_presets_module_means_empty(monkeypatch):
 def test_preset_errors_become_config_errors(monkeypatch):
     import types
 
-    def load_preset(name):
+    def load_preset_full(name):
         raise KeyError(name)
 
     monkeypatch.setitem(
-        sys.modules, "engine.presets", types.SimpleNamespace(load_preset=load_preset)
+        sys.modules, "engine.presets", types.SimpleNamespace(load_preset_full=load_preset_full)
     )
     with pytest.raises(ConfigError, match="preset 'moon'"):
         settings.preset_overrides("moon")
