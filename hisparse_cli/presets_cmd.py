@@ -420,6 +420,9 @@ def _render_plan(result: Plan, preset_name: str, memory_source: str) -> None:
     )
     if cap.binding == "max_batch":
         device, binds = f"max_batch allows {cap.device_limit}", "[bold]max_batch[/] binds: raise --max-batch"
+    elif cap.binding == "max_batch+host":
+        device = f"max_batch allows {cap.device_limit}"
+        binds = "[bold]max_batch[/] and [bold]host[/] memory bind"
     else:
         device, binds = f"device memory allows {cap.device_limit}", f"[bold]{cap.binding}[/] memory binds"
     console.print(f"max concurrent {ctx} jobs: [bold]{cap.max_jobs}[/] ({device}, {host}; {binds})")

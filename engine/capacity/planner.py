@@ -613,8 +613,8 @@ class Capacity:
     """Largest number of concurrent jobs of one context, and which bound binds.
 
     ``host_limit`` is ``None`` when the config keeps no host tier (all-resident).
-    ``binding`` is ``device``, ``host``, ``device+host`` (equal limits) or ``max_batch``
-    (the device limit is the ``max_batch`` cap, not memory).
+    ``binding`` is ``device``, ``host``, ``device+host`` (equal limits), ``max_batch``
+    (the device limit is the ``max_batch`` cap, not memory) or ``max_batch+host``.
     """
 
     max_jobs: int
@@ -649,7 +649,7 @@ def max_concurrent_jobs(
     device = "max_batch" if all(t.capped for t in tables) else "device"
     if host_limit is None or device_limit < host_limit:
         return Capacity(device_limit, device_limit, host_limit, device)
-    binding = "host" if host_limit < device_limit else "device+host"
+    binding = "host" if host_limit < device_limit else f"{device}+host"
     return Capacity(host_limit, device_limit, host_limit, binding)
 
 
@@ -843,8 +843,9 @@ def _refusals(tables, capacity, jobs, per_job_host, config, hardware) -> list[st
                 f"{t.device}: {t.num_jobs} job(s) need {_gib(t.kv_slab_bytes + t.metadata_bytes)} "
                 f"of hot KV slabs + page metadata but only "
                 f"{_gib(room)} is left after weights, scratch and "
-                f"reserve (memory holds {holds} job(s); "
-                f"{'max_batch' if t.capped else 'device memory'} allows {capacity.device_limit}{shared})"
+                f"reserve (its memory holds {holds} job(s); "
+                f"{'max_batch' if t.capped else 'device memory'} allows "
+                f"{capacity.device_limit} on all devices{shared})"
             )
     if capacity.host_limit is not None and jobs > capacity.host_limit:
         reasons.append(
@@ -872,10 +873,13 @@ def _suggestions(model, config, hardware, jobs, context, capacity) -> list[str]:
             # the device hints with it raised to ``jobs`` and say so in each hint
             raised = config.replace(max_batch=jobs)
             flag = f"--max-batch {jobs} "
-            out.extend(
-                hint.replace(": ", ": " + flag, 1)
-                for hint in _device_hints(model, raised, hardware, jobs, context)
-            )
+            if _fits(model, raised, hardware, jobs, context):  # the cap alone was in the way
+                out.append(f"more decode slots: --max-batch {jobs} (the devices hold them)")
+            else:
+                out.extend(
+                    hint.replace(": ", ": " + flag, 1)
+                    for hint in _device_hints(model, raised, hardware, jobs, context)
+                )
         else:
             out.extend(_device_hints(model, config, hardware, jobs, context))
     if capacity.host_limit is not None and capacity.host_limit < jobs:
@@ -884,25 +888,46 @@ def _suggestions(model, config, hardware, jobs, context, capacity) -> list[str]:
         metadata = _metadata_cost(
             model, config, hardware, jobs, context, capacity, pool_gb
         )
-        if needed <= host_usable_bytes(config, hardware):
+        ram_gb = math.ceil(host_memory_needed_bytes(needed, config, hardware) / GIB)
+        if metadata.endswith("room for 0 job(s)") or max(ram_gb, pool_gb) > MAX_HARDWARE_FIGURE:
+            pass  # no machine it names could run a job: not a hint
+        elif needed <= host_usable_bytes(config, hardware):
             out.append(
                 f"larger host pool: --host-pool {pool_gb} (fits in the host's RAM{metadata})"
             )
         else:
-            ram_gb = math.ceil(host_memory_needed_bytes(needed, config, hardware) / GIB)
             out.append(
                 f"more host memory: --host-memory {ram_gb} --host-pool {pool_gb}"
                 + (f" ({metadata[2:]})" if metadata else "")
             )
+        fits_host = lambda cfg: _host_holds(model, cfg, hardware, jobs, context)  # noqa: E731
         if config.kv_host_dtype == "bf16" and hierarchical(config):
-            share = "a quarter of" if config.kv_dtype == "float32" else "half"
-            out.append(f"{share} the host KV bytes: --kv-host-dtype fp8 (fp8 host pages)")
-        if config.kv_dtype == "float32":
+            if fits_host(config.replace(kv_host_dtype="fp8")):
+                share = "a quarter of" if config.kv_dtype == "float32" else "half"
+                out.append(f"{share} the host KV bytes: --kv-host-dtype fp8 (fp8 host pages)")
+        if config.kv_dtype == "float32" and fits_host(config.replace(kv_dtype="bfloat16")):
             out.append(
                 "half the KV bytes: kv_dtype bfloat16 (here --kv-dtype bfloat16; for "
                 "`hisparse run`, `kv_dtype: bfloat16` under a preset's or manifest's engine:)"
             )
+    if not out:  # no one setting fits it: the context that does
+
+        def fitting(cfg, hw, ctx) -> str | None:
+            return "" if _fits(model, cfg, hw, jobs, ctx) else None
+
+        out.extend(_shorter_context_hint(model, config, hardware, jobs, context, fitting))
     return out
+
+
+def _host_holds(model, config, hardware, jobs, context) -> bool:
+    """Whether the host pool of ``config`` holds ``jobs`` jobs of ``context`` positions
+    (no host tier: yes)."""
+    try:
+        config.validate()
+    except ConfigError:
+        return False
+    limit = max_concurrent_jobs(model, config, hardware, context).host_limit
+    return limit is None or limit >= jobs
 
 
 def _metadata_cost(model, config, hardware, jobs, context, capacity, pool_gb) -> str:
@@ -1016,14 +1041,21 @@ def _fixed_part_hints(model, config, hardware, jobs, context) -> list[str]:
         pool = fitting(config, hardware.replace(parallel="pipeline"), context)
         if pool is not None:
             hints.append(f"split the layers across the devices: --parallel pipeline{pool}")
+    hints.extend(_shorter_context_hint(model, config, hardware, jobs, context, fitting))
+    return hints
+
+
+def _shorter_context_hint(model, config, hardware, jobs, context, fitting) -> list[str]:
+    """The longest of ``context / 2, / 4, ...`` at which ``fitting(config, hardware, ctx)``
+    (``""`` or a ``--host-pool`` flag: the devices hold one job) and the host pool holds
+    ``jobs`` jobs, as a hint; ``[]`` when none down to one page does."""
     shorter = context // 2
     while shorter >= config.page_size:
         pool = fitting(config, hardware, shorter)
-        if pool is not None:
-            hints.append(f"a shorter context: --context {format_context(shorter)}{pool}")
-            break
+        if pool is not None and _host_holds(model, config, hardware, jobs, shorter):
+            return [f"a shorter context: --context {format_context(shorter)}{pool}"]
         shorter //= 2
-    return hints
+    return []
 
 
 def _smaller_buffer(model, config, hardware, jobs, context) -> EngineConfig | None:
@@ -1046,12 +1078,18 @@ def _smaller_buffer(model, config, hardware, jobs, context) -> EngineConfig | No
 
 
 def _gather_bytes_per_step(model, config, jobs, context) -> int:
-    """Estimated host->device bytes of one decode step: each (job, layer, KV head) misses
-    :data:`LRU_MISS_RATE` of its selected pages (0 when the hot buffer holds every page)."""
+    """Estimated host->device bytes of one decode step: each (job, layer, KV head) of the
+    at most ``max_batch`` jobs that decode at once misses :data:`LRU_MISS_RATE` of its
+    selected pages (0 when the hot buffer holds every page, or when a CPU device reads
+    the pool in place: ``cpu_direct_reads``)."""
     if all_resident(config) or context_pages(config, context) <= config.buffer_pages:
         return 0  # every page stays resident after its first load
+    direct = config.cpu_direct_reads and str(config.device).startswith("cpu")
+    if direct and config.kv_host_dtype != "fp8":
+        return 0  # nothing is copied (engine.decode.attention.DecodeAttention.direct)
     pages = config.max_selected_pages
-    selected = jobs * pages * model.num_layers * model.num_kv_heads * host_record_bytes(model, config)
+    decoding = min(jobs, config.max_batch)
+    selected = decoding * pages * model.num_layers * model.num_kv_heads * host_record_bytes(model, config)
     return int(selected * LRU_MISS_RATE)
 
 

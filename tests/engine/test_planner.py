@@ -133,8 +133,9 @@ def test_dual4090_8x256k_13b_fits_and_host_memory_binds():
     config, hardware = _preset("dual4090")
     result = plan(LLAMA13, config, hardware, 8, K256)
     assert result.feasible, result.reasons
-    # the pool holds 8 x 40 GiB and the slab pools max_batch = 8 jobs (4 per card)
-    assert result.capacity.binding == "device+host"
+    # the pool holds 8 x 40 GiB and the slab pools max_batch = 8 jobs (4 per card): both
+    # bind (a fresh user read "device memory allows 8" beside 18 GiB free per card)
+    assert result.capacity.binding == "max_batch+host"
     assert result.capacity.max_jobs == result.capacity.host_limit == 8
     assert result.capacity.device_limit == 8
     assert [d.num_jobs for d in result.devices] == [4, 4]
@@ -203,7 +204,8 @@ def test_host_bound_cpu_plan_offers_fp8_pages_and_how_run_takes_kv_dtype():
     pages (a run flag) first, and the bfloat16 KV hint says how `hisparse run` takes it
     (no run flag: a preset's or manifest's engine setting)."""
     config, hardware = _preset("cpu")
-    result = plan(get_model_shape("smollm2-135m"), config, hardware, 64, 32 * 1024)
+    # 10 x 32K: 14 GiB of float32 KV for the 8 GiB pool; 3.5 in fp8, 7 in bfloat16
+    result = plan(get_model_shape("smollm2-135m"), config, hardware, 10, 32 * 1024)
     assert not result.feasible
     [fp8] = [s for s in result.suggestions if "--kv-host-dtype fp8" in s]
     assert fp8.startswith("a quarter of the host KV bytes")
@@ -340,14 +342,52 @@ def test_larger_pages_are_offered_last_with_their_cost():
     assert _replan(shape, config, hardware, 24, 32 * 1024, hint).feasible
 
 
+def test_hints_a_fresh_user_followed_into_another_refusal_are_replanned():
+    """Found by a fresh user: a shorter context that the host pool still cannot hold, a
+    host memory past the 1,000,000 GiB any flag accepts, fp8 pages offered where they
+    alone do not fit, and "--max-batch 12 --device-buffer 8192" called a smaller buffer
+    when the cap was all that was in the way."""
+    config, hardware = _preset("cpu")
+    shape = get_model_shape("smollm2-135m")
+    huge = plan(shape, config, hardware, 1, 99_999_999 * 1024)
+    assert [s for s in huge.suggestions if s.startswith("a shorter context")], huge.suggestions
+    assert not [s for s in huge.suggestions if "--host-memory" in s or "fp8" in s]
+    for hint in huge.suggestions:
+        assert _replan(shape, config, hardware, 1, 99_999_999 * 1024, hint).feasible, hint
+    million = plan(shape, config, hardware, 1, 1024 * 1024)  # no one setting fits it
+    assert list(million.suggestions) == ["a shorter context: --context 128K"]
+    assert _replan(shape, config, hardware, 1, 1024 * 1024, million.suggestions[0]).feasible
+    dual, hw = _preset("dual4090")
+    twelve = plan(LLAMA13, dual, hw, 12, K256)
+    assert "more decode slots: --max-batch 12 (the devices hold them)" in twelve.suggestions
+    assert not [s for s in twelve.suggestions if "--device-buffer" in s]
+
+
+def test_io_estimate_counts_the_jobs_that_decode_at_once_and_none_on_direct_reads():
+    dual, hw = _preset("dual4090")
+    eight, twelve = (plan(LLAMA13, dual, hw, n, K256) for n in (8, 12))
+    assert dual.max_batch == 8 and twelve.gather_bytes_per_step == eight.gather_bytes_per_step > 0
+    config, hardware = _preset("cpu")
+    assert config.cpu_direct_reads
+    shape = get_model_shape("smollm2-135m")
+    assert plan(shape, config, hardware, 2, 128 * 1024).gather_bytes_per_step == 0
+    copied = config.replace(cpu_direct_reads=False)
+    assert plan(shape, copied, hardware, 2, 128 * 1024).gather_bytes_per_step > 0
+
+
 def test_larger_host_pool_hint_says_what_its_metadata_costs():
     """A host pool grown for more jobs grows its page metadata on the device too
-    (1/16 of the pool): 8 x 256K of the 40-KV-head llama2-13b need 1600 GiB of pool,
-    whose 800 / 16 = 50 GiB of metadata per card exceed a 48 GB card."""
+    (1/16 of the pool). 40 x 128K of llama2-13b-gqa8 need 800 GiB of pool, whose
+    metadata leaves room for 16 jobs: the hint says so. 8 x 256K of the 40-KV-head
+    llama2-13b need 1600 GiB, whose 800 / 16 = 50 GiB of metadata per card exceed a 48 GB
+    card: no job would run, so that pool is not offered (a fresh user followed such a
+    hint into another refusal)."""
     config, hardware = _preset("dual4090")
+    result = plan(LLAMA13, config.replace(max_batch=64), hardware, 40, 128 * 1024)
+    [hint] = [s for s in result.suggestions if "--host-pool 800" in s]
+    assert "leaves room for 16 job(s)" in hint
     result = plan(MODEL_SHAPES["llama2-13b"], config, hardware, 8, K256)
-    [hint] = [s for s in result.suggestions if "--host-pool 1600" in s]
-    assert "leaves room for 0 job(s)" in hint
+    assert not [s for s in result.suggestions if "--host-pool 1600" in s], result.suggestions
     bigger = config.replace(host_pool_gb=1600.0)
     hw = hardware.replace(host_memory_gb=2000)
     assert max_concurrent_jobs(MODEL_SHAPES["llama2-13b"], bigger, hw, K256).device_limit == 0
@@ -482,7 +522,7 @@ def _invoke(*args: str):
 def test_cli_plan_dual4090_8x256k():
     result = _invoke("plan", "--preset", "dual4090", "--jobs", "8", "--context", "256K")
     assert result.exit_code == 0, result.output
-    assert "host memory binds" in result.output
+    assert "max_batch and host memory bind" in " ".join(result.output.split())
     assert "dense all-resident baseline: 0 job(s)" in result.output
 
 
