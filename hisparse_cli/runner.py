@@ -878,8 +878,11 @@ def check_request(request: RunRequest) -> None:
         raise UsageError(f"manifest not found: {request.manifest}")
     if request.model is not None and not Path(request.model).exists():
         raise UsageError(f"model not found: {request.model}")
-    if request.model is not None and Path(request.model).is_file():
-        check_gguf_magic(Path(request.model))
+    model = None if request.model is None else Path(request.model)
+    if model is not None and not model.is_dir() and not model.is_file():  # a FIFO: it hung
+        raise UsageError(f"--model {model}: not a regular file or a model folder")
+    if model is not None and model.is_file():
+        check_gguf_magic(model)
     if request.errors not in ERROR_MODES:
         raise UsageError(f"--errors must be one of {', '.join(ERROR_MODES)}")
     try:
@@ -1308,6 +1311,7 @@ class BatchRun:
                 planned = planned.with_documents(documents)
             why = too_long_message(len(ids), max_tokens, limit, self.config.context_policy)
             refused.append((planned, f"{job_where(spec)}: {why}"))
+            self.prompt_tokens[spec.id] = len(ids)  # counted: its results line says so
         if refused:  # documents that fit are not mentioned
             self.reporter.note(
                 f"counted the tokens of {len(found)} document(s) that could exceed the context, "

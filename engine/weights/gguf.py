@@ -75,6 +75,11 @@ class GGUFError(ValueError):
     """The file is not a GGUF model this engine runs; the message names file and field."""
 
 
+GGUF_FIXED_HEADER_BYTES = 24
+"""Magic (4), version (4), tensor count (8), metadata count (8): the bytes every GGUF
+file starts with (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md)."""
+
+
 def open_reader(path: Path):
     """``gguf.GGUFReader`` on ``path`` (as :class:`engine.weights.gguf_reader.FastGGUFReader`
     parses its metadata arrays: the same fields, ~20x sooner), checking every tensor's
@@ -102,6 +107,13 @@ def open_reader(path: Path):
                 _check_tensor_info(path, len(self.data), start_offs, field.parts)
             super()._build_tensors(start_offs, fields)
 
+    with open(path, "rb") as f:
+        head = f.read(GGUF_FIXED_HEADER_BYTES)
+    if head[:4] == b"GGUF" and len(head) < GGUF_FIXED_HEADER_BYTES:  # else numpy's error
+        raise GGUFError(
+            f"{path}: not a valid GGUF file: truncated, {len(head):,} bytes is less than "
+            f"the {GGUF_FIXED_HEADER_BYTES} of its fixed header"
+        )
     try:
         return CheckedReader(str(path))
     except GGUFError:

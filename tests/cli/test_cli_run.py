@@ -790,6 +790,14 @@ def test_config_errors_at_model_load_exit_2_without_traceback(cli, docs, error):
     assert "Traceback" not in result.stdout + result.stderr
 
 
+def test_a_model_that_is_a_fifo_exits_2_instead_of_hanging(cli, docs, tmp_path):
+    os.mkfifo(tmp_path / "pipe.gguf")
+    load = lambda config, model: pytest.fail("model was loaded")  # noqa: E731
+    result = cli("docs/alpha.txt", "--model", str(tmp_path / "pipe.gguf"), engine=load)
+    assert result.exit_code == 2
+    assert "not a regular file or a model folder" in " ".join(result.stderr.split())
+
+
 def test_a_model_that_is_not_gguf_exits_2_before_the_model_line(cli, docs, tmp_path):
     (tmp_path / "notes.txt").write_text("not a model\n")
     (tmp_path / "empty.gguf").write_bytes(b"")
@@ -1051,6 +1059,12 @@ def test_broken_gguf_tensors_are_named_before_reading_data(tmp_path):
     message = str(info.value)
     assert "head.gguf: not a valid GGUF file: truncated" in message and "64 bytes" in message
     assert "out of bounds" not in message
+    (tmp_path / "ten.gguf").write_bytes(whole[:10])  # a fresh user's `head -c 10`
+    with pytest.raises(GGUFError) as info:
+        load_gguf(tmp_path / "ten.gguf")
+    message = str(info.value)
+    assert "ten.gguf: not a valid GGUF file: truncated, 10 bytes is less than the 24" in message
+    assert "dtype" not in message  # numpy's "When changing to a larger dtype ..."
 
 
 def test_broken_gguf_model_exits_2_naming_the_tensor(cli, docs, tmp_path):
@@ -1211,6 +1225,8 @@ def test_a_document_over_the_context_fails_before_the_model_loads(cli, docs, tmp
     assert [j.id for j in factory.engines[0].seen] == ["wide", "beta"]
     records = {r["id"]: r for r in read_results(tmp_path / "hisparse-out")}
     assert not records["long"]["ok"] and records["long"]["final"] == "prompt"
+    assert records["long"]["prompt_tokens"] > 600  # counted before the load, and recorded
+    assert f"prompt of {records['long']['prompt_tokens']} tokens" in records["long"]["error"]
     assert records["wide"]["ok"] and records["beta"]["ok"]
 
     factory = testing.fake_engine_factory(limit=400)
