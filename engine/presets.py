@@ -171,6 +171,13 @@ def load_preset_full(name_or_path: str | Path) -> Preset:
     ):
         problems += _key_problems(path, lines, name, block, known)
         problems += _value_problems(path, lines, name, block, cls, check)
+    if data.get("model") is not None:  # the shape `hisparse plan` uses by default
+        from engine.capacity.shapes import get_model_shape
+
+        try:
+            get_model_shape(str(data["model"]))
+        except ConfigError as exc:
+            problems.append(f"{_at(path, lines, ('model',))}: model: {exc}")
     if problems:  # every one at once, each with its line, as a manifest's are
         raise PresetError("\n".join(problems))
     try:
