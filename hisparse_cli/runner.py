@@ -1365,7 +1365,11 @@ class BatchRun:
         started = self.clock()
         load_started = time.monotonic()
         with _StopSignalsDeferred() as stop:
-            import_engine_modules()
+            try:
+                import_engine_modules()
+            except Exception as exc:  # noqa: BLE001 - a broken install ends the run cleanly
+                self.reporter.note(f"cannot load the model: {exc}", "error")
+                return False
         if stop.signals:  # Ctrl-C or SIGTERM during the imports: stop now it is safe
             self.sigterm.received = stop.signals[0] == signal.SIGTERM
             raise KeyboardInterrupt
