@@ -762,9 +762,27 @@ MAX_SEED = 2**64 - 1
 
 def sampling_problem(name: str, value: Any) -> str | None:
     """What is wrong with ``value`` for :class:`SamplingParams` field ``name`` on its own
-    (its type is checked where it is read; the message leaves the name out), or ``None``."""
+    (the message leaves the name out), or ``None``; the same rules as a manifest's job
+    fields (``top_k`` -1 or 0: off; ``stop`` a string or a list of non-empty strings)."""
+    if name == "stop":
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list | tuple):
+            return f"must be a string or a list of strings, got {value!r}"
+        bad = [v for v in items if not isinstance(v, str) or not v]
+        return f"must be a string or a list of strings; bad item(s): {bad!r}" if bad else None
     if not isinstance(value, int | float) or isinstance(value, bool):
-        return None  # seed None, stop: nothing to range-check
+        return None  # seed None; other types are checked where the value is read
+    if name == "temperature" and not (math.isfinite(value) and value >= 0):
+        return f"must be a number >= 0, got {value}"
+    if name == "top_p" and not 0 < value <= 1:
+        return f"must be in (0, 1], got {value}"
+    if name == "max_tokens" and value <= 0:
+        return f"must be > 0, got {value}"
+    if name == "top_k" and value < -1:
+        return f"must be >= 0 (0 or -1: off), got {value}"
+    if name == "seed" and not 0 <= value <= MAX_SEED:
+        return f"must be from 0 to {MAX_SEED} (2**64 - 1), got {value}"
+    return None  # seed None, stop: nothing to range-check
     if name == "temperature" and not value >= 0:
         return f"must be >= 0, got {value}"
     if name == "top_p" and not 0 < value <= 1:

@@ -164,6 +164,8 @@ def load_preset_full(name_or_path: str | Path) -> Preset:
             )
             blocks[name] = {}
     engine, sampling = dict(blocks["engine"]), dict(blocks["sampling"])
+    if isinstance(sampling.get("stop"), str):  # one stop string, as a manifest takes it
+        sampling["stop"] = [sampling["stop"]]
     for name, block, known, cls, check in (
         ("hardware", blocks["hardware"], HARDWARE_KEYS, Hardware, Hardware.field_problem),
         ("engine", engine, ENGINE_KEYS, EngineConfig, setting_problem),

@@ -182,6 +182,8 @@ def load_manifest(
 
 BATCH_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 """Job flags that apply to an OpenAI batch (they beat each request's body)."""
+SAMPLING_FIELDS = BATCH_FLAGS
+"""The job fields a preset's ``sampling`` block sets (checked as a manifest's are)."""
 
 
 def _build_batch(
@@ -204,6 +206,7 @@ def _build_batch(
                     "each request's body.messages is its prompt")
         )  # fmt: skip
     cli = _clean(Entry(COMMAND_LINE, "", None, values), problems, allowed=BATCH_FLAGS)
+    sampling_base = sampling_base and _clean(sampling_base, problems, allowed=SAMPLING_FIELDS)
     if problems:
         raise ManifestError(problems)
     requests, rejected = openai_batch.read_batch(file, raw.batch or [], raw.batch_errors)
@@ -337,6 +340,7 @@ def _build(
     values = {k: v for k, v in (overrides or {}).items() if v is not None}
     cli = _clean(Entry(COMMAND_LINE, "", None, values), problems, allowed=CLI_FLAGS)
     defaults = raw.defaults and _clean(raw.defaults, problems, allowed=_DEFAULT_FIELDS)
+    sampling_base = sampling_base and _clean(sampling_base, problems, allowed=SAMPLING_FIELDS)
     engine = _engine_settings(raw.engine, problems)
     jobs = [_clean(e, problems, allowed=JOB_FIELDS) for e in raw.jobs]
     merged = [_merge([sampling_base, defaults, job, cli]) for job in jobs]
@@ -831,6 +835,8 @@ def _check_fields(value: Any) -> str | None:
 
 
 def _check_stop(value: Any) -> str | None:
+    if value == []:  # no stop strings: clears the preset's or the defaults'
+        return None
     return _check_strings(value, "a string or a list of strings")
 
 

@@ -348,6 +348,9 @@ def test_a_presets_sampling_block_is_each_jobs_default(cli, docs, tmp_path):
     (job,) = json.loads(cli("--manifest", "jobs.yaml", *args).stdout)["jobs"]
     assert job["sampling"]["temperature"] == 0.0 and job["sampling"]["top_k"] == 2
     assert job["sampling"]["max_tokens"] == 3 and job["sampling"]["stop"] == ["END"]
+    (tmp_path / "clear.yaml").write_text("jobs:\n  - {input: docs/alpha.txt, stop: []}\n")
+    (job,) = json.loads(cli("--manifest", "clear.yaml", *args).stdout)["jobs"]
+    assert job["sampling"]["stop"] == []  # a job can clear the preset's stop strings
     engine = testing.fake_engine_factory()
     result = cli("docs/alpha.txt", "--preset", "mine.yaml", "--device", "cpu", engine=engine)
     assert result.exit_code == 0, result.output

@@ -246,6 +246,22 @@ def test_every_problem_at_once_with_its_line_and_the_closest_key(tmp_path):
     ], lines
 
 
+def test_sampling_values_follow_the_manifests_rules(tmp_path):
+    """A preset's `stop: [1, null]` passed and crashed the run (`object of type 'int' has
+    no len()`), `temperature: .inf` decoded noise; a manifest refused both, and took a
+    single stop string and `top_k: -1` that a preset refused."""
+    bad = GOOD.replace("max_tokens: 64", "max_tokens: 64, stop: [1, null, ''], temperature: .inf")
+    bad = bad.replace("temperature: 0.0, ", "")
+    with pytest.raises(PresetError) as info:
+        load_preset_full(_write(tmp_path, bad))
+    message = str(info.value)
+    assert "sampling.stop: must be a string or a list of strings; bad item(s): [1, None, '']" in message
+    assert "sampling.temperature: must be a number >= 0, got inf" in message
+    fine = GOOD.replace("max_tokens: 64", "max_tokens: 64, stop: END, top_k: -1")
+    preset = load_preset_full(_write(tmp_path, fine, "fine.yaml"))
+    assert preset.sampling["stop"] == ["END"] and preset.sampling["top_k"] == -1
+
+
 def test_an_unknown_model_shape_is_named_with_its_line(tmp_path):
     """Only `plan` used to check it (a fresh user's `model: nosuchmodel` passed `presets
     show`, `--print-config` and `run`)."""
