@@ -118,6 +118,13 @@ def open_reader(path: Path):
         return CheckedReader(str(path))
     except GGUFError:
         raise
+    except ValueError as e:
+        if head[:4] == b"GGUF" and "dtype" in str(e):  # numpy viewing bytes past the end
+            raise GGUFError(
+                f"{path}: not a valid GGUF file: truncated, its header runs past the end "
+                f"of the file ({Path(path).stat().st_size:,} bytes)"
+            ) from e
+        raise GGUFError(f"{path}: not a readable GGUF file ({e})") from e
     except (IndexError, struct.error) as e:  # numpy/struct read past the end of the file
         raise GGUFError(
             f"{path}: not a valid GGUF file: truncated, its header runs past the end of "

@@ -1068,6 +1068,11 @@ def test_broken_gguf_tensors_are_named_before_reading_data(tmp_path):
     message = str(info.value)
     assert "ten.gguf: not a valid GGUF file: truncated, 10 bytes is less than the 24" in message
     assert "dtype" not in message  # numpy's "When changing to a larger dtype ..."
+    (tmp_path / "hundred.gguf").write_bytes(whole[:100])
+    with pytest.raises(GGUFError) as info:
+        load_gguf(tmp_path / "hundred.gguf")
+    message = str(info.value)
+    assert "hundred.gguf: not a valid GGUF file: truncated" in message and "dtype" not in message
 
 
 def test_broken_gguf_model_exits_2_naming_the_tensor(cli, docs, tmp_path):
