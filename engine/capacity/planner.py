@@ -848,75 +848,138 @@ def _refusals(tables, capacity, jobs, per_job_host, config, hardware) -> list[st
                 f"{capacity.device_limit} on all devices{shared})"
             )
     if capacity.host_limit is not None and jobs > capacity.host_limit:
+        pool = host_pool_bytes(config, hardware)
+        workers = 1 if hardware.parallel == "pipeline" else hardware.num_devices
+        shares = (
+            f"; each of the {workers} devices' workers holds a share of "
+            f"{_gib(pool // workers)} for its {-(-jobs // workers)} job(s)"
+            if workers > 1
+            else ""
+        )
         reasons.append(
             f"host: {jobs} job(s) need {_gib(jobs * per_job_host)} of pinned KV but the host pool "
-            f"holds {_gib(host_pool_bytes(config, hardware))} (host_pool_gb={config.host_pool_gb}, "
-            f"usable host RAM {_gib(host_usable_bytes(config, hardware))}); host memory allows "
-            f"{capacity.host_limit} job(s)"
+            f"holds {_gib(pool)} (host_pool_gb={config.host_pool_gb}, "
+            f"usable host RAM {_gib(host_usable_bytes(config, hardware))}{shares}); host memory "
+            f"allows {capacity.host_limit} job(s)"
         )
     return reasons
 
 
+@dataclass(frozen=True)
+class _Hint:
+    """A suggested change: its text (a label, then CLI flags) and the plan it makes."""
+
+    text: str
+    config: EngineConfig
+    hardware: Hardware
+    context: int
+
+
 def _suggestions(model, config, hardware, jobs, context, capacity) -> list[str]:
-    """The nearest settings that fit, as CLI flags. Each device hint is re-planned here
-    before it is offered: with it, ``jobs`` jobs (the fixed-part hints: one job) fit on
-    the devices."""
-    out = []
+    """The nearest settings that fit, as CLI flags. Every hint is re-planned in full
+    (devices, host, fixed parts) before it is offered: with it the ``jobs`` jobs fit, or,
+    where only fewer do but more than ``--jobs`` alone allows, it also says ``--jobs N``
+    (:func:`_replanned`); one that leaves no job running is dropped."""
+    hints: list[_Hint] = []
+
+    def hint(text, cfg=config, hw=hardware, ctx=context) -> None:
+        hints.append(_Hint(text, cfg, hw, ctx))
+
     tables = device_tables(model, config, hardware, 0, context)
     if any(t.fixed_bytes > t.capacity_bytes for t in tables):
-        out.extend(_fixed_part_hints(model, config, hardware, jobs, context))
-    if 1 <= capacity.max_jobs < jobs:
-        out.append(f"fewer jobs: --jobs {capacity.max_jobs}")
+        hints.extend(_fixed_part_hints(model, config, hardware, jobs, context))
     if capacity.device_limit < jobs:
         if config.max_batch < jobs:
             # max_batch caps the device limit below ``jobs`` whatever the memory: re-plan
             # the device hints with it raised to ``jobs`` and say so in each hint
             raised = config.replace(max_batch=jobs)
-            flag = f"--max-batch {jobs} "
             if _fits(model, raised, hardware, jobs, context):  # the cap alone was in the way
-                out.append(f"more decode slots: --max-batch {jobs} (the devices hold them)")
+                hint(f"more decode slots: --max-batch {jobs} (the devices hold them)", raised)
             else:
-                out.extend(
-                    hint.replace(": ", ": " + flag, 1)
-                    for hint in _device_hints(model, raised, hardware, jobs, context)
-                )
+                for text, cfg in _device_hints(model, raised, hardware, jobs, context):
+                    hint(text.replace(": ", f": --max-batch {jobs} ", 1), cfg)
         else:
-            out.extend(_device_hints(model, config, hardware, jobs, context))
+            for text, cfg in _device_hints(model, config, hardware, jobs, context):
+                hint(text, cfg)
     if capacity.host_limit is not None and capacity.host_limit < jobs:
-        needed = jobs * job_host_bytes(model, config, context)
-        pool_gb = math.ceil(needed / GIB)
+        pool_gb = _pool_gb_for(model, config, hardware, jobs, context)
+        needed = int(pool_gb * GIB)
         metadata = _metadata_cost(
             model, config, hardware, jobs, context, capacity, pool_gb
         )
         ram_gb = math.ceil(host_memory_needed_bytes(needed, config, hardware) / GIB)
-        if metadata.endswith("room for 0 job(s)") or max(ram_gb, pool_gb) > MAX_HARDWARE_FIGURE:
-            pass  # no machine it names could run a job: not a hint
+        bigger = config.replace(host_pool_gb=float(pool_gb))
+        if max(ram_gb, pool_gb) > MAX_HARDWARE_FIGURE:
+            pass  # past what any flag takes: not a hint
         elif needed <= host_usable_bytes(config, hardware):
-            out.append(
-                f"larger host pool: --host-pool {pool_gb} (fits in the host's RAM{metadata})"
-            )
+            hint(f"larger host pool: --host-pool {pool_gb} (fits in the host's RAM{metadata})", bigger)
         else:
-            out.append(
-                f"more host memory: --host-memory {ram_gb} --host-pool {pool_gb}"
-                + (f" ({metadata[2:]})" if metadata else "")
-            )
-        fits_host = lambda cfg: _host_holds(model, cfg, hardware, jobs, context)  # noqa: E731
+            text = f"more host memory: --host-memory {ram_gb} --host-pool {pool_gb}"
+            hint(text + (f" ({metadata[2:]})" if metadata else ""), bigger,
+                 hardware.replace(host_memory_gb=float(ram_gb)))  # fmt: skip
         if config.kv_host_dtype == "bf16" and hierarchical(config):
-            if fits_host(config.replace(kv_host_dtype="fp8")):
-                share = "a quarter of" if config.kv_dtype == "float32" else "half"
-                out.append(f"{share} the host KV bytes: --kv-host-dtype fp8 (fp8 host pages)")
-        if config.kv_dtype == "float32" and fits_host(config.replace(kv_dtype="bfloat16")):
-            out.append(
+            share = "a quarter of" if config.kv_dtype == "float32" else "half"
+            hint(f"{share} the host KV bytes: --kv-host-dtype fp8 (fp8 host pages)",
+                 config.replace(kv_host_dtype="fp8"))  # fmt: skip
+        if config.kv_dtype == "float32":
+            hint(
                 "half the KV bytes: kv_dtype bfloat16 (here --kv-dtype bfloat16; for "
-                "`hisparse run`, `kv_dtype: bfloat16` under a preset's or manifest's engine:)"
+                "`hisparse run`, `kv_dtype: bfloat16` under a preset's or manifest's engine:)",
+                config.replace(kv_dtype="bfloat16"),
             )
-    if not out:  # no one setting fits it: the context that does
+    out = _replanned(model, hints, jobs, capacity.max_jobs)
+    if 1 <= capacity.max_jobs < jobs:
+        out.insert(0, f"fewer jobs: --jobs {capacity.max_jobs}")
+    if all("--jobs" in text for text in out):  # none runs every job: the context that does
 
-        def fitting(cfg, hw, ctx) -> str | None:
-            return "" if _fits(model, cfg, hw, jobs, ctx) else None
+        def fitting(cfg, hw, ctx) -> tuple[str, EngineConfig] | None:
+            return ("", cfg) if _feasible(model, cfg, hw, jobs, ctx) else None
 
-        out.extend(_shorter_context_hint(model, config, hardware, jobs, context, fitting))
+        shorter = _shorter_context_hint(model, config, hardware, jobs, context, fitting)
+        out.extend(h.text for h in shorter)
     return out
+
+
+def _replanned(model, hints: list[_Hint], jobs: int, floor: int) -> list[str]:
+    """The texts of ``hints`` whose plan runs the ``jobs`` jobs; a hint whose plan runs
+    only ``n`` of them, ``floor < n < jobs`` (``floor``: what ``--jobs`` alone allows),
+    with `` --jobs n`` added to its flags; the others are dropped."""
+    out = []
+    for h in hints:
+        if _feasible(model, h.config, h.hardware, jobs, h.context):
+            out.append(h.text)
+            continue
+        try:
+            n = max_concurrent_jobs(model, h.config, h.hardware, h.context).max_jobs
+        except ConfigError:
+            continue
+        if floor < n < jobs and _feasible(model, h.config, h.hardware, n, h.context):
+            at = h.text.find(" (")
+            at = len(h.text) if at < 0 else at
+            out.append(f"{h.text[:at]} --jobs {n}{h.text[at:]}")
+    return out
+
+
+def _feasible(model, config, hardware, jobs, context) -> bool:
+    """Whether :func:`plan` would accept ``jobs`` jobs of ``context`` positions."""
+    try:
+        config.validate()
+        hardware.validate()
+    except ConfigError:
+        return False
+    tables = device_tables(model, config, hardware, jobs, context)
+    capacity = max_concurrent_jobs(model, config, hardware, context)
+    per_job_host = job_host_bytes(model, config, context)
+    return not _refusals(tables, capacity, jobs, per_job_host, config, hardware)
+
+
+def _pool_gb_for(model, config, hardware, jobs, context) -> int:
+    """The smallest whole-GiB host pool whose shares (one per data worker:
+    :func:`max_concurrent_jobs`) hold ``jobs`` jobs."""
+    per_job = job_host_bytes(model, config, context)
+    workers = 1 if hardware.parallel == "pipeline" else hardware.num_devices
+    # each share is pool // workers bytes and must hold ceil(jobs / workers) jobs
+    return math.ceil(workers * -(-jobs // workers) * per_job / GIB)
 
 
 def _host_holds(model, config, hardware, jobs, context) -> bool:
@@ -975,26 +1038,26 @@ def _buffer_flags(config: EngineConfig) -> str:
     return f"--device-buffer {config.device_buffer_tokens} --top-k-tokens {config.top_k}"
 
 
-def _device_hints(model, config, hardware, jobs, context) -> list[str]:
-    """Device-bound plans: a smaller hot buffer (per-job slabs), a host pool cut to what
-    the jobs need (the page metadata of every host pool page is on the device), both;
-    only when none of those fits at the current page size, larger pages with the fidelity
-    cost named. Every hint is re-planned: ``jobs`` jobs fit with it."""
+def _device_hints(model, config, hardware, jobs, context) -> list[tuple[str, EngineConfig]]:
+    """Device-bound plans, each as (text, config): a smaller hot buffer (per-job slabs), a
+    host pool cut to what the jobs need (the page metadata of every host pool page is on
+    the device), both; only when none of those fits at the current page size, larger pages
+    with the fidelity cost named. With each, ``jobs`` jobs fit on the devices."""
     hints = []
     smaller = _smaller_buffer(model, config, hardware, jobs, context)
     if smaller is not None:
-        hints.append(f"smaller hot buffer: {_buffer_flags(smaller)}")
+        hints.append((f"smaller hot buffer: {_buffer_flags(smaller)}", smaller))
     pool = _smaller_pool(model, config, hardware, jobs, context)
     if pool is not None:
         flag = f"--host-pool {pool.host_pool_gb:g}"
         why = f"(its page metadata on the device is host pool / {config.page_size})"
         if _fits(model, pool, hardware, jobs, context):
-            hints.append(f"smaller host pool: {flag} {why}")
+            hints.append((f"smaller host pool: {flag} {why}", pool))
         else:
             both = _smaller_buffer(model, pool, hardware, jobs, context)
             if both is not None:
                 hints.append(
-                    f"smaller host pool and hot buffer: {flag} {_buffer_flags(both)} {why}"
+                    (f"smaller host pool and hot buffer: {flag} {_buffer_flags(both)} {why}", both)
                 )
     if hints:
         return hints
@@ -1010,50 +1073,62 @@ def _device_hints(model, config, hardware, jobs, context) -> list[str]:
                 if larger.host_pool_gb != config.host_pool_gb:
                     flags += f" --host-pool {larger.host_pool_gb:g}"
                 return [
-                    f"larger pages: {flags} (a looser selection, fewer needles found: "
-                    "docs/performance.md, \"Fidelity eval on the GPU\")"
+                    (
+                        f"larger pages: {flags} (a looser selection, fewer needles found: "
+                        "docs/performance.md, \"Fidelity eval on the GPU\")",
+                        larger,
+                    )
                 ]
     return hints
 
 
-def _fixed_part_hints(model, config, hardware, jobs, context) -> list[str]:
+def _fixed_part_hints(model, config, hardware, jobs, context) -> list[_Hint]:
     """Ways to shrink what a device holds before any KV: int4 weights, a pipeline split,
     a shorter context (prefill keeps T x H hidden states and one layer's K/V); each with
     the host pool cut to the jobs' need (:func:`_smaller_pool`) where it fits only so.
-    Each is re-planned: one job fits with it."""
+    With each, one job fits on the devices (:func:`_suggestions` re-plans them all)."""
     hints = []
 
-    def fitting(cfg, hw, ctx) -> str | None:
-        """``""`` if one job fits as is, the host-pool flag if it fits with the pool
-        cut to ``jobs`` jobs' need, ``None`` if neither."""
+    def fitting(cfg, hw, ctx) -> tuple[str, EngineConfig] | None:
+        """``("", cfg)`` if one job fits as is, the host-pool flag and its config if it
+        fits with the pool cut to ``jobs`` jobs' need, ``None`` if neither."""
         if _fits(model, cfg, hw, 1, ctx):
-            return ""
+            return "", cfg
         pool = _smaller_pool(model, cfg, hw, jobs, ctx)
         if pool is not None and _fits(model, pool, hw, 1, ctx):
-            return f" --host-pool {pool.host_pool_gb:g}"
+            return f" --host-pool {pool.host_pool_gb:g}", pool
         return None
 
     if weight_format(config) == "float":
-        pool = fitting(config.replace(weight_format="int4"), hardware, context)
-        if pool is not None:
-            hints.append(f"int4 weights: weight_format int4{',' if pool else ''}{pool}")
+        found = fitting(config.replace(weight_format="int4"), hardware, context)
+        if found is not None:
+            pool, cfg = found
+            text = f"int4 weights: weight_format int4{',' if pool else ''}{pool}"
+            hints.append(_Hint(text, cfg, hardware, context))
     if hardware.num_devices > 1 and hardware.parallel == "data":
-        pool = fitting(config, hardware.replace(parallel="pipeline"), context)
-        if pool is not None:
-            hints.append(f"split the layers across the devices: --parallel pipeline{pool}")
+        split = hardware.replace(parallel="pipeline")
+        found = fitting(config, split, context)
+        if found is not None:
+            pool, cfg = found
+            hints.append(
+                _Hint(f"split the layers across the devices: --parallel pipeline{pool}", cfg,
+                      split, context)  # fmt: skip
+            )
     hints.extend(_shorter_context_hint(model, config, hardware, jobs, context, fitting))
     return hints
 
 
-def _shorter_context_hint(model, config, hardware, jobs, context, fitting) -> list[str]:
+def _shorter_context_hint(model, config, hardware, jobs, context, fitting) -> list[_Hint]:
     """The longest of ``context / 2, / 4, ...`` at which ``fitting(config, hardware, ctx)``
-    (``""`` or a ``--host-pool`` flag: the devices hold one job) and the host pool holds
-    ``jobs`` jobs, as a hint; ``[]`` when none down to one page does."""
+    (``("", config)`` or a ``--host-pool`` flag and its config) holds and the host pool
+    holds ``jobs`` jobs, as a hint; ``[]`` when none down to one page does."""
     shorter = context // 2
     while shorter >= config.page_size:
-        pool = fitting(config, hardware, shorter)
-        if pool is not None and _host_holds(model, config, hardware, jobs, shorter):
-            return [f"a shorter context: --context {format_context(shorter)}{pool}"]
+        found = fitting(config, hardware, shorter)
+        if found is not None and _host_holds(model, found[1], hardware, jobs, shorter):
+            pool, cfg = found
+            text = f"a shorter context: --context {format_context(shorter)}{pool}"
+            return [_Hint(text, cfg, hardware, shorter)]
         shorter //= 2
     return []
 

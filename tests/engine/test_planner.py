@@ -196,7 +196,11 @@ def test_nine_jobs_on_dual4090_are_refused_with_nearest_setting():
     assert not result.feasible
     assert any(r.startswith("host:") for r in result.reasons)
     assert "fewer jobs: --jobs 8" in result.suggestions
-    assert any("--host-pool 360" in s for s in result.suggestions)
+    # each card's worker holds half the pool and runs 5 of the 9 jobs: 2 x 5 x 40 GiB
+    # (360, the jobs' total, was offered before and refused when followed)
+    [pool] = [s for s in result.suggestions if "--host-pool" in s]
+    assert "--host-pool 400" in pool
+    assert _replan(LLAMA13, config, hardware, 9, K256, pool).feasible
 
 
 def test_host_bound_cpu_plan_offers_fp8_pages_and_how_run_takes_kv_dtype():
@@ -227,6 +231,8 @@ _HINT_FIELDS = {
     "--host-pool": ("host_pool_gb", float),
     "--max-batch": ("max_batch", int),
     "weight_format": ("weight_format", str),
+    "--kv-host-dtype": ("kv_host_dtype", str),
+    "--kv-dtype": ("kv_dtype", str),
 }
 
 
@@ -240,11 +246,16 @@ def _hint_flags(hint: str) -> dict[str, str]:
 def _replan(shape, config, hardware, jobs, context, hint):
     """The plan with every setting ``hint`` names applied."""
     changes = {}
-    for flag, value in _hint_flags(hint).items():
+    flags = _hint_flags(hint) if "kv_dtype bfloat16" not in hint else {"--kv-dtype": "bfloat16"}
+    for flag, value in flags.items():
         if flag == "--parallel":
             hardware = hardware.replace(parallel=value)
         elif flag == "--context":
             context = parse_context(value)
+        elif flag == "--jobs":
+            jobs = int(value)
+        elif flag == "--host-memory":
+            hardware = hardware.replace(host_memory_gb=float(value))
         else:
             name, kind = _HINT_FIELDS[flag]
             changes[name] = kind(value)
@@ -342,25 +353,34 @@ def test_larger_pages_are_offered_last_with_their_cost():
     assert _replan(shape, config, hardware, 24, 32 * 1024, hint).feasible
 
 
-def test_hints_a_fresh_user_followed_into_another_refusal_are_replanned():
-    """Found by a fresh user: a shorter context that the host pool still cannot hold, a
-    host memory past the 1,000,000 GiB any flag accepts, fp8 pages offered where they
-    alone do not fit, and "--max-batch 12 --device-buffer 8192" called a smaller buffer
-    when the cap was all that was in the way."""
-    config, hardware = _preset("cpu")
-    shape = get_model_shape("smollm2-135m")
-    huge = plan(shape, config, hardware, 1, 99_999_999 * 1024)
-    assert [s for s in huge.suggestions if s.startswith("a shorter context")], huge.suggestions
-    assert not [s for s in huge.suggestions if "--host-memory" in s or "fp8" in s]
-    for hint in huge.suggestions:
-        assert _replan(shape, config, hardware, 1, 99_999_999 * 1024, hint).feasible, hint
-    million = plan(shape, config, hardware, 1, 1024 * 1024)  # no one setting fits it
-    assert list(million.suggestions) == ["a shorter context: --context 128K"]
-    assert _replan(shape, config, hardware, 1, 1024 * 1024, million.suggestions[0]).feasible
-    dual, hw = _preset("dual4090")
-    twelve = plan(LLAMA13, dual, hw, 12, K256)
-    assert "more decode slots: --max-batch 12 (the devices hold them)" in twelve.suggestions
-    assert not [s for s in twelve.suggestions if "--device-buffer" in s]
+@pytest.mark.parametrize(
+    ("preset", "model", "jobs", "context", "changes"),
+    [
+        ("cpu", "smollm2-135m", 1, 99_999_999 * 1024, {}),
+        ("cpu", "smollm2-135m", 1, 1024 * 1024, {}),
+        ("cpu", "smollm2-135m", 100, 32 * 1024, {}),
+        ("cpu", "smollm2-135m", 2, 64 * 1024, {"max_batch": 1, "host_pool_gb": 1.0}),
+        ("dual4090", "llama2-13b-gqa8", 12, K256, {}),
+        ("dual4090", "llama2-13b-gqa8", 40, 128 * 1024, {"max_batch": 64}),
+        ("dual4090", "llama2-13b-gqa8", 1, 2048 * 1024, {}),
+        ("dual4090-24", "llama3.1-8b", 1, 512 * 1024, {}),
+        ("dual4090-24", "llama3.1-8b", 4, 512 * 1024, {}),
+        ("h200", "llama3.1-8b", 64, 1024 * 1024, {}),
+    ],
+)
+def test_every_hint_a_fresh_user_followed_is_accepted(preset, model, jobs, context, changes):
+    """A fresh user followed each "nearest feasible" hint exactly, and many were refused
+    again: a shorter context the host still could not hold, a bigger pool below the one
+    already set (the pool is split per data worker), more decode slots where the host
+    bound too, a host memory past what any flag takes. Every hint is now re-planned in
+    full, with ``--jobs N`` where it runs only N."""
+    config, hardware = _preset(preset)
+    config = config.replace(**changes)
+    shape = get_model_shape(model)
+    result = plan(shape, config, hardware, jobs, context)
+    assert not result.feasible and result.suggestions
+    for hint in result.suggestions:
+        assert _replan(shape, config, hardware, jobs, context, hint).feasible, hint
 
 
 def test_io_estimate_counts_the_jobs_that_decode_at_once_and_none_on_direct_reads():
@@ -377,15 +397,16 @@ def test_io_estimate_counts_the_jobs_that_decode_at_once_and_none_on_direct_read
 
 def test_larger_host_pool_hint_says_what_its_metadata_costs():
     """A host pool grown for more jobs grows its page metadata on the device too
-    (1/16 of the pool). 40 x 128K of llama2-13b-gqa8 need 800 GiB of pool, whose
-    metadata leaves room for 16 jobs: the hint says so. 8 x 256K of the 40-KV-head
+    (1/16 of the pool). 4 x 512K of llama3.1-8b on the 24 GB cards need 256 GiB of pool,
+    whose metadata leaves room for 2 jobs: the hint says so, with --jobs 2. 8 x 256K of the 40-KV-head
     llama2-13b need 1600 GiB, whose 800 / 16 = 50 GiB of metadata per card exceed a 48 GB
     card: no job would run, so that pool is not offered (a fresh user followed such a
     hint into another refusal)."""
+    small, hw24 = _preset("dual4090-24")
+    result = plan(MODEL_SHAPES["llama3.1-8b"], small, hw24, 4, 512 * 1024)
+    [hint] = [s for s in result.suggestions if "--host-pool 256" in s]
+    assert "--jobs 2" in hint and "leaves room for 2 job(s)" in hint
     config, hardware = _preset("dual4090")
-    result = plan(LLAMA13, config.replace(max_batch=64), hardware, 40, 128 * 1024)
-    [hint] = [s for s in result.suggestions if "--host-pool 800" in s]
-    assert "leaves room for 16 job(s)" in hint
     result = plan(MODEL_SHAPES["llama2-13b"], config, hardware, 8, K256)
     assert not [s for s in result.suggestions if "--host-pool 1600" in s], result.suggestions
     bigger = config.replace(host_pool_gb=1600.0)
