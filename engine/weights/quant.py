@@ -280,7 +280,11 @@ def pick_cpu_lm_head(head: DenseLinear, repeats: int = 3, gain: float = 0.8) -> 
 
     Returns ``(linear, note)``: the head to use and a model-line note of what was measured
     (best of ``repeats`` one-row products each, fp16 kept when at most ``gain`` of the
-    float32 time). Raises nothing: a head that is not float32 is returned as it is.
+    float32 time). The choice is measured once per process and head shape
+    (:data:`_LM_HEAD_CHOICES`): every engine of a process computes the same logits (two
+    engines loaded side by side on a busy box measured differently, so a test comparing
+    them saw the fp16 head's 0.01 in one and not the other). Raises nothing: a head that is
+    not float32 is returned as it is.
     """
     import time
 
@@ -288,6 +292,10 @@ def pick_cpu_lm_head(head: DenseLinear, repeats: int = 3, gain: float = 0.8) -> 
     if w.dtype != torch.float32 or w.device.type != "cpu" or head.bias is not None:
         return head, ""
     half = CastLinear(w, torch.float16)
+    known = _LM_HEAD_CHOICES.get(tuple(w.shape))
+    if known is not None:
+        use_half, note = known
+        return (half if use_half else head), note
     x = torch.randn(1, w.shape[1], dtype=torch.float32)
 
     def best_ms(lin: Linear) -> float:
@@ -302,8 +310,16 @@ def pick_cpu_lm_head(head: DenseLinear, repeats: int = 3, gain: float = 0.8) -> 
     with torch.inference_mode():
         t32, t16 = best_ms(head), best_ms(half)
     if t16 <= gain * t32:
-        return half, f"; LM head fp16 ({t16:.1f} vs {t32:.1f} ms float32, measured)"
-    return head, f"; LM head float32 (fp16 {t16:.1f} vs {t32:.1f} ms, measured)"
+        note = f"; LM head fp16 ({t16:.1f} vs {t32:.1f} ms float32, measured)"
+    else:
+        note = f"; LM head float32 (fp16 {t16:.1f} vs {t32:.1f} ms, measured)"
+    _LM_HEAD_CHOICES[tuple(w.shape)] = (t16 <= gain * t32, note)
+    return (half if t16 <= gain * t32 else head), note
+
+
+_LM_HEAD_CHOICES: dict[tuple[int, ...], tuple[bool, str]] = {}
+""":func:`pick_cpu_lm_head`'s measured choice per head shape ``(V, H)``: fp16 or not, and
+its note."""
 
 
 class Int4Linear(Linear):

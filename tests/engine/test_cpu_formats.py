@@ -153,6 +153,7 @@ def test_head_fp16_when_measured_faster_float32_otherwise(monkeypatch):
         return next(clock)
 
     monkeypatch.setattr("time.perf_counter", fake_perf_counter)
+    monkeypatch.setattr(quant, "_LM_HEAD_CHOICES", {})
     # per product (start, end) pairs: float32 first (3 repeats), then fp16
     clock = iter([0, 10, 0, 10, 0, 10] + [0, 2, 0, 2, 0, 2])
     lin, note = quant.pick_cpu_lm_head(head)
@@ -162,6 +163,10 @@ def test_head_fp16_when_measured_faster_float32_otherwise(monkeypatch):
     y = lin(x)
     assert y.dtype == torch.float32
     torch.testing.assert_close(y, head(x), atol=2e-3, rtol=2e-3)
+    clock = iter([])  # measured once per process and shape: no second timing
+    again, again_note = quant.pick_cpu_lm_head(DenseLinear(w.clone()))
+    assert isinstance(again, quant.CastLinear) and again_note == note
+    quant._LM_HEAD_CHOICES.clear()
     clock = iter([0, 10, 0, 10, 0, 10] + [0, 9, 0, 9, 0, 9])  # fp16 only 10% faster
     lin, note = quant.pick_cpu_lm_head(head)
     assert lin is head and "LM head float32 (fp16 9000.0 vs 10000.0 ms" in note
