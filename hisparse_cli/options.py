@@ -115,13 +115,15 @@ MaxNewTokens = Annotated[
 Temperature = Annotated[
     float | None,
     typer.Option(
-        help="0 = greedy." + default_is("0"), show_default=False, rich_help_panel=SAMPLING
+        help="0 = greedy." + default_is("the preset's, 0 in every preset"),
+        show_default=False,
+        rich_help_panel=SAMPLING,
     ),
 ]
 TopP = Annotated[
     float | None,
     typer.Option(
-        help="Nucleus sampling mass." + default_is("1"),
+        help="Nucleus sampling mass." + default_is("the preset's, 1 in every preset"),
         show_default=False,
         rich_help_panel=SAMPLING,
     ),

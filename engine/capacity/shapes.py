@@ -147,6 +147,11 @@ def get_model_shape(name_or_path: str) -> ModelConfig:
             f"model {name_or_path!r} is a file but not a model: pass a .gguf file, a Hugging "
             f"Face config.json (or its folder), or a known shape ({', '.join(list_models())})"
         )
+    named = Path(name_or_path)
+    if named.exists() and not named.is_dir():  # a FIFO, a device
+        raise ConfigError(f"model {name_or_path!r} is not a regular file or a model folder")
+    if not named.exists() and (named.suffix.lower() in (".gguf", ".json") or "/" in name_or_path):
+        raise ConfigError(f"model not found: {name_or_path}")
     if Path(name_or_path).is_dir():  # a folder without config.json
         raise ConfigError(
             f"model folder {name_or_path!r} has no config.json: pass a .gguf file, a Hugging "

@@ -249,7 +249,10 @@ class TextTokenizer:
         folder = Path(path)
         if not (folder / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{folder}: no tokenizer.json in this model folder")
-        backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        try:
+            backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as exc:  # the tokenizers library's own error: "Model missing. ..."
+            raise ValueError(f"{folder / 'tokenizer.json'}: not a tokenizer this reads: {exc}") from None
         config = _read_json(folder / "tokenizer_config.json")
         generation = _read_json(folder / "generation_config.json")
         model_config = _read_json(folder / "config.json")
@@ -746,7 +749,22 @@ def _end_ids(backend: Tokenizer, declared: Iterable[int | None]) -> frozenset[in
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    """The JSON object in ``path`` (``{}`` where there is none).
+
+    Raises
+    ------
+    ValueError
+        The file is not JSON or not an object (the message names it).
+    """
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read it as JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _token_content(value: Any) -> str | None:

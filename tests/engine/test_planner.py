@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import typer
@@ -481,6 +482,11 @@ def test_unknown_model_lists_known_shapes():
 
 def test_a_file_or_folder_that_is_not_a_model_is_named_so(tmp_path):
     """Fresh-user finding: a text file given as --model read "unknown model"."""
+    with pytest.raises(ConfigError, match="model not found: "):
+        get_model_shape(str(tmp_path / "missing.gguf"))
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(ConfigError, match="is not a regular file or a model folder"):
+        get_model_shape(str(tmp_path / "pipe"))
     (tmp_path / "notes.txt").write_text("not a model")
     with pytest.raises(ConfigError, match="is a file but not a model: pass a .gguf file"):
         get_model_shape(str(tmp_path / "notes.txt"))
