@@ -947,33 +947,6 @@ def _usage_failure(err_console: Console, headline: str, problems: list) -> int:
     return EXIT_USAGE
 
 
-class _SigintCanceller:
-    """While active, the first SIGINT or SIGTERM calls ``engine.cancel()``; the second
-    raises ``KeyboardInterrupt``. The handler only sets state: the run loop announces it.
-    ``signals`` lists the signals received, in order."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine, self.count = engine, 0
-        self.signals: list[int] = []
-        self._previous: dict[int, Any] = {}
-
-    def __call__(self, signum: int, frame: object) -> None:
-        self.count += 1
-        self.signals.append(signum)
-        if self.count > 1:
-            raise KeyboardInterrupt
-        self.engine.cancel()
-
-    def __enter__(self) -> Self:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-
-
 class _StopSignalsDeferred:
     """While active, SIGINT and SIGTERM are only recorded (``signals``, in order): the
     model load's imports of torch and triton load native extensions that call back into
@@ -998,6 +971,23 @@ class _StopSignalsDeferred:
     def __exit__(self, *exc: object) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+
+
+class _SigintCanceller(_StopSignalsDeferred):
+    """While active, the first SIGINT or SIGTERM calls ``engine.cancel()``; the second
+    raises ``KeyboardInterrupt``. The handler only sets state: the run loop announces it.
+    ``signals`` lists the signals received, in order."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__()
+        self.engine, self.count = engine, 0
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.count += 1
+        self.signals.append(signum)
+        if self.count > 1:
+            raise KeyboardInterrupt
+        self.engine.cancel()
 
 
 class _SigtermAsInterrupt:

@@ -253,9 +253,9 @@ class TextTokenizer:
             backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as exc:  # the tokenizers library's own error: "Model missing. ..."
             raise ValueError(f"{folder / 'tokenizer.json'}: not a tokenizer this reads: {exc}") from None
-        config = _read_json(folder / "tokenizer_config.json")
-        generation = _read_json(folder / "generation_config.json")
-        model_config = _read_json(folder / "config.json")
+        config = read_json_object(folder / "tokenizer_config.json")
+        generation = read_json_object(folder / "generation_config.json")
+        model_config = read_json_object(folder / "config.json")
         names = {key: _token_content(config.get(key)) for key in _SPECIAL_KEYS}
         specials = {key: value for key, value in names.items() if value is not None}
         bos_declared = _declared(generation, model_config, "bos_token_id")
@@ -748,7 +748,7 @@ def _end_ids(backend: Tokenizer, declared: Iterable[int | None]) -> frozenset[in
 # ---------------------------------------------------------------------- folder helpers
 
 
-def _read_json(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
     """The JSON object in ``path`` (``{}`` where there is none).
 
     Raises

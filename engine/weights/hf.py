@@ -133,12 +133,12 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{Path(folder)}: no config.json in this model folder")
+    from engine.text.tokenizer import read_json_object
+
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HFModelError(f"{path}: cannot read it as JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise HFModelError(f"{path}: a config.json is a JSON object, got {type(raw).__name__}")
+        raw = read_json_object(path)
+    except ValueError as exc:  # not JSON, or not an object: named
+        raise HFModelError(str(exc)) from None
     entry = _architecture(raw, path)
     arch = entry.name
     _check_unsupported(raw, entry, path)
