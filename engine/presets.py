@@ -180,6 +180,12 @@ def load_preset_full(name_or_path: str | Path) -> Preset:
             get_model_shape(str(data["model"]))
         except ConfigError as exc:
             problems.append(f"{_at(path, lines, ('model',))}: model: {exc}")
+    if not problems:  # settings that clash with each other, at the line of the one at fault
+        for found in EngineConfig().replace(**engine).problems():
+            key = ("engine", found.fields[0])
+            where = _at(path, lines, key) if found.fields[0] in engine else str(path)
+            problems.append(f"{where}: engine: {found.message}" if len(found.fields) > 1
+                            else f"{where}: engine.{found}")  # fmt: skip
     if problems:  # every one at once, each with its line, as a manifest's are
         raise PresetError("\n".join(problems))
     try:

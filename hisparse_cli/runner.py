@@ -110,14 +110,15 @@ DEVICE_KINDS = ("cpu", "cuda")
 
 
 def job_where(spec: Any) -> str:
-    """Where a job comes from, for its error messages: its document's path (``and N
-    more`` for a job over several), else its origin (``manifest:line`` or ``command
-    line``)."""
+    """Where a job comes from, for its error messages: its document's path (``standard
+    input`` for ``-``; ``and N more`` for a job over several), else its origin
+    (``manifest:line`` or ``command line``)."""
     inputs = list(getattr(spec, "inputs", ()) or ())
     if not inputs:
         return str(spec.origin)
     more = f" and {len(inputs) - 1} more" if len(inputs) > 1 else ""
-    return f"{inputs[0]}{more}"
+    first = "standard input" if str(inputs[0]) == "-" else inputs[0]
+    return f"{first}{more}"
 
 
 class UsageError(Exception):

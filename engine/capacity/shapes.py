@@ -10,6 +10,7 @@ Shape symbols: ``L`` layers, ``H`` hidden size, ``Hq`` query heads, ``Hkv`` KV h
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -157,8 +158,10 @@ def get_model_shape(name_or_path: str) -> ModelConfig:
             f"model folder {name_or_path!r} has no config.json: pass a .gguf file, a Hugging "
             f"Face model folder, or a known shape ({', '.join(list_models())})"
         )
+    close = difflib.get_close_matches(key, list_models(), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ConfigError(
-        f"unknown model {name_or_path!r}: known shapes are {', '.join(list_models())} "
+        f"unknown model {name_or_path!r}{hint}: known shapes are {', '.join(list_models())} "
         "(or pass a GGUF file or a Hugging Face config.json)"
     )
 

@@ -1292,3 +1292,14 @@ def test_output_dir_has_the_short_flag_o(cli, docs, tmp_path):
     (record,) = read_results(tmp_path / "elsewhere")
     assert record["id"] == "alpha" and record["ok"]
     assert not (tmp_path / "hisparse-out").exists()
+
+
+def test_job_where_names_the_document_standard_input_or_the_manifest_line():
+    from types import SimpleNamespace
+
+    where = runner_module.job_where
+    assert where(SimpleNamespace(inputs=(Path("/d/a.txt"),), origin="command line")) == "/d/a.txt"
+    assert where(SimpleNamespace(inputs=(Path("-"),), origin="command line")) == "standard input"
+    two = SimpleNamespace(inputs=(Path("a.txt"), Path("b.txt")), origin="m.yaml:3")
+    assert where(two) == "a.txt and 1 more"
+    assert where(SimpleNamespace(inputs=(), origin="batch.jsonl:4")) == "batch.jsonl:4"

@@ -262,11 +262,26 @@ def test_sampling_values_follow_the_manifests_rules(tmp_path):
     assert preset.sampling["stop"] == ["END"] and preset.sampling["top_k"] == -1
 
 
+def test_settings_that_clash_are_named_at_the_line_of_the_one_at_fault(tmp_path):
+    text = GOOD.replace("page_size: 32, top_k: 1024}", "page_size: 32, top_k: 1024}\n").replace(
+        "engine: {device: cuda, dtype: bfloat16, kv_dtype: bfloat16, page_size: 32, top_k: 1024}",
+        "engine:\n  page_size: 16\n  device_buffer: 100",
+    )
+    path = _write(tmp_path, text)
+    with pytest.raises(PresetError) as info:
+        load_preset_full(path)
+    first = str(info.value).splitlines()[0]
+    assert first == f"{path}:6: engine: device_buffer=100 tokens is not a multiple of page_size=16"
+
+
 def test_an_unknown_model_shape_is_named_with_its_line(tmp_path):
     """Only `plan` used to check it (a fresh user's `model: nosuchmodel` passed `presets
     show`, `--print-config` and `run`)."""
     path = _write(tmp_path, GOOD + "model: nosuchmodel\n")
     with pytest.raises(PresetError, match=r"mine\.yaml:6: model: unknown model 'nosuchmodel'"):
+        load_preset_full(path)
+    path = _write(tmp_path, GOOD + "model: llama2-13b-gqa9\n", "typo.yaml")
+    with pytest.raises(PresetError, match=r"\(did you mean 'llama2-13b-gqa8'\?\)"):
         load_preset_full(path)
     assert load_preset_full(_write(tmp_path, GOOD + "model: qwen2.5-7b\n")).model == "qwen2.5-7b"
 
