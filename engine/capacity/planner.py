@@ -927,10 +927,11 @@ def _suggestions(model, config, hardware, jobs, context, capacity) -> list[str]:
                 "`hisparse run`, `kv_dtype: bfloat16` under a preset's or manifest's engine:)",
                 config.replace(kv_dtype="bfloat16"),
             )
-    out = _replanned(model, hints, jobs, capacity.max_jobs)
+    replanned = _replanned(model, hints, jobs, capacity.max_jobs)
+    out = [text for text, _ in replanned]
     if 1 <= capacity.max_jobs < jobs:
         out.insert(0, f"fewer jobs: --jobs {capacity.max_jobs}")
-    if all("--jobs" in text for text in out):  # none runs every job: the context that does
+    if not any(every for _, every in replanned):  # none runs every job: the context that does
 
         def fitting(cfg, hw, ctx) -> tuple[str, EngineConfig] | None:
             return ("", cfg) if _feasible(model, cfg, hw, jobs, ctx) else None
@@ -940,14 +941,15 @@ def _suggestions(model, config, hardware, jobs, context, capacity) -> list[str]:
     return out
 
 
-def _replanned(model, hints: list[_Hint], jobs: int, floor: int) -> list[str]:
-    """The texts of ``hints`` whose plan runs the ``jobs`` jobs; a hint whose plan runs
-    only ``n`` of them, ``floor < n < jobs`` (``floor``: what ``--jobs`` alone allows),
-    with `` --jobs n`` added to its flags; the others are dropped."""
+def _replanned(model, hints: list[_Hint], jobs: int, floor: int) -> list[tuple[str, bool]]:
+    """``(text, True)`` for each of ``hints`` whose plan runs the ``jobs`` jobs;
+    ``(text with " --jobs n" added to its flags, False)`` for one whose plan runs only
+    ``n`` of them, ``floor < n < jobs`` (``floor``: what ``--jobs`` alone allows); the
+    others are dropped."""
     out = []
     for h in hints:
         if _feasible(model, h.config, h.hardware, jobs, h.context):
-            out.append(h.text)
+            out.append((h.text, True))
             continue
         try:
             n = max_concurrent_jobs(model, h.config, h.hardware, h.context).max_jobs
@@ -956,7 +958,7 @@ def _replanned(model, hints: list[_Hint], jobs: int, floor: int) -> list[str]:
         if floor < n < jobs and _feasible(model, h.config, h.hardware, n, h.context):
             at = h.text.find(" (")
             at = len(h.text) if at < 0 else at
-            out.append(f"{h.text[:at]} --jobs {n}{h.text[at:]}")
+            out.append((f"{h.text[:at]} --jobs {n}{h.text[at:]}", False))
     return out
 
 
