@@ -187,6 +187,8 @@ RUN_FIELDS = (
     "breakdown_eager_ms",
     "top_kernels",
     "all_kernels",
+    "alone_ms",
+    "active_ms",
     "cuda_graph",
     "roofline",
     "token_sha256",
@@ -483,6 +485,8 @@ def _profile(engine: Engine, reqs: list[Request], steps: int) -> dict[str, Any]:
         "breakdown_source": "cuda-graph kernels (profiler)",
         "top_kernels": kb["kernels"],
         "all_kernels": kb["all_kernels"],
+        "alone_ms": kb["alone_ms"],
+        "active_ms": kb["active_ms"],
         "breakdown_eager_ms": eager["breakdown_ms"],
         "gather_gbps": moved[0] / (gather_ms / 1e3) / 1e9 if gather_ms > 0 and moved[0] else None,
     }

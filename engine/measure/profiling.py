@@ -169,8 +169,11 @@ def kernel_breakdown(run_step: Callable[[], None], steps: int) -> dict[str, Any]
     Returns ``{"breakdown_ms": {phase: ms per step, ..., "other": ..., "gpu_busy": sum of
     kernel time, "idle": wall - busy (launch gaps, host work), "total": wall ms per
     step}, "kernels": [(name, ms per step), ...] top 12, "all_kernels": [(name, phase, ms
-    per step, launches per step), ...] every kernel, longest first}``. Kernels on different
-    streams that overlap are each counted in full, so ``gpu_busy`` may exceed ``total``.
+    per step, launches per step), ...] every kernel, longest first, "alone_ms": {phase: ms
+    per step during which only that phase's kernels run}, "active_ms": ms per step during
+    which any kernel runs}``. Kernels on different streams that overlap are each counted
+    in full in ``breakdown_ms``, so ``gpu_busy`` may exceed ``total``; ``alone_ms`` is what
+    overlap leaves exposed (a gather running with no other chain's kernel beside it).
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -183,11 +186,16 @@ def kernel_breakdown(run_step: Callable[[], None], steps: int) -> dict[str, Any]
         wall_ms = (time.perf_counter() - t0) * 1e3 / steps
     per_kernel: dict[str, float] = defaultdict(float)
     launches: dict[str, int] = defaultdict(int)
+    spans: list[tuple[float, float, str]] = []
     for evt in prof.events():
         if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
         per_kernel[evt.name] += evt.time_range.elapsed_us() / 1e3 / steps
         launches[evt.name] += 1
+        low = evt.name.lower()
+        phase = "other" if "memcpy" in low or "memset" in low else kernel_phase(evt.name)
+        spans.append((evt.time_range.start, evt.time_range.end, phase))
+    alone_us, active_us = exclusive_time(spans)
     phases: dict[str, float] = dict.fromkeys((*PHASES, "other"), 0.0)
     for name, ms in per_kernel.items():
         if "memcpy" in name.lower() or "memset" in name.lower():
@@ -204,4 +212,33 @@ def kernel_breakdown(run_step: Callable[[], None], steps: int) -> dict[str, Any]
         "breakdown_ms": phases,
         "kernels": [(n[:80], round(ms, 4)) for n, ms in ranked[:12]],
         "all_kernels": every,
+        "alone_ms": {p: round(us / 1e3 / steps, 4) for p, us in sorted(alone_us.items())},
+        "active_ms": round(active_us / 1e3 / steps, 4),
     }
+
+
+def exclusive_time(spans: list[tuple[float, float, str]]) -> tuple[dict[str, float], float]:
+    """Sweep kernel intervals ``[(start, end, phase), ...]`` (any time unit): the time
+    during which only one phase's kernels run, per phase, and the time any kernel runs.
+
+    >>> exclusive_time([(0, 4, "gather"), (2, 6, "attention"), (8, 9, "gather")])
+    ({'gather': 3.0, 'attention': 2.0}, 7.0)
+    """
+    edges = sorted(
+        [(s, 1, p) for s, e, p in spans if e > s] + [(e, -1, p) for s, e, p in spans if e > s],
+        key=lambda x: (x[0], x[1]),
+    )
+    running: dict[str, int] = defaultdict(int)
+    alone: dict[str, float] = defaultdict(float)
+    active = 0.0
+    last = None
+    for t, delta, phase in edges:
+        if last is not None and t > last:
+            live = [p for p, n in running.items() if n > 0]
+            if live:
+                active += t - last
+                if len(live) == 1:
+                    alone[live[0]] += t - last
+        running[phase] += delta
+        last = t
+    return dict(alone), float(active)

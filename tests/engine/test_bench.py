@@ -434,6 +434,17 @@ def test_kernel_phase_names():
     assert kernel_phase("void at::native::vectorized_elementwise_kernel<4, ...>") == "other"
 
 
+def test_exclusive_time_counts_only_what_runs_alone():
+    from engine.measure.profiling import exclusive_time
+
+    # gather 0-4 beside attention 2-6, a second gather stream 1-3, a lone gather 8-9
+    spans = [(0, 4, "gather"), (2, 6, "attention"), (1, 3, "gather"), (8, 9, "gather")]
+    alone, active = exclusive_time(spans)
+    assert alone == {"gather": 3.0, "attention": 2.0}
+    assert active == 7.0
+    assert exclusive_time([(5, 5, "gather")]) == ({}, 0.0)  # empty spans count nothing
+
+
 def test_every_selection_kernel_is_counted_as_select():
     """Each Triton kernel of the selection modules lands in the ``select`` phase of a graph
     step's breakdown (two new superpage kernels once showed up as ``other``)."""

@@ -262,6 +262,7 @@ RESOLVE_CASES = [
     (2, 3, 70, 12, 8, 4),
     (1, 1, 33, 5, 5, 6),  # k_max == C, tiny slab: every unselected slot gets reused
     (2, 2, 100, 40, 16, 3),
+    (1, 2, 600, 150, 48, 4),  # a larger, non-power-of-two slab: the sort spans 256 keys
 ]
 
 

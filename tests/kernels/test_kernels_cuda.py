@@ -117,7 +117,14 @@ def test_all_pages_selected_equals_dense(dtype):
 
 
 @pytest.mark.parametrize(
-    "b,hkv,p_max,c,k_max", [(8, 8, 2048, 64, 32), (32, 8, 512, 256, 128), (3, 3, 300, 40, 40)]
+    "b,hkv,p_max,c,k_max",
+    [
+        (8, 8, 2048, 64, 32),
+        (32, 8, 512, 256, 128),
+        (3, 3, 300, 40, 40),
+        (16, 3, 4096, 384, 64),  # 12288-token hot buffer at 32-token pages
+        (4, 2, 5000, 1000, 100),  # the sort spans 1024 keys
+    ],
 )
 def test_resolve_cuda_over_steps(b, hkv, p_max, c, k_max):
     gen = torch.Generator().manual_seed(b + c)
