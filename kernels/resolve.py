@@ -238,6 +238,9 @@ def _resolve_kernel(
     victim_key = tl.load(keys_row + rank, mask=miss, other=0)
     victim = tl.where(miss, first_slot + victim_key % BLOCK_C, -1).to(tl.int32)
     old = tl.load(slot_page_ptr + victim, mask=miss, other=-1)
+    # Every thread's loads of the state (a BLOCK_K element can live in several threads)
+    # before any thread's stores: without it a copy of a victim could read its new page.
+    tl.debug_barrier()
     tl.store(pt_row + old, tl.full([BLOCK_K], -1, tl.int32), mask=miss & (old >= 0))
     tl.store(pt_row + page_k, victim, mask=miss)
     tl.store(slot_page_ptr + victim, page_k, mask=miss)
