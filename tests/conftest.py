@@ -79,6 +79,12 @@ KERNEL_TESTS = (
 
 def pytest_configure(config: pytest.Config) -> None:
     _interpret_triton_for_kernel_tests(config)
+    # the CPU LM head's recorded choice (engine.weights.quant.lm_head_record_path): each
+    # test process measures its own, never reading or writing the user's cache
+    if "HISPARSE_CACHE_DIR" not in os.environ:
+        import tempfile
+
+        os.environ["HISPARSE_CACHE_DIR"] = tempfile.mkdtemp(prefix="hisparse-test-cache-")
 
 
 def _interpret_triton_for_kernel_tests(config: pytest.Config) -> None:

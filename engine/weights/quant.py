@@ -38,7 +38,10 @@ Compute formats (:func:`make_linear`):
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -280,11 +283,13 @@ def pick_cpu_lm_head(head: DenseLinear, repeats: int = 3, gain: float = 0.8) -> 
 
     Returns ``(linear, note)``: the head to use and a model-line note of what was measured
     (best of ``repeats`` one-row products each, fp16 kept when at most ``gain`` of the
-    float32 time). The choice is measured once per process and head shape
-    (:data:`_LM_HEAD_CHOICES`): every engine of a process computes the same logits (two
-    engines loaded side by side on a busy box measured differently, so a test comparing
-    them saw the fp16 head's 0.01 in one and not the other). Raises nothing: a head that is
-    not float32 is returned as it is.
+    float32 time). The choice is measured once per machine, torch version and head shape,
+    and kept in :func:`lm_head_record_path` (and per process in :data:`_LM_HEAD_CHOICES`):
+    the fp16 head's logits differ from float32's by about 0.01, enough to flip a near tie of
+    greedy decoding, so a choice timed anew at every load would let the same command answer
+    differently on a busy and on an idle machine (two engines loaded side by side on a busy
+    box did measure differently). Raises nothing: a head that is not float32 is returned as
+    it is; a record that cannot be read or written is measured again or not kept.
     """
     import time
 
@@ -293,6 +298,12 @@ def pick_cpu_lm_head(head: DenseLinear, repeats: int = 3, gain: float = 0.8) -> 
         return head, ""
     half = CastLinear(w, torch.float16)
     known = _LM_HEAD_CHOICES.get(tuple(w.shape))
+    key = _lm_head_key(tuple(w.shape))
+    if known is None:
+        recorded = _read_lm_head_records().get(key)
+        if isinstance(recorded, dict) and isinstance(recorded.get("fp16"), bool):
+            known = (recorded["fp16"], f"{recorded.get('note', '')} on this machine before)")
+            _LM_HEAD_CHOICES[tuple(w.shape)] = known
     if known is not None:
         use_half, note = known
         return (half if use_half else head), note
@@ -314,12 +325,60 @@ def pick_cpu_lm_head(head: DenseLinear, repeats: int = 3, gain: float = 0.8) -> 
     else:
         note = f"; LM head float32 (fp16 {t16:.1f} vs {t32:.1f} ms, measured)"
     _LM_HEAD_CHOICES[tuple(w.shape)] = (t16 <= gain * t32, note)
+    _write_lm_head_record(key, {"fp16": t16 <= gain * t32, "note": note.rstrip(")")})
     return (half if t16 <= gain * t32 else head), note
 
 
 _LM_HEAD_CHOICES: dict[tuple[int, ...], tuple[bool, str]] = {}
 """:func:`pick_cpu_lm_head`'s measured choice per head shape ``(V, H)``: fp16 or not, and
 its note."""
+
+
+def lm_head_record_path() -> Path:
+    """Where :func:`pick_cpu_lm_head` keeps its choices: ``$HISPARSE_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/hisparse``, else ``~/.cache/hisparse``; file ``cpu_lm_head.json``
+    (a JSON object: key -> ``{"fp16": bool, "note": str}``). Delete it to measure again."""
+    root = os.environ.get("HISPARSE_CACHE_DIR")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "hisparse")
+    return Path(root) / "cpu_lm_head.json"
+
+
+def _lm_head_key(shape: tuple[int, ...]) -> str:
+    """The record's key: the CPU's model name (``/proc/cpuinfo``, else the platform's),
+    torch's version and the head's ``V x H``."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu} | torch {torch.__version__} | {'x'.join(map(str, shape))}"
+
+
+def _read_lm_head_records() -> dict:
+    try:
+        data = json.loads(lm_head_record_path().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_lm_head_record(key: str, value: dict) -> None:
+    """Add one record, atomically (a temporary file renamed over the old one); nothing
+    when the folder cannot be written."""
+    path = lm_head_record_path()
+    data = {**_read_lm_head_records(), key: value}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 class Int4Linear(Linear):

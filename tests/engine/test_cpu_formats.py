@@ -139,7 +139,7 @@ def test_q8_head_refuses_weights_that_are_not_q8_0_values():
     assert Q8Int4Linear.from_float(w[:, :48]) is None  # K not whole blocks
 
 
-def test_head_fp16_when_measured_faster_float32_otherwise(monkeypatch):
+def test_head_fp16_when_measured_faster_float32_otherwise(monkeypatch, tmp_path):
     """pick_cpu_lm_head keeps the fp16 copy exactly when its timed product is at most
     ``gain`` of float32's (the timer patched: the choice, not this box's speed, is tested);
     the fp16 head's logits are float32 and within fp16 rounding of the float32 head's."""
@@ -154,6 +154,7 @@ def test_head_fp16_when_measured_faster_float32_otherwise(monkeypatch):
 
     monkeypatch.setattr("time.perf_counter", fake_perf_counter)
     monkeypatch.setattr(quant, "_LM_HEAD_CHOICES", {})
+    monkeypatch.setenv("HISPARSE_CACHE_DIR", str(tmp_path))
     # per product (start, end) pairs: float32 first (3 repeats), then fp16
     clock = iter([0, 10, 0, 10, 0, 10] + [0, 2, 0, 2, 0, 2])
     lin, note = quant.pick_cpu_lm_head(head)
@@ -166,10 +167,20 @@ def test_head_fp16_when_measured_faster_float32_otherwise(monkeypatch):
     clock = iter([])  # measured once per process and shape: no second timing
     again, again_note = quant.pick_cpu_lm_head(DenseLinear(w.clone()))
     assert isinstance(again, quant.CastLinear) and again_note == note
+    quant._LM_HEAD_CHOICES.clear()  # a new process: the machine's record, no timing
+    again, again_note = quant.pick_cpu_lm_head(DenseLinear(w.clone()))
+    assert isinstance(again, quant.CastLinear)
+    assert again_note == "; LM head fp16 (2000.0 vs 10000.0 ms float32, measured on this machine before)"
     quant._LM_HEAD_CHOICES.clear()
+    quant.lm_head_record_path().unlink()  # deleted: measured again
     clock = iter([0, 10, 0, 10, 0, 10] + [0, 9, 0, 9, 0, 9])  # fp16 only 10% faster
     lin, note = quant.pick_cpu_lm_head(head)
     assert lin is head and "LM head float32 (fp16 9000.0 vs 10000.0 ms" in note
+    quant._LM_HEAD_CHOICES.clear()
+    quant.lm_head_record_path().write_text("{not json")  # unreadable: measured again
+    clock = iter([0, 10, 0, 10, 0, 10] + [0, 2, 0, 2, 0, 2])
+    lin, note = quant.pick_cpu_lm_head(head)
+    assert isinstance(lin, quant.CastLinear) and note.endswith("measured)")
 
 
 def test_head_choice_only_with_bf16_products(monkeypatch):
