@@ -274,14 +274,6 @@ class EngineConfig:
         (:mod:`engine.decode.audit`); 0 (the default) is off. The sparse decode is the
         same with it. Not with a pipeline of several devices.
     audit_seed: seed of the audited steps' choice (with each job's id).
-    num_threads: torch's CPU threads (``--threads``); ``None`` keeps torch's default (the
-        cores).
-    decode_threads: CPU threads of decode steps only (``None``: as ``num_threads``); prefill
-        keeps ``num_threads``. ``hisparse run`` sets it, not ``num_threads``, when other
-        processes keep cores busy: the rounding of prefill's matrix products depends on
-        the thread count (oneDNN picks another blocking; measured on the embedded model:
-        the quick start's summary changes with it), that of the decode step's does not,
-        so the answer stays what an idle machine gives (``tests/engine/test_threads.py``).
     """
 
     device: str = "cpu"
@@ -313,7 +305,6 @@ class EngineConfig:
     truncate_keep: str = "head"
     use_triton: bool | None = None
     num_threads: int | None = None
-    decode_threads: int | None = None
     skip_host_io: bool = False
     cuda_graph: bool = True
     decode_overlap: bool = False
@@ -654,7 +645,6 @@ SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "truncate_keep": _choice(TRUNCATE_KEEP),
     "use_triton": _flag_or_none,
     "num_threads": _positive_or_none,
-    "decode_threads": _positive_or_none,
     "skip_host_io": _flag,
     "cuda_graph": _flag,
     "decode_overlap": _flag,

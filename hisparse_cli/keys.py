@@ -45,7 +45,6 @@ OUTPUT_NEUTRAL_SETTINGS = frozenset(
         "memory_budget_gb",
         "use_triton",
         "num_threads",
-        "decode_threads",  # decode's products round the same at any thread count
         "devices",
         "parallel",
         "trace_path",

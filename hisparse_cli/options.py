@@ -261,9 +261,8 @@ Threads = Annotated[
         min=1,
         help="CPU threads for torch (num_threads; OMP_NUM_THREADS also sets it)."
         + default_is(
-            "every core for prefill; for decode the free cores of a CPU run: the cores less "
-            "the 1-minute load average, at least 1 (all of them on an idle box); several CPU "
-            "devices split the cores"
+            "the free cores of a CPU run: the cores less the 1-minute load average, at least "
+            "1 (all of them on an idle box); several CPU devices split the cores"
         ),
         show_default=False,
         rich_help_panel=ENGINE,

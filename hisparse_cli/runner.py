@@ -190,12 +190,11 @@ def load_tokenizer(config: EngineConfig, model: str | None) -> Any:
 
 
 def free_cpu_threads(config: EngineConfig) -> int | None:
-    """CPU threads for the decode steps of a CPU run whose ``num_threads`` is unset, when
-    other processes keep cores busy: the cores less the 1-minute load average (at least 1);
-    ``None`` when the machine is idle enough for torch's default (every core), when the
-    user chose (``--threads``, ``OMP_NUM_THREADS``), on a GPU run, or where the load cannot
-    be read. torch's OpenMP threads wait on each other when they outnumber the free cores:
-    decode ran ~5-8x slower on a shared 2-core box (README, "CPU threads")."""
+    """CPU threads for a CPU run whose ``num_threads`` is unset, when other processes keep
+    cores busy: the cores less the 1-minute load average (at least 1); ``None`` when the
+    machine is idle enough for torch's default (every core), when the user chose
+    (``--threads``, ``OMP_NUM_THREADS``), on a GPU run, or where the load cannot be read. torch's OpenMP threads wait on each other when they outnumber
+    the free cores: decode ran ~5-8x slower on a shared 2-core box (README, "CPU threads")."""
     chosen = config.num_threads is not None or "OMP_NUM_THREADS" in os.environ
     if chosen or config.device != "cpu" or config.devices:
         return None
@@ -209,12 +208,9 @@ def free_cpu_threads(config: EngineConfig) -> int | None:
 
 
 def with_free_threads(config: EngineConfig) -> tuple[EngineConfig, str | None]:
-    """``config`` with ``decode_threads`` set to :func:`free_cpu_threads` when that chose a
+    """``config`` with ``num_threads`` set to :func:`free_cpu_threads` when that chose a
     count, and the line that says so (``None`` when it did not); ``hisparse run`` and
-    ``hisparse eval`` both apply it before the model loads. Only decode adapts to the load:
-    prefill keeps every core, because its products' rounding depends on the thread count
-    and the same command must give the same answer on a busy and on an idle machine
-    (:class:`engine.config.EngineConfig`, ``decode_threads``). A ``num_threads`` above the
+    ``hisparse eval`` both apply it before the model loads. A ``num_threads`` above the
     machine's CPU count (``--threads 999``) is cut to that count, with a line saying so:
     OpenMP threads beyond the cores only wait on each other (a run ~4x slower)."""
     cores = os.cpu_count() or 1
@@ -228,11 +224,11 @@ def with_free_threads(config: EngineConfig) -> tuple[EngineConfig, str | None]:
     if not threads:
         return config, None
     note = (
-        f"decoding on {threads} of {os.cpu_count()} CPU threads: the others are busy "
-        f"(load {os.getloadavg()[0]:.1f}); prefill uses all {os.cpu_count()}, so the "
-        "answer is an idle machine's; --threads N sets both"
+        f"using {threads} of {os.cpu_count()} CPU threads: the others are busy "
+        f"(load {os.getloadavg()[0]:.1f}); --threads N overrides (the answer can change "
+        "with the count: README, \"CPU threads\")"
     )
-    return config.replace(decode_threads=threads), note
+    return config.replace(num_threads=threads), note
 
 
 def triton_cache_is_cold() -> str:
@@ -1341,8 +1337,8 @@ class BatchRun:
             self.reporter.note(threads_note)
             doc = getattr(self, "_config_doc", None)
             if doc is not None:  # config.json says the count the run uses, and why
-                doc["engine"]["decode_threads"] = self.config.decode_threads
-                doc.setdefault("effective", {})["decode_threads"] = threads_note
+                doc["engine"]["num_threads"] = self.config.num_threads
+                doc.setdefault("effective", {})["num_threads"] = threads_note
         devices = [self.config.device, *(self.config.devices or ())]
         if any(str(d).startswith("cuda") for d in devices):  # the kernels compile on CUDA only
             cold = triton_cache_is_cold()

@@ -136,8 +136,6 @@ class Engine:
         budget_sizing: KVSizing | None = None,
     ):
         self.model = model
-        # prefill's thread count: set by the load (num_threads), else torch's default
-        self._prefill_threads = config.num_threads or torch.get_num_threads()
         self.json = JsonConstraints(tokenizer, model.config.vocab_size)
         self.model_name = model_name or model.config.name
         self.weight_format = weight_format
@@ -692,7 +690,6 @@ class Engine:
         written = 0  # positions already handed to the cache (page-aligned)
         for s in range(0, t, chunk):
             e = min(s + chunk, t)
-            self.use_cpu_threads("prefill")  # decode steps may run between two chunks
             q, k, v = m.qkv(layer, h[s:e], pos[s:e])
             kbuf[s:e], vbuf[s:e] = k, v
             end = e if e == t else e - e % page  # whole pages, the partial one at the end
@@ -719,19 +716,6 @@ class Engine:
         return h
 
     @torch.inference_mode()
-    def use_cpu_threads(self, phase: str) -> None:
-        """Set torch's CPU threads for ``phase`` (``prefill`` or ``decode``) on a CPU engine:
-        ``num_threads`` (torch's default when unset) for prefill, ``decode_threads`` (else the
-        same) for decode (:class:`EngineConfig` says why). A no-op on CUDA and when the
-        count is already set; torch's setting is per process, so each phase sets its own."""
-        if self.model.device.type != "cpu":
-            return
-        want = self._prefill_threads
-        if phase == "decode" and self.config.decode_threads:
-            want = self.config.decode_threads
-        if torch.get_num_threads() != want:
-            torch.set_num_threads(want)
-
     def decode_step(self, batch: list[Request]) -> list[int]:
         """Feed each request's last token, return the next token of each (one step,
         launched and read: :meth:`launch_step` then :meth:`read_step`)."""
@@ -748,7 +732,6 @@ class Engine:
         same function of the same inputs. The cache counts the fed token at launch.
         """
         t_launch = time.monotonic()  # before the work: on the CPU the launch runs the step
-        self.use_cpu_threads("decode")
         m = self.model
         self.step += 1
         seqs = self.cache.seqs

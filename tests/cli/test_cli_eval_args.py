@@ -101,5 +101,5 @@ def test_a_presets_chunk_policy_is_read_as_refuse_with_a_warning(tmp_path, place
 def test_eval_takes_the_free_cpu_threads_as_run_does(tmp_path, placed, monkeypatch):
     monkeypatch.setattr(runner_module, "free_cpu_threads", lambda config: 1)
     result = run_eval(tmp_path)
-    assert "decoding on 1 of" in result.output and "--threads N sets both" in result.output
-    assert placed[0].decode_threads == 1 and placed[0].num_threads is None
+    assert "using 1 of" in result.output and "--threads N overrides" in result.output
+    assert placed[0].num_threads == 1

@@ -89,8 +89,8 @@ def test_config_json_records_the_threads_chosen_from_the_free_cores(cli, docs, m
     result = cli("docs/alpha.txt", "--output-dir", "out")
     assert result.exit_code == 0, result.output
     doc = json.loads((docs.parent / "out" / "config.json").read_text())
-    assert doc["engine"]["decode_threads"] == 1 and doc["engine"]["num_threads"] is None
-    assert "decoding on 1 of" in doc["effective"]["decode_threads"]
+    assert doc["engine"]["num_threads"] == 1
+    assert "using 1 of" in doc["effective"]["num_threads"]
 
 
 def test_a_missing_file_or_folder_among_the_documents_fails_only_its_own_job(cli, docs):
