@@ -26,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from engine.events import Event, JobFailed, JobFinished
+from hisparse_cli.pipes import guard_consoles
 from hisparse_cli.progress import (
     FINISHED_PHASES,
     DeviceMemory,
@@ -423,7 +424,9 @@ class LiveDashboard:
     Parameters
     ----------
     console
-        The terminal console.
+        The terminal console. Its file (and ``err_console``'s) is replaced by a
+        :class:`hisparse_cli.pipes.PipeGuard` of it: a closed pipe (``FORCE_COLOR=1 hisparse
+        run ... | head``) ends the output, not the run (Rich itself would exit).
     tracker
         Source of the state to draw.
     clock
@@ -443,6 +446,7 @@ class LiveDashboard:
     ) -> None:
         self.console, self.tracker, self.clock = console, tracker, clock
         self.err_console = err_console or Console(stderr=True)
+        guard_consoles(console, self.err_console)  # a closed pipe: dropped, not SystemExit
         self.refresh_s, self.max_rows = refresh_s, max_rows
         self._live: Live | None = None
         self._drawn_t = float("-inf")

@@ -17,6 +17,10 @@ All reporters share one interface (context manager, ``on_event``, ``note``,
   ``time``, the wall-clock time it was written (ISO 8601, UTC, milliseconds), beside the
   monotonic ``t`` of events.
 
+A closed stdout (``hisparse run ... | head -1``) stops none of them: their streams are
+:func:`hisparse_cli.pipes.guard`-ed, so once the reader is gone their writes are dropped
+and stderr says so once; the run carries on.
+
 Unknown figures (no decode step yet, no prefill seen) read ``-`` (JSON ``null``).
 """
 
@@ -29,7 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, Self, TextIO
+from typing import IO, Any, Protocol, Self
 
 from rich.console import Console
 
@@ -50,6 +54,7 @@ from hisparse_cli.dashboard import (
     fmt_seconds,
     render_summary,
 )
+from hisparse_cli.pipes import STDOUT_CLOSED, guard
 from hisparse_cli.progress import (
     JobRow,
     ProgressTracker,
@@ -93,7 +98,7 @@ def make_reporter(
     warnings and errors of the plain and live displays go to ``err_console`` (stderr)."""
     err_console = err_console or Console(stderr=True)
     if json_progress:
-        return JsonReporter(console.file, tracker, clock=clock)
+        return JsonReporter(console.file, tracker, clock=clock, err_stream=err_console.file)
     if console.is_terminal:
         return LiveDashboard(console, tracker, clock=clock, err_console=err_console)
     return PlainReporter(console.file, tracker, clock=clock, err_stream=err_console.file)
@@ -181,14 +186,15 @@ class PlainReporter:
 
     def __init__(
         self,
-        stream: TextIO,
+        stream: IO[str],
         tracker: ProgressTracker,
         interval_s: float = PLAIN_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
-        err_stream: TextIO | None = None,
+        err_stream: IO[str] | None = None,
     ) -> None:
-        self.stream, self.tracker, self.interval_s, self.clock = stream, tracker, interval_s, clock
-        self.err_stream = err_stream if err_stream is not None else sys.stderr
+        self.tracker, self.interval_s, self.clock = tracker, interval_s, clock
+        self.err_stream = guard(err_stream if err_stream is not None else sys.stderr)
+        self.stream = guard(stream, STDOUT_CLOSED, self.err_stream)  # a closed pipe: dropped
         self._printed_t = clock()
         self._lock = threading.Lock()
         self._ticker = _Ticker(interval_s, self._tick)
@@ -236,7 +242,7 @@ class PlainReporter:
         console = Console(file=self.stream, width=100, force_terminal=False, no_color=True)
         console.print(render_summary(summary))
 
-    def _write(self, line: str, stream: TextIO | None = None) -> None:
+    def _write(self, line: str, stream: IO[str] | None = None) -> None:
         stream = stream or self.stream
         with self._lock:
             stream.write(line.rstrip("\n") + "\n")
@@ -291,16 +297,20 @@ def progress_json(state: RunState, now: float) -> dict[str, Any]:
 
 
 class JsonReporter:
-    """JSON lines on ``stream`` (see module docstring)."""
+    """JSON lines on ``stream`` (see module docstring); ``err_stream`` (stderr) hears once
+    when ``stream``'s pipe closes."""
 
     def __init__(
         self,
-        stream: TextIO,
+        stream: IO[str],
         tracker: ProgressTracker,
         interval_s: float = JSON_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        err_stream: IO[str] | None = None,
     ) -> None:
-        self.stream, self.tracker, self.interval_s, self.clock = stream, tracker, interval_s, clock
+        self.tracker, self.interval_s, self.clock = tracker, interval_s, clock
+        err_stream = guard(err_stream if err_stream is not None else sys.stderr)
+        self.stream = guard(stream, STDOUT_CLOSED, err_stream)  # a closed pipe: dropped
         self._printed_t = clock()
         self._pending = False
         self._lock = threading.Lock()

@@ -65,6 +65,7 @@ from hisparse_cli.extract import parse_extracted
 from hisparse_cli.keys import DEFAULT_MODEL_ID, model_fingerprint
 from hisparse_cli.manifest import Manifest, ManifestError, jobs_from_paths, load_manifest
 from hisparse_cli.naming import EarlierJob
+from hisparse_cli.pipes import STDOUT_CLOSED, guard_consoles
 from hisparse_cli.plan import FAILED_BEFORE, INVALID, RUN, SKIP, PlannedJob, plan_jobs
 from hisparse_cli.progress import ProgressTracker, RunSummary, summarize
 from hisparse_cli.reporters import Reporter, make_reporter
@@ -368,6 +369,14 @@ def execute(
 ) -> int:
     """Run ``request`` and return the exit code.
 
+    A closed stdout or stderr (``hisparse run docs/*.txt | head -1``: the reader exited)
+    ends what is written there, not the run: both consoles' files are
+    :func:`hisparse_cli.pipes.guard`-ed, so the batch carries on to the end, writes its
+    results and output files, and stderr (if still open) says once that stdout was closed.
+    The exit code stays the batch's (0 when every job is ok, 1 when one failed, ...): the
+    results are what the run is for, and they are complete; a pipeline under ``set -o
+    pipefail`` that only cut the progress short (``| head``) does not fail for it.
+
     Parameters
     ----------
     request
@@ -380,6 +389,9 @@ def execute(
     marks = {"cli_ready": time.monotonic()}  # the start-up steps (ev.StartupTimes)
     console = console or Console()
     err_console = err_console or Console(stderr=True)
+    results = request.output_dir / RESULTS_FILE
+    closed = STDOUT_CLOSED if request.print_config else f"{STDOUT_CLOSED}; results: {results}"
+    guard_consoles(console, err_console, closed)
     try:
         request = with_stdin(request)
         request, choice = with_auto_preset(request)
