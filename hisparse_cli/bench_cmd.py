@@ -215,7 +215,10 @@ def bench_command(
     from engine.measure import bench, bench_kv
     from engine.measure import report as bench_report
     from engine.presets import resolve_config
+    from engine.weights.gguf import GGUFError
+    from engine.weights.hf import HFModelError
     from hisparse_cli import bench_plots
+    from hisparse_cli.runner import UsageError, check_model_path
 
     if write_corpus_tokens is not None:
         typer.echo(f"wrote {bench_kv.write_corpus_tokens(write_corpus_tokens)}")
@@ -274,13 +277,18 @@ def bench_command(
             from engine.weights.synthetic import synthetic_shape
 
             synthetic_shape(model)  # an unknown name raises ValueError listing the known ones
-    except (ConfigError, ValueError) as exc:
+        else:
+            check_model_path(model)  # as `hisparse run`: a missing path, not a GGUF file
+    except (ConfigError, ValueError, UsageError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
     try:
         report = bench.run_bench(spec, log=typer.echo)
     except (ConfigError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+    except (GGUFError, HFModelError) as exc:  # a truncated or malformed model file
+        typer.echo(f"error: cannot load the model: {exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
     report["plots"] = bench_plots.make_plots(report, spec.out_dir)
     bench_report.write_report(report, spec.out_dir)

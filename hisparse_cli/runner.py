@@ -878,6 +878,24 @@ def check_gguf_magic(path: Path) -> None:
         )
 
 
+def check_model_path(model: str) -> None:
+    """Raise :class:`UsageError` unless ``--model`` names a model folder or a file that
+    starts as a GGUF file does (:func:`check_gguf_magic`): a missing path, a pipe or a
+    device, or a file of another kind is named before anything loads (``run``, ``bench``).
+
+    Raises
+    ------
+    UsageError : ``"model not found: ..."`` or ``"--model PATH: ..."``.
+    """
+    path = Path(model)
+    if not path.exists():
+        raise UsageError(f"model not found: {model}")
+    if not path.is_dir() and not path.is_file():  # a FIFO: it hung
+        raise UsageError(f"--model {path}: not a regular file or a model folder")
+    if path.is_file():
+        check_gguf_magic(path)
+
+
 def check_request(request: RunRequest) -> None:
     """Raise :class:`UsageError` for contradictory or impossible arguments."""
     if request.manifest is not None and request.docs:
@@ -890,13 +908,8 @@ def check_request(request: RunRequest) -> None:
         raise UsageError(f"--manifest {request.manifest} is a directory: name the manifest file")
     if request.manifest is not None and not request.manifest.is_file():
         raise UsageError(f"manifest not found: {request.manifest}")
-    if request.model is not None and not Path(request.model).exists():
-        raise UsageError(f"model not found: {request.model}")
-    model = None if request.model is None else Path(request.model)
-    if model is not None and not model.is_dir() and not model.is_file():  # a FIFO: it hung
-        raise UsageError(f"--model {model}: not a regular file or a model folder")
-    if model is not None and model.is_file():
-        check_gguf_magic(model)
+    if request.model is not None:
+        check_model_path(request.model)
     if request.errors not in ERROR_MODES:
         raise UsageError(f"--errors must be one of {', '.join(ERROR_MODES)}")
     try:
