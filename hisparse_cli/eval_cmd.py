@@ -131,6 +131,9 @@ def eval_command(
     extend_method: opt.ExtendMethod = None,
     threads: opt.Threads = None,
     device: opt.Device = None,
+    encoding: opt.Encoding = "utf-8",
+    errors: opt.Errors = "strict",
+    allow_binary: opt.AllowBinary = False,
 ) -> None:
     """Accuracy of dense and sparse decoding on long-context tasks generated locally.
 
@@ -145,7 +148,7 @@ def eval_command(
     from engine.measure import fidelity, ruler
     from engine.presets import resolve_config
     from hisparse_cli.bench_cmd import _chosen_preset
-    from hisparse_cli.runner import with_free_threads
+    from hisparse_cli.runner import UsageError, check_encoding, with_free_threads
 
     def task_names() -> list[str]:
         names = list(ruler.TASKS) if tasks.strip() == "all" else _items(tasks)
@@ -159,6 +162,12 @@ def eval_command(
         except ValueError as exc:
             raise ValueError(f"--configs: {exc}") from None
 
+    def text_encoding() -> None:
+        try:
+            check_encoding(encoding)  # as `hisparse run` checks it
+        except UsageError as exc:
+            raise ValueError(str(exc)) from None
+
     def length(text: str) -> int:
         try:
             return parse_context(text)
@@ -166,15 +175,16 @@ def eval_command(
             raise ValueError(f"--lengths: {exc}") from None
 
     try:
-        errors: list[str] = []  # every option's problem at once, not only the first
+        problems: list[str] = []  # every option's problem at once, not only the first
         length_list = _collect(
-            errors, lambda: sorted(_unique("--lengths", _items(lengths), length, "tokens"))
+            problems, lambda: sorted(_unique("--lengths", _items(lengths), length, "tokens"))
         )
-        depth_list = _collect(errors, lambda: _unique("--depths", _items(depths), _depth))
-        task_list = _collect(errors, task_names)
-        config_list = _collect(errors, config_specs)
-        if errors:
-            raise ValueError("\n".join(errors))
+        depth_list = _collect(problems, lambda: _unique("--depths", _items(depths), _depth))
+        task_list = _collect(problems, task_names)
+        config_list = _collect(problems, config_specs)
+        _collect(problems, text_encoding)
+        if problems:
+            raise ValueError("\n".join(problems))
         if not length_list or not depth_list:
             raise ValueError("--lengths and --depths need at least one value each")
         if context_policy == "extend" and max_context is None:
@@ -192,7 +202,7 @@ def eval_command(
         if note:
             typer.echo(note)
         _unique("--configs", config_list, lambda c: c.engine_config(base), "settings")
-        texts = _read_haystack(docs or [])
+        texts = _read_haystack(docs or [], encoding, errors, allow_binary)
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
     report = _run(model, base, config_list, texts, task_list, length_list, depth_list,
@@ -362,8 +372,12 @@ def _items(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def _read_haystack(paths: list[str]) -> list[str]:
-    """The texts of ``paths`` (globs expanded); an unreadable file is named and skipped.
+def _read_haystack(
+    paths: list[str], encoding: str = "utf-8", errors: str = "strict", allow_binary: bool = False
+) -> list[str]:
+    """The texts of ``paths`` (globs expanded), read as ``hisparse run`` reads documents
+    (:func:`~hisparse_cli.textio.read_document` with ``--encoding``, ``--errors`` and
+    ``--allow-binary``; its warnings on stderr); an unreadable file is named and skipped.
 
     Raises
     ------
@@ -376,9 +390,14 @@ def _read_haystack(paths: list[str]) -> list[str]:
     texts = []
     for f in files:
         try:
-            texts.append(read_document(f).text)
+            document = read_document(f, encoding, errors, allow_binary, reads_stdin=False)
         except DocumentError as exc:
             typer.echo(f"skipped haystack file {exc}", err=True)
+            continue
+        for note in (document.warning, document.control_note):
+            if note:
+                typer.echo(f"warning: {note}", err=True)
+        texts.append(document.text)
     if paths and not texts:
         raise ValueError(f"no readable haystack file among {', '.join(paths)}")
     return texts

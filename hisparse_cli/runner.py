@@ -896,6 +896,15 @@ def check_model_path(model: str) -> None:
         check_gguf_magic(path)
 
 
+def check_encoding(encoding: str) -> None:
+    """Raise :class:`UsageError` unless ``--encoding`` names a Python codec (``run``,
+    ``eval``)."""
+    try:
+        codecs.lookup(encoding)
+    except LookupError:
+        raise UsageError(f"unknown --encoding {encoding!r}") from None
+
+
 def check_request(request: RunRequest) -> None:
     """Raise :class:`UsageError` for contradictory or impossible arguments."""
     if request.manifest is not None and request.docs:
@@ -912,10 +921,7 @@ def check_request(request: RunRequest) -> None:
         check_model_path(request.model)
     if request.errors not in ERROR_MODES:
         raise UsageError(f"--errors must be one of {', '.join(ERROR_MODES)}")
-    try:
-        codecs.lookup(request.encoding)
-    except LookupError:
-        raise UsageError(f"unknown --encoding {request.encoding!r}") from None
+    check_encoding(request.encoding)
     if request.output_dir.exists() and not request.output_dir.is_dir():
         raise UsageError(f"--output-dir {request.output_dir} exists and is not a directory")
     if request.output_dir.is_dir() and not os.access(request.output_dir, os.W_OK | os.X_OK):

@@ -142,6 +142,7 @@ def read_document(
     errors: str = "strict",
     allow_binary: bool = False,
     stdin: bytes | None = None,
+    reads_stdin: bool = True,
 ) -> Document:
     """Read one document following the module's policy.
 
@@ -159,15 +160,19 @@ def read_document(
         formats (PDF, ZIP, images, ...) are refused regardless.
     stdin
         The bytes of standard input, read when ``path`` is :data:`STDIN`.
+    reads_stdin
+        Whether the command takes a document on standard input (``hisparse run -``): its
+        messages suggest it only then (``hisparse eval`` reads files only).
 
     Raises
     ------
     DocumentError
         Unreadable, binary, undecodable, or empty/whitespace-only; for :data:`STDIN`
-        also when ``stdin`` is ``None`` (standard input was not read).
+        also when ``stdin`` is ``None`` (standard input was not read), or always when
+        ``reads_stdin`` is false.
     """
     path = Path(path)
-    data = _read_bytes(path, stdin)
+    data = _read_bytes(path, stdin, reads_stdin)
     codec = codecs.lookup(encoding).name
     digest = hashlib.sha256(data).hexdigest()
     refused = format_reason(data, codec)
@@ -359,8 +364,10 @@ def input_bytes(path: Path, stdin: bytes | None = None) -> bytes:
     return _read_bytes(Path(path), stdin)
 
 
-def _read_bytes(path: Path, stdin: bytes | None = None) -> bytes:
+def _read_bytes(path: Path, stdin: bytes | None = None, reads_stdin: bool = True) -> bytes:
     if path == STDIN:
+        if not reads_stdin:
+            raise DocumentError(path, "is not read here, only files are: save the text to a file")
         if stdin is None:
             raise DocumentError(path, "was not read (no bytes of standard input were given)")
         if len(stdin) > MAX_DOCUMENT_BYTES:
@@ -372,10 +379,11 @@ def _read_bytes(path: Path, stdin: bytes | None = None) -> bytes:
         if stat.S_ISDIR(mode):
             raise DocumentError(path, "is a directory")
         if not stat.S_ISREG(mode):  # reading /dev/zero or a FIFO never ends
+            pipe = ", or pipe it to `hisparse run -`" if reads_stdin else ""
             raise DocumentError(
                 path,
                 "is not a regular file (a pipe or a device): documents are read from "
-                "files; save the text to a file, or pipe it to `hisparse run -`",
+                f"files; save the text to a file{pipe}",
             )
         if info.st_size > MAX_DOCUMENT_BYTES:
             raise DocumentError(path, f"is larger than {_TOO_LARGE}")

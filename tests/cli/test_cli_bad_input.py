@@ -59,3 +59,70 @@ def test_bench_refuses_a_model_that_is_not_a_gguf_file_in_one_line(tmp_path, nam
     )  # fmt: skip
     one_line_error(result, str(model), *words)
     assert not (tmp_path / "bench").exists()
+
+
+@pytest.fixture
+def haystack(monkeypatch):
+    """Stop ``hisparse eval`` once its haystack is read, keeping the texts (no model)."""
+    from hisparse_cli import eval_cmd
+    from hisparse_cli import runner as runner_module
+
+    read = []
+
+    def run(model, base, configs, texts, *rest):
+        read.append(texts)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(eval_cmd, "_run", run)
+    monkeypatch.setattr(runner_module, "free_cpu_threads", lambda config: None)
+    return read
+
+
+def run_eval(tmp_path, *args):
+    return invoke("eval", "--preset", "cpu", "-o", str(tmp_path / "out"), *args)
+
+
+def test_eval_takes_the_options_its_haystack_hints_name(tmp_path, haystack):
+    """Fresh-user finding: a latin-1 or binary haystack file was refused with "pass
+    --errors replace ... or --encoding" / "pass --allow-binary", options eval did not have."""
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("café au lait, an old document\n".encode("latin-1"))
+    binary = tmp_path / "binary.bin"
+    binary.write_bytes(b"text \x01\x02\x03\x04\x05 and bytes\n" * 20)
+
+    result = run_eval(tmp_path, str(latin))
+    one_line_error(result, "no readable haystack file")
+    assert "--errors replace" in result.stderr and "--encoding" in result.stderr
+    result = run_eval(tmp_path, str(binary))
+    one_line_error(result, "no readable haystack file")
+    assert "--allow-binary" in result.stderr
+
+    assert run_eval(tmp_path, str(latin), "--encoding", "latin-1").exit_code == 0
+    assert run_eval(tmp_path, str(latin), "--errors", "replace").exit_code == 0
+    result = run_eval(tmp_path, str(binary), "--allow-binary")
+    assert result.exit_code == 0, result.output
+    assert f"warning: {binary}: looks binary" in " ".join(result.stderr.split())
+    assert haystack == [
+        ["café au lait, an old document\n"],
+        ["caf\ufffd au lait, an old document\n"],
+        ["text  and bytes\n" * 20],
+    ]
+
+
+def test_eval_refuses_an_unknown_encoding_before_reading(tmp_path, haystack):
+    (tmp_path / "doc.txt").write_text("a document\n")
+    result = run_eval(tmp_path, str(tmp_path / "doc.txt"), "--encoding", "klingon")
+    one_line_error(result, "unknown --encoding 'klingon'")
+    assert haystack == []
+
+
+def test_eval_haystack_messages_name_no_standard_input_it_does_not_read(tmp_path, haystack):
+    """The document reader's hint "pipe it to `hisparse run -`" is run's: eval reads files."""
+    import os
+
+    os.mkfifo(tmp_path / "pipe.txt")
+    for doc in (str(tmp_path / "pipe.txt"), "-"):
+        result = run_eval(tmp_path, doc)
+        one_line_error(result, "no readable haystack file")
+        assert "save the text to a file" in result.stderr
+        assert "hisparse run" not in result.stderr and "no bytes of standard input" not in result.stderr
