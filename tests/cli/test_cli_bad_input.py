@@ -63,14 +63,20 @@ def test_bench_refuses_a_model_that_is_not_a_gguf_file_in_one_line(tmp_path, nam
 
 @pytest.fixture
 def haystack(monkeypatch):
-    """Stop ``hisparse eval`` once its haystack is read, keeping the texts (no model)."""
+    """Stop ``hisparse eval`` once its arguments are checked and its haystack read, keeping
+    the texts (``read``) and the task lists (``read.tasks``); no model."""
     from hisparse_cli import eval_cmd
     from hisparse_cli import runner as runner_module
 
-    read = []
+    class Read(list):
+        tasks: list
 
-    def run(model, base, configs, texts, *rest):
+    read = Read()
+    read.tasks = []
+
+    def run(model, base, configs, texts, tasks, *rest):
         read.append(texts)
+        read.tasks.append(tasks)
         raise SystemExit(0)
 
     monkeypatch.setattr(eval_cmd, "_run", run)
@@ -126,3 +132,18 @@ def test_eval_haystack_messages_name_no_standard_input_it_does_not_read(tmp_path
         one_line_error(result, "no readable haystack file")
         assert "save the text to a file" in result.stderr
         assert "hisparse run" not in result.stderr and "no bytes of standard input" not in result.stderr
+
+
+def test_eval_tasks_all_beside_other_names_means_every_task(tmp_path, haystack):
+    """Fresh-user finding: ``--tasks all,niah_single`` said "unknown task(s) all", though
+    ``all`` is one of the listed values."""
+    from engine.measure import ruler
+
+    for tasks in ("all", "all,niah_single", "niah_single,all", "all,all"):
+        result = run_eval(tmp_path, "--tasks", tasks)
+        assert result.exit_code == 0, (tasks, result.output)
+    assert haystack.tasks == [list(ruler.TASKS)] * 4
+    one_line_error(run_eval(tmp_path, "--tasks", "all,niah_triple"), "unknown task(s) niah_triple")
+    one_line_error(
+        run_eval(tmp_path, "--tasks", "vt,niah_single,vt"), "--tasks: 'vt' is given twice"
+    )
