@@ -102,6 +102,26 @@ class _Block:
     group_size: int | None = None  # of a quantised linear
 
 
+def _not_a_folder(src: Path) -> str:
+    """Why ``src``, which exists but is no folder, cannot be quantised, and what to pass."""
+    if not src.is_file():
+        return f"{src} is not a folder (a pipe or a device): {_TAKES}"
+    message = f"{src} is a file, not a model folder: {_TAKES}"
+    with src.open("rb") as f:
+        gguf = f.read(4) == b"GGUF"
+    if gguf:
+        message += (
+            "; a GGUF file needs no quantize step: pass it to `hisparse run --model` as it is "
+            "(its Q4_0, Q4_1 and Q4_K weights are used as stored)"
+        )
+    elif src.name == "config.json":
+        message += f"; pass the folder holding it, {src.parent}"
+    return message
+
+
+_TAKES = "quantize takes a Hugging Face model folder (config.json + *.safetensors)"
+
+
 def quantize_folder(
     src: str | Path,
     out: str | Path,
@@ -131,12 +151,15 @@ def quantize_folder(
     FileExistsError
         ``out/model.safetensors`` exists and ``overwrite`` is False.
     HFModelError (a ValueError)
-        What :func:`engine.weights.hf.load_hf_folder` refuses, an already quantised
-        source, a bad ``group_size`` or a K not divisible by 32 (names the tensor).
+        ``src`` is a file (a GGUF file, a ``config.json``), not a folder; what
+        :func:`engine.weights.hf.load_hf_folder` refuses, an already quantised source, a
+        bad ``group_size`` or a K not divisible by 32 (names the tensor).
     """
     src, out = Path(src), Path(out)
     if group_size not in GROUP_SIZES:
         raise HFModelError(f"group_size={group_size} is not one of {GROUP_SIZES}")
+    if src.exists() and not src.is_dir():
+        raise HFModelError(_not_a_folder(src))
     if not src.is_dir():
         raise FileNotFoundError(f"model folder not found: {src}")
     target = out / SINGLE_FILE

@@ -147,3 +147,27 @@ def test_eval_tasks_all_beside_other_names_means_every_task(tmp_path, haystack):
     one_line_error(
         run_eval(tmp_path, "--tasks", "vt,niah_single,vt"), "--tasks: 'vt' is given twice"
     )
+
+
+def test_quantize_says_a_file_is_not_the_model_folder_it_takes(tmp_path):
+    """Fresh-user finding: ``hisparse quantize model.gguf out`` said "model folder not
+    found: model.gguf", though the file is there: it is a file, and quantize takes a Hugging
+    Face model folder."""
+    model = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(model), "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    out = tmp_path / "out"
+
+    result = invoke("quantize", str(model), str(out))
+    one_line_error(result, f"{model} is a file, not a model folder", "Hugging Face model folder",
+                   "a GGUF file needs no quantize step", "hisparse run --model")  # fmt: skip
+    assert "not found" not in result.stderr
+    result = invoke("quantize", str(tmp_path / "hf" / "config.json"), str(out))
+    one_line_error(result, "is a file, not a model folder", f"the folder holding it, {tmp_path / 'hf'}")
+    result = invoke("quantize", str(tmp_path / "missing"), str(out))
+    one_line_error(result, f"model folder not found: {tmp_path / 'missing'}")
+    assert not out.exists()
