@@ -222,15 +222,26 @@ def read_header(path: str | Path) -> TraceHeader:
     Raises
     ------
     ValueError
-        If the file is empty, unreadable (a cut-off gzip stream) or not a hisparse trace
-        of a known version.
+        If the file is empty, unreadable (a cut-off gzip stream), not text (a binary
+        file) or not a hisparse trace of a known version; the message names the file.
     """
     with _open_text(Path(path), "r") as f:
-        try:
-            line = f.readline()
-        except (EOFError, OSError) as exc:  # gzip: cut off or corrupt
-            raise ValueError(f"{path}:1: cannot read: {exc}") from None
-        return _parse_header(line, path)
+        return _read_header_line(f, path)
+
+
+def _read_header_line(f: IO[str], path: str | Path) -> TraceHeader:
+    """The header: the first line of ``f``, the open trace ``path``."""
+    try:
+        line = f.readline()
+    except UnicodeDecodeError:
+        raise ValueError(_not_text(path)) from None
+    except (EOFError, OSError) as exc:  # gzip: cut off or corrupt
+        raise ValueError(f"{path}:1: cannot read: {exc}") from None
+    return _parse_header(line, path)
+
+
+def _not_text(path: str | Path) -> str:
+    return f"{path}: not a hisparse selection trace (not UTF-8 text; a binary file?)"
 
 
 def read_trace(path: str | Path) -> Iterator[TraceRecord]:
@@ -241,15 +252,17 @@ def read_trace(path: str | Path) -> Iterator[TraceRecord]:
     ValueError
         Naming ``file:line``: a line that is not valid JSON (such as a last line cut off
         when the run was killed while writing), not a selection record, or a compressed
-        file that ends early.
+        file that ends early; naming the file: bytes that are not UTF-8 text.
     """
     with _open_text(Path(path), "r") as f:
-        _parse_header(f.readline(), path)
+        _read_header_line(f, path)
         number = 1
         try:
             for number, line in enumerate(f, start=2):
                 if line.strip():
                     yield _parse_record(line, path, number)
+        except UnicodeDecodeError:  # decoded ahead in blocks: no line number to give
+            raise ValueError(_not_text(path)) from None
         except (EOFError, OSError) as exc:  # gzip: cut off or corrupt
             raise ValueError(f"{path}:{number + 1}: cannot read: {exc}") from None
 

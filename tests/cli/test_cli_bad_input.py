@@ -171,3 +171,24 @@ def test_quantize_says_a_file_is_not_the_model_folder_it_takes(tmp_path):
     result = invoke("quantize", str(tmp_path / "missing"), str(out))
     one_line_error(result, f"model folder not found: {tmp_path / 'missing'}")
     assert not out.exists()
+
+
+def test_replay_names_a_file_that_is_not_a_trace_but_binary(tmp_path):
+    """Fresh-user finding: ``hisparse replay binary.bin`` said only "'utf-8' codec can't
+    decode byte 0xad ...", naming no file."""
+    import json
+
+    from engine.measure.trace import TraceHeader
+
+    binary = tmp_path / "binary.bin"
+    binary.write_bytes(bytes([0xAD, 0x00, 0xFF, 0x10]) * 64)
+    result = invoke("replay", str(binary))
+    one_line_error(result, f"{binary}: not a hisparse selection trace", "not UTF-8 text")
+    assert "codec" not in result.stderr
+
+    header = json.dumps(TraceHeader("m", 16, 64, 4, 2, 1).to_json()).encode()
+    for gap in (b"\n", b"\n" * 20_000):  # binary bytes in the header's block, or later
+        damaged = tmp_path / "damaged.jsonl"
+        damaged.write_bytes(header + gap + bytes([0xAD, 0xFF]) * 64)
+        result = invoke("replay", str(damaged))
+        one_line_error(result, f"{damaged}: not a hisparse selection trace", "not UTF-8 text")
