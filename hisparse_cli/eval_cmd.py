@@ -8,7 +8,7 @@ from __future__ import annotations
 import glob
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NoReturn
 
 import typer
 
@@ -16,6 +16,8 @@ from hisparse_cli import options as opt
 
 EVAL = "Eval"
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+REPORT_FILE = "eval.json"
 EVAL_POLICIES = ("refuse", "extend")
 """The context policies eval uses: every prompt is built to its length, so a length over the
 context is skipped (``refuse``) or the context extended to it (``extend``); ``truncate`` and
@@ -141,75 +143,79 @@ def eval_command(
 
     Every configuration answers the same prompts (prefilled once, decoded as a batch per configuration); scores are RULER's string match (share of expected values in the answer). Writes OUTPUT_DIR/eval.json and OUTPUT_DIR/eval.png and prints the table.
 
-    Lengths over the model's context are skipped unless --context-policy extend (RoPE scaling; the limit defaults to the longest length). Exit code 2 on bad arguments, found before the model loads.
+    Lengths over the model's context are skipped unless --context-policy extend (RoPE scaling; the limit defaults to the longest length). Exit code 2 on bad arguments, found before the model loads; 130 on Ctrl-C (nothing is written before every configuration has run).
     """
-    from engine.capacity.planner import parse_context
-    from engine.config import ConfigError
-    from engine.measure import fidelity, ruler
-    from engine.presets import resolve_config
-    from hisparse_cli.bench_cmd import _chosen_preset
-    from hisparse_cli.runner import UsageError, check_encoding, with_free_threads
-
-    def task_names() -> list[str]:
-        names = _items(tasks)
-        ruler.check_tasks([n for n in names if n != "all"])
-        if "all" in names:  # all,niah_single: every task all the same
-            return list(ruler.TASKS)
-        _unique("--tasks", names, str)
-        return names
-
-    def config_specs() -> list[Any]:
-        try:
-            return fidelity.parse_configs(configs)
-        except ValueError as exc:
-            raise ValueError(f"--configs: {exc}") from None
-
-    def text_encoding() -> None:
-        try:
-            check_encoding(encoding)  # as `hisparse run` checks it
-        except UsageError as exc:
-            raise ValueError(str(exc)) from None
-
-    def length(text: str) -> int:
-        try:
-            return parse_context(text)
-        except ValueError as exc:
-            raise ValueError(f"--lengths: {exc}") from None
-
+    written: list[Path] = []  # eval.json, once written
     try:
-        problems: list[str] = []  # every option's problem at once, not only the first
-        length_list = _collect(
-            problems, lambda: sorted(_unique("--lengths", _items(lengths), length, "tokens"))
-        )
-        depth_list = _collect(problems, lambda: _unique("--depths", _items(depths), _depth))
-        task_list = _collect(problems, task_names)
-        config_list = _collect(problems, config_specs)
-        _collect(problems, text_encoding)
-        if problems:
-            raise ValueError("\n".join(problems))
-        if not length_list or not depth_list:
-            raise ValueError("--lengths and --depths need at least one value each")
-        if context_policy == "extend" and max_context is None:
-            max_context = max(length_list)
-        overrides = {
-            "context_policy": context_policy,
-            "max_context": max_context,
-            "extend_method": extend_method,
-            "num_threads": threads,
-            "device": device,
-            "max_batch": max_batch,
-        }
-        base = _eval_policy(resolve_config(_chosen_preset(preset, device), {}, overrides))
-        base, note = with_free_threads(base)
-        if note:
-            typer.echo(note)
-        _unique("--configs", config_list, lambda c: c.engine_config(base), "settings")
-        texts = _read_haystack(docs or [], encoding, errors, allow_binary)
-    except (ConfigError, ValueError) as exc:
-        _fail(str(exc))
-    report = _run(model, base, config_list, texts, task_list, length_list, depth_list,
-                  samples, seed, max_new_tokens)  # fmt: skip
-    _write(report, output_dir)
+        from engine.capacity.planner import parse_context
+        from engine.config import ConfigError
+        from engine.measure import fidelity, ruler
+        from engine.presets import resolve_config
+        from hisparse_cli.bench_cmd import _chosen_preset
+        from hisparse_cli.runner import UsageError, check_encoding, with_free_threads
+
+        def task_names() -> list[str]:
+            names = _items(tasks)
+            ruler.check_tasks([n for n in names if n != "all"])
+            if "all" in names:  # all,niah_single: every task all the same
+                return list(ruler.TASKS)
+            _unique("--tasks", names, str)
+            return names
+
+        def config_specs() -> list[Any]:
+            try:
+                return fidelity.parse_configs(configs)
+            except ValueError as exc:
+                raise ValueError(f"--configs: {exc}") from None
+
+        def text_encoding() -> None:
+            try:
+                check_encoding(encoding)  # as `hisparse run` checks it
+            except UsageError as exc:
+                raise ValueError(str(exc)) from None
+
+        def length(text: str) -> int:
+            try:
+                return parse_context(text)
+            except ValueError as exc:
+                raise ValueError(f"--lengths: {exc}") from None
+
+        try:
+            problems: list[str] = []  # every option's problem at once, not only the first
+            length_list = _collect(
+                problems, lambda: sorted(_unique("--lengths", _items(lengths), length, "tokens"))
+            )
+            depth_list = _collect(problems, lambda: _unique("--depths", _items(depths), _depth))
+            task_list = _collect(problems, task_names)
+            config_list = _collect(problems, config_specs)
+            _collect(problems, text_encoding)
+            if problems:
+                raise ValueError("\n".join(problems))
+            if not length_list or not depth_list:
+                raise ValueError("--lengths and --depths need at least one value each")
+            if context_policy == "extend" and max_context is None:
+                max_context = max(length_list)
+            overrides = {
+                "context_policy": context_policy,
+                "max_context": max_context,
+                "extend_method": extend_method,
+                "num_threads": threads,
+                "device": device,
+                "max_batch": max_batch,
+            }
+            base = _eval_policy(resolve_config(_chosen_preset(preset, device), {}, overrides))
+            base, note = with_free_threads(base)
+            if note:
+                typer.echo(note)
+            _unique("--configs", config_list, lambda c: c.engine_config(base), "settings")
+            texts = _read_haystack(docs or [], encoding, errors, allow_binary)
+        except (ConfigError, ValueError) as exc:
+            _fail(str(exc))
+        report = _run(model, base, config_list, texts, task_list, length_list, depth_list,
+                      samples, seed, max_new_tokens)  # fmt: skip
+        _write(report, output_dir, written)
+    except KeyboardInterrupt:  # typer's own exit 130 says nothing
+        _interrupted(output_dir, written)
 
 
 def _run(model, base, configs, texts, tasks, lengths, depths, samples, seed, max_new):
@@ -279,17 +285,32 @@ def _note_budget_covers(base, configs, lengths: list[int]) -> None:
             )
 
 
-def _write(report, output_dir: Path) -> None:
+def _write(report, output_dir: Path, written: list[Path]) -> None:
+    """Write eval.json (its path appended to ``written``) and the heatmap; print the table."""
     from rich.console import Console
 
     from hisparse_cli import eval_report
 
-    path = eval_report.write_report(report, output_dir, "eval.json")
+    path = eval_report.write_report(report, output_dir, REPORT_FILE)
+    written.append(path)
     note = eval_report.heatmap(report, output_dir / eval_report.HEATMAP_FILE)
     Console().print(eval_report.accuracy_table(report))
     typer.echo(
         f"wrote {path}" + (f"; {note}" if note else f", {output_dir / eval_report.HEATMAP_FILE}")
     )
+
+
+def _interrupted(output_dir: Path, written: list[Path]) -> NoReturn:
+    """Say on stderr that Ctrl-C stopped eval and what it left written; exit 130."""
+    if written:
+        where = f"after writing {written[0]} (the table and heatmap may be missing)"
+    else:
+        where = f"before writing {output_dir / REPORT_FILE}: no result was written (eval "
+        where += "writes its results only once every configuration has run)"
+        if (output_dir / REPORT_FILE).is_file():
+            where += f"; the {REPORT_FILE} there is an earlier run's, left as it was"
+    typer.echo(f"interrupted (Ctrl-C) {where}", err=True)
+    raise typer.Exit(EXIT_INTERRUPTED)
 
 
 def _depth(text: str) -> float:

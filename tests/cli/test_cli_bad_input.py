@@ -192,3 +192,36 @@ def test_replay_names_a_file_that_is_not_a_trace_but_binary(tmp_path):
         damaged.write_bytes(header + gap + bytes([0xAD, 0xFF]) * 64)
         result = invoke("replay", str(damaged))
         one_line_error(result, f"{damaged}: not a hisparse selection trace", "not UTF-8 text")
+
+
+def test_eval_says_on_stderr_that_ctrl_c_stopped_it_and_what_was_written(tmp_path, monkeypatch):
+    """Fresh-user finding: Ctrl-C in eval exited 130 without a word."""
+    from hisparse_cli import eval_cmd, eval_report
+    from hisparse_cli import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "free_cpu_threads", lambda config: None)
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_cmd, "_run", interrupted)
+    out = tmp_path / "out"
+    result = run_eval(tmp_path)
+    assert result.exit_code == 130, result.output
+    err = " ".join(result.stderr.split())
+    assert f"interrupted (Ctrl-C) before writing {out / 'eval.json'}: no result was written" in err
+    assert "earlier run" not in err and not (out / "eval.json").exists()
+
+    out.mkdir()
+    (out / "eval.json").write_text("{}\n")  # an earlier run's
+    result = run_eval(tmp_path)
+    assert result.exit_code == 130
+    assert "the eval.json there is an earlier run's, left as it was" in " ".join(result.stderr.split())
+    assert (out / "eval.json").read_text() == "{}\n"
+
+    monkeypatch.setattr(eval_cmd, "_run", lambda *args: {"configs": [], "table": []})
+    monkeypatch.setattr(eval_report, "heatmap", interrupted)  # Ctrl-C after eval.json
+    result = run_eval(tmp_path)
+    assert result.exit_code == 130
+    assert f"interrupted (Ctrl-C) after writing {out / 'eval.json'}" in " ".join(result.stderr.split())
+    assert (out / "eval.json").read_text() != "{}\n"
