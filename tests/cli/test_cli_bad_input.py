@@ -131,7 +131,8 @@ def test_eval_haystack_messages_name_no_standard_input_it_does_not_read(tmp_path
         result = run_eval(tmp_path, doc)
         one_line_error(result, "no readable haystack file")
         assert "save the text to a file" in result.stderr
-        assert "hisparse run" not in result.stderr and "no bytes of standard input" not in result.stderr
+        assert "hisparse run" not in result.stderr
+        assert "no bytes of standard input" not in result.stderr
 
 
 def test_eval_tasks_all_beside_other_names_means_every_task(tmp_path, haystack):
@@ -167,7 +168,7 @@ def test_quantize_says_a_file_is_not_the_model_folder_it_takes(tmp_path):
                    "a GGUF file needs no quantize step", "hisparse run --model")  # fmt: skip
     assert "not found" not in result.stderr
     result = invoke("quantize", str(tmp_path / "hf" / "config.json"), str(out))
-    one_line_error(result, "is a file, not a model folder", f"the folder holding it, {tmp_path / 'hf'}")
+    one_line_error(result, "is a file, not a model folder", f"holding it, {tmp_path / 'hf'}")
     result = invoke("quantize", str(tmp_path / "missing"), str(out))
     one_line_error(result, f"model folder not found: {tmp_path / 'missing'}")
     assert not out.exists()
@@ -216,12 +217,14 @@ def test_eval_says_on_stderr_that_ctrl_c_stopped_it_and_what_was_written(tmp_pat
     (out / "eval.json").write_text("{}\n")  # an earlier run's
     result = run_eval(tmp_path)
     assert result.exit_code == 130
-    assert "the eval.json there is an earlier run's, left as it was" in " ".join(result.stderr.split())
+    err = " ".join(result.stderr.split())
+    assert "the eval.json there is an earlier run's, left as it was" in err
     assert (out / "eval.json").read_text() == "{}\n"
 
     monkeypatch.setattr(eval_cmd, "_run", lambda *args: {"configs": [], "table": []})
     monkeypatch.setattr(eval_report, "heatmap", interrupted)  # Ctrl-C after eval.json
     result = run_eval(tmp_path)
     assert result.exit_code == 130
-    assert f"interrupted (Ctrl-C) after writing {out / 'eval.json'}" in " ".join(result.stderr.split())
+    err = " ".join(result.stderr.split())
+    assert f"interrupted (Ctrl-C) after writing {out / 'eval.json'}" in err
     assert (out / "eval.json").read_text() != "{}\n"
