@@ -897,12 +897,20 @@ def check_model_path(model: str) -> None:
 
 
 def check_encoding(encoding: str) -> None:
-    """Raise :class:`UsageError` unless ``--encoding`` names a Python codec (``run``,
-    ``eval``)."""
+    """Raise :class:`UsageError` unless ``--encoding`` names a Python text codec (``run``,
+    ``eval``): ``base64``, ``rot13``, ``hex``... are codecs, but ``bytes.decode`` refuses
+    them (a ``LookupError`` traceback when the first document was read)."""
     try:
         codecs.lookup(encoding)
     except LookupError:
         raise UsageError(f"unknown --encoding {encoding!r}") from None
+    try:
+        b"a".decode(encoding, "replace")  # a non-text codec refuses any input
+    except LookupError:
+        raise UsageError(
+            f"--encoding {encoding!r} is not a text encoding (give one such as utf-8, "
+            "latin-1, cp1252 or utf-16)"
+        ) from None
 
 
 def check_request(request: RunRequest) -> None:

@@ -228,3 +228,16 @@ def test_eval_says_on_stderr_that_ctrl_c_stopped_it_and_what_was_written(tmp_pat
     err = " ".join(result.stderr.split())
     assert f"interrupted (Ctrl-C) after writing {out / 'eval.json'}" in err
     assert (out / "eval.json").read_text() != "{}\n"
+
+
+@pytest.mark.parametrize("codec", ["base64", "rot13"])
+def test_an_encoding_that_is_no_text_encoding_is_refused_by_run_and_eval(
+    tmp_path, cli, docs, haystack, codec
+):
+    """``--encoding base64`` passed the codec lookup, then ``bytes.decode`` raised a
+    LookupError traceback on the first document (run and eval alike)."""
+    message = f"--encoding {codec!r} is not a text encoding"
+    one_line_error(cli("docs/alpha.txt", "--encoding", codec), message)
+    assert cli.factory.engines == []
+    one_line_error(run_eval(tmp_path, str(docs / "alpha.txt"), "--encoding", codec), message)
+    assert haystack == []
