@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import numbers
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -107,16 +108,120 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` if the shape is not one this engine runs."""
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"model {self.name!r}: num_heads={self.num_heads} is not a multiple of "
-                f"num_kv_heads={self.num_kv_heads}"
+        """Raise :class:`ConfigError` if the shape is not one this engine runs
+        (:func:`check_shape` over its integer fields, named as the fields are)."""
+        fields = {f: (f, getattr(self, f)) for f in SHAPE_LIMITS}
+        check_shape(f"model {self.name!r}", fields)
+
+
+SHAPE_LIMITS: dict[str, int] = {
+    "num_layers": 1 << 12,
+    "hidden_size": 1 << 18,
+    "num_heads": 1 << 12,
+    "num_kv_heads": 1 << 12,
+    "head_dim": 1 << 12,
+    "intermediate_size": 1 << 20,
+    "vocab_size": 1 << 24,
+    "max_position": (1 << 31) - 1,
+    "sliding_window": (1 << 31) - 1,
+}
+"""The largest value each integer field of a model shape may take: far above any
+published model's (126 layers, hidden 25,600, 128 heads, head_dim 512, FFN 73,728,
+vocabulary 262,144, contexts of 10M tokens), and low enough that no byte count the
+planner or the loader makes of them overflows a float or an int64."""
+
+SHAPE_REQUIRED = ("num_layers", "hidden_size", "num_heads", "intermediate_size", "vocab_size")
+"""The shape fields a model file must give; ``num_kv_heads`` and ``head_dim`` have defaults
+(:func:`check_shape`), ``max_position`` and ``sliding_window`` are the reader's to fill."""
+
+
+def check_shape(where: str, fields: Mapping[str, tuple[str, Any]]) -> dict[str, int]:
+    """The integer fields of a model shape, checked: the one check every reader of a model
+    file (a Hugging Face ``config.json``, a GGUF header) and :meth:`ModelConfig.validate`
+    make.
+
+    Parameters
+    ----------
+    where
+        What the values come from, first in every message (the file's path).
+    fields
+        :class:`ModelConfig` field (a key of :data:`SHAPE_LIMITS`) -> (the name the source
+        gives it, e.g. ``num_hidden_layers`` or ``llama.block_count``; its value as read,
+        ``None`` when absent). Fields left out are not checked.
+
+    Each value must be an integer (not a bool, a float or a string), from 1 to its
+    :data:`SHAPE_LIMITS` entry. An absent ``num_kv_heads`` is ``num_heads`` (multi-head
+    attention), an absent ``head_dim`` is ``hidden_size / num_heads``, which must then be
+    whole (as transformers' defaults; Gemma and Qwen3 give a ``head_dim`` of their own,
+    which need not be). ``num_kv_heads`` must divide ``num_heads`` and ``head_dim`` must be
+    even (RoPE rotates pairs).
+
+    Returns
+    -------
+    The given fields as ints, the defaulted ones filled in (absent optional ones left out).
+
+    Raises
+    ------
+    ConfigError
+        Every problem at once, one line each: ``where: name: what is wrong``.
+    """
+    problems: list[str] = []
+    values: dict[str, int] = {}
+    for field_name, (label, raw) in fields.items():
+        if raw is None:
+            if field_name in SHAPE_REQUIRED:
+                problems.append(f"{where}: {label}: missing")
+            continue
+        limit = SHAPE_LIMITS[field_name]
+        if isinstance(raw, bool) or not isinstance(raw, numbers.Integral) or raw < 1:
+            problems.append(f"{where}: {label}: must be a positive integer, got {_shown(raw)}")
+        elif raw > limit:
+            problems.append(f"{where}: {label}: must be at most {limit:,}, got {_shown(raw)}")
+        else:
+            values[field_name] = int(raw)
+
+    def name(field_name: str) -> str:
+        return fields[field_name][0]
+
+    def given(field_name: str) -> bool:
+        return field_name in fields and fields[field_name][1] is not None
+
+    heads = values.get("num_heads")
+    if heads is not None and "num_kv_heads" in fields and not given("num_kv_heads"):
+        values["num_kv_heads"] = heads
+    kv = values.get("num_kv_heads")
+    if heads is not None and kv is not None and heads % kv:
+        problems.append(
+            f"{where}: {name('num_kv_heads')}: must divide {name('num_heads')} ({heads}), got {kv}"
+        )
+    hidden = values.get("hidden_size")
+    head_dim_name = name("head_dim") if "head_dim" in fields else "head_dim"
+    if "head_dim" in fields and not given("head_dim") and heads and hidden:
+        if hidden % heads:
+            problems.append(
+                f"{where}: {name('hidden_size')}: must be a multiple of {name('num_heads')} "
+                f"({heads}) when {head_dim_name} is not given, got {hidden}"
             )
-        if self.head_dim % 2:
-            raise ConfigError(
-                f"model {self.name!r}: head_dim={self.head_dim} must be even for RoPE"
-            )
+        else:
+            values["head_dim"] = hidden // heads
+            head_dim_name = f"{head_dim_name} ({name('hidden_size')} / {name('num_heads')})"
+    head_dim = values.get("head_dim")
+    if head_dim is not None and head_dim % 2:
+        problems.append(
+            f"{where}: {head_dim_name}: must be even (RoPE rotates pairs), got {head_dim}"
+        )
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return values
+
+
+def _shown(value: Any) -> str:
+    """A value as a message shows it: JSON's words for true/false/null, strings quoted,
+    and at most 40 characters."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 ATTENTION_MODES = ("dense", "sparse")

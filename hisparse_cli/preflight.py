@@ -78,7 +78,10 @@ def _gguf_context(path: Path) -> int | None:
     arch = fields.get("general.architecture")
     if arch not in archs:
         return None  # the loader names the unsupported architecture
-    return int(fields.get(f"{arch}.context_length", 4096))
+    value = fields.get(f"{arch}.context_length", 4096)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return None  # the loader names the bad value (engine.config.check_shape)
+    return value
 
 
 def setting_source(

@@ -291,6 +291,23 @@ def write_gguf(
     return path
 
 
+def patch_gguf_field(path: Path, key: str, value: int | float) -> None:
+    """Rewrite the 4-byte scalar metadata value ``key`` of a GGUF file in place, as a bad
+    file would hold it (GGUFWriter's typed adders refuse some): an int >= 0 as UINT32, a
+    negative one as INT32, a float as FLOAT32."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    name = key.encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    assert struct.unpack_from("<I", data, at)[0] in (4, 5, 6), f"{key}: not a 4-byte scalar"
+    if isinstance(value, float):
+        struct.pack_into("<If", data, at, 6, value)
+    else:
+        struct.pack_into("<Ii" if value < 0 else "<II", data, at, 5 if value < 0 else 4, value)
+    path.write_bytes(bytes(data))
+
+
 # Byte offsets of the fp16 super-block scales (``d`` / ``dmin``) in ggml's block structs
 # (ggml-common.h) and a value range for them keeping weights near 0.05.
 _F16_FIELDS = {

@@ -14,8 +14,9 @@ import difflib
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-from engine.config import ConfigError, ModelConfig, RopeScaling
+from engine.config import ConfigError, ModelConfig, RopeScaling, check_shape
 
 MODEL_SHAPES: dict[str, ModelConfig] = {
     # HuggingFaceTB/SmolLM2-135M-Instruct; the embedded default model (DESIGN.md).
@@ -192,17 +193,54 @@ def shape_from_gguf(path: str | Path) -> ModelConfig:
     return replace(shape, int4_group_size=group)
 
 
+HF_SHAPE_NAMES = {
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "intermediate_size": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "max_position": "max_position_embeddings",
+    "sliding_window": "sliding_window",
+}
+""":class:`ModelConfig` shape field -> its name in a Hugging Face ``config.json``."""
+
+
+def hf_shape(raw: dict[str, Any], path: str | Path) -> dict[str, int]:
+    """The shape fields of a ``config.json`` dict, checked (:func:`engine.config.check_shape`:
+    the one check of every model file's shape), as :class:`ModelConfig` names them.
+
+    Absent (or null) ``num_key_value_heads``: ``num_attention_heads``; ``head_dim``:
+    ``hidden_size / num_attention_heads``; ``max_position_embeddings``: 4096. A
+    ``sliding_window`` of null, false or 0 is none (left out).
+
+    Raises
+    ------
+    ConfigError
+        Every field that is missing or not a positive integer in range, and heads that do
+        not divide, at once; each line names the file and the field.
+    """
+    fields = {name: (key, raw.get(key)) for name, key in HF_SHAPE_NAMES.items()}
+    if "max_position_embeddings" not in raw:
+        fields["max_position"] = ("max_position_embeddings", 4096)
+    if raw.get("sliding_window") in (None, False, 0):
+        del fields["sliding_window"]
+    return check_shape(str(path), fields)
+
+
 def shape_from_hf_config(path: str | Path) -> ModelConfig:
     """Build a :class:`ModelConfig` from a Hugging Face ``config.json`` (pure JSON, no torch).
 
-    ``head_dim`` defaults to ``hidden_size // num_attention_heads`` and
-    ``num_key_value_heads`` to ``num_attention_heads`` (MHA), as in transformers.
+    The shape fields are read and checked by :func:`hf_shape`, as ``hisparse run`` reads
+    them (:func:`engine.weights.hf.read_hf_config`).
 
     Raises
     ------
     ConfigError
         The file cannot be read, is not JSON, is not a JSON object, or lacks a field or
-        has one of the wrong type (the message names the file).
+        has one of the wrong type or out of range (the message names the file and the
+        field).
     """
     path = Path(path)
     try:
@@ -211,31 +249,28 @@ def shape_from_hf_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: cannot read it as JSON: {exc}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path}: a config.json is a JSON object, got {type(cfg).__name__}")
+    shape = hf_shape(cfg, path)
     try:
-        num_heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        shape = ModelConfig(
+        model = ModelConfig(
             arch=str(cfg.get("model_type", "llama")),
-            num_layers=int(cfg["num_hidden_layers"]),
-            hidden_size=hidden,
-            num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            intermediate_size=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
+            num_layers=shape["num_layers"],
+            hidden_size=shape["hidden_size"],
+            num_heads=shape["num_heads"],
+            num_kv_heads=shape["num_kv_heads"],
+            head_dim=shape["head_dim"],
+            intermediate_size=shape["intermediate_size"],
+            vocab_size=shape["vocab_size"],
             rope_theta=float(cfg.get("rope_theta", 10000.0)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            max_position=int(cfg.get("max_position_embeddings", 4096)),
+            max_position=shape["max_position"],
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
             name=path.parent.name or path.stem,
         )
-    except KeyError as exc:
-        raise ConfigError(f"{path}: missing field {exc.args[0]!r}") from None
-    except (TypeError, ValueError) as exc:  # "hidden_size": "big", or a list
+    except (TypeError, ValueError) as exc:  # "rope_theta": "big", or a list
         raise ConfigError(f"{path}: a field has the wrong type: {exc}") from None
-    shape.validate()
-    return shape
+    model.validate()
+    return model
 
 
 def _spelling(name: str) -> str:

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.config import ModelConfig, RopeScaling
+from engine.config import ConfigError, ModelConfig, RopeScaling, check_shape
 from engine.model import registry
 from engine.weights.quant import int4_from_gguf_blocks
 from engine.weights.types import (
@@ -185,7 +185,8 @@ def read_config(reader, path: Path) -> ModelConfig:
     Raises
     ------
     GGUFError
-        Unsupported ``general.architecture`` or a missing required key.
+        Unsupported ``general.architecture``, or shape keys missing or out of range
+        (:func:`gguf_shape`).
     """
     arch = _field(reader, "general.architecture")
     try:
@@ -193,19 +194,9 @@ def read_config(reader, path: Path) -> ModelConfig:
     except registry.UnsupportedArchitecture as exc:
         raise GGUFError(f"{path}: {exc}") from None
 
-    def req(key: str):
-        v = _field(reader, f"{arch}.{key}")
-        if v is None:
-            raise GGUFError(f"{path}: missing metadata key {arch}.{key}")
-        return v
-
-    hidden = int(req("embedding_length"))
-    heads = int(req("attention.head_count"))
-    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens.data) if tokens else 0))
-    ctx = int(_field(reader, f"{arch}.context_length", 4096))
+    shape = gguf_shape(reader, arch, path)  # the one check of a model file's shape
+    head_dim = shape["head_dim"]
+    ctx = shape["max_position"]
     scaling = None
     kind = _field(reader, f"{arch}.rope.scaling.type")
     if kind in ("linear", "yarn"):
@@ -227,20 +218,20 @@ def read_config(reader, path: Path) -> ModelConfig:
             attention_factor=None if attn is None else float(attn),
             **{k: _float_vector(reader, path, t, head_dim // 2) for k, t in ROPE_FACTORS.items()},
         )
-    window = _field(reader, f"{arch}.attention.sliding_window")
+    window = shape.get("sliding_window")
     if window and entry.sliding_window == "always":
-        ctx = min(ctx, int(window))
-    gemma = _gemma_fields(reader, arch, entry, window) if entry.gemma else {}
+        ctx = min(ctx, window)
+    gemma = _gemma_fields(reader, arch, entry, shape) if entry.gemma else {}
     freq_factors = _rope_freq_factors(reader, path, head_dim)
     return ModelConfig(
         arch=entry.name,
-        num_layers=int(req("block_count")),
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
+        num_layers=shape["num_layers"],
+        hidden_size=shape["hidden_size"],
+        num_heads=shape["num_heads"],
+        num_kv_heads=shape["num_kv_heads"],
         head_dim=head_dim,
-        intermediate_size=int(req("feed_forward_length")),
-        vocab_size=vocab,
+        intermediate_size=shape["intermediate_size"],
+        vocab_size=shape["vocab_size"],
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         max_position=ctx,
@@ -254,6 +245,51 @@ def read_config(reader, path: Path) -> ModelConfig:
     )
 
 
+GGUF_SHAPE_KEYS = {
+    "num_layers": "block_count",
+    "hidden_size": "embedding_length",
+    "num_heads": "attention.head_count",
+    "num_kv_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "intermediate_size": "feed_forward_length",
+    "vocab_size": "vocab_size",
+    "max_position": "context_length",
+    "sliding_window": "attention.sliding_window",
+}
+""":class:`ModelConfig` shape field -> its GGUF metadata key, after ``<arch>.``."""
+
+
+def gguf_shape(reader, arch: str, path: Path) -> dict[str, int]:
+    """The shape fields of a GGUF header, checked (:func:`engine.config.check_shape`: the
+    one check of every model file's shape), as :class:`ModelConfig` names them.
+
+    Absent ``<arch>.attention.head_count_kv``: ``head_count``; ``key_length``:
+    ``embedding_length / head_count``; ``vocab_size``: the tokenizer's token count;
+    ``context_length``: 4096. A ``sliding_window`` of 0 is none (left out).
+
+    Raises
+    ------
+    GGUFError
+        Every key that is missing or not a positive integer in range, and heads that do
+        not divide, at once; each line names the file and the key.
+    """
+    fields = {
+        name: (f"{arch}.{key}", _field(reader, f"{arch}.{key}"))
+        for name, key in GGUF_SHAPE_KEYS.items()
+    }
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if fields["vocab_size"][1] is None and tokens:
+        fields["vocab_size"] = (f"{arch}.vocab_size", len(tokens.data))
+    if fields["max_position"][1] is None:
+        fields["max_position"] = (f"{arch}.context_length", 4096)
+    if fields["sliding_window"][1] in (None, False, 0):
+        del fields["sliding_window"]
+    try:
+        return check_shape(str(path), fields)
+    except ConfigError as exc:
+        raise GGUFError(str(exc)) from None
+
+
 # llama.cpp (llama-model.cpp): Gemma 2 and 3 mark every 2nd / 6th layer global
 # (``set_swa_pattern``), use RoPE base 10 000 on Gemma 3's sliding layers
 # (``rope_freq_base_train_swa``), and scale queries by ``(hidden / heads) ** -0.5`` for the
@@ -264,16 +300,14 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
-def _gemma_fields(reader, arch: str, entry, window) -> dict:
+def _gemma_fields(reader, arch: str, entry, shape: dict[str, int]) -> dict:
     """:class:`ModelConfig` fields of a ``gemma2`` / ``gemma3`` file (see the constants
     above): soft-caps (``<arch>.attn_logit_softcapping`` /
     ``final_logit_softcapping``), sliding layers (``attention.sliding_window_pattern`` when
     written: a period or one bool per layer; else llama.cpp's pattern) and the query
-    scale."""
-    n = int(_field(reader, f"{arch}.block_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    scale (``shape``: :func:`gguf_shape`'s)."""
+    n, hidden, heads = shape["num_layers"], shape["hidden_size"], shape["num_heads"]
+    head_dim, window = shape["head_dim"], shape.get("sliding_window")
     pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
     if isinstance(pattern, list):
         sliding = tuple(i for i, swa in enumerate(pattern) if swa)

@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelConfig, RopeScaling
+from engine.capacity.shapes import hf_shape
+from engine.config import ConfigError, ModelConfig, RopeScaling
 from engine.model import registry
 from engine.weights import prequant
 from engine.weights.quant import INT4_GROUP_SIZES, Int4Weight
@@ -142,22 +143,24 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
     entry = _architecture(raw, path)
     arch = entry.name
     _check_unsupported(raw, entry, path)
-    heads = int(_require(raw, "num_attention_heads", path))
-    hidden = int(_require(raw, "hidden_size", path))
-    gemma = _gemma_fields(raw, entry, path) if entry.gemma else {}
+    try:
+        shape = hf_shape(raw, path)  # the one check of a model file's shape
+    except ConfigError as exc:
+        raise HFModelError(str(exc)) from None
+    gemma = _gemma_fields(raw, entry, path, shape) if entry.gemma else {}
     theta, scaling = rope_from_hf(gemma.pop("global_rope", raw), path)
     cfg = ModelConfig(
         arch=arch,
-        num_layers=int(_require(raw, "num_hidden_layers", path)),
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden // heads),
-        intermediate_size=int(_require(raw, "intermediate_size", path)),
-        vocab_size=int(_require(raw, "vocab_size", path)),
+        num_layers=shape["num_layers"],
+        hidden_size=shape["hidden_size"],
+        num_heads=shape["num_heads"],
+        num_kv_heads=shape["num_kv_heads"],
+        head_dim=shape["head_dim"],
+        intermediate_size=shape["intermediate_size"],
+        vocab_size=shape["vocab_size"],
         rope_theta=theta,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position=_max_position(raw, entry, scaling),
+        max_position=_max_position(raw, entry, scaling, shape),
         rope_scaling=scaling,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", entry.gemma)),
         qkv_bias=entry.qkv_bias,
@@ -169,7 +172,9 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
     return cfg
 
 
-def _gemma_fields(raw: dict, arch: registry.Architecture, path: Path) -> dict[str, Any]:
+def _gemma_fields(
+    raw: dict, arch: registry.Architecture, path: Path, shape: dict[str, int]
+) -> dict[str, Any]:
     """The :class:`ModelConfig` fields of a Gemma 2/3 ``config.json`` (transformers
     ``Gemma2Config`` / ``Gemma3TextConfig``), and under ``global_rope`` the config dict
     :func:`rope_from_hf` reads for the global layers.
@@ -186,7 +191,7 @@ def _gemma_fields(raw: dict, arch: registry.Architecture, path: Path) -> dict[st
         ``layer_types`` of another length than ``num_hidden_layers``, an unknown layer
         type, or a local RoPE with scaling.
     """
-    n = int(_require(raw, "num_hidden_layers", path))
+    n = shape["num_layers"]
     types = raw.get("layer_types")
     if types is None:
         if arch.name == "gemma2":
@@ -203,7 +208,7 @@ def _gemma_fields(raw: dict, arch: registry.Architecture, path: Path) -> dict[st
             f"got {types!r}"
         )
     sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    window = raw.get("sliding_window")
+    window = shape.get("sliding_window")
     if sliding and not window:
         raise HFModelError(f"{path}: sliding_attention layers without a sliding_window")
     params = raw.get("rope_parameters") or {}
@@ -220,7 +225,7 @@ def _gemma_fields(raw: dict, arch: registry.Architecture, path: Path) -> dict[st
         attn_softcap=raw.get("attn_logit_softcapping"),
         final_softcap=raw.get("final_logit_softcapping"),
         query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
-        sliding_window=int(window) if sliding else None,
+        sliding_window=window if sliding else None,
         sliding_layers=sliding,
         rope_local_theta=None if local_theta is None else float(local_theta),
         global_rope=global_rope,
@@ -362,14 +367,16 @@ def rope_from_hf(raw: dict, path: Path | str = "config.json") -> tuple[float, Ro
     return theta, RopeScaling(kind=kind, factor=factor, original_max_position=original)
 
 
-def _max_position(raw: dict, arch: registry.Architecture, scaling: RopeScaling | None) -> int:
+def _max_position(
+    raw: dict, arch: registry.Architecture, scaling: RopeScaling | None, shape: dict[str, int]
+) -> int:
     """Trained context: ``max_position_embeddings``, raised to ``original * factor`` for
     yarn / dynamic scaling (Qwen2.5 keeps 32768 there and declares yarn x4 for 128K),
-    capped at the sliding window when the model uses one."""
-    max_pos = int(raw.get("max_position_embeddings", 4096))
+    capped at the sliding window when the model uses one (``shape``: :func:`hf_shape`'s)."""
+    max_pos = shape["max_position"]
     if scaling is not None and scaling.kind in ("yarn", "dynamic"):
         max_pos = max(max_pos, int(scaling.original_max_position * scaling.factor))
-    window = raw.get("sliding_window")
+    window = shape.get("sliding_window")
     if arch.sliding_window == "layers":  # per-layer windows are implemented: no cap
         return max_pos
     uses_window = arch.sliding_window == "always" or (
@@ -377,7 +384,7 @@ def _max_position(raw: dict, arch: registry.Architecture, scaling: RopeScaling |
         and (raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []))
     )
     if uses_window and window:
-        max_pos = min(max_pos, int(window))
+        max_pos = min(max_pos, window)
     return max_pos
 
 

@@ -1035,6 +1035,30 @@ def _small_gguf(path, q8_row=192):
     return path
 
 
+def test_a_model_folder_with_a_bad_shape_is_refused_with_exit_2(cli, docs, tmp_path):
+    """Fresh-user finding (with `hisparse plan`'s ZeroDivisionError): a config.json with 0
+    layers and 0 KV heads loaded as 0 layers of 6 KV heads and failed on the first unused
+    tensor. The run names the file and each field, exit 2, before any tensor is read."""
+    from tiny_models import save_tokenizer
+
+    from engine.load import load_engine
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_tokenizer(folder)
+    shape = dict(num_hidden_layers=0, hidden_size=96, num_attention_heads=6,
+                 num_key_value_heads=0, intermediate_size=160, vocab_size=256)  # fmt: skip
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"} | shape
+    (folder / "config.json").write_text(json.dumps(config))
+    result = cli("--model", str(folder), "docs/alpha.txt", engine=load_engine)
+    assert result.exit_code == 2, result.output
+    where = folder / "config.json"
+    assert f"error: cannot load the model: {where}: num_hidden_layers: must be a positive " \
+        "integer, got 0\n" in result.stderr
+    assert f"{where}: num_key_value_heads: must be a positive integer, got 0" in result.stderr
+    assert "Traceback" not in result.output
+
+
 def test_broken_gguf_tensors_are_named_before_reading_data(tmp_path):
     """Issue #19.7: a Q8_0 row of 172 gave "not a readable GGUF file" naming no tensor; a
     truncated file gave a numpy reshape error."""

@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from tiny_models import build_hf, reference_logits, write_gguf  # noqa: E402
+from tiny_models import build_hf, patch_gguf_field, reference_logits, write_gguf  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.load import context_limit_and_rope, load_weights  # noqa: E402
@@ -285,3 +285,48 @@ def test_the_load_reuses_the_tokenizer_counted_before_it(llama31):
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # "rewritten"
     assert load_weights(str(path))[1] is not tokenizer
+
+
+# ----------------------------------------------------------------------------- shape
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"llama.block_count": 0}, ["llama.block_count: must be a positive integer, got 0"]),
+        (
+            {"llama.attention.head_count_kv": 0, "llama.embedding_length": -96},
+            [
+                "llama.embedding_length: must be a positive integer, got -96",
+                "llama.attention.head_count_kv: must be a positive integer, got 0",
+            ],
+        ),
+        ({"llama.block_count": 2.5}, ["llama.block_count: must be a positive integer, got 2.5"]),
+        (
+            {"llama.feed_forward_length": 4_000_000_000},
+            ["llama.feed_forward_length: must be at most 1,048,576, got 4000000000"],
+        ),
+        (
+            {"llama.attention.head_count_kv": 4},
+            ["llama.attention.head_count_kv: must divide llama.attention.head_count (6), got 4"],
+        ),
+    ],
+)
+def test_a_bad_gguf_shape_is_named_by_run_and_plan(tmp_path, changes, says):
+    """The shape keys of a GGUF header get the check a config.json's get
+    (:func:`engine.config.check_shape`): ``hisparse run`` (the loader) and ``hisparse
+    plan`` (:func:`engine.capacity.shapes.get_model_shape`) refuse with the same lines,
+    each naming the file and the key, before any tensor is read."""
+    from engine.capacity.shapes import get_model_shape
+    from engine.config import ConfigError
+    from engine.weights.gguf import GGUFError
+
+    path = write_gguf(tmp_path / "m.gguf", build_hf(tmp_path / "hf", "llama"), "llama")
+    for key, value in changes.items():
+        patch_gguf_field(path, key, value)
+    with pytest.raises(GGUFError) as info:
+        load_weights(str(path))
+    assert str(info.value).splitlines() == [f"{path}: {line}" for line in says]
+    with pytest.raises(ConfigError) as planned:
+        get_model_shape(str(path))
+    assert str(planned.value) == str(info.value)

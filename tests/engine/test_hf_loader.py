@@ -206,6 +206,35 @@ def llama_copy(llama, tmp_path):
     return tmp_path
 
 
+def test_a_bad_shape_is_named_as_plan_names_it(llama_copy):
+    """Fresh-user finding: 0 KV heads were read as the query heads' count, "64" as 64 and
+    2.5 layers as 2; 0 layers loaded nothing and failed on the first unused tensor. The
+    loader and ``hisparse plan`` (:func:`engine.capacity.shapes.get_model_shape`) make one
+    check and say the same, every problem at once."""
+    from engine.capacity.shapes import get_model_shape
+    from engine.config import ConfigError
+
+    _edit_config(llama_copy, num_hidden_layers=2.5, hidden_size="64", num_key_value_heads=0)
+    where = llama_copy / "config.json"
+    with pytest.raises(HFModelError) as info:
+        read_hf_config(llama_copy)
+    assert str(info.value).splitlines() == [
+        f"{where}: num_hidden_layers: must be a positive integer, got 2.5",
+        f"{where}: hidden_size: must be a positive integer, got '64'",
+        f"{where}: num_key_value_heads: must be a positive integer, got 0",
+    ]
+    with pytest.raises(ConfigError) as planned:
+        get_model_shape(str(llama_copy))
+    assert str(planned.value) == str(info.value)
+    _edit_config(llama_copy, num_hidden_layers=0, hidden_size=64, num_key_value_heads=3)
+    with pytest.raises(HFModelError) as info:
+        load_hf_folder(llama_copy)
+    assert str(info.value).splitlines() == [
+        f"{where}: num_hidden_layers: must be a positive integer, got 0",
+        f"{where}: num_key_value_heads: must divide num_attention_heads (4), got 3",
+    ]
+
+
 def test_unsupported_architecture(llama_copy):
     _edit_config(llama_copy, architectures=["GPT2LMHeadModel"], model_type="gpt2")
     with pytest.raises(ValueError, match=r"config\.json.*GPT2LMHeadModel"):

@@ -500,7 +500,7 @@ def test_a_file_or_folder_that_is_not_a_model_is_named_so(tmp_path):
         ('{"hidden_size": 8\n"x": 1}', "cannot read it as JSON: Expecting ',' delimiter"),
         ("[1, 2]", "a config.json is a JSON object, got list"),
         ('{"num_attention_heads": "x", "hidden_size": 8, "num_hidden_layers": 2}',
-         "a field has the wrong type"),
+         "num_attention_heads: must be a positive integer, got 'x'"),
     ],
 )
 def test_a_bad_config_json_is_named_not_a_traceback(tmp_path, text, says):
@@ -526,6 +526,99 @@ def test_model_from_hf_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     shape = get_model_shape(str(tmp_path))
     assert (shape.head_dim, shape.num_kv_heads) == (128, 8)
+
+
+SMOLLM2_CONFIG = {
+    "model_type": "llama",
+    "num_hidden_layers": 30,
+    "hidden_size": 576,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+}
+
+
+def _config_json(folder, text: str | None = None, **changes):
+    """``folder/config.json``: SmolLM2's shape with ``changes`` (None deletes a key), or
+    ``text`` as it is (JSON that ``json.dumps`` cannot write: 1e400)."""
+    folder.mkdir(exist_ok=True)
+    cfg = {k: v for k, v in (SMOLLM2_CONFIG | changes).items() if v is not None}
+    (folder / "config.json").write_text(text if text is not None else json.dumps(cfg))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"num_hidden_layers": 0}, "num_hidden_layers: must be a positive integer, got 0"),
+        ({"num_hidden_layers": -30}, "num_hidden_layers: must be a positive integer, got -30"),
+        ({"num_hidden_layers": 30.5}, "num_hidden_layers: must be a positive integer, got 30.5"),
+        ({"num_hidden_layers": True}, "num_hidden_layers: must be a positive integer, got true"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads: must be a positive integer, got 0"),
+        ({"hidden_size": "576"}, "hidden_size: must be a positive integer, got '576'"),
+        ({"vocab_size": [49152]}, "vocab_size: must be a positive integer, got [49152]"),
+        ({"hidden_size": 10**30}, f"hidden_size: must be at most 262,144, got {10**30}"),
+        ({"max_position_embeddings": 0},
+         "max_position_embeddings: must be a positive integer, got 0"),
+        ({"intermediate_size": None}, "intermediate_size: missing"),
+        ({"num_key_value_heads": 4}, "num_key_value_heads: must divide num_attention_heads (9), got 4"),
+        ({"hidden_size": 577},
+         "hidden_size: must be a multiple of num_attention_heads (9) when head_dim is not "
+         "given, got 577"),
+        ({"head_dim": 63}, "head_dim: must be even (RoPE rotates pairs), got 63"),
+        ({"hidden_size": 90, "num_attention_heads": 6, "num_key_value_heads": 2},
+         "head_dim (hidden_size / num_attention_heads): must be even (RoPE rotates pairs), got 15"),
+    ],
+)  # fmt: skip
+def test_a_config_json_shape_field_out_of_range_is_named(tmp_path, changes, says):
+    """Fresh-user finding: `plan --model FOLDER` took 0 layers to a ZeroDivisionError,
+    1e400 to an OverflowError, -30 layers to a plan of -0.35 GiB per job, and planned 0
+    KV heads as 9, "576" as 576 and 30.5 layers as 30. Every shape field is a positive
+    integer in range, and the heads divide; the message names the file and the field."""
+    folder = _config_json(tmp_path / "model", **changes)
+    with pytest.raises(ConfigError) as info:
+        get_model_shape(str(folder))
+    assert str(info.value) == f"{folder / 'config.json'}: {says}"
+
+
+def test_every_shape_problem_of_a_config_json_is_named_at_once(tmp_path):
+    text = json.dumps(SMOLLM2_CONFIG | {"num_hidden_layers": -30, "num_key_value_heads": 0})
+    folder = _config_json(tmp_path, text.replace('"hidden_size": 576', '"hidden_size": 1e400'))
+    with pytest.raises(ConfigError) as info:
+        get_model_shape(str(folder))
+    where = tmp_path / "config.json"
+    assert str(info.value).splitlines() == [
+        f"{where}: num_hidden_layers: must be a positive integer, got -30",
+        f"{where}: hidden_size: must be a positive integer, got inf",
+        f"{where}: num_key_value_heads: must be a positive integer, got 0",
+    ]
+
+
+def test_a_config_json_may_give_its_own_head_dim(tmp_path):
+    """Gemma and Qwen3 give a head_dim other than hidden_size / heads (Qwen3-8B: 4096 /
+    32 heads, head_dim 128; Gemma 2 2B: 2304 / 8, head_dim 256); absent KV heads are the
+    query heads (multi-head attention)."""
+    folder = _config_json(tmp_path, hidden_size=2304, num_attention_heads=8, head_dim=256,
+                          num_key_value_heads=None)  # fmt: skip
+    shape = get_model_shape(str(folder))
+    assert (shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (
+        2304, 8, 8, 256,
+    )  # fmt: skip
+    assert get_model_shape(str(_config_json(tmp_path))).head_dim == 64  # 576 / 9
+
+
+def test_model_config_validate_checks_every_shape_field():
+    """Shapes built in code (synthetic, bench) go through the same check."""
+    shape = MODEL_SHAPES["smollm2-135m"]
+    shape.validate()
+    with pytest.raises(ConfigError) as info:
+        dataclasses.replace(shape, num_layers=0, num_kv_heads=2).validate()
+    assert str(info.value).splitlines() == [
+        "model 'smollm2-135m': num_layers: must be a positive integer, got 0",
+        "model 'smollm2-135m': num_kv_heads: must divide num_heads (9), got 2",
+    ]
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -603,6 +696,20 @@ def test_cli_plan_refuses_infinite_or_huge_memory(flags):
     result = _invoke("plan", "-n", "1", "-c", "8K", *flags)
     assert result.exit_code == 2, result.output
     assert "<= 1,000,000" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("value", ["0", "-30", "1e400", "30.5", '"30"'])
+def test_cli_plan_refuses_a_bad_config_json_shape_with_exit_2(tmp_path, value):
+    """Fresh-user finding: 0 layers ended in a ZeroDivisionError traceback (exit 1), 1e400
+    in an OverflowError, -30 in a plan of negative GiB."""
+    text = json.dumps(SMOLLM2_CONFIG).replace(": 30,", f": {value},")  # num_hidden_layers
+    folder = _config_json(tmp_path / "model", text)
+    result = _invoke("plan", "-p", "cpu", "-m", str(folder), "-n", "1", "-c", "8K")
+    assert result.exit_code == 2, result.output
+    shown = {"1e400": "inf", '"30"': "'30'"}.get(value, value)
+    says = f"num_hidden_layers: must be a positive integer, got {shown}"
+    assert f"error: {folder / 'config.json'}: {says}" in " ".join(result.output.split())
+    assert "Traceback" not in result.output and "GiB" not in result.output
 
 
 def test_cli_plan_bad_context_exits_2():
