@@ -271,14 +271,15 @@ def resolve_sampling(
 
 def resolved_preset_dict(name_or_path: str | Path) -> dict[str, Any]:
     """What ``hisparse presets show`` prints: the preset with its engine block resolved
-    over the defaults and its sampling block over :class:`SamplingParams`' defaults."""
+    over the defaults and its sampling block over :class:`SamplingParams`' defaults, as a
+    preset file holds it (:data:`TOP_LEVEL_KEYS`), so a copy loads as it is and resolves to
+    the same settings. The preset's name and file are not keys of a preset file: ``show``
+    prints them as a comment."""
     preset = load_preset_full(name_or_path)
     sampling = dataclasses.asdict(resolve_sampling(preset))
     sampling["stop"] = list(sampling["stop"])
     return {
-        "name": preset.name,
         "description": preset.description,
-        "file": str(preset.path),
         "model": preset.model,
         "hardware": preset.hardware.to_dict(),
         "engine": resolve_config(preset).to_dict(),

@@ -28,6 +28,7 @@ from engine.config import DTYPES, KV_HOST_DTYPES, ConfigError
 from engine.presets import (
     list_presets,
     load_preset_full,
+    preset_path,
     resolve_config,
     resolved_preset_dict,
 )
@@ -154,18 +155,23 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Print the preset with its engine settings resolved over the defaults, as YAML.
 
+        The output is a preset file: save it, edit it and pass it to --preset.
+
         `presets show auto` prints the preset auto picks on this machine, after a comment saying which and why.
         """
         choice = auto_choice(name)
         try:
-            resolved = resolved_preset_dict(choice.name if choice else name)
+            path = preset_path(choice.name if choice else name)
+            resolved = resolved_preset_dict(path)
         except ConfigError as exc:
             _refuse(str(exc))
-        if choice is not None:  # YAML comments: the output still parses
+        # YAML comments: the output is a preset file, which has no name or file keys
+        if choice is not None:
             typer.echo(f"# auto: {choice.name} on this machine ({choice.reason})")
             typer.echo(f"# auto picks: {rules()}")
             if choice.read_by:
                 typer.echo(f"# devices {choice.read_by}")
+        typer.echo(f"# preset {path.stem} ({path}), resolved over the defaults")
         typer.echo(yaml.safe_dump(resolved, sort_keys=False), nl=False)
 
     app.add_typer(presets_app, name="presets")

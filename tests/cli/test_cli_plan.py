@@ -76,7 +76,8 @@ def test_presets_list_and_show_explain_auto(devices):
     shown = invoke("presets", "show", "auto")
     assert shown.exit_code == 0, shown.output
     assert shown.stdout.startswith("# auto: h200 on this machine (1 CUDA device used, 139.8 GiB)")
-    assert yaml.safe_load(shown.stdout)["name"] == "h200"  # still YAML
+    assert "\n# preset h200 (" in shown.stdout  # a comment: the output is a preset file
+    assert yaml.safe_load(shown.stdout)["model"] == "llama3.1-8b"  # still YAML
 
 
 def test_plan_uses_the_host_memory_run_uses_and_says_where_it_came_from(devices, monkeypatch):

@@ -354,6 +354,28 @@ def test_cli_presets_show_prints_resolved_yaml():
     assert data["sampling"]["max_tokens"] == 512
 
 
+@pytest.mark.parametrize("name", SHIPPED)
+def test_a_shown_preset_saved_as_a_file_loads_to_the_same_settings(tmp_path, name):
+    """Fresh-user finding: `presets show cpu > my.yaml; run --preset my.yaml` was refused
+    ("my.yaml:1: name: unknown key", "file: unknown key"), exit 2. What show prints is a
+    preset file: name and file are a comment, and the copy resolves to the same engine,
+    sampling and hardware settings."""
+    shown = _invoke("presets", "show", name)
+    assert shown.exit_code == 0, shown.output
+    first = shown.output.splitlines()[0]
+    assert first == f"# preset {name} ({presets_dir() / f'{name}.yaml'}), resolved over the defaults"
+    saved = tmp_path / "my.yaml"
+    saved.write_text(shown.output)
+    original, copy = load_preset_full(name), load_preset_full(str(saved))
+    assert resolve_config(copy) == resolve_config(original)
+    assert resolve_sampling(copy) == resolve_sampling(original)
+    assert (copy.hardware, copy.model, copy.description) == (
+        original.hardware, original.model, original.description,
+    )  # fmt: skip
+    again = _invoke("presets", "show", str(saved))
+    assert again.output.split("\n", 1)[1] == shown.output.split("\n", 1)[1]
+
+
 def test_cli_presets_show_unknown_exits_2():
     result = _invoke("presets", "show", "nope")
     assert result.exit_code == 2
