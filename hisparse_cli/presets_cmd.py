@@ -377,7 +377,7 @@ def _host_table(result: Plan, memory_source: str) -> Table:
     table.add_column("GiB", justify="right")
     table.add_column("what")
     table.add_row("host RAM", f"{result.hardware.host_memory_gb:,.2f}", memory_source)
-    ctx = format_context(result.context)
+    ctx = _context_tokens(result.context)
     table.add_row(
         "KV per job", _gib(result.job_kv_bytes), f"{ctx} x L x Hkv x D x 2, paged"
     )
@@ -408,11 +408,18 @@ def _host_table(result: Plan, memory_source: str) -> Table:
     return table
 
 
+def _context_tokens(tokens: int) -> str:
+    """A context as the plan's sentences name it: ``256K``, or ``177,635`` where it is not
+    a whole number of K (``-c 177635``), never read as a count of jobs."""
+    text = format_context(tokens)
+    return f"{tokens:,}" if text == str(tokens) else text
+
+
 def _render_plan(result: Plan, preset_name: str, memory_source: str) -> None:
     console = Console()
-    hw, ctx = result.hardware, format_context(result.context)
+    hw, ctx = result.hardware, _context_tokens(result.context)
     console.print(
-        f"[bold]{result.num_jobs} x {ctx} jobs[/] of [bold]{result.model.name}[/] on "
+        f"[bold]{result.num_jobs} x {ctx}-token jobs[/] of [bold]{result.model.name}[/] on "
         f"[bold]{preset_name}[/]: {hw.num_devices} x {hw.device_name or hw.devices[0]}, "
         f"{hw.parallel} parallel, attention {result.config.attention}"
     )
@@ -425,13 +432,17 @@ def _render_plan(result: Plan, preset_name: str, memory_source: str) -> None:
         else f"host memory allows {cap.host_limit}"
     )
     if cap.binding == "max_batch":
-        device, binds = f"max_batch allows {cap.device_limit}", "[bold]max_batch[/] binds: raise --max-batch"
+        device, binds = f"max_batch allows {cap.device_limit}", "[bold]max_batch[/] binds"
+        if result.num_jobs > cap.max_jobs:  # more decode slots would run more of them at once
+            binds += f": raise --max-batch for more of the {result.num_jobs} jobs at once"
     elif cap.binding == "max_batch+host":
         device = f"max_batch allows {cap.device_limit}"
         binds = "[bold]max_batch[/] and [bold]host[/] memory bind"
     else:
         device, binds = f"device memory allows {cap.device_limit}", f"[bold]{cap.binding}[/] memory binds"
-    console.print(f"max concurrent {ctx} jobs: [bold]{cap.max_jobs}[/] ({device}, {host}; {binds})")
+    console.print(
+        f"max concurrent {ctx}-token jobs: [bold]{cap.max_jobs}[/] ({device}, {host}; {binds})"
+    )
     console.print(
         f"dense all-resident baseline: [bold]{dense.max_jobs}[/] job(s) "
         f"({_gib(result.dense_job_device_bytes)} GiB of KV per job on the device)"

@@ -712,6 +712,31 @@ def test_cli_plan_refuses_a_bad_config_json_shape_with_exit_2(tmp_path, value):
     assert "Traceback" not in result.output and "GiB" not in result.output
 
 
+def test_cli_plan_names_a_context_as_tokens_not_jobs():
+    """Fresh-user finding: `plan -c 177635` printed "max concurrent 177635 jobs: 1", which
+    reads as a count of jobs."""
+    result = _invoke("plan", "-p", "cpu", "-n", "1", "-c", "177635")
+    out = " ".join(result.output.split())
+    assert "1 x 177,635-token jobs of smollm2-135m on cpu" in out
+    assert "max concurrent 177,635-token jobs: 1 (" in out
+    assert "177635 jobs" not in out
+    round_k = " ".join(_invoke("plan", "-p", "cpu", "-n", "1", "-c", "8K").output.split())
+    assert "1 x 8K-token jobs of" in round_k and "max concurrent 8K-token jobs: " in round_k
+
+
+def test_cli_plan_says_raise_max_batch_only_where_it_runs_more_of_the_jobs():
+    """Fresh-user finding: "max_batch binds: raise --max-batch" came with 1 job of 16 that
+    fit; the hint is for jobs beyond the decode slots (they wait their turn)."""
+    one = " ".join(_invoke("plan", "-p", "h200", "-n", "1", "-c", "8K").output.split())
+    assert "max concurrent 8K-token jobs: 16 (max_batch allows 16" in one
+    assert "max_batch binds)" in one and "--max-batch" not in one
+    ten = _invoke("plan", "-p", "cpu", "-n", "10", "-c", "512")
+    assert ten.exit_code == 0, ten.output
+    out = " ".join(ten.output.split())
+    assert "max concurrent 512-token jobs: 4 (max_batch allows 4" in out
+    assert "max_batch binds: raise --max-batch for more of the 10 jobs at once)" in out
+
+
 def test_cli_plan_bad_context_exits_2():
     result = _invoke("plan", "-p", "cpu", "-n", "1", "-c", "lots")
     assert result.exit_code == 2
