@@ -35,6 +35,7 @@ silently attending past the window; ``extend`` goes beyond it at the user's requ
 from __future__ import annotations
 
 import json
+import math
 import re
 from contextlib import ExitStack
 from pathlib import Path
@@ -43,7 +44,7 @@ from typing import Any
 import torch
 
 from engine.capacity.shapes import hf_shape
-from engine.config import ConfigError, ModelConfig, RopeScaling
+from engine.config import ConfigError, ModelConfig, RopeScaling, check_shape
 from engine.model import registry
 from engine.weights import prequant
 from engine.weights.quant import INT4_GROUP_SIZES, Int4Weight
@@ -315,11 +316,13 @@ def rope_from_hf(raw: dict, path: Path | str = "config.json") -> tuple[float, Ro
         return theta, None
     where = f"{path} {field}"
     max_pos = int(raw.get("max_position_embeddings", 4096))
-    original = int(
-        sc.get("original_max_position_embeddings")
-        or raw.get("original_max_position_embeddings")
-        or max_pos
-    )
+    key = "original_max_position_embeddings"
+    named = f"{field}.{key}" if sc.get(key) else key
+    try:  # a context length, checked as max_position_embeddings is
+        checked = check_shape(str(path), {"max_position": (named, sc.get(key) or raw.get(key))})
+    except ConfigError as exc:
+        raise HFModelError(str(exc)) from None
+    original = checked.get("max_position", max_pos)
     if kind == "longrope":
         factors = {}
         for key in ("short_factor", "long_factor"):
@@ -333,7 +336,7 @@ def rope_from_hf(raw: dict, path: Path | str = "config.json") -> tuple[float, Ro
         attention = sc.get("attention_factor")
         return theta, RopeScaling(
             kind="longrope",
-            factor=float(factor) if factor is not None else max_pos / original,
+            factor=_factor(factor, path, field) if factor is not None else max_pos / original,
             original_max_position=original,
             attention_factor=None if attention is None else float(attention),
             **factors,
@@ -341,7 +344,7 @@ def rope_from_hf(raw: dict, path: Path | str = "config.json") -> tuple[float, Ro
     if kind == "yarn" and sc.get("factor") is None:  # as transformers: the context ratio
         factor = max_pos / original
     else:
-        factor = float(_require(sc, "factor", where))
+        factor = _factor(_require(sc, "factor", where), path, field)
     if kind == "llama3":
         _require(sc, "original_max_position_embeddings", where)
         return theta, RopeScaling(
@@ -365,6 +368,17 @@ def rope_from_hf(raw: dict, path: Path | str = "config.json") -> tuple[float, Ro
             beta_slow=float(sc.get("beta_slow") or 1.0),
         )
     return theta, RopeScaling(kind=kind, factor=factor, original_max_position=original)
+
+
+def _factor(value: Any, path: Path | str, field: str) -> float:
+    """A RoPE scaling ``factor``: a finite number > 0 (1e400 reads as infinity)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        ok = False
+    else:
+        ok = math.isfinite(value) and value > 0
+    if not ok:
+        raise HFModelError(f"{path}: {field}.factor: must be a finite number > 0, got {value!r}")
+    return float(value)
 
 
 def _max_position(

@@ -311,6 +311,28 @@ def test_rope_from_hf_legacy_fields(raw, kind, factor, original):
         )
 
 
+@pytest.mark.parametrize(
+    ("scaling", "says"),
+    [
+        ({"rope_type": "yarn", "factor": float("inf")},
+         "rope_parameters.factor: must be a finite number > 0, got inf"),
+        ({"rope_type": "linear", "factor": "2"},
+         "rope_parameters.factor: must be a finite number > 0, got '2'"),
+        ({"rope_type": "dynamic", "factor": 0},
+         "rope_parameters.factor: must be a finite number > 0, got 0"),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": -64},
+         "rope_parameters.original_max_position_embeddings: must be a positive integer, got -64"),
+    ],
+)  # fmt: skip
+def test_a_bad_rope_scaling_factor_is_named(llama_copy, scaling, says):
+    """A yarn factor of 1e400 (infinity in JSON) ended in an OverflowError traceback (the
+    trained context is original x factor); "2" in a ValueError naming no file."""
+    _edit_config(llama_copy, rope_parameters={"rope_theta": 1e4} | scaling)
+    with pytest.raises(HFModelError) as info:
+        read_hf_config(llama_copy)
+    assert str(info.value) == f"{llama_copy / 'config.json'}: {says}"
+
+
 def test_yarn_raises_trained_context(llama_copy):
     _edit_config(
         llama_copy,
