@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from hisparse_cli import options as opt
+from hisparse_cli.pipes import STDOUT_CLOSED, guard_std_streams
 
 BENCH, SOAK, MODEL = "Benchmark", "Soak", "Roofline"
 EXIT_USAGE = 2
@@ -210,6 +211,7 @@ def bench_command(
 
     Writes OUT/bench.json (rewritten after every run), OUT/throughput_<context>.png and OUT/soak_step_latency.png. Exit code 2 on bad arguments.
     """
+    guard_std_streams(f"{STDOUT_CLOSED}; results: {out / 'bench.json'}")
     from engine.capacity.planner import parse_context
     from engine.config import ConfigError
     from engine.measure import bench, bench_kv

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, NoReturn
 import typer
 
 from hisparse_cli import options as opt
+from hisparse_cli.pipes import STDOUT_CLOSED, guard_std_streams
 
 EVAL = "Eval"
 EXIT_USAGE = 2
@@ -145,6 +146,7 @@ def eval_command(
 
     Lengths over the model's context are skipped unless --context-policy extend (RoPE scaling; the limit defaults to the longest length). Exit code 2 on bad arguments, found before the model loads; 130 on Ctrl-C (nothing is written before every configuration has run).
     """
+    guard_std_streams(f"{STDOUT_CLOSED}; results: {output_dir / 'eval.json'}")
     written: list[Path] = []  # eval.json, once written
     try:
         from engine.capacity.planner import parse_context

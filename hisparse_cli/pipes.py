@@ -122,3 +122,14 @@ def _to_devnull(stream: IO[str]) -> None:
         pass
     finally:
         os.close(devnull)
+
+
+def guard_std_streams(notice: str = STDOUT_CLOSED) -> None:
+    """:func:`guard` ``sys.stdout`` and ``sys.stderr`` themselves, for the commands that
+    print through ``typer.echo`` and consoles made without a file (``hisparse eval``,
+    ``hisparse bench``: their results go to files, ``eval.json`` / ``bench.json``, so a
+    closed stdout must not stop them either). Idempotent."""
+    import sys
+
+    sys.stderr = guard(sys.stderr)
+    sys.stdout = guard(sys.stdout, notice, sys.stderr)

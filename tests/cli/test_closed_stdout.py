@@ -203,3 +203,47 @@ def test_run_piped_into_a_reader_that_exits_early_finishes_the_batch(tmp_path, f
     for record in records:
         if record["ok"]:
             assert (tmp_path / "hisparse-out" / record["output"]).is_file()
+
+
+def test_guard_std_streams_drops_a_closed_stdout_and_says_so_once(monkeypatch):
+    import sys
+
+    from hisparse_cli.pipes import guard_std_streams
+
+    out, err = ClosingStream(keep=0), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr("hisparse_cli.pipes._to_devnull", lambda stream: None)  # no real fd
+    guard_std_streams("stdout closed; results: X")
+    print("a table row")
+    print("another")
+    sys.stdout.flush()
+    guard_std_streams("a second guard changes nothing")
+    print("more")
+    assert err.getvalue().count("stdout closed; results: X") == 1
+    assert "second guard" not in err.getvalue()
+
+
+@pytest.mark.parametrize(
+    "command,module",
+    [
+        (["eval", "--lengths", "bogus"], "hisparse_cli.eval_cmd"),
+        (["bench", "--memory-budget", "1", "--concurrency", "0"], "hisparse_cli.bench_cmd"),
+    ],
+    ids=["eval", "bench"],
+)
+def test_eval_and_bench_guard_their_output_first(monkeypatch, tmp_path, command, module):
+    """``hisparse eval`` / ``bench`` print through ``typer.echo`` and consoles made without
+    a file: each guards ``sys.stdout`` itself before anything else (here, before refusing
+    a bad argument), naming where its results go."""
+    from typer.testing import CliRunner
+
+    from hisparse_cli.main import app
+
+    calls = []
+    monkeypatch.setattr(f"{module}.guard_std_streams", lambda notice: calls.append(notice))
+    result = CliRunner().invoke(
+        app, [*command, "-o" if command[0] == "eval" else "--out", str(tmp_path)]
+    )
+    assert result.exit_code == 2, result.output
+    assert len(calls) == 1 and str(tmp_path) in calls[0]
