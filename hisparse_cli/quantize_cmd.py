@@ -100,5 +100,5 @@ def _mb(n: int) -> str:
 
 
 def _refuse(message: str) -> NoReturn:
-    Console(stderr=True).print(f"[red bold]error:[/] {message}", highlight=False)
+    Console(stderr=True, soft_wrap=True).print(f"[red bold]error:[/] {message}", highlight=False)
     raise typer.Exit(EXIT_REFUSED)

@@ -163,7 +163,7 @@ def test_quantize_says_a_file_is_not_the_model_folder_it_takes(tmp_path):
     (tmp_path / "hf" / "config.json").write_text("{}")
     out = tmp_path / "out"
 
-    result = invoke("quantize", str(model), str(out))
+    result = invoke("quantize", str(model), str(out), env={"COLUMNS": "60"})  # never wrapped
     one_line_error(result, f"{model} is a file, not a model folder", "Hugging Face model folder",
                    "a GGUF file needs no quantize step", "hisparse run --model")  # fmt: skip
     assert "not found" not in result.stderr
