@@ -458,7 +458,7 @@ def _render_plan(result: Plan, preset_name: str, memory_source: str) -> None:
 
 
 def _render_refusal(result: Plan) -> None:
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)  # a reason or hint stays one line
     err.print("[red bold]refused:[/] this does not fit")
     for reason in result.reasons:
         err.print(f"  - {reason}")
