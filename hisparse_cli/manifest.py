@@ -4,7 +4,9 @@ Job fields: ``id``, ``input`` (path, glob or list of them; several files are joi
 into one document), ``task``, ``prompt`` (alias ``template``), ``question``,
 ``fields``, ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
 ``stop`` (string or list) and ``output`` (file name in the output dir; ``.txt`` is
-added). Paths are relative to the manifest's folder.
+added). Paths are relative to the manifest's folder. A glob never matches a file in the
+run's output folder (``output_dir``: its ``results.jsonl``, ``<id>.txt``, ``config.json``
+and lock file are outputs, never inputs); skipped files are noted once.
 
 Precedence per job: built-in defaults < manifest ``defaults`` < the job's own fields <
 command-line flags (a flag beats the file). Without ``task``, a job with a ``prompt``
@@ -150,6 +152,7 @@ def load_manifest(
     overrides: Mapping[str, Any] | None = None,
     earlier_jobs: Sequence[EarlierJob] = (),
     sampling_base: Entry | None = None,
+    output_dir: Path | None = None,
 ) -> Manifest:
     """Read and validate a YAML or JSONL manifest.
 
@@ -167,6 +170,8 @@ def load_manifest(
     sampling_base
         Sampling fields below the manifest's (the preset's ``sampling`` block,
         :func:`hisparse_cli.settings.preset_sampling`).
+    output_dir
+        The run's output folder: globs skip the files in it (:class:`OutputFolder`).
 
     Raises
     ------
@@ -177,7 +182,10 @@ def load_manifest(
     raw = read_manifest_file(path)
     if raw.batch is not None:
         return _build_batch(raw, str(path), overrides, sampling_base)
-    return _build(raw, path.parent, overrides, earlier_jobs, sampling_base=sampling_base)
+    outputs = OutputFolder(output_dir)
+    return _build(
+        raw, path.parent, overrides, earlier_jobs, sampling_base=sampling_base, outputs=outputs
+    )
 
 
 BATCH_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
@@ -235,6 +243,7 @@ def jobs_from_paths(
     earlier_jobs: Sequence[EarlierJob] = (),
     stdin_sha256: str | None = None,
     sampling_base: Entry | None = None,
+    output_dir: Path | None = None,
 ) -> Manifest:
     """One job per document (the short form ``hisparse run docs/*.txt``).
 
@@ -254,8 +263,9 @@ def jobs_from_paths(
         SHA-256 of standard input's bytes when ``-`` is among ``patterns``: standard
         input with the text of an earlier job over standard input keeps its id, other
         text gets another id (never taking over an earlier result).
-    sampling_base
-        As for :func:`load_manifest`.
+    sampling_base, output_dir
+        As for :func:`load_manifest` (a glob skips the output folder's files; a path
+        named without one is taken as it is).
 
     Raises
     ------
@@ -266,6 +276,7 @@ def jobs_from_paths(
     raw = RawManifest()
     warnings: list[str] = []
     found = _Unique()
+    outputs = OutputFolder(output_dir)
     unreadable: list[tuple[str, Problem]] = []  # named paths that are missing or folders
     unmatched: list[Problem] = []  # globs that give no document
     found_problems: list[Problem] = []  # in the order of the arguments
@@ -273,7 +284,7 @@ def jobs_from_paths(
     for pattern in (p for p in patterns if p != "-"):
         entry = Entry(COMMAND_LINE, "", None, {"input": pattern})
         problems: list[Problem] = []
-        found.extend(_expand(pattern, base, entry, problems, warnings))
+        found.extend(_expand(pattern, base, entry, problems, warnings, outputs))
         if problems and pattern.strip() and not _GLOB_CHARS.search(os.path.expanduser(pattern)):
             unreadable.append((pattern, problems[0]))  # a job that fails: it names a file
         elif problems:
@@ -300,7 +311,9 @@ def jobs_from_paths(
         raw.jobs.append(Entry(COMMAND_LINE, label, None, values))
     if stdin_id is not None:  # after the files
         raw.jobs.append(Entry(COMMAND_LINE, STDIN_LABEL, None, {"id": stdin_id, "input": "-"}))
-    manifest = _build(raw, base, overrides, warnings=warnings, sampling_base=sampling_base)
+    manifest = _build(
+        raw, base, overrides, warnings=warnings, sampling_base=sampling_base, outputs=outputs
+    )
     # a glob that gives no document has no job to fail: refused as an input, the rest run
     return dataclasses.replace(manifest, rejected=tuple(UnmatchedInput(p) for p in unmatched))
 
@@ -334,6 +347,7 @@ def _build(
     earlier_jobs: Sequence[EarlierJob] = (),
     warnings: list[str] | None = None,
     sampling_base: Entry | None = None,
+    outputs: OutputFolder | None = None,
 ) -> Manifest:
     problems = raw.problems
     warnings = [] if warnings is None else warnings
@@ -345,8 +359,11 @@ def _build(
     jobs = [_clean(e, problems, allowed=JOB_FIELDS) for e in raw.jobs]
     merged = [_merge([sampling_base, defaults, job, cli]) for job in jobs]
     inputs = [
-        _job_inputs(m, job, base, problems, warnings) for m, job in zip(merged, jobs, strict=True)
+        _job_inputs(m, job, base, problems, warnings, outputs)
+        for m, job in zip(merged, jobs, strict=True)
     ]
+    if outputs is not None:
+        warnings.extend(outputs.notes())
     _assign_ids(merged, inputs, jobs, earlier_jobs)
     specs = [
         _spec(m, job, paths, problems) for m, job, paths in zip(merged, jobs, inputs, strict=True)
@@ -406,7 +423,12 @@ def _merge(entries: Sequence[Entry | None]) -> Merged:
 
 
 def _job_inputs(
-    merged: Merged, job: Entry, base: Path, problems: list[Problem], warnings: list[str]
+    merged: Merged,
+    job: Entry,
+    base: Path,
+    problems: list[Problem],
+    warnings: list[str],
+    outputs: OutputFolder | None = None,
 ) -> list[Path]:
     if "input" not in merged:
         if "input" not in job.invalid:
@@ -420,7 +442,7 @@ def _job_inputs(
         return [STDIN]
     files = _Unique()
     for pattern in patterns:
-        files.extend(_expand(pattern, base, entry, problems, warnings))
+        files.extend(_expand(pattern, base, entry, problems, warnings, outputs))
     return files.files
 
 
@@ -455,16 +477,72 @@ class _Unique:
         ]
 
 
+class OutputFolder:
+    """The run's output folder as globs see it: the files directly in it (the run's
+    ``results.jsonl``, ``<id>.txt``, ``config.json``, lock file) are outputs, never
+    inputs, so :func:`_expand` leaves them out of every glob's matches and this keeps
+    them for one note. A file is in it when its folder or the file it leads to is
+    (symbolic links resolved, the output folder's too); its subfolders are searched as
+    usual. ``None``: no output folder (nothing is left out)."""
+
+    def __init__(self, output_dir: Path | str | None) -> None:
+        self.shown = output_dir
+        self.real = None if output_dir is None else Path(os.path.realpath(output_dir))
+        self.skipped: dict[Path, None] = {}  # in the order met, each once
+
+    def holds(self, path: Path) -> bool:
+        """Whether ``path`` is one of the output folder's own files."""
+        if self.real is None:
+            return False
+        return (
+            Path(os.path.realpath(path.parent)) == self.real
+            or Path(os.path.realpath(path)).parent == self.real
+        )
+
+    def keep(self, files: Iterable[Path]) -> list[Path]:
+        """``files`` less the output folder's, which are kept for :meth:`notes`."""
+        kept = []
+        for path in files:
+            if self.holds(path):
+                self.skipped[path] = None
+            else:
+                kept.append(path)
+        return kept
+
+    def only_there(self, pattern: str, count: int) -> str:
+        """The problem of a glob whose ``count`` files are all in the output folder."""
+        return (
+            f"glob {pattern!r} matches only files in the output folder {self.shown} "
+            f"({count} file(s)); a glob never reads the folder the run writes its results "
+            "in: choose another --output-dir (the default is hisparse-out)"
+        )
+
+    def notes(self) -> list[str]:
+        """One note naming the files globs left out (none if none was)."""
+        if not self.skipped:
+            return []
+        cwd = Path.cwd()
+        names = [str(p.relative_to(cwd)) if p.is_relative_to(cwd) else str(p) for p in self.skipped]
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        return [
+            f"input globs skipped {len(names)} file(s) in the output folder {self.shown} "
+            f"({', '.join(names[:3])}{more}): the files there are the run's results, never "
+            "read by a glob"
+        ]
+
+
 def _expand(
     pattern: str,
     base: Path,
     entry: Entry,
     problems: list[Problem],
     warnings: list[str] | None = None,
+    outputs: OutputFolder | None = None,
 ) -> list[Path]:
     """Files matching ``pattern`` (relative to ``base``), reporting missing ones; a
     symbolic link a ``**`` glob did not follow (:func:`walk_glob`) is noted in
-    ``warnings``."""
+    ``warnings``. A glob leaves out the files in the run's output folder (``outputs``,
+    which keeps them for its note); a glob that matched only those is a problem."""
     if not pattern.strip():  # "" would be the current folder
         problems.append(
             _problem(entry, "input", f"{pattern!r} is empty (an unset shell variable?)")
@@ -477,11 +555,14 @@ def _expand(
             where = f"{entry.file}:{entry.where('input')}" if entry.where("input") else entry.file
             warnings.extend(f"{where}: input glob {pattern!r}: {note}" for note in skipped)
         files = [f for f in (_absolute(base, m) for m in matches) if f.is_file()]
-        if not files:
+        kept = outputs.keep(files) if outputs is not None else files
+        if files and not kept:
+            problems.append(_problem(entry, "input", outputs.only_there(pattern, len(files))))
+        elif not files:
             problems.append(
                 _problem(entry, "input", f"glob {pattern!r} matches no files (in {base})")
             )
-        return files
+        return kept
     path = _absolute(base, text)
     if path.is_dir():
         problems.append(

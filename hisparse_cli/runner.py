@@ -522,7 +522,9 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
     sampling = preset_sampling(request.preset)
     if request.manifest is not None:
         try:
-            manifest = load_manifest(request.manifest, request.job_overrides, earlier, sampling)
+            manifest = load_manifest(
+                request.manifest, request.job_overrides, earlier, sampling, request.output_dir
+            )
         except ManifestError as exc:  # add the combined engine settings' problems, if any
             try:
                 resolve_engine_config(
@@ -541,6 +543,7 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
             earlier_jobs=earlier,
             stdin_sha256=stdin_sha256,
             sampling_base=sampling,
+            output_dir=request.output_dir,
         )
     else:
         manifest = Manifest((), {})
