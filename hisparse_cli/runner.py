@@ -423,7 +423,7 @@ def execute(
         if choice.read_by:
             document["preset_auto_devices"] = choice.read_by
     if request.print_config:
-        problems = machine_problems(config, request, manifest)
+        problems = run_problems(config, request, manifest)
         warnings = config_warnings(config)
         printed = {**document, "jobs": [job_settings(spec) for spec in manifest.jobs]}
         if problems:
@@ -556,17 +556,34 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
     notes = [n for n in (note, preflight.max_context_warning(config, request.model)) if n]
     if notes:
         manifest = dataclasses.replace(manifest, warnings=(*manifest.warnings, *notes))
-    if not request.print_config:  # --print-config may show another machine's config
-        check_device_names(config)
-        check_devices(config, request.preset, manifest.engine, request.engine_overrides)
-        check_trace_path(config)
-        check_trace_outputs(config, manifest, request.output_dir)
-        check_run_files(manifest, request.output_dir)
-        if request.docs:
-            check_outputs_over_documents(manifest, request.output_dir)
-        check_max_context(config, request, manifest)
-        check_max_new_tokens(config, request, manifest)
+    if not request.print_config:  # it lists what they find instead (run_problems)
+        for check in run_checks(config, request, manifest):
+            check()
     return manifest, config
+
+
+def run_checks(
+    config: EngineConfig, request: RunRequest, manifest: Manifest
+) -> list[Callable[[], None]]:
+    """The checks that refuse a run (exit 2, nothing written) once its jobs and config are
+    resolved, in the order it makes them: each raises :class:`UsageError` (or a
+    :class:`ConfigError`). :func:`prepare` makes them for a run; ``--print-config`` lists
+    what every one of them finds (:func:`run_problems`), so the two cannot drift apart."""
+    flags, engine, output_dir = request.engine_overrides, manifest.engine, request.output_dir
+    checks: list[Callable[[], None]] = [
+        lambda: check_device_names(config),
+        lambda: check_devices(config, request.preset, engine, flags),
+        lambda: check_trace_path(config),
+        lambda: check_trace_outputs(config, manifest, output_dir),
+        lambda: check_run_files(manifest, output_dir),
+    ]
+    if request.docs:
+        checks.append(lambda: check_outputs_over_documents(manifest, output_dir))
+    checks += [
+        lambda: check_max_context(config, request, manifest),
+        lambda: check_max_new_tokens(config, request, manifest),
+    ]
+    return checks
 
 
 def check_run_files(manifest: Manifest, output_dir: Path) -> None:
@@ -718,18 +735,11 @@ def config_warnings(config: EngineConfig) -> list[str]:
     return found
 
 
-def machine_problems(config: EngineConfig, request: RunRequest, manifest: Manifest) -> list[str]:
-    """What would stop this config from running here, each in words; ``--print-config``
-    reports them (``problems``) since it skips the checks that refuse a run."""
-    flags, engine = request.engine_overrides, manifest.engine
-    checks: list[Callable[[], None]] = [
-        lambda: check_device_names(config),
-        lambda: check_devices(config, request.preset, engine, flags),
-        lambda: check_trace_path(config),
-        lambda: check_max_context(config, request, manifest),
-        lambda: check_max_new_tokens(config, request, manifest),
-        lambda: check_host_pool(config),
-    ]
+def run_problems(config: EngineConfig, request: RunRequest, manifest: Manifest) -> list[str]:
+    """What would stop this run here, each in the words the run refuses it with:
+    ``--print-config`` reports them (``problems``) since it skips the checks that refuse a
+    run (:func:`run_checks`, then the host pool the run checks just before the load)."""
+    checks = [*run_checks(config, request, manifest), lambda: check_host_pool(config)]
     problems = []
     for check in checks:
         try:

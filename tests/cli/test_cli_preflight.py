@@ -168,6 +168,31 @@ def test_print_config_reports_a_max_new_tokens_that_cannot_fit(cli, docs, tmp_pa
     assert cli(*args, engine=never_load).exit_code == 2
 
 
+def test_print_config_reports_the_output_folder_refusals(cli, docs, tmp_path):
+    """What the run refuses about its files (exit 2, nothing written) --print-config lists
+    under ``problems``, in the run's words; before, it said nothing and exited 0."""
+    cases = [
+        (("docs/alpha.txt", "docs/beta.txt", "-o", "docs"), "would overwrite the documents"),
+        (("docs/alpha.txt", "--trace", "hisparse-out/alpha.txt"), "would replace job 'alpha'"),
+    ]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "results.jsonl").write_text("")
+    (tmp_path / "jobs.yaml").write_text("jobs:\n  - id: log\n    input: out/results.jsonl\n")
+    cases.append((("--manifest", "jobs.yaml", "-o", "out"), "the run's own results.jsonl"))
+    for args, words in cases:
+        before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+        printed = cli(*args, "--print-config")
+        assert printed.exit_code == 0, printed.output
+        (problem,) = json.loads(printed.stdout)["problems"]
+        assert words in problem, problem
+        err = " ".join(printed.stderr.split())
+        assert f"a run would be refused here: {' '.join(problem.split())}" in err
+        run = cli(*args, engine=never_load)
+        assert run.exit_code == 2, run.output
+        assert " ".join(problem.split()) in " ".join(run.stderr.split())  # the same words
+        assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
 def test_device_cuda_without_cuda_exits_2_before_loading(cli, docs, tmp_path, monkeypatch):
     monkeypatch.setattr(runner_module, "cuda_device_count", lambda: 0)
     result = cli("docs/alpha.txt", "--device", "cuda", engine=never_load)
