@@ -110,6 +110,20 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 DEVICE_KINDS = ("cpu", "cuda")
 
 
+def handled_stop_signals() -> tuple[int, ...]:
+    """The :data:`STOP_SIGNALS` the run handles now: SIGTERM always; SIGINT unless it is
+    ignored, as a background job of a non-interactive shell inherits it (``hisparse run
+    ... &`` in a script): POSIX programs keep it ignored, so the run never puts its own
+    handler over that ``SIG_IGN`` (it did during the imports and the decode, not during
+    the weights' load, so one ``kill -INT`` cancelled and another did nothing). The run
+    itself never ignores SIGINT: an ignored one was inherited."""
+    return tuple(
+        sig
+        for sig in STOP_SIGNALS
+        if not (sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN)
+    )
+
+
 def job_where(spec: Any) -> str:
     """Where a job comes from, for its error messages: its document's path (``standard
     input`` for ``-``; ``and N more`` for a job over several), else its origin
@@ -1008,7 +1022,8 @@ class _StopSignalsDeferred:
     (``terminate called after throwing an instance of 'nanobind::python_error'``, exit 134,
     no summary) — a fresh user's SIGTERM 3 s into a run did. The caller stops after the
     block (:func:`import_engine_modules`: a few seconds; the weights' load after it stays
-    interruptible)."""
+    interruptible). An ignored SIGINT stays ignored (:func:`handled_stop_signals`), here
+    and in :class:`_SigintCanceller`."""
 
     def __init__(self) -> None:
         self.signals: list[int] = []
@@ -1019,7 +1034,7 @@ class _StopSignalsDeferred:
 
     def __enter__(self) -> Self:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
+            self._previous = {sig: signal.signal(sig, self) for sig in handled_stop_signals()}
         return self
 
     def __exit__(self, *exc: object) -> None:

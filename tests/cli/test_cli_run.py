@@ -893,6 +893,99 @@ def test_a_stop_signal_during_the_engine_imports_waits_for_them(cli, docs, monke
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == previous
 
 
+@pytest.fixture
+def sigint_ignored():
+    """SIGINT ignored as a background job of a non-interactive shell inherits it
+    (``hisparse run ... &`` in a script): what the run must keep."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_an_inherited_ignored_sigint_stays_ignored_at_every_stage(
+    cli, docs, tmp_path, monkeypatch, sigint_ignored
+):
+    """A fresh user's `hisparse run ... &` from a script, `kill -INT` during the imports
+    (1 s) or after the load cancelled it (exit 130), during the load (2.5 s) it was ignored
+    (exit 0): the run put its own handler over the inherited SIG_IGN at some stages only.
+    The POSIX convention is kept throughout: an ignored SIGINT stays ignored."""
+    stages = []
+
+    def imports():
+        os.kill(os.getpid(), signal.SIGINT)
+        stages.append("imports")
+
+    def load(config, model):
+        os.kill(os.getpid(), signal.SIGINT)
+        stages.append("load")
+        return factory(config, model)
+
+    def interrupt(step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            stages.append("decode")
+
+    factory = testing.fake_engine_factory(on_step=interrupt)
+    monkeypatch.setattr(runner_module, "import_engine_modules", imports)
+    result = cli("docs/alpha.txt", "--max-new-tokens", "4", engine=load)
+    assert result.exit_code == 0, result.output
+    assert stages == ["imports", "load", "decode"]
+    assert not factory.engines[0].cancelled and "cancelling" not in result.stderr
+    assert [r["finish_reason"] for r in read_results(tmp_path / "hisparse-out")] == ["length"]
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+def test_sigterm_stops_a_run_whose_sigint_is_ignored(cli, docs, monkeypatch, sigint_ignored):
+    def imports():
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(runner_module, "import_engine_modules", imports)
+    result = cli("docs/alpha.txt", engine=lambda config, model: pytest.fail("loaded"))
+    assert result.exit_code == 143 and "interrupted" in result.stdout
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    monkeypatch.setattr(runner_module, "import_engine_modules", lambda: None)
+
+    def terminate(step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    engine = testing.fake_engine_factory(on_step=terminate)
+    result = cli("docs/alpha.txt", "--force", engine=engine)
+    assert result.exit_code == 143 and engine.engines[0].cancelled
+    assert "SIGTERM: cancelling" in result.stderr
+
+
+def test_a_background_job_of_a_script_ignores_sigint(tmp_path):
+    """The real case: a non-interactive shell starts `cmd &` with SIGINT ignored."""
+    (tmp_path / "doc.txt").write_text("some text to summarise\n")
+    driver = textwrap.dedent(
+        """
+        import os, signal, sys
+        from hisparse_cli import runner, testing
+        from hisparse_cli.main import app
+
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN, "not inherited"
+        runner.import_engine_modules = lambda: os.kill(os.getpid(), signal.SIGINT)
+        runner.load_engine = testing.fake_engine_factory()
+        runner.cuda_device_count = lambda: 0
+        runner.free_cpu_threads = lambda config: None
+        def no_tokenizer(config, model):
+            raise RuntimeError("no tokenizer")
+        runner.load_tokenizer = no_tokenizer
+        sys.argv = ["hisparse", "run", "--preset", "cpu", "doc.txt", "--max-new-tokens", "4"]
+        app()
+        """
+    )
+    (tmp_path / "driver.py").write_text(driver)
+    script = f"{sys.executable} driver.py & wait $!"
+    env = {**os.environ, "HISPARSE_HOST_MEMORY_GB": "256"}  # not this box's memory
+    done = subprocess.run(
+        ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "hisparse-out" / "doc.txt").is_file()
+
+
 def test_threads_flag_sets_num_threads(cli, docs, monkeypatch):
     monkeypatch.setattr(settings, "preset_overrides", lambda name: {"num_threads": 4})
     result = cli("docs/alpha.txt", "--threads", "1", "--print-config")
