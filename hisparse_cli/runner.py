@@ -961,6 +961,15 @@ def check_request(request: RunRequest) -> None:
         raise UsageError(f"--output-dir {request.output_dir} exists and is not a directory")
     if request.output_dir.is_dir() and not os.access(request.output_dir, os.W_OK | os.X_OK):
         raise UsageError(f"--output-dir {request.output_dir} is not writable")
+    if not request.output_dir.exists():  # the run makes it: --print-config says so too
+        parent = request.output_dir.absolute().parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        why = "is not a folder" if not parent.is_dir() else None
+        if why is None and not os.access(parent, os.W_OK | os.X_OK):
+            why = "is not writable"
+        if why:
+            raise UsageError(f"cannot create output dir {request.output_dir}: {parent} {why}")
     for name in (RESULTS_FILE, CONFIG_FILE, LOCK_FILE):  # a folder there: a traceback before
         own = request.output_dir / name
         if own.exists() and not own.is_file():

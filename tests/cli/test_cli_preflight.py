@@ -193,6 +193,16 @@ def test_print_config_reports_the_output_folder_refusals(cli, docs, tmp_path):
         assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
 
 
+def test_an_output_dir_that_cannot_be_made_is_refused_by_print_config_too(cli, docs):
+    """The run refused it when it made the folder (exit 2); --print-config said nothing."""
+    for args in (("-o", "docs/alpha.txt/out"), ("-o", "docs/alpha.txt/out", "--print-config")):
+        result = cli("docs/beta.txt", *args, engine=never_load)
+        assert result.exit_code == 2, result.output
+        err = " ".join(result.stderr.split())
+        where = docs / "alpha.txt"
+        assert f"cannot create output dir docs/alpha.txt/out: {where} is not a folder" in err
+
+
 def test_device_cuda_without_cuda_exits_2_before_loading(cli, docs, tmp_path, monkeypatch):
     monkeypatch.setattr(runner_module, "cuda_device_count", lambda: 0)
     result = cli("docs/alpha.txt", "--device", "cuda", engine=never_load)
