@@ -32,9 +32,11 @@ import yaml
 
 from engine.capacity.planner import Hardware
 from engine.config import (
+    ENV_SETTINGS,
     ConfigError,
     EngineConfig,
     SamplingParams,
+    env_overrides,
     given,
     layered_config,
     sampling_problem,
@@ -269,22 +271,56 @@ def resolve_sampling(
     return params
 
 
+ENV_FIELDS = frozenset(name for name, _ in ENV_SETTINGS.values())
+"""The EngineConfig fields the environment may set (:data:`engine.config.ENV_SETTINGS`)."""
+
+
 def resolved_preset_dict(name_or_path: str | Path) -> dict[str, Any]:
     """What ``hisparse presets show`` prints: the preset with its engine block resolved
     over the defaults and its sampling block over :class:`SamplingParams`' defaults, as a
     preset file holds it (:data:`TOP_LEVEL_KEYS`), so a copy loads as it is and resolves to
     the same settings. The preset's name and file are not keys of a preset file: ``show``
-    prints them as a comment."""
+    prints them as a comment.
+
+    The environment (:data:`engine.config.ENV_SETTINGS`) is not read, and its fields are
+    left out unless the preset sets them: in a copy they would be preset settings, which
+    beat the environment (:func:`engine.config.layered_config`), so the copy would freeze
+    this shell's ``HISPARSE_HOST_MEMORY_GB`` (or the default) where the original follows
+    the environment it runs in (:func:`environment_notes` says what they are here)."""
     preset = load_preset_full(name_or_path)
     sampling = dataclasses.asdict(resolve_sampling(preset))
     sampling["stop"] = list(sampling["stop"])
+    engine = EngineConfig().replace(**preset.engine).to_dict()
     return {
         "description": preset.description,
         "model": preset.model,
         "hardware": preset.hardware.to_dict(),
-        "engine": resolve_config(preset).to_dict(),
+        "engine": {
+            name: value
+            for name, value in engine.items()
+            if name in preset.engine or name not in ENV_FIELDS
+        },
         "sampling": sampling,
     }
+
+
+def environment_notes(engine: dict[str, Any]) -> list[str]:
+    """One line per :data:`engine.config.ENV_SETTINGS` variable set here whose field
+    ``engine`` (a :func:`resolved_preset_dict` engine block) leaves to the environment:
+    ``engine.host_memory_gb: 64.0 from HISPARSE_HOST_MEMORY_GB (the environment, not the
+    preset)``. ``hisparse presets show`` prints them as YAML comments.
+
+    Raises
+    ------
+    ConfigError
+        A variable that is not a number (:func:`engine.config.env_overrides`).
+    """
+    found = env_overrides()
+    return [
+        f"engine.{name}: {found[name]} from {var} (the environment, not the preset)"
+        for var, (name, _) in ENV_SETTINGS.items()
+        if name in found and name not in engine
+    ]
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -26,6 +26,7 @@ from engine.capacity.planner import (
 from engine.capacity.shapes import get_model_shape
 from engine.config import DTYPES, KV_HOST_DTYPES, ConfigError
 from engine.presets import (
+    environment_notes,
     list_presets,
     load_preset_full,
     preset_path,
@@ -157,12 +158,15 @@ def register(app: typer.Typer) -> None:
 
         The output is a preset file: save it, edit it and pass it to --preset.
 
+        Settings the environment gives (HISPARSE_HOST_MEMORY_GB, HISPARSE_INT4_TRITON_MIN_ROWS) are left out unless the preset sets them, so a copy follows the environment as the preset does; a comment gives their values here.
+
         `presets show auto` prints the preset auto picks on this machine, after a comment saying which and why.
         """
         choice = auto_choice(name)
         try:
             path = preset_path(choice.name if choice else name)
             resolved = resolved_preset_dict(path)
+            notes = environment_notes(resolved["engine"])
         except ConfigError as exc:
             _refuse(str(exc))
         # YAML comments: the output is a preset file, which has no name or file keys
@@ -172,6 +176,8 @@ def register(app: typer.Typer) -> None:
             if choice.read_by:
                 typer.echo(f"# devices {choice.read_by}")
         typer.echo(f"# preset {path.stem} ({path}), resolved over the defaults")
+        for note in notes:  # a copy must not freeze them: the environment sets them
+            typer.echo(f"# {note}")
         typer.echo(yaml.safe_dump(resolved, sort_keys=False), nl=False)
 
     app.add_typer(presets_app, name="presets")

@@ -376,6 +376,37 @@ def test_a_shown_preset_saved_as_a_file_loads_to_the_same_settings(tmp_path, nam
     assert again.output.split("\n", 1)[1] == shown.output.split("\n", 1)[1]
 
 
+@pytest.mark.parametrize("name", SHIPPED)
+def test_a_shown_preset_saved_as_a_file_follows_the_environment_as_the_original(
+    tmp_path, monkeypatch, name
+):
+    """Review finding: show printed the engine settings the environment gives
+    (HISPARSE_HOST_MEMORY_GB, HISPARSE_INT4_TRITON_MIN_ROWS) as preset settings, so a
+    saved copy froze them, and a preset beats the environment: loaded later without the
+    variables (or with others) it resolved to other settings than the preset it copies.
+    They are comments now, unless the preset sets them itself."""
+    monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "64")
+    monkeypatch.setenv("HISPARSE_INT4_TRITON_MIN_ROWS", "3")
+    shown = _invoke("presets", "show", name)
+    assert shown.exit_code == 0, shown.output
+    saved = tmp_path / "my.yaml"
+    saved.write_text(shown.output)
+    original, copy = load_preset_full(name), load_preset_full(str(saved))
+    assert "host_memory_gb" not in copy.engine  # no preset sets it: the environment's
+    comments = [line for line in shown.output.splitlines() if line.startswith("#")]
+    note = "# engine.host_memory_gb: 64.0 from HISPARSE_HOST_MEMORY_GB (the environment, not "
+    assert note + "the preset)" in comments
+    assert resolve_config(copy) == resolve_config(original)
+    assert resolve_config(copy).host_memory_gb == 64.0
+    for var in ("HISPARSE_HOST_MEMORY_GB", "HISPARSE_INT4_TRITON_MIN_ROWS"):
+        monkeypatch.delenv(var)
+    assert resolve_config(copy) == resolve_config(original)
+    assert resolve_config(copy).host_memory_gb is None
+    monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "100")
+    monkeypatch.setenv("HISPARSE_INT4_TRITON_MIN_ROWS", "5")
+    assert resolve_config(copy) == resolve_config(original)
+
+
 def test_cli_presets_show_unknown_exits_2():
     result = _invoke("presets", "show", "nope")
     assert result.exit_code == 2
