@@ -161,9 +161,9 @@ def load_preset_full(name_or_path: str | Path) -> Preset:
         blocks[name] = data.get(name) or {}
         if not isinstance(blocks[name], dict):
             problems.append(
-                f"{_at(path, lines, (name,))}: {name} must be a mapping, "
-                f"got {type(blocks[name]).__name__}"
-            )
+                _problem(path, lines, (name,),
+                         f"{name} must be a mapping, got {type(blocks[name]).__name__}")
+            )  # fmt: skip
             blocks[name] = {}
     engine, sampling = dict(blocks["engine"]), dict(blocks["sampling"])
     if isinstance(sampling.get("stop"), str):  # one stop string, as a manifest takes it
@@ -181,15 +181,14 @@ def load_preset_full(name_or_path: str | Path) -> Preset:
         try:
             get_model_shape(str(data["model"]))
         except ConfigError as exc:
-            problems.append(f"{_at(path, lines, ('model',))}: model: {exc}")
+            problems.append(_problem(path, lines, ("model",), f"model: {exc}"))
     if not problems:  # settings that clash with each other, at the line of the one at fault
         for found in EngineConfig().replace(**engine).problems():
-            key = ("engine", found.fields[0])
-            where = _at(path, lines, key) if found.fields[0] in engine else str(path)
-            problems.append(f"{where}: engine: {found.message}" if len(found.fields) > 1
-                            else f"{where}: engine.{found}")  # fmt: skip
-    if problems:  # every one at once, each with its line, as a manifest's are
-        raise PresetError("\n".join(problems))
+            text = f"engine: {found.message}" if len(found.fields) > 1 else f"engine.{found}"
+            problems.append(_problem(path, lines, ("engine", found.fields[0]), text))
+    if problems:  # every one at once, in line order, each with its line, as a manifest's
+        problems.sort(key=lambda problem: problem[0])  # stable: the line-less ones first
+        raise PresetError("\n".join(text for _, text in problems))
     try:
         hardware = Hardware.from_dict(dict(blocks["hardware"]), source=str(path))
         EngineConfig().replace(**engine).validate()  # what only clashes between settings
@@ -367,7 +366,9 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
     return []
 
 
-def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], int], list[str]]:
+def _read_yaml(
+    path: Path,
+) -> tuple[dict[str, Any], dict[tuple[str, ...], int], list[tuple[int, str]]]:
     """The preset's mapping, the line (1-based) of each top-level key and of each key of a
     block (``("engine", "page_size") -> 27``), and a problem for each key given twice (YAML
     keeps the last silently)."""
@@ -377,7 +378,7 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], int], 
 
 def _compose(
     path: Path, loader: yaml.SafeLoader
-) -> tuple[dict[str, Any], dict[tuple[str, ...], int], list[str]]:
+) -> tuple[dict[str, Any], dict[tuple[str, ...], int], list[tuple[int, str]]]:
     try:
         root = loader.get_single_node()
         if root is not None and yaml_expanded_size(root) > MAX_YAML_VALUES:
@@ -395,7 +396,7 @@ def _compose(
             f"{path}: a preset is a YAML mapping with description/hardware/engine"
         )
     lines: dict[tuple[str, ...], int] = {}
-    problems: list[str] = []
+    problems: list[tuple[int, str]] = []
     for key, value in root.value:
         _note_line(path, lines, problems, (str(key.value),), key)
         for inner, _ in value.value if isinstance(value, yaml.MappingNode) else ():
@@ -406,23 +407,27 @@ def _compose(
 def _note_line(
     path: Path,
     lines: dict[tuple[str, ...], int],
-    problems: list[str],
+    problems: list[tuple[int, str]],
     key: tuple[str, ...],
     node: yaml.Node,
 ) -> None:
     line = node.start_mark.line + 1
     if key in lines:
         problems.append(
-            f"{path}:{line}: {'.'.join(key)}: duplicate key (first given on line {lines[key]})"
-        )
+            (line, f"{path}:{line}: {'.'.join(key)}: duplicate key "
+                   f"(first given on line {lines[key]})")
+        )  # fmt: skip
     else:
         lines[key] = line
 
 
-def _at(path: Path, lines: dict[tuple[str, ...], int], key: tuple[str, ...]) -> str:
-    """``path:line`` of ``key`` (``path`` alone where the line is not known)."""
-    line = lines.get(key)
-    return f"{path}:{line}" if line else str(path)
+def _problem(
+    path: Path, lines: dict[tuple[str, ...], int], key: tuple[str, ...], text: str
+) -> tuple[int, str]:
+    """A problem at ``key``: (its line, ``path:line: text``), or (0, ``path: text``) where
+    the line is not known; :func:`load_preset_full` reports them sorted by line."""
+    line = lines.get(key, 0)
+    return line, f"{path}:{line}: {text}" if line else f"{path}: {text}"
 
 
 def _key_problems(
@@ -431,9 +436,9 @@ def _key_problems(
     block: str,
     values: dict[str, Any],
     known: tuple[str, ...],
-) -> list[str]:
-    """One message per unknown key of ``block`` ("" for the top level), with the
-    closest known key and the list of known ones."""
+) -> list[tuple[int, str]]:
+    """One problem (:func:`_problem`) per unknown key of ``block`` ("" for the top
+    level), with the closest known key and the list of known ones."""
     where = f"keys under {block}" if block else "top-level keys"
     problems = []
     for name in sorted(set(values) - set(known), key=str):
@@ -441,9 +446,9 @@ def _key_problems(
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         key = (block, str(name)) if block else (str(name),)
         problems.append(
-            f"{_at(path, lines, key)}: {'.'.join(key)}: unknown key{hint}; "
-            f"known {where}: {', '.join(known)}"
-        )
+            _problem(path, lines, key,
+                     f"{'.'.join(key)}: unknown key{hint}; known {where}: {', '.join(known)}")
+        )  # fmt: skip
     return problems
 
 
@@ -454,9 +459,10 @@ def _value_problems(
     values: dict[str, Any],
     cls: type,
     check: Callable[[str, Any], str | None] | None = None,
-) -> list[str]:
-    """One message per known key of ``block`` whose value has the wrong type for its
-    ``cls`` field or, with ``check``, fails ``check(name, value)`` on its own."""
+) -> list[tuple[int, str]]:
+    """One problem (:func:`_problem`) per known key of ``block`` whose value has the
+    wrong type for its ``cls`` field or, with ``check``, fails ``check(name, value)`` on
+    its own."""
     declared = {f.name: str(f.type) for f in dataclasses.fields(cls)}
     problems = []
     for name, value in values.items():
@@ -472,7 +478,7 @@ def _value_problems(
         elif check is not None:
             message = check(name, value)
         if message:
-            problems.append(f"{_at(path, lines, (block, name))}: {block}.{name}: {message}")
+            problems.append(_problem(path, lines, (block, name), f"{block}.{name}: {message}"))
     return problems
 
 

@@ -234,16 +234,49 @@ def test_every_problem_at_once_with_its_line_and_the_closest_key(tmp_path):
         load_preset_full(path)
     lines = [line.split("; known")[0] for line in str(info.value).splitlines()]
     assert lines == [
-        f"{path}:10: engine.page_size: duplicate key (first given on line 8)",
         f"{path}:3: hardware.memry_gb: unknown key (did you mean 'memory_gb'?)",
         f"{path}:4: hardware.devices: unknown device(s) 'gpu0': use cpu, cuda or cuda:N",
         f"{path}:5: hardware.parallel: must be one of data, pipeline, got 'pipelinee'",
         f"{path}:7: engine.top_kk: unknown key (did you mean 'top_k'?)",
         f"{path}:9: engine.hierarchical: must be true or false, got 'yes'",
+        f"{path}:10: engine.page_size: duplicate key (first given on line 8)",
         f"{path}:12: sampling.temprature: unknown key (did you mean 'temperature'?)",
         f"{path}:13: sampling.top_p: must be in (0, 1], got 2.5",
         f"{path}:14: sampling.max_tokens: must be > 0, got 0",
     ], lines
+
+
+def test_the_problems_of_a_preset_are_reported_in_line_order(tmp_path):
+    """Review finding: unknown keys were listed by name (line 5's `aardvark` before line
+    1's `zeta`) and a duplicate key before every other problem; a manifest's come in line
+    order, and so do a preset's."""
+    text = (
+        "zeta: 1\n"  # 1
+        "description: test box\n"
+        "engine:\n"
+        "  zz_engine: 1\n"
+        "  aa_engine: 2\n"  # 5
+        "  page_size: 48\n"
+        "  zz_engine: 3\n"
+        "aardvark: 3\n"
+        "sampling:\n"
+        "  top_p: 2.5\n"  # 10
+        "  bogus: 1\n"
+    )
+    path = _write(tmp_path, text)
+    with pytest.raises(PresetError) as info:
+        load_preset_full(path)
+    lines = [line.split(":", 3)[1:3] for line in str(info.value).splitlines()]
+    assert lines == [
+        ["1", " zeta"],
+        ["4", " engine.zz_engine"],
+        ["5", " engine.aa_engine"],
+        ["6", " engine.page_size"],
+        ["7", " engine.zz_engine"],  # given twice
+        ["8", " aardvark"],
+        ["10", " sampling.top_p"],
+        ["11", " sampling.bogus"],
+    ], str(info.value)
 
 
 def test_sampling_values_follow_the_manifests_rules(tmp_path):
