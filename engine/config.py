@@ -887,15 +887,4 @@ def sampling_problem(name: str, value: Any) -> str | None:
         return f"must be >= 0 (0 or -1: off), got {value}"
     if name == "seed" and not 0 <= value <= MAX_SEED:
         return f"must be from 0 to {MAX_SEED} (2**64 - 1), got {value}"
-    return None  # seed None, stop: nothing to range-check
-    if name == "temperature" and not value >= 0:
-        return f"must be >= 0, got {value}"
-    if name == "top_p" and not 0 < value <= 1:
-        return f"must be in (0, 1], got {value}"
-    if name == "max_tokens" and value <= 0:
-        return f"must be > 0, got {value}"
-    if name == "top_k" and value < 0:
-        return f"must be >= 0 (0: off), got {value}"
-    if name == "seed" and not 0 <= value <= MAX_SEED:
-        return f"must be from 0 to {MAX_SEED} (2**64 - 1), got {value}"
     return None
