@@ -862,29 +862,65 @@ class SamplingParams:
 
 
 MAX_SEED = 2**64 - 1
-"""Largest sampling seed (the generator takes an unsigned 64-bit seed)."""
+"""Largest sampling seed (``torch.Generator.manual_seed`` takes an unsigned 64-bit
+integer)."""
 
 
 def sampling_problem(name: str, value: Any) -> str | None:
     """What is wrong with ``value`` for :class:`SamplingParams` field ``name`` on its own
-    (the message leaves the name out), or ``None``; the same rules as a manifest's job
-    fields (``top_k`` -1 or 0: off; ``stop`` a string or a list of non-empty strings)."""
-    if name == "stop":
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list | tuple):
-            return f"must be a string or a list of strings, got {value!r}"
-        bad = [v for v in items if not isinstance(v, str) or not v]
-        return f"must be a string or a list of strings; bad item(s): {bad!r}" if bad else None
+    (type and range; the message leaves the name out), or ``None``: THE sampling rules,
+    for a preset's ``sampling`` block, a manifest's job fields and the job flags alike
+    (:mod:`hisparse_cli.manifest` checks ``max_new_tokens`` as ``max_tokens``). ``None``
+    passes (a seed derived from the job id; in a manifest, a default cleared); ``top_k``
+    -1 or 0: off; ``stop`` a string or a list of non-empty strings, ``[]`` none."""
+    check = SAMPLING_CHECKS.get(name)
+    return None if value is None or check is None else check(value)
+
+
+def _stop(value: Any) -> str | None:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple):
+        return f"must be a string or a list of strings, got {value!r}"
+    bad = [v for v in items if not isinstance(v, str) or not v]
+    return f"must be a string or a list of strings; bad item(s): {bad!r}" if bad else None
+
+
+def _temperature(value: Any) -> str | None:
+    return None if _is_number(value) and value >= 0 else f"must be a number >= 0, got {value!r}"
+
+
+def _top_p(value: Any) -> str | None:
     if not isinstance(value, int | float) or isinstance(value, bool):
-        return None  # seed None; other types are checked where the value is read
-    if name == "temperature" and not (math.isfinite(value) and value >= 0):
-        return f"must be a number >= 0, got {value}"
-    if name == "top_p" and not 0 < value <= 1:
-        return f"must be in (0, 1], got {value}"
-    if name == "max_tokens" and value <= 0:
-        return f"must be > 0, got {value}"
-    if name == "top_k" and value < -1:
-        return f"must be >= 0 (0 or -1: off), got {value}"
-    if name == "seed" and not 0 <= value <= MAX_SEED:
-        return f"must be from 0 to {MAX_SEED} (2**64 - 1), got {value}"
-    return None
+        return f"must be a number, got {value!r}"
+    return None if 0 < value <= 1 else f"must be in (0, 1], got {value}"  # nan: not in it
+
+
+def _integer(rule: Callable[[int], str | None]) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        return rule(value) if _is_int(value) else f"must be an integer, got {value!r}"
+
+    return check
+
+
+def _seed(value: int) -> str | None:
+    if 0 <= value <= MAX_SEED:  # a larger one crashed the run at admission
+        return None
+    hint = (
+        "; a negative seed does not mean a random one here: leave it unset for one "
+        "derived from the job id"
+        if value < 0
+        else ""
+    )
+    return f"must be from 0 to {MAX_SEED} (2**64 - 1), got {value}{hint}"
+
+
+SAMPLING_CHECKS: dict[str, Callable[[Any], str | None]] = {
+    "temperature": _temperature,
+    "top_p": _top_p,
+    "top_k": _integer(lambda v: None if v >= -1 else f"must be >= 0 (0 or -1: off), got {v}"),
+    "seed": _integer(_seed),
+    "stop": _stop,
+    "max_tokens": _integer(lambda v: None if v > 0 else f"must be > 0, got {v}"),
+}
+"""SamplingParams field -> check of one value that is not ``None`` (see
+:func:`sampling_problem`)."""

@@ -24,7 +24,6 @@ import dataclasses
 import difflib
 import fnmatch
 import glob
-import math
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig, SamplingParams, setting_problem
+from engine.config import SAMPLING_CHECKS, EngineConfig, SamplingParams, setting_problem
 from hisparse_cli.manifest_source import (
     COMMAND_LINE,
     Entry,
@@ -877,14 +876,6 @@ def _plain_type(declared: str) -> str:
 # ----------------------------------------------------------------------------- checks
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _check_text(value: Any) -> str | None:
     if not isinstance(value, str) or not value.strip():
         return f"must be a non-empty string, got {value!r}"
@@ -915,12 +906,6 @@ def _check_fields(value: Any) -> str | None:
     return found
 
 
-def _check_stop(value: Any) -> str | None:
-    if value == []:  # no stop strings: clears the preset's or the defaults'
-        return None
-    return _check_strings(value, "a string or a list of strings")
-
-
 def _check_task(value: Any) -> str | None:
     if value in TASKS:
         return None
@@ -933,45 +918,6 @@ def _check_prompt(value: Any) -> str | None:
     return _check_text(value) or template_problem(value)
 
 
-def _check_max_new_tokens(value: Any) -> str | None:
-    return None if _is_int(value) and value > 0 else f"must be a positive integer, got {value!r}"
-
-
-def _check_temperature(value: Any) -> str | None:
-    return None if _is_number(value) and value >= 0 else f"must be a number >= 0, got {value!r}"
-
-
-def _check_top_p(value: Any) -> str | None:
-    return (
-        None
-        if _is_number(value) and 0 < value <= 1
-        else f"must be a number in (0, 1], got {value!r}"
-    )
-
-
-def _check_top_k(value: Any) -> str | None:
-    ok = _is_int(value) and value >= -1
-    return None if ok else f"must be an integer >= 0 (0 or -1 disables), got {value!r}"
-
-
-MAX_SEED = 2**64 - 1
-"""Largest seed ``torch.Generator.manual_seed`` takes (a 64-bit unsigned integer)."""
-
-
-def _check_seed(value: Any) -> str | None:
-    if not _is_int(value):
-        return f"must be an integer, got {value!r}"
-    if not 0 <= value <= MAX_SEED:  # a larger one crashed the run at admission
-        hint = (
-            "; a negative seed does not mean a random one here: leave it unset for one "
-            "derived from the job id"
-            if value < 0
-            else ""
-        )
-        return f"must be from 0 to {MAX_SEED} (2**64 - 1), got {value}{hint}"
-    return None
-
-
 _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "id": name_problem,
     "output": name_problem,
@@ -981,10 +927,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "template": _check_prompt,
     "question": _check_text,
     "fields": _check_fields,
-    "max_new_tokens": _check_max_new_tokens,
-    "temperature": _check_temperature,
-    "top_p": _check_top_p,
-    "top_k": _check_top_k,
-    "seed": _check_seed,
-    "stop": _check_stop,
+    # the sampling fields: engine.config's rules, as a preset's sampling block has them
+    **{name: SAMPLING_CHECKS[name] for name in ("temperature", "top_p", "top_k", "seed", "stop")},
+    "max_new_tokens": SAMPLING_CHECKS["max_tokens"],
 }

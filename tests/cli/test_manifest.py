@@ -198,6 +198,53 @@ def test_a_seed_outside_64_bits_is_refused(docs, seed):
     assert load_manifest(path).jobs[0].sampling.seed == 2**64 - 1
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", "-1"),
+        ("temperature", ".nan"),
+        ("top_p", "2.5"),
+        ("top_p", "0"),
+        ("top_p", "'high'"),
+        ("top_k", "-2"),
+        ("top_k", "1.5"),
+        ("seed", "-1"),
+        ("max_tokens", "0"),
+        ("max_tokens", "2.5"),
+        ("stop", "['', 1]"),
+        ("stop", "''"),
+    ],
+)
+def test_a_sampling_value_is_refused_in_the_same_words_by_a_preset_and_a_manifest(
+    docs, field, value
+):
+    """Review finding: the sampling rules were written twice, in a preset's sampling block
+    (engine.config.sampling_problem) and a manifest's job fields, and said different
+    things ("must be in (0, 1]" / "must be a number in (0, 1]"; a negative seed's hint in
+    one only). One table (engine.config.SAMPLING_CHECKS) holds them now."""
+    from engine.presets import PresetError, load_preset_full
+
+    preset = docs / "mine.yaml"
+    preset.write_text(
+        "description: box\nhardware: {devices: [cpu]}\n"
+        f"sampling:\n  {field}: {value}\n"
+    )
+    with pytest.raises(PresetError) as info:
+        load_preset_full(preset)
+    said_by_preset = str(info.value).split(f"sampling.{field}: ", 1)[1]
+    job_field = "max_new_tokens" if field == "max_tokens" else field
+    path = write_yaml(docs, f"jobs:\n  - {{input: docs/one.txt, {job_field}: {value}}}\n")
+    said_by_manifest = find(problems_of(path), f"jobs[0].{job_field}").message
+    assert said_by_manifest == said_by_preset
+
+
+def test_a_stop_string_of_whitespace_is_taken_as_a_preset_takes_it(docs):
+    """Review finding: `stop: "\\n"` (stop at a newline) was refused ("must be a non-empty
+    string"), though `stop: ["\\n"]` and a preset's `stop: "\\n"` were taken."""
+    path = write_yaml(docs, 'jobs:\n  - {input: docs/one.txt, stop: "\\n"}\n')
+    assert load_manifest(path).jobs[0].sampling.stop == ("\n",)
+
+
 def test_a_misspelt_task_gets_a_hint(docs):
     path = write_yaml(docs, "jobs:\n  - id: a\n    input: docs/one.txt\n    task: summarise\n")
     message = find(problems_of(path), "jobs[0].task").message
