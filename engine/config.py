@@ -215,6 +215,50 @@ def check_shape(where: str, fields: Mapping[str, tuple[str, Any]]) -> dict[str, 
     return values
 
 
+def check_numbers(where: str, fields: Mapping[str, tuple[Any, float]]) -> dict[str, float]:
+    """The real-valued fields of a model file (RoPE base and scaling, the norm epsilon, ...),
+    checked: the one check every reader of a model file (a Hugging Face ``config.json``, a
+    GGUF header, ``hisparse plan``'s shape reader) makes of them, as :func:`check_shape` of
+    the integer ones.
+
+    Parameters
+    ----------
+    where
+        What the values come from, first in every message (the file's path).
+    fields
+        The name the source gives a field (``rope_theta``, ``llama.rope.freq_base``) -> (its
+        value as read, ``None`` when absent; the bound it must be above: 0, or 1 for a RoPE
+        base, whose logarithm divides). Absent fields are left out.
+
+    Each value must be a number (not a bool or a string), finite and above its bound.
+
+    Returns
+    -------
+    The given fields as floats, by the source's names.
+
+    Raises
+    ------
+    ConfigError
+        Every problem at once, one line each: ``where: name: must be a finite number > 0,
+        got 'abc'``.
+    """
+    problems: list[str] = []
+    values: dict[str, float] = {}
+    for label, (raw, above) in fields.items():
+        if raw is None:
+            continue
+        number = isinstance(raw, numbers.Real) and not isinstance(raw, bool)
+        if number and math.isfinite(raw) and raw > above:
+            values[label] = float(raw)
+        else:
+            problems.append(
+                f"{where}: {label}: must be a finite number > {above:g}, got {_shown(raw)}"
+            )
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return values
+
+
 def _shown(value: Any) -> str:
     """A value as a message shows it: JSON's words for true/false/null, strings quoted,
     and at most 40 characters."""

@@ -176,6 +176,7 @@ def write_gguf(
     extra_tensors: dict[str, np.ndarray] | None = None,
     raw_tensors: dict[str, tuple] | None = None,
     merges: list[str] | None = None,
+    metadata: dict[str, str | int | float] | None = None,
 ) -> Path:
     """Write ``model``'s weights as a GGUF of ``general.architecture = arch``.
 
@@ -190,6 +191,8 @@ def write_gguf(
         Q/K rows are permuted like the float ones). The model's weight should hold their
         dequantised values.
     merges : BPE merges (default none; llama.cpp refuses a ``gpt2`` vocabulary without any)
+    metadata : more keys written as they are (to test refusals), each a string, a UINT32
+        (an int >= 0), an INT32 (a negative int) or a FLOAT32
     """
     import gguf
 
@@ -231,6 +234,13 @@ def write_gguf(
     w.add_token_types([1] * VOCAB)
     w.add_token_merges(merges or [])
     w.add_add_bos_token(False)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            (w.add_uint32 if value >= 0 else w.add_int32)(key, value)
     if rope.get("rope_type") == "longrope":  # Phi3MiniModel.set_gguf_parameters / extra tensors
         import math
 

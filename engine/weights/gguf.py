@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.config import ConfigError, ModelConfig, RopeScaling, check_shape
+from engine.config import ConfigError, ModelConfig, RopeScaling, check_numbers, check_shape
 from engine.model import registry
 from engine.weights.quant import int4_from_gguf_blocks
 from engine.weights.types import (
@@ -186,7 +186,8 @@ def read_config(reader, path: Path) -> ModelConfig:
     ------
     GGUFError
         Unsupported ``general.architecture``, or shape keys missing or out of range
-        (:func:`gguf_shape`).
+        (:func:`gguf_shape`), or RoPE / norm numbers out of range (:func:`gguf_numbers`):
+        all of those at once.
     """
     arch = _field(reader, "general.architecture")
     try:
@@ -194,34 +195,41 @@ def read_config(reader, path: Path) -> ModelConfig:
     except registry.UnsupportedArchitecture as exc:
         raise GGUFError(f"{path}: {exc}") from None
 
-    shape = gguf_shape(reader, arch, path)  # the one check of a model file's shape
+    problems = []  # the one check of a model file's fields, every problem at once
+    try:
+        shape = gguf_shape(reader, arch, path)
+    except GGUFError as exc:
+        problems.append(str(exc))
+    try:
+        numbers = gguf_numbers(reader, arch, path)
+    except GGUFError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise GGUFError("\n".join(problems))
     head_dim = shape["head_dim"]
     ctx = shape["max_position"]
+    original = int(numbers.get("original_context_length", ctx))
     scaling = None
     kind = _field(reader, f"{arch}.rope.scaling.type")
     if kind in ("linear", "yarn"):
         scaling = RopeScaling(
             kind=kind,
-            factor=float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
-            original_max_position=int(
-                _field(reader, f"{arch}.rope.scaling.original_context_length", ctx)
-            ),
+            factor=numbers.get("rope_factor", 1.0),
+            original_max_position=original,
         )
     names = {t.name for t in reader.tensors}
     if any(n in names for n in ROPE_FACTORS.values()):
-        original = int(_field(reader, f"{arch}.rope.scaling.original_context_length", ctx))
-        attn = _field(reader, f"{arch}.rope.scaling.attn_factor")
         scaling = RopeScaling(
             kind="longrope",
             factor=ctx / original,
             original_max_position=original,
-            attention_factor=None if attn is None else float(attn),
+            attention_factor=numbers.get("rope_attn_factor"),
             **{k: _float_vector(reader, path, t, head_dim // 2) for k, t in ROPE_FACTORS.items()},
         )
     window = shape.get("sliding_window")
     if window and entry.sliding_window == "always":
         ctx = min(ctx, window)
-    gemma = _gemma_fields(reader, arch, entry, shape) if entry.gemma else {}
+    gemma = _gemma_fields(reader, arch, entry, shape, numbers) if entry.gemma else {}
     freq_factors = _rope_freq_factors(reader, path, head_dim)
     return ModelConfig(
         arch=entry.name,
@@ -232,8 +240,8 @@ def read_config(reader, path: Path) -> ModelConfig:
         head_dim=head_dim,
         intermediate_size=shape["intermediate_size"],
         vocab_size=shape["vocab_size"],
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=numbers.get("rope_theta", 10000.0),
+        rms_norm_eps=numbers.get("rms_norm_eps", 1e-5),
         max_position=ctx,
         rope_scaling=scaling,
         tie_word_embeddings="output.weight" not in names,
@@ -290,6 +298,56 @@ def gguf_shape(reader, arch: str, path: Path) -> dict[str, int]:
         raise GGUFError(str(exc)) from None
 
 
+GGUF_NUMBER_KEYS = {
+    "rope_theta": ("rope.freq_base", 1.0),
+    "rms_norm_eps": ("attention.layer_norm_rms_epsilon", 0.0),
+    "rope_factor": ("rope.scaling.factor", 0.0),
+    "rope_attn_factor": ("rope.scaling.attn_factor", 0.0),
+    "attention_scale": ("attention.scale", 0.0),
+    "attn_softcap": ("attn_logit_softcapping", 0.0),
+    "final_softcap": ("final_logit_softcapping", 0.0),
+}
+"""Real-valued field -> (its GGUF metadata key, after ``<arch>.``; the bound it must be
+above, :func:`engine.config.check_numbers`)."""
+_ZERO_IS_UNSET = ("attention_scale", "attn_softcap", "final_softcap")  # as llama.cpp reads them
+
+
+def gguf_numbers(reader, arch: str, path: Path) -> dict[str, float]:
+    """The real-valued fields of a GGUF header (:data:`GGUF_NUMBER_KEYS`) and
+    ``<arch>.rope.scaling.original_context_length``, checked: each number finite and above
+    its bound (:func:`engine.config.check_numbers`, as a ``config.json``'s), the context a
+    positive integer (:func:`engine.config.check_shape`, as ``context_length``). Absent
+    keys are left out, and so are a Gemma query scale or soft-cap of 0 (llama.cpp: not
+    given / off).
+
+    Raises
+    ------
+    GGUFError
+        Every key out of range at once; each line names the file and the key.
+    """
+    fields = {}
+    for name, (key, above) in GGUF_NUMBER_KEYS.items():
+        value = _field(reader, f"{arch}.{key}")
+        if name not in _ZERO_IS_UNSET or value not in (0, False):
+            fields[name] = (f"{arch}.{key}", value, above)
+    key = f"{arch}.rope.scaling.original_context_length"
+    problems = []
+    try:
+        numbers = check_numbers(str(path), {k: (v, a) for k, v, a in fields.values()})
+    except ConfigError as exc:
+        problems.append(str(exc))
+    try:  # a context length, checked as context_length is
+        original = check_shape(str(path), {"max_position": (key, _field(reader, key))})
+    except ConfigError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise GGUFError("\n".join(problems))
+    found = {name: numbers[k] for name, (k, _, _) in fields.items() if k in numbers}
+    if "max_position" in original:
+        found["original_context_length"] = original["max_position"]
+    return found
+
+
 # llama.cpp (llama-model.cpp): Gemma 2 and 3 mark every 2nd / 6th layer global
 # (``set_swa_pattern``), use RoPE base 10 000 on Gemma 3's sliding layers
 # (``rope_freq_base_train_swa``), and scale queries by ``(hidden / heads) ** -0.5`` for the
@@ -300,12 +358,14 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
-def _gemma_fields(reader, arch: str, entry, shape: dict[str, int]) -> dict:
+def _gemma_fields(
+    reader, arch: str, entry, shape: dict[str, int], numbers: dict[str, float]
+) -> dict:
     """:class:`ModelConfig` fields of a ``gemma2`` / ``gemma3`` file (see the constants
     above): soft-caps (``<arch>.attn_logit_softcapping`` /
     ``final_logit_softcapping``), sliding layers (``attention.sliding_window_pattern`` when
     written: a period or one bool per layer; else llama.cpp's pattern) and the query
-    scale (``shape``: :func:`gguf_shape`'s)."""
+    scale (``shape``: :func:`gguf_shape`'s; ``numbers``: :func:`gguf_numbers`')."""
     n, hidden, heads = shape["num_layers"], shape["hidden_size"], shape["num_heads"]
     head_dim, window = shape["head_dim"], shape.get("sliding_window")
     pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
@@ -316,18 +376,16 @@ def _gemma_fields(reader, arch: str, entry, shape: dict[str, int]) -> dict:
         sliding = tuple(i for i in range(n) if (i + 1) % period) if period > 1 else ()
     if not window:
         sliding = ()
-    scale = _field(reader, f"{arch}.attention.scale")
+    scale = numbers.get("attention_scale")
     if scale:
-        scalar = float(scale) ** -2
+        scalar = scale**-2
     elif n == _GEMMA_27B_LAYERS[entry.name]:
         scalar = hidden / heads
     else:
         scalar = float(head_dim)
-    cap = _field(reader, f"{arch}.attn_logit_softcapping")
-    final = _field(reader, f"{arch}.final_logit_softcapping")
     return dict(
-        attn_softcap=float(cap) if cap else None,
-        final_softcap=float(final) if final else None,
+        attn_softcap=numbers.get("attn_softcap"),
+        final_softcap=numbers.get("final_softcap"),
         query_pre_attn_scalar=scalar,
         sliding_window=int(window) if sliding else None,
         sliding_layers=sliding,

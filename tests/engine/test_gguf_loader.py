@@ -330,3 +330,62 @@ def test_a_bad_gguf_shape_is_named_by_run_and_plan(tmp_path, changes, says):
     with pytest.raises(ConfigError) as planned:
         get_model_shape(str(path))
     assert str(planned.value) == str(info.value)
+
+
+YARN = {
+    "llama.rope.scaling.type": "yarn",
+    "llama.rope.scaling.factor": 4.0,
+    "llama.rope.scaling.original_context_length": 64,
+}
+
+
+def test_a_gguf_yarn_scaling_is_read(tmp_path):
+    from engine.capacity.shapes import get_model_shape
+
+    path = write_gguf(tmp_path / "m.gguf", build_hf(tmp_path / "hf", "llama"), "llama", metadata=YARN)
+    scaling = get_model_shape(str(path)).rope_scaling
+    assert (scaling.kind, scaling.factor, scaling.original_max_position) == ("yarn", 4.0, 64)
+
+
+@pytest.mark.parametrize(
+    ("patches", "metadata", "says"),
+    [
+        ({"llama.rope.freq_base": float("nan")}, {},
+         ["llama.rope.freq_base: must be a finite number > 1, got nan"]),
+        ({"llama.rope.freq_base": 1.0, "llama.attention.layer_norm_rms_epsilon": -1.0}, {},
+         ["llama.rope.freq_base: must be a finite number > 1, got 1.0",
+          "llama.attention.layer_norm_rms_epsilon: must be a finite number > 0, got -1.0"]),
+        ({}, YARN | {"llama.rope.scaling.factor": "4x", "llama.rope.scaling.original_context_length": 0},
+         ["llama.rope.scaling.factor: must be a finite number > 0, got '4x'",
+          "llama.rope.scaling.original_context_length: must be a positive integer, got 0"]),
+        ({}, YARN | {"llama.rope.scaling.factor": float("inf")},
+         ["llama.rope.scaling.factor: must be a finite number > 0, got inf"]),
+        ({}, YARN | {"llama.rope.scaling.factor": 0.0},
+         ["llama.rope.scaling.factor: must be a finite number > 0, got 0.0"]),
+        ({"llama.block_count": 0, "llama.rope.freq_base": -10000.0}, {},
+         ["llama.block_count: must be a positive integer, got 0",
+          "llama.rope.freq_base: must be a finite number > 1, got -10000.0"]),
+    ],
+)  # fmt: skip
+def test_bad_gguf_rope_and_norm_numbers_are_named_by_run_and_plan(
+    tmp_path, patches, metadata, says
+):
+    """Review finding: the RoPE base, norm epsilon, scaling factor and original context of a
+    GGUF header were read with a bare float()/int(): NaN, a negative base or epsilon and a
+    factor of 0 loaded a model that computes NaN, a factor "4x" ended in a ValueError
+    naming no file or key. They get the check of a config.json's (check_numbers, and
+    check_shape for the context), every problem with the shape's at once."""
+    from engine.capacity.shapes import get_model_shape
+    from engine.config import ConfigError
+    from engine.weights.gguf import GGUFError
+
+    model = build_hf(tmp_path / "hf", "llama")
+    path = write_gguf(tmp_path / "m.gguf", model, "llama", metadata=metadata)
+    for key, value in patches.items():
+        patch_gguf_field(path, key, value)
+    with pytest.raises(GGUFError) as info:
+        load_weights(str(path))
+    assert str(info.value).splitlines() == [f"{path}: {line}" for line in says]
+    with pytest.raises(ConfigError) as planned:
+        get_model_shape(str(path))
+    assert str(planned.value) == str(info.value)
