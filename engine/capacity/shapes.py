@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from engine.config import ConfigError, ModelConfig, RopeScaling, check_shape
+from engine.config import ConfigError, ModelConfig, RopeScaling, check_numbers, check_shape
 
 MODEL_SHAPES: dict[str, ModelConfig] = {
     # HuggingFaceTB/SmolLM2-135M-Instruct; the embedded default model (DESIGN.md).
@@ -229,6 +229,17 @@ def hf_shape(raw: dict[str, Any], path: str | Path) -> dict[str, int]:
     return check_shape(str(path), fields)
 
 
+def hf_rope_base(raw: dict[str, Any], block: str = "rope_parameters") -> tuple[str, Any]:
+    """The RoPE base of a ``config.json`` dict as (its name in messages, its value as read,
+    ``None`` when absent): ``rope_parameters.rope_theta`` (transformers 5; ``block`` names
+    that block) where given, else ``rope_theta``. Checked (> 1) by the readers, with
+    :func:`engine.config.check_numbers`."""
+    params = raw.get("rope_parameters") or {}
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return f"{block}.rope_theta", params["rope_theta"]
+    return "rope_theta", raw.get("rope_theta")
+
+
 def shape_from_hf_config(path: str | Path) -> ModelConfig:
     """Build a :class:`ModelConfig` from a Hugging Face ``config.json`` (pure JSON, no torch).
 
@@ -249,26 +260,36 @@ def shape_from_hf_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: cannot read it as JSON: {exc}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path}: a config.json is a JSON object, got {type(cfg).__name__}")
-    shape = hf_shape(cfg, path)
+    problems = []  # as the loader reports them (engine.weights.hf.read_hf_config)
     try:
-        model = ModelConfig(
-            arch=str(cfg.get("model_type", "llama")),
-            num_layers=shape["num_layers"],
-            hidden_size=shape["hidden_size"],
-            num_heads=shape["num_heads"],
-            num_kv_heads=shape["num_kv_heads"],
-            head_dim=shape["head_dim"],
-            intermediate_size=shape["intermediate_size"],
-            vocab_size=shape["vocab_size"],
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            max_position=shape["max_position"],
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
-            name=path.parent.name or path.stem,
+        shape = hf_shape(cfg, path)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    base, theta = hf_rope_base(cfg)
+    try:
+        numbers = check_numbers(
+            str(path), {"rms_norm_eps": (cfg.get("rms_norm_eps"), 0.0), base: (theta, 1.0)}
         )
-    except (TypeError, ValueError) as exc:  # "rope_theta": "big", or a list
-        raise ConfigError(f"{path}: a field has the wrong type: {exc}") from None
+    except ConfigError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise ConfigError("\n".join(problems))
+    model = ModelConfig(
+        arch=str(cfg.get("model_type", "llama")),
+        num_layers=shape["num_layers"],
+        hidden_size=shape["hidden_size"],
+        num_heads=shape["num_heads"],
+        num_kv_heads=shape["num_kv_heads"],
+        head_dim=shape["head_dim"],
+        intermediate_size=shape["intermediate_size"],
+        vocab_size=shape["vocab_size"],
+        rope_theta=numbers.get(base, 10000.0),
+        rms_norm_eps=numbers.get("rms_norm_eps", 1e-5),
+        max_position=shape["max_position"],
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+        name=path.parent.name or path.stem,
+    )
     model.validate()
     return model
 

@@ -35,7 +35,6 @@ silently attending past the window; ``extend`` goes beyond it at the user's requ
 from __future__ import annotations
 
 import json
-import math
 import re
 from contextlib import ExitStack
 from pathlib import Path
@@ -43,8 +42,8 @@ from typing import Any
 
 import torch
 
-from engine.capacity.shapes import hf_shape
-from engine.config import ConfigError, ModelConfig, RopeScaling, check_shape
+from engine.capacity.shapes import hf_rope_base, hf_shape
+from engine.config import ConfigError, ModelConfig, RopeScaling, check_numbers, check_shape
 from engine.model import registry
 from engine.weights import prequant
 from engine.weights.quant import INT4_GROUP_SIZES, Int4Weight
@@ -130,7 +129,11 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
     FileNotFoundError
         No ``config.json``.
     HFModelError
-        Unsupported architecture, activation, bias or RoPE kind; a missing field.
+        Unsupported architecture, activation, bias or RoPE kind; a missing field; a shape
+        field out of range (:func:`engine.capacity.shapes.hf_shape`); a real-valued field
+        that is not a finite number in range (:func:`engine.config.check_numbers`: the
+        norm epsilon, the RoPE base and scaling numbers, Gemma's soft-caps and query
+        scale), these at once, each line naming the file and the field.
     """
     path = Path(folder) / "config.json"
     if not path.is_file():
@@ -144,12 +147,37 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
     entry = _architecture(raw, path)
     arch = entry.name
     _check_unsupported(raw, entry, path)
+    problems = []  # every problem of the shape and the numbers at once
+    shape: dict[str, int] = {}
     try:
         shape = hf_shape(raw, path)  # the one check of a model file's shape
     except ConfigError as exc:
-        raise HFModelError(str(exc)) from None
-    gemma = _gemma_fields(raw, entry, path, shape) if entry.gemma else {}
-    theta, scaling = rope_from_hf(gemma.pop("global_rope", raw), path)
+        problems.append(str(exc))
+    gemma: dict[str, Any] = {}
+    rope = (raw, "rope_parameters")
+    if entry.gemma:  # Gemma's layers need the shape, and its fields say where its RoPE is
+        try:
+            gemma = _gemma_fields(raw, entry, path, shape) if shape else {}
+        except HFModelError as exc:
+            problems.append(str(exc))
+        rope = gemma.pop("global_rope", None)
+    wanted = {"rms_norm_eps": ("rms_norm_eps", raw.get("rms_norm_eps"), 0.0)}
+    wanted |= gemma.pop("numbers", {})
+    try:  # ModelConfig field -> (its name in the file, its value, the bound it must be above)
+        checked = check_numbers(str(path), {name: (v, above) for name, v, above in wanted.values()})
+    except ConfigError as exc:
+        problems.append(str(exc))
+        checked = {}
+    numbers = {field: checked.get(name) for field, (name, _, _) in wanted.items()}
+    eps = numbers.pop("rms_norm_eps")
+    gemma |= numbers  # Gemma's soft-caps, query scale and local RoPE base
+    if rope is not None:
+        try:
+            theta, scaling = rope_from_hf(rope[0], path, block=rope[1])
+        except HFModelError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise HFModelError("\n".join(problems))
     cfg = ModelConfig(
         arch=arch,
         num_layers=shape["num_layers"],
@@ -160,7 +188,7 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         intermediate_size=shape["intermediate_size"],
         vocab_size=shape["vocab_size"],
         rope_theta=theta,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=1e-6 if eps is None else eps,
         max_position=_max_position(raw, entry, scaling, shape),
         rope_scaling=scaling,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", entry.gemma)),
@@ -177,8 +205,12 @@ def _gemma_fields(
     raw: dict, arch: registry.Architecture, path: Path, shape: dict[str, int]
 ) -> dict[str, Any]:
     """The :class:`ModelConfig` fields of a Gemma 2/3 ``config.json`` (transformers
-    ``Gemma2Config`` / ``Gemma3TextConfig``), and under ``global_rope`` the config dict
-    :func:`rope_from_hf` reads for the global layers.
+    ``Gemma2Config`` / ``Gemma3TextConfig``), under ``global_rope`` the config dict
+    :func:`rope_from_hf` reads for the global layers and the name of its RoPE block, and
+    under ``numbers`` the real-valued fields, for the caller to check with the others
+    (field -> (its name in the file, its value, the bound it must be above:
+    :func:`engine.config.check_numbers`)): soft-caps and query scale (null or 0: none, as
+    the engine tests them) and the local RoPE base.
 
     Sliding layers: ``layer_types`` entries ``sliding_attention``; without it, Gemma 2's
     default (even layers) or Gemma 3's ``sliding_window_pattern`` (every layer but each
@@ -213,23 +245,33 @@ def _gemma_fields(
     if sliding and not window:
         raise HFModelError(f"{path}: sliding_attention layers without a sliding_window")
     params = raw.get("rope_parameters") or {}
-    global_rope, local_theta = raw, None
+    global_rope = (raw, "rope_parameters")
+    local_theta: tuple[str, Any] = ("rope_local_base_freq", None)  # (its name, its value)
     if isinstance(params.get("full_attention"), dict):
-        global_rope = {**raw, "rope_parameters": params["full_attention"], "rope_scaling": None}
+        global_rope = (
+            {**raw, "rope_parameters": params["full_attention"], "rope_scaling": None},
+            "rope_parameters.full_attention",
+        )
         local = params.get("sliding_attention") or {}
         if (local.get("rope_type") or "default") != "default":
             raise HFModelError(f"{path}: rope_parameters.sliding_attention must be unscaled")
-        local_theta = local.get("rope_theta")
+        local_theta = ("rope_parameters.sliding_attention.rope_theta", local.get("rope_theta"))
     elif arch.name == "gemma3":
-        local_theta = raw.get("rope_local_base_freq", 10000.0)
+        local_theta = ("rope_local_base_freq", raw.get("rope_local_base_freq", 10000.0))
+    numbers = {
+        field: (name, None if raw.get(name) in (0, False) else raw.get(name), 0.0)
+        for field, name in (
+            ("attn_softcap", "attn_logit_softcapping"),
+            ("final_softcap", "final_logit_softcapping"),
+            ("query_pre_attn_scalar", "query_pre_attn_scalar"),
+        )
+    }
+    numbers["rope_local_theta"] = (*local_theta, 1.0)
     return dict(
-        attn_softcap=raw.get("attn_logit_softcapping"),
-        final_softcap=raw.get("final_logit_softcapping"),
-        query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
         sliding_window=window if sliding else None,
         sliding_layers=sliding,
-        rope_local_theta=None if local_theta is None else float(local_theta),
         global_rope=global_rope,
+        numbers=numbers,
     )
 
 
@@ -271,11 +313,14 @@ def _check_unsupported(raw: dict, arch: registry.Architecture, path: Path) -> No
         raise HFModelError(f"{path}: partial_rotary_factor={partial} is not supported")
 
 
-def rope_from_hf(raw: dict, path: Path | str = "config.json") -> tuple[float, RopeScaling | None]:
+def rope_from_hf(
+    raw: dict, path: Path | str = "config.json", block: str = "rope_parameters"
+) -> tuple[float, RopeScaling | None]:
     """RoPE base and scaling from a ``config.json`` dict.
 
-    Looks in ``rope_parameters`` (transformers 5) and then ``rope_theta`` / ``rope_scaling``
-    (earlier versions); the kind is ``rope_type`` (or legacy ``type``):
+    Looks in ``rope_parameters`` (transformers 5; ``block`` names it in messages, e.g.
+    ``rope_parameters.full_attention`` for Gemma 3's global layers) and then ``rope_theta``
+    / ``rope_scaling`` (earlier versions); the kind is ``rope_type`` (or legacy ``type``):
 
     * ``default`` -> no scaling.
     * ``llama3`` -> ``RopeScaling(kind="llama3", factor, low_freq_factor, high_freq_factor,
@@ -298,30 +343,49 @@ def rope_from_hf(raw: dict, path: Path | str = "config.json") -> tuple[float, Ro
     ------
     HFModelError
         Another kind (e.g. ``su``-less ``dynamic`` variants), per-layer-type RoPE parameters, or a missing
-        required field; the message names the field.
+        required field; the message names the field. The numbers (the base: > 1; the
+        scaling's ``factor``, ``attention_factor``, ``low_freq_factor``,
+        ``high_freq_factor``, ``beta_fast``, ``beta_slow``: > 0, ``high_freq_factor`` above
+        ``low_freq_factor``; all finite) and the original context (a positive integer) are
+        checked at once (:func:`engine.config.check_numbers`, ``check_shape``).
     """
     params = raw.get("rope_parameters") or {}
     if any(isinstance(v, dict) for v in params.values()):
         raise HFModelError(f"{path}: per-layer-type rope_parameters are not supported")
-    theta = float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0)
     sc = raw.get("rope_scaling") or params
-    field = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    field = "rope_scaling" if raw.get("rope_scaling") else block
     kind = sc.get("rope_type") or sc.get("type") or "default"
     if kind not in ROPE_KINDS:
         raise HFModelError(
             f"{path}: {field}.rope_type={kind!r} is not supported; supported: "
             f"{', '.join(ROPE_KINDS)}"
         )
-    if kind == "default":
-        return theta, None
-    where = f"{path} {field}"
-    max_pos = int(raw.get("max_position_embeddings", 4096))
+    base, value = hf_rope_base(raw, block)
+    fields = {base: (value, 1.0)}  # the RoPE base: its log divides (YaRN)
+    if kind != "default":
+        fields |= {f"{field}.{name}": (sc.get(name), 0.0) for name in _SCALING_NUMBERS}
     key = "original_max_position_embeddings"
     named = f"{field}.{key}" if sc.get(key) else key
+    problems = []
+    try:
+        numbers = check_numbers(str(path), fields)
+    except ConfigError as exc:
+        problems.append(str(exc))
     try:  # a context length, checked as max_position_embeddings is
         checked = check_shape(str(path), {"max_position": (named, sc.get(key) or raw.get(key))})
     except ConfigError as exc:
-        raise HFModelError(str(exc)) from None
+        problems.append(str(exc))
+    if problems:
+        raise HFModelError("\n".join(problems))
+    theta = numbers.get(base, 10000.0)
+    if kind == "default":
+        return theta, None
+
+    def number(name: str, default: float) -> float:
+        return numbers.get(f"{field}.{name}", default)
+
+    where = f"{path} {field}"
+    max_pos = int(raw.get("max_position_embeddings", 4096))
     original = checked.get("max_position", max_pos)
     if kind == "longrope":
         factors = {}
@@ -332,27 +396,32 @@ def rope_from_hf(raw: dict, path: Path | str = "config.json") -> tuple[float, Ro
             ):
                 raise HFModelError(f"{where}.{key} must be a list of positive numbers")
             factors[key] = tuple(float(v) for v in values)
-        factor = sc.get("factor")
-        attention = sc.get("attention_factor")
         return theta, RopeScaling(
             kind="longrope",
-            factor=_factor(factor, path, field) if factor is not None else max_pos / original,
+            factor=number("factor", max_pos / original),
             original_max_position=original,
-            attention_factor=None if attention is None else float(attention),
+            attention_factor=numbers.get(f"{field}.attention_factor"),
             **factors,
         )
     if kind == "yarn" and sc.get("factor") is None:  # as transformers: the context ratio
         factor = max_pos / original
     else:
-        factor = _factor(_require(sc, "factor", where), path, field)
+        _require(sc, "factor", where)
+        factor = numbers[f"{field}.factor"]
     if kind == "llama3":
         _require(sc, "original_max_position_embeddings", where)
+        low, high = number("low_freq_factor", 1.0), number("high_freq_factor", 4.0)
+        if high <= low:  # the smooth band between them divides by high - low
+            raise HFModelError(
+                f"{path}: {field}.high_freq_factor: must be above {field}.low_freq_factor "
+                f"({low:g}), got {high:g}"
+            )
         return theta, RopeScaling(
             kind="llama3",
             factor=factor,
             original_max_position=original,
-            low_freq_factor=float(sc.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(sc.get("high_freq_factor", 4.0)),
+            low_freq_factor=low,
+            high_freq_factor=high,
         )
     if kind == "yarn":
         for key in ("attention_factor", "mscale", "mscale_all_dim"):
@@ -364,21 +433,22 @@ def rope_from_hf(raw: dict, path: Path | str = "config.json") -> tuple[float, Ro
             kind="yarn",
             factor=factor,
             original_max_position=original,
-            beta_fast=float(sc.get("beta_fast") or 32.0),
-            beta_slow=float(sc.get("beta_slow") or 1.0),
+            beta_fast=number("beta_fast", 32.0),
+            beta_slow=number("beta_slow", 1.0),
         )
     return theta, RopeScaling(kind=kind, factor=factor, original_max_position=original)
 
 
-def _factor(value: Any, path: Path | str, field: str) -> float:
-    """A RoPE scaling ``factor``: a finite number > 0 (1e400 reads as infinity)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        ok = False
-    else:
-        ok = math.isfinite(value) and value > 0
-    if not ok:
-        raise HFModelError(f"{path}: {field}.factor: must be a finite number > 0, got {value!r}")
-    return float(value)
+_SCALING_NUMBERS = (
+    "factor",
+    "attention_factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "beta_fast",
+    "beta_slow",
+)
+"""The real-valued fields of a RoPE scaling block (each > 0 where given; 1e400 in JSON
+reads as infinity)."""
 
 
 def _max_position(

@@ -333,6 +333,96 @@ def test_a_bad_rope_scaling_factor_is_named(llama_copy, scaling, says):
     assert str(info.value) == f"{llama_copy / 'config.json'}: {says}"
 
 
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"rope_parameters": {"rope_theta": "abc"}},
+         ["rope_parameters.rope_theta: must be a finite number > 1, got 'abc'"]),
+        ({"rope_parameters": None, "rope_theta": 1},
+         ["rope_theta: must be a finite number > 1, got 1"]),
+        ({"rms_norm_eps": "1e-6", "rope_parameters": LLAMA3_ROPE | {"low_freq_factor": "1"}},
+         ["rms_norm_eps: must be a finite number > 0, got '1e-6'",
+          "rope_parameters.low_freq_factor: must be a finite number > 0, got '1'"]),
+        ({"rope_parameters": LLAMA3_ROPE | {"high_freq_factor": 1.0}},
+         ["rope_parameters.high_freq_factor: must be above rope_parameters.low_freq_factor "
+          "(1), got 1"]),
+        ({"rope_parameters": YARN_ROPE | {"beta_fast": -32, "beta_slow": [1]}},
+         ["rope_parameters.beta_fast: must be a finite number > 0, got -32",
+          "rope_parameters.beta_slow: must be a finite number > 0, got [1]"]),
+        ({"rope_parameters": None,
+          "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                           "long_factor": [2.0] * 8, "attention_factor": 0},
+          "original_max_position_embeddings": 64},
+         ["rope_scaling.attention_factor: must be a finite number > 0, got 0"]),
+        ({"num_hidden_layers": 0, "rms_norm_eps": -1, "rope_parameters": {"rope_theta": True}},
+         ["num_hidden_layers: must be a positive integer, got 0",
+          "rms_norm_eps: must be a finite number > 0, got -1",
+          "rope_parameters.rope_theta: must be a finite number > 1, got true"]),
+    ],
+)  # fmt: skip
+def test_a_bad_number_in_config_json_is_named_with_its_field(llama_copy, changes, says):
+    """Review finding: rope_theta, rms_norm_eps, low/high_freq_factor, beta_fast/slow and
+    attention_factor went through a bare float(): a string exited 2 with "could not convert
+    string to float: 'abc'", naming neither the file nor the field, and a negative or 0
+    value (beta_fast 0 read as 32) loaded. They get the check the RoPE factor had
+    (engine.config.check_numbers), every problem of the file at once."""
+    _edit_config(llama_copy, **changes)
+    where = llama_copy / "config.json"
+    with pytest.raises(HFModelError) as info:
+        read_hf_config(llama_copy)
+    assert str(info.value).splitlines() == [f"{where}: {line}" for line in says]
+
+
+def test_a_bad_gemma3_number_is_named_with_the_others(tmp_path):
+    """Gemma's soft-caps and query scale were passed on unchecked (a string reached the
+    attention kernels) and its local RoPE base went through a bare float(); they are
+    checked with the norm epsilon and the global layers' RoPE, named where they sit."""
+    from tiny_models import build_hf
+
+    build_hf(tmp_path, "gemma3")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    rope = raw["rope_parameters"]
+    _edit_config(
+        tmp_path,
+        final_logit_softcapping="3",
+        query_pre_attn_scalar=-16,
+        rope_parameters={
+            "full_attention": rope["full_attention"] | {"rope_theta": 0.5},
+            "sliding_attention": rope["sliding_attention"] | {"rope_theta": None},
+        },
+    )
+    with pytest.raises(HFModelError) as info:
+        read_hf_config(tmp_path)
+    assert str(info.value).splitlines() == [
+        f"{tmp_path / 'config.json'}: {line}"
+        for line in (
+            "final_logit_softcapping: must be a finite number > 0, got '3'",
+            "query_pre_attn_scalar: must be a finite number > 0, got -16",
+            "rope_parameters.full_attention.rope_theta: must be a finite number > 1, got 0.5",
+        )
+    ]
+    _edit_config(tmp_path, final_logit_softcapping=0, query_pre_attn_scalar=16,
+                 rope_parameters=rope)  # fmt: skip
+    cfg = read_hf_config(tmp_path)  # 0: no soft-cap, as the engine reads it
+    local = rope["sliding_attention"]["rope_theta"]
+    assert cfg.final_softcap is None and cfg.rope_local_theta == local
+
+
+def test_plan_names_a_bad_norm_epsilon_and_rope_base_as_the_loader(llama_copy):
+    from engine.capacity.shapes import get_model_shape
+    from engine.config import ConfigError
+
+    _edit_config(
+        llama_copy, num_hidden_layers=0, rms_norm_eps="small", rope_parameters={"rope_theta": -1}
+    )
+    with pytest.raises(HFModelError) as info:
+        read_hf_config(llama_copy)
+    with pytest.raises(ConfigError) as planned:
+        get_model_shape(str(llama_copy / "config.json"))
+    assert str(planned.value) == str(info.value)
+    assert len(str(info.value).splitlines()) == 3
+
+
 def test_yarn_raises_trained_context(llama_copy):
     _edit_config(
         llama_copy,
