@@ -135,6 +135,20 @@ SHAPE_REQUIRED = ("num_layers", "hidden_size", "num_heads", "intermediate_size",
 (:func:`check_shape`), ``max_position`` and ``sliding_window`` are the reader's to fill."""
 
 
+MODEL_SHAPE = (
+    "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+    "intermediate_size", "vocab_size",
+)  # fmt: skip
+"""The :class:`ModelConfig` fields every reader fills from a :func:`check_shape` result."""
+
+
+def model_shape(shape: Mapping[str, int], **override: int) -> dict[str, int]:
+    """The :data:`MODEL_SHAPE` fields of a :func:`check_shape` result (``override``
+    replacing some, e.g. a head size the reader derives), as :class:`ModelConfig` keyword
+    arguments. Raises ``KeyError`` for a field the result lacks."""
+    return {name: override.get(name, shape[name]) for name in MODEL_SHAPE}
+
+
 def check_shape(where: str, fields: Mapping[str, tuple[str, Any]]) -> dict[str, int]:
     """The integer fields of a model shape, checked: the one check every reader of a model
     file (a Hugging Face ``config.json``, a GGUF header) and :meth:`ModelConfig.validate`

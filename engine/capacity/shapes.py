@@ -16,7 +16,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from engine.config import ConfigError, ModelConfig, RopeScaling, check_numbers, check_shape
+from engine.config import (
+    ConfigError,
+    ModelConfig,
+    RopeScaling,
+    check_numbers,
+    check_shape,
+    model_shape,
+)
 
 MODEL_SHAPES: dict[str, ModelConfig] = {
     # HuggingFaceTB/SmolLM2-135M-Instruct; the embedded default model (DESIGN.md).
@@ -276,13 +283,7 @@ def shape_from_hf_config(path: str | Path) -> ModelConfig:
         raise ConfigError("\n".join(problems))
     model = ModelConfig(
         arch=str(cfg.get("model_type", "llama")),
-        num_layers=shape["num_layers"],
-        hidden_size=shape["hidden_size"],
-        num_heads=shape["num_heads"],
-        num_kv_heads=shape["num_kv_heads"],
-        head_dim=shape["head_dim"],
-        intermediate_size=shape["intermediate_size"],
-        vocab_size=shape["vocab_size"],
+        **model_shape(shape),
         rope_theta=numbers.get(base, 10000.0),
         rms_norm_eps=numbers.get("rms_norm_eps", 1e-5),
         max_position=shape["max_position"],

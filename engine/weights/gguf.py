@@ -36,7 +36,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.config import ConfigError, ModelConfig, RopeScaling, check_numbers, check_shape
+from engine.config import (
+    ConfigError,
+    ModelConfig,
+    RopeScaling,
+    check_numbers,
+    check_shape,
+    model_shape,
+)
 from engine.model import registry
 from engine.weights.quant import int4_from_gguf_blocks
 from engine.weights.types import (
@@ -233,13 +240,7 @@ def read_config(reader, path: Path) -> ModelConfig:
     freq_factors = _rope_freq_factors(reader, path, head_dim)
     return ModelConfig(
         arch=entry.name,
-        num_layers=shape["num_layers"],
-        hidden_size=shape["hidden_size"],
-        num_heads=shape["num_heads"],
-        num_kv_heads=shape["num_kv_heads"],
-        head_dim=head_dim,
-        intermediate_size=shape["intermediate_size"],
-        vocab_size=shape["vocab_size"],
+        **model_shape(shape, head_dim=head_dim),
         rope_theta=numbers.get("rope_theta", 10000.0),
         rms_norm_eps=numbers.get("rms_norm_eps", 1e-5),
         max_position=ctx,

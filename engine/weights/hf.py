@@ -43,7 +43,14 @@ from typing import Any
 import torch
 
 from engine.capacity.shapes import hf_rope_base, hf_shape
-from engine.config import ConfigError, ModelConfig, RopeScaling, check_numbers, check_shape
+from engine.config import (
+    ConfigError,
+    ModelConfig,
+    RopeScaling,
+    check_numbers,
+    check_shape,
+    model_shape,
+)
 from engine.model import registry
 from engine.weights import prequant
 from engine.weights.quant import INT4_GROUP_SIZES, Int4Weight
@@ -180,13 +187,7 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         raise HFModelError("\n".join(problems))
     cfg = ModelConfig(
         arch=arch,
-        num_layers=shape["num_layers"],
-        hidden_size=shape["hidden_size"],
-        num_heads=shape["num_heads"],
-        num_kv_heads=shape["num_kv_heads"],
-        head_dim=shape["head_dim"],
-        intermediate_size=shape["intermediate_size"],
-        vocab_size=shape["vocab_size"],
+        **model_shape(shape),
         rope_theta=theta,
         rms_norm_eps=1e-6 if eps is None else eps,
         max_position=_max_position(raw, entry, scaling, shape),
