@@ -160,8 +160,7 @@ GPU_SCENARIOS = (
         fallback=2,
     ),
 )
-# Two CPU workers, small hot buffer (the hierarchy evicts), a budget just above the
-# planner's 1 GiB minimum reserve.
+# Two CPU workers, small hot buffer (the hierarchy evicts), a small budget.
 CPU_OVERRIDES = {"top_k": 128, "device_buffer": 256, "local_window": 64, "prefill_chunk": 256}
 CPU_SCENARIOS = (
     Scenario(

@@ -10,7 +10,8 @@ with, so ``hisparse run --memory-budget`` and ``hisparse bench`` hold the same b
 * activations: :func:`engine.capacity.planner.activation_bytes` for ``max_batch`` decode rows and
   the layer-by-layer prefill of one ``context_limit``-token prompt;
 * communication: pipeline stages only, :func:`engine.capacity.planner.stage_comm_bytes`;
-* reserve: :func:`engine.capacity.planner.device_reserve_bytes` (max(5 %, 1 GiB)).
+* reserve: :func:`engine.capacity.planner.device_reserve_bytes` (max(5 %, 1 GiB) on CUDA,
+  5 % on a CPU).
 
 A pipeline stage (:func:`stage_sizing`) holds only its layers ``L_d``: its weights, the
 KV, page metadata and slabs of those layers, the logits only on the last stage, plus
@@ -148,7 +149,7 @@ def size_kv_for_budget(
     nl = end - start
     head = end == model.num_layers
     act = activation_bytes(model, config, context_limit, config.max_batch, head=head)
-    reserve = device_reserve_bytes(budget)
+    reserve = device_reserve_bytes(budget, config.device)
     room = budget - weights_bytes - act - comm_bytes - reserve
     page, meta = pool_page_bytes(model, config, nl), meta_page_bytes(model, config, nl)
     max_pages = -(-context_limit // config.page_size)

@@ -33,8 +33,9 @@ activations         decode: B x (4H + (Hq+2Hkv)D + 2F) x b, logits B x V x 4;
                     into its pages, so only the hidden states count there)
 communication       pipeline only: double-buffered stage hand-off of one decode
                     micro-batch and one prefill chunk, 2 x (B + C) x H x b
-reserve             max(5 % of the device, 1 GiB): CUDA context, cuBLAS/Triton
-                    workspaces, allocator slack
+reserve             CUDA: max(5 % of the device, 1 GiB): CUDA context, cuBLAS/Triton
+                    workspaces, caching-allocator slack. CPU: 5 %, heap slack only
+                    (:func:`device_reserve_bytes`)
 ==================  ============================================================
 
 Host: every job's full KV, paged: P x S x L x Hkv x D x 2 x b_kv, from the pinned host
@@ -417,12 +418,29 @@ def stage_comm_bytes(model: ModelConfig, config: EngineConfig, batch: int) -> in
     )
 
 
-def device_reserve_bytes(capacity_bytes: int) -> int:
-    """max(5 % of the device, 1 GiB), capped at the capacity."""
-    return min(
-        capacity_bytes,
-        max(int(capacity_bytes * DEVICE_RESERVE_FRACTION), DEVICE_RESERVE_MIN_BYTES),
-    )
+def device_reserve_bytes(capacity_bytes: int, device: str) -> int:
+    """What a device of ``capacity_bytes`` (its memory, or ``memory_budget_gb``) keeps out
+    of the table, capped at the capacity.
+
+    CUDA: max(5 %, 1 GiB). The floor is for what a CUDA process holds outside its tensors
+    whatever their size: the CUDA context (not counted by torch), cuBLAS and Triton
+    workspaces, and the caching allocator's slack (on an H200 peak reserved ran 0.87 GiB
+    over peak allocated: docs/performance.md, "Plan vs measured memory per device").
+
+    CPU (``device`` ``cpu``): 5 %, no floor. A CPU run has no context, no device workspaces
+    and no caching allocator; the process itself (interpreter, torch's libraries, the
+    weight file) is in the host reserve (:func:`host_reserve_bytes`), outside the working
+    memory the budget caps. What remains is heap slack around the tensors (glibc keeps
+    freed blocks for reuse: :func:`engine.load.keep_freed_heap`). With the 1 GiB floor
+    every budget under about 2 GiB was refused on a CPU whatever else was lowered.
+    """
+    floor = 0 if str(device).split(":")[0] == "cpu" else DEVICE_RESERVE_MIN_BYTES
+    return min(capacity_bytes, max(int(capacity_bytes * DEVICE_RESERVE_FRACTION), floor))
+
+
+def device_reserve_rule(device: str) -> str:
+    """:func:`device_reserve_bytes`' rule for ``device``, as the plan's table names it."""
+    return "5 % (CPU)" if str(device).split(":")[0] == "cpu" else "max(5 %, 1 GiB)"
 
 
 def host_reserve_bytes(host_bytes: int) -> int:
@@ -599,7 +617,7 @@ def device_tables(
                     model, config, context, batch, head=last
                 ),
                 comm_bytes=comm_bytes(model, config, batch, hardware),
-                reserve_bytes=device_reserve_bytes(capacity),
+                reserve_bytes=device_reserve_bytes(capacity, config.device),
                 per_job_bytes=per_job,
                 shared_kv_bytes=shared,
                 job_cap=batch if shared or hierarchical(here) else None,

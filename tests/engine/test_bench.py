@@ -18,7 +18,7 @@ from engine.capacity.budget import (
     pool_page_bytes,
     size_kv_for_budget,
 )
-from engine.capacity.planner import GIB
+from engine.capacity.planner import DEVICE_RESERVE_FRACTION, GIB
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.events import Job
 from engine.measure.bench import MODES, RUN_FIELDS, BenchSpec, hierarchical_pool_pages, run_bench
@@ -177,8 +177,8 @@ def test_dense_admission_stops_at_a_tiny_budget(tmp_path, tiny, corpus_dir):
         model.config, dense.replace(memory_budget_gb=1.5), model.weight_bytes, CONTEXT
     )
     job = (CONTEXT // 16) * (probe.page_bytes + probe.meta_page_bytes)
-    fixed = probe.weights_bytes + probe.activation_bytes + probe.reserve_bytes
-    budget_gb = (fixed + 1.5 * job) / GIB
+    fixed = probe.weights_bytes + probe.activation_bytes
+    budget_gb = (fixed + 1.5 * job) / (1 - DEVICE_RESERVE_FRACTION) / GIB  # CPU: 5 % reserve
     spec = BenchSpec(
         model="synthetic:tiny",
         config=base.replace(memory_budget_gb=budget_gb),
@@ -247,8 +247,19 @@ def test_budget_sizing_resident_and_hierarchical(tiny):
     assert not h.pool_on_device and 1 <= h.max_batch <= 64
     used = cache_device_bytes(mc, hier.replace(max_batch=h.max_batch), 100, CONTEXT // 16)
     assert used == h.device_kv_bytes <= h.room_bytes
-    with pytest.raises(ConfigError, match="no room"):
-        size_kv_for_budget(mc, resident.replace(memory_budget_gb=0.5), model.weight_bytes, CONTEXT)
+    with pytest.raises(ConfigError, match="no room"):  # below the weights (0.025 GiB)
+        size_kv_for_budget(mc, resident.replace(memory_budget_gb=0.02), model.weight_bytes, CONTEXT)
+
+
+def test_a_cpu_budget_keeps_five_percent_not_a_gib(tiny):
+    """``run --memory-budget`` on a CPU: the reserve is 5 % of the budget (heap slack), not
+    the 1 GiB floor a CUDA device keeps, which took every budget under 1 GiB whole."""
+    model, _ = tiny
+    cfg = EngineConfig(**SMALL, max_batch=4, memory_budget_gb=0.5)
+    s = size_kv_for_budget(model.config, cfg, model.weight_bytes, CONTEXT)
+    assert s.reserve_bytes == int(0.5 * GIB * DEVICE_RESERVE_FRACTION) and s.max_batch == 4
+    with pytest.raises(ConfigError, match="reserve 0.50 GiB"):  # CUDA: 1 GiB, capped
+        size_kv_for_budget(model.config, cfg.replace(device="cuda"), model.weight_bytes, CONTEXT)
 
 
 def test_load_engine_sizes_the_pool_from_the_budget(tiny):

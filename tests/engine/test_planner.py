@@ -14,6 +14,7 @@ from engine.capacity.planner import (
     GIB,
     Hardware,
     admit,
+    device_reserve_bytes,
     job_device_bytes,
     job_host_bytes,
     max_concurrent_jobs,
@@ -223,6 +224,25 @@ def test_memory_budget_caps_each_device():
     result = plan(LLAMA13, config, hardware, 1, K256)
     assert all(d.capacity_bytes == 48 * GIB for d in result.devices)
     assert result.config.memory_budget_gb == 48.0
+
+
+def test_cpu_reserve_is_five_percent_without_the_cuda_floor():
+    """The 1 GiB floor is for what a CUDA process holds outside its tensors (context,
+    workspaces, caching allocator); a CPU's working memory keeps 5 % for heap slack, so a
+    small budget is not all reserve: the embedded model's 8K job plans in 1 GiB on the cpu
+    preset (the floor took the whole GiB before)."""
+    assert device_reserve_bytes(GIB // 2, "cpu") == int(GIB // 2 * 0.05)
+    assert device_reserve_bytes(GIB // 2, "cuda:0") == GIB // 2  # the floor, capped
+    assert device_reserve_bytes(8 * GIB, "cuda") == GIB
+    assert device_reserve_bytes(40 * GIB, "cuda") == 2 * GIB
+    assert device_reserve_bytes(40 * GIB, "cpu") == 2 * GIB
+    config, hardware = _preset("cpu", memory_budget_gb=1.0, host_pool_gb=1.0)
+    result = plan(MODEL_SHAPES["smollm2-135m"], config, hardware, 1, 8192)
+    assert result.feasible, result.reasons
+    assert result.devices[0].reserve_bytes == int(GIB * 0.05)
+    assert plan(
+        MODEL_SHAPES["smollm2-135m"], config.replace(device="cuda"), hardware, 1, 8192
+    ).reasons
 
 
 _HINT_FIELDS = {
@@ -828,10 +848,17 @@ def _admitted(model, config, hardware, context) -> int:
     return min(counts) if pipeline else sum(counts)
 
 
+# The caches below are built on the CPU (``device: cpu``), whose reserve is 5 % of the budget
+# (:func:`engine.capacity.planner.device_reserve_bytes`): each budget leaves about the room
+# (0.08, 0.2, 0.6 GiB) that 1.08, 1.2 and 1.6 GiB left over a 1 GiB reserve, so the bound
+# each id names binds as it did.
+CPU_BUDGETS = [(0.085, 0.25, 64), (0.21, 0.5, 64), (0.63, 0.05, 64), (0.63, 1.0, 3)]
+
+
 @pytest.mark.parametrize("preset", ["cpu", "h200", "dual4090"])
 @pytest.mark.parametrize(
     "budget_gb,host_pool_gb,max_batch",
-    [(1.08, 0.25, 64), (1.2, 0.5, 64), (1.6, 0.05, 64), (1.6, 1.0, 3)],
+    CPU_BUDGETS,
     ids=["device-bound", "roomier", "host-bound", "batch-bound"],
 )
 @pytest.mark.parametrize("context", [4096, 16384])
@@ -868,7 +895,7 @@ def _plan_vs_admission(preset, budget_gb, host_pool_gb, max_batch, context, mode
 @pytest.mark.parametrize("preset", ["h200", "dual4090"])
 @pytest.mark.parametrize(
     "budget_gb,host_pool_gb,max_batch",
-    [(1.08, 0.25, 64), (1.2, 0.5, 64), (1.6, 0.05, 64), (1.6, 1.0, 3)],
+    CPU_BUDGETS,
     ids=["device-bound", "roomier", "host-bound", "batch-bound"],
 )
 def test_plan_equals_what_admission_admits_fp8(preset, budget_gb, host_pool_gb, max_batch):

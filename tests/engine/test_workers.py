@@ -217,7 +217,14 @@ def test_pipeline_budget_sizes_each_stage_and_traces_every_layer(single, jobs, r
     (max_batch 2). The two stage traces, replayed together through LRU at the engine's
     buffer, give every job's hit and miss counts."""
     from engine.capacity.budget import stage_sizing
-    from engine.capacity.planner import GIB, Hardware, device_tables, stage_layers, weight_bytes
+    from engine.capacity.planner import (
+        DEVICE_RESERVE_FRACTION,
+        GIB,
+        Hardware,
+        device_tables,
+        stage_layers,
+        weight_bytes,
+    )
     from engine.measure.replay import load_streams, replay
     from engine.measure.trace import read_traces
 
@@ -241,8 +248,9 @@ def test_pipeline_budget_sizes_each_stage_and_traces_every_layer(single, jobs, r
     spare = (
         s1.room_bytes - s1.num_pool_pages * s1.meta_page_bytes - 2.5 * s1.per_request_device_bytes
     )
-    cfg = probe.replace(
-        memory_budget_gb=3.0 - spare / GIB, trace_path=str(tmp_path / "sel.jsonl")
+    cfg = probe.replace(  # the CPU reserve is 5 % of the budget: 95 % of a cut is room
+        memory_budget_gb=3.0 - spare / GIB / (1 - DEVICE_RESERVE_FRACTION),
+        trace_path=str(tmp_path / "sel.jsonl"),
     )
     with ParallelEngine(cfg, None, "cpu,cpu", "pipeline", tokenizer=single.tokenizer) as eng:
         infos = [w.info for w in eng.workers]
@@ -272,7 +280,8 @@ def test_pipeline_budget_sizes_each_stage_and_traces_every_layer(single, jobs, r
 def test_pipeline_budget_without_room_names_the_stage(single):
     """A budget too small for the stages fails the start, naming each stage (the synthetic
     two-layer model: one layer per stage, quick to load)."""
-    cfg = CONFIG.replace(memory_budget_gb=1.0)  # all of it is the 1 GiB minimum reserve
+    # below each stage's weights: both hold the tied 49152 x 128 float32 embedding (24 MiB)
+    cfg = CONFIG.replace(memory_budget_gb=0.02)
     with pytest.raises(RuntimeError, match=r"stage 0 \(layers 0-0, cpu\).*stage 1 \(layers 1-1"):
         ParallelEngine(cfg, "synthetic:tiny", "cpu,cpu", "pipeline", tokenizer=single.tokenizer)
 
