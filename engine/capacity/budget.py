@@ -36,12 +36,15 @@ the budget by about two layers' worth of the batch's KV.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from engine.capacity.planner import (
     activation_bytes,
     device_reserve_bytes,
+    largest_buffer,
+    smallest_budget_gb,
     stage_comm_bytes,
 )
 from engine.config import ConfigError, EngineConfig, ModelConfig
@@ -140,7 +143,10 @@ def size_kv_for_budget(
     ------
     ConfigError
         No budget set, or not even one page (all-resident) / one request (hierarchical)
-        fits after weights, activations and reserve; the message gives the figures.
+        fits after weights, activations and reserve; the message gives the figures and
+        the changes that fit one request of ``context_limit`` tokens, each checked with
+        this arithmetic (the smallest budget; hierarchical: a smaller host pool, a smaller
+        hot buffer, where they make room: :func:`_one_request_fixes`).
     """
     if config.memory_budget_gb is None:
         raise ConfigError("size_kv_for_budget needs memory_budget_gb")
@@ -162,8 +168,13 @@ def size_kv_for_budget(
     if not hierarchical(config):
         pages = max(room, 0) // (page + meta)
         if pages < 1:
+            one_request = smallest_budget_gb(
+                weights_bytes + act + comm_bytes + max_pages * (page + meta), config.device
+            )
             raise ConfigError(
-                f"memory_budget_gb={config.memory_budget_gb}: {fixed} leave no room for a KV page"
+                f"memory_budget_gb={config.memory_budget_gb}: {fixed} leave no room for a KV "
+                f"page; what fits one {context_limit}-token request: memory_budget_gb "
+                f"{one_request:g} (--memory-budget {one_request:g})"
             )
         return KVSizing(
             budget,
@@ -185,11 +196,14 @@ def size_kv_for_budget(
     shared = shared_device_bytes(model, config, pages, nl)
     batch = min(config.max_batch, max(room - shared, 0) // per_req)
     if batch < 1:
+        fixes = _one_request_fixes(
+            model, config, weights_bytes + act + comm_bytes, room, pages, max_pages, nl
+        )
         raise ConfigError(
             f"memory_budget_gb={config.memory_budget_gb}: {fixed} + page metadata of "
             f"{pages} host pool pages {pages * meta / GIB:.2f} GiB leave no room for the hot "
-            f"buffer of one request ({per_req / 2**20:.1f} MiB); lower host_pool_gb or "
-            "device_buffer"
+            f"buffer of one request ({per_req / 2**20:.1f} MiB); what fits one "
+            f"{context_limit}-token request: " + "; or ".join(fixes)
         )
     sized = config.replace(max_batch=batch)
     return KVSizing(
@@ -207,6 +221,123 @@ def size_kv_for_budget(
         per_req,
         **stage,
     )
+
+
+def _one_request_fixes(
+    model: ModelConfig,
+    config: EngineConfig,
+    fixed_bytes: int,
+    room: int,
+    pages: int,
+    max_pages: int,
+    nl: int,
+) -> list[str]:
+    """The changes with which a hierarchical cache of ``config`` fits one request of
+    ``max_pages`` pages, each checked with the sizing's arithmetic: the smallest budget
+    (always); a host pool whose page metadata leaves room for the request's hot buffer
+    while it still holds the request's pages; a hot buffer small enough for the room the
+    metadata leaves (``top_k`` at most half of it); failing both, the two together (the
+    smallest pool that holds the request, the largest buffer beside it). A pool of fewer
+    than ``max_pages`` pages holds no request whatever the device has, so there each
+    change comes with the pool raised to the smallest that does.
+    ``fixed_bytes``: weights, activations and communication; ``room``: the budget less
+    those and the reserve."""
+    per_req = per_request_device_bytes(model, config, max_pages, nl)
+    least = _pool_gb_holding(model, config, max_pages, 2 * max_pages, down=False)
+    raised = pages < max_pages and least is not None  # the pool must grow first
+    if raised:
+        pages = least[1]
+    shared = shared_device_bytes(model, config, pages, nl)
+
+    def fix(what: str, flags: str) -> str:
+        if raised:
+            what += f" with host_pool_gb {least[0]:g} for one request's {max_pages} pages"
+            flags += f" --host-pool {least[0]:g}"
+        return f"{what} ({flags})"
+
+    gb = smallest_budget_gb(fixed_bytes + shared + per_req, config.device)
+    fixes = [fix(f"memory_budget_gb {gb:g}", f"--memory-budget {gb:g}")]
+    pool = None
+    if not raised:
+        most = max_pool_pages(model, config, room - per_req, nl)
+        pool = _pool_gb_holding(model, config, max_pages, most, down=True)
+        if pool is not None:
+            fixes.append(
+                f"host_pool_gb {pool[0]:g} (--host-pool {pool[0]:g}; its {pool[1]} pages "
+                f"hold one request's {max_pages})"
+            )
+    buffer = _buffer_fitting(model, config, room - shared, max_pages, nl)
+    if buffer is not None:
+        fixes.append(fix(*buffer))
+    elif pool is None and not raised and least is not None and least[1] < pages:
+        left = room - shared_device_bytes(model, config, least[1], nl)
+        both = _buffer_fitting(model, config, left, max_pages, nl)
+        if both is not None:
+            what, flags = both
+            fixes.append(
+                f"{what} with host_pool_gb {least[0]:g} ({flags} --host-pool {least[0]:g})"
+            )
+    return fixes
+
+
+def _pool_gb_holding(
+    model: ModelConfig, config: EngineConfig, least: int, most: int, *, down: bool
+) -> tuple[float, int] | None:
+    """A ``host_pool_gb`` of few digits (``(gb, pages)``) whose pool holds between ``least``
+    and ``most`` pages (:func:`engine.kv.sizing.default_pool_pages`), rounded down from
+    ``most`` pages (``down``) or up from ``least``; ``None`` when none does."""
+    if most < least or least < 1:
+        return None
+    page_bytes = pool_page_bytes(model, config)  # host_pool_gb counts whole-model pages
+    target = (most if down else least) * page_bytes / GIB
+    for digits in (2, 3, 4, 5, 6):
+        scale = 10**digits
+        gb = (math.floor(target * scale) if down else math.ceil(target * scale)) / scale
+        if gb <= 0:
+            continue
+        held = default_pool_pages(model, config.replace(host_pool_gb=gb))
+        if least <= held <= most:
+            return gb, held
+    return None
+
+
+def _buffer_fitting(
+    model: ModelConfig, config: EngineConfig, room: int, max_pages: int, nl: int
+) -> tuple[str, str] | None:
+    """The largest hot buffer (:func:`engine.capacity.planner.largest_buffer`) whose slabs
+    for one request of ``max_pages`` pages fit in ``room`` bytes, as (settings, flags);
+    ``None`` when none does."""
+    if room <= 0:
+        return None
+    smaller = largest_buffer(
+        config, lambda cfg: per_request_device_bytes(model, cfg, max_pages, nl) <= room
+    )
+    if smaller is None:
+        return None
+    what = f"device_buffer {smaller.device_buffer_tokens}"
+    flags = f"--device-buffer {smaller.device_buffer_tokens}"
+    if smaller.top_k != config.top_k:
+        what += f", top_k {smaller.top_k}"
+        flags += f" --top-k-tokens {smaller.top_k}"
+    return what, flags
+
+
+def max_pool_pages(model: ModelConfig, config: EngineConfig, room: int, nl: int) -> int:
+    """The most host pool pages whose device-side share (:func:`shared_device_bytes`:
+    their page metadata, superpages and staging rows over ``nl`` layers) fits in
+    ``room`` bytes; 0 when not even one does."""
+    if shared_device_bytes(model, config, 1, nl) > room:
+        return 0
+    lo, hi = 1, 2
+    while shared_device_bytes(model, config, hi, nl) <= room:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if shared_device_bytes(model, config, mid, nl) <= room:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def stage_sizing(

@@ -434,13 +434,17 @@ def device_reserve_bytes(capacity_bytes: int, device: str) -> int:
     freed blocks for reuse: :func:`engine.load.keep_freed_heap`). With the 1 GiB floor
     every budget under about 2 GiB was refused on a CPU whatever else was lowered.
     """
-    floor = 0 if str(device).split(":")[0] == "cpu" else DEVICE_RESERVE_MIN_BYTES
+    floor = _reserve_floor(device)
     return min(capacity_bytes, max(int(capacity_bytes * DEVICE_RESERVE_FRACTION), floor))
+
+
+def _reserve_floor(device: str) -> int:
+    return 0 if str(device).split(":")[0] == "cpu" else DEVICE_RESERVE_MIN_BYTES
 
 
 def device_reserve_rule(device: str) -> str:
     """:func:`device_reserve_bytes`' rule for ``device``, as the plan's table names it."""
-    return "5 % (CPU)" if str(device).split(":")[0] == "cpu" else "max(5 %, 1 GiB)"
+    return "max(5 %, 1 GiB)" if _reserve_floor(device) else "5 % (CPU)"
 
 
 def host_reserve_bytes(host_bytes: int) -> int:
@@ -1155,8 +1159,15 @@ def _shorter_context_hint(model, config, hardware, jobs, context, fitting) -> li
 
 def _smaller_buffer(model, config, hardware, jobs, context) -> EngineConfig | None:
     """The largest device_buffer at ``config``'s page size (and top_k <= buffer / 2) that
-    lets ``jobs`` fit on the devices; ``None`` if none does (the selection must still
-    hold the sink and window pages)."""
+    lets ``jobs`` fit on the devices; ``None`` if none does (:func:`largest_buffer`)."""
+    return largest_buffer(config, lambda cfg: _fits(model, cfg, hardware, jobs, context))
+
+
+def largest_buffer(config: EngineConfig, fits) -> EngineConfig | None:
+    """``config`` with the largest ``device_buffer`` at its page size, at most its own, for
+    which ``fits(candidate)`` holds, ``top_k`` lowered to at most half of it where needed;
+    ``None`` if none does before the buffer can no longer hold one step's selection (the
+    sink and window pages: :meth:`EngineConfig.validate`)."""
     page_size = config.page_size
     buffer = config.device_buffer_tokens // page_size * page_size
     while buffer >= page_size:
@@ -1166,10 +1177,26 @@ def _smaller_buffer(model, config, hardware, jobs, context) -> EngineConfig | No
             candidate.validate()
         except ConfigError:
             return None
-        if _fits(model, candidate, hardware, jobs, context):
+        if fits(candidate):
             return candidate
         buffer -= page_size
     return None
+
+
+def smallest_budget_gb(need_bytes: int, device: str) -> float:
+    """The smallest ``memory_budget_gb``, in steps of 0.01 GiB, that leaves ``need_bytes``
+    after its reserve (:func:`device_reserve_bytes` on ``device``)."""
+
+    def room(gb: float) -> int:
+        budget = int(gb * GIB)
+        return budget - device_reserve_bytes(budget, device)
+
+    need = max(need_bytes, 0)
+    least = max(need / (1 - DEVICE_RESERVE_FRACTION), need + _reserve_floor(device))
+    gb = math.ceil(least / GIB * 100) / 100
+    while room(gb) < need_bytes and gb < MAX_HARDWARE_FIGURE:
+        gb = round(gb + 0.01, 2)
+    return gb
 
 
 def _gather_bytes_per_step(model, config, jobs, context) -> int:

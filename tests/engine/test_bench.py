@@ -6,6 +6,7 @@ budget sizing that ``hisparse run --memory-budget`` shares."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -260,6 +261,61 @@ def test_a_cpu_budget_keeps_five_percent_not_a_gib(tiny):
     assert s.reserve_bytes == int(0.5 * GIB * DEVICE_RESERVE_FRACTION) and s.max_batch == 4
     with pytest.raises(ConfigError, match="reserve 0.50 GiB"):  # CUDA: 1 GiB, capped
         size_kv_for_budget(model.config, cfg.replace(device="cuda"), model.weight_bytes, CONTEXT)
+
+
+_ADVICE_FIELDS = {
+    "--memory-budget": ("memory_budget_gb", float),
+    "--host-pool": ("host_pool_gb", float),
+    "--device-buffer": ("device_buffer", int),
+    "--top-k-tokens": ("top_k", int),
+}
+
+
+def _advised(message: str) -> list[dict]:
+    """The settings of each change a budget refusal names: ``(--a 1 --b 2; why)`` -> one
+    dict per parenthesised group of flags."""
+    out = []
+    for group in re.findall(r"\((--[^;)]*)", message):
+        words = group.split()
+        assert len(words) % 2 == 0, group
+        pairs = zip(words[::2], words[1::2], strict=True)
+        out.append({_ADVICE_FIELDS[f][0]: _ADVICE_FIELDS[f][1](v) for f, v in pairs})
+    return out
+
+
+@pytest.mark.parametrize(
+    "changes,offers",
+    [
+        ({"memory_budget_gb": 0.02}, {"memory_budget_gb"}),  # below the weights
+        ({"memory_budget_gb": 0.5, "host_pool_gb": 16.0}, {"memory_budget_gb", "host_pool_gb"}),
+        (
+            {"memory_budget_gb": 0.06, "device_buffer": 65536},
+            {"memory_budget_gb", "device_buffer"},
+        ),
+        (  # a pool of 6 pages cannot hold a 32-page request: every change raises it too
+            {"memory_budget_gb": 0.03, "host_pool_gb": 0.0001, "device_buffer": 65536},
+            {"memory_budget_gb", "device_buffer", "host_pool_gb"},
+        ),
+        ({"memory_budget_gb": 0.02, "hierarchical": False}, {"memory_budget_gb"}),
+    ],
+    ids=["weights", "metadata", "hot-buffer", "small-pool", "resident"],
+)
+def test_a_budget_refusal_names_only_changes_that_fit_a_request(tiny, changes, offers):
+    """``run --memory-budget`` too small: each change the refusal names, applied with the
+    flags it gives, sizes a cache that holds one request of the context; a change that
+    cannot make room (a smaller pool or buffer when the weights alone exceed the budget) is
+    not named. Before, the advice was "lower host_pool_gb or device_buffer" whatever
+    bound, which did nothing when the weights (or a 1 GiB reserve) took the budget."""
+    model, _ = tiny
+    config = EngineConfig(**SMALL, max_batch=4).replace(**changes)
+    with pytest.raises(ConfigError, match="no room") as refused:
+        size_kv_for_budget(model.config, config, model.weight_bytes, CONTEXT)
+    advice = _advised(str(refused.value))
+    assert advice and {"memory_budget_gb"} <= set(advice[0])
+    assert set().union(*advice) - {"top_k"} == offers, str(refused.value)
+    for fix in advice:
+        sized = size_kv_for_budget(model.config, config.replace(**fix), model.weight_bytes, CONTEXT)
+        assert sized.max_jobs(CONTEXT // config.page_size) >= 1, (fix, sized)
 
 
 def test_load_engine_sizes_the_pool_from_the_budget(tiny):
