@@ -911,6 +911,7 @@ def _suggestions(model, config, hardware, jobs, context, capacity) -> list[str]:
     if any(t.fixed_bytes > t.capacity_bytes for t in tables):
         hints.extend(_fixed_part_hints(model, config, hardware, jobs, context))
     if capacity.device_limit < jobs:
+        hints.extend(_budget_hint(model, config, hardware, jobs, context))
         if config.max_batch < jobs:
             # max_batch caps the device limit below ``jobs`` whatever the memory: re-plan
             # the device hints with it raised to ``jobs`` and say so in each hint
@@ -1140,6 +1141,40 @@ def _fixed_part_hints(model, config, hardware, jobs, context) -> list[_Hint]:
             )
     hints.extend(_shorter_context_hint(model, config, hardware, jobs, context, fitting))
     return hints
+
+
+def _budget_hint(model, config, hardware, jobs, context) -> list[_Hint]:
+    """With ``memory_budget_gb`` below the devices' memory: the smallest budget, in steps
+    of 0.01 GiB up to that memory, with which ``jobs`` jobs fit on the devices, as a hint;
+    with the host pool raised to the jobs' need where it holds fewer (:func:`_pool_gb_for`),
+    else cut to it where only that makes them fit (:func:`_smaller_pool`); ``[]`` when
+    none does."""
+    budget = config.memory_budget_gb
+    if budget is None or budget >= hardware.memory_gb:
+        return []
+    if _host_holds(model, config, hardware, jobs, context):
+        bases = [config, _smaller_pool(model, config, hardware, jobs, context)]
+    else:
+        need_gb = _pool_gb_for(model, config, hardware, jobs, context)
+        bases = [config.replace(host_pool_gb=float(need_gb))]
+    top = math.floor(hardware.memory_gb * 100)
+    for base in bases:
+        if base is None:
+            continue
+
+        def fits(k: int, base=base) -> bool:
+            return _fits(model, base.replace(memory_budget_gb=k / 100), hardware, jobs, context)
+
+        if not fits(top):
+            continue
+        lo, hi = math.floor(budget * 100), top  # lo does not fit, hi does
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        pool = "" if base is config else f" --host-pool {base.host_pool_gb:g}"
+        text = f"a larger budget: --memory-budget {hi / 100:g}{pool}"
+        return [_Hint(text, base.replace(memory_budget_gb=hi / 100), hardware, context)]
+    return []
 
 
 def _shorter_context_hint(model, config, hardware, jobs, context, fitting) -> list[_Hint]:

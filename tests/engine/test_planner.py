@@ -250,6 +250,7 @@ _HINT_FIELDS = {
     "--top-k-tokens": ("top_k", int),
     "--page-size": ("page_size", int),
     "--host-pool": ("host_pool_gb", float),
+    "--memory-budget": ("memory_budget_gb", float),
     "--max-batch": ("max_batch", int),
     "weight_format": ("weight_format", str),
     "--kv-host-dtype": ("kv_host_dtype", str),
@@ -281,6 +282,30 @@ def _replan(shape, config, hardware, jobs, context, hint):
             name, kind = _HINT_FIELDS[flag]
             changes[name] = kind(value)
     return plan(shape, config.replace(**changes), hardware, jobs, context)
+
+
+@pytest.mark.parametrize(
+    "budget,host_pool,pool_flag",
+    [(0.5, 8.0, None), (0.7, 8.0, None), (0.1, 0.01, "1")],
+    ids=["weights", "metadata", "pool-too-small"],
+)
+def test_a_budget_too_small_suggests_the_smallest_that_fits(budget, host_pool, pool_flag):
+    """``--memory-budget`` below the device's memory binds: the plan offers the smallest
+    budget (0.01 GiB steps) with which the jobs fit, whether the weights or the page
+    metadata took it (with the pool raised to the jobs' need where it holds fewer); one
+    step less does not fit. Before, a new user's CPU plan under 0.5 GiB offered nothing
+    that kept the weights and every other setting."""
+    config, hardware = _preset("cpu", memory_budget_gb=budget, host_pool_gb=host_pool)
+    shape = MODEL_SHAPES["smollm2-135m"]
+    result = plan(shape, config, hardware, 1, 8192)
+    assert not result.feasible
+    [hint] = [s for s in result.suggestions if s.startswith("a larger budget")]
+    flags = _hint_flags(hint)
+    assert flags.get("--host-pool") == pool_flag
+    fixed = _replan(shape, config, hardware, 1, 8192, hint)
+    assert fixed.feasible, (hint, fixed.reasons)
+    less = round(float(flags["--memory-budget"]) - 0.01, 2)
+    assert not plan(shape, fixed.config.replace(memory_budget_gb=less), hardware, 1, 8192).feasible
 
 
 def test_device_bound_suggests_a_smaller_buffer_that_fits():
