@@ -74,7 +74,11 @@ class ModelConfig:
     ``int4_group_size``: elements per scale of the 4-bit linears as the engine holds them,
     for the planner's byte counts (32 for a GGUF file's Q4_0/Q4_1/Q4_K blocks,
     :func:`engine.capacity.shapes.shape_from_gguf`; 128 otherwise, as ``quantize_int4``
-    makes them).
+    makes them). ``int4_linears``: every decoder-layer linear is stored in a 4-bit format
+    the int4 kernels take as is (:func:`engine.weights.placement.linears_stored_int4`: a
+    GGUF file's Q4_0/Q4_1/Q4_K, as :func:`engine.capacity.shapes.shape_from_gguf` reads
+    them), which ``weight_format: auto`` places as int4 on a CPU with bf16 instructions;
+    for the planner, like ``int4_group_size``.
     """
 
     arch: str
@@ -101,6 +105,7 @@ class ModelConfig:
     sliding_layers: tuple[int, ...] = ()
     rope_local_theta: float | None = None
     int4_group_size: int = 128
+    int4_linears: bool = False
 
     @property
     def group_size(self) -> int:

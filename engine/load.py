@@ -181,21 +181,19 @@ def keep_freed_heap() -> bool:
 def pick_weight_format(
     config: EngineConfig, device: torch.device, formats: dict[str, str] | None = None
 ) -> str:
-    """``auto``: int4 (torch's int4 kernel) on CUDA; on a CPU int4 only where it is faster
-    and changes no weight: a CPU with bf16 instructions
-    (:func:`engine.weights.quant.cpu_fast_bf16`: AVX512-BF16 or AMX, where the int4 kernel
-    with bf16 activations beats fp32 GEMM at decode) and linears stored 4-bit
-    (``formats``, ``ModelWeights.formats``: GGUF Q4_0/Q4_1/Q4_K, AWQ/GPTQ/int4-g*; a float
-    checkpoint would be re-quantised). Float elsewhere (AVX2 and other CPUs, where it is
-    slower; docs/performance.md, "CPU decode path")."""
-    from engine.weights.quant import cpu_fast_bf16
-    from engine.weights.types import linears_stored_int4
+    """``auto``: :func:`engine.weights.placement.auto_weight_format` for ``device`` and
+    whether ``formats`` (``ModelWeights.formats``) stores every linear 4-bit (GGUF
+    Q4_0/Q4_1/Q4_K, AWQ/GPTQ/int4-g*): int4 on CUDA; on a CPU int4 only with bf16
+    instructions (:func:`engine.weights.quant.cpu_fast_bf16`) and 4-bit linears, float
+    elsewhere. The capacity planner applies the same rule to a model's shape
+    (:func:`engine.capacity.planner.weight_format`)."""
+    from engine.weights import quant
+    from engine.weights.placement import auto_weight_format, linears_stored_int4
 
     if config.weight_format != "auto":
         return config.weight_format
-    if device.type == "cuda":
-        return "int4"
-    return "int4" if cpu_fast_bf16() and linears_stored_int4(formats or {}) else "float"
+    stored = linears_stored_int4(formats or {})
+    return auto_weight_format(device.type, stored, lambda: quant.cpu_fast_bf16())
 
 
 def cpu_format_note(config: EngineConfig, device: torch.device, fmt: str) -> str:

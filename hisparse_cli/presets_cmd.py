@@ -23,6 +23,7 @@ from engine.capacity.planner import (
     format_context,
     parse_context,
     plan,
+    weight_format,
 )
 from engine.capacity.shapes import get_model_shape
 from engine.config import DTYPES, KV_HOST_DTYPES, ConfigError
@@ -349,7 +350,7 @@ def _device_table(result: Plan) -> Table:
     table.add_column("what")
     cfg, m = result.config, result.model
     rows: list[tuple[str, str, Any]] = [
-        ("weights", "weights_bytes", f"{cfg.dtype} / {cfg.weight_format} weights"),
+        ("weights", "weights_bytes", _weights_what(cfg, m)),
         (
             "hot KV slab pool",
             "kv_slab_bytes",
@@ -376,6 +377,21 @@ def _device_table(result: Plan) -> Table:
         style = "bold" if label in ("used", "free") else None
         table.add_row(label, *values, what, style=style)
     return table
+
+
+def _weights_what(config, model) -> str:
+    """The weights row's words: the dtype and the format the engine places, with why
+    where ``weight_format`` is ``auto`` (:func:`engine.capacity.planner.weight_format`)."""
+    fmt = weight_format(config, model)
+    if config.weight_format != "auto":
+        return f"{config.dtype} / {fmt} weights"
+    if config.device.split(":")[0] != "cpu":
+        why = "auto"
+    elif not model.int4_linears:
+        why = "auto: linears not stored 4-bit"
+    else:
+        why = "auto: " + ("CPU has AVX512-BF16/AMX" if fmt == "int4" else "no AVX512-BF16/AMX")
+    return f"{config.dtype} / {fmt} weights ({why})"
 
 
 def _host_table(result: Plan, memory_source: str) -> Table:

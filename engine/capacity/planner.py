@@ -16,10 +16,12 @@ interfaces, matching ``EngineConfig.*_gb``; link speeds are decimal GB/s.
 Per-device memory table (the rows of the dual-4090 article's budget table):
 
 ==================  ============================================================
-weights             int4: linear layers at 0.5 B/param plus a bf16 scale and a
-                    bf16 zero per group of 128 (``_weight_int4pack_mm`` layout),
-                    i.e. 0.53125 B/param; embeddings, lm_head, norms and biases stay
-                    in ``dtype``. float: every parameter in ``dtype``.
+weights             in the format the engine places (:func:`weight_format`: ``auto``
+                    by the loader's rule). int4: linear layers at 0.5 B/param plus a
+                    bf16 scale and a bf16 zero per group of 128
+                    (``_weight_int4pack_mm`` layout), i.e. 0.53125 B/param;
+                    embeddings, lm_head, norms and biases stay in ``dtype``. float:
+                    every parameter in ``dtype``.
 hot KV slab pool    jobs x L_d x Hkv x (device_buffer x D x 2 (K,V) x b_kv + page
                     table P x 4 + LRU state slots x 12): a whole slab per (layer, KV
                     head) for every job, however short (all-resident: the job's P pages)
@@ -67,6 +69,7 @@ from engine.kv.sizing import (  # noqa: F401 - re-exported: the planner's vocabu
     pool_page_bytes,
     shared_device_bytes,
 )
+from engine.weights.placement import auto_weight_format
 
 INT4_GROUP_SIZE = 128
 INT4_GROUP_OVERHEAD_BYTES = 4  # one bf16 scale + one bf16 zero point per group
@@ -231,13 +234,15 @@ def format_context(tokens: int) -> str:
 
 
 
-def weight_format(config: EngineConfig) -> str:
-    """``int4`` or ``float``; ``auto`` plans as int4 on accelerators and float on CPU (an
-    upper bound there: the engine picks int4 on a CPU only with bf16 instructions and a
-    4-bit checkpoint, :func:`engine.load.pick_weight_format`, which a plan does not see)."""
+def weight_format(config: EngineConfig, model: ModelConfig) -> str:
+    """``int4`` or ``float``, as the engine places ``model``: ``auto`` by the loader's own
+    rule (:func:`engine.weights.placement.auto_weight_format`, which
+    :func:`engine.load.pick_weight_format` applies): int4 on CUDA; on a CPU int4 where it
+    has bf16 instructions and the model's linears are stored 4-bit
+    (``model.int4_linears``: the embedded model, a Q4 GGUF file), float elsewhere."""
     if config.weight_format != "auto":
         return config.weight_format
-    return "float" if config.device.split(":")[0] == "cpu" else "int4"
+    return auto_weight_format(config.device, model.int4_linears)
 
 
 
@@ -306,7 +311,7 @@ def weight_bytes(
     num_layers = end - start
     b = dtype_bytes(config.dtype)
     linear = _linear_params_per_layer(model) * num_layers
-    if weight_format(config) == "int4":
+    if weight_format(config, model) == "int4":
         packed = linear // 2 + -(-linear // INT4_GROUP_SIZE) * INT4_GROUP_OVERHEAD_BYTES
         if str(config.device).startswith("cuda"):
             groups = -(-linear // model.int4_group_size)
@@ -392,7 +397,7 @@ def activation_bytes(
         0 if all_resident(config) else kv_bytes_per_token(model, config, 1) * context
     )
     dequant = 0
-    if weight_format(config) == "int4" and str(config.device).startswith("cuda"):
+    if weight_format(config, model) == "int4" and str(config.device).startswith("cuda"):
         largest = 2 * model.intermediate_size * model.hidden_size  # fused gate/up
         dequant = largest * INT4_DEQUANT_SCRATCH_BYTES
     return decode + chunk + hidden + layer_kv + dequant
@@ -741,6 +746,7 @@ class Plan:
         """JSON-ready: bytes as ints, the model and config as plain dicts."""
         return {
             "feasible": self.feasible,
+            "weight_format": weight_format(self.config, self.model),
             "model": dataclasses.asdict(self.model),
             "config": self.config.to_dict(),
             "hardware": self.hardware.to_dict(),
@@ -1124,7 +1130,7 @@ def _fixed_part_hints(model, config, hardware, jobs, context) -> list[_Hint]:
             return f" --host-pool {pool.host_pool_gb:g}", pool
         return None
 
-    if weight_format(config) == "float":
+    if weight_format(config, model) == "float":
         found = fitting(config.replace(weight_format="int4"), hardware, context)
         if found is not None:
             pool, cfg = found

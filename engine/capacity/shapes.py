@@ -26,7 +26,8 @@ from engine.config import (
 )
 
 MODEL_SHAPES: dict[str, ModelConfig] = {
-    # HuggingFaceTB/SmolLM2-135M-Instruct; the embedded default model (DESIGN.md).
+    # HuggingFaceTB/SmolLM2-135M-Instruct; the embedded default model (DESIGN.md), whose
+    # GGUF file stores the linears Q4_1 (groups of 32), as shape_from_gguf reads it.
     "smollm2-135m": ModelConfig(
         arch="llama",
         num_layers=30,
@@ -41,6 +42,8 @@ MODEL_SHAPES: dict[str, ModelConfig] = {
         max_position=8192,
         tie_word_embeddings=True,
         name="smollm2-135m",
+        int4_group_size=32,
+        int4_linears=True,
     ),
     # meta-llama/Llama-2-13b-hf: multi-head attention, 40 KV heads (800 KiB of bf16 KV
     # per token).
@@ -179,7 +182,9 @@ def shape_from_gguf(path: str | Path) -> ModelConfig:
     :func:`engine.weights.gguf.read_config`; no tensor data is read). Its
     ``int4_group_size`` is 32 where the file's layer-0 query projection is a 4-bit block
     type the engine keeps as is (Q4_0, Q4_1, Q4_K: one scale per 32 elements), else 128
-    (other types are re-quantised by ``quantize_int4``).
+    (other types are re-quantised by ``quantize_int4``); ``int4_linears`` says whether
+    every layer linear is such a type (:func:`engine.weights.placement.linears_stored_int4`,
+    the loader's test of ``ModelWeights.formats``, which keeps the files' tensor types).
 
     Raises
     ------
@@ -188,6 +193,7 @@ def shape_from_gguf(path: str | Path) -> ModelConfig:
         names the file).
     """
     from engine.weights.gguf import INT4_TYPES, GGUFError, open_reader, read_config
+    from engine.weights.placement import linears_stored_int4
 
     path = Path(path)
     try:
@@ -197,7 +203,7 @@ def shape_from_gguf(path: str | Path) -> ModelConfig:
         raise ConfigError(str(exc)) from None
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     group = 32 if types.get("blk.0.attn_q.weight") in INT4_TYPES else 128
-    return replace(shape, int4_group_size=group)
+    return replace(shape, int4_group_size=group, int4_linears=linears_stored_int4(types))
 
 
 HF_SHAPE_NAMES = {

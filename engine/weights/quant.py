@@ -41,11 +41,19 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from engine.weights.placement import (
+    cpu_fast_bf16,
+    cpu_int4_dtype_name,
+    lm_head_key,
+    lm_head_record_path,
+    read_lm_head_records,
+    requant_group_size,
+)
 
 
 @dataclass(frozen=True)
@@ -194,25 +202,12 @@ DEQUANT_MIN_ROWS = 64
 TRITON_MIN_ROWS = 1
 
 
-def cpu_fast_bf16() -> bool:
-    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX), which
-    torch's CPU int4 kernel uses with bf16 activations.
-
-    Measured on an AVX512-BF16/AMX Xeon (docs/performance.md, "CPU decode path"):
-    ``_weight_int4pack_mm_for_cpu`` with bf16 activations 1.3-2.2x faster than fp32
-    ``F.linear`` on SmolLM2's layers at one row, 4-30x slower with fp32 activations; on the
-    AVX2-only EPYC of 2026-12-01 slower than fp32 even with bf16. The check reads torch's
-    own CPU feature detection (cpuinfo), so the choice is the same on every run of a
-    machine and costs nothing at load, unlike a timed probe on a shared box."""
-    cpu = getattr(torch, "cpu", None)
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
-
-
 def cpu_int4_dtype(dtype: torch.dtype) -> torch.dtype:
     """Activation dtype of torch's CPU int4 kernel for a model computing in ``dtype``:
-    bf16 where :func:`cpu_fast_bf16`, else ``dtype``."""
-    return torch.bfloat16 if cpu_fast_bf16() else dtype
+    bf16 where :func:`cpu_fast_bf16`, else ``dtype``
+    (:func:`engine.weights.placement.cpu_int4_dtype_name`)."""
+    name = cpu_int4_dtype_name(str(dtype).removeprefix("torch."), cpu_fast_bf16())
+    return getattr(torch, name)
 
 
 class Linear:
@@ -334,37 +329,12 @@ _LM_HEAD_CHOICES: dict[tuple[int, ...], tuple[bool, str]] = {}
 its note."""
 
 
-def lm_head_record_path() -> Path:
-    """Where :func:`pick_cpu_lm_head` keeps its choices: ``$HISPARSE_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/hisparse``, else ``~/.cache/hisparse``; file ``cpu_lm_head.json``
-    (a JSON object: key -> ``{"fp16": bool, "note": str}``). Delete it to measure again."""
-    root = os.environ.get("HISPARSE_CACHE_DIR")
-    if not root:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(base, "hisparse")
-    return Path(root) / "cpu_lm_head.json"
-
-
 def _lm_head_key(shape: tuple[int, ...]) -> str:
-    """The record's key: the CPU's model name (``/proc/cpuinfo``, else the platform's),
-    torch's version and the head's ``V x H``."""
-    import platform
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"{cpu} | torch {torch.__version__} | {'x'.join(map(str, shape))}"
+    """The record's key (:func:`engine.weights.placement.lm_head_key`) under this torch."""
+    return lm_head_key(shape, torch.__version__)
 
 
-def _read_lm_head_records() -> dict:
-    try:
-        data = json.loads(lm_head_record_path().read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+_read_lm_head_records = read_lm_head_records
 
 
 def _write_lm_head_record(key: str, value: dict) -> None:
@@ -573,7 +543,7 @@ def make_linear(
     if weight_format != "int4":
         raise ValueError(f"unknown weight_format {weight_format!r}")
     if not isinstance(weight, Int4Weight):
-        weight = quantize_int4(weight, 128 if weight.shape[1] % 128 == 0 else 32)
+        weight = quantize_int4(weight, requant_group_size(weight.shape[1]))
     int4_dtype = torch.bfloat16 if device.type == "cuda" else dtype
     rows = TRITON_MIN_ROWS if triton_min_rows is None else triton_min_rows
     return Int4Linear(weight, b, device, int4_dtype, triton_min_rows=rows)

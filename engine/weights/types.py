@@ -7,13 +7,18 @@ norms, biases and embeddings are float32 tensors. Names follow the Hugging Face 
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import ModelConfig
+from engine.weights.placement import (
+    INT4_SOURCE_FORMATS,  # noqa: F401 - re-exported
+    linears_stored_int4,  # noqa: F401 - re-exported
+)
+from engine.weights.placement import LINEAR_NAME as _LINEAR_NAME
+from engine.weights.placement import is_int4 as _is_int4
 from engine.weights.quant import Int4Weight
 
 WeightT = torch.Tensor | Int4Weight
@@ -100,17 +105,6 @@ def split_rows(w: WeightT, sizes: list[int]) -> list[WeightT]:
     return [part.contiguous() for part in w.split(sizes)]
 
 
-# Source formats whose 4-bit codes placement keeps as they are (GGUF types; ``hisparse
-# quantize`` folders record ``int4-g<G>``, AWQ/GPTQ folders ``AWQ-g<G>`` / ``GPTQ-g<G>``).
-INT4_SOURCE_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
-# Decoder-layer linear weights: GGUF tensor names and Hugging Face module names.
-_LINEAR_NAME = re.compile(
-    r"^blk\.\d+\.(attn_[qkv]|attn_qkv|attn_output|ffn_(gate|up|down))\.weight$"
-    r"|^model\.layers\.\d+\.(self_attn\.([qkvo]|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)"
-    r"(\.weight)?$"
-)
-
-
 def describe_placement(formats: dict[str, str], weight_format: str, dtype: str) -> str:
     """One line saying what each source tensor type became, for the run's model line.
 
@@ -146,15 +140,3 @@ def describe_placement(formats: dict[str, str], weight_format: str, dtype: str) 
     if other:
         line += ("; " if line else "") + f"other: {counts(other)} -> float"
     return line
-
-
-def linears_stored_int4(formats: dict[str, str]) -> bool:
-    """Whether every decoder-layer linear of ``formats`` (``ModelWeights.formats``) is
-    stored in a 4-bit format the int4 kernels take as is (no re-quantisation); ``False``
-    when there are none."""
-    linears = [fmt for name, fmt in formats.items() if _LINEAR_NAME.match(name)]
-    return bool(linears) and all(_is_int4(fmt) for fmt in linears)
-
-
-def _is_int4(fmt: str) -> bool:
-    return fmt in INT4_SOURCE_FORMATS or fmt.startswith(("int4-g", "AWQ-g", "GPTQ-g"))

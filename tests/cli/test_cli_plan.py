@@ -105,3 +105,24 @@ def test_plan_refuses_a_bad_host_memory_variable(devices, monkeypatch):
     monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "lots")
     result = invoke("plan", "-p", "cpu", "-n", "1", "-c", "8K")
     assert result.exit_code == 2 and "HISPARSE_HOST_MEMORY_GB" in result.output
+
+
+@pytest.mark.parametrize(
+    "fast,fmt,why",
+    [(True, "int4", "CPU has AVX512-BF16/AMX"), (False, "float", "no AVX512-BF16/AMX")],
+    ids=["bf16-cpu", "avx2-cpu"],
+)
+def test_plan_counts_the_embedded_model_as_run_places_it(devices, monkeypatch, fast, fmt, why):
+    """A new user's CPU box (no CUDA: auto is the cpu preset): ``hisparse plan -n 1 -c 8K
+    --memory-budget 2`` plans the embedded model in the format ``hisparse run`` places it,
+    int4 where the CPU has bf16 instructions, float32 elsewhere, says which and why, and
+    the job fits. Before, it counted float32 weights everywhere."""
+    monkeypatch.setattr("engine.weights.placement.cpu_fast_bf16", lambda: fast)
+    args = ("plan", "-n", "1", "-c", "8K", "--memory-budget", "2")
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    weights = rf"│ weights +│ +[\d.]+ │ float32 / {fmt} weights \(auto: {why}\)"
+    assert re.search(weights, result.stdout), result.stdout
+    assert re.search(r"│ reserve +│ +0\.10 │ 5 % \(CPU\)", result.stdout)
+    data = json.loads(invoke(*args, "--json").stdout)
+    assert data["weight_format"] == fmt and data["capacity"]["max_jobs"] >= 1

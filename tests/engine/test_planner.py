@@ -82,6 +82,35 @@ def test_int4_weights_keep_embeddings_and_head_in_bf16():
     assert 5.5 * GIB < expected < 6.5 * GIB
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["bf16-cpu", "avx2-cpu"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("stored", ["Q4_1", "F32"])
+@pytest.mark.parametrize("weight_format", ["auto", "int4", "float"])
+def test_plan_places_weights_by_the_loaders_rule(monkeypatch, fast, device, stored, weight_format):
+    """The plan's weight format is the loader's (``engine.load.pick_weight_format``) for
+    every device, CPU answer to "bf16 instructions?" and storage of the linears: ``auto``
+    is int4 on CUDA, and on a CPU only with bf16 instructions and linears stored 4-bit
+    (the embedded model's Q4_1). Before, a CPU plan counted ``auto`` as float always:
+    0.50 GiB of weights for the embedded model where run placed 0.24 (int4)."""
+    import torch
+
+    import engine.weights.placement as placement
+    import engine.weights.quant as quant
+    from engine.capacity.planner import weight_format as planned
+    from engine.load import pick_weight_format
+
+    monkeypatch.setattr(quant, "cpu_fast_bf16", lambda: fast)
+    monkeypatch.setattr(placement, "cpu_fast_bf16", lambda: fast)
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    formats = {f"blk.{i}.{n}.weight": stored for i in range(30) for n in names}
+    shape = dataclasses.replace(MODEL_SHAPES["smollm2-135m"], int4_linears=stored == "Q4_1")
+    config = EngineConfig(device=device, weight_format=weight_format)
+    loads = pick_weight_format(config, torch.device(device), formats)
+    assert planned(config, shape) == loads
+    if weight_format == "auto":
+        assert loads == ("int4" if device == "cuda" or (fast and stored == "Q4_1") else "float")
+
+
 def test_int4_weights_on_cuda_count_tinygemm_copy_only_when_kept():
     """On CUDA the Triton kernels read the source blocks (0.5 B/param + 8 B a group);
     tinygemm's packed copy is counted only with ``int4_triton_min_rows`` above 1."""
@@ -978,7 +1007,9 @@ def test_plan_of_a_q4_gguf_counts_its_32_element_groups(smollm2_gguf_path):
     from engine.capacity.planner import _linear_params_per_layer
 
     shape = get_model_shape(str(smollm2_gguf_path))
-    assert shape.int4_group_size == 32 and shape.num_layers == 30
+    assert shape.int4_group_size == 32 and shape.num_layers == 30 and shape.int4_linears
+    named = MODEL_SHAPES["smollm2-135m"]  # the shape name plans the embedded model
+    assert dataclasses.replace(shape, rms_norm_eps=named.rms_norm_eps, name=named.name) == named
     config = EngineConfig(weight_format="int4", dtype="bfloat16", device="cuda")
     at_128 = weight_bytes(dataclasses.replace(shape, int4_group_size=128), config)
     linear = _linear_params_per_layer(shape) * shape.num_layers
