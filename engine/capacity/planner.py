@@ -17,11 +17,12 @@ Per-device memory table (the rows of the dual-4090 article's budget table):
 
 ==================  ============================================================
 weights             in the format the engine places (:func:`weight_format`: ``auto``
-                    by the loader's rule). int4: linear layers at 0.5 B/param plus a
-                    bf16 scale and a bf16 zero per group of 128
-                    (``_weight_int4pack_mm`` layout), i.e. 0.53125 B/param;
-                    embeddings, lm_head, norms and biases stay in ``dtype``. float:
-                    every parameter in ``dtype``.
+                    by the loader's rule). int4: linear layers' source blocks at
+                    0.5 B/param + 8 B per group, plus torch's packed copy (0.5 B/param
+                    + a scale and a zero per group) on a CPU, or on CUDA with
+                    ``int4_triton_min_rows > 1``; embeddings, lm_head and biases in
+                    ``dtype``, norms in float32. float: every linear in ``dtype``
+                    (:func:`weight_bytes`).
 hot KV slab pool    jobs x L_d x Hkv x (device_buffer x D x 2 (K,V) x b_kv + page
                     table P x 4 + LRU state slots x 12): a whole slab per (layer, KV
                     head) for every job, however short (all-resident: the job's P pages)
@@ -69,21 +70,28 @@ from engine.kv.sizing import (  # noqa: F401 - re-exported: the planner's vocabu
     pool_page_bytes,
     shared_device_bytes,
 )
-from engine.weights.placement import auto_weight_format
+from engine.model.registry import ARCHITECTURES
+from engine.weights import placement
+from engine.weights.placement import (
+    auto_weight_format,
+    cpu_int4_dtype_name,
+    recorded_cpu_lm_head_fp16,
+    requant_group_size,
+)
 
-INT4_GROUP_SIZE = 128
-INT4_GROUP_OVERHEAD_BYTES = 4  # one bf16 scale + one bf16 zero point per group
-# On CUDA each int4 linear keeps its source blocks (uint8 nibbles + float32 scale and
-# offset per group), read by the Triton decode kernels and dequantised to bf16 for the
-# prefill's dense GEMM (engine.weights.quant.Int4Linear): 0.5 B/param + 8 B per group;
-# tinygemm's packed copy (the CPU's only copy) only with int4_triton_min_rows > 1.
-INT4_CUDA_SOURCE_GROUP_BYTES = 8
+# Every int4 linear keeps its source blocks (uint8 nibbles + float32 scale and offset per
+# group: 0.5 B/param + 8 B per group), dequantised for the prefill's dense GEMM and, on CUDA,
+# read by the Triton decode kernels (engine.weights.quant.Int4Linear). torch's packed copy
+# (0.5 B/param + a scale and a zero per group in the kernel's activation dtype) is kept on
+# a CPU always (its decode kernel) and on CUDA only with int4_triton_min_rows > 1.
+INT4_SOURCE_GROUP_BYTES = 8
 # Prefill-sized int4 calls on CUDA dequantise the layer's weight to bf16 first; the
 # transient (int32 nibbles, float32 weight, bf16 copy) peaks near 12 B per element of the
 # largest linear (fitted to the measured prefill scratch peak of qwen2.5-7b on an H200,
 # docs/performance.md "Plan vs measured memory").
 INT4_DEQUANT_SCRATCH_BYTES = 12
 LOGITS_BYTES = 4  # logits are computed in float32
+NORM_BYTES = 4  # RMSNorm weights are placed in float32 whatever the dtype
 DEVICE_RESERVE_FRACTION = 0.05
 DEVICE_RESERVE_MIN_BYTES = 1 * GIB
 HOST_RESERVE_FRACTION = 0.10
@@ -270,14 +278,17 @@ def _linear_params_per_layer(model: ModelConfig) -> int:
     return attn + 3 * h * model.intermediate_size
 
 
-def _small_params_per_layer(model: ModelConfig) -> int:
-    """Two RMSNorm weights, plus the q/k/v biases of Qwen2-style models."""
-    bias = (
-        (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
-        if model.qkv_bias
-        else 0
-    )
-    return 2 * model.hidden_size + bias
+def _norm_params_per_layer(model: ModelConfig) -> int:
+    """The RMSNorm weights of a layer: two (four in the Gemma family, whose attention and
+    MLP outputs are normed too), plus the per-head q and k norms of Qwen3 and Gemma 3."""
+    family = ARCHITECTURES.get(model.arch)
+    norms = (4 if family is not None and family.family == "gemma" else 2) * model.hidden_size
+    return norms + (2 * model.head_dim if model.qk_norm else 0)
+
+
+def _bias_params_per_layer(model: ModelConfig) -> int:
+    """The q/k/v biases of Qwen2-style models."""
+    return (model.num_heads + 2 * model.num_kv_heads) * model.head_dim if model.qkv_bias else 0
 
 
 def weight_bytes(
@@ -301,24 +312,32 @@ def weight_bytes(
 
     Notes
     -----
-    int4 linears cost 0.5 B/param + 4 B per group of :data:`INT4_GROUP_SIZE` (tinygemm's
-    packing: the CPU, or CUDA with ``int4_triton_min_rows > 1``), and on CUDA 0.5 B/param
-    + :data:`INT4_CUDA_SOURCE_GROUP_BYTES` per group of ``model.int4_group_size`` (32 for a
-    GGUF file's 4-bit blocks) for the source blocks the Triton kernels read (measured: docs/performance.md, plan vs measured memory); the
-    embedding, lm_head, norms and biases stay in ``config.dtype``.
+    int4 linears (:func:`weight_format`) keep their source blocks, 0.5 B/param +
+    :data:`INT4_SOURCE_GROUP_BYTES` per group (measured: docs/performance.md, plan vs
+    measured memory), and torch's packed copy, 0.5 B/param + a scale and a zero per group
+    in the kernel's activation dtype (bf16 on CUDA; on a CPU bf16 with bf16 instructions,
+    else ``config.dtype``: :func:`engine.weights.placement.cpu_int4_dtype_name`), on a
+    CPU always, on CUDA only with ``int4_triton_min_rows > 1``. Groups are
+    ``model.int4_group_size`` elements (32 for a GGUF file's 4-bit blocks), 32 for a
+    linear re-quantised at load whose input width is not a multiple of 128
+    (:func:`engine.weights.placement.requant_group_size`). The embedding, lm_head and a
+    float linear's bias stay in ``config.dtype``, the RMSNorm weights in float32
+    (:mod:`engine.model.llama` places them so); a CPU running int4 linears with bf16
+    products over a float32 model may add an fp16 copy of a tied head
+    (:func:`_cpu_fp16_head_bytes`).
     """
     start, end = layers if layers is not None else (0, model.num_layers)
     num_layers = end - start
     b = dtype_bytes(config.dtype)
     linear = _linear_params_per_layer(model) * num_layers
-    if weight_format(config, model) == "int4":
-        packed = linear // 2 + -(-linear // INT4_GROUP_SIZE) * INT4_GROUP_OVERHEAD_BYTES
-        if str(config.device).startswith("cuda"):
-            groups = -(-linear // model.int4_group_size)
-            source = linear // 2 + groups * INT4_CUDA_SOURCE_GROUP_BYTES
-            linear_bytes = source + (packed if config.int4_triton_min_rows > 1 else 0)
-        else:
-            linear_bytes = packed
+    fmt = weight_format(config, model)
+    cpu = str(config.device).split(":")[0] == "cpu"
+    if fmt == "int4":
+        groups = _int4_groups_per_layer(model) * num_layers
+        source = linear // 2 + groups * INT4_SOURCE_GROUP_BYTES
+        act = cpu_int4_dtype_name(config.dtype, placement.cpu_fast_bf16()) if cpu else "bfloat16"
+        packed = linear // 2 + groups * 2 * dtype_bytes(act)
+        linear_bytes = source + (packed if cpu or config.int4_triton_min_rows > 1 else 0)
     else:
         linear_bytes = linear * b
     vocab_matrix = model.vocab_size * model.hidden_size
@@ -326,10 +345,48 @@ def weight_bytes(
         vocab_params = vocab_matrix if (embed or head) else 0
     else:
         vocab_params = vocab_matrix * (int(embed) + int(head))
-    small = _small_params_per_layer(model) * num_layers + (
-        model.hidden_size if head else 0
-    )
-    return linear_bytes + (vocab_params + small) * b
+    norms = _norm_params_per_layer(model) * num_layers + (model.hidden_size if head else 0)
+    # an int4 linear's bias is not in its bytes (engine.weights.quant.Int4Linear.nbytes)
+    biases = _bias_params_per_layer(model) * num_layers if fmt == "float" else 0
+    head_copy = _cpu_fp16_head_bytes(model, config, fmt) if head else 0
+    return linear_bytes + (vocab_params + biases) * b + norms * NORM_BYTES + head_copy
+
+
+def _int4_groups_per_layer(model: ModelConfig) -> int:
+    """Quantisation groups of one layer's linears (``[N, K]``: q, k, v, o, gate, up,
+    down): ``model.int4_group_size`` elements along ``K``, or the group a linear whose
+    ``K`` it does not divide is re-quantised with at load."""
+    h, f = model.hidden_size, model.intermediate_size
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    total = 0
+    for n, k in ((q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f)):
+        g = model.int4_group_size if k % model.int4_group_size == 0 else requant_group_size(k)
+        total += n * k // g
+    return total
+
+
+def _cpu_fp16_head_bytes(
+    model: ModelConfig, config: EngineConfig, fmt: str, *, unmeasured_only: bool = False
+) -> int:
+    """The fp16 copy of a tied LM head that a CPU load keeps beside the float32 embedding
+    where its linears run int4 with bf16 products and fp16 measured faster on this machine
+    (:func:`engine.weights.quant.pick_cpu_lm_head`, recorded per machine:
+    :func:`engine.weights.placement.recorded_cpu_lm_head_fp16`): ``V x H x 2`` bytes,
+    counted too where no choice is recorded yet (the first load measures it); 0 elsewhere.
+    An untied head is replaced by its copy, which the head's float32 bytes cover.
+    ``unmeasured_only``: the bytes only where they are counted for want of a record."""
+    if (
+        str(config.device).split(":")[0] != "cpu"
+        or fmt != "int4"
+        or config.dtype != "float32"
+        or cpu_int4_dtype_name(config.dtype, placement.cpu_fast_bf16()) != "bfloat16"
+        or not model.tie_word_embeddings
+    ):
+        return 0
+    recorded = recorded_cpu_lm_head_fp16((model.vocab_size, model.hidden_size))
+    if recorded is False or (unmeasured_only and recorded is not None):
+        return 0
+    return model.vocab_size * model.hidden_size * 2
 
 
 # ----------------------------------------------------------------------------- KV
@@ -1258,6 +1315,15 @@ def _gather_bytes_per_step(model, config, jobs, context) -> int:
 
 def _notes(model, config, hardware, jobs, context) -> list[str]:
     notes = []
+    unmeasured = _cpu_fp16_head_bytes(
+        model, config, weight_format(config, model), unmeasured_only=True
+    )
+    if unmeasured:
+        notes.append(
+            f"the weights count an fp16 copy of the LM head ({_gib(unmeasured)}) that a run "
+            "keeps only where this machine measures it faster; none has measured it yet (the "
+            "first run does, and later plans count what it found)"
+        )
     if jobs > config.max_batch:
         notes.append(
             f"jobs={jobs} > max_batch={config.max_batch}: only {config.max_batch} decode at once"

@@ -108,21 +108,43 @@ def test_plan_refuses_a_bad_host_memory_variable(devices, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "fast,fmt,why",
-    [(True, "int4", "CPU has AVX512-BF16/AMX"), (False, "float", "no AVX512-BF16/AMX")],
+    "fast,gib,fmt,why",
+    [
+        (True, "0.24", "int4", "CPU has AVX512-BF16/AMX"),
+        (False, "0.50", "float", "no AVX512-BF16/AMX"),
+    ],
     ids=["bf16-cpu", "avx2-cpu"],
 )
-def test_plan_counts_the_embedded_model_as_run_places_it(devices, monkeypatch, fast, fmt, why):
+def test_plan_counts_the_embedded_model_as_run_places_it(
+    devices, monkeypatch, fast, gib, fmt, why
+):
     """A new user's CPU box (no CUDA: auto is the cpu preset): ``hisparse plan -n 1 -c 8K
-    --memory-budget 2`` plans the embedded model in the format ``hisparse run`` places it,
-    int4 where the CPU has bf16 instructions, float32 elsewhere, says which and why, and
-    the job fits. Before, it counted float32 weights everywhere."""
+    --memory-budget 2`` counts the embedded model's weights as ``hisparse run`` places
+    them, int4 (0.24 GiB) where the CPU has bf16 instructions, float32 (0.50 GiB)
+    elsewhere, with a 5 % reserve, and the job fits. Before, it counted float32 weights
+    and a 1 GiB reserve everywhere: 0 jobs, exit 2, where run ran with the same budget."""
     monkeypatch.setattr("engine.weights.placement.cpu_fast_bf16", lambda: fast)
+    # this machine measured its LM head: float32 kept (no fp16 copy)
+    monkeypatch.setattr("engine.capacity.planner.recorded_cpu_lm_head_fp16", lambda shape: False)
     args = ("plan", "-n", "1", "-c", "8K", "--memory-budget", "2")
     result = invoke(*args)
     assert result.exit_code == 0, result.output
-    weights = rf"│ weights +│ +[\d.]+ │ float32 / {fmt} weights \(auto: {why}\)"
+    weights = rf"│ weights +│ +{gib} │ float32 / {fmt} weights \(auto: {why}\)"
     assert re.search(weights, result.stdout), result.stdout
     assert re.search(r"│ reserve +│ +0\.10 │ 5 % \(CPU\)", result.stdout)
     data = json.loads(invoke(*args, "--json").stdout)
     assert data["weight_format"] == fmt and data["capacity"]["max_jobs"] >= 1
+
+
+def test_plan_under_a_small_cpu_budget_names_the_budget_that_fits(devices, monkeypatch):
+    """``hisparse plan -n 1 -c 8K --memory-budget 0.5`` on the CPU: refused, naming the
+    smallest ``--memory-budget`` with which the job fits; that command then plans it."""
+    monkeypatch.setattr("engine.weights.placement.cpu_fast_bf16", lambda: True)
+    monkeypatch.setattr("engine.capacity.planner.recorded_cpu_lm_head_fp16", lambda shape: False)
+    refused = invoke("plan", "-n", "1", "-c", "8K", "--memory-budget", "0.5")
+    assert refused.exit_code == 2
+    found = re.search(r"a larger budget: --memory-budget ([\d.]+)\n", refused.output)
+    assert found, refused.output
+    assert invoke("plan", "-n", "1", "-c", "8K", "--memory-budget", found[1]).exit_code == 0
+    less = f"{float(found[1]) - 0.01:.2f}"
+    assert invoke("plan", "-n", "1", "-c", "8K", "--memory-budget", less).exit_code == 2

@@ -73,13 +73,19 @@ def test_float_weights_match_published_parameter_counts():
 
 
 def test_int4_weights_keep_embeddings_and_head_in_bf16():
-    config = EngineConfig(weight_format="int4", dtype="bfloat16")
+    """On a CPU an int4 linear holds its source blocks (0.5 B/param + a float32 scale and
+    offset a group, for the prefill's dense GEMM) and torch's packed copy (0.5 B/param + a
+    bf16 scale and zero a group, for decode); the embedding and head stay in the dtype.
+    ``test_plan_counts_the_weights_a_cpu_load_places`` measures it against a load."""
+    config = EngineConfig(weight_format="int4", dtype="bfloat16", device="cpu")
     vocab_bytes = 2 * 32000 * 5120 * 2  # embedding + lm_head, untied, bf16
     linear = 40 * (5120 * 5120 * 2 + 5120 * 1024 * 2 + 3 * 5120 * 13824)
-    norms = (40 * 2 + 1) * 5120 * 2
-    expected = linear // 2 + linear // 128 * 4 + vocab_bytes + norms
+    norms = (40 * 2 + 1) * 5120 * 4  # RMSNorm weights are placed in float32
+    source = linear // 2 + linear // 128 * 8
+    packed = linear // 2 + linear // 128 * 4
+    expected = source + packed + vocab_bytes + norms
     assert weight_bytes(LLAMA13, config) == expected
-    assert 5.5 * GIB < expected < 6.5 * GIB
+    assert 11.5 * GIB < expected < 12 * GIB
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["bf16-cpu", "avx2-cpu"])
@@ -111,13 +117,107 @@ def test_plan_places_weights_by_the_loaders_rule(monkeypatch, fast, device, stor
         assert loads == ("int4" if device == "cuda" or (fast and stored == "Q4_1") else "float")
 
 
+def _placed(monkeypatch, fast: bool, config: EngineConfig, model: str = "synthetic:tiny"):
+    """``(shape, PlacedModel)``: ``model`` placed by ``engine.load.place_model`` with the CPU's
+    bf16 answer patched to ``fast`` where the loader and the planner read it; the tiny
+    synthetic model's 4-bit linears are named as a Q4_1 GGUF's, and its shape says so."""
+    import engine.weights.placement as placement
+    import engine.weights.quant as quant
+    from engine.load import load_weights, place_model
+    from engine.weights.synthetic import GROUP_SIZE
+
+    monkeypatch.setattr(quant, "cpu_fast_bf16", lambda: fast)
+    monkeypatch.setattr(placement, "cpu_fast_bf16", lambda: fast)
+    monkeypatch.setattr(quant, "_LM_HEAD_CHOICES", {})  # the record decides, as in a new run
+    if model.startswith("synthetic:"):
+        weights, tokenizer, name = load_weights(model, "ids")
+        n = weights.config.num_layers
+        names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+        q4 = {f"blk.{i}.{x}.weight": "Q4_1" for i in range(n) for x in names}
+        weights = dataclasses.replace(weights, formats={**q4, "token_embd.weight": "F32"})
+        shape = dataclasses.replace(weights.config, int4_group_size=GROUP_SIZE, int4_linears=True)
+        config = config.replace(tokenizer="ids")
+    else:
+        weights, tokenizer, name = load_weights(model)
+        shape = get_model_shape(model)
+    return shape, place_model(config, weights=(weights, tokenizer, name))
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["bf16-cpu", "avx2-cpu"])
+@pytest.mark.parametrize("weight_format", ["auto", "int4", "float"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plan_counts_the_weights_a_cpu_load_places(
+    monkeypatch, tmp_path, fast, weight_format, dtype
+):
+    """The plan's weights are the bytes ``place_model`` puts on a CPU, for each weight
+    format and either answer to "bf16 instructions?": ``auto`` is int4 only there and
+    with 4-bit linears (the loader's rule, one function); an int4 linear keeps its source
+    blocks and torch's packed copy (scales in bf16 where the products are); norms stay
+    float32. Before, a CPU plan counted ``auto`` as float (0.50 GiB for the embedded
+    model where run placed 0.24) and int4 linears as the packed copy alone. Before the
+    first load has measured the CPU LM head, the plan counts its fp16 copy: never fewer
+    bytes than the load places."""
+    from engine.capacity.planner import weight_format as planned_format
+    from engine.weights.synthetic import GROUP_SIZE, synthetic_shape
+
+    monkeypatch.setenv("HISPARSE_CACHE_DIR", str(tmp_path))  # no head measured yet
+    monkeypatch.setattr("engine.weights.placement.cpu_fast_bf16", lambda: fast)
+    config = EngineConfig(device="cpu", dtype=dtype, weight_format=weight_format)
+    tiny = synthetic_shape("tiny")
+    tiny = dataclasses.replace(tiny, int4_group_size=GROUP_SIZE, int4_linears=True)
+    before = weight_bytes(tiny, config)
+    shape, placed = _placed(monkeypatch, fast, config)
+    int4 = weight_format == "int4" or (weight_format == "auto" and fast)
+    assert placed.weight_format == planned_format(config, shape) == ("int4" if int4 else "float")
+    assert weight_bytes(shape, config) == placed.model.weight_bytes
+    assert before >= placed.model.weight_bytes
+
+
+@pytest.mark.parametrize("fp16", [True, False])
+def test_plan_counts_the_cpu_fp16_head_this_machine_recorded(monkeypatch, tmp_path, fp16):
+    """int4 linears with bf16 products over a float32 model: the load keeps an fp16 copy
+    of the tied head where this machine measured it faster (its record), and the plan
+    counts it (``V x H x 2``) exactly where the record says so."""
+    import engine.weights.quant as quant
+
+    monkeypatch.setenv("HISPARSE_CACHE_DIR", str(tmp_path))
+    quant._write_lm_head_record(quant._lm_head_key((49152, 128)), {"fp16": fp16, "note": ""})
+    config = EngineConfig(device="cpu", dtype="float32")
+    shape, placed = _placed(monkeypatch, True, config)
+    assert placed.weight_format == "int4"
+    assert isinstance(placed.model.lm_head, quant.CastLinear) == fp16
+    planned = weight_bytes(shape, config)
+    assert planned == placed.model.weight_bytes
+    quant._write_lm_head_record(quant._lm_head_key((49152, 128)), {"fp16": not fp16, "note": ""})
+    copy = 49152 * 128 * 2
+    assert weight_bytes(shape, config) == planned + (-copy if fp16 else copy)
+
+
+def test_plan_of_the_embedded_model_counts_what_run_places(
+    monkeypatch, tmp_path, smollm2_gguf_path
+):
+    """The new user's CPU box: ``hisparse plan`` (the ``smollm2-135m`` shape, or the GGUF
+    file) counts the embedded model's weights as ``hisparse run`` places them, int4 on a
+    CPU with bf16 instructions (0.24 GiB with a float32 head), float32 elsewhere (0.50)."""
+    import engine.weights.quant as quant
+
+    monkeypatch.setenv("HISPARSE_CACHE_DIR", str(tmp_path))  # this test's head record
+    quant._write_lm_head_record(quant._lm_head_key((49152, 576)), {"fp16": False, "note": ""})
+    for fast, gib in ((True, 0.24), (False, 0.50)):
+        config = EngineConfig(device="cpu", dtype="float32")
+        shape, placed = _placed(monkeypatch, fast, config, str(smollm2_gguf_path))
+        assert placed.model.weight_bytes / GIB == pytest.approx(gib, abs=0.005)
+        assert weight_bytes(shape, config) == placed.model.weight_bytes
+        assert weight_bytes(MODEL_SHAPES["smollm2-135m"], config) == placed.model.weight_bytes
+
+
 def test_int4_weights_on_cuda_count_tinygemm_copy_only_when_kept():
     """On CUDA the Triton kernels read the source blocks (0.5 B/param + 8 B a group);
     tinygemm's packed copy is counted only with ``int4_triton_min_rows`` above 1."""
     base = EngineConfig(weight_format="int4", dtype="bfloat16", device="cuda")
     vocab_bytes = 2 * 32000 * 5120 * 2
     linear = 40 * (5120 * 5120 * 2 + 5120 * 1024 * 2 + 3 * 5120 * 13824)
-    norms = (40 * 2 + 1) * 5120 * 2
+    norms = (40 * 2 + 1) * 5120 * 4  # RMSNorm weights are placed in float32
     source = linear // 2 + linear // 128 * 8
     packed = linear // 2 + linear // 128 * 4
     assert weight_bytes(LLAMA13, base) == source + vocab_bytes + norms
@@ -1011,6 +1111,10 @@ def test_plan_of_a_q4_gguf_counts_its_32_element_groups(smollm2_gguf_path):
     named = MODEL_SHAPES["smollm2-135m"]  # the shape name plans the embedded model
     assert dataclasses.replace(shape, rms_norm_eps=named.rms_norm_eps, name=named.name) == named
     config = EngineConfig(weight_format="int4", dtype="bfloat16", device="cuda")
-    at_128 = weight_bytes(dataclasses.replace(shape, int4_group_size=128), config)
     linear = _linear_params_per_layer(shape) * shape.num_layers
-    assert weight_bytes(shape, config) - at_128 == linear // 32 * 8 - linear // 128 * 8
+    rest = shape.vocab_size * shape.hidden_size * 2 + (2 * 30 + 1) * shape.hidden_size * 4
+    assert weight_bytes(shape, config) == linear // 2 + linear // 32 * 8 + rest
+    # tinygemm's copy, where kept, has the file's groups too: a bf16 scale and zero per 32
+    both = config.replace(int4_triton_min_rows=8)
+    packed = linear // 2 + linear // 32 * 4
+    assert weight_bytes(shape, both) - weight_bytes(shape, config) == packed
