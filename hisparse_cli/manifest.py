@@ -525,8 +525,8 @@ class OutputFolder:
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         return [
             f"input globs skipped {len(names)} file(s) in the output folder {self.shown} "
-            f"({', '.join(names[:3])}{more}): the files there are the run's results, never "
-            "read by a glob"
+            f"({', '.join(names[:3])}{more}): the run writes its results there, so no file "
+            "there is ever read by a glob; to use them, name them or choose another --output-dir"
         ]
 
 

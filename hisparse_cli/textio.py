@@ -28,6 +28,7 @@ name it ``standard input``.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import hashlib
 import re
 import stat
@@ -198,7 +199,7 @@ def read_document(
     first = first_control(data, text, codec) if _CONTROL_CHARS.search(text) else None
     text, removed = normalise_text(text)
     if not text.strip():
-        raise DocumentError(path, "is empty or only whitespace", digest)
+        raise DocumentError(path, EMPTY, digest)
     return Document(path, text, digest, removed, warning, first if removed else None)
 
 
@@ -241,6 +242,10 @@ def first_control(data: bytes, text: str, codec: str) -> tuple[int, int] | None:
     return at, before.count("\n") + before.count("\r") - before.count("\r\n") + 1
 
 
+EMPTY = "is empty or only whitespace"
+""":class:`DocumentError` reason of a document with no text."""
+
+
 def read_documents(
     paths: Sequence[Path],
     encoding: str = "utf-8",
@@ -249,8 +254,30 @@ def read_documents(
     stdin: bytes | None = None,
 ) -> list[Document]:
     """Read several documents (one job's inputs); the first failure raises. ``stdin``:
-    the bytes of standard input, for an input :data:`STDIN`."""
-    return [read_document(p, encoding, errors, allow_binary, stdin) for p in paths]
+    the bytes of standard input, for an input :data:`STDIN`.
+
+    Of a job over several files, an empty one adds nothing to the joined text, so it is
+    left out with a warning (on the first document kept) instead of failing the job (a
+    fresh user's ``input: '**/*.txt'`` failed for one empty file among six); a job whose
+    files are all empty raises the first one's :class:`DocumentError`."""
+    documents: list[Document] = []
+    empty: list[DocumentError] = []
+    for p in paths:
+        try:
+            documents.append(read_document(p, encoding, errors, allow_binary, stdin))
+        except DocumentError as exc:
+            if exc.reason != EMPTY or len(paths) == 1:
+                raise
+            empty.append(exc)
+    if not documents:
+        raise empty[0]
+    if empty:
+        names = ", ".join(shown_path(e.path) for e in empty)
+        note = f"left out {len(empty)} empty file(s) of the job's inputs: {names}"
+        first = documents[0]
+        warning = f"{first.warning}; {note}" if first.warning else note
+        documents[0] = dataclasses.replace(first, warning=warning)
+    return documents
 
 
 def join_documents(documents: Sequence[Document]) -> str:

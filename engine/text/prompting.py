@@ -79,7 +79,8 @@ def fit_document(
     Raises
     ------
     ValueError
-        If even an empty document does not fit (the instruction alone is too long).
+        If no part of the document fits beside the instruction and the omission mark
+        (the message says whether the instruction alone is over ``limit``).
     """
     prompt_len = len(render(document))
     if prompt_len <= limit:
@@ -95,4 +96,9 @@ def fit_document(
         if len(render(text)) <= limit:
             return text, Truncation(keep, len(doc_ids), len(doc_ids) - dropped)
         budget -= max(16, budget // 50)
-    raise ValueError(f"the instruction alone needs {overhead} tokens, over the limit of {limit}")
+    if overhead >= limit:
+        raise ValueError(f"the instruction alone needs {overhead} tokens, over the limit of {limit}")
+    raise ValueError(
+        f"the instruction needs {overhead} tokens and the mark of the cut text about 16 more: "
+        f"no room for any of the document within the limit of {limit}"
+    )

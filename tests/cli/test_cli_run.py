@@ -1420,3 +1420,24 @@ def test_job_where_names_the_document_standard_input_or_the_manifest_line():
     two = SimpleNamespace(inputs=(Path("a.txt"), Path("b.txt")), origin="m.yaml:3")
     assert where(two) == "a.txt and 1 more"
     assert where(SimpleNamespace(inputs=(), origin="batch.jsonl:4")) == "batch.jsonl:4"
+
+
+def test_an_empty_file_among_a_jobs_inputs_is_left_out_with_a_warning(cli, docs, tmp_path):
+    """Fresh-user finding: a manifest job over ``**/*.txt`` failed for good (``final:
+    input``) because one of its six files was empty, though the joined text was not. An
+    empty file adds nothing, so it is left out with a warning naming it; a job whose every
+    file is empty still fails as empty."""
+    (docs / "empty.txt").write_text("  \n")
+    (tmp_path / "none").mkdir()
+    (tmp_path / "none" / "a.txt").write_text("")
+    (tmp_path / "none" / "b.txt").write_text("\n")
+    (tmp_path / "jobs.yaml").write_text(
+        "jobs:\n  - id: all\n    input: 'docs/*.txt'\n  - id: none\n    input: 'none/*.txt'\n"
+    )
+    result = cli("--manifest", "jobs.yaml")
+    assert result.exit_code == 1, result.output
+    shown = " ".join(result.output.split())
+    assert f"all: left out 1 empty file(s) of the job's inputs: {docs / 'empty.txt'}" in shown
+    records = {r["id"]: r for r in read_results(tmp_path / "hisparse-out")}
+    assert records["all"]["ok"] and len(records["all"]["input_sha256"]) == 2
+    assert not records["none"]["ok"] and "is empty or only whitespace" in records["none"]["error"]

@@ -594,3 +594,29 @@ def test_template_that_trims_content_is_followed(tok):
     ids = trimming.encode_chat(messages)
     assert trimming.decode(ids, skip_special_tokens=False) == trimming.render_chat(messages)
     assert sum(i in _control_ids(tok) for i in ids) == 3
+
+
+def test_a_cut_that_cannot_fit_says_whether_the_instruction_alone_is_over():
+    """A fresh user's ``--max-context 100 --context-policy truncate`` read "the instruction
+    alone needs 68 tokens, over the limit of 70": the cut also keeps room for its mark
+    (about 16 tokens), so 68 was not over 70 but left no room for the document."""
+    from engine.text.prompting import fit_document
+
+    class Chars:  # one token per character
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+        def decode(self, ids):
+            return "".join(map(chr, ids))
+
+    tok = Chars()
+    instruction = "i" * 68
+    with pytest.raises(ValueError) as near:
+        fit_document(tok, "d" * 500, lambda doc: tok.encode(instruction + doc), 70, "head")
+    assert "68 tokens and the mark of the cut text about 16 more" in str(near.value)
+    assert "over the limit" not in str(near.value)
+    with pytest.raises(ValueError) as over:
+        fit_document(tok, "d" * 500, lambda doc: tok.encode(instruction + doc), 60, "head")
+    assert "the instruction alone needs 68 tokens, over the limit of 60" in str(over.value)
+    text, cut = fit_document(tok, "d" * 500, lambda doc: tok.encode(instruction + doc), 140, "head")
+    assert cut is not None and len(instruction + text) <= 140
