@@ -13,6 +13,7 @@ import typer.core
 
 from hisparse_cli import bench_cmd, eval_cmd, presets_cmd, quantize_cmd, replay_cmd
 from hisparse_cli import options as opt
+from hisparse_cli.pipes import guard_std_streams
 
 
 def _flag_type(self: typer.core.TyperOption, ctx: click.Context) -> str | None:
@@ -73,6 +74,9 @@ def main(
 
     Shell completion: `hisparse --install-completion` (bash, zsh, fish, PowerShell).
     """
+    # every command: a reader of stdout that exits early (`hisparse plan | head -1`) ends
+    # the output, not the command (run, eval and bench add where their results go)
+    guard_std_streams(notice=None)
 
 
 @app.command()

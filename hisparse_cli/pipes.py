@@ -95,9 +95,14 @@ class PipeGuard:
 
 
 def guard(stream: IO[str], notice: str | None = None, notice_to: IO[str] | None = None) -> IO[str]:
-    """``stream`` in a :class:`PipeGuard` (``stream`` itself if it is one already: the
-    first guard's notice stands)."""
+    """``stream`` in a :class:`PipeGuard` (``stream`` itself if it is one already, with a
+    ``notice`` given here replacing the general one: the app guards stdout for every
+    command, and ``run`` then says where its results go)."""
     if isinstance(stream, PipeGuard):
+        if notice is not None and (stream.notice is None or stream.notice == STDOUT_CLOSED):
+            stream.notice = notice
+            if notice_to is not None:
+                stream.notice_to = notice_to
         return stream
     return cast(IO[str], PipeGuard(stream, notice, notice_to))
 
@@ -124,11 +129,13 @@ def _to_devnull(stream: IO[str]) -> None:
         os.close(devnull)
 
 
-def guard_std_streams(notice: str = STDOUT_CLOSED) -> None:
+def guard_std_streams(notice: str | None = STDOUT_CLOSED) -> None:
     """:func:`guard` ``sys.stdout`` and ``sys.stderr`` themselves, for the commands that
     print through ``typer.echo`` and consoles made without a file (``hisparse eval``,
     ``hisparse bench``: their results go to files, ``eval.json`` / ``bench.json``, so a
-    closed stdout must not stop them either). Idempotent."""
+    closed stdout must not stop them either). ``notice=None``: silent, as the app guards
+    every command (``hisparse plan | head -1`` ends quietly, as other tools do).
+    Idempotent."""
     import sys
 
     sys.stderr = guard(sys.stderr)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.config import ConfigError, EngineConfig, ModelConfig, RopeScaling
-from engine.text.prompting import Truncation, fit_document
+from engine.text.prompting import NoRoomForDocument, Truncation, fit_document
 
 if TYPE_CHECKING:
     from engine.model.rope import Rope
@@ -145,8 +145,9 @@ def fit_prompt(
         Under ``refuse`` and ``extend``, a prompt whose size alone shows it cannot fit
         (``min_tokens`` over the limit less ``max_tokens``), refused without tokenising it;
         a prompt that fits is never refused this way (the engine checks the exact count).
-    ValueError
-        Under ``truncate``, when even an empty document does not fit.
+        Under ``truncate``, when no part of the document fits beside the instruction
+        (:class:`engine.text.prompting.NoRoomForDocument`), with the ``max_new_tokens``
+        that would leave room.
     """
 
     def render(text: str) -> list[int]:
@@ -162,9 +163,19 @@ def fit_prompt(
             )
         return ids, None
     if config.context_policy == "truncate":
-        document, cut = fit_document(
-            tokenizer, document, render, limit - max_tokens, config.truncate_keep
-        )
+        try:
+            document, cut = fit_document(
+                tokenizer, document, render, limit - max_tokens, config.truncate_keep
+            )
+        except NoRoomForDocument as exc:  # the same job fails the same way again: final
+            fits = limit - exc.needed
+            advice = (
+                f"max_new_tokens {fits} or less leaves room (now {max_tokens}; "
+                "--max-new-tokens), or raise --max-context"
+                if fits > 0
+                else "raise --max-context"
+            )
+            raise PromptTooLong(f"{exc}; {advice}") from None
         return render(document), cut
     at_least = tokenizer.min_tokens(tokenizer.render_chat(messages_of(document)))
     if at_least is not None and at_least + max_tokens > limit:

@@ -78,7 +78,7 @@ def fit_document(
 
     Raises
     ------
-    ValueError
+    NoRoomForDocument
         If no part of the document fits beside the instruction and the omission mark
         (the message says whether the instruction alone is over ``limit``).
     """
@@ -96,9 +96,28 @@ def fit_document(
         if len(render(text)) <= limit:
             return text, Truncation(keep, len(doc_ids), len(doc_ids) - dropped)
         budget -= max(16, budget // 50)
+    # the fewest prompt tokens a cut takes: the loop's first budget keeps 16 tokens for the
+    # mark and each later one 16 fewer, until the mark's real size fits beside one token
+    mark = len(encode(OMISSION.format(n=len(doc_ids))))
+    needed = overhead + 17 + 16 * max(0, -(-(mark - 16) // 16))
     if overhead >= limit:
-        raise ValueError(f"the instruction alone needs {overhead} tokens, over the limit of {limit}")
-    raise ValueError(
-        f"the instruction needs {overhead} tokens and the mark of the cut text about 16 more: "
-        f"no room for any of the document within the limit of {limit}"
+        where = "over" if overhead > limit else "all of"
+        raise NoRoomForDocument(
+            f"the instruction alone needs {overhead} tokens, {where} the limit of {limit}",
+            needed,
+        )
+    raise NoRoomForDocument(
+        f"the instruction needs {overhead} tokens and the mark of the cut text {mark} more: "
+        f"no room for any of the document within the limit of {limit}",
+        needed,
     )
+
+
+class NoRoomForDocument(ValueError):
+    """:func:`fit_document` found no room for any of the document: ``needed`` is about the
+    fewest prompt tokens a cut prompt takes (the instruction, the omission mark and one
+    token of the document), for the caller's advice."""
+
+    def __init__(self, message: str, needed: int) -> None:
+        super().__init__(message)
+        self.needed = needed

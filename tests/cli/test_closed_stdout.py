@@ -247,3 +247,24 @@ def test_eval_and_bench_guard_their_output_first(monkeypatch, tmp_path, command,
     )
     assert result.exit_code == 2, result.output
     assert len(calls) == 1 and str(tmp_path) in calls[0]
+
+
+def test_plan_piped_into_a_reader_that_exits_early_ends_quietly(tmp_path):
+    """Fresh-user finding: ``hisparse plan ... | head -1`` and ``presets show cpu | head
+    -1`` exited 1. Every command's stdout is guarded by the app (quietly: no notice)."""
+    import subprocess
+    import sys
+
+    for args in (["plan", "--jobs", "1", "--context", "8K"], ["presets", "show", "cpu"]):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hisparse_cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        )
+        proc.stdout.close()  # the reader exits before the first line
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 0, err
+        assert "Traceback" not in err and "Broken pipe" not in err
+        assert "stdout was closed" not in err  # quietly, as other tools end

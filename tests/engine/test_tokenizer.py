@@ -613,10 +613,43 @@ def test_a_cut_that_cannot_fit_says_whether_the_instruction_alone_is_over():
     instruction = "i" * 68
     with pytest.raises(ValueError) as near:
         fit_document(tok, "d" * 500, lambda doc: tok.encode(instruction + doc), 70, "head")
-    assert "68 tokens and the mark of the cut text about 16 more" in str(near.value)
+    assert "68 tokens and the mark of the cut text 30 more" in str(near.value)
     assert "over the limit" not in str(near.value)
     with pytest.raises(ValueError) as over:
         fit_document(tok, "d" * 500, lambda doc: tok.encode(instruction + doc), 60, "head")
     assert "the instruction alone needs 68 tokens, over the limit of 60" in str(over.value)
+    with pytest.raises(ValueError) as equal:
+        fit_document(tok, "d" * 500, lambda doc: tok.encode(instruction + doc), 68, "head")
+    assert "needs 68 tokens, all of the limit of 68" in str(equal.value)
     text, cut = fit_document(tok, "d" * 500, lambda doc: tok.encode(instruction + doc), 140, "head")
     assert cut is not None and len(instruction + text) <= 140
+
+
+def test_a_truncate_that_cannot_fit_is_final_and_names_the_max_new_tokens_that_fits():
+    """Fresh-user finding: under ``truncate`` a prompt with no room for its document failed
+    with a ValueError (not final: every re-run loaded the model to fail again) and named
+    no fix. It is a PromptTooLong, naming the ``max_new_tokens`` that leaves room."""
+    from engine.config import EngineConfig
+    from engine.text.context import PromptTooLong, fit_prompt
+
+    class Chars:  # one token per character; the chat template is the instruction + text
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+        def decode(self, ids):
+            return "".join(map(chr, ids))
+
+        def encode_chat(self, messages):
+            return self.encode("i" * 68 + messages[0]["content"])
+
+    config = EngineConfig(context_policy="truncate")
+    messages = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+    with pytest.raises(PromptTooLong) as info:
+        fit_prompt(Chars(), messages, "d" * 500, 120, 40, config)
+    # the mark "\n[... 500 tokens omitted ...]\n" is 30 characters: 68 + 17 + 16 = 101 needed
+    assert "max_new_tokens 19 or less leaves room (now 40; --max-new-tokens)" in str(info.value)
+    ids, cut = fit_prompt(Chars(), messages, "d" * 500, 120, 19, config)  # the advice works
+    assert cut is not None and len(ids) + 19 <= 120
+    with pytest.raises(PromptTooLong) as none:
+        fit_prompt(Chars(), messages, "d" * 500, 80, 40, config)
+    assert str(none.value).endswith("; raise --max-context")
