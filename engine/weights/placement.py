@@ -142,6 +142,20 @@ def read_lm_head_records() -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def write_lm_head_record(key: str, value: dict) -> None:
+    """Add one record to :func:`lm_head_record_path`, atomically (a temporary file renamed
+    over the old one); nothing when the folder cannot be written."""
+    path = lm_head_record_path()
+    data = {**read_lm_head_records(), key: value}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 def recorded_cpu_lm_head_fp16(shape: tuple[int, int]) -> bool | None:
     """The CPU LM head choice recorded on this machine for a head of ``shape`` (``V, H``)
     under the installed torch: ``True`` fp16, ``False`` float32, ``None`` when none is

@@ -38,8 +38,6 @@ Compute formats (:func:`make_linear`):
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,9 +48,9 @@ from engine.weights.placement import (
     cpu_fast_bf16,
     cpu_int4_dtype_name,
     lm_head_key,
-    lm_head_record_path,
     read_lm_head_records,
     requant_group_size,
+    write_lm_head_record,
 )
 
 
@@ -279,7 +277,7 @@ def pick_cpu_lm_head(head: DenseLinear, repeats: int = 3, gain: float = 0.8) -> 
     Returns ``(linear, note)``: the head to use and a model-line note of what was measured
     (best of ``repeats`` one-row products each, fp16 kept when at most ``gain`` of the
     float32 time). The choice is measured once per machine, torch version and head shape,
-    and kept in :func:`lm_head_record_path` (and per process in :data:`_LM_HEAD_CHOICES`):
+    and kept in :func:`engine.weights.placement.lm_head_record_path` (and per process in :data:`_LM_HEAD_CHOICES`):
     the fp16 head's logits differ from float32's by about 0.01, enough to flip a near tie of
     greedy decoding, so a choice timed anew at every load would let the same command answer
     differently on a busy and on an idle machine (two engines loaded side by side on a busy
@@ -335,20 +333,7 @@ def _lm_head_key(shape: tuple[int, ...]) -> str:
 
 
 _read_lm_head_records = read_lm_head_records
-
-
-def _write_lm_head_record(key: str, value: dict) -> None:
-    """Add one record, atomically (a temporary file renamed over the old one); nothing
-    when the folder cannot be written."""
-    path = lm_head_record_path()
-    data = {**_read_lm_head_records(), key: value}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        pass
+_write_lm_head_record = write_lm_head_record
 
 
 class Int4Linear(Linear):

@@ -143,6 +143,7 @@ def test_head_fp16_when_measured_faster_float32_otherwise(monkeypatch, tmp_path)
     """pick_cpu_lm_head keeps the fp16 copy exactly when its timed product is at most
     ``gain`` of float32's (the timer patched: the choice, not this box's speed, is tested);
     the fp16 head's logits are float32 and within fp16 rounding of the float32 head's."""
+    import engine.weights.placement as placement
     import engine.weights.quant as quant
 
     w = torch.randn(300, 64, generator=torch.Generator().manual_seed(2)) * 0.05
@@ -172,12 +173,12 @@ def test_head_fp16_when_measured_faster_float32_otherwise(monkeypatch, tmp_path)
     assert isinstance(again, quant.CastLinear)
     assert again_note == "; LM head fp16 (2000.0 vs 10000.0 ms float32, measured on this machine before)"
     quant._LM_HEAD_CHOICES.clear()
-    quant.lm_head_record_path().unlink()  # deleted: measured again
+    placement.lm_head_record_path().unlink()  # deleted: measured again
     clock = iter([0, 10, 0, 10, 0, 10] + [0, 9, 0, 9, 0, 9])  # fp16 only 10% faster
     lin, note = quant.pick_cpu_lm_head(head)
     assert lin is head and "LM head float32 (fp16 9000.0 vs 10000.0 ms" in note
     quant._LM_HEAD_CHOICES.clear()
-    quant.lm_head_record_path().write_text("{not json")  # unreadable: measured again
+    placement.lm_head_record_path().write_text("{not json")  # unreadable: measured again
     clock = iter([0, 10, 0, 10, 0, 10] + [0, 2, 0, 2, 0, 2])
     lin, note = quant.pick_cpu_lm_head(head)
     assert isinstance(lin, quant.CastLinear) and note.endswith("measured)")
