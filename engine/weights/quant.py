@@ -277,7 +277,8 @@ def pick_cpu_lm_head(head: DenseLinear, repeats: int = 3, gain: float = 0.8) -> 
     Returns ``(linear, note)``: the head to use and a model-line note of what was measured
     (best of ``repeats`` one-row products each, fp16 kept when at most ``gain`` of the
     float32 time). The choice is measured once per machine, torch version and head shape,
-    and kept in :func:`engine.weights.placement.lm_head_record_path` (and per process in :data:`_LM_HEAD_CHOICES`):
+    and kept in :func:`engine.weights.placement.lm_head_record_path` (and per process in
+    :data:`_LM_HEAD_CHOICES`):
     the fp16 head's logits differ from float32's by about 0.01, enough to flip a near tie of
     greedy decoding, so a choice timed anew at every load would let the same command answer
     differently on a busy and on an idle machine (two engines loaded side by side on a busy
