@@ -23,7 +23,9 @@ fp8 pool (``float8_e4m3fn``, with ``pool_scale``) receives the fp8 values and th
 exponent, a pool in the compute dtype (all-resident) the rounded token; the metadata and
 the resident tail slot get the rounded token too, which is what the gather dequantises, so
 the hierarchical path reads exactly what an all-resident fp8-rounded pool holds. Staging
-keeps the token as given (the late pool write rounds it).
+keeps the token as given (the late pool write rounds it). An fp8 hot buffer
+(``hot_buffer_dtype=fp8``: ``float8_e4m3fn`` slots with ``slot_scale``) receives the fp8
+values and exponent, as an fp8 pool does.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def append_kv_ref(
     staging: torch.Tensor | None = None,
     fp8: bool = False,
     pool_scale: torch.Tensor | None = None,
+    slot_scale: torch.Tensor | None = None,
 ) -> None:
     """Write each request's new key/value and update page metadata, in place.
 
@@ -83,16 +86,22 @@ def append_kv_ref(
         module docstring)
     pool_scale : int8 ``[P_pool, Hkv, 2, S]`` scale exponents of an fp8 ``kv_pool``
         (``float8_e4m3fn``; needs ``fp8``), written with the pool
+    slot_scale : int8 ``[N, 2, S]`` scale exponents of fp8 ``kv_slots`` (needs ``fp8``),
+        written with the resident tail slot
 
     Raises
     ------
-    ValueError : an fp8 ``kv_pool`` written without ``pool_scale`` and ``fp8``
+    ValueError : an fp8 ``kv_pool`` written without ``pool_scale`` and ``fp8``, or fp8
+        ``kv_slots`` without ``slot_scale`` and ``fp8``
     """
     b, hkv, _ = k.shape
     s = kv_pool.shape[3]
     pool_fp8 = kv_pool.dtype == FP8
     if write_pool and pool_fp8 and (pool_scale is None or not fp8):
         raise ValueError("an fp8 kv_pool needs pool_scale and fp8=True")
+    slots_fp8 = kv_slots is not None and kv_slots.dtype == FP8
+    if slots_fp8 and (slot_scale is None or not fp8):
+        raise ValueError("fp8 kv_slots need slot_scale and fp8=True")
     if staging is not None:
         staging[:, :, 0] = k.to(staging.device, staging.dtype)
         staging[:, :, 1] = v.to(staging.device, staging.dtype)
@@ -127,6 +136,13 @@ def append_kv_ref(
     res = slot >= 0
     if bool(res.any()):
         bi, hi = torch.nonzero(res, as_tuple=True)
+        if slots_fp8:  # through a uint8 view, as the fp8 pool
+            raw = kv_slots.view(torch.uint8)
+            raw[slot[res], 0, off[bi]] = qk[bi, hi].to(raw.device).view(torch.uint8)
+            raw[slot[res], 1, off[bi]] = qv[bi, hi].to(raw.device).view(torch.uint8)
+            slot_scale[slot[res], 0, off[bi]] = ek[bi, hi].to(slot_scale.device)
+            slot_scale[slot[res], 1, off[bi]] = ev[bi, hi].to(slot_scale.device)
+            return
         kv_slots[slot[res], 0, off[bi]] = k[bi, hi].to(kv_slots.dtype)
         kv_slots[slot[res], 1, off[bi]] = v[bi, hi].to(kv_slots.dtype)
 
@@ -179,6 +195,7 @@ def _append_kv_kernel(
     slab_ids_ptr,
     staging_ptr,
     scale_ptr,
+    slot_scale_ptr,
     num_kv_heads,
     stride_k_b,
     stride_k_h,
@@ -204,6 +221,8 @@ def _append_kv_kernel(
     stride_sc_p,
     stride_sc_h,
     stride_sc_kv,
+    stride_ss_n,
+    stride_ss_kv,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -213,6 +232,7 @@ def _append_kv_kernel(
     HAS_STAGING: tl.constexpr,
     FP8: tl.constexpr,
     POOL_FP8: tl.constexpr,
+    SLOTS_FP8: tl.constexpr,
 ):
     """One (request, KV head): staging copy, pool write, metadata min/max, resident tail
     write (each behind its flag); with ``FP8`` the token is rounded through fp8 first."""
@@ -279,8 +299,15 @@ def _append_kv_kernel(
         slot = tl.load(page_table_ptr + slab * stride_pt_slab + page).to(tl.int64)
         if slot >= 0:
             dst = slots_ptr + slot * stride_slots_n + off * stride_slots_s
-            tl.store(dst + offs_d, k.to(slots_ptr.dtype.element_ty), mask=mask_d)
-            tl.store(dst + stride_slots_kv + offs_d, v.to(slots_ptr.dtype.element_ty), mask=mask_d)
+            if SLOTS_FP8:
+                tl.store(dst + offs_d, kq, mask=mask_d)
+                tl.store(dst + stride_slots_kv + offs_d, vq, mask=mask_d)
+                ss = slot_scale_ptr + slot * stride_ss_n + off
+                tl.store(ss, ek.to(tl.int8))
+                tl.store(ss + stride_ss_kv, ev.to(tl.int8))
+            else:
+                tl.store(dst + offs_d, k.to(slots_ptr.dtype.element_ty), mask=mask_d)
+                tl.store(dst + stride_slots_kv + offs_d, v.to(slots_ptr.dtype.element_ty), mask=mask_d)
 
 
 def _unused(t: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -318,6 +345,52 @@ def check_pool_writes(
     return write_scale, (pool_scale if write_scale else _unused(k, 4))  # unused: never read
 
 
+def check_slot_writes(
+    kv_slots: torch.Tensor | None,
+    page_table: torch.Tensor | None,
+    slab_ids: torch.Tensor | None,
+    slot_scale: torch.Tensor | None,
+    fp8: bool,
+    shape: tuple[int, int, int, int],
+    dev: torch.device,
+    k: torch.Tensor,
+) -> tuple[bool, torch.Tensor]:
+    """Checks of the append kernels' hot-buffer arguments: ``kv_slots [N, 2, S, D]``
+    (bf16/fp16/fp32, or float8_e4m3fn with int8 ``slot_scale [N, 2, S]`` and ``fp8``),
+    int32 ``page_table [num_slabs, P_max]`` and ``slab_ids [B, Hkv]``, all or none, on
+    ``dev``; ``shape`` is ``(B, Hkv, S, D)``. Returns ``(slots_fp8, slot_scale)``: whether
+    the slots are fp8, and the scale argument to pass (a placeholder when not).
+
+    Raises
+    ------
+    ValueError : the three given apart, a shape, dtype or device that does not match
+    """
+    b, hkv, s, d = shape
+    has_slots = kv_slots is not None
+    require(
+        has_slots == (page_table is not None) == (slab_ids is not None),
+        "kv_slots, page_table and slab_ids go together",
+    )
+    if not has_slots:
+        return False, _unused(k, 3)
+    check_tensor("kv_slots", kv_slots, 4, (*FLOAT_DTYPES, FP8))
+    check_tensor("page_table", page_table, 2, INDEX_DTYPES)
+    check_tensor("slab_ids", slab_ids, 2, INDEX_DTYPES, unit_last=False)
+    require(
+        kv_slots.shape[1:] == (2, s, d),
+        f"kv_slots must be [N, 2, {s}, {d}], got {tuple(kv_slots.shape)}",
+    )
+    check_shape("slab_ids", slab_ids, (b, hkv))
+    check_device(dev, kv_slots=kv_slots, page_table=page_table, slab_ids=slab_ids)
+    if kv_slots.dtype != FP8:
+        return False, _unused(k, 3)
+    require(fp8 and slot_scale is not None, "fp8 kv_slots need slot_scale and fp8=True")
+    check_tensor("slot_scale", slot_scale, 3, (torch.int8,))
+    check_shape("slot_scale", slot_scale, (kv_slots.shape[0], 2, s))
+    check_device(dev, slot_scale=slot_scale)
+    return True, slot_scale
+
+
 def append_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -333,6 +406,7 @@ def append_kv(
     staging: torch.Tensor | None = None,
     fp8: bool = False,
     pool_scale: torch.Tensor | None = None,
+    slot_scale: torch.Tensor | None = None,
 ) -> None:
     """Triton :func:`append_kv_ref`: same arguments, bit-identical results, one launch.
 
@@ -350,6 +424,8 @@ def append_kv(
     staging : ``[B, Hkv, 2, D]`` on the device, unit stride on ``D``, or ``None``
     fp8, pool_scale : as in :func:`append_kv_ref`; ``pool_scale`` int8 ``[P_pool, Hkv, 2,
         S]`` where ``kv_pool`` lives, unit stride on ``S``
+    slot_scale : int8 ``[N, 2, S]`` on the device, unit stride on ``S``: with fp8
+        ``kv_slots`` (needs ``fp8``)
 
     Raises
     ------
@@ -384,21 +460,10 @@ def append_kv(
         check_device(dev, staging=staging)
     write_scale, scale = check_pool_writes(kv_pool, pool_scale, write_pool, dev, k)
     has_slots = kv_slots is not None
-    require(
-        has_slots == (page_table is not None) == (slab_ids is not None),
-        "kv_slots, page_table and slab_ids go together",
+    slots_fp8, slot_scale = check_slot_writes(
+        kv_slots, page_table, slab_ids, slot_scale, fp8, (b, hkv, s, d), dev, k
     )
-    if has_slots:
-        check_tensor("kv_slots", kv_slots, 4, FLOAT_DTYPES)
-        check_tensor("page_table", page_table, 2, INDEX_DTYPES)
-        check_tensor("slab_ids", slab_ids, 2, INDEX_DTYPES, unit_last=False)
-        require(
-            kv_slots.shape[1:] == (2, s, d),
-            f"kv_slots must be [N, 2, {s}, {d}], got {tuple(kv_slots.shape)}",
-        )
-        check_shape("slab_ids", slab_ids, (b, hkv))
-        check_device(dev, kv_slots=kv_slots, page_table=page_table, slab_ids=slab_ids)
-    else:
+    if kv_slots is None:
         kv_slots, page_table, slab_ids = _unused(k, 4), block_table, positions.view(-1, 1)
     has_meta, has_staging = meta is not None, staging is not None
     meta = meta if has_meta else _unused(k, 4)
@@ -419,6 +484,7 @@ def append_kv(
         slab_ids,
         staging,
         scale,
+        slot_scale,
         hkv,
         k.stride(0),
         k.stride(1),
@@ -444,6 +510,8 @@ def append_kv(
         scale.stride(0),
         scale.stride(1),
         scale.stride(2),
+        slot_scale.stride(0),
+        slot_scale.stride(1),
         D=d,
         BLOCK_D=next_pow2(d),
         PAGE_SIZE=s,
@@ -453,5 +521,6 @@ def append_kv(
         HAS_STAGING=has_staging,
         FP8=fp8,
         POOL_FP8=write_scale,
+        SLOTS_FP8=slots_fp8,
         num_warps=1,
     )

@@ -11,7 +11,10 @@ record of the load list, with no host synchronisation and no copy-engine calls.
 An fp8 host pool (``kv_host_dtype=fp8``: ``float8_e4m3fn`` records and their int8 scale
 exponents, :mod:`kernels.fp8_kv`) is dequantised to the hot buffer's dtype as it is
 copied: :func:`gather_fp8` reads half the bytes over the link and writes what
-:func:`kernels.fp8_kv.fp8_dequantize_ref` gives, bit for bit.
+:func:`kernels.fp8_kv.fp8_dequantize_ref` gives, bit for bit. An fp8 hot buffer
+(``hot_buffer_dtype=fp8``: ``float8_e4m3fn`` slots and ``slot_scale [N, 2, S]`` int8) gets
+the records and their exponents as stored: attention dequantises them as it reads
+(:mod:`kernels.sparse_attention`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kernels._launch import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_device,
+    check_shape,
     check_tensor,
     host_visible,
     next_pow2,
@@ -40,9 +44,10 @@ def gather_ref(
     load_pages: torch.Tensor,
     load_slots: torch.Tensor,
     pool_scale: torch.Tensor | None = None,
+    slot_scale: torch.Tensor | None = None,
 ) -> None:
     """Copy each load-list entry ``(b, h, page) -> slot`` in place, byte-exact (with
-    ``pool_scale``: dequantised from fp8).
+    ``pool_scale``: dequantised from fp8, or with fp8 slots copied as stored).
 
     Parameters
     ----------
@@ -53,7 +58,16 @@ def gather_ref(
     load_slots : int32 ``[B, Hkv, K]`` destination slot, -1 for no load
     pool_scale : int8 ``[P_pool, Hkv, 2, S]`` scale exponents of an fp8 ``kv_pool``
         (``float8_e4m3fn``); ``None`` for a pool in the slots' dtype
+    slot_scale : int8 ``[N, 2, S]`` scale exponents of fp8 ``kv_slots`` (an fp8 hot buffer,
+        from an fp8 pool): receives the records' exponents
+
+    Raises
+    ------
+    ValueError : fp8 ``kv_slots`` without an fp8 pool, ``pool_scale`` and ``slot_scale``
     """
+    slots_fp8 = kv_slots.dtype == FP8
+    if slots_fp8 and (pool_scale is None or slot_scale is None or kv_pool.dtype != FP8):
+        raise ValueError("fp8 kv_slots need an fp8 kv_pool, pool_scale and slot_scale")
     mask = load_slots >= 0
     if not bool(mask.any()):
         return
@@ -67,6 +81,12 @@ def gather_ref(
         rows = kv_pool.view(-1, *kv_pool.shape[2:]).index_select(0, pp * hkv + hh)
         dst = load_slots[mask].long().to(kv_slots.device)
         kv_slots.index_copy_(0, dst, rows.to(kv_slots.device, kv_slots.dtype, non_blocking=True))
+        return
+    if slots_fp8:  # fp8 records and their exponents as stored, through uint8 views
+        dst = load_slots[mask].long().to(kv_slots.device)
+        raw = kv_pool.view(torch.uint8)[pp, hh]
+        kv_slots.view(torch.uint8)[dst] = raw.to(kv_slots.device, non_blocking=True)
+        slot_scale[dst] = pool_scale[pp, hh].to(slot_scale.device, non_blocking=True)
         return
     if pool_scale is None:
         src = kv_pool[pp, hh]
@@ -141,6 +161,7 @@ def gather(
     load_pages: torch.Tensor,
     load_slots: torch.Tensor,
     pool_scale: torch.Tensor | None = None,
+    slot_scale: torch.Tensor | None = None,
 ) -> None:
     """Triton :func:`gather_ref`: byte-exact, one launch, no host synchronisation (an
     fp8 pool, with ``pool_scale``, goes to :func:`gather_fp8`).
@@ -152,10 +173,14 @@ def gather(
     kv_slots : ``[N, 2, S, D]`` on the device, same dtype, records contiguous
     block_table : int32/int64 ``[B, P_max]``, unit stride on ``P_max``
     load_pages, load_slots : int32/int64 ``[B, Hkv, K]``, unit stride on ``K``
-    pool_scale : see :func:`gather_fp8`
+    pool_scale, slot_scale : see :func:`gather_fp8`
+
+    Raises
+    ------
+    ValueError : a shape, dtype, stride or device that does not match the above
     """
     if pool_scale is not None:
-        gather_fp8(kv_pool, kv_slots, block_table, load_pages, load_slots, pool_scale)
+        gather_fp8(kv_pool, kv_slots, block_table, load_pages, load_slots, pool_scale, slot_scale)
         return
     check_tensor("kv_pool", kv_pool, 5, (kv_pool.dtype,))
     check_tensor("kv_slots", kv_slots, 4, (kv_pool.dtype,))
@@ -214,6 +239,7 @@ def _gather_fp8_kernel(
     pool_ptr,
     scale_ptr,
     slots_ptr,
+    slot_scale_ptr,
     block_table_ptr,
     load_pages_ptr,
     load_slots_ptr,
@@ -225,6 +251,7 @@ def _gather_fp8_kernel(
     stride_sc_p,
     stride_sc_h,
     stride_slots_n,
+    stride_ss_n,
     stride_bt_b,
     stride_lp_b,
     stride_lp_h,
@@ -233,11 +260,13 @@ def _gather_fp8_kernel(
     D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    RAW: tl.constexpr,
 ):
     """One (load-list entry, block of ``BLOCK_R`` rows): dequantise the rows of a load.
 
     A record is ``2 x S`` rows of ``D`` fp8 values (keys then values) with one int8
     exponent per row; row ``r`` of the slot gets ``q[r] * 2**e[r]`` in the slots' dtype.
+    ``RAW`` (fp8 slots): the rows and exponents are copied as stored.
     """
     entry = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -255,12 +284,16 @@ def _gather_fp8_kernel(
         mask = rmask[:, None] & (cols < D)[None, :]
         offs = rows[:, None] * D + cols[None, :]
         src = pool_ptr + pool_page * stride_pool_p + h * stride_pool_h
-        q = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
         e = tl.load(scale_ptr + pool_page * stride_sc_p + h * stride_sc_h + rows, mask=rmask, other=0)
-        scale = ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-        out = q * scale[:, None]
         dst = slots_ptr + slot.to(tl.int64) * stride_slots_n
-        tl.store(dst + offs, out.to(slots_ptr.dtype.element_ty), mask=mask)
+        if RAW:
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+            tl.store(slot_scale_ptr + slot.to(tl.int64) * stride_ss_n + rows, e, mask=rmask)
+        else:
+            q = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+            scale = ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+            out = q * scale[:, None]
+            tl.store(dst + offs, out.to(slots_ptr.dtype.element_ty), mask=mask)
 
 
 def gather_fp8(
@@ -270,6 +303,7 @@ def gather_fp8(
     load_pages: torch.Tensor,
     load_slots: torch.Tensor,
     pool_scale: torch.Tensor,
+    slot_scale: torch.Tensor | None = None,
 ) -> None:
     """Triton :func:`gather_ref` of an fp8 pool: one launch, no host synchronisation.
 
@@ -277,13 +311,20 @@ def gather_fp8(
     ----------
     kv_pool : float8_e4m3fn ``[P_pool, Hkv, 2, S, D]`` on the device or in pinned host
         memory, each record ``[2, S, D]`` contiguous
-    kv_slots : ``[N, 2, S, D]`` float32/bfloat16/float16 on the device, records contiguous
+    kv_slots : ``[N, 2, S, D]`` float32/bfloat16/float16 (dequantised into) or
+        float8_e4m3fn (copied into, with ``slot_scale``) on the device, records contiguous
     block_table, load_pages, load_slots : as in :func:`gather`
     pool_scale : int8 ``[P_pool, Hkv, 2, S]`` where ``kv_pool`` lives, each record's
         ``[2, S]`` contiguous
+    slot_scale : int8 ``[N, 2, S]`` on the device, each slot's ``[2, S]`` contiguous: the
+        exponents of fp8 ``kv_slots`` (required then)
+
+    Raises
+    ------
+    ValueError : a shape, dtype, stride or device that does not match the above
     """
     check_tensor("kv_pool", kv_pool, 5, (FP8,))
-    check_tensor("kv_slots", kv_slots, 4, FLOAT_DTYPES)
+    check_tensor("kv_slots", kv_slots, 4, (*FLOAT_DTYPES, FP8))
     check_tensor("pool_scale", pool_scale, 4, (torch.int8,))
     check_tensor("block_table", block_table, 2, INDEX_DTYPES)
     check_tensor("load_pages", load_pages, 3, INDEX_DTYPES)
@@ -311,6 +352,15 @@ def gather_fp8(
         )
     require(pool_scale.stride(2) == s, f"pool_scale rows must be contiguous, got {pool_scale.stride()}")
     dev = kv_slots.device
+    raw = kv_slots.dtype == FP8
+    if raw:
+        require(slot_scale is not None, "fp8 kv_slots need slot_scale")
+        check_tensor("slot_scale", slot_scale, 3, (torch.int8,))
+        check_shape("slot_scale", slot_scale, (kv_slots.shape[0], two, s))
+        require(slot_scale.stride(1) == s, f"slot_scale rows must be contiguous, got {slot_scale.stride()}")
+        check_device(dev, slot_scale=slot_scale)
+    else:
+        slot_scale = pool_scale.as_strided((1,), (0,))  # never read
     check_device(dev, block_table=block_table, load_pages=load_pages, load_slots=load_slots)
     for name, t in (("kv_pool", kv_pool), ("pool_scale", pool_scale)):
         require(host_visible(t, dev), f"{name} on {t.device} is not addressable from {dev} (pin host memory)")
@@ -325,6 +375,7 @@ def gather_fp8(
         kv_pool,
         pool_scale,
         kv_slots,
+        slot_scale,
         block_table,
         load_pages,
         load_slots,
@@ -336,6 +387,7 @@ def gather_fp8(
         pool_scale.stride(0),
         pool_scale.stride(1),
         kv_slots.stride(0),
+        slot_scale.stride(0),
         block_table.stride(0),
         load_pages.stride(0),
         load_pages.stride(1),
@@ -344,5 +396,6 @@ def gather_fp8(
         D=d,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
+        RAW=raw,
         num_warps=8,
     )

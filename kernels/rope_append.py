@@ -46,6 +46,7 @@ from kernels.append_kv import (
     _unused,
     append_kv_ref,
     check_pool_writes,
+    check_slot_writes,
 )
 from kernels.fp8_kv import FP8
 
@@ -132,6 +133,7 @@ def rope_append_ref(
     staging: torch.Tensor | None = None,
     fp8: bool = False,
     pool_scale: torch.Tensor | None = None,
+    slot_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k at ``positions``, then append the rotated key and ``v``.
 
@@ -142,8 +144,8 @@ def rope_append_ref(
     positions : int ``[B]`` 0-based position of the new token
     rope : :class:`RopeParams`
     block_table, kv_pool, meta, kv_slots, page_table, slab_ids, write_pool, staging, fp8,
-        pool_scale : as :func:`kernels.append_kv.append_kv_ref` (receive the rotated key;
-        with ``fp8`` it is rounded through fp8 where the append rounds it)
+        pool_scale, slot_scale : as :func:`kernels.append_kv.append_kv_ref` (receive the
+        rotated key; with ``fp8`` it is rounded through fp8 where the append rounds it)
 
     Returns
     -------
@@ -165,6 +167,7 @@ def rope_append_ref(
         staging=staging,
         fp8=fp8,
         pool_scale=pool_scale,
+        slot_scale=slot_scale,
     )
     return q_rot, k_rot
 
@@ -197,6 +200,7 @@ def _rope_append_kernel(
     slab_ids_ptr,
     staging_ptr,
     scale_ptr,
+    slot_scale_ptr,
     num_kv_heads,
     inv_divisor,
     attention_factor,
@@ -230,6 +234,8 @@ def _rope_append_kernel(
     stride_sc_p,
     stride_sc_h,
     stride_sc_kv,
+    stride_ss_n,
+    stride_ss_kv,
     GROUP: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -241,6 +247,7 @@ def _rope_append_kernel(
     HAS_STAGING: tl.constexpr,
     FP8: tl.constexpr,
     POOL_FP8: tl.constexpr,
+    SLOTS_FP8: tl.constexpr,
 ):
     """One (request, KV head): cos/sin, the rotated key and ``GROUP`` query heads, then
     the append writes of :func:`kernels.append_kv._append_kv_kernel` (two halves; with
@@ -357,11 +364,20 @@ def _rope_append_kernel(
         slot = tl.load(page_table_ptr + slab * stride_pt_slab + page).to(tl.int64)
         if slot >= 0:  # (a name of its own: `rec` may be an fp8 pointer above)
             tail = slots_ptr + slot * stride_slots_n + off * stride_slots_s + offs
-            odt = slots_ptr.dtype.element_ty
-            tl.store(tail, k1.to(odt), mask=mask)
-            tl.store(tail + HALF, k2.to(odt), mask=mask)
-            tl.store(tail + stride_slots_kv, v1.to(odt), mask=mask)
-            tl.store(tail + stride_slots_kv + HALF, v2.to(odt), mask=mask)
+            if SLOTS_FP8:
+                tl.store(tail, k1r.to(tl.float8e4nv), mask=mask)
+                tl.store(tail + HALF, k2r.to(tl.float8e4nv), mask=mask)
+                tl.store(tail + stride_slots_kv, v1r.to(tl.float8e4nv), mask=mask)
+                tl.store(tail + stride_slots_kv + HALF, v2r.to(tl.float8e4nv), mask=mask)
+                ss = slot_scale_ptr + slot * stride_ss_n + off
+                tl.store(ss, ek.to(tl.int8))
+                tl.store(ss + stride_ss_kv, ev.to(tl.int8))
+            else:
+                odt = slots_ptr.dtype.element_ty
+                tl.store(tail, k1.to(odt), mask=mask)
+                tl.store(tail + HALF, k2.to(odt), mask=mask)
+                tl.store(tail + stride_slots_kv, v1.to(odt), mask=mask)
+                tl.store(tail + stride_slots_kv + HALF, v2.to(odt), mask=mask)
 
 
 def rope_append(
@@ -381,6 +397,7 @@ def rope_append(
     staging: torch.Tensor | None = None,
     fp8: bool = False,
     pool_scale: torch.Tensor | None = None,
+    slot_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`rope_append_ref`: same arguments and results, one launch.
 
@@ -396,7 +413,7 @@ def rope_append(
     positions : int32/int64 ``[B]``
     rope : :class:`RopeParams` with ``inv_freq`` float32 ``[D / 2]`` contiguous on the device
     block_table, kv_pool, meta, kv_slots, page_table, slab_ids, write_pool, staging, fp8,
-        pool_scale : as :func:`kernels.append_kv.append_kv`
+        pool_scale, slot_scale : as :func:`kernels.append_kv.append_kv`
 
     Returns
     -------
@@ -448,21 +465,10 @@ def rope_append(
         check_device(dev, staging=staging)
     write_scale, scale = check_pool_writes(kv_pool, pool_scale, write_pool, dev, k)
     has_slots = kv_slots is not None
-    require(
-        has_slots == (page_table is not None) == (slab_ids is not None),
-        "kv_slots, page_table and slab_ids go together",
+    slots_fp8, slot_scale = check_slot_writes(
+        kv_slots, page_table, slab_ids, slot_scale, fp8, (b, hkv, s, d), dev, k
     )
-    if has_slots:
-        check_tensor("kv_slots", kv_slots, 4, FLOAT_DTYPES)
-        check_tensor("page_table", page_table, 2, INDEX_DTYPES)
-        check_tensor("slab_ids", slab_ids, 2, INDEX_DTYPES, unit_last=False)
-        require(
-            kv_slots.shape[1:] == (2, s, d),
-            f"kv_slots must be [N, 2, {s}, {d}], got {tuple(kv_slots.shape)}",
-        )
-        check_shape("slab_ids", slab_ids, (b, hkv))
-        check_device(dev, kv_slots=kv_slots, page_table=page_table, slab_ids=slab_ids)
-    else:
+    if not has_slots:
         kv_slots, page_table, slab_ids = _unused(k, 4), block_table, positions.view(-1, 1)
     require_runnable(dev)
     q_out = torch.empty(b, hq, d, dtype=q.dtype, device=dev)
@@ -489,6 +495,7 @@ def rope_append(
         slab_ids,
         staging,
         scale,
+        slot_scale,
         hkv,
         1.0 / float(rope.position_divisor),
         float(rope.attention_factor),
@@ -522,6 +529,8 @@ def rope_append(
         scale.stride(0),
         scale.stride(1),
         scale.stride(2),
+        slot_scale.stride(0),
+        slot_scale.stride(1),
         GROUP=hq // hkv,
         HALF=d // 2,
         BLOCK_HALF=next_pow2(d // 2),
@@ -533,6 +542,7 @@ def rope_append(
         HAS_STAGING=has_staging,
         FP8=fp8,
         POOL_FP8=write_scale,
+        SLOTS_FP8=slots_fp8,
         num_warps=1,
     )
     return q_out, k_out

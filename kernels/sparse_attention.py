@@ -13,6 +13,11 @@ sliding-window mask of ``masking_utils``): ``softcap`` caps each logit as
 ``softcap * tanh(logit / softcap)`` after the scale (attention logit soft-capping), and
 ``window`` (a sliding-window layer) keeps only the last ``window`` positions of each context,
 ``pos >= seq_len - window`` (transformers: ``kv_idx > q_idx - sliding_window``).
+
+An fp8 hot buffer (``hot_buffer_dtype=fp8``: ``float8_e4m3fn`` slots with ``slot_scale``,
+one int8 exponent per token row, :mod:`kernels.fp8_kv`) is dequantised to ``kv_dtype`` as
+it is read, so attention sees exactly the values a hot buffer in ``kv_dtype`` holds after
+:func:`kernels.gather.gather_fp8` (power-of-two scaling is exact): the same bits out.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ from kernels._launch import (
     require,
     require_runnable,
 )
+from kernels.append_kv import _pow2
 from kernels.bitmask import selected_pages
+from kernels.fp8_kv import FP8, fp8_dequantize_ref
 
 
 def _valid_positions(
@@ -63,6 +70,9 @@ def sparse_decode_attention_ref(
     softcap: float | None = None,
     window: int | None = None,
     pages: torch.Tensor | None = None,
+    *,
+    slot_scale: torch.Tensor | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Attention of each request's query over the tokens of its selected pages.
 
@@ -82,10 +92,18 @@ def sparse_decode_attention_ref(
     pages : int ``[B, Hkv, K_max]`` the selected pages in position order, -1 padded
         (:func:`kernels.bitmask.selected_pages` of ``selection``), when the caller has them:
         ``selection`` is then not read (may be ``None``). Same result.
+    slot_scale : int8 ``[N, 2, S]`` scale exponents of an fp8 ``kv_slots``
+        (``float8_e4m3fn``; required then, ignored otherwise)
+    kv_dtype : the dtype fp8 records are dequantised to before the products (the KV
+        cache's ``kv_dtype``; default ``q.dtype``)
 
     Returns
     -------
     ``[B, Hq, D]`` in ``q.dtype``; fp32 accumulation, max-subtracted softmax.
+
+    Raises
+    ------
+    ValueError : an fp8 ``kv_slots`` without ``slot_scale``
     """
     b, hq, d = q.shape
     hkv, k_max = slot_list.shape[1], slot_list.shape[2]
@@ -98,8 +116,21 @@ def sparse_decode_attention_ref(
     # gathered after the logits: the keys are still in cache for their product then (keys
     # and values of a layer at 8K, 2 x 1.5 MiB in float32, overflow a 2 MiB L2).
     idx = slot_list.clamp(min=0).reshape(-1).long()
-    flat = kv_slots.reshape(kv_slots.shape[0], 2, s * d)
-    keys = flat[:, 0].index_select(0, idx).float().view(b, hkv, k_max * s, d)
+    fp8 = kv_slots.dtype == FP8
+    if fp8 and slot_scale is None:
+        raise ValueError("an fp8 kv_slots needs slot_scale")
+    # fp8 rows are selected through a uint8 view (index_select has no fp8 kernel everywhere)
+    flat = (kv_slots.view(torch.uint8) if fp8 else kv_slots).reshape(kv_slots.shape[0], 2, s * d)
+
+    def rows(part: int) -> torch.Tensor:
+        """Keys (0) or values (1) of the listed slots, float32 ``[B, Hkv, K*S, D]``."""
+        x = flat[:, part].index_select(0, idx)
+        if fp8:
+            e = slot_scale[:, part].index_select(0, idx)
+            x = fp8_dequantize_ref(x.view(FP8).view(-1, s, d), e, kv_dtype or q.dtype)
+        return x.float().view(b, hkv, k_max * s, d)
+
+    keys = rows(0)
     qg = q.float().view(b, hkv, hq // hkv, d)
     logits = torch.einsum("bhgd,bhtd->bhgt", qg, keys) * scale
     if softcap:
@@ -108,7 +139,7 @@ def sparse_decode_attention_ref(
     logits.masked_fill_(bad, float("-inf"))
     m = logits.amax(dim=-1, keepdim=True)
     p = logits.sub_(m).exp_()
-    vals = flat[:, 1].index_select(0, idx).float().view(b, hkv, k_max * s, d)
+    vals = rows(1)
     # Unwritten positions (past seq_len, or pool memory never initialised) may hold any
     # bits, NaN included: zero them so 0-weight * NaN cannot leak into the output. (vals
     # is a fresh copy here, and ``.float()`` copies any other dtype: in place is safe;
@@ -180,9 +211,25 @@ def dense_decode_attention_ref(
 
 
 @triton.jit
+def _to_kv_dtype(x, KV_DT: tl.constexpr):
+    """``x`` rounded to the KV dtype coded ``KV_DT`` (0 float32, 1 bfloat16, 2 float16)."""
+    if KV_DT == 1:
+        return x.to(tl.bfloat16)
+    elif KV_DT == 2:
+        return x.to(tl.float16)
+    else:
+        return x
+
+
+KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""``KV_DT`` of :func:`_sparse_decode_split_kernel`: the dtype fp8 slots are read as."""
+
+
+@triton.jit
 def _sparse_decode_split_kernel(
     q_ptr,
     kv_ptr,
+    sc_ptr,
     sel_ptr,
     slot_list_ptr,
     seq_lens_ptr,
@@ -200,6 +247,8 @@ def _sparse_decode_split_kernel(
     stride_kv_n,
     stride_kv_kv,
     stride_kv_s,
+    stride_sc_n,
+    stride_sc_kv,
     stride_sel_b,
     stride_sel_h,
     stride_sl_b,
@@ -220,6 +269,8 @@ def _sparse_decode_split_kernel(
     DIRECT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    KV_DT: tl.constexpr,
 ):
     """One (request, KV head, split): attention over selected-page ranks
     ``[split * pages_per_split, (split + 1) * pages_per_split)``.
@@ -237,6 +288,10 @@ def _sparse_decode_split_kernel(
     ``c_lo`` is the page holding ``lo`` (its tokens before ``lo`` masked). The first rank
     walked still holds a valid token, so the running max stays finite; a split left with
     no rank keeps ``l = 0`` (log-sum-exp ``-inf`` in the merge).
+
+    ``KV_FP8``: the slots are e4m3 with one int8 exponent per token row at ``sc_ptr``
+    (``[N, 2, S]``); each row is scaled back in fp32 and rounded to ``KV_DT`` (0 float32,
+    1 bfloat16, 2 float16), the values a hot buffer in that dtype holds.
     """
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -311,6 +366,12 @@ def _sparse_decode_split_kernel(
         mask_kv = valid[:, None] & mask_d[None, :]
         k = tl.load(rec[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
         v = tl.load(rec[:, None] + stride_kv_kv + offs_d[None, :], mask=mask_kv, other=0.0)
+        if KV_FP8:
+            sc = sc_ptr + slot * stride_sc_n + tok
+            ek = tl.load(sc, mask=valid, other=0).to(tl.int32)
+            ev = tl.load(sc + stride_sc_kv, mask=valid, other=0).to(tl.int32)
+            k = _to_kv_dtype(k.to(tl.float32) * _pow2(ek)[:, None], KV_DT)
+            v = _to_kv_dtype(v.to(tl.float32) * _pow2(ev)[:, None], KV_DT)
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -430,6 +491,8 @@ def sparse_decode_attention(
     softcap: float | None = None,
     window: int | None = None,
     *,
+    slot_scale: torch.Tensor | None = None,
+    kv_dtype: torch.dtype | None = None,
     pages_per_split: int | None = None,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
@@ -439,7 +502,10 @@ def sparse_decode_attention(
     Parameters
     ----------
     q : ``[B, Hq, D]`` bf16/fp16/fp32, unit stride on ``D``
-    kv_slots : ``[N, 2, S, D]`` records, unit stride on ``D``; ``S`` a power of two
+    kv_slots : ``[N, 2, S, D]`` records, unit stride on ``D``; ``S`` a power of two;
+        bf16/fp16/fp32, or float8_e4m3fn with ``slot_scale``
+    slot_scale : int8 ``[N, 2, S]`` scale exponents of fp8 ``kv_slots``, unit stride on ``S``
+    kv_dtype : the dtype fp8 records are read as (default ``q.dtype``); ignored otherwise
     selection : int32 ``[B, Hkv, W]`` bitmask (unit stride on ``W``)
     slot_list : int32/int64 ``[B, Hkv, K_max]``
     seq_lens : int32/int64 ``[B]``
@@ -454,11 +520,15 @@ def sparse_decode_attention(
 
     Returns
     -------
-    ``[B, Hq, D]`` in ``q.dtype``. When ``q`` and ``kv_slots`` dtypes differ, both are
+    ``[B, Hq, D]`` in ``q.dtype``. When ``q`` and the KV dtypes differ, both are
     computed in fp32.
+
+    Raises
+    ------
+    ValueError : a shape, dtype, stride or device that does not match the above
     """
     check_tensor("q", q, 3, FLOAT_DTYPES)
-    check_tensor("kv_slots", kv_slots, 4, FLOAT_DTYPES)
+    check_tensor("kv_slots", kv_slots, 4, (*FLOAT_DTYPES, FP8))
     check_tensor("selection", selection, 3, (torch.int32,))
     check_tensor("slot_list", slot_list, 3, INDEX_DTYPES)
     check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, unit_last=False)
@@ -478,6 +548,16 @@ def sparse_decode_attention(
     check_device(
         q.device, kv_slots=kv_slots, selection=selection, slot_list=slot_list, seq_lens=seq_lens
     )
+    kv_fp8 = kv_slots.dtype == FP8
+    kv_dt = (kv_dtype or q.dtype) if kv_fp8 else kv_slots.dtype
+    if kv_fp8:
+        require(slot_scale is not None, "an fp8 kv_slots needs slot_scale")
+        check_tensor("slot_scale", slot_scale, 3, (torch.int8,))
+        check_shape("slot_scale", slot_scale, (kv_slots.shape[0], 2, s))
+        check_device(q.device, slot_scale=slot_scale)
+        require(kv_dt in KV_DTYPE_CODES, f"kv_dtype {kv_dt} is not one of {list(KV_DTYPE_CODES)}")
+    else:
+        slot_scale = seq_lens.as_strided((1, 1, 1), (0, 0, 0))  # never read
     require_runnable(q.device)
 
     g = hq // hkv
@@ -502,7 +582,7 @@ def sparse_decode_attention(
         stride_o = o_part.stride()[:3]
     # The interpreter's tl.dot multiplies bf16 bit patterns as integers: upcast there.
     fp32_dot = (
-        q.dtype != kv_slots.dtype
+        q.dtype != kv_dt
         or q.dtype == torch.float32
         or (q.dtype == torch.bfloat16 and interpreted())
     )
@@ -510,6 +590,7 @@ def sparse_decode_attention(
     _sparse_decode_split_kernel[(rows, num_splits)](
         q,
         kv_slots,
+        slot_scale,
         selection,
         slot_list,
         seq_lens,
@@ -527,6 +608,8 @@ def sparse_decode_attention(
         kv_slots.stride(0),
         kv_slots.stride(1),
         kv_slots.stride(2),
+        slot_scale.stride(0),
+        slot_scale.stride(1),
         selection.stride(0),
         selection.stride(1),
         slot_list.stride(0),
@@ -545,6 +628,8 @@ def sparse_decode_attention(
         DIRECT=direct,
         SOFTCAP=bool(softcap),
         WINDOW=bool(window),
+        KV_FP8=kv_fp8,
+        KV_DT=KV_DTYPE_CODES.get(kv_dt, 0),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

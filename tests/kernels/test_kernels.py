@@ -423,6 +423,88 @@ def test_gather_fp8_dequantises_exactly(dtype, s, d):
     assert bits_equal(ref_slots, dev_slots.cpu())
 
 
+@pytest.mark.parametrize("s,d", [(16, 64), (32, 96), (8, 40)], ids=str)
+def test_gather_fp8_into_fp8_slots_copies_as_stored(s, d):
+    """An fp8 hot buffer gets each loaded record's fp8 bytes and exponents as the pool
+    stores them (reference and kernel, bit for bit); unloaded slots keep their bytes."""
+    gen = torch.Generator().manual_seed(s * d)
+    b, hkv, p_pool, p_max, k, n_slots = 2, 3, 20, 6, 4, 30
+    q, e = _fp8_pool(p_pool, hkv, s, d, gen)
+    block_table = torch.randperm(p_pool, generator=gen)[: b * p_max].view(b, p_max).int()
+    load_pages = torch.randint(0, p_max, (b, hkv, k), generator=gen, dtype=torch.int32)
+    load_slots = torch.randperm(n_slots, generator=gen)[: b * hkv * k].view(b, hkv, k).int()
+    skip = torch.rand(b, hkv, k, generator=gen) < 0.4
+    load_pages[skip], load_slots[skip] = -1, -1
+    ref_slots, ref_scale = _fp8_pool(n_slots, 1, s, d, gen)
+    ref_slots, ref_scale = ref_slots[:, 0], ref_scale[:, 0]
+    dev_slots, dev_scale = ref_slots.clone().to(DEVICE), ref_scale.clone().to(DEVICE)
+    before = ref_slots.view(torch.uint8).clone()
+    gather_ref(q, ref_slots, block_table, load_pages, load_slots, pool_scale=e, slot_scale=ref_scale)
+    bi, hi, ki = torch.nonzero(load_slots >= 0, as_tuple=True)
+    pages = block_table.long()[bi, load_pages[bi, hi, ki].long()]
+    on = load_slots[bi, hi, ki].long()
+    assert bits_equal(ref_slots.view(torch.uint8)[on], q.view(torch.uint8)[pages, hi])
+    assert bits_equal(ref_scale[on], e[pages, hi])
+    off = torch.ones(n_slots, dtype=torch.bool)
+    off[on] = False
+    assert bits_equal(ref_slots.view(torch.uint8)[off], before[off])
+    gather(
+        q.to(DEVICE), dev_slots, block_table.to(DEVICE), load_pages.to(DEVICE),
+        load_slots.to(DEVICE), pool_scale=e.to(DEVICE), slot_scale=dev_scale,
+    )  # fmt: skip
+    assert bits_equal(ref_slots.view(torch.uint8), dev_slots.cpu().view(torch.uint8))
+    assert bits_equal(ref_scale, dev_scale.cpu())
+    with pytest.raises(ValueError, match="slot_scale"):
+        gather_ref(q, ref_slots, block_table, load_pages, load_slots, pool_scale=e)
+
+
+@pytest.mark.parametrize(
+    "b,hq,hkv,d,s,p_max,k,softcap,window",
+    [(3, 6, 2, 64, 16, 9, 4, None, None), (2, 4, 1, 40, 8, 13, 6, 30.0, None),
+     (4, 9, 3, 96, 16, 7, 3, None, 40)],
+    ids=str,
+)
+@pytest.mark.parametrize(
+    "q_dtype,kv_dtype",
+    [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+     (torch.float16, torch.float16)],
+    ids=str,
+)
+def test_sparse_attention_reads_fp8_slots_as_dequantised(
+    b, hq, hkv, d, s, p_max, k, softcap, window, q_dtype, kv_dtype
+):
+    """Attention over an fp8 hot buffer (``slot_scale``, read as ``kv_dtype``) gives the
+    same bits as over a hot buffer in ``kv_dtype`` holding the dequantised records — the
+    reference and the kernel each, several split widths — and the kernel stays within
+    rounding of the reference. Slots outside the selection hold NaN-poisoned bytes."""
+    args = attention_inputs(b, hq, hkv, d, s, p_max, k, torch.float32, seed=b * 7 + d)
+    gen = torch.Generator().manual_seed(d)
+    x = args["kv_slots"] * torch.exp2(
+        torch.randint(-8, 8, (*args["kv_slots"].shape[:3], 1), generator=gen).float()
+    )
+    q8, e = fp8_quantize_ref(x)
+    unused = torch.ones(q8.shape[0], dtype=torch.bool)
+    unused[args["slot_list"][args["slot_list"] >= 0].long()] = False
+    q8.view(torch.uint8)[unused] = 0x7F  # e4m3 NaN
+    plain = fp8_dequantize_ref(q8, e, kv_dtype)
+    q = args["q"].to(q_dtype)
+    common = (args["selection"], args["slot_list"], args["seq_lens"], args["scale"], softcap, window)
+    want = sparse_decode_attention_ref(q, plain, *common)
+    got = sparse_decode_attention_ref(q, q8, *common, slot_scale=e, kv_dtype=kv_dtype)
+    assert bits_equal(want, got)
+    dev = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in common]
+    for split in (None, 1, 3):
+        kw = {"pages_per_split": split}
+        t_plain = sparse_decode_attention(q.to(DEVICE), plain.to(DEVICE), *dev, **kw)
+        t_fp8 = sparse_decode_attention(
+            q.to(DEVICE), q8.to(DEVICE), *dev, slot_scale=e.to(DEVICE), kv_dtype=kv_dtype, **kw
+        )
+        assert bits_equal(t_plain.cpu(), t_fp8.cpu()), f"split {split}"
+        assert_close(t_fp8.cpu(), want, ATOL[q_dtype] if q_dtype != torch.float32 else 2e-5)
+    with pytest.raises(ValueError, match="slot_scale"):
+        sparse_decode_attention(q.to(DEVICE), q8.to(DEVICE), *dev)
+
+
 def test_fp8_round_is_close_and_idempotent():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(50, 4, 64, generator=gen) * 30
@@ -435,17 +517,23 @@ def test_fp8_round_is_close_and_idempotent():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("host", [True, False], ids=["fp8-pool", "rounded-pool"])
-def test_append_kv_fp8_bit_exact(dtype, host):
+@pytest.mark.parametrize(
+    "host,hot", [(True, False), (False, False), (True, True)],
+    ids=["fp8-pool", "rounded-pool", "fp8-pool-fp8-hot"],
+)
+def test_append_kv_fp8_bit_exact(dtype, host, hot):
     """With ``fp8`` the kernel writes the fp8 token and its exponent to an fp8 pool (or the
     rounded token to a pool in the compute dtype), and the rounded token to the metadata
-    and the resident tail slot, exactly as the reference."""
+    and the resident tail slot (an fp8 hot buffer: the fp8 token and its exponent, the
+    pool's bytes), exactly as the reference."""
     args = _append_case(dtype, dtype, True, seed=7)
     args["k"] = args["k"] * 40
     if host:
         gen = torch.Generator().manual_seed(1)
         p_pool, hkv, _, s, d = args["kv_pool"].shape
         args["kv_pool"], args["pool_scale"] = _fp8_pool(p_pool, hkv, s, d, gen)
+    if hot:
+        args["kv_slots"], args["slot_scale"] = fp8_quantize_ref(args["kv_slots"])
     ref = {k: v.clone() for k, v in args.items()}
     dev = to_device(args, DEVICE)
     append_kv_ref(**ref, fp8=True)
@@ -454,12 +542,24 @@ def test_append_kv_fp8_bit_exact(dtype, host):
     first = ref["positions"] % args["kv_pool"].shape[3] == 0
     pm = ref["block_table"].long()[torch.arange(len(first)), ref["positions"].long() // args["kv_pool"].shape[3]]
     assert bits_equal(ref["meta"][pm[first], :, 0], rk[first].to(dtype))
-    for name in ("kv_pool", "pool_scale", "meta", "kv_slots"):
+    for name in ("kv_pool", "pool_scale", "meta", "kv_slots", "slot_scale"):
         if name in ref:
             a, b = ref[name], dev[name].cpu()
             if a.dtype == FP8:
                 a, b = a.view(torch.uint8), b.view(torch.uint8)
             assert bits_equal(a, b), f"{name} differs"
+    if hot:  # every resident tail slot holds the token as the fp8 pool stores it
+        s = args["kv_pool"].shape[3]
+        pos = args["positions"].long()
+        slot = args["page_table"].long()[args["slab_ids"].long(), (pos // s)[:, None]]
+        bi, hi = torch.nonzero(slot >= 0, as_tuple=True)
+        pp = pm[bi]
+        for part in (0, 1):
+            got = ref["kv_slots"].view(torch.uint8)[slot[bi, hi], part, pos[bi] % s]
+            want = ref["kv_pool"].view(torch.uint8)[pp, hi, part, pos[bi] % s]
+            assert bits_equal(got, want)
+            assert bits_equal(ref["slot_scale"][slot[bi, hi], part, pos[bi] % s],
+                              ref["pool_scale"][pp, hi, part, pos[bi] % s])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -715,7 +815,9 @@ ROPE_CASES = [
 
 @pytest.mark.parametrize("b,hq,hkv,d,kind,dtype", ROPE_CASES, ids=str)
 @pytest.mark.parametrize(
-    "mode", ["write-through", "pool-only", "staging", "fp8-write-through", "fp8-staging"]
+    "mode",
+    ["write-through", "pool-only", "staging", "fp8-write-through", "fp8-staging",
+     "fp8-hot-write-through"],
 )
 def test_rope_append_matches_reference(b, hq, hkv, d, kind, dtype, mode):
     """RoPE + append in one launch: the rotated q and k match the reference to float32
@@ -753,6 +855,8 @@ def test_rope_append_matches_reference(b, hq, hkv, d, kind, dtype, mode):
             "page_table": page_table,
             "slab_ids": slab_ids,
         }
+        if "hot" in mode:  # an fp8 hot buffer: fp8 slots and their exponents
+            args["kv_slots"], args["slot_scale"] = fp8_quantize_ref(args["kv_slots"])
     if mode.endswith("staging"):
         args["staging"] = torch.full((b, hkv, 2, d), float("nan"), dtype=dtype)
         kw["write_pool"] = False
@@ -768,7 +872,7 @@ def test_rope_append_matches_reference(b, hq, hkv, d, kind, dtype, mode):
     # The writes are exactly the append of the kernel's own rotated key.
     own = {n: t.clone() for n, t in args.items()}
     append_kv_ref(k_rot.cpu(), v, **own, **kw)
-    for name in ("kv_pool", "pool_scale", "meta", "kv_slots", "staging"):
+    for name in ("kv_pool", "pool_scale", "meta", "kv_slots", "slot_scale", "staging"):
         if name in own:
             a, b_ = own[name], dev[name].cpu()
             if a.dtype == FP8:
