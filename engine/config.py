@@ -299,6 +299,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 PARALLEL_MODES = ("data", "pipeline")
 EVICTION_POLICIES = ("lru",)
 KV_HOST_DTYPES = ("bf16", "fp8")
+HOT_BUFFER_DTYPES = ("bf16", "fp8")
 PAGE_METADATA = ("exact", "superpage")
 SUPERPAGE_COMBINES = ("sum", "max", "normmax")  # = kernels.superpage_select.SUPERPAGE_COMBINES
 TOKENIZER_CHOICES = (None, "ids")
@@ -406,6 +407,14 @@ class EngineConfig:
         host tier) keep ``kv_dtype`` but round every record the same way, so they hold the
         same KV as the hierarchical path (its exactness reference). Needs a pool-free
         indexer (not ``oracle``) when hierarchical.
+    hot_buffer_dtype: how the hot buffer on the device holds records (hierarchical).
+        ``bf16``: in ``kv_dtype`` (the gather dequantises fp8 host records). ``fp8``: as
+        the fp8 host pool stores them (e4m3 and one int8 exponent per row; needs
+        ``kv_host_dtype=fp8``): the gather copies them as stored, attention dequantises
+        them to ``kv_dtype`` as it reads, so the outputs are bit for bit those of ``bf16``
+        while a slot takes ``2 x S x (D + 1)`` bytes instead of ``2 x S x D x 2`` — about
+        twice the ``device_buffer`` tokens in the same device memory. No effect with CPU
+        direct reads (no hot buffer).
     page_metadata: how the ``quest`` indexer reads page metadata. ``exact`` (the default and
         the reference): flat Quest, every page's key min / max each step (KV/16 bytes at
         page 16). ``superpage``: a two-level index (:mod:`kernels.superpage_select`):
@@ -479,6 +488,7 @@ class EngineConfig:
     async_decode: bool | None = None
     eviction: str = "lru"
     kv_host_dtype: str = "bf16"
+    hot_buffer_dtype: str = "bf16"
     page_metadata: str = "exact"
     superpage_pages: int = 16
     superpage_oversample: float = 8.0
@@ -602,6 +612,19 @@ class EngineConfig:
                     f"kv_host_dtype=fp8 stores the host pool as float8, which the "
                     f"{self.indexer} indexer cannot read; use indexer quest or dense, or "
                     "kv_host_dtype bf16",
+                )
+            )
+        if (
+            self.hot_buffer_dtype == "fp8"
+            and self.attention == "sparse"
+            and self.hierarchical
+            and self.kv_host_dtype != "fp8"
+        ):
+            found.append(
+                SettingProblem(
+                    ("hot_buffer_dtype", "kv_host_dtype"),
+                    "hot_buffer_dtype=fp8 holds the records as an fp8 host pool stores them; "
+                    "set kv_host_dtype fp8 too, or hot_buffer_dtype bf16",
                 )
             )
         if self.page_metadata == "superpage":
@@ -819,6 +842,7 @@ SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "async_decode": _flag_or_none,
     "eviction": _choice(EVICTION_POLICIES),
     "kv_host_dtype": _choice(KV_HOST_DTYPES),
+    "hot_buffer_dtype": _choice(HOT_BUFFER_DTYPES),
     "page_metadata": _choice(PAGE_METADATA),
     "superpage_pages": _positive,
     "superpage_oversample": _at_least_one,

@@ -198,6 +198,7 @@ def bench_command(
     sink_tokens: opt.SinkTokens = None,
     local_window: opt.LocalWindow = None,
     kv_host_dtype: opt.KvHostDtype = None,
+    hot_buffer_dtype: opt.HotBufferDtype = None,
     page_metadata: opt.PageMetadata = None,
     hbm_gbps: HbmOpt = None,
     link_gbps: LinkOpt = None,
@@ -245,6 +246,7 @@ def bench_command(
         "sink_tokens": sink_tokens,
         "local_window": local_window,
         "kv_host_dtype": kv_host_dtype,
+        "hot_buffer_dtype": hot_buffer_dtype,
         "page_metadata": page_metadata,
     }
     try:

@@ -50,6 +50,7 @@ OUTPUT_NEUTRAL_SETTINGS = frozenset(
         "trace_path",
         "int4_triton_min_rows",
         "host_memory_gb",
+        "hot_buffer_dtype",  # fp8 slots read as the bf16 ones (tests/engine/test_fp8_hot_buffer.py)
         "audit_steps",  # the audit only reads the KV (tests/engine/test_audit.py)
         "audit_seed",
     }

@@ -246,6 +246,17 @@ KvHostDtype = Annotated[
         rich_help_panel=ENGINE,
     ),
 ]
+HotBufferDtype = Annotated[
+    Literal["bf16", "fp8"] | None,
+    typer.Option(
+        "--hot-dtype",
+        help="Hot buffer on the device: bf16 (records dequantised into the KV dtype) or fp8 "
+        "(as an fp8 host pool stores them, read by attention: about twice the "
+        "--device-buffer tokens in the same memory, the same outputs; needs "
+        "--kv-host-dtype fp8).",
+        rich_help_panel=ENGINE,
+    ),
+]
 HostPool = Annotated[
     float | None,
     typer.Option(

@@ -26,7 +26,8 @@ from engine.capacity.planner import (
     weight_format,
 )
 from engine.capacity.shapes import get_model_shape
-from engine.config import DTYPES, KV_HOST_DTYPES, ConfigError
+from engine.config import DTYPES, HOT_BUFFER_DTYPES, KV_HOST_DTYPES, ConfigError
+from engine.kv.sizing import hot_fp8
 from engine.presets import (
     environment_notes,
     list_presets,
@@ -103,6 +104,13 @@ KvHostDtypeOpt = Annotated[
         "--kv-host-dtype",
         help="Host KV pool records: bf16 (in the KV dtype) or fp8 (e4m3, one scale per "
         "token row: half the pinned and link bytes).",
+    ),
+]
+HotBufferDtypeOpt = Annotated[
+    Literal[HOT_BUFFER_DTYPES] | None,  # type: ignore[valid-type]
+    typer.Option(
+        "--hot-dtype",
+        help="Hot buffer: bf16 or fp8 (half the bytes a slot; needs --kv-host-dtype fp8).",
     ),
 ]
 MaxBatchOpt = Annotated[int | None, typer.Option("--max-batch", help="Decode batch.")]
@@ -198,6 +206,7 @@ def plan_command(
     page_size: PageSizeOpt = None,
     kv_dtype: KvDtypeOpt = None,
     kv_host_dtype: KvHostDtypeOpt = None,
+    hot_buffer_dtype: HotBufferDtypeOpt = None,
     max_batch: MaxBatchOpt = None,
     prefill_chunk: PrefillChunkOpt = None,
     attention: AttentionOpt = None,
@@ -229,6 +238,7 @@ def plan_command(
         "page_size": page_size,
         "kv_dtype": kv_dtype,
         "kv_host_dtype": kv_host_dtype,
+        "hot_buffer_dtype": hot_buffer_dtype,
         "max_batch": max_batch,
         "prefill_chunk": prefill_chunk,
         "attention": attention,
@@ -354,7 +364,9 @@ def _device_table(result: Plan) -> Table:
         (
             "hot KV slab pool",
             "kv_slab_bytes",
-            f"jobs x L x {m.num_kv_heads} x {cfg.device_buffer_tokens} tok x {m.head_dim} x 2",
+            f"jobs x L x {m.num_kv_heads} x {cfg.device_buffer_tokens} tok x "
+            + (f"({m.head_dim} + 1) fp8" if hot_fp8(cfg) else f"{m.head_dim} x 2")
+            + " x K|V",
         ),
         ("page metadata", "metadata_bytes", f"min+max per page (KV / {cfg.page_size})"),
         (

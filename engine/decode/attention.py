@@ -206,6 +206,17 @@ class DecodeAttention:
         if self.prefetch_pages:
             cache.enable_late_stream()
 
+    def fp8_args(self, layer: int) -> dict:
+        """The append's fp8 keywords for ``layer``: rounding and the host pool's exponents
+        (``kv_host_dtype=fp8``), and the hot buffer's (``hot_buffer_dtype=fp8``)."""
+        c = self.cache
+        if not c.fp8:
+            return {}
+        args = {"fp8": True, "pool_scale": c.pool_scale[layer]}
+        if c.hot_fp8:
+            args["slot_scale"] = c.slot_scale[layer]
+        return args
+
     def plan(
         self, seq_ids: list[int], seq_lens: list[int], step: int, width: int | None = None
     ) -> StepPlan:
@@ -263,7 +274,7 @@ class DecodeAttention:
             return self.run_chain(plan, layer, q, k, v, rope)
         if c.fp8:  # fp8 rounding starts from kv_dtype, as the prefill's does
             k, v = k.to(c.dtype), v.to(c.dtype)
-        fp8 = {"fp8": True, "pool_scale": c.pool_scale[layer]} if c.fp8 else {}
+        fp8 = self.fp8_args(layer)
         deferred = c.deferred_writes and cfg.decode_write_stream and not self.indexer.reads_pool
         if deferred:
             q, k = self.stage_and_write(plan, layer, k, v, q, rope)
@@ -341,9 +352,11 @@ class DecodeAttention:
                 write_pool=False,
                 **fp8,
             )
+        hot = {"slot_scale": c.slot_scale[layer], "kv_dtype": c.dtype} if c.hot_fp8 else {}
         out = self.ops.sparse_decode_attention(
-            q, c.slots[layer], selection, slot_list, plan.seq_lens, self.scale, self.softcap, window
-        )
+            q, c.slots[layer], selection, slot_list, plan.seq_lens, self.scale, self.softcap,
+            window, **hot,
+        )  # fmt: skip
         if self.prefetch_pages and scores is not None:
             self.prefetch(plan, layer, scores)
         return out
@@ -441,6 +454,8 @@ class DecodeAttention:
         )
         if not self.config.skip_host_io:
             scale = {"pool_scale": c.pool_scale[layer]} if c.host_fp8 else {}
+            if c.hot_fp8:
+                scale["slot_scale"] = c.slot_scale[layer]
             if turns is not None:
                 turns.wait()
             self.ops.gather(
@@ -469,7 +484,7 @@ class DecodeAttention:
         b = k.shape[0]
         staging = c.token_staging[layer, plan.row0 : plan.row0 + b]
         pool, table, pos = c.pool[layer], plan.block_table, plan.positions
-        fp8 = {"fp8": True, "pool_scale": c.pool_scale[layer]} if c.fp8 else {}
+        fp8 = self.fp8_args(layer)
         if rope is None:
             self.ops.append_kv(
                 k, v, pos, table, pool, c.meta[layer], write_pool=False, staging=staging, **fp8

@@ -20,7 +20,9 @@ tables and LRU state. Names follow DESIGN.md.
   names the row of each pool page that starts a superpage. Prefill writes them with the
   page metadata; the decode selection refreshes the newest one from its pages.
 * **Hot buffer** — per layer ``[N, 2, S, D]`` record slots, ``N = num_slabs * C``. Each
-  (request, KV head) owns one slab (the same slab id in every layer) of ``C`` slots.
+  (request, KV head) owns one slab (the same slab id in every layer) of ``C`` slots. With
+  ``hot_buffer_dtype=fp8`` the slots are ``float8_e4m3fn`` with ``slot_scale [N, 2, S]``
+  int8 exponents per layer, the records as the fp8 host pool stores them.
 * **Page table** — per layer ``[num_slabs, P_max]`` int32: request page -> slot or -1.
 * **LRU state** — per layer ``slot_page [N]`` int32 and ``slot_last_use [N]`` int64.
 
@@ -190,7 +192,13 @@ class KVCache:
         self.slots_per_slab = config.buffer_pages
         self.num_slabs = config.max_batch * hkv if self.hierarchical else 0
         n = self.num_slabs * self.slots_per_slab
-        self.slots = [zeros((n, 2, s, d), self.dtype, device) for _ in range(nl)]
+        self.hot_fp8 = sizing.hot_fp8(config)
+        self.slots = [
+            zeros((n, 2, s, d), FP8 if self.hot_fp8 else self.dtype, device) for _ in range(nl)
+        ]
+        self.slot_scale: list[torch.Tensor | None] = [
+            zeros((n, 2, s), torch.int8, device) if self.hot_fp8 else None for _ in range(nl)
+        ]
         self.page_table = [
             torch.full((self.num_slabs, max_pages_per_seq), -1, dtype=torch.int32, device=device)
             for _ in range(nl)
@@ -244,7 +252,8 @@ class KVCache:
     def hot_buffer_bytes(self) -> int:
         """The slab pool on the device: slots, page tables and LRU state (what
         :func:`engine.kv.sizing.per_request_device_bytes` counts per request)."""
-        tensors = (*self.slots, *self.page_table, *self.slot_page, *self.slot_last_use)
+        scales = [t for t in self.slot_scale if t is not None]
+        tensors = (*self.slots, *scales, *self.page_table, *self.slot_page, *self.slot_last_use)
         return sum(t.nbytes for t in tensors)
 
     @property

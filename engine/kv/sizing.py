@@ -8,8 +8,9 @@ so what ``hisparse plan`` counts is what the cache allocates. Arithmetic only: n
 Shape symbols: ``L`` layers (``L_d`` on one pipeline stage), ``Hkv`` KV heads, ``D`` head
 dim, ``T`` tokens, ``S`` page size, ``P = ceil(T / S)`` pages, ``b_kv`` bytes per KV
 element. With ``kv_host_dtype=fp8`` (hierarchical) a host-pool record is ``2 x S x D`` fp8
-bytes plus ``2 x S`` int8 scale exponents (:mod:`kernels.fp8_kv`); the hot buffer and the
-page metadata stay in ``kv_dtype``. Bytes everywhere; GiB (2**30 bytes) only in :data:`GIB`.
+bytes plus ``2 x S`` int8 scale exponents (:mod:`kernels.fp8_kv`); the page metadata stays
+in ``kv_dtype``, and so does the hot buffer unless ``hot_buffer_dtype=fp8`` (then a slot
+holds a record as the fp8 host pool stores it). Bytes everywhere; GiB (2**30 bytes) only in :data:`GIB`.
 """
 
 from __future__ import annotations
@@ -96,6 +97,20 @@ def host_record_bytes(model: ModelConfig, config: EngineConfig) -> int:
     return record_bytes(model, config)
 
 
+def hot_fp8(config: EngineConfig) -> bool:
+    """True when the hot buffer holds fp8 records (``hot_buffer_dtype=fp8`` over an fp8
+    host pool)."""
+    return host_fp8(config) and config.hot_buffer_dtype == "fp8"
+
+
+def slot_bytes(model: ModelConfig, config: EngineConfig) -> int:
+    """One hot-buffer slot: ``2 x S x (D + 1)`` with an fp8 hot buffer (:func:`hot_fp8`),
+    else :func:`record_bytes`."""
+    if hot_fp8(config):
+        return 2 * config.page_size * (model.head_dim + FP8_SCALE_BYTES)
+    return record_bytes(model, config)
+
+
 def meta_page_bytes(model: ModelConfig, config: EngineConfig, num_layers: int | None = None) -> int:
     """Page metadata of one pool page over ``num_layers`` layers (default all):
     ``L x Hkv x 2 x D x b_kv``."""
@@ -145,7 +160,7 @@ def per_request_device_bytes(
     nl = model.num_layers if num_layers is None else num_layers
     slots = config.buffer_pages
     per_slab_layer = (
-        slots * record_bytes(model, config)
+        slots * slot_bytes(model, config)
         + max_pages_per_seq * PAGE_TABLE_ENTRY_BYTES
         + slots * LRU_BYTES_PER_SLOT
     )

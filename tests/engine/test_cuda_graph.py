@@ -75,6 +75,10 @@ MODES = {
         prefetch_pages=4,
         decode_write_stream=True,
     ),
+    "hierarchical-fp8-hot-two-streams": dict(
+        attention="sparse", top_k=128, device_buffer=160, local_window=32, decode_overlap=True,
+        kv_host_dtype="fp8", hot_buffer_dtype="fp8",
+    ),  # fmt: skip
     "sparse-resident": dict(attention="sparse", hierarchical=False, top_k=128),
     "dense": dict(attention="dense"),
 }
@@ -87,7 +91,7 @@ def test_graph_replay_equals_eager(model, mode):
     assert eager.graphs is None and graph.graphs is not None, graph.graphs_off_reason
     # Two micro-batches on two streams exactly when the hierarchy runs with decode_overlap
     # (the eager engine splits the same way, one half after the other).
-    assert graph.graphs.overlap == (mode == "hierarchical-two-streams") == eager.split_batches
+    assert graph.graphs.overlap == mode.endswith("two-streams") == eager.split_batches
     gen = torch.Generator().manual_seed(0)
     lengths = [300, 1000, 2100, 45]
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in lengths]
@@ -220,6 +224,33 @@ def test_gather_turns_change_nothing(model):
     assert ta.graphs.overlap and sa.graphs.overlap
     assert torch.equal(ta.attn.hits, sa.attn.hits) and torch.equal(ta.attn.misses, sa.attn.misses)
     assert int(ta.attn.misses.sum()) + int(ta.attn.hits.sum()) > 0
+
+
+def test_fp8_hot_buffer_reads_what_a_bf16_one_does(model):
+    """``hot_buffer_dtype=fp8`` (fp8 slots copied as the host pool stores them, attention
+    dequantising) against the default bf16 hot buffer over the same fp8 host pool, both
+    replayed from graphs on two streams with write-through on the copy stream and
+    prefetch: the same tokens, logits, hits and misses every step, and each slot that
+    holds a page holds the same values."""
+    from kernels.fp8_kv import fp8_dequantize_ref
+
+    base = dict(MODES["hierarchical-prefetch-copy-stream-writes"], kv_host_dtype="fp8")
+    engines = {
+        name: _engine(model, True, hot_buffer_dtype=name, **base) for name in ("fp8", "bf16")
+    }
+    runs, prefetched = _replay_pair(engines, [900, 2500, 70, 1300], seed=9)
+    (fa, _), (ba, _) = runs["fp8"], runs["bf16"]
+    assert torch.equal(fa.attn.hits, ba.attn.hits) and torch.equal(fa.attn.misses, ba.attn.misses)
+    assert prefetched["fp8"] == prefetched["bf16"] > 0
+    for layer in range(fa.cache.num_layers):
+        assert fa.cache.slots[layer].dtype == torch.float8_e4m3fn
+        assert torch.equal(fa.cache.slot_page[layer], ba.cache.slot_page[layer])
+        held = fa.cache.slot_page[layer] >= 0
+        deq = fp8_dequantize_ref(fa.cache.slots[layer][held], fa.cache.slot_scale[layer][held], torch.bfloat16)
+        want = ba.cache.slots[layer][held]  # (rows past a page's tokens may hold NaN bytes)
+        assert torch.equal(deq.isnan(), want.isnan()), f"layer {layer}"
+        assert torch.equal(deq.nan_to_num(), want.nan_to_num()), f"layer {layer}"
+    assert fa.cache.hot_buffer_bytes < 0.6 * ba.cache.hot_buffer_bytes
 
 
 # ----- asynchronous decode (EngineConfig.async_decode) ---------------------------------

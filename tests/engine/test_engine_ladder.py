@@ -139,6 +139,7 @@ def test_sparse_all_pages_equals_dense(weights_path, dense_engine, corpus_dir):
         (False, 4, "bf16"),
         (True, 4, "bf16"),
         (True, 4, "fp8"),
+        (True, 4, "fp8-hot"),
     ],
     ids=[
         "write-through",
@@ -146,6 +147,7 @@ def test_sparse_all_pages_equals_dense(weights_path, dense_engine, corpus_dir):
         "prefetch",
         "late-writes-prefetch",
         "fp8-late-writes-prefetch",
+        "fp8-hot-late-writes-prefetch",
     ],
 )
 def test_hierarchical_bit_identical_to_resident(
@@ -160,7 +162,11 @@ def test_hierarchical_bit_identical_to_resident(
     and every record they read must still be the right one.
     ``fp8``: the host pool holds fp8 records (the gather dequantises them), the resident
     pool the same records rounded through fp8; logits, tokens and records agree bit for
-    bit, and the records carry e4m3's 3 mantissa bits (the rounding is real)."""
+    bit, and the records carry e4m3's 3 mantissa bits (the rounding is real).
+    ``fp8-hot``: the hot buffer holds the fp8 records as stored (``hot_buffer_dtype=fp8``)
+    and attention dequantises them; still bit for bit the resident pool's results."""
+    hot = "fp8" if host_dtype == "fp8-hot" else "bf16"
+    host_dtype = host_dtype.removesuffix("-hot")
     common = dict(
         attention="sparse",
         indexer="quest",
@@ -172,8 +178,10 @@ def test_hierarchical_bit_identical_to_resident(
     )
     resident = make_engine(weights_path, hierarchical=False, **common)
     hier = make_engine(
-        weights_path, hierarchical=True, device_buffer=320, prefetch_pages=prefetch, **common
-    )
+        weights_path, hierarchical=True, device_buffer=320, prefetch_pages=prefetch,
+        hot_buffer_dtype=hot, **common,
+    )  # fmt: skip
+    assert (hier.cache.slots[0].dtype == FP8) == (hot == "fp8")
     if deferred:
         hier.cache.defer_decode_writes()
     ids = prompts(resident.tokenizer, corpus_dir)[2]
