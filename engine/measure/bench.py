@@ -638,6 +638,7 @@ def _cache_tensor_bytes(cache: KVCache) -> int:
         *cache.pool,
         *cache.meta,
         *cache.slots,
+        *(t for t in cache.slot_scale if t is not None),
         *cache.page_table,
         *cache.slot_page,
         *cache.slot_last_use,
