@@ -321,7 +321,9 @@ def place_model(
     return PlacedModel(llm, tokenizer, name, limit, fmt, ops, info)
 
 
-def load_engine(config: EngineConfig, model: str | None = None, tracer=None) -> BatchEngine:
+def load_engine(
+    config: EngineConfig, model: str | None = None, tracer=None, *, job_tokens: int | None = None
+) -> BatchEngine:
     """Load a model and build the engine (the one builder of run, workers and scripts).
 
     When ``config.devices`` names more than one device (``--devices cuda:0,cuda:1`` or a
@@ -340,6 +342,11 @@ def load_engine(config: EngineConfig, model: str | None = None, tracer=None) -> 
     caps each one: a data worker sizes its cache this way, a pipeline stage for its own
     layers (:func:`engine.serve.pipeline.stage_budget_cache`).
 
+    ``job_tokens``, the most tokens (prompt + ``max_tokens``) a job of the run holds when
+    the caller knows it before the load, is what that budget sizes each request for (page
+    tables, prefill scratch), as ``hisparse plan --context`` counts a job; without it, the
+    context limit. The engine refuses a job over it (:func:`sized_tokens`).
+
     A one-process engine's ``load_marks`` holds when each load step ended
     (:class:`engine.events.StartupTimes`: ``engine_imported``, then :func:`place_model`'s,
     then ``engine``).
@@ -356,7 +363,8 @@ def load_engine(config: EngineConfig, model: str | None = None, tracer=None) -> 
 
         devices = parse_devices(devices)
         if len(devices) > 1:
-            return ParallelEngine(config, model, devices, config.parallel or "data")
+            mode = config.parallel or "data"
+            return ParallelEngine(config, model, devices, mode, job_tokens=job_tokens)
         config = config.replace(device=devices[0])
     placed = place_model(config, model, marks=marks)
     if tracer is None and config.trace_path:
@@ -368,7 +376,14 @@ def load_engine(config: EngineConfig, model: str | None = None, tracer=None) -> 
     if config.memory_budget_gb is not None:  # pool / max_batch from the budget
         from engine.capacity.budget import budget_cache
 
-        config, cache, sizing = budget_cache(placed.model, config, placed.context_limit)
+        tokens = sized_tokens(placed.context_limit, job_tokens)
+        config, cache, sizing = budget_cache(placed.model, config, tokens)
     engine = Engine.from_placed(placed, config, tracer=tracer, cache=cache, budget_sizing=sizing)
     engine.load_marks = marks | {"engine": time.monotonic()}
     return engine
+
+
+def sized_tokens(context_limit: int, job_tokens: int | None) -> int:
+    """Tokens per request a budget-sized cache is built for: ``job_tokens`` (the run's
+    longest job, prompt + ``max_tokens``) within the context limit, else the limit."""
+    return context_limit if job_tokens is None else max(1, min(job_tokens, context_limit))

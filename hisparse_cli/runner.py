@@ -184,8 +184,9 @@ def import_engine_modules() -> None:
     import engine.load  # noqa: F401
 
 
-def load_engine(config: EngineConfig, model: str | None) -> Any:
-    """``engine.load.load_engine``, imported on first use (tests replace this hook).
+def load_engine(config: EngineConfig, model: str | None, job_tokens: int | None = None) -> Any:
+    """``engine.load.load_engine``, imported on first use (tests replace this hook; the
+    run passes ``job_tokens``, the longest job it counted, only when it has one).
 
     Checks the host KV pool against the memory available (:func:`check_host_pool`)
     before any weights are read.
@@ -193,7 +194,7 @@ def load_engine(config: EngineConfig, model: str | None) -> Any:
     check_host_pool(config)
     from engine.load import load_engine as _load_engine
 
-    return _load_engine(config, model)
+    return _load_engine(config, model, job_tokens=job_tokens)
 
 
 def load_tokenizer(config: EngineConfig, model: str | None) -> Any:
@@ -1116,6 +1117,7 @@ class BatchRun:
         self.input_paths: set[Path] = set()  # every input of the run, resolved
         self.own_outputs: set[Path] = set()  # output files earlier runs wrote, resolved
         self.prompt_limit: int | None = None  # the engine's context limit, once loaded
+        self.counted: dict[str, int] = {}  # job id -> prompt tokens counted before the load
         self.extract_fields: dict[str, Any] = {}  # extract job id -> its fields (or None)
         self.cancel: _SigintCanceller | None = None
         self.sigterm = _SigtermAsInterrupt()
@@ -1371,6 +1373,7 @@ class BatchRun:
             except Exception:  # noqa: BLE001 - the job fails as usual, after the load
                 keep.append(planned)
                 continue
+            self.counted[spec.id] = len(ids)
             max_tokens = spec.sampling.max_tokens
             if len(ids) + max_tokens <= limit:
                 keep.append(planned)
@@ -1393,6 +1396,41 @@ class BatchRun:
             self._handle(JobFailed(self.clock(), planned.spec.id, why))
         return keep
 
+    def _longest_job(self, pending: list[PlannedJob]) -> int | None:
+        """With a memory budget: the most tokens (prompt + max_new_tokens, within the
+        context limit) a job of ``pending`` holds, its prompt tokenised with the model's
+        tokenizer before the load, so the cache is sized for the jobs this run has, as
+        ``hisparse plan --context`` counts a job, not for the whole context. ``None`` (the
+        engine sizes for the context limit) without a budget, or where the tokenizer or
+        the trained context cannot be read before the load. A job whose prompt cannot be
+        built here is left out: it fails when the engine builds it."""
+        if self.config.memory_budget_gb is None:
+            return None
+        trained = preflight.trained_context(self.request.model)
+        if trained is None:
+            return None
+        limit = preflight.context_limit(self.config, trained)
+        try:
+            tokenizer = load_tokenizer(self.config, self.request.model)
+        except Exception:  # noqa: BLE001 - the load reports the real reason
+            return None
+        needs = []
+        for planned in pending:
+            spec, max_tokens = planned.spec, planned.spec.sampling.max_tokens
+            if spec.id not in self.counted:
+                try:
+                    document = self._document_of(planned)[1]
+                    floor = tokenizer.min_tokens(document)
+                    if floor is not None and floor + max_tokens >= limit:  # cut or chunked
+                        needs.append(limit)
+                        continue
+                    ids = tokenizer.encode_chat(self._prompt_messages(spec)(document))
+                except Exception:  # noqa: BLE001 - the job fails as usual, after the load
+                    continue
+                self.counted[spec.id] = len(ids)
+            needs.append(min(self.counted[spec.id] + max_tokens, limit))
+        return max(needs, default=None)
+
     def _run_engine(self, pending: list[PlannedJob]) -> bool:
         """Load the engine and consume its events; return whether Ctrl-C was pressed."""
         warm_cuda(self.config, self.startup_marks)  # while torch is imported below
@@ -1403,6 +1441,7 @@ class BatchRun:
             check_host_pool(self.config)
         except CacheFullError as exc:
             raise LoadConfigError(str(exc)) from exc
+        longest = self._longest_job(pending)  # what a memory budget sizes the cache for
         self.reporter.note(
             f"loading model {self.model_name} ({len(pending)} job(s) to run; "
             f"preset {self.preset_line})"
@@ -1442,7 +1481,8 @@ class BatchRun:
             self.sigterm.received = stop.signals[0] == signal.SIGTERM
             raise KeyboardInterrupt
         try:
-            engine = load_engine(self.config, self.request.model)
+            sized = {} if longest is None else {"job_tokens": longest}
+            engine = load_engine(self.config, self.request.model, **sized)
         except Exception as exc:  # noqa: BLE001 - any load failure ends the run cleanly
             if is_config_error(exc):
                 raise LoadConfigError(str(exc)) from exc

@@ -294,6 +294,13 @@ class Engine:
                 self.context_limit,
                 self.config.context_policy,
             )
+        if self.cache.pages_for(need) > self.cache.max_pages_per_seq:  # a budget-sized cache
+            sized = self.cache.max_pages_per_seq * self.cache.page_size
+            return (
+                f"prompt of {len(job.prompt_ids)} tokens + max_tokens {job.sampling.max_tokens} "
+                f"needs {need} tokens, but memory_budget_gb sized this run's cache for jobs of "
+                f"at most {sized} tokens (its longest job when it loaded); run the job again"
+            )
         if not self.cache.fits_ever(need):
             return (
                 f"needs {self.cache.pages_for(need)} KV pool pages but the pool has "

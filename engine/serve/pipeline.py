@@ -446,13 +446,14 @@ def load_stage(
     world_size: int,
     init_method: str,
     nccl: bool,
+    job_tokens: int | None = None,
 ) -> PipelineEngine | StageFollower:
     """Load stage ``rank`` of ``world_size``: only its layers are placed; joins the process
     group. Stage 0 returns the :class:`PipelineEngine`, the others a :class:`StageFollower`.
 
     With ``config.memory_budget_gb`` the stage's cache is sized from the budget (see the
-    module docstring; the split is the engine's ``budget_sizing``); with
-    ``config.trace_path`` the stage records its layers' selections there.
+    module docstring; the split is the engine's ``budget_sizing``), for requests of
+    ``job_tokens`` (:func:`engine.load.sized_tokens`); with ``config.trace_path`` the stage records its layers' selections there.
 
     Raises
     ------
@@ -460,7 +461,7 @@ def load_stage(
         Fewer than 2 stages, more stages than the model has layers, or a memory budget
         that leaves some stage no room (every stage raises, naming the stages).
     """
-    from engine.load import place_model
+    from engine.load import place_model, sized_tokens
 
     placed = place_model(config, model, stage=(rank, world_size))
     llm = placed.model
@@ -468,7 +469,8 @@ def load_stage(
     link = StageLink(rank, world_size, llm.device, init_method, nccl)
     cache, sizing = None, None
     if config.memory_budget_gb is not None:
-        config, cache, sizing = stage_budget_cache(llm, config, placed.context_limit, link)
+        tokens = sized_tokens(placed.context_limit, job_tokens)
+        config, cache, sizing = stage_budget_cache(llm, config, tokens, link)
     tracer = stage_tracer(placed.name, llm, config)
     kwargs = {"tracer": tracer, "cache": cache, "budget_sizing": sizing}
     if rank == 0:

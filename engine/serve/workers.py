@@ -111,6 +111,7 @@ class WorkerSpec:
     model: str | None
     init_method: str = ""
     nccl: bool = False
+    job_tokens: int | None = None  # the run's longest job: what a budget sizes for
 
     @property
     def label(self) -> str:
@@ -193,12 +194,11 @@ def _load(spec: WorkerSpec) -> Any:
     if spec.mode == "pipeline":
         from engine.serve.pipeline import load_stage
 
-        return load_stage(
-            spec.config, spec.model, spec.rank, spec.world_size, spec.init_method, spec.nccl
-        )
+        stage = (spec.rank, spec.world_size, spec.init_method, spec.nccl, spec.job_tokens)
+        return load_stage(spec.config, spec.model, *stage)
     from engine.load import load_engine
 
-    return load_engine(spec.config, spec.model)
+    return load_engine(spec.config, spec.model, job_tokens=spec.job_tokens)
 
 
 def _info(engine: Any, spec: WorkerSpec) -> dict[str, Any]:
@@ -351,6 +351,9 @@ class ParallelEngine:
     devices : one device per worker, e.g. ``["cuda:0", "cuda:1"]`` or ``["cpu", "cpu"]``
     mode : ``data`` or ``pipeline``
     tokenizer : reuse an already loaded tokenizer (default: load it from ``model``)
+    job_tokens : the run's longest job (prompt + max_tokens), which a memory budget sizes
+        each worker's requests for (:func:`engine.load.load_engine`); default the context
+        limit
 
     Raises
     ------
@@ -367,11 +370,13 @@ class ParallelEngine:
         devices: str | Iterable[str],
         mode: str = "data",
         tokenizer: Any = None,
+        job_tokens: int | None = None,
     ):
         devices = parse_devices(devices)
         _check_layout(devices, mode)
         config.validate()
         self.config, self.model, self.devices, self.mode = config, model, devices, mode
+        self.job_tokens = job_tokens
         self._cancel = False
         self._rendezvous = tempfile.mkdtemp(prefix="hisparse-dist-") if mode == "pipeline" else ""
         self._pool: dict[int, tuple[int, int, int]] = {}
@@ -483,6 +488,7 @@ class ParallelEngine:
             model=self.model,
             init_method=f"file://{self._rendezvous}/store" if self._rendezvous else "",
             nccl=_use_nccl(self.devices) if self.mode == "pipeline" else False,
+            job_tokens=self.job_tokens,
         )
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         process = ctx.Process(

@@ -148,3 +148,66 @@ def test_plan_under_a_small_cpu_budget_names_the_budget_that_fits(devices, monke
     assert invoke("plan", "-n", "1", "-c", "8K", "--memory-budget", found[1]).exit_code == 0
     less = f"{float(found[1]) - 0.01:.2f}"
     assert invoke("plan", "-n", "1", "-c", "8K", "--memory-budget", less).exit_code == 2
+
+
+def _tiny_llama(folder, context):
+    """A 2-layer random Llama folder (Hugging Face layout, a 256-token byte-level
+    vocabulary) trained, its config says, on ``context`` positions; written with
+    safetensors and tokenizers only (no transformers: it imports in seconds)."""
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from engine.text.tokenizer import bytes_to_unicode
+
+    h, f, kv, vocab = 96, 160, 32, 256
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,),
+              "lm_head.weight": (vocab, h)}  # fmt: skip
+    for i in range(2):
+        at = f"model.layers.{i}."
+        shapes |= {at + "input_layernorm.weight": (h,), at + "post_attention_layernorm.weight": (h,),
+                   at + "self_attn.q_proj.weight": (h, h), at + "self_attn.k_proj.weight": (kv, h),
+                   at + "self_attn.v_proj.weight": (kv, h), at + "self_attn.o_proj.weight": (h, h),
+                   at + "mlp.gate_proj.weight": (f, h), at + "mlp.up_proj.weight": (f, h),
+                   at + "mlp.down_proj.weight": (h, f)}  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    folder.mkdir()
+    save_file({k: 0.1 * torch.randn(v, generator=gen) for k, v in shapes.items()},
+              str(folder / "model.safetensors"))  # fmt: skip
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+              "intermediate_size": f, "num_hidden_layers": 2, "num_attention_heads": 6,
+              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": vocab,
+              "max_position_embeddings": context, "rms_norm_eps": 1e-6, "rope_theta": 1e4,
+              "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    bytes_vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    tok = Tokenizer(models.BPE(vocab=bytes_vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+    return folder
+
+
+def test_a_job_plan_admits_runs_under_the_same_budget(devices, monkeypatch, tmp_path):
+    """``hisparse plan -n 1 -c N`` (N: a job's prompt tokens + ``--max-new-tokens``, as its
+    results line counts them) at the smallest ``--memory-budget`` it admits; ``hisparse
+    run`` of that job with the same settings and budget runs it. Before, run sized each
+    request for the model's whole trained context (here 32K) and refused the budget that
+    plan had admitted ("what fits one 32768-token request: --memory-budget 0.03")."""
+    monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "256")
+    model = _tiny_llama(tmp_path / "tiny", 32768)
+    (tmp_path / "doc.txt").write_text("A short document about sorting lists.\n")
+    same = ["--preset", "cpu", "--model", str(model), "--host-pool", "0.05"]
+    run = ["run", *same, "--threads", "1", "--max-new-tokens", "8", "-o", str(tmp_path / "out")]
+    assert invoke(*run, str(tmp_path / "doc.txt")).exit_code == 0
+    line = json.loads((tmp_path / "out" / "results.jsonl").read_text().splitlines()[-1])
+    context = str(line["prompt_tokens"] + 8)
+    refused = invoke("plan", *same, "-n", "1", "-c", context, "--memory-budget", "0.001")
+    budget = re.search(r"a larger budget: --memory-budget ([\d.]+)\n", refused.output)[1]
+    planned = invoke("plan", *same, "-n", "1", "-c", context, "--memory-budget", budget)
+    assert planned.exit_code == 0, planned.output
+    result = invoke(*run, "--memory-budget", budget, "--force", str(tmp_path / "doc.txt"))
+    assert result.exit_code == 0, result.output
+    line = json.loads((tmp_path / "out" / "results.jsonl").read_text().splitlines()[-1])
+    assert line["ok"] and line["generated_tokens"] == 8, line

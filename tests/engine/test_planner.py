@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from engine.capacity.planner import (
     GIB,
     Hardware,
+    activation_bytes,
     admit,
     device_reserve_bytes,
     job_device_bytes,
@@ -24,7 +25,7 @@ from engine.capacity.planner import (
     weight_bytes,
 )
 from engine.capacity.shapes import MODEL_SHAPES, get_model_shape
-from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.config import ConfigError, EngineConfig, ModelConfig, SamplingParams
 from engine.presets import load_preset_full, resolve_config
 from hisparse_cli.presets_cmd import register
 
@@ -1118,3 +1119,32 @@ def test_plan_of_a_q4_gguf_counts_its_32_element_groups(smollm2_gguf_path):
     both = config.replace(int4_triton_min_rows=8)
     packed = linear // 2 + linear // 32 * 4
     assert weight_bytes(shape, both) - weight_bytes(shape, config) == packed
+
+
+def test_a_budget_sizes_the_engine_for_the_runs_longest_job():
+    """``load_engine(..., job_tokens=N)`` under a memory budget builds each request for N
+    tokens (its page table, the prefill scratch), as ``hisparse plan --context N`` counts
+    a job, instead of the context limit (8192 for the tiny synthetic model): a job of N
+    tokens runs; one over N fails, naming the size the cache was built for."""
+    from engine.events import Job, JobFailed, JobFinished
+    from engine.load import load_engine
+    from engine.weights.synthetic import TINY
+
+    config = EngineConfig(
+        memory_budget_gb=0.2, host_pool_gb=0.05, max_batch=2, top_k=64, device_buffer=128,
+        prefill_chunk=128, tokenizer="ids", num_threads=1,
+    )  # fmt: skip
+    whole = load_engine(config, "synthetic:tiny")
+    assert whole.cache.max_pages_per_seq == 8192 // 16
+    eng = load_engine(config, "synthetic:tiny", job_tokens=300)
+    assert eng.prompt_limit() == 8192  # the context policy's limit is unchanged
+    assert eng.cache.max_pages_per_seq == 19  # 300 tokens: 19 pages of 16
+    sized = eng.budget_sizing
+    assert sized.activation_bytes == activation_bytes(TINY, config, 300, config.max_batch)
+    assert sized.activation_bytes < whole.budget_sizing.activation_bytes
+    greedy = SamplingParams(max_tokens=8)
+    jobs = [Job("fits", tuple(range(5, 297)), greedy), Job("over", tuple(range(5, 305)), greedy)]
+    events = list(eng.run(jobs))
+    assert [e.result.job_id for e in events if isinstance(e, JobFinished)] == ["fits"]
+    (failed,) = [e for e in events if isinstance(e, JobFailed)]
+    assert failed.job_id == "over" and "jobs of at most 304 tokens" in failed.error

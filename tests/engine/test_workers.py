@@ -439,3 +439,22 @@ def test_two_workers_on_two_gpus(mode):
     _assert_same_tokens(results(events), reference)
     devices = {e.device for e in events if isinstance(e, MemorySnapshot)}
     assert {"cuda:0", "cuda:1"} <= devices, devices
+
+
+def test_every_worker_sizes_a_budget_for_the_runs_longest_job(monkeypatch):
+    """``load_engine(..., job_tokens=N)`` over several devices hands N to every worker's
+    load, a data worker's engine and a pipeline stage alike, so each budget-sized cache is
+    built for the run's jobs as a one-device run's is (no model is loaded here)."""
+    import engine.load
+    import engine.serve.pipeline as pipeline
+    import engine.serve.workers as workers
+
+    made, seen = [], []
+    monkeypatch.setattr(workers, "ParallelEngine", lambda *a, **k: made.append(k) or "engine")
+    assert engine.load.load_engine(CONFIG.replace(devices=("cpu", "cpu")), job_tokens=300)
+    assert made == [{"job_tokens": 300}]
+    monkeypatch.setattr(engine.load, "load_engine", lambda c, m, job_tokens: seen.append(job_tokens))
+    monkeypatch.setattr(pipeline, "load_stage", lambda *a: seen.append(a[-1]))
+    for mode in ("data", "pipeline"):
+        workers._load(workers.WorkerSpec(0, 2, "cpu", mode, CONFIG, None, job_tokens=300))
+    assert seen == [300, 300]
