@@ -1488,6 +1488,7 @@ class BatchRun:
                 raise LoadConfigError(str(exc)) from exc
             self.reporter.note(f"cannot load the model: {exc}", "error")
             return False
+        self._note_sized_batch(engine)
         self._save_config()  # the jobs run now
         info = f" ({engine.weights_info})" if engine.weights_info else ""  # tensor types
         self.reporter.note(f"model loaded in {self.clock() - started:.1f}s{info}")
@@ -1514,6 +1515,23 @@ class BatchRun:
             if self.cancel.count:
                 self._record_cancelled_chunks()
             return self.cancel.count > 0
+
+    def _note_sized_batch(self, engine: BatchEngine) -> None:
+        """``config.json``'s ``max_batch`` is what the loaded engine admits at once: a memory
+        budget may hold the hot buffers of fewer jobs than asked; ``effective`` keeps the
+        request beside it, as for the settings a CPU run turns off."""
+        asked, allowed = self.config.max_batch, engine.config.max_batch
+        doc = getattr(self, "_config_doc", None)
+        if doc is None or allowed >= asked:
+            return
+        budget = self.config.memory_budget_gb
+        why = (
+            f"memory_budget_gb {budget:g} holds the hot buffers of {allowed} job(s) at once"
+            if budget is not None
+            else f"the engine admits {allowed} job(s) at once"
+        )
+        doc["engine"]["max_batch"] = allowed
+        doc.setdefault("effective", {})["max_batch"] = f"requested {asked}; {why}"
 
     def _report_startup(self, load_started: float, engine: BatchEngine) -> None:
         """The start-up steps (:class:`engine.events.StartupTimes`) to the reporter: the

@@ -346,7 +346,8 @@ class ParallelEngine:
 
     Parameters
     ----------
-    config : the run settings (``device`` is replaced per worker)
+    config : the run settings (``device`` is replaced per worker); the engine's ``config``
+        is them with the ``max_batch`` its workers admit once loaded
     model : model path, ``None`` for the embedded model, or ``synthetic:NAME``
     devices : one device per worker, e.g. ``["cuda:0", "cuda:1"]`` or ``["cpu", "cpu"]``
     mode : ``data`` or ``pipeline``
@@ -394,6 +395,11 @@ class ParallelEngine:
             self.close()
             raise
         info = self.workers[0].info
+        # what the workers admit at once (a budget may size each below its share): the
+        # stages agree on one; data workers add up, never past the max_batch asked for
+        batches = [w.info["max_batch"] for w in self.workers]
+        batch = batches[0] if mode == "pipeline" else sum(batches)
+        self.config = config.replace(max_batch=min(config.max_batch, batch))
         self.model_config = info["model_config"]
         self.model_name = info["model_name"]
         self.weight_format = info["weight_format"]

@@ -211,3 +211,28 @@ def test_a_job_plan_admits_runs_under_the_same_budget(devices, monkeypatch, tmp_
     assert result.exit_code == 0, result.output
     line = json.loads((tmp_path / "out" / "results.jsonl").read_text().splitlines()[-1])
     assert line["ok"] and line["generated_tokens"] == 8, line
+
+
+def test_config_json_records_the_max_batch_the_budget_allows(devices, monkeypatch, tmp_path):
+    """Under ``--memory-budget`` the run's ``config.json`` gives the ``max_batch`` its cache
+    holds, the jobs ``hisparse plan`` finds the device allows for the same settings, and
+    keeps the request (the cpu preset's 4) in ``effective``. Before, it recorded 4 while
+    the budget held fewer jobs' hot buffers."""
+    monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "256")
+    model = _tiny_llama(tmp_path / "tiny", 32768)
+    (tmp_path / "doc.txt").write_text("A short document about sorting lists.\n")
+    same = ["--preset", "cpu", "--model", str(model), "--host-pool", "0.05"]
+    run = ["run", *same, "--threads", "1", "--max-new-tokens", "8", str(tmp_path / "doc.txt")]
+    assert invoke(*run, "-o", str(tmp_path / "count")).exit_code == 0
+    line = json.loads((tmp_path / "count" / "results.jsonl").read_text())
+    context = str(line["prompt_tokens"] + 8)
+    planned = invoke("plan", *same, "-n", "1", "-c", context, "--memory-budget", "0.012", "--json")
+    allowed = json.loads(planned.stdout)["capacity"]["device_limit"]
+    assert 1 <= allowed < 4
+    result = invoke(*run, "--memory-budget", "0.012", "-o", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+    document = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert document["engine"]["max_batch"] == allowed
+    assert document["effective"]["max_batch"] == (
+        f"requested 4; memory_budget_gb 0.012 holds the hot buffers of {allowed} job(s) at once"
+    )

@@ -255,6 +255,7 @@ def test_pipeline_budget_sizes_each_stage_and_traces_every_layer(single, jobs, r
     with ParallelEngine(cfg, None, "cpu,cpu", "pipeline", tokenizer=single.tokenizer) as eng:
         infos = [w.info for w in eng.workers]
         assert [i["max_batch"] for i in infos] == [2, 2]
+        assert eng.config.max_batch == 2  # what the stages admit (config.json says it)
         sizings = [i["budget_sizing"] for i in infos]
         assert [tuple(s["layers"]) for s in sizings] == ranges
         assert [s.max_batch for s in own(cfg, [s["weights_bytes"] for s in sizings])] == [3, 2]
