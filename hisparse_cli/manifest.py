@@ -34,6 +34,8 @@ from typing import Any
 from engine.config import SAMPLING_CHECKS, EngineConfig, SamplingParams, setting_problem
 from hisparse_cli.manifest_source import (
     COMMAND_LINE,
+    PRESET_SAMPLING,
+    PRESET_SAMPLING_FIELDS,
     Entry,
     Problem,
     RawManifest,
@@ -113,6 +115,8 @@ class JobSpec:
     messages: the chat messages of an OpenAI-batch request (:mod:`hisparse_cli.openai_batch`;
         ``inputs`` is then empty and ``task.task`` is ``chat``), else ``None``.
     custom_id: that request's ``custom_id`` (the id may differ when it is not file-safe).
+    sampling_from: (job field, where it was set) for each sampling field given in some
+        layer (:func:`value_source`); :meth:`source` reads it.
     """
 
     id: str
@@ -123,6 +127,12 @@ class JobSpec:
     origin: str
     messages: tuple[dict[str, str], ...] | None = None
     custom_id: str | None = None
+    sampling_from: tuple[tuple[str, str], ...] = ()
+
+    def source(self, name: str) -> str:
+        """Where sampling field ``name`` (``max_new_tokens``, ``temperature``, ...) of this
+        job was set, in words: a flag, a manifest line, the preset, or ``default``."""
+        return dict(self.sampling_from).get(name, "default")
 
 
 @dataclass(frozen=True)
@@ -223,11 +233,12 @@ def _build_batch(
         ident = openai_batch.job_id_for(request.custom_id, taken)
         base = sampling_base.values if sampling_base is not None else {}
         sampling = openai_batch.sampling_params({**base, **request.sampling, **cli.values})
+        body = Entry(file, "request body", request.line, dict(request.sampling))
         jobs.append(
             JobSpec(
                 ident, (), TaskSpec(task=openai_batch.CHAT_TASK), sampling,
                 output_filename(ident), f"{file}:{request.line}", request.messages,
-                request.custom_id,
+                request.custom_id, sampling_sources(_merge([sampling_base, body, cli])),
             )
         )  # fmt: skip
     if not jobs and not rejected:
@@ -742,9 +753,35 @@ def _spec(
     ident = merged["id"][0]
     output = output_filename(merged.get("output", (ident,))[0])
     line = job.where("id")
-    return JobSpec(
-        ident, tuple(inputs), task, sampling, output, f"{job.file}:{line}" if line else job.file
+    origin = f"{job.file}:{line}" if line else job.file
+    sources = sampling_sources(merged)
+    return JobSpec(ident, tuple(inputs), task, sampling, output, origin, sampling_from=sources)
+
+
+def sampling_sources(merged: Merged) -> tuple[tuple[str, str], ...]:
+    """(field, :func:`value_source`) for each sampling field ``merged`` sets."""
+    return tuple(
+        (name, value_source(entry, name))
+        for name, (_, entry) in merged.items()
+        if name in SAMPLING_FIELDS
     )
+
+
+def value_source(entry: Entry, name: str) -> str:
+    """Where ``entry`` (a layer of a job's fields) set field ``name``, in words:
+    ``command line (--max-new-tokens)``, ``preset cpu's sampling.max_tokens``,
+    ``jobs.yaml:2 defaults.max_new_tokens``, ``jobs.yaml:7 jobs[0].max_new_tokens`` or
+    ``requests.jsonl:3 request body``."""
+    if entry.file == COMMAND_LINE and not entry.label:  # the flags
+        return f"command line ({CLI_FLAGS.get(name, name)})"
+    if entry.label == PRESET_SAMPLING:
+        keys = {job: key for key, job in PRESET_SAMPLING_FIELDS.items()}
+        return f"preset {Path(entry.file).stem}'s sampling.{keys.get(name, name)}"
+    line = entry.where(name)
+    where = f"{entry.file}:{line}" if line else entry.file
+    if entry.label == "request body":  # an OpenAI-batch request: its line
+        return f"{where} request body"
+    return f"{where} {entry.label}.{name}" if entry.label else f"{where} {name}"
 
 
 def _task_problems(task: TaskSpec, merged: Merged, job: Entry, problems: list[Problem]) -> None:

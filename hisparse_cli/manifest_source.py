@@ -36,6 +36,11 @@ import yaml
 from engine.presets import MAX_YAML_VALUES, yaml_expanded_size
 
 COMMAND_LINE = "command line"
+PRESET_SAMPLING = "preset sampling"
+"""The label of a preset's ``sampling`` block as an :class:`Entry` (the lowest layer of a
+job's sampling fields)."""
+PRESET_SAMPLING_FIELDS = {"max_tokens": "max_new_tokens"}
+"""A preset ``sampling`` key -> the job field it sets, where the names differ."""
 YAML_SUFFIXES = (".yaml", ".yml", ".json")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 TOP_LEVEL_KEYS = ("defaults", "jobs")

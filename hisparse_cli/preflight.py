@@ -195,7 +195,8 @@ def max_new_tokens_problem(
     source = (
         f"--max-new-tokens {spec.sampling.max_tokens:,}"
         if flag_given
-        else f"max_new_tokens {spec.sampling.max_tokens:,} of job {spec.id!r} ({spec.origin})"
+        else f"max_new_tokens {spec.sampling.max_tokens:,} of job {spec.id!r} (from "
+        f"{spec.source('max_new_tokens')})"
     )
     more = (
         "; or raise --max-context"

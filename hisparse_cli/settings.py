@@ -23,7 +23,13 @@ from engine.config import (
     given,
     layered_config,
 )
-from hisparse_cli.manifest_source import COMMAND_LINE, Entry, Problem
+from hisparse_cli.manifest_source import (
+    COMMAND_LINE,
+    PRESET_SAMPLING,
+    PRESET_SAMPLING_FIELDS,
+    Entry,
+    Problem,
+)
 from hisparse_cli.results import write_text_atomic
 
 CONFIG_FILE = "config.json"
@@ -39,10 +45,6 @@ def preset_overrides(name: str) -> dict[str, Any]:
     """
     preset = _load_preset(name)
     return {} if preset is None else dict(preset.engine)
-
-
-PRESET_SAMPLING_FIELDS = {"max_tokens": "max_new_tokens"}
-"""A preset ``sampling`` key -> the job field it sets, where the names differ."""
 
 
 def preset_sampling(name: str) -> Entry | None:
@@ -62,7 +64,7 @@ def preset_sampling(name: str) -> Entry | None:
         PRESET_SAMPLING_FIELDS.get(key, key): list(value) if key == "stop" else value
         for key, value in preset.sampling.items()
     }
-    return Entry(str(preset.path), "preset sampling", None, values)
+    return Entry(str(preset.path), PRESET_SAMPLING, None, values)
 
 
 def _load_preset(name: str) -> Any:
@@ -208,13 +210,17 @@ def config_document(config: EngineConfig, preset: str, model: str | None) -> dic
 def job_settings(spec: Any) -> dict[str, Any]:
     """What ``--print-config`` shows of one job (a :class:`~hisparse_cli.manifest.JobSpec`):
     its id, where it was given, its inputs, task, result file and sampling settings as the
-    run would apply them (preset < manifest defaults < the job's own < flags); a seed not
-    given is shown as the one derived from the job id, with ``seed_from: "job id"``."""
+    run would apply them (preset < manifest defaults < the job's own < flags), and under
+    ``sampling_from`` where each of those was set (:meth:`JobSpec.source`: a flag, a
+    manifest line, the preset, or ``default``); a seed not given is shown as the one
+    derived from the job id, with ``seed_from: "job id"``."""
     task = {k: v for k, v in dataclasses.asdict(spec.task).items() if v is not None}
     sampling = dataclasses.asdict(spec.sampling)
     sampling["stop"] = list(sampling["stop"])
+    sources = {name: spec.source(JOB_FIELD.get(name, name)) for name in sampling}
     if spec.sampling.seed is None:  # what the engine uses (engine.config.job_seed)
         sampling["seed"], sampling["seed_from"] = spec.sampling.seed_for(spec.id), "job id"
+        sources["seed"] = "job id"
     return {
         "id": spec.id,
         "origin": spec.origin,
@@ -222,7 +228,13 @@ def job_settings(spec: Any) -> dict[str, Any]:
         **task,
         "output": spec.output,
         "sampling": sampling,
+        "sampling_from": {key: sources[key] for key in sorted(sources)},
     }
+
+
+JOB_FIELD = PRESET_SAMPLING_FIELDS
+"""A :class:`~engine.config.SamplingParams` field -> the job field that sets it, where the
+names differ (``max_tokens`` is the jobs' ``max_new_tokens``, as in a preset)."""
 
 
 def save_config(output_dir: Path, document: dict[str, Any]) -> Path:

@@ -264,7 +264,20 @@ def test_max_new_tokens_of_a_manifest_job_is_named_there(cli, docs, tmp_path):
     )
     result = cli("--manifest", "jobs.yaml", "--model", model, engine=never_load)
     assert result.exit_code == 2
-    assert "max_new_tokens 5,000 of job 'alpha' (" in " ".join(result.stderr.split())
+    assert "max_new_tokens 5,000 of job 'alpha' (from jobs.yaml:2 jobs[0].max_new_tokens)" \
+        in " ".join(result.stderr.split())
+
+
+def test_a_presets_max_new_tokens_is_named_as_the_presets(cli, docs, tmp_path):
+    """Fresh-user finding: ``hisparse run --print-config`` said the cpu preset's default
+    ``max_new_tokens`` (256) over a 200-token context came from the "(command line)", the
+    place the job was given; it now names the preset's sampling block, and the run too."""
+    model = str(tiny_gguf(tmp_path / "m.gguf", context=200))
+    args = ("docs/alpha.txt", "--model", model, "--preset", "cpu", "--device", "cpu")
+    result = cli(*args, "--print-config")
+    named = "max_new_tokens 256 of job 'alpha' (from preset cpu's sampling.max_tokens) cannot"
+    assert named in " ".join(result.stderr.split()) and "command line" not in result.stderr
+    assert named in " ".join(cli(*args, engine=never_load).stderr.split())
 
 
 def test_a_document_that_fits_alone_names_the_max_new_tokens_that_fits(cli, docs, tmp_path):

@@ -381,6 +381,29 @@ def test_print_config_lists_each_jobs_task_and_sampling(cli, docs, tmp_path):
     assert not (tmp_path / "hisparse-out").exists()
 
 
+def test_print_config_names_where_each_sampling_value_was_set(cli, docs, tmp_path):
+    """``sampling_from`` gives each sampling value's source truthfully: the flag, the
+    manifest line (a job's own or its defaults), the preset's sampling block, or the
+    default; before, a preset's default was only seen beside ``origin: command line``."""
+    (tmp_path / "jobs.yaml").write_text(
+        "defaults: {temperature: 0.5}\njobs:\n  - {id: a, input: docs/alpha.txt, top_k: 3}\n"
+    )
+    args = ("--preset", "cpu", "--device", "cpu", "--top-p", "0.9", "--print-config")
+    (job,) = json.loads(cli("--manifest", "jobs.yaml", *args).stdout)["jobs"]
+    assert job["sampling_from"] == {
+        "max_tokens": "preset cpu's sampling.max_tokens",
+        "temperature": "jobs.yaml:1 defaults.temperature",
+        "top_k": "jobs.yaml:3 jobs[0].top_k",
+        "top_p": "command line (--top-p)",
+        "seed": "job id",
+        "stop": "default",
+    }
+    (job,) = json.loads(cli("docs/alpha.txt", "--max-new-tokens", "9", *args).stdout)["jobs"]
+    assert job["origin"] == "command line" and job["sampling"]["max_tokens"] == 9
+    assert job["sampling_from"]["max_tokens"] == "command line (--max-new-tokens)"
+    assert job["sampling_from"]["temperature"] == "preset cpu's sampling.temperature"
+
+
 @pytest.mark.parametrize(
     "memories, flags, name",
     [
