@@ -182,10 +182,7 @@ def load_preset_full(name_or_path: str | Path) -> Preset:
             get_model_shape(str(data["model"]))
         except ConfigError as exc:
             problems.append(_problem(path, lines, ("model",), f"model: {exc}"))
-    if not problems:  # settings that clash with each other, at the line of the one at fault
-        for found in EngineConfig().replace(**engine).problems():
-            text = f"engine: {found.message}" if len(found.fields) > 1 else f"engine.{found}"
-            problems.append(_problem(path, lines, ("engine", found.fields[0]), text))
+    problems += _clash_problems(path, lines, engine)
     if problems:  # every one at once, in line order, each with its line, as a manifest's
         problems.sort(key=lambda problem: problem[0])  # stable: the line-less ones first
         raise PresetError("\n".join(text for _, text in problems))
@@ -462,23 +459,52 @@ def _value_problems(
 ) -> list[tuple[int, str]]:
     """One problem (:func:`_problem`) per known key of ``block`` whose value has the
     wrong type for its ``cls`` field or, with ``check``, fails ``check(name, value)`` on
-    its own."""
+    its own (:func:`_value_message`)."""
     declared = {f.name: str(f.type) for f in dataclasses.fields(cls)}
     problems = []
     for name, value in values.items():
         if name not in declared:
             continue  # reported by _key_problems
-        kind = declared[name]
-        accepted = _ACCEPTED_TYPES.get(kind)
-        message = None
-        if accepted is not None and (
-            (isinstance(value, bool) and bool not in accepted) or not isinstance(value, accepted)
-        ):
-            message = f"must be {_TYPE_WORDS.get(kind, kind)}, got {value!r}"
-        elif check is not None:
-            message = check(name, value)
+        message = _value_message(declared[name], name, value, check)
         if message:
             problems.append(_problem(path, lines, (block, name), f"{block}.{name}: {message}"))
+    return problems
+
+
+def _value_message(
+    kind: str, name: str, value: Any, check: Callable[[str, Any], str | None] | None
+) -> str | None:
+    """What is wrong with ``value`` for field ``name`` of declared type ``kind`` on its
+    own: its type, then ``check(name, value)``; ``None`` when nothing is."""
+    accepted = _ACCEPTED_TYPES.get(kind)
+    if accepted is not None and (
+        (isinstance(value, bool) and bool not in accepted) or not isinstance(value, accepted)
+    ):
+        return f"must be {_TYPE_WORDS.get(kind, kind)}, got {value!r}"
+    return check(name, value) if check is not None else None
+
+
+def _clash_problems(
+    path: Path, lines: dict[tuple[str, ...], int], engine: dict[str, Any]
+) -> list[tuple[int, str]]:
+    """Engine settings that clash with each other (:meth:`EngineConfig.problems`), each at
+    the line of the one at fault and named ``engine.<field>``, as a manifest's
+    ``defaults.engine`` clashes are. Only settings that are each valid are compared: a
+    clash with a bad or unknown key is left until that key is fixed (its own problem is
+    reported beside these)."""
+    declared = {f.name: str(f.type) for f in dataclasses.fields(EngineConfig)}
+    valid = {
+        name: value
+        for name, value in engine.items()
+        if name in declared and not _value_message(declared[name], name, value, setting_problem)
+    }
+    bad = set(engine) - set(valid)
+    problems = []
+    for found in EngineConfig().replace(**valid).problems():
+        if len(found.fields) > 1 and not bad & set(found.fields):
+            name = found.fields[0]
+            text = f"engine.{name}: {found.message}"
+            problems.append(_problem(path, lines, ("engine", name), text))
     return problems
 
 

@@ -304,7 +304,48 @@ def test_settings_that_clash_are_named_at_the_line_of_the_one_at_fault(tmp_path)
     with pytest.raises(PresetError) as info:
         load_preset_full(path)
     first = str(info.value).splitlines()[0]
-    assert first == f"{path}:6: engine: device_buffer=100 tokens is not a multiple of page_size=16"
+    assert first == (
+        f"{path}:6: engine.device_buffer: device_buffer=100 tokens is not a multiple of "
+        "page_size=16"
+    )
+
+
+def test_clashes_come_with_the_value_problems_in_line_order(tmp_path):
+    """Fresh-user finding: a preset's clash between settings (a hot buffer smaller than
+    the selection) was reported only once its bad values were fixed, a second round
+    trip; every problem of the file now comes at once, in line order, each naming the
+    file, line and field. A clash with a bad value waits for that value (its own problem
+    is named)."""
+    text = (
+        "description: test box\n"
+        "engine:\n"
+        "  hierarchical: maybe\n"  # 3
+        "  top_k: 2048\n"
+        "  device_buffer: 1024\n"  # 5: below top_k
+        "  prefill_chunk: -5\n"
+        "  context_policy: chunk\n"  # 7: chunks on one device ...
+        "  devices: [cpu, cpu]\n"  # ... not two
+        "  sink_tokens: lots\n"  # 9
+        "  page_metadata: superpage\n"  # 10: with a group_combine that is bad itself
+        "  group_combine: most\n"
+    )
+    path = _write(tmp_path, text)
+    with pytest.raises(PresetError) as info:
+        load_preset_full(path)
+    lines = [line.split(" (")[0] for line in str(info.value).splitlines()]
+    assert [line.split(": ", 2)[:2] for line in lines] == [
+        [f"{path}:3", "engine.hierarchical"],
+        [f"{path}:6", "engine.prefill_chunk"],
+        [f"{path}:7", "engine.context_policy"],
+        [f"{path}:9", "engine.sink_tokens"],
+        [f"{path}:11", "engine.group_combine"],
+    ], str(info.value)
+    assert "context_policy=chunk runs on one device" in str(info.value)
+    fixed = text.replace("sink_tokens: lots", "sink_tokens: 16")
+    with pytest.raises(PresetError) as info:
+        load_preset_full(_write(tmp_path, fixed, "fixed.yaml"))
+    assert "fixed.yaml:5: engine.device_buffer: device_buffer=1024 tokens holds 64 pages" \
+        in str(info.value)
 
 
 def test_an_unknown_model_shape_is_named_with_its_line(tmp_path):
