@@ -87,7 +87,8 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 class ManifestError(Exception):
     """The jobs cannot run as given; ``problems`` lists every finding. ``engine`` and
     ``engine_origin`` are the manifest's valid ``defaults.engine`` settings and where they
-    were read, so the caller can add the problems of the combined engine settings."""
+    were read, so the caller can add the problems of the combined engine settings
+    (:meth:`add`)."""
 
     def __init__(
         self,
@@ -95,13 +96,18 @@ class ManifestError(Exception):
         engine: dict[str, Any] | None = None,
         engine_origin: Entry | None = None,
     ) -> None:
-        # in reading order: the command line's first, then each file's by line (stable)
-        self.problems = sorted(
-            problems,
-            key=lambda p: (p.line is not None, str(p.file) if p.line is not None else "", p.line or 0),
-        )
+        self.problems: list[Problem] = []
+        self.add(problems)
         self.engine = engine or {}
         self.engine_origin = engine_origin
+
+    def add(self, problems: Sequence[Problem]) -> None:
+        """Add ``problems``, keeping all in reading order: the command line's (and the
+        preset's, which have no line) first, then each file's by line (stable)."""
+        self.problems = sorted(
+            [*self.problems, *problems],
+            key=lambda p: (p.line is not None, str(p.file) if p.line is not None else "", p.line or 0),
+        )
         super().__init__("\n".join(str(p) for p in self.problems))
 
 

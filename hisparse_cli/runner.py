@@ -546,7 +546,7 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
                     request.preset, exc.engine, request.engine_overrides, exc.engine_origin
                 )
             except SettingsError as settings_exc:
-                exc.problems.extend(settings_exc.problems)
+                exc.add(settings_exc.problems)
             except ConfigError:
                 pass  # an unknown setting: already among the manifest's problems
             raise

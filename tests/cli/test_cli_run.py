@@ -270,6 +270,19 @@ def test_job_and_engine_setting_problems_come_in_one_report(cli, docs, tmp_path)
     assert cli.factory.engines == []
 
 
+def test_a_manifests_problems_and_clashes_come_in_line_order(cli, docs, tmp_path):
+    """The clash of line 3's setting came after line 4's bad value and line 6's missing
+    file: the clashes of the combined settings were appended to the sorted list."""
+    (tmp_path / "jobs.yaml").write_text(
+        "defaults:\n  engine:\n    device_buffer: 100\n    prefill_chunk: -3\n"
+        "jobs:\n  - {input: docs/missing.txt}\n"
+    )
+    result = cli("--manifest", "jobs.yaml")
+    assert result.exit_code == 2
+    where = [line.split(": ")[0].strip() for line in result.stderr.splitlines()[1:]]
+    assert where == ["jobs.yaml:3", "jobs.yaml:3", "jobs.yaml:4", "jobs.yaml:6"], result.stderr
+
+
 @pytest.mark.parametrize(
     "args, phrase",
     [
