@@ -322,7 +322,12 @@ def place_model(
 
 
 def load_engine(
-    config: EngineConfig, model: str | None = None, tracer=None, *, job_tokens: int | None = None
+    config: EngineConfig,
+    model: str | None = None,
+    tracer=None,
+    *,
+    job_tokens: int | None = None,
+    pool_shares: int = 1,
 ) -> BatchEngine:
     """Load a model and build the engine (the one builder of run, workers and scripts).
 
@@ -346,6 +351,9 @@ def load_engine(
     the caller knows it before the load, is what that budget sizes each request for (page
     tables, prefill scratch), as ``hisparse plan --context`` counts a job; without it, the
     context limit. The engine refuses a job over it (:func:`sized_tokens`).
+
+    ``pool_shares``: a data-parallel worker's count of workers splitting the user's
+    ``host_pool_gb`` (its ``config`` holds its share), so a refusal names the total.
 
     A one-process engine's ``load_marks`` holds when each load step ended
     (:class:`engine.events.StartupTimes`: ``engine_imported``, then :func:`place_model`'s,
@@ -377,8 +385,12 @@ def load_engine(
         from engine.capacity.budget import budget_cache
 
         tokens = sized_tokens(placed.context_limit, job_tokens)
-        config, cache, sizing = budget_cache(placed.model, config, tokens)
-    engine = Engine.from_placed(placed, config, tracer=tracer, cache=cache, budget_sizing=sizing)
+        config, cache, sizing = budget_cache(
+            placed.model, config, tokens, pool_shares=pool_shares
+        )
+    engine = Engine.from_placed(
+        placed, config, tracer=tracer, cache=cache, budget_sizing=sizing, pool_shares=pool_shares
+    )
     engine.load_marks = marks | {"engine": time.monotonic()}
     return engine
 

@@ -120,6 +120,7 @@ def size_kv_for_budget(
     *,
     layers: tuple[int, int] | None = None,
     comm_bytes: int = 0,
+    pool_shares: int = 1,
 ) -> KVSizing:
     """Split ``config.memory_budget_gb`` between the fixed parts and the KV cache.
 
@@ -134,6 +135,9 @@ def size_kv_for_budget(
         all. Metadata, slabs and the device pool count these layers only; the logits
         scratch counts only when the stage holds the last layer.
     comm_bytes : pipeline hand-off buffers on this device (bytes)
+    pool_shares : how many data-parallel workers split the user's ``host_pool_gb``;
+        ``config.host_pool_gb`` is this worker's share. A refusal speaks in the user's
+        setting (the total, and that it is split) and its ``--host-pool`` is the total.
 
     Returns
     -------
@@ -197,12 +201,19 @@ def size_kv_for_budget(
     batch = min(config.max_batch, max(room - shared, 0) // per_req)
     if batch < 1:
         fixes = _one_request_fixes(
-            model, config, weights_bytes + act + comm_bytes, room, pages, max_pages, nl
+            model, config, weights_bytes + act + comm_bytes, room, pages, max_pages, nl,
+            pool_shares,
+        )  # fmt: skip
+        split = (
+            f" (host_pool_gb {config.host_pool_gb * pool_shares:g} split across "
+            f"{pool_shares} devices: {config.host_pool_gb:g} on this one)"
+            if pool_shares > 1
+            else ""
         )
         raise ConfigError(
             f"memory_budget_gb={config.memory_budget_gb}: {fixed} + page metadata of "
-            f"{pages} host pool pages {pages * meta / GIB:.2f} GiB leave no room for the hot "
-            f"buffer of one request ({per_req / 2**20:.1f} MiB); what fits one "
+            f"{pages} host pool pages{split} {pages * meta / GIB:.2f} GiB leave no room for "
+            f"the hot buffer of one request ({per_req / 2**20:.1f} MiB); what fits one "
             f"{context_limit}-token request: " + "; or ".join(fixes)
         )
     sized = config.replace(max_batch=batch)
@@ -231,6 +242,7 @@ def _one_request_fixes(
     pages: int,
     max_pages: int,
     nl: int,
+    pool_shares: int = 1,
 ) -> list[str]:
     """The changes with which a hierarchical cache of ``config`` fits one request of
     ``max_pages`` pages, each checked with the sizing's arithmetic: the smallest budget
@@ -241,9 +253,10 @@ def _one_request_fixes(
     than ``max_pages`` pages holds no request whatever the device has, so there each
     change comes with the pool raised to the smallest that does.
     ``fixed_bytes``: weights, activations and communication; ``room``: the budget less
-    those and the reserve."""
+    those and the reserve. ``pool_shares``: as :func:`size_kv_for_budget`'s; the host
+    pools named are the totals the user sets, each device's share said beside them."""
     per_req = per_request_device_bytes(model, config, max_pages, nl)
-    least = _pool_gb_holding(model, config, max_pages, 2 * max_pages, down=False)
+    least = _pool_gb_holding(model, config, max_pages, 2 * max_pages, False, pool_shares)
     raised = pages < max_pages and least is not None  # the pool must grow first
     if raised:
         pages = least[1]
@@ -251,20 +264,29 @@ def _one_request_fixes(
 
     def fix(what: str, flags: str) -> str:
         if raised:
-            what += f" with host_pool_gb {least[0]:g} for one request's {max_pages} pages"
+            what += f" with host_pool_gb {least[0]:g}{each(least[0])} for one request's "
+            what += f"{max_pages} pages"
             flags += f" --host-pool {least[0]:g}"
         return f"{what} ({flags})"
+
+    def each(total_gb: float) -> str:  # the data-parallel devices' shares, where split
+        if pool_shares == 1:
+            return ""
+        return f" split across {pool_shares} devices ({total_gb / pool_shares:g} each)"
 
     gb = smallest_budget_gb(fixed_bytes + shared + per_req, config.device)
     fixes = [fix(f"memory_budget_gb {gb:g}", f"--memory-budget {gb:g}")]
     pool = None
     if not raised:
         most = max_pool_pages(model, config, room - per_req, nl)
-        pool = _pool_gb_holding(model, config, max_pages, most, down=True)
+        pool = _pool_gb_holding(model, config, max_pages, most, True, pool_shares)
         if pool is not None:
+            its = f"its {pool[1]} pages"
+            if pool_shares > 1:
+                its = f"{each(pool[0]).lstrip()}, whose {pool[1]} pages"
             fixes.append(
-                f"host_pool_gb {pool[0]:g} (--host-pool {pool[0]:g}; its {pool[1]} pages "
-                f"hold one request's {max_pages})"
+                f"host_pool_gb {pool[0]:g} (--host-pool {pool[0]:g}; {its} hold one "
+                f"request's {max_pages})"
             )
     buffer = _buffer_fitting(model, config, room - shared, max_pages, nl)
     if buffer is not None:
@@ -275,27 +297,35 @@ def _one_request_fixes(
         if both is not None:
             what, flags = both
             fixes.append(
-                f"{what} with host_pool_gb {least[0]:g} ({flags} --host-pool {least[0]:g})"
+                f"{what} with host_pool_gb {least[0]:g}{each(least[0])} "
+                f"({flags} --host-pool {least[0]:g})"
             )
     return fixes
 
 
 def _pool_gb_holding(
-    model: ModelConfig, config: EngineConfig, least: int, most: int, *, down: bool
+    model: ModelConfig,
+    config: EngineConfig,
+    least: int,
+    most: int,
+    down: bool,
+    shares: int = 1,
 ) -> tuple[float, int] | None:
     """A ``host_pool_gb`` of few digits (``(gb, pages)``) whose pool holds between ``least``
     and ``most`` pages (:func:`engine.kv.sizing.default_pool_pages`), rounded down from
-    ``most`` pages (``down``) or up from ``least``; ``None`` when none does."""
+    ``most`` pages (``down``) or up from ``least``; ``None`` when none does. With
+    ``shares`` data-parallel workers ``gb`` is the total they split and ``pages`` one
+    worker's (of ``gb / shares``)."""
     if most < least or least < 1:
         return None
     page_bytes = pool_page_bytes(model, config)  # host_pool_gb counts whole-model pages
-    target = (most if down else least) * page_bytes / GIB
+    target = (most if down else least) * page_bytes / GIB * shares
     for digits in (2, 3, 4, 5, 6):
         scale = 10**digits
         gb = (math.floor(target * scale) if down else math.ceil(target * scale)) / scale
         if gb <= 0:
             continue
-        held = default_pool_pages(model, config.replace(host_pool_gb=gb))
+        held = default_pool_pages(model, config.replace(host_pool_gb=gb / shares))
         if least <= held <= most:
             return gb, held
     return None
@@ -391,6 +421,7 @@ def budget_cache(
     context_limit: int,
     num_pool_pages: int | None = None,
     sizing: KVSizing | None = None,
+    pool_shares: int = 1,
 ):
     """Build the budget-sized cache for a placed model.
 
@@ -403,6 +434,7 @@ def budget_cache(
     num_pool_pages : hierarchical host pool pages (default from ``host_pool_gb``)
     sizing : a sizing already computed (a pipeline stage's, from :func:`stage_sizing` and
         :func:`common_sizing`); default :func:`size_kv_for_budget` for the whole model
+    pool_shares : data-parallel workers splitting ``host_pool_gb`` (:func:`size_kv_for_budget`)
 
     Returns
     -------
@@ -417,8 +449,9 @@ def budget_cache(
 
     if sizing is None:
         sizing = size_kv_for_budget(
-            model.config, config, model.weight_bytes, context_limit, num_pool_pages
-        )
+            model.config, config, model.weight_bytes, context_limit, num_pool_pages,
+            pool_shares=pool_shares,
+        )  # fmt: skip
     sized = config.replace(max_batch=sizing.max_batch)
     max_pages = -(-context_limit // config.page_size)
     layers = getattr(model, "layer_range", None)

@@ -117,7 +117,9 @@ class Engine:
     tokens (prompt + generated) per request under the context policy; cache : a
     prebuilt :class:`KVCache` (sized for a memory budget by :mod:`engine.capacity.budget`, or
     shared with another engine over the same model, as :mod:`engine.measure.bench` does for
-    its no-IO and instrumented passes); built from ``config`` when omitted.
+    its no-IO and instrumented passes); built from ``config`` when omitted;
+    pool_shares : data-parallel workers splitting the user's ``host_pool_gb`` (``config``
+    holds this worker's share), for messages that name it.
     """
 
     def __init__(
@@ -134,6 +136,7 @@ class Engine:
         weight_format: str = "",
         weights_info: str = "",
         budget_sizing: KVSizing | None = None,
+        pool_shares: int = 1,
     ):
         self.model = model
         self.json = JsonConstraints(tokenizer, model.config.vocab_size)
@@ -142,6 +145,7 @@ class Engine:
         self.weights_info = weights_info
         self.load_marks: dict[str, float] = {}  # load steps' end times (ev.StartupTimes)
         self.budget_sizing = budget_sizing
+        self.pool_shares = pool_shares  # data-parallel workers splitting host_pool_gb
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.config = config
@@ -302,10 +306,14 @@ class Engine:
                 f"at most {sized} tokens (its longest job when it loaded); run the job again"
             )
         if not self.cache.fits_ever(need):
-            return (
-                f"needs {self.cache.pages_for(need)} KV pool pages but the pool has "
-                f"{self.cache.num_pool_pages} (host_pool_gb={self.config.host_pool_gb})"
-            )
+            pool = f"the pool has {self.cache.num_pool_pages} (host_pool_gb={self.config.host_pool_gb})"
+            if self.pool_shares > 1:
+                total = self.config.host_pool_gb * self.pool_shares
+                pool = (
+                    f"this device's share of the pool has {self.cache.num_pool_pages} "
+                    f"(host_pool_gb={total:g} split across {self.pool_shares} devices)"
+                )
+            return f"needs {self.cache.pages_for(need)} KV pool pages but {pool}"
         return ""
 
     def _pull(

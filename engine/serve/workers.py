@@ -198,7 +198,9 @@ def _load(spec: WorkerSpec) -> Any:
         return load_stage(spec.config, spec.model, *stage)
     from engine.load import load_engine
 
-    return load_engine(spec.config, spec.model, job_tokens=spec.job_tokens)
+    # a data worker holds host_pool_gb / world_size: its refusals name the user's total
+    shares = spec.world_size if spec.mode == "data" else 1
+    return load_engine(spec.config, spec.model, job_tokens=spec.job_tokens, pool_shares=shares)
 
 
 def _info(engine: Any, spec: WorkerSpec) -> dict[str, Any]:

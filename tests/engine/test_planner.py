@@ -1148,3 +1148,65 @@ def test_a_budget_sizes_the_engine_for_the_runs_longest_job():
     assert [e.result.job_id for e in events if isinstance(e, JobFinished)] == ["fits"]
     (failed,) = [e for e in events if isinstance(e, JobFailed)]
     assert failed.job_id == "over" and "jobs of at most 304 tokens" in failed.error
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize(
+    "host_pool_gb,budget_gb", [(24.0, 0.3), (0.001, 0.03)], ids=["metadata", "small-pool"]
+)
+def test_a_split_host_pool_is_named_as_the_user_set_it(workers, host_pool_gb, budget_gb):
+    """Fresh-user finding: a data-parallel worker holds ``host_pool_gb / n``
+    (:func:`worker_config`), and its budget refusal named that share ("host_pool_gb 12"
+    where the user set 24 over 2 devices) and advised a ``--host-pool`` for one worker.
+    It now names the total and the split, and every ``--host-pool`` it advises is a
+    total whose share holds one request on each worker."""
+    import re
+
+    from engine.capacity.budget import size_kv_for_budget
+    from engine.serve.workers import worker_config
+
+    devices = ["cpu"] * workers
+    config = EngineConfig(
+        device="cpu", memory_budget_gb=budget_gb, host_pool_gb=host_pool_gb, top_k=256,
+        device_buffer=1024, max_batch=4,
+    )  # fmt: skip
+
+    def sized(cfg):
+        share = worker_config(cfg, "cpu", 0, devices, "data")
+        return size_kv_for_budget(TINY, share, weight_bytes(TINY, share), 4096, pool_shares=workers)
+
+    with pytest.raises(ConfigError, match="no room") as refused:
+        sized(config)
+    message = str(refused.value)
+    share = host_pool_gb / workers
+    assert f"(host_pool_gb {host_pool_gb:g} split across {workers} devices: {share:g} on this one)" \
+        in message
+    flags = [dict(re.findall(r"--([a-z-]+) ([\d.]+)", g)) for g in re.findall(r"\((--[^;)]*)", message)]
+    advised = [f for f in flags if "host-pool" in f]
+    assert advised, message
+    for fix in advised:
+        total = float(fix["host-pool"])
+        assert f" split across {workers} devices ({total / workers:g} each)" in message
+        budget = float(fix.get("memory-budget", budget_gb))
+        assert sized(config.replace(host_pool_gb=total, memory_budget_gb=budget)).max_jobs(256) >= 1
+
+
+def test_a_data_workers_pool_refusal_names_the_users_host_pool():
+    """A job too long for a data-parallel worker's share of the host pool fails naming
+    the total the user set and the split, not the share (the synthetic two-layer model:
+    0.001 GiB over 2 workers holds 32 pages each)."""
+    from engine.events import Job, JobFailed
+    from engine.load import load_engine
+    from engine.serve.workers import worker_config
+
+    config = EngineConfig(host_pool_gb=0.001, max_batch=2, top_k=64, device_buffer=128,
+                          tokenizer="ids", num_threads=1)  # fmt: skip
+    share = worker_config(config, "cpu", 0, ["cpu", "cpu"], "data")
+    eng = load_engine(share, "synthetic:tiny", pool_shares=2)
+    job = Job("long", tuple(range(5, 600)), SamplingParams(max_tokens=8))
+    (failed,) = [e for e in eng.run([job]) if isinstance(e, JobFailed)]
+    pages = eng.cache.num_pool_pages
+    assert failed.error == (
+        f"needs 38 KV pool pages but this device's share of the pool has {pages} "
+        "(host_pool_gb=0.001 split across 2 devices)"
+    )

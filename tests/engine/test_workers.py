@@ -454,8 +454,11 @@ def test_every_worker_sizes_a_budget_for_the_runs_longest_job(monkeypatch):
     monkeypatch.setattr(workers, "ParallelEngine", lambda *a, **k: made.append(k) or "engine")
     assert engine.load.load_engine(CONFIG.replace(devices=("cpu", "cpu")), job_tokens=300)
     assert made == [{"job_tokens": 300}]
-    monkeypatch.setattr(engine.load, "load_engine", lambda c, m, job_tokens: seen.append(job_tokens))
-    monkeypatch.setattr(pipeline, "load_stage", lambda *a: seen.append(a[-1]))
+    load = lambda c, m, job_tokens, pool_shares: seen.append((job_tokens, pool_shares))  # noqa: E731
+    monkeypatch.setattr(engine.load, "load_engine", load)
+    monkeypatch.setattr(pipeline, "load_stage", lambda *a: seen.append((a[-1], None)))
     for mode in ("data", "pipeline"):
         workers._load(workers.WorkerSpec(0, 2, "cpu", mode, CONFIG, None, job_tokens=300))
-    assert seen == [300, 300]
+    # a data worker also knows it holds one of 2 shares of host_pool_gb (its refusals
+    # name the user's total); a pipeline stage keeps the whole setting
+    assert seen == [(300, 2), (300, None)]
