@@ -411,10 +411,13 @@ class EngineConfig:
         ``bf16``: in ``kv_dtype`` (the gather dequantises fp8 host records). ``fp8``: as
         the fp8 host pool stores them (e4m3 and one int8 exponent per row; needs
         ``kv_host_dtype=fp8``): the gather copies them as stored, attention dequantises
-        them to ``kv_dtype`` as it reads, so the outputs are bit for bit those of ``bf16``
-        while a slot takes ``2 x S x (D + 1)`` bytes instead of ``2 x S x D x 2`` — about
-        twice the ``device_buffer`` tokens in the same device memory. No effect with CPU
-        direct reads (no hot buffer).
+        them to ``kv_dtype`` as it reads, and a slot takes ``2 x S x (D + 1)`` bytes
+        instead of ``2 x S x D x 2`` — about twice the ``device_buffer`` tokens in the
+        same device memory. Experimental: the tests' engines (CPU, and CUDA graphs on the
+        H200) decode bit for bit as with ``bf16``, but a ``hisparse run`` of the corpus on
+        the H200 did not (docs/performance.md, "An fp8 hot buffer"; cause not found), so
+        it enters the resume key and no preset sets it. No effect with CPU direct reads
+        (no hot buffer).
     page_metadata: how the ``quest`` indexer reads page metadata. ``exact`` (the default and
         the reference): flat Quest, every page's key min / max each step (KV/16 bytes at
         page 16). ``superpage``: a two-level index (:mod:`kernels.superpage_select`):

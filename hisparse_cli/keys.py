@@ -50,16 +50,27 @@ OUTPUT_NEUTRAL_SETTINGS = frozenset(
         "trace_path",
         "int4_triton_min_rows",
         "host_memory_gb",
-        "hot_buffer_dtype",  # fp8 slots read as the bf16 ones (tests/engine/test_fp8_hot_buffer.py)
         "audit_steps",  # the audit only reads the KV (tests/engine/test_audit.py)
         "audit_seed",
     }
 )
 
 
+ADDED_SETTINGS = {"hot_buffer_dtype": "bf16"}
+"""Settings added after :data:`KEY_VERSION` 1, with the value that behaves as runs did
+before them: they enter the key only at another value, so earlier results keep their keys.
+``hot_buffer_dtype`` is not output-neutral: an fp8 hot buffer changed the text of a
+`hisparse run` on the H200 (docs/performance.md, "An fp8 hot buffer")."""
+
+
 def output_settings(config: EngineConfig) -> dict[str, Any]:
-    """The engine settings that can change generated text (all but the neutral ones)."""
-    return {k: v for k, v in config.to_dict().items() if k not in OUTPUT_NEUTRAL_SETTINGS}
+    """The engine settings that can change generated text (all but the neutral ones, and
+    the :data:`ADDED_SETTINGS` at their old behaviour's value)."""
+    return {
+        k: v
+        for k, v in config.to_dict().items()
+        if k not in OUTPUT_NEUTRAL_SETTINGS and ADDED_SETTINGS.get(k, object()) != v
+    }
 
 
 def model_fingerprint(model: str | None) -> str:

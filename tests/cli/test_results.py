@@ -191,10 +191,26 @@ def test_settings_hash_tracks_what_changes_output():
         settings_hash(task, sampling, "m", config.replace(top_k=1024), opts),
         settings_hash(task, sampling, "m", config.replace(attention="dense"), opts),
         settings_hash(task, sampling, "m", config, {"encoding": "latin-1", "errors": "strict"}),
+        settings_hash(
+            task, sampling, "m", config.replace(kv_host_dtype="fp8", hot_buffer_dtype="fp8"), opts
+        ),
     ]
     assert base not in changed and len(set(changed)) == len(changed)
     neutral = config.replace(max_batch=2, device_buffer=8192, trace_path="t")
     assert settings_hash(task, sampling, "m", neutral, opts) == base
+
+
+def test_a_setting_added_later_keeps_earlier_keys_at_its_old_behaviour():
+    """``hot_buffer_dtype`` (added after key version 1) enters the key only at fp8: a bf16
+    run's key is the one it had before the setting existed, so finished jobs stay done."""
+    from hisparse_cli.keys import output_settings
+
+    config = EngineConfig(kv_host_dtype="fp8")
+    assert "hot_buffer_dtype" not in output_settings(config)
+    assert output_settings(config.replace(hot_buffer_dtype="fp8"))["hot_buffer_dtype"] == "fp8"
+    assert set(output_settings(config)) | {"hot_buffer_dtype"} == set(
+        output_settings(config.replace(hot_buffer_dtype="fp8"))
+    )
 
 
 def test_job_key_depends_on_inputs_in_order():
