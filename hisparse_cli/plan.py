@@ -25,7 +25,7 @@ from hisparse_cli.keys import job_key, settings_hash
 from hisparse_cli.manifest import JobSpec
 from hisparse_cli.openai_batch import messages_sha256
 from hisparse_cli.results import FINAL_INPUT, FINAL_PROMPT, ResultsLog
-from hisparse_cli.textio import Document, DocumentError, input_bytes, read_documents
+from hisparse_cli.textio import EMPTY, Document, DocumentError, input_bytes, read_documents
 
 RUN, SKIP, INVALID, FAILED_BEFORE = "run", "skip", "invalid", "failed-before"
 
@@ -43,6 +43,9 @@ class PlannedJob:
     final: ``"input"`` when the failure (``invalid``) follows from the bytes of the
         inputs and the settings the key covers, so it would fail again (recorded as the
         line's ``final``); else ``None``.
+    left_out: positions in ``spec.inputs`` of the files the job left out, empty ones
+        among several (:func:`~hisparse_cli.textio.read_documents`); its line's ``input``
+        lists the others, ``input_left_out`` these.
     """
 
     spec: JobSpec
@@ -54,13 +57,16 @@ class PlannedJob:
     removed_controls: int = 0
     warnings: tuple[str, ...] = ()
     final: str | None = None
+    left_out: tuple[int, ...] = ()
 
     def with_documents(self, documents: Sequence[Document]) -> PlannedJob:
         """The same job keyed by ``documents`` (their content may have changed since planning)."""
         hashes = tuple(d.sha256 for d in documents)
         removed = sum(d.removed_controls for d in documents)
+        read = {d.path for d in documents}
         return replace(
             self,
+            left_out=tuple(i for i, p in enumerate(self.spec.inputs) if Path(p) not in read),
             input_sha256=hashes,
             key=job_key(hashes, self.settings_hash),
             removed_controls=removed,
@@ -70,11 +76,16 @@ class PlannedJob:
         )
 
     def base_record(self, model: str) -> dict[str, Any]:
-        """Fields of this job's ``results.jsonl`` line known before it runs."""
+        """Fields of this job's ``results.jsonl`` line known before it runs: ``input``
+        the files it read (``input_sha256`` theirs), and ``input_left_out`` (only when it
+        left one out) the others, each with its ``index`` among the job's inputs."""
+        inputs = self.spec.inputs
+        left_out = [{"path": str(inputs[i]), "index": i, "reason": EMPTY} for i in self.left_out]
         return {
             "id": self.spec.id,
             "output": self.spec.output,
-            "input": [str(p) for p in self.spec.inputs],  # "-": standard input
+            "input": [str(p) for i, p in enumerate(inputs) if i not in self.left_out],  # "-": stdin
+            **({"input_left_out": left_out} if left_out else {}),
             "input_sha256": list(self.input_sha256),
             "key": self.key,
             "settings_hash": self.settings_hash,

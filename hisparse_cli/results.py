@@ -183,15 +183,13 @@ def earlier_jobs(output_dir: Path) -> list[EarlierJob]:
 
 def jobs_of(latest: dict[str, dict[str, Any]]) -> list[EarlierJob]:
     """:class:`~hisparse_cli.naming.EarlierJob` of each id's last line (``latest`` as in
-    :class:`ExistingResults`): inputs resolved (``-``, standard input, kept as it is), or
-    none when ``input`` is not a non-empty list of strings; output ``output``, or the id
+    :class:`ExistingResults`): the inputs it was given (:func:`given_inputs`) resolved
+    (``-``, standard input, kept as it is), or none when ``input`` is not a non-empty list
+    of strings; output ``output``, or the id
     when that is not a string; ``input_sha256`` when it is a list of strings."""
     found: list[EarlierJob] = []
     for ident, record in latest.items():
-        inputs = record.get("input")
-        paths: tuple[Path, ...] = ()
-        if isinstance(inputs, list) and inputs and all(isinstance(p, str) for p in inputs):
-            paths = tuple(input_identity(p) for p in inputs)
+        paths = tuple(input_identity(p) for p in given_inputs(record))
         hashes = record.get("input_sha256")
         if not (isinstance(hashes, list) and all(isinstance(h, str) for h in hashes)):
             hashes = []
@@ -199,6 +197,26 @@ def jobs_of(latest: dict[str, dict[str, Any]]) -> list[EarlierJob]:
         output = output if isinstance(output, str) else ident
         found.append(EarlierJob(ident, paths, output, tuple(hashes)))
     return found
+
+
+def given_inputs(record: dict[str, Any]) -> list[str]:
+    """The inputs a results line's job was given, in order: ``input`` (the files it read)
+    with the files of ``input_left_out`` put back at their ``index``; none when ``input``
+    is not a non-empty list of strings (a malformed ``input_left_out`` is ignored)."""
+    inputs = record.get("input")
+    if not (isinstance(inputs, list) and inputs and all(isinstance(p, str) for p in inputs)):
+        return []
+    given = list(inputs)
+    left_out = record.get("input_left_out")
+    entries = left_out if isinstance(left_out, list) else []
+    if not all(
+        isinstance(e, dict) and isinstance(e.get("path"), str) and type(e.get("index")) is int
+        for e in entries
+    ):
+        return given
+    for entry in sorted(entries, key=lambda e: e["index"]):
+        given.insert(entry["index"], entry["path"])
+    return given
 
 
 def _parse_line(line: bytes) -> dict[str, Any] | None:

@@ -1477,3 +1477,35 @@ def test_an_empty_file_among_a_jobs_inputs_is_left_out_with_a_warning(cli, docs,
     records = {r["id"]: r for r in read_results(tmp_path / "hisparse-out")}
     assert records["all"]["ok"] and len(records["all"]["input_sha256"]) == 2
     assert not records["none"]["ok"] and "is empty or only whitespace" in records["none"]["error"]
+
+
+def test_a_left_out_empty_file_is_not_listed_as_an_input_of_the_job(cli, docs, tmp_path):
+    """Fresh-user finding: the empty file a job left out (with a warning) was still in
+    its ``input`` list in ``results.jsonl``, beside an ``input_sha256`` of the other files
+    only. ``input`` now lists the files the job read, aligned with ``input_sha256``, and
+    ``input_left_out`` the one left out (where it stood among the inputs, and why). The
+    job keeps its derived id on a re-run, is skipped while the file stays empty, and runs
+    again under the same id once the file has text."""
+    (docs / "empty.txt").write_text("\n")
+    (tmp_path / "jobs.yaml").write_text(
+        "jobs:\n  - input: [docs/alpha.txt, docs/empty.txt, docs/beta.txt]\n"
+    )
+    result = cli("--manifest", "jobs.yaml")
+    assert result.exit_code == 0, result.output
+    (record,) = read_results(tmp_path / "hisparse-out")
+    assert record["input"] == [str(docs / "alpha.txt"), str(docs / "beta.txt")]
+    assert len(record["input_sha256"]) == 2
+    assert record["input_left_out"] == [
+        {"path": str(docs / "empty.txt"), "index": 1, "reason": "is empty or only whitespace"}
+    ]
+    again = cli("--manifest", "jobs.yaml")
+    assert again.exit_code == 0, again.output
+    assert len(read_results(tmp_path / "hisparse-out")) == 1  # skipped: done
+    (docs / "empty.txt").write_text("Now it has text.\n")
+    third = cli("--manifest", "jobs.yaml")
+    assert third.exit_code == 0, third.output
+    records = read_results(tmp_path / "hisparse-out")
+    assert [r["id"] for r in records] == [record["id"], record["id"]]
+    assert records[1]["input"] == [str(docs / n) for n in ("alpha.txt", "empty.txt", "beta.txt")]
+    assert "input_left_out" not in records[1]
+    assert "holds earlier job" not in third.stderr  # the same job, with other content
