@@ -300,7 +300,7 @@ def jobs_from_paths(
     for pattern in (p for p in patterns if p != "-"):
         entry = Entry(COMMAND_LINE, "", None, {"input": pattern})
         problems: list[Problem] = []
-        found.extend(_expand(pattern, base, entry, problems, warnings, outputs))
+        found.extend(_expand(pattern, base, entry, problems, warnings, outputs), pattern)
         if problems and pattern.strip() and not _GLOB_CHARS.search(os.path.expanduser(pattern)):
             unreadable.append((pattern, problems[0]))  # a job that fails: it names a file
         elif problems:
@@ -468,29 +468,42 @@ class _Unique:
 
     def __init__(self) -> None:
         self.files: list[Path] = []
-        self._seen: dict[Path, Path] = {}  # real file -> the path first met
-        self.repeats: dict[Path, list[Path]] = {}  # the path first met -> later spellings
+        self._given: dict[Path, list[tuple[Path, str | None]]] = {}  # real -> (path, pattern)
 
-    def extend(self, paths: Iterable[Path]) -> None:
+    def extend(self, paths: Iterable[Path], pattern: str | None = None) -> None:
+        """Add ``paths``, the files of ``pattern`` as the user gave it (for :meth:`notes`)."""
         for path in paths:
             real = path.resolve()
-            if real not in self._seen:
-                self._seen[real] = path
+            if real not in self._given:
                 self.files.append(path)
-            else:
-                self.repeats.setdefault(self._seen[real], []).append(path)
+            self._given.setdefault(real, []).append((path, pattern))
 
     def notes(self, base: Path) -> list[str]:
-        """One note per file named more than once, naming every spelling (relative to
-        ``base`` where they are inside it)."""
+        """One note per file given more than once, naming each path as given
+        (:func:`_as_given`), and the file they lead to (relative to ``base`` where it is
+        inside it) only when none of them names it but through a symbolic link."""
+        notes = []
+        for real, given in self._given.items():
+            if len(given) < 2:
+                continue
+            names = ", ".join(_as_given(path, pattern, base) for path, pattern in given)
+            shown = str(real.relative_to(base)) if real.is_relative_to(base) else str(real)
+            leads = "" if any(path == real for path, _ in given) else f" ({shown})"
+            notes.append(f"DOCS: {names} are the same file{leads}: one job")
+        return notes
 
-        def shown(path: Path) -> str:
-            return str(path.relative_to(base)) if path.is_relative_to(base) else str(path)
 
-        return [
-            f"DOCS: {', '.join(shown(p) for p in [first, *later])} are the same file: one job"
-            for first, later in self.repeats.items()
-        ]
+def _as_given(path: Path, pattern: str | None, base: Path) -> str:
+    """How ``path``, found from ``pattern`` (relative to ``base``), is named in notes: the
+    pattern itself when it names one file, else the match as a path from ``base``
+    (absolute for an absolute glob) with its glob."""
+    if pattern is None:
+        return str(path)
+    text = os.path.expanduser(pattern)
+    if not _GLOB_CHARS.search(text):
+        return pattern
+    shown = path if Path(text).is_absolute() else os.path.relpath(path, base)
+    return f"{shown} (glob {pattern!r})"
 
 
 class OutputFolder:

@@ -1326,11 +1326,31 @@ def test_a_document_named_twice_is_one_job_with_a_note(cli, docs, tmp_path):
     assert result.exit_code == 0, result.output
     assert len(read_results(tmp_path / "hisparse-out")) == 2
     err = " ".join(result.stderr.split())
-    assert "docs/alpha.txt, docs/alpha.txt, link.txt are the same file: one job" in err
+    assert "docs/alpha.txt, ./docs/alpha.txt, link.txt are the same file: one job" in err
     assert "beta" not in err
     piped = cli("-", "-", "--output-dir", "o2", input="text from a pipe\n")
     assert piped.exit_code == 0 and len(read_results(tmp_path / "o2")) == 1
     assert "'-' (standard input) is named 2 times: one job" in " ".join(piped.stderr.split())
+
+
+def test_the_same_file_given_twice_is_named_as_given(cli, docs, tmp_path, monkeypatch):
+    """Fresh-user finding: the note on a file given twice named it by its resolved,
+    absolute path (``/tmp/.../docs/alpha.txt, /tmp/.../docs/alpha.txt``), not as typed.
+    It now shows each path as given (a glob's match with its glob), and the file they
+    lead to only where no path given names it (two links)."""
+    (tmp_path / "l1.txt").symlink_to(docs / "beta.txt")
+    (tmp_path / "l2.txt").symlink_to(docs / "beta.txt")
+    monkeypatch.chdir(docs)
+    result = cli("../docs/alpha.txt", "alpha.txt", "*.txt", "../l1.txt", "../l2.txt",
+                 "--output-dir", "../out")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    err = " ".join(result.stderr.split())
+    assert "DOCS: ../docs/alpha.txt, alpha.txt, alpha.txt (glob '*.txt') are the same file" in err
+    assert "DOCS: beta.txt (glob '*.txt'), ../l1.txt, ../l2.txt are the same file" in err
+    assert str(tmp_path) not in err
+    result = cli("../l1.txt", "../l2.txt", "--output-dir", "../out2")
+    err = " ".join(result.stderr.split())
+    assert "DOCS: ../l1.txt, ../l2.txt are the same file (beta.txt): one job" in err
 
 
 def test_manifest_that_is_a_directory_is_named_as_one(cli, docs, tmp_path):
