@@ -6,6 +6,7 @@ RULER-style tasks. Thin: flags -> prompts (:mod:`engine.measure.ruler`) -> runs
 from __future__ import annotations
 
 import glob
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn
@@ -19,6 +20,7 @@ EVAL = "Eval"
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 REPORT_FILE = "eval.json"
+DEFAULT_OUTPUT_DIR = "hisparse-eval"
 EVAL_POLICIES = ("refuse", "extend")
 """The context policies eval uses: every prompt is built to its length, so a length over the
 context is skipped (``refuse``) or the context extended to it (``extend``); ``truncate`` and
@@ -126,7 +128,7 @@ def eval_command(
     samples: SamplesOpt = 1,
     seed: SeedOpt = 0,
     max_new_tokens: MaxNewOpt = None,
-    output_dir: OutputDirOpt = Path("hisparse-eval"),
+    output_dir: OutputDirOpt = Path(DEFAULT_OUTPUT_DIR),
     preset: opt.Preset = "auto",
     max_batch: opt.MaxBatch = None,
     context_policy: EvalContextPolicy = None,
@@ -210,7 +212,7 @@ def eval_command(
             if note:
                 typer.echo(note)
             _unique("--configs", config_list, lambda c: c.engine_config(base), "settings")
-            texts = _read_haystack(docs or [], encoding, errors, allow_binary)
+            texts = _read_haystack(docs or [], encoding, errors, allow_binary, output_dir)
         except (ConfigError, ValueError) as exc:
             _fail(str(exc))
         report = _run(model, base, config_list, texts, task_list, length_list, depth_list,
@@ -398,20 +400,39 @@ def _items(text: str) -> list[str]:
 
 
 def _read_haystack(
-    paths: list[str], encoding: str = "utf-8", errors: str = "strict", allow_binary: bool = False
+    paths: list[str],
+    encoding: str = "utf-8",
+    errors: str = "strict",
+    allow_binary: bool = False,
+    output_dir: Path | None = None,
 ) -> list[str]:
-    """The texts of ``paths`` (globs expanded), read as ``hisparse run`` reads documents
+    """The texts of ``paths``: globs expanded as ``hisparse run`` expands its documents'
+    (:func:`~hisparse_cli.manifest.expand_documents`: a glob never reads ``output_dir``,
+    where eval writes), each file read as run reads documents
     (:func:`~hisparse_cli.textio.read_document` with ``--encoding``, ``--errors`` and
-    ``--allow-binary``; its warnings on stderr); an unreadable file is named and skipped.
+    ``--allow-binary``; its warnings on stderr); a glob that gives no file, and an
+    unreadable file, are named and skipped.
 
     Raises
     ------
     ValueError
         Files were given but none could be read.
     """
+    from hisparse_cli.manifest import OutputFolder, expand_documents
+    from hisparse_cli.manifest_source import Problem
     from hisparse_cli.textio import DocumentError, read_document
 
-    files = [f for p in paths for f in (sorted(glob.glob(p)) if glob.has_magic(p) else [p])]
+    outputs = OutputFolder(output_dir, default=DEFAULT_OUTPUT_DIR)
+    problems: list[Problem] = []
+    notes: list[str] = []
+    files: list[Path | str] = []
+    for p in paths:  # a path named without a glob is read as it is (its own messages)
+        globbed = glob.has_magic(os.path.expanduser(p))
+        files += expand_documents(p, Path.cwd(), problems, notes, outputs) if globbed else [p]
+    for problem in problems:
+        typer.echo(f"skipped haystack input: {problem}", err=True)
+    for note in [*notes, *(outputs.notes() if files else [])]:
+        typer.echo(f"warning: {note}", err=True)
     texts = []
     for f in files:
         try:

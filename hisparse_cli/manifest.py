@@ -298,9 +298,8 @@ def jobs_from_paths(
     found_problems: list[Problem] = []  # in the order of the arguments
     has_stdin = "-" in patterns
     for pattern in (p for p in patterns if p != "-"):
-        entry = Entry(COMMAND_LINE, "", None, {"input": pattern})
         problems: list[Problem] = []
-        found.extend(_expand(pattern, base, entry, problems, warnings, outputs), pattern)
+        found.extend(expand_documents(pattern, base, problems, warnings, outputs), pattern)
         if problems and pattern.strip() and not _GLOB_CHARS.search(os.path.expanduser(pattern)):
             unreadable.append((pattern, problems[0]))  # a job that fails: it names a file
         elif problems:
@@ -512,10 +511,12 @@ class OutputFolder:
     inputs, so :func:`_expand` leaves them out of every glob's matches and this keeps
     them for one note. A file is in it when its folder or the file it leads to is
     (symbolic links resolved, the output folder's too); its subfolders are searched as
-    usual. ``None``: no output folder (nothing is left out)."""
+    usual. ``None``: no output folder (nothing is left out). ``default``: the command's
+    default folder, which its messages name (``hisparse eval``'s is ``hisparse-eval``)."""
 
-    def __init__(self, output_dir: Path | str | None) -> None:
+    def __init__(self, output_dir: Path | str | None, default: str = "hisparse-out") -> None:
         self.shown = output_dir
+        self.default = default
         self.real = None if output_dir is None else Path(os.path.realpath(output_dir))
         self.skipped: dict[Path, None] = {}  # in the order met, each once
 
@@ -543,7 +544,7 @@ class OutputFolder:
         return (
             f"glob {pattern!r} matches only files in the output folder {self.shown} "
             f"({count} file(s)); a glob never reads the folder the run writes its results "
-            "in: choose another --output-dir (the default is hisparse-out)"
+            f"in: choose another --output-dir (the default is {self.default})"
         )
 
     def notes(self) -> list[str]:
@@ -558,6 +559,21 @@ class OutputFolder:
             f"({', '.join(names[:3])}{more}): the run writes its results there, so no file "
             "there is ever read by a glob; to use them, name them or choose another --output-dir"
         ]
+
+
+def expand_documents(
+    pattern: str,
+    base: Path,
+    problems: list[Problem],
+    warnings: list[str],
+    outputs: OutputFolder,
+) -> list[Path]:
+    """The files of a command-line document argument (``DOCS`` of ``hisparse run`` and
+    ``hisparse eval``): a path or a glob relative to ``base``, as :func:`_expand` finds
+    them (``**`` safe from link loops; a glob never matches a file of ``outputs``, the
+    command's output folder); its problems are ``DOCS`` problems of the command line."""
+    entry = Entry(COMMAND_LINE, "", None, {"input": pattern})
+    return _expand(pattern, base, entry, problems, warnings, outputs)
 
 
 def _expand(

@@ -103,3 +103,39 @@ def test_eval_takes_the_free_cpu_threads_as_run_does(tmp_path, placed, monkeypat
     result = run_eval(tmp_path)
     assert "using 1 of" in result.output and "--threads N overrides" in result.output
     assert placed[0].num_threads == 1
+
+
+def test_eval_globs_skip_its_output_folder_as_run_globs_do(tmp_path, placed, monkeypatch):
+    """Fresh-user finding: ``hisparse eval 'docs/**/*' -o docs/ev`` read the folder's own
+    ``eval.json`` of an earlier run into the haystack (so the prompts changed from run to
+    run), where a ``hisparse run`` glob never reads its output folder. Eval's documents
+    are now found by run's code (``manifest.expand_documents``): the output folder's files
+    are skipped with a note, a glob that matches only them is refused before the model
+    loads, a file named without a glob is read."""
+    import hisparse_cli.eval_cmd as eval_cmd
+
+    read: list[list[str]] = []
+    real = eval_cmd._read_haystack
+    monkeypatch.setattr(
+        eval_cmd, "_read_haystack", lambda *a, **k: read.append(real(*a, **k)) or read[-1]
+    )
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs" / "ev").mkdir(parents=True)
+    (tmp_path / "docs" / "ev" / "eval.json").write_text('{"model": "from an earlier eval"}\n')
+    (tmp_path / "docs" / "doc.txt").write_text("A haystack document.\n")
+
+    def run(*docs):
+        args = ["eval", "--model", "none.gguf", "--preset", "cpu", "-o", "docs/ev", *docs]
+        return CliRunner().invoke(app, args, catch_exceptions=False)
+
+    result = run("docs/**/*")
+    assert read == [["A haystack document.\n"]] and len(placed) == 1, result.output
+    out = " ".join(result.output.split())
+    assert "input globs skipped 1 file(s) in the output folder docs/ev (docs/ev/eval.json)" in out
+    result = run("docs/ev/*")
+    out = " ".join(result.output.split())
+    assert result.exit_code == 2 and len(placed) == 1, out
+    assert "glob 'docs/ev/*' matches only files in the output folder docs/ev" in out
+    assert "(the default is hisparse-eval)" in out
+    result = run("docs/ev/eval.json")
+    assert read[-1] == ['{"model": "from an earlier eval"}\n'] and len(placed) == 2
