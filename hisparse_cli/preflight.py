@@ -61,6 +61,24 @@ def trained_context(model: str | None) -> int | None:
         return None
 
 
+def model_shape(model: str | None) -> Any:
+    """The :class:`~engine.config.ModelConfig` of ``model`` (as :func:`trained_context`
+    names models) read from its header, no weights (a GGUF file's reader imports torch),
+    or ``None`` if it cannot be read."""
+    try:
+        if model is not None and model.startswith("synthetic:"):
+            from engine.weights.synthetic import synthetic_shape
+
+            return synthetic_shape(model.split(":", 1)[1])
+        from engine.capacity.shapes import shape_from_gguf, shape_from_hf_config
+
+        if model is not None and Path(model).is_dir():
+            return shape_from_hf_config(Path(model) / "config.json")
+        return shape_from_gguf(Path(model) if model is not None else _embedded_path())
+    except (OSError, ValueError, KeyError, ConfigError):
+        return None
+
+
 def _embedded_path() -> Path:
     from engine.weights.embedded import default_model_path
 

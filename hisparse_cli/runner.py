@@ -205,6 +205,32 @@ def load_tokenizer(config: EngineConfig, model: str | None) -> Any:
     return _load_tokenizer(model, config.tokenizer)[0]
 
 
+def job_document(spec: Any, request: RunRequest) -> tuple[list | None, str]:
+    """``(documents, text)`` of a job: its input files read and joined, or for an
+    OpenAI-batch request ``(None, its last user message)``. Raises what reading raises."""
+    if spec.messages is not None:  # an OpenAI-batch request: its last user message
+        return None, openai_batch.last_user_text(spec.messages)
+    documents = read_documents(
+        spec.inputs,
+        **request.text_options,
+        allow_binary=request.allow_binary,
+        stdin=request.stdin,
+    )
+    return documents, join_documents(documents)
+
+
+def job_messages(spec: Any) -> Callable[[str], list[dict]]:
+    """Document text -> the job's chat messages (an OpenAI-batch request: its own
+    messages with ``text`` as the last user message)."""
+
+    def messages(text: str) -> list[dict]:
+        if spec.messages is not None:
+            return openai_batch.messages_with(spec.messages, text)
+        return build_messages(spec.task, text, spec.id, document_name(spec.inputs[0]))
+
+    return messages
+
+
 def free_cpu_threads(config: EngineConfig) -> int | None:
     """CPU threads for a CPU run whose ``num_threads`` is unset, when other processes keep
     cores busy: the cores less the 1-minute load average (at least 1); ``None`` when the
@@ -601,6 +627,121 @@ def run_checks(
     return checks
 
 
+def preload_tokenizer(config: EngineConfig, model: str | None) -> Callable[[], Any]:
+    """The model's tokenizer for the checks that count prompts before the load, built
+    on the first call (:func:`load_tokenizer`: from the model's header, no weights; the
+    load reuses it); ``None`` where it cannot be built (the load then says why)."""
+
+    @functools.cache
+    def tokenizer() -> Any:
+        try:
+            return load_tokenizer(config, model)
+        except Exception:  # noqa: BLE001 - the load reports the real reason
+            return None
+
+    return tokenizer
+
+
+def job_tokens(
+    spec: Any, request: RunRequest, tokenizer: Any, limit: int, counted: dict[str, int]
+) -> int | None:
+    """The most tokens job ``spec`` holds at once: its prompt + ``max_new_tokens``, within
+    ``limit`` (the context limit; a document whose size alone shows it over the limit is
+    cut or chunked to it, uncounted), its prompt tokenised with ``tokenizer`` before the
+    load and kept in ``counted`` (job id -> prompt tokens). ``None`` where the prompt
+    cannot be built here: the job fails when the engine builds it."""
+    max_tokens = spec.sampling.max_tokens
+    if spec.id not in counted:
+        try:
+            document = job_document(spec, request)[1]
+            floor = tokenizer.min_tokens(document)
+            if floor is not None and floor + max_tokens >= limit:  # cut or chunked
+                return limit
+            counted[spec.id] = len(tokenizer.encode_chat(job_messages(spec)(document)))
+        except Exception:  # noqa: BLE001 - the job fails as usual, after the load
+            return None
+    return min(counted[spec.id] + max_tokens, limit)
+
+
+def check_memory_budget(
+    config: EngineConfig,
+    request: RunRequest,
+    manifest: Manifest,
+    specs: Sequence[Any] | None = None,
+    counted: dict[str, int] | None = None,
+) -> None:
+    """Refuse, before the load, a ``memory_budget_gb`` that cannot hold the KV pool of
+    ``specs`` (default: every job) where all-resident attention (``attention: dense``, or
+    ``hierarchical: false``) keeps it: on the compute device, sized by the budget
+    (``host_pool_gb`` does not size it). The budget is split as the load splits it: for
+    the longest job (:func:`job_tokens`, prompts counted with the model's tokenizer,
+    ``counted`` reused; :func:`engine.load.sized_tokens`), by
+    :func:`engine.capacity.budget.size_kv_for_budget`, with the weights as the planner
+    counts the load's placement. A job too long for the context under ``refuse`` or
+    ``extend`` is left out: it fails on its own, saying so. The run checks this just
+    before the load, over the jobs it will run; ``--print-config`` over all
+    (:func:`run_problems`).
+
+    Raises
+    ------
+    ConfigError
+        The budget leaves no room for a KV page (the load's own refusal).
+    UsageError
+        The pool holds fewer pages than a job needs; the message names the budget that
+        fits the longest. Unchecked with several devices, or where the model's shape or
+        tokenizer cannot be read before the load (the engine then fails such a job,
+        naming the budget).
+    """
+    from engine.kv.sizing import hierarchical, pages_for
+
+    if config.memory_budget_gb is None or hierarchical(config) or len(config.devices) > 1:
+        return
+    specs = manifest.jobs if specs is None else specs
+    trained = preflight.trained_context(request.model)
+    shape = preflight.model_shape(request.model) if specs and trained is not None else None
+    tokenizer = preload_tokenizer(config, request.model)() if shape is not None else None
+    if shape is None or trained is None or tokenizer is None:
+        return
+    from engine.capacity.budget import budget_for_pages, size_kv_for_budget
+    from engine.capacity.planner import weight_bytes
+    from engine.load import sized_tokens
+
+    config = config.replace(device=config.devices[0]) if config.devices else config
+    limit, counted = preflight.context_limit(config, trained), {} if counted is None else counted
+    needs = []  # (tokens, job)
+    for spec in specs:
+        need = job_tokens(spec, request, tokenizer, limit, counted)
+        fits_context = spec.id in counted and counted[spec.id] + spec.sampling.max_tokens <= limit
+        if need is None or (config.context_policy in ("refuse", "extend") and not fits_context):
+            continue  # it fails on its own, naming why
+        needs.append((need, spec))
+    if not needs:
+        return
+    sized = sized_tokens(limit, max(n for n, _ in needs))  # as the load sizes the cache
+    weights = weight_bytes(shape, config)
+    pages = size_kv_for_budget(shape, config, weights, sized).num_pool_pages
+    short = [(n, s) for n, s in needs if pages_for(n, config.page_size) > pages]
+    if not short:
+        return
+    need, spec = max(short, key=lambda pair: pair[0])
+    source = preflight.setting_source(
+        "memory_budget_gb", request.preset, manifest.engine, request.engine_overrides
+    )
+    mode = "attention dense" if config.attention == "dense" else "hierarchical: false"
+    more = f" (and {len(short) - 1} more)" if len(short) > 1 else ""
+    need_pages = pages_for(need, config.page_size)
+    fits = budget_for_pages(shape, config, weights, sized, need_pages)
+    prompt = f"a {counted[spec.id]}-token prompt" if spec.id in counted else "its prompt"
+    raise UsageError(
+        f"{source} {config.memory_budget_gb:g} leaves room for {pages} KV pages "
+        f"({pages * config.page_size} tokens) on {config.device}: {mode} keeps the KV pool "
+        f"on the compute device, sized by the budget (not host_pool_gb); job {spec.id!r}"
+        f"{more} needs {need_pages} ({prompt} + max_new_tokens {spec.sampling.max_tokens}, "
+        f"counted with the model's tokenizer before loading it): --memory-budget {fits:g} "
+        "fits it"
+    )
+
+
 def check_run_files(manifest: Manifest, output_dir: Path) -> None:
     """Raise :class:`UsageError` when an input of the run is one of the files every run
     writes in ``output_dir`` (``config.json``, ``results.jsonl``, the lock file): the run
@@ -753,8 +894,13 @@ def config_warnings(config: EngineConfig) -> list[str]:
 def run_problems(config: EngineConfig, request: RunRequest, manifest: Manifest) -> list[str]:
     """What would stop this run here, each in the words the run refuses it with:
     ``--print-config`` reports them (``problems``) since it skips the checks that refuse a
-    run (:func:`run_checks`, then the host pool the run checks just before the load)."""
-    checks = [*run_checks(config, request, manifest), lambda: check_host_pool(config)]
+    run (:func:`run_checks`, then the host pool and the memory budget the run checks just
+    before the load)."""
+    checks = [
+        *run_checks(config, request, manifest),
+        lambda: check_host_pool(config),
+        lambda: check_memory_budget(config, request, manifest),
+    ]
     problems = []
     for check in checks:
         try:
@@ -1414,22 +1560,8 @@ class BatchRun:
             tokenizer = load_tokenizer(self.config, self.request.model)
         except Exception:  # noqa: BLE001 - the load reports the real reason
             return None
-        needs = []
-        for planned in pending:
-            spec, max_tokens = planned.spec, planned.spec.sampling.max_tokens
-            if spec.id not in self.counted:
-                try:
-                    document = self._document_of(planned)[1]
-                    floor = tokenizer.min_tokens(document)
-                    if floor is not None and floor + max_tokens >= limit:  # cut or chunked
-                        needs.append(limit)
-                        continue
-                    ids = tokenizer.encode_chat(self._prompt_messages(spec)(document))
-                except Exception:  # noqa: BLE001 - the job fails as usual, after the load
-                    continue
-                self.counted[spec.id] = len(ids)
-            needs.append(min(self.counted[spec.id] + max_tokens, limit))
-        return max(needs, default=None)
+        needs = [job_tokens(p.spec, self.request, tokenizer, limit, self.counted) for p in pending]
+        return max((n for n in needs if n is not None), default=None)
 
     def _run_engine(self, pending: list[PlannedJob]) -> bool:
         """Load the engine and consume its events; return whether Ctrl-C was pressed."""
@@ -1442,6 +1574,11 @@ class BatchRun:
         except CacheFullError as exc:
             raise LoadConfigError(str(exc)) from exc
         longest = self._longest_job(pending)  # what a memory budget sizes the cache for
+        try:  # a budget-sized pool on the compute device that a job cannot fit
+            specs = [p.spec for p in pending]
+            check_memory_budget(self.config, self.request, self.manifest, specs, self.counted)
+        except (UsageError, ConfigError) as exc:
+            raise LoadConfigError(str(exc)) from exc
         self.reporter.note(
             f"loading model {self.model_name} ({len(pending)} job(s) to run; "
             f"preset {self.preset_line})"
@@ -1592,29 +1729,12 @@ class BatchRun:
         return [Job(spec.id, prompt_ids, spec.sampling, source, meta, json_keys(spec))]
 
     def _document_of(self, planned: PlannedJob) -> tuple[list | None, str]:
-        """``(documents, text)`` of a job: its input files read and joined, or for an
-        OpenAI-batch request ``(None, its last user message)``. Raises what reading raises."""
-        spec = planned.spec
-        if spec.messages is not None:  # an OpenAI-batch request: its last user message
-            return None, openai_batch.last_user_text(spec.messages)
-        documents = read_documents(
-            spec.inputs,
-            **self.request.text_options,
-            allow_binary=self.request.allow_binary,
-            stdin=self.request.stdin,
-        )
-        return documents, join_documents(documents)
+        """:func:`job_document` of a planned job."""
+        return job_document(planned.spec, self.request)
 
     def _prompt_messages(self, spec: Any) -> Callable[[str], list[dict]]:
-        """Document text -> the job's chat messages (an OpenAI-batch request: its own
-        messages with ``text`` as the last user message)."""
-
-        def messages(text: str) -> list[dict]:
-            if spec.messages is not None:
-                return openai_batch.messages_with(spec.messages, text)
-            return build_messages(spec.task, text, spec.id, document_name(spec.inputs[0]))
-
-        return messages
+        """:func:`job_messages`."""
+        return job_messages(spec)
 
     # ----- context_policy chunk (hisparse_cli.chunking) ------------------------------
     def _chunks(self, engine: BatchEngine, spec: Any, document: str) -> list[str]:

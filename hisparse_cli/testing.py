@@ -277,8 +277,8 @@ def fake_engine_factory(**kwargs: Any) -> Callable[[EngineConfig, str | None], F
     The engines it made are appended to the factory's ``engines`` list.
     """
 
-    def load(config: EngineConfig, model: str | None) -> FakeEngine:
-        engine = FakeEngine(config=config, **kwargs)
+    def load(config: EngineConfig, model: str | None, job_tokens: int | None = None) -> FakeEngine:
+        engine = FakeEngine(config=config, **kwargs)  # job_tokens: what a budget sizes for
         load.engines.append(engine)
         return engine
 

@@ -172,9 +172,10 @@ def size_kv_for_budget(
     if not hierarchical(config):
         pages = max(room, 0) // (page + meta)
         if pages < 1:
-            one_request = smallest_budget_gb(
-                weights_bytes + act + comm_bytes + max_pages * (page + meta), config.device
-            )
+            one_request = budget_for_pages(
+                model, config, weights_bytes, context_limit, max_pages, layers=layers,
+                comm_bytes=comm_bytes,
+            )  # fmt: skip
             raise ConfigError(
                 f"memory_budget_gb={config.memory_budget_gb}: {fixed} leave no room for a KV "
                 f"page; what fits one {context_limit}-token request: memory_budget_gb "
@@ -232,6 +233,26 @@ def size_kv_for_budget(
         per_req,
         **stage,
     )
+
+
+def budget_for_pages(
+    model: ModelConfig,
+    config: EngineConfig,
+    weights_bytes: int,
+    context_limit: int,
+    num_pages: int,
+    *,
+    layers: tuple[int, int] | None = None,
+    comm_bytes: int = 0,
+) -> float:
+    """The smallest ``memory_budget_gb`` (0.01 GiB steps) whose all-resident pool holds
+    ``num_pages`` pages: :func:`size_kv_for_budget`'s arithmetic (same parameters) run
+    backwards, so that budget sizes at least that pool."""
+    start, end = layers if layers is not None else (0, model.num_layers)
+    nl, head = end - start, end == model.num_layers
+    act = activation_bytes(model, config, context_limit, config.max_batch, head=head)
+    page = pool_page_bytes(model, config, nl) + meta_page_bytes(model, config, nl)
+    return smallest_budget_gb(weights_bytes + act + comm_bytes + num_pages * page, config.device)
 
 
 def _one_request_fixes(

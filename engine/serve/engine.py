@@ -306,15 +306,28 @@ class Engine:
                 f"at most {sized} tokens (its longest job when it loaded); run the job again"
             )
         if not self.cache.fits_ever(need):
-            pool = f"the pool has {self.cache.num_pool_pages} (host_pool_gb={self.config.host_pool_gb})"
-            if self.pool_shares > 1:
-                total = self.config.host_pool_gb * self.pool_shares
-                pool = (
-                    f"this device's share of the pool has {self.cache.num_pool_pages} "
-                    f"(host_pool_gb={total:g} split across {self.pool_shares} devices)"
-                )
-            return f"needs {self.cache.pages_for(need)} KV pool pages but {pool}"
+            return f"needs {self.cache.pages_for(need)} KV pool pages but {self._pool_said()}"
         return ""
+
+    def _pool_said(self) -> str:
+        """The KV pool's pages and the setting that sized them, for messages:
+        ``memory_budget_gb`` where the budget sized an all-resident pool on the compute
+        device, else ``host_pool_gb`` (the total, where data-parallel workers split it)."""
+        pages = self.cache.num_pool_pages
+        sizing = self.budget_sizing
+        if sizing is not None and sizing.pool_on_device:
+            return (
+                f"the pool has {pages} (memory_budget_gb={self.config.memory_budget_gb}: "
+                "all-resident attention keeps the pool on the compute device, sized by the "
+                "budget; --memory-budget)"
+            )
+        if self.pool_shares > 1:
+            total = self.config.host_pool_gb * self.pool_shares
+            return (
+                f"this device's share of the pool has {pages} "
+                f"(host_pool_gb={total:g} split across {self.pool_shares} devices)"
+            )
+        return f"the pool has {pages} (host_pool_gb={self.config.host_pool_gb})"
 
     def _pull(
         self, source: Iterator, queue: deque, running: list[Request]

@@ -15,6 +15,8 @@ from engine.weights.header import GGUFHeaderError, read_gguf_fields
 from hisparse_cli import preflight, testing
 from hisparse_cli import runner as runner_module
 
+REAL_LOAD_TOKENIZER = runner_module.load_tokenizer  # before the cli fixture replaces it
+
 
 def tiny_gguf(path, context=2048, arch="llama"):
     """A GGUF file holding only metadata (no tensors): enough for the header checks."""
@@ -330,3 +332,40 @@ def test_too_long_advice_names_max_new_tokens_only_when_the_prompt_fits():
     assert "--max-new-tokens" not in long and "--context-policy truncate" in long
     extend = too_long_message(9000, 100, 8192, "extend")
     assert "raise --max-context to at least 9100" in extend and "chunk" in extend
+
+
+def test_a_dense_budget_too_small_for_a_job_is_refused_before_the_load(
+    cli, docs, tmp_path, monkeypatch
+):
+    """Fresh-user finding: ``hisparse run --attention dense --memory-budget 0.3`` on a CPU
+    loaded the model, then failed the job with ``needs 44 KV pool pages but the pool has 17
+    (host_pool_gb=8)``, naming a setting that does not size a pool on the compute device.
+    It is now refused just before the load (the job's prompt counted with the model's
+    tokenizer, the budget split as the load splits it), naming --memory-budget and a
+    budget that fits; that budget runs. A budget with no room for a page is refused
+    before the load too, and --print-config lists the refusal."""
+    monkeypatch.setattr(runner_module, "load_tokenizer", REAL_LOAD_TOKENIZER)
+    (docs / "long.txt").write_text("Sorting lists of records by key, stably. " * 300)
+    args = ("docs/long.txt", "--attention", "dense", "--max-new-tokens", "4")
+    result = cli(*args, "--memory-budget", "0.38", engine=never_load)
+    assert result.exit_code == 2, result.output
+    err = " ".join(result.stderr.split())
+    assert re.search(r"--memory-budget 0.38 leaves room for \d+ KV pages \(\d+ tokens\) on", err)
+    assert "attention dense keeps the KV pool on the compute device" in err
+    assert re.search(r"job 'long' needs \d+ \(a \d+-token prompt \+ max_new_tokens 4", err)
+    assert "host_pool_gb" not in err.replace("not host_pool_gb", "")
+    fits = re.search(r"--memory-budget ([\d.]+) fits it", err)[1]
+    assert float(fits) > 0.38 and not (tmp_path / "hisparse-out" / "results.jsonl").exists()
+    assert not (tmp_path / "hisparse-out" / "config.json").exists()
+    ok = cli(*args, "--memory-budget", fits, engine=testing.fake_engine_factory())
+    assert ok.exit_code == 0, ok.output
+    done = cli(*args, "--memory-budget", "0.38", engine=never_load)  # skipped: not checked
+    assert done.exit_code == 0, done.output
+    none = cli(*args, "--memory-budget", "0.2", "-o", "none", engine=never_load)
+    assert none.exit_code == 2 and "leave no room for a KV page" in none.stderr
+    shown = cli(*args, "--memory-budget", "0.38", "--print-config")
+    assert shown.exit_code == 0
+    assert any("leaves room for" in p for p in json.loads(shown.stdout)["problems"])
+    sparse = cli("docs/long.txt", "--max-new-tokens", "4", "--memory-budget", "0.3",
+                 "-o", "sparse", engine=testing.fake_engine_factory())  # fmt: skip
+    assert "leaves room for" not in sparse.stderr  # the host pool: not the budget's

@@ -328,6 +328,21 @@ def test_load_engine_sizes_the_pool_from_the_budget(tiny):
     assert engine.cache.pool_bytes_total + engine.cache.metadata_bytes <= sizing.room_bytes
 
 
+def test_a_job_over_a_budget_sized_device_pool_names_the_budget(tiny):
+    """A job larger than an all-resident pool that ``memory_budget_gb`` sized fails naming
+    the budget, not ``host_pool_gb`` (which sizes no pool on the compute device here)."""
+    from engine.load import load_engine
+
+    cfg = EngineConfig(**SMALL, attention="dense", memory_budget_gb=0.04)
+    engine = load_engine(cfg, "synthetic:tiny")
+    pages = engine.cache.num_pool_pages
+    big = Job("big", tuple(range(1, 2 + pages * cfg.page_size)), SamplingParams(max_tokens=1))
+    assert len(big.prompt_ids) + 1 <= engine.context_limit  # too big for the pool only
+    why = engine._check_job(big)
+    assert f"but the pool has {pages} (memory_budget_gb=0.04" in why
+    assert "host_pool_gb" not in why
+
+
 def test_page_runs_and_pool_rounding():
     assert page_runs([0, 1, 2, 7, 8, 3]) == [(0, 0, 3), (3, 7, 2), (5, 3, 1)]
     from engine.capacity.shapes import MODEL_SHAPES
