@@ -167,6 +167,31 @@ def template_tokens(spec: Any, safe: bool = False) -> int:
     messages' text at :data:`BYTES_PER_TOKEN` (the chat template's own tokens not
     counted), so it stays below the real count; ``safe``: at :data:`SAFE_BYTES_PER_TOKEN`
     plus :data:`CHAT_TEMPLATE_TOKENS`, so it stays above it."""
+    size = _template_text_bytes(spec)
+    if safe:
+        return safe_tokens(size) + CHAT_TEMPLATE_TOKENS
+    return int(size / BYTES_PER_TOKEN)
+
+
+CUT_MARK_TOKENS = 33
+"""Most tokens a truncated prompt adds beside its instruction and the document it keeps:
+:func:`engine.text.prompting.fit_document`'s 16 tokens of slack, one of the document, and
+16 for the omission mark (about 30 bytes, so at most 16 tokens more)."""
+
+
+def cut_prompt_bound(spec: Any) -> int:
+    """Most prompt tokens job ``spec`` can need under ``truncate`` to keep any of its
+    document (:class:`engine.text.prompting.NoRoomForDocument`'s ``needed``), from its
+    chat messages' text before the tokenizer is built: every byte a token
+    (:data:`BOUND_BYTES_PER_TOKEN`), plus the chat template's markup
+    (:data:`CHAT_TEMPLATE_TOKENS`) and :data:`CUT_MARK_TOKENS`. A job whose
+    ``max_new_tokens`` leaves this much room needs no count."""
+    size = _template_text_bytes(spec)
+    return math.ceil(size / BOUND_BYTES_PER_TOKEN) + CHAT_TEMPLATE_TOKENS + CUT_MARK_TOKENS
+
+
+def _template_text_bytes(spec: Any) -> int:
+    """Bytes of the text of job ``spec``'s chat messages around an empty document."""
     from hisparse_cli.tasks import build_messages
 
     if spec.messages is not None:  # an OpenAI-batch request: its other messages
@@ -174,10 +199,7 @@ def template_tokens(spec: Any, safe: bool = False) -> int:
     else:
         name = document_name(spec.inputs[0]) if spec.inputs else ""
         messages = build_messages(spec.task, "", spec.id, name)
-    text = "".join(m["content"] for m in messages if isinstance(m.get("content"), str))
-    if safe:
-        return safe_tokens(len(text.encode())) + CHAT_TEMPLATE_TOKENS
-    return int(len(text.encode()) / BYTES_PER_TOKEN)
+    return sum(len(m["content"].encode()) for m in messages if isinstance(m.get("content"), str))
 
 
 def safe_tokens(size: int) -> int:

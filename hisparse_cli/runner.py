@@ -622,7 +622,9 @@ def run_checks(
         checks.append(lambda: check_outputs_over_documents(manifest, output_dir))
     checks += [
         lambda: check_max_context(config, request, manifest),
-        lambda: check_max_new_tokens(config, request, manifest),
+        lambda: check_max_new_tokens(
+            config, request, manifest, preload_tokenizer(config, request.model)
+        ),
     ]
     return checks
 
@@ -857,10 +859,17 @@ def check_max_context(config: EngineConfig, request: RunRequest, manifest: Manif
         raise UsageError(problem)
 
 
-def check_max_new_tokens(config: EngineConfig, request: RunRequest, manifest: Manifest) -> None:
+def check_max_new_tokens(
+    config: EngineConfig,
+    request: RunRequest,
+    manifest: Manifest,
+    tokenizer: Callable[[], Any] = lambda: None,
+) -> None:
     """Raise :class:`UsageError` when a job's ``max_new_tokens`` cannot fit the context
     limit even with an empty document (:func:`preflight.max_new_tokens_problem`; the
-    trained context read from the model's header, before loading)."""
+    trained context read from the model's header, before loading), or under ``truncate``
+    leaves no room for any of its document (:func:`truncate_room_problem`, counted with
+    ``tokenizer``, :func:`preload_tokenizer`'s)."""
     trained = preflight.trained_context(request.model)
     if trained is None or not manifest.jobs:
         return
@@ -874,8 +883,49 @@ def check_max_new_tokens(config: EngineConfig, request: RunRequest, manifest: Ma
     problem = preflight.max_new_tokens_problem(
         manifest.jobs, limit, config.context_policy, flag, source
     )
+    if problem is None and config.context_policy == "truncate":
+        problem = truncate_room_problem(config, request, manifest, limit, tokenizer)
     if problem:
         raise UsageError(problem)
+
+
+def truncate_room_problem(
+    config: EngineConfig,
+    request: RunRequest,
+    manifest: Manifest,
+    limit: int,
+    tokenizer: Callable[[], Any],
+) -> str | None:
+    """Under ``truncate``, why a job's ``max_new_tokens`` leaves no room for any of its
+    document beside the prompt, or ``None``: the engine's own cut
+    (:func:`engine.text.context.fit_prompt`, whose
+    :class:`~engine.text.prompting.NoRoomForDocument` fails the job after the load), run
+    before the load with the model's tokenizer. Only jobs whose ``max_new_tokens`` comes
+    within :func:`preflight.cut_prompt_bound` of ``limit`` are counted (the others leave
+    room); none where the tokenizer cannot be built (the engine then decides)."""
+    for spec in manifest.jobs:
+        max_tokens = spec.sampling.max_tokens
+        if max_tokens + preflight.cut_prompt_bound(spec) <= limit or tokenizer() is None:
+            continue
+        try:
+            _, text = job_document(spec, request)
+        except Exception:  # noqa: BLE001 - the job fails on reading it, naming the file
+            continue
+        try:
+            fit_prompt(tokenizer(), job_messages(spec), text, limit, max_tokens, config)
+        except PromptTooLong as exc:
+            flag = request.job_overrides.get("max_new_tokens") is not None
+            source = (
+                f"--max-new-tokens {max_tokens:,}"
+                if flag
+                else f"max_new_tokens {max_tokens:,} of job {spec.id!r} ({spec.origin})"
+            )
+            return (
+                f"{source} leaves no room for the document of job {spec.id!r} under "
+                f"--context-policy truncate (counted with the model's tokenizer before "
+                f"loading it): {exc}"
+            )
+    return None
 
 
 def config_warnings(config: EngineConfig) -> list[str]:

@@ -369,3 +369,34 @@ def test_a_dense_budget_too_small_for_a_job_is_refused_before_the_load(
     sparse = cli("docs/long.txt", "--max-new-tokens", "4", "--memory-budget", "0.3",
                  "-o", "sparse", engine=testing.fake_engine_factory())  # fmt: skip
     assert "leaves room for" not in sparse.stderr  # the host pool: not the budget's
+
+
+def test_truncate_with_no_room_for_the_document_is_refused_before_the_load(
+    cli, docs, tmp_path, monkeypatch
+):
+    """Fresh-user finding: under ``--context-policy truncate``, ``--max-new-tokens 8141``
+    passed the check before the load (the prompt around the document judged from its
+    bytes: at least ~50 tokens) and failed the job after it (the instruction needs 68).
+    The check now cuts the document as the engine does, with the model's tokenizer
+    (built from its header, no weights), and refuses the run naming the value that
+    leaves room; that value runs."""
+    monkeypatch.setattr(runner_module, "load_tokenizer", REAL_LOAD_TOKENIZER)
+    (docs / "long.txt").write_text("Sorting lists of records by key, stably. " * 1500)
+    args = ("docs/long.txt", "--context-policy", "truncate")
+    request = runner_module.RunRequest(
+        docs=("docs/long.txt",), job_overrides={"max_new_tokens": 8141}, preset="cpu",
+        print_config=True,
+    )
+    (spec,) = runner_module.prepare(request)[0].jobs
+    assert preflight.max_new_tokens_problem([spec], 8192, "truncate", True) is None  # it was
+    result = cli(*args, "--max-new-tokens", "8141", engine=never_load)
+    assert result.exit_code == 2, result.output
+    err = " ".join(result.stderr.split())
+    assert "--max-new-tokens 8,141 leaves no room for the document of job 'long'" in err
+    assert "counted with the model's tokenizer before loading it" in err
+    fits = int(re.search(r"max_new_tokens (\d+) or less leaves room", err)[1])
+    assert 8000 < fits < 8141 and not (tmp_path / "hisparse-out").exists()
+    ok = cli(*args, "--max-new-tokens", str(fits), engine=testing.fake_engine_factory())
+    assert ok.exit_code == 0, ok.output
+    shown = cli(*args, "--max-new-tokens", str(fits + 1), "--print-config")
+    assert any("leaves no room" in p for p in json.loads(shown.stdout)["problems"])
