@@ -148,7 +148,8 @@ SoakModeOpt = Annotated[str, typer.Option(help="Mode the soak runs in.", rich_he
 HbmOpt = Annotated[
     float | None,
     typer.Option(
-        help="HBM read bandwidth for the roofline, GB/s."
+        help="HBM read bandwidth for the roofline, GB/s (on a CPU: no roofline unless "
+        "both this and --link-gbps are given)."
         + opt.default_is("measured on the GPU at start"),
         show_default=False,
         rich_help_panel=MODEL,
@@ -157,7 +158,8 @@ HbmOpt = Annotated[
 LinkOpt = Annotated[
     float | None,
     typer.Option(
-        help="Host->device bandwidth for the roofline, GB/s." + opt.default_is("measured at start"),
+        help="Host->device bandwidth for the roofline, GB/s."
+        + opt.default_is("measured on the GPU at start"),
         show_default=False,
         rich_help_panel=MODEL,
     ),

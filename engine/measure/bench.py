@@ -595,7 +595,9 @@ def _decode_fields(me, reqs, times, hits, misses, prefetched, spec) -> dict[str,
         "hit_rate": hits / (hits + misses) if cache.hierarchical and hits + misses else None,
         "h2d_bytes": moved,
         "h2d_gbps": moved / total_s / 1e9,
-        "roofline": roofline(
+        "roofline": None
+        if spec.hbm_gbps is None or spec.link_gbps is None  # a CPU's: left out
+        else roofline(
             me.engine.model, cfg, pages, loaded / len(times), mean_ms, spec.hbm_gbps, spec.link_gbps
         ),
     }
@@ -895,11 +897,25 @@ def measure_bandwidths(device: torch.device, gib: float = 2.0) -> tuple[float, f
     return hbm, link
 
 
+CPU_ROOFLINE_NOTE = (
+    "roofline ratios left out on the CPU: the roofline reads weights and KV at a GPU's HBM "
+    "bandwidth and misses over its host link, which this machine has not (--hbm-gbps and "
+    "--link-gbps give it figures to compute them with)"
+)
+
+
 def _bandwidths(spec: BenchSpec, device: torch.device) -> tuple[BenchSpec, dict[str, Any]]:
     """Fill the roofline bandwidths the spec leaves unset: measured on CUDA, else the
-    H200 defaults (:data:`DEFAULT_HBM_GBPS`, :data:`DEFAULT_LINK_GBPS`)."""
+    H200 defaults (:data:`DEFAULT_HBM_GBPS`, :data:`DEFAULT_LINK_GBPS`). Off CUDA, unless
+    both are given, there is no roofline: both ``None`` (the rows' ``roofline`` is
+    ``None``; :data:`CPU_ROOFLINE_NOTE` says why)."""
     info: dict[str, Any] = {"source": {}}
     hbm, link = spec.hbm_gbps, spec.link_gbps
+    if device.type != "cuda" and None in (hbm, link):
+        why = "none: no GPU here (give --hbm-gbps and --link-gbps)"
+        source = dict.fromkeys(("hbm_gbps", "link_gbps"), why)
+        info = {"hbm_gbps": None, "link_gbps": None, "source": source}
+        return dataclasses.replace(spec, hbm_gbps=None, link_gbps=None), info
     measured = measure_bandwidths(device) if device.type == "cuda" and None in (hbm, link) else None
     for key, given, idx, default in (
         ("hbm_gbps", hbm, 0, DEFAULT_HBM_GBPS),
@@ -1043,7 +1059,9 @@ def _report_skeleton(
     notes.append(GRAPH_NOTE if triton_ops and spec.config.cuda_graph else TIMING_NOTE)
     bw = spec_bandwidths
     notes.append(
-        f"roofline bandwidths: HBM {bw['hbm_gbps']:.0f} GB/s ({bw['source']['hbm_gbps']}), "
+        CPU_ROOFLINE_NOTE
+        if bw["hbm_gbps"] is None
+        else f"roofline bandwidths: HBM {bw['hbm_gbps']:.0f} GB/s ({bw['source']['hbm_gbps']}), "
         f"host link {bw['link_gbps']:.1f} GB/s ({bw['source']['link_gbps']})"
     )
     return {

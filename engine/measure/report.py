@@ -182,9 +182,12 @@ def point_line(row: dict[str, Any]) -> str:
     peak = (
         f"{row['peak_gpu_bytes'] / GIB:6.2f} GiB" if row["peak_gpu_bytes"] is not None else "   -  "
     )
-    roof = row["roofline"]["measured_over_roofline"]
-    roof_meta = row["roofline"].get("measured_over_roofline_with_metadata")
-    roof_m = f" (x{roof_meta:.1f} with metadata)" if roof_meta and roof_meta != roof else ""
+    roof = ""  # none on a CPU (engine.measure.bench.CPU_ROOFLINE_NOTE)
+    if row["roofline"] is not None:
+        ratio = row["roofline"]["measured_over_roofline"]
+        meta = row["roofline"].get("measured_over_roofline_with_metadata")
+        roof = f"  x{ratio:.1f} roofline"
+        roof += f" (x{meta:.1f} with metadata)" if meta and meta != ratio else ""
     prefetched = row.get("prefetched")
     pf = f"  prefetched {prefetched / row['decode_steps']:.0f}/step" if prefetched else ""
     stop = (
@@ -195,7 +198,7 @@ def point_line(row: dict[str, Any]) -> str:
     return (
         f"{head} {row['decode_tok_s']:9.1f} tok/s  step p50 {row['step_ms_p50']:7.2f} ms p99 "
         f"{row['step_ms_p99']:7.2f} ms  hit {hit}  h2d {row['h2d_gbps']:6.2f} GB/s  peak {peak}"
-        f"  x{roof:.1f} roofline{roof_m}{pf}{stop}"
+        f"{roof}{pf}{stop}"
     )
 
 

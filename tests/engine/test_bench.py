@@ -5,8 +5,10 @@ budget sizing that ``hisparse run --memory-budget`` shares."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,7 +136,9 @@ def test_report_has_every_field(cli_report):
         assert row["decode_tok_s"] > 0 and row["step_ms_p99"] >= row["step_ms_p50"] > 0
         assert row["ttft_s"] > 0 and row["prefill_tok_s"] > 0
         assert set(row["breakdown_ms"]) >= {"weights", "attention", "resolve", "gather", "other"}
-        assert row["roofline"]["modeled_ms"] > 0 and row["roofline"]["measured_over_roofline"] > 0
+        assert row["roofline"] is None  # a CPU's: left out (test_a_cpu_bench_leaves...)
+    assert "roofline ratios left out on the CPU" in output
+    assert not re.search(r"x[\d.]+ roofline", output)
     ctx = report["contexts"][0]
     assert ctx["prompt_tokens"] + ctx["decode_reserve"] == CONTEXT
     assert set(ctx["sizing"]) == set(MODES)
@@ -562,3 +566,29 @@ def test_bench_corpus_is_beside_the_checkout_else_the_bundled_examples(monkeypat
     assert any(found.glob("*.txt"))
     monkeypatch.setenv(bench_kv.CORPUS_ENV, str(tmp_path))
     assert bench_kv.corpus_dir() == tmp_path
+
+
+def test_a_cpu_bench_leaves_the_roofline_out_and_says_why():
+    """Fresh-user finding: ``hisparse bench`` on a CPU printed ``x7305.1 roofline`` per
+    run, a ratio to H200 bandwidths it has not. Off CUDA the ratio is left out (the run
+    line has no roofline column, the row's ``roofline`` is ``None``) and one note says
+    why; with both bandwidths given it is computed from them."""
+    from engine.measure.bench import CPU_ROOFLINE_NOTE, _bandwidths
+    from engine.measure.report import point_line
+
+    spec = BenchSpec(model="synthetic:tiny", config=EngineConfig(), contexts=(512,),
+                     concurrency=(1,), out_dir=Path("unused"))  # fmt: skip
+    cpu = torch.device("cpu")
+    left, info = _bandwidths(spec, cpu)
+    assert left.hbm_gbps is None and left.link_gbps is None and info["hbm_gbps"] is None
+    assert "roofline ratios left out on the CPU" in CPU_ROOFLINE_NOTE
+    half, _ = _bandwidths(dataclasses.replace(spec, hbm_gbps=50.0), cpu)
+    assert half.hbm_gbps is None  # one bandwidth is not a roofline
+    given, info = _bandwidths(dataclasses.replace(spec, hbm_gbps=50.0, link_gbps=20.0), cpu)
+    assert (given.hbm_gbps, given.link_gbps) == (50.0, 20.0) and info["source"]["hbm_gbps"] == "given"
+    row = {"mode": "dense", "context": 512, "concurrency": 1, "status": "ok", "admitted": 1,
+           "hit_rate": None, "peak_gpu_bytes": None, "roofline": None, "decode_tok_s": 10.0,
+           "step_ms_p50": 90.0, "step_ms_p99": 99.0, "h2d_gbps": 0.0, "decode_steps": 2}  # fmt: skip
+    assert "roofline" not in point_line(row) and point_line(row).endswith("peak    -  ")
+    row["roofline"] = {"measured_over_roofline": 7.0}
+    assert point_line(row).endswith("x7.0 roofline")
