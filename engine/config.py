@@ -959,8 +959,10 @@ integer)."""
 def sampling_problem(name: str, value: Any) -> str | None:
     """What is wrong with ``value`` for :class:`SamplingParams` field ``name`` on its own
     (type and range; the message leaves the name out), or ``None``: THE sampling rules,
-    for a preset's ``sampling`` block, a manifest's job fields and the job flags alike
-    (:mod:`hisparse_cli.manifest` checks ``max_new_tokens`` as ``max_tokens``). ``None``
+    for a preset's ``sampling`` block, a manifest's job fields, the job flags and an
+    OpenAI batch request's body alike (:mod:`hisparse_cli.manifest` checks
+    ``max_new_tokens`` as ``max_tokens``, :mod:`hisparse_cli.openai_batch`
+    ``max_completion_tokens`` too). Each message names the type and the range. ``None``
     passes (a seed derived from the job id; in a manifest, a default cleared); ``top_k``
     -1 or 0: off; ``stop`` a string or a list of non-empty strings, ``[]`` none."""
     check = SAMPLING_CHECKS.get(name)
@@ -969,10 +971,11 @@ def sampling_problem(name: str, value: Any) -> str | None:
 
 def _stop(value: Any) -> str | None:
     items = [value] if isinstance(value, str) else value
+    what = "must be a string or a list of non-empty strings"
     if not isinstance(items, list | tuple):
-        return f"must be a string or a list of strings, got {value!r}"
+        return f"{what}, got {value!r}"
     bad = [v for v in items if not isinstance(v, str) or not v]
-    return f"must be a string or a list of strings; bad item(s): {bad!r}" if bad else None
+    return f"{what}; bad item(s): {bad!r}" if bad else None
 
 
 def _temperature(value: Any) -> str | None:
@@ -980,37 +983,40 @@ def _temperature(value: Any) -> str | None:
 
 
 def _top_p(value: Any) -> str | None:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return f"must be a number, got {value!r}"
-    return None if 0 < value <= 1 else f"must be in (0, 1], got {value}"  # nan: not in it
+    if _is_number(value) and 0 < value <= 1:
+        return None
+    return f"must be a number in (0, 1], got {value!r}"
 
 
-def _integer(rule: Callable[[int], str | None]) -> Callable[[Any], str | None]:
-    def check(value: Any) -> str | None:
-        return rule(value) if _is_int(value) else f"must be an integer, got {value!r}"
+def _top_k(value: Any) -> str | None:
+    if _is_int(value) and value >= -1:
+        return None
+    return f"must be an integer >= 0 (0 or -1: off), got {value!r}"
 
-    return check
 
-
-def _seed(value: int) -> str | None:
-    if 0 <= value <= MAX_SEED:  # a larger one crashed the run at admission
+def _seed(value: Any) -> str | None:
+    if _is_int(value) and 0 <= value <= MAX_SEED:  # a larger one crashed the run at admission
         return None
     hint = (
         "; a negative seed does not mean a random one here: leave it unset for one "
         "derived from the job id"
-        if value < 0
+        if _is_int(value) and value < 0
         else ""
     )
-    return f"must be from 0 to {MAX_SEED} (2**64 - 1), got {value}{hint}"
+    return f"must be an integer from 0 to 2**64 - 1 ({MAX_SEED}), got {value!r}{hint}"
+
+
+def _max_tokens(value: Any) -> str | None:
+    return None if _is_int(value) and value > 0 else f"must be a positive integer, got {value!r}"
 
 
 SAMPLING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "temperature": _temperature,
     "top_p": _top_p,
-    "top_k": _integer(lambda v: None if v >= -1 else f"must be >= 0 (0 or -1: off), got {v}"),
-    "seed": _integer(_seed),
+    "top_k": _top_k,
+    "seed": _seed,
     "stop": _stop,
-    "max_tokens": _integer(lambda v: None if v > 0 else f"must be > 0, got {v}"),
+    "max_tokens": _max_tokens,
 }
 """SamplingParams field -> check of one value that is not ``None`` (see
 :func:`sampling_problem`)."""

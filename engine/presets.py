@@ -174,7 +174,8 @@ def load_preset_full(name_or_path: str | Path) -> Preset:
         ("sampling", sampling, SAMPLING_KEYS, SamplingParams, sampling_problem),
     ):
         problems += _key_problems(path, lines, name, block, known)
-        problems += _value_problems(path, lines, name, block, cls, check)
+        typed = name != "sampling"  # SAMPLING_CHECKS check the types too, in their words
+        problems += _value_problems(path, lines, name, block, cls, check, typed)
     if data.get("model") is not None:  # the shape `hisparse plan` uses by default
         from engine.capacity.shapes import get_model_shape
 
@@ -456,27 +457,34 @@ def _value_problems(
     values: dict[str, Any],
     cls: type,
     check: Callable[[str, Any], str | None] | None = None,
+    typed: bool = True,
 ) -> list[tuple[int, str]]:
     """One problem (:func:`_problem`) per known key of ``block`` whose value has the
-    wrong type for its ``cls`` field or, with ``check``, fails ``check(name, value)`` on
-    its own (:func:`_value_message`)."""
+    wrong type for its ``cls`` field (unless ``typed`` is false: ``check`` judges the
+    types too) or, with ``check``, fails ``check(name, value)`` on its own
+    (:func:`_value_message`)."""
     declared = {f.name: str(f.type) for f in dataclasses.fields(cls)}
     problems = []
     for name, value in values.items():
         if name not in declared:
             continue  # reported by _key_problems
-        message = _value_message(declared[name], name, value, check)
+        message = _value_message(declared[name], name, value, check, typed)
         if message:
             problems.append(_problem(path, lines, (block, name), f"{block}.{name}: {message}"))
     return problems
 
 
 def _value_message(
-    kind: str, name: str, value: Any, check: Callable[[str, Any], str | None] | None
+    kind: str,
+    name: str,
+    value: Any,
+    check: Callable[[str, Any], str | None] | None,
+    typed: bool = True,
 ) -> str | None:
     """What is wrong with ``value`` for field ``name`` of declared type ``kind`` on its
-    own: its type, then ``check(name, value)``; ``None`` when nothing is."""
-    accepted = _ACCEPTED_TYPES.get(kind)
+    own: its type (unless ``typed`` is false), then ``check(name, value)``; ``None`` when
+    nothing is."""
+    accepted = _ACCEPTED_TYPES.get(kind) if typed else None
     if accepted is not None and (
         (isinstance(value, bool) and bool not in accepted) or not isinstance(value, accepted)
     ):

@@ -44,14 +44,13 @@ from __future__ import annotations
 import calendar
 import hashlib
 import json
-import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from engine.config import SamplingParams
+from engine.config import SamplingParams, sampling_problem
 from hisparse_cli.naming import MAX_NAME_CHARS, name_problem, output_filename
 
 BATCH_OUTPUT_FILE = "batch_output.jsonl"
@@ -156,40 +155,25 @@ def _messages(value: Any) -> tuple[dict[str, str], ...] | str:
     return tuple(out)
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _sampling(body: dict[str, Any]) -> dict[str, Any] | str:
     found: dict[str, Any] = {}
     tokens = {k: body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None}
     if len(set(map(repr, tokens.values()))) > 1:
         return f"body.max_tokens and body.max_completion_tokens differ ({tokens})"
     for name, value in tokens.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            return f"body.{name} must be a positive integer, got {value!r}"
+        problem = sampling_problem("max_tokens", value)
+        if problem:
+            return f"body.{name} {problem}"
         found["max_new_tokens"] = value
-    checks = {
-        "temperature": (lambda v: _number(v) and v >= 0, "a number >= 0"),
-        "top_p": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
-        "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= -1, "an integer >= -1"),
-        "seed": (
-            lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**64,
-            "an integer from 0 to 2**64 - 1",
-        ),
-    }
-    for name, (ok, what) in checks.items():
+    for name in ("temperature", "top_p", "top_k", "seed", "stop"):  # the one table's rules
+        problem = sampling_problem(name, body.get(name))
+        if problem:
+            return f"body.{name} {problem}"
         if body.get(name) is not None:
-            if not ok(body[name]):
-                return f"body.{name} must be {what}, got {body[name]!r}"
             found[name] = body[name]
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            return f"body.stop must be a string or a list of non-empty strings, got {stop!r}"
-        if stops:
-            found["stop"] = stops
+    stop = found.pop("stop", None)
+    if stop:  # a string, or a list of them ([]: none)
+        found["stop"] = [stop] if isinstance(stop, str) else stop
     if body.get("n", 1) != 1:
         return f"body.n must be 1 (one choice per request), got {body['n']!r}"
     if body.get("stream", False) is not False:

@@ -191,8 +191,8 @@ def test_a_seed_outside_64_bits_is_refused(docs, seed):
     run at admission (torch's generator takes 0 .. 2**64 - 1); -1 is not "random" here."""
     path = write_yaml(docs, f"jobs:\n  - {{input: docs/one.txt, seed: {seed}}}\n")
     message = find(problems_of(path), "jobs[0].seed").message
-    assert "must be from 0 to 18446744073709551615" in message
-    with pytest.raises(ManifestError, match="--seed: must be from 0"):
+    assert "must be an integer from 0 to 2**64 - 1 (18446744073709551615)" in message
+    with pytest.raises(ManifestError, match="--seed: must be an integer from 0"):
         jobs_from_paths([str(docs / "docs/one.txt")], {"seed": seed})
     path = write_yaml(docs, f"jobs:\n  - {{input: docs/one.txt, seed: {2**64 - 1}}}\n")
     assert load_manifest(path).jobs[0].sampling.seed == 2**64 - 1

@@ -196,3 +196,38 @@ def test_a_batch_seed_outside_64_bits_is_refused(tmp_path):
     assert [j.id for j in manifest.jobs] == ["b"]
     (rejected,) = manifest.rejected
     assert "body.seed must be an integer from 0 to 2**64 - 1" in str(rejected)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("temperature", -1, "must be a number >= 0, got -1"),
+        ("temperature", float("nan"), "must be a number >= 0, got nan"),
+        ("top_p", 2.5, "must be a number in (0, 1], got 2.5"),
+        ("top_p", "high", "must be a number in (0, 1], got 'high'"),
+        ("top_k", -2, "must be an integer >= 0 (0 or -1: off), got -2"),
+        ("top_k", 1.5, "must be an integer >= 0 (0 or -1: off), got 1.5"),
+        ("seed", -1, "must be an integer from 0 to 2**64 - 1 (18446744073709551615), got -1; "
+                     "a negative seed does not mean a random one here"),
+        ("max_tokens", 2.5, "must be a positive integer, got 2.5"),
+        ("max_completion_tokens", 0, "must be a positive integer, got 0"),
+        ("stop", ["", 1], "must be a string or a list of non-empty strings; bad item(s): ['', 1]"),
+        ("stop", 7, "must be a string or a list of non-empty strings, got 7"),
+    ],
+)  # fmt: skip
+def test_a_batch_sampling_value_is_refused_in_the_words_of_the_one_table(
+    tmp_path, field, value, said
+):
+    """Review finding: the batch body's sampling checks were a third copy of the rules in
+    engine.config.SAMPLING_CHECKS (a preset's and a manifest's), in other words. They use
+    that table now: the same words as a manifest's field, each naming the type, the
+    range and the value."""
+    from engine.config import sampling_problem
+
+    path = write_batch(tmp_path / "b.jsonl", request("a", **{field: value}), request("b"))
+    manifest = load_manifest(path)
+    assert [j.id for j in manifest.jobs] == ["b"]
+    (rejected,) = manifest.rejected
+    assert f"body.{field} {said}" in str(rejected)
+    name = "max_tokens" if field == "max_completion_tokens" else field
+    assert sampling_problem(name, value).startswith(said)

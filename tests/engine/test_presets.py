@@ -241,8 +241,8 @@ def test_every_problem_at_once_with_its_line_and_the_closest_key(tmp_path):
         f"{path}:9: engine.hierarchical: must be true or false, got 'yes'",
         f"{path}:10: engine.page_size: duplicate key (first given on line 8)",
         f"{path}:12: sampling.temprature: unknown key (did you mean 'temperature'?)",
-        f"{path}:13: sampling.top_p: must be in (0, 1], got 2.5",
-        f"{path}:14: sampling.max_tokens: must be > 0, got 0",
+        f"{path}:13: sampling.top_p: must be a number in (0, 1], got 2.5",
+        f"{path}:14: sampling.max_tokens: must be a positive integer, got 0",
     ], lines
 
 
@@ -288,7 +288,7 @@ def test_sampling_values_follow_the_manifests_rules(tmp_path):
     with pytest.raises(PresetError) as info:
         load_preset_full(_write(tmp_path, bad))
     message = str(info.value)
-    assert "sampling.stop: must be a string or a list of strings; bad item(s): [1, None, '']" in message
+    assert "sampling.stop: must be a string or a list of non-empty strings; bad item(s): [1, None, '']" in message
     assert "sampling.temperature: must be a number >= 0, got inf" in message
     fine = GOOD.replace("max_tokens: 64", "max_tokens: 64, stop: END, top_k: -1")
     preset = load_preset_full(_write(tmp_path, fine, "fine.yaml"))
