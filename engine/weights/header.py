@@ -26,6 +26,11 @@ class GGUFHeaderError(ValueError):
     """The file is not a GGUF file, or its header is cut off or malformed."""
 
 
+class _Past(Exception):
+    """A string or array length that runs past the end of the file (cut off, or corrupt:
+    unchecked, a huge length sends the next read past ``ssize_t``, an OverflowError)."""
+
+
 def read_gguf_fields(path: str | Path, keys: set[str] | frozenset[str]) -> dict[str, Any]:
     """The values of ``keys`` found in the GGUF header of ``path`` (missing keys absent).
 
@@ -43,7 +48,7 @@ def read_gguf_fields(path: str | Path, keys: set[str] | frozenset[str]) -> dict[
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
             return _read(buf, path, keys)
-        except (struct.error, IndexError, UnicodeDecodeError) as exc:
+        except (_Past, struct.error, IndexError, UnicodeDecodeError) as exc:
             raise GGUFHeaderError(f"{path}: malformed or cut-off GGUF header ({exc})") from None
 
 
@@ -70,11 +75,17 @@ def _read(buf: mmap.mmap, path: Path, keys: set[str] | frozenset[str]) -> dict[s
 
 
 def _string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
+    end = _string_end(buf, pos)
+    return bytes(buf[pos + 8 : end]).decode("utf-8"), end
+
+
+def _string_end(buf: mmap.mmap, pos: int) -> int:
+    """The offset after the GGUF string at ``pos``, checked against the file's size."""
     (length,) = struct.unpack_from("<Q", buf, pos)
     end = pos + 8 + length
     if end > len(buf):
-        raise IndexError("string past the end of the file")
-    return bytes(buf[pos + 8 : end]).decode("utf-8"), end
+        raise _Past(f"GGUF string at byte {pos} runs past the end of the file")
+    return end
 
 
 def _value(buf: mmap.mmap, pos: int, kind: int) -> tuple[Any, int]:
@@ -88,12 +99,16 @@ def _value(buf: mmap.mmap, pos: int, kind: int) -> tuple[Any, int]:
 
 def _skip(buf: mmap.mmap, pos: int, kind: int) -> int:
     if kind == _STRING:
-        return pos + 8 + struct.unpack_from("<Q", buf, pos)[0]
+        return _string_end(buf, pos)
     if kind == _ARRAY:
+        start = pos
         element, n = struct.unpack_from("<IQ", buf, pos)
         pos += 12
         if element in _SCALARS:
-            return pos + n * struct.calcsize(_SCALARS[element])
+            end = pos + n * struct.calcsize(_SCALARS[element])
+            if end > len(buf):
+                raise _Past(f"GGUF array at byte {start} runs past the end of the file")
+            return end
         for _ in range(n):
             pos = _skip(buf, pos, element)
         return pos

@@ -241,3 +241,48 @@ def test_an_encoding_that_is_no_text_encoding_is_refused_by_run_and_eval(
     assert cli.factory.engines == []
     one_line_error(run_eval(tmp_path, str(docs / "alpha.txt"), "--encoding", codec), message)
     assert haystack == []
+
+
+def flipped_gguf(path):
+    """A GGUF file whose tokenizer string array has a corrupt length: 0xff bytes written
+    over the second token's ``u64`` length (a flipped download), as at byte 20000 of the
+    embedded model."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(2048)
+    writer.add_token_list(["a", "bb", "ccc"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    data = bytearray(path.read_bytes())
+    at = data.index(b"bb") - 8
+    data[at : at + 8] = b"\xff" * 8
+    path.write_bytes(bytes(data))
+    return path, at
+
+
+def test_run_refuses_a_gguf_with_a_corrupt_string_length_in_one_line(tmp_path):
+    """Fresh-user finding: ``run --model flipped.gguf`` (0xff bytes inside the tokenizer's
+    string array) gave an OverflowError traceback from the header reader's skip, exit 1,
+    where ``plan`` said "not a readable GGUF file (GGUF string at byte N runs past ...)"."""
+    from engine.weights.header import GGUFHeaderError, read_gguf_fields
+
+    model, at = flipped_gguf(tmp_path / "flipped.gguf")
+    (tmp_path / "doc.txt").write_text("hello\n")
+    with pytest.raises(GGUFHeaderError, match=f"GGUF string at byte {at} runs past the end"):
+        read_gguf_fields(model, {"general.architecture", "llama.context_length", "absent"})
+    scores = tmp_path / "scores.gguf"  # an array of floats whose count is corrupt
+    writer = gguf.GGUFWriter(str(scores), "llama")
+    writer.add_array("tokenizer.ggml.scores", [0.0, 1.0, 2.0])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    data = bytearray(scores.read_bytes())
+    count = data.index(b"tokenizer.ggml.scores") + len("tokenizer.ggml.scores") + 4 + 4
+    data[count : count + 8] = b"\xff" * 8
+    scores.write_bytes(bytes(data))
+    with pytest.raises(GGUFHeaderError, match=f"GGUF array at byte {count - 4} runs past"):
+        read_gguf_fields(scores, {"absent"})
+    result = invoke("run", "--model", str(model), str(tmp_path / "doc.txt"), "--preset", "cpu",
+                    "-o", str(tmp_path / "out"))  # fmt: skip
+    one_line_error(result, str(model), "not a readable GGUF file",
+                   f"GGUF string at byte {at} runs past the end of the file")  # fmt: skip
