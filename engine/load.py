@@ -85,6 +85,7 @@ def load_weights(
     from engine.weights import gguf
 
     reader = gguf.open_reader(path)  # every tensor's description checked, no data read
+    gguf.check_architecture(reader, path)  # an unsupported model named before its tokenizer
     marks["metadata"] = time.monotonic()
     tokenizer = _TOKENIZERS.get(_file_identity(path))  # built by load_tokenizer already
     if tokenizer is None:
@@ -116,6 +117,7 @@ def load_tokenizer(model: str | None, tokenizer: str | None = None) -> tuple[obj
         return TextTokenizer.from_folder(path), path.name
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
+    _check_gguf_architecture(path)
     key = _file_identity(path)
     if key not in _TOKENIZERS:
         _TOKENIZERS.clear()  # one model per process in practice: keep the last
@@ -128,6 +130,23 @@ _TOKENIZERS: dict[tuple, object] = {}
 :func:`load_weights` of the same unchanged file takes it instead of building it again (the
 CLI counts long documents' tokens before the model loads, so a run that does so builds it
 once, not twice: 0.2 s for the embedded model, ``scripts/measure_tokenizer_build.py``)."""
+
+
+def _check_gguf_architecture(path: Path) -> None:
+    """Raise ``ValueError`` naming the file when its ``general.architecture`` is not one
+    the engine runs (from the header alone, no torch); a header that cannot be read is
+    left to the tokenizer's reader, which names what is wrong with it."""
+    from engine.model.registry import UnsupportedArchitecture, for_gguf
+    from engine.weights.header import GGUFHeaderError, read_gguf_fields
+
+    try:
+        fields = read_gguf_fields(path, {"general.architecture"})
+    except (GGUFHeaderError, OSError):
+        return
+    try:
+        for_gguf(fields.get("general.architecture"))
+    except UnsupportedArchitecture as exc:
+        raise ValueError(f"{path}: {exc}") from None
 
 
 def _file_identity(path: Path) -> tuple:

@@ -194,8 +194,8 @@ class TextTokenizer:
             raise ValueError(
                 f"{meta.source}: tokenizer.ggml.model={model_type!r} is not supported; "
                 "supported: 'gpt2' (byte-level BPE), 'llama' (sentencepiece BPE with byte "
-                "fallback). Other models: use TextTokenizer.from_folder with the model's "
-                "tokenizer.json."
+                "fallback). Other models: load the model's Hugging Face folder (with its "
+                "tokenizer.json) instead of a GGUF file."
             )
         pre = meta.get("tokenizer.ggml.pre") or "default"
         tokens = meta.require("tokenizer.ggml.tokens")

@@ -186,6 +186,22 @@ def _field(reader, key: str, default=None):
     return f.contents()
 
 
+def check_architecture(reader, path: Path) -> registry.Architecture:
+    """The registered architecture of the file's ``general.architecture``: checked before
+    the tokenizer is built, so a model of another architecture is named as such rather
+    than by its tokenizer.
+
+    Raises
+    ------
+    GGUFError
+        Unsupported (or missing) ``general.architecture``; the message lists the supported.
+    """
+    try:
+        return registry.for_gguf(_field(reader, "general.architecture"))
+    except registry.UnsupportedArchitecture as exc:
+        raise GGUFError(f"{path}: {exc}") from None
+
+
 def read_config(reader, path: Path) -> ModelConfig:
     """Build :class:`ModelConfig` from GGUF metadata.
 
@@ -197,10 +213,7 @@ def read_config(reader, path: Path) -> ModelConfig:
         all of those at once.
     """
     arch = _field(reader, "general.architecture")
-    try:
-        entry = registry.for_gguf(arch)
-    except registry.UnsupportedArchitecture as exc:
-        raise GGUFError(f"{path}: {exc}") from None
+    entry = check_architecture(reader, path)
 
     problems = []  # the one check of a model file's fields, every problem at once
     try:

@@ -286,3 +286,37 @@ def test_run_refuses_a_gguf_with_a_corrupt_string_length_in_one_line(tmp_path):
                     "-o", str(tmp_path / "out"))  # fmt: skip
     one_line_error(result, str(model), "not a readable GGUF file",
                    f"GGUF string at byte {at} runs past the end of the file")  # fmt: skip
+
+
+def header_only_gguf(path, arch):
+    """A GGUF file of ``arch`` with a context length and no tokenizer or tensors."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(2048)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+def test_run_names_an_unsupported_architecture_before_the_tokenizer(tmp_path):
+    """Fresh-user finding: ``run --model falcon.gguf`` (no tokenizer in the file) said
+    "tokenizer.ggml.model=None is not supported ... use TextTokenizer.from_folder", where
+    ``plan`` names the architecture; and no message points a CLI user at a Python API."""
+    from engine.load import load_tokenizer
+
+    (tmp_path / "doc.txt").write_text("hello\n")
+    falcon = header_only_gguf(tmp_path / "falcon.gguf", "falcon")
+    result = invoke("run", "--model", str(falcon), str(tmp_path / "doc.txt"), "--preset", "cpu",
+                    "-o", str(tmp_path / "out"))  # fmt: skip
+    one_line_error(result, str(falcon), "general.architecture='falcon' is not supported",
+                   "(supported: llama,")  # fmt: skip
+    assert "tokenizer" not in result.stderr
+    with pytest.raises(ValueError, match="general.architecture='falcon' is not supported"):
+        load_tokenizer(str(falcon))  # what run uses to count long documents before the load
+
+    llama = header_only_gguf(tmp_path / "llama.gguf", "llama")  # no tokenizer: that is named
+    result = invoke("run", "--model", str(llama), str(tmp_path / "doc.txt"), "--preset", "cpu",
+                    "-o", str(tmp_path / "out"))  # fmt: skip
+    one_line_error(result, str(llama), "tokenizer.ggml.model=None is not supported",
+                   "Hugging Face folder")  # fmt: skip
+    assert "TextTokenizer" not in result.stderr and "from_folder" not in result.stderr
