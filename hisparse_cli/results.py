@@ -74,6 +74,24 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def lock_file_problem(output_dir: Path) -> str | None:
+    """Why the run's lock file in the existing folder ``output_dir`` cannot be opened
+    (:func:`lock_output_dir`), or ``None``: ``os.access`` says yes to root even where no
+    file can be made (``/sys``, ``/proc``), so this makes one, a probe removed at once
+    (not the lock file itself: another run may be about to take it)."""
+    path = Path(output_dir) / LOCK_FILE
+    try:
+        if path.exists():
+            os.close(os.open(path, os.O_RDWR))
+        else:
+            probe = path.parent / f".hisparse.probe.{os.getpid()}.{secrets.token_hex(4)}"
+            os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
+            os.unlink(probe)
+    except OSError as exc:
+        return f"cannot create its lock file {path} ({exc.strerror or exc})"
+    return None
+
+
 @contextlib.contextmanager
 def lock_output_dir(output_dir: Path) -> Iterator[None]:
     """Hold an exclusive advisory lock on ``output_dir`` (``flock`` on a lock file).

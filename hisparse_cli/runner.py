@@ -80,6 +80,7 @@ from hisparse_cli.results import (
     earlier_jobs,
     failure_record,
     jobs_of,
+    lock_file_problem,
     lock_output_dir,
     result_record,
     utc_now,
@@ -1174,6 +1175,10 @@ def check_request(request: RunRequest) -> None:
                 f"{own} is not a regular file (a folder?); a run writes its {name} there: "
                 "move it away or choose another --output-dir"
             )
+    if request.output_dir.is_dir():  # writable by os.access, yet (root in /sys) no file
+        problem = lock_file_problem(request.output_dir)
+        if problem:
+            raise UsageError(f"--output-dir {request.output_dir} is not writable: {problem}")
 
 
 def check_trace_path(config: EngineConfig) -> None:

@@ -1048,6 +1048,43 @@ def test_unwritable_output_dir_exits_2_before_loading(cli, docs, tmp_path, monke
     assert cli.factory.engines == [] and not (out / "results.jsonl").exists()
 
 
+def test_output_dir_where_no_lock_file_can_be_made_exits_2_before_loading(
+    cli, docs, tmp_path, monkeypatch
+):
+    """Fresh-user finding: ``run -o /sys/kernel`` (root: os.access says writable, yet no
+    file can be made there) gave a PermissionError traceback creating ``.hisparse.lock``,
+    exit 1. The run and --print-config refuse it naming the folder, exit 2."""
+    out = tmp_path / "locked"
+    out.mkdir()
+    real_open = os.open
+
+    def no_files_here(path, flags, *args):
+        if Path(path).absolute().parent == out and flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_files_here)
+    for extra in ((), ("--print-config",)):
+        result = cli("docs/alpha.txt", "--output-dir", "locked", *extra)
+        assert result.exit_code == 2, result.output
+        err = " ".join(result.stderr.split())
+        message = "--output-dir locked is not writable: cannot create its lock file"
+        assert f"error: {message} locked/.hisparse.lock (Permission denied)" in err, err
+        assert "Traceback" not in result.output
+    assert cli.factory.engines == [] and list(out.iterdir()) == []
+
+
+@pytest.mark.skipif(
+    not (Path("/sys/kernel").is_dir() and os.access("/sys/kernel", os.W_OK)),
+    reason="needs /sys/kernel as root (os.access says writable, no file can be made)",
+)
+def test_sys_kernel_as_output_dir_is_refused(cli, docs):
+    result = cli("docs/alpha.txt", "--output-dir", "/sys/kernel")
+    assert result.exit_code == 2, result.output
+    assert "--output-dir /sys/kernel is not writable" in " ".join(result.stderr.split())
+    assert cli.factory.engines == []
+
+
 def test_glob_over_two_symlink_loops_returns_and_warns(tmp_path):
     """Issue #19.3: with ``d/s/l -> ..`` and ``d/t -> ../d`` even ``--print-config`` never
     returned (glob followed the loops). It must return at once, run one input, and say
