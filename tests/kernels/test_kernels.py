@@ -387,6 +387,20 @@ def _fp8_pool(p_pool, hkv, s, d, gen):
     return fp8_quantize_ref(x)
 
 
+def _fp8_load_case(s: int, d: int, n_slots: int, gen: torch.Generator):
+    """An fp8 pool layer (2 requests, 3 KV heads, 20 pool pages) and a load list of up to 4
+    entries a row into ``n_slots`` slots, 40 % of them skipped: ``(q, e, block_table,
+    load_pages, load_slots)``."""
+    b, hkv, p_pool, p_max, k = 2, 3, 20, 6, 4
+    q, e = _fp8_pool(p_pool, hkv, s, d, gen)
+    block_table = torch.randperm(p_pool, generator=gen)[: b * p_max].view(b, p_max).int()
+    load_pages = torch.randint(0, p_max, (b, hkv, k), generator=gen, dtype=torch.int32)
+    load_slots = torch.randperm(n_slots, generator=gen)[: b * hkv * k].view(b, hkv, k).int()
+    skip = torch.rand(b, hkv, k, generator=gen) < 0.4
+    load_pages[skip], load_slots[skip] = -1, -1
+    return q, e, block_table, load_pages, load_slots
+
+
 @pytest.mark.parametrize(
     "dtype,s,d",
     [(torch.bfloat16, 16, 64), (torch.bfloat16, 32, 96), (torch.float32, 16, 40)],
@@ -396,13 +410,8 @@ def test_gather_fp8_dequantises_exactly(dtype, s, d):
     """The fp8 gather writes :func:`fp8_dequantize_ref` of each loaded record, bit for
     bit (awkward head dims: 96 and 40 are not powers of two)."""
     gen = torch.Generator().manual_seed(s + d)
-    b, hkv, p_pool, p_max, k, n_slots = 2, 3, 20, 6, 4, 30
-    q, e = _fp8_pool(p_pool, hkv, s, d, gen)
-    block_table = torch.randperm(p_pool, generator=gen)[: b * p_max].view(b, p_max).int()
-    load_pages = torch.randint(0, p_max, (b, hkv, k), generator=gen, dtype=torch.int32)
-    load_slots = torch.randperm(n_slots, generator=gen)[: b * hkv * k].view(b, hkv, k).int()
-    skip = torch.rand(b, hkv, k, generator=gen) < 0.4
-    load_pages[skip], load_slots[skip] = -1, -1
+    n_slots = 30
+    q, e, block_table, load_pages, load_slots = _fp8_load_case(s, d, n_slots, gen)
     ref_slots = poison_(torch.empty(n_slots, 2, s, d, dtype=dtype))
     dev_slots = ref_slots.clone().to(DEVICE)
     gather_ref(q, ref_slots, block_table, load_pages, load_slots, pool_scale=e)
@@ -428,13 +437,8 @@ def test_gather_fp8_into_fp8_slots_copies_as_stored(s, d):
     """An fp8 hot buffer gets each loaded record's fp8 bytes and exponents as the pool
     stores them (reference and kernel, bit for bit); unloaded slots keep their bytes."""
     gen = torch.Generator().manual_seed(s * d)
-    b, hkv, p_pool, p_max, k, n_slots = 2, 3, 20, 6, 4, 30
-    q, e = _fp8_pool(p_pool, hkv, s, d, gen)
-    block_table = torch.randperm(p_pool, generator=gen)[: b * p_max].view(b, p_max).int()
-    load_pages = torch.randint(0, p_max, (b, hkv, k), generator=gen, dtype=torch.int32)
-    load_slots = torch.randperm(n_slots, generator=gen)[: b * hkv * k].view(b, hkv, k).int()
-    skip = torch.rand(b, hkv, k, generator=gen) < 0.4
-    load_pages[skip], load_slots[skip] = -1, -1
+    n_slots = 30
+    q, e, block_table, load_pages, load_slots = _fp8_load_case(s, d, n_slots, gen)
     ref_slots, ref_scale = _fp8_pool(n_slots, 1, s, d, gen)
     ref_slots, ref_scale = ref_slots[:, 0], ref_scale[:, 0]
     dev_slots, dev_scale = ref_slots.clone().to(DEVICE), ref_scale.clone().to(DEVICE)
