@@ -101,6 +101,7 @@ ENGINE_FLAGS = {
     "host_pool_gb": "--host-pool",
     "num_threads": "--threads",
     "audit_steps": "--audit",
+    "hot_buffer_dtype": "--hot-dtype",
 }
 """EngineConfig field -> its ``hisparse run`` flag where that is not ``--field-name``."""
 

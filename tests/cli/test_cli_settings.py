@@ -62,6 +62,19 @@ def test_every_problem_is_placed_at_the_highest_layer_that_set_it(monkeypatch):
     assert str(info.value.problems[0]).startswith("preset 'x': engine.device_buffer: ")
 
 
+def test_a_problem_names_the_flag_the_user_typed(monkeypatch):
+    """Fields whose flag is not ``--field-name`` are named by their flag: ``--hot-dtype``
+    for ``hot_buffer_dtype`` (there is no ``--hot-buffer-dtype``)."""
+    from hisparse_cli.options import HotBufferDtype
+
+    monkeypatch.setattr(settings, "preset_overrides", lambda name: {})
+    with pytest.raises(settings.SettingsError) as info:
+        settings.resolve_engine_config("x", cli={"hot_buffer_dtype": "fp8", "kv_host_dtype": "bf16"})
+    (problem,) = info.value.problems
+    assert problem.field == "--hot-dtype" and "kv_host_dtype fp8" in problem.message
+    assert HotBufferDtype.__metadata__[0].default == "--hot-dtype"  # typer: the first name
+
+
 def test_missing_presets_module_means_empty(monkeypatch):
     monkeypatch.setitem(sys.modules, "engine.presets", None)  # import raises ModuleNotFoundError
     assert settings.preset_overrides("cpu") == {}
