@@ -622,12 +622,39 @@ def run_checks(
     if request.docs:
         checks.append(lambda: check_outputs_over_documents(manifest, output_dir))
     checks += [
+        lambda: check_model_header(request.model),
         lambda: check_max_context(config, request, manifest),
         lambda: check_max_new_tokens(
             config, request, manifest, preload_tokenizer(config, request.model)
         ),
     ]
     return checks
+
+
+def check_model_header(model: str | None) -> None:
+    """Refuse a GGUF ``--model`` whose metadata cannot be read, every key and value walked
+    as the load reads them (:func:`engine.weights.header.read_gguf_fields`, no weights, no
+    torch), so ``--print-config`` lists it and a run stops before the load. Other files,
+    folders and missing paths are left to the checks and the load that name them.
+
+    Raises
+    ------
+    UsageError : ``cannot load the model: <file>: ...`` naming where the header breaks
+    """
+    if model is None or not Path(model).is_file():
+        return
+    from engine.weights.header import GGUFHeaderError, read_gguf_fields
+
+    try:
+        with open(model, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return
+        read_gguf_fields(model, frozenset({"hisparse.no-such-key"}))  # walks every field
+    except OSError:
+        return
+    except GGUFHeaderError as exc:
+        detail = str(exc).removeprefix(f"{model}: ")
+        raise UsageError(f"cannot load the model: {model}: not a readable GGUF file ({detail})") from None
 
 
 def preload_tokenizer(config: EngineConfig, model: str | None) -> Callable[[], Any]:

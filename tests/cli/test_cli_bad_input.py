@@ -4,6 +4,8 @@ a one-line error that names the file or the option, exit 2, never a traceback (a
 
 from __future__ import annotations
 
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -286,6 +288,22 @@ def test_run_refuses_a_gguf_with_a_corrupt_string_length_in_one_line(tmp_path):
                     "-o", str(tmp_path / "out"))  # fmt: skip
     one_line_error(result, str(model), "not a readable GGUF file",
                    f"GGUF string at byte {at} runs past the end of the file")  # fmt: skip
+
+
+def test_print_config_lists_a_gguf_whose_header_cannot_be_read(tmp_path):
+    """Fresh-user finding: ``run --model flipped.gguf --print-config`` printed the config and
+    exited 0, although the run is refused at the load; it now lists the refusal, and a run
+    stops before the load with the same words."""
+    model, at = flipped_gguf(tmp_path / "flipped.gguf")
+    (tmp_path / "doc.txt").write_text("hello\n")
+    result = invoke("run", "--model", str(model), str(tmp_path / "doc.txt"), "--preset", "cpu",
+                    "-o", str(tmp_path / "out"), "--print-config")  # fmt: skip
+    printed = json.loads(result.stdout)
+    assert any(
+        f"{model}: not a readable GGUF file" in p and f"GGUF string at byte {at}" in p
+        for p in printed["problems"]
+    ), printed.get("problems")
+    assert not (tmp_path / "out").exists()
 
 
 def header_only_gguf(path, arch):
