@@ -413,10 +413,11 @@ class EngineConfig:
         ``kv_host_dtype=fp8``): the gather copies them as stored, attention dequantises
         them to ``kv_dtype`` as it reads, and a slot takes ``2 x S x (D + 1)`` bytes
         instead of ``2 x S x D x 2`` — about twice the ``device_buffer`` tokens in the
-        same device memory. Experimental: the tests' engines (CPU, and CUDA graphs on the
-        H200) decode bit for bit as with ``bf16``, but a ``hisparse run`` of the corpus on
-        the H200 did not (docs/performance.md, "An fp8 hot buffer"; cause not found), so
-        it enters the resume key and no preset sets it. No effect with CPU direct reads
+        same device memory. The same records as with ``bf16``, but on a GPU the attention
+        kernel's fp8 variant sums in another order (its MMA operand layout), so about 1
+        output in 20,000 differs by one unit in the last place and greedy text can differ
+        from ``bf16``'s (docs/performance.md, "Why an fp8 hot buffer's text differs");
+        it enters the resume key, and no preset sets it. No effect with CPU direct reads
         (no hot buffer).
     page_metadata: how the ``quest`` indexer reads page metadata. ``exact`` (the default and
         the reference): flat Quest, every page's key min / max each step (KV/16 bytes at

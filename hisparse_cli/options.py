@@ -251,9 +251,10 @@ HotBufferDtype = Annotated[
     typer.Option(
         "--hot-dtype",
         help="Hot buffer on the device: bf16 (records dequantised into the KV dtype) or fp8 "
-        "(experimental: as an fp8 host pool stores them, read by attention; about twice "
-        "the --device-buffer tokens in the same memory; needs --kv-host-dtype fp8; its "
-        "text can differ from bf16's, see docs/performance.md).",
+        "(as an fp8 host pool stores them, read by attention; about twice the "
+        "--device-buffer tokens in the same memory; needs --kv-host-dtype fp8; attention "
+        "sums in another order on a GPU, so its text can differ from bf16's: "
+        "docs/performance.md).",
         rich_help_panel=ENGINE,
     ),
 ]

@@ -505,7 +505,14 @@ def sparse_decode_attention(
     kv_slots : ``[N, 2, S, D]`` records, unit stride on ``D``; ``S`` a power of two;
         bf16/fp16/fp32, or float8_e4m3fn with ``slot_scale``
     slot_scale : int8 ``[N, 2, S]`` scale exponents of fp8 ``kv_slots``, unit stride on ``S``
-    kv_dtype : the dtype fp8 records are read as (default ``q.dtype``); ignored otherwise
+    kv_dtype : the dtype fp8 records are read as (default ``q.dtype``); ignored otherwise.
+        The reference gives fp8 slots the same bits as slots in ``kv_dtype`` holding the
+        dequantised records. This kernel does under the interpreter, but compiled it lays
+        the dequantised operand out for the MMA differently (Triton's ``kWidth`` 4 against
+        2 for records loaded in ``kv_dtype``), which sums along the head dim and the tokens
+        in another order: on an H200 (triton 3.6) 3-4 of 69,120 bf16 outputs of run-like
+        cases differ by one unit in the last place (docs/performance.md, "Why an fp8 hot
+        buffer's text differs")
     selection : int32 ``[B, Hkv, W]`` bitmask (unit stride on ``W``)
     slot_list : int32/int64 ``[B, Hkv, K_max]``
     seq_lens : int32/int64 ``[B]``
