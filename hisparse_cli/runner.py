@@ -613,6 +613,7 @@ def run_checks(
     what every one of them finds (:func:`run_problems`), so the two cannot drift apart."""
     flags, engine, output_dir = request.engine_overrides, manifest.engine, request.output_dir
     checks: list[Callable[[], None]] = [
+        lambda: check_output_dir(output_dir),
         lambda: check_device_names(config),
         lambda: check_devices(config, request.preset, engine, flags),
         lambda: check_trace_path(config),
@@ -1182,30 +1183,37 @@ def check_request(request: RunRequest) -> None:
     if request.errors not in ERROR_MODES:
         raise UsageError(f"--errors must be one of {', '.join(ERROR_MODES)}")
     check_encoding(request.encoding)
-    if request.output_dir.exists() and not request.output_dir.is_dir():
-        raise UsageError(f"--output-dir {request.output_dir} exists and is not a directory")
-    if request.output_dir.is_dir() and not os.access(request.output_dir, os.W_OK | os.X_OK):
-        raise UsageError(f"--output-dir {request.output_dir} is not writable")
-    if not request.output_dir.exists():  # the run makes it: --print-config says so too
-        parent = request.output_dir.absolute().parent
+
+
+def check_output_dir(output_dir: Path) -> None:
+    """Raise :class:`UsageError` when the run could not write its files in ``output_dir``:
+    not a folder, not writable, not makeable, one of its own files a folder, or no lock
+    file can be made there (:func:`lock_file_problem`). One of :func:`run_checks`, so
+    ``--print-config`` lists it as it does the others."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UsageError(f"--output-dir {output_dir} exists and is not a directory")
+    if output_dir.is_dir() and not os.access(output_dir, os.W_OK | os.X_OK):
+        raise UsageError(f"--output-dir {output_dir} is not writable")
+    if not output_dir.exists():  # the run makes it
+        parent = output_dir.absolute().parent
         while not parent.exists() and parent != parent.parent:
             parent = parent.parent
         why = "is not a folder" if not parent.is_dir() else None
         if why is None and not os.access(parent, os.W_OK | os.X_OK):
             why = "is not writable"
         if why:
-            raise UsageError(f"cannot create output dir {request.output_dir}: {parent} {why}")
+            raise UsageError(f"cannot create output dir {output_dir}: {parent} {why}")
     for name in (RESULTS_FILE, CONFIG_FILE, LOCK_FILE):  # a folder there: a traceback before
-        own = request.output_dir / name
+        own = output_dir / name
         if own.exists() and not own.is_file():
             raise UsageError(
                 f"{own} is not a regular file (a folder?); a run writes its {name} there: "
                 "move it away or choose another --output-dir"
             )
-    if request.output_dir.is_dir():  # writable by os.access, yet (root in /sys) no file
-        problem = lock_file_problem(request.output_dir)
+    if output_dir.is_dir():  # writable by os.access, yet (root in /sys) no file
+        problem = lock_file_problem(output_dir)
         if problem:
-            raise UsageError(f"--output-dir {request.output_dir} is not writable: {problem}")
+            raise UsageError(f"--output-dir {output_dir} is not writable: {problem}")
 
 
 def check_trace_path(config: EngineConfig) -> None:

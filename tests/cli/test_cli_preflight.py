@@ -196,13 +196,16 @@ def test_print_config_reports_the_output_folder_refusals(cli, docs, tmp_path):
 
 
 def test_an_output_dir_that_cannot_be_made_is_refused_by_print_config_too(cli, docs):
-    """The run refused it when it made the folder (exit 2); --print-config said nothing."""
-    for args in (("-o", "docs/alpha.txt/out"), ("-o", "docs/alpha.txt/out", "--print-config")):
-        result = cli("docs/beta.txt", *args, engine=never_load)
-        assert result.exit_code == 2, result.output
-        err = " ".join(result.stderr.split())
-        where = docs / "alpha.txt"
-        assert f"cannot create output dir docs/alpha.txt/out: {where} is not a folder" in err
+    """The run refused it when it made the folder (exit 2); --print-config said nothing.
+    Now the run refuses it up front and --print-config lists it among its problems."""
+    words = f"cannot create output dir docs/alpha.txt/out: {docs / 'alpha.txt'} is not a folder"
+    result = cli("docs/beta.txt", "-o", "docs/alpha.txt/out", engine=never_load)
+    assert result.exit_code == 2, result.output
+    assert words in " ".join(result.stderr.split())
+    printed = cli("docs/beta.txt", "-o", "docs/alpha.txt/out", "--print-config")
+    assert printed.exit_code == 0, printed.output
+    (problem,) = json.loads(printed.stdout)["problems"]
+    assert words in " ".join(problem.split())
 
 
 def test_device_cuda_without_cuda_exits_2_before_loading(cli, docs, tmp_path, monkeypatch):

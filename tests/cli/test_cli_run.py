@@ -1046,6 +1046,9 @@ def test_unwritable_output_dir_exits_2_before_loading(cli, docs, tmp_path, monke
     result = cli("docs/alpha.txt", "--output-dir", "ro")
     assert result.exit_code == 2 and "ro is not writable" in result.stderr
     assert cli.factory.engines == [] and not (out / "results.jsonl").exists()
+    printed = cli("docs/alpha.txt", "--output-dir", "ro", "--print-config")  # chmod 555 ro
+    assert printed.exit_code == 0, printed.output
+    assert json.loads(printed.stdout)["problems"] == ["--output-dir ro is not writable"]
 
 
 def test_output_dir_where_no_lock_file_can_be_made_exits_2_before_loading(
@@ -1053,7 +1056,8 @@ def test_output_dir_where_no_lock_file_can_be_made_exits_2_before_loading(
 ):
     """Fresh-user finding: ``run -o /sys/kernel`` (root: os.access says writable, yet no
     file can be made there) gave a PermissionError traceback creating ``.hisparse.lock``,
-    exit 1. The run and --print-config refuse it naming the folder, exit 2."""
+    exit 1. The run refuses it naming the folder, exit 2; --print-config lists it among
+    the problems and prints the config (a later trial: it exited 2 with the message)."""
     out = tmp_path / "locked"
     out.mkdir()
     real_open = os.open
@@ -1064,13 +1068,18 @@ def test_output_dir_where_no_lock_file_can_be_made_exits_2_before_loading(
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", no_files_here)
-    for extra in ((), ("--print-config",)):
-        result = cli("docs/alpha.txt", "--output-dir", "locked", *extra)
-        assert result.exit_code == 2, result.output
-        err = " ".join(result.stderr.split())
-        message = "--output-dir locked is not writable: cannot create its lock file"
-        assert f"error: {message} locked/.hisparse.lock (Permission denied)" in err, err
-        assert "Traceback" not in result.output
+    message = "--output-dir locked is not writable: cannot create its lock file"
+    refusal = f"{message} locked/.hisparse.lock (Permission denied)"
+    result = cli("docs/alpha.txt", "--output-dir", "locked")
+    assert result.exit_code == 2, result.output
+    assert f"error: {refusal}" in " ".join(result.stderr.split())
+    assert "Traceback" not in result.output
+    printed = cli("docs/alpha.txt", "--output-dir", "locked", "--print-config")
+    assert printed.exit_code == 0, printed.output
+    shown = json.loads(printed.stdout)
+    assert [" ".join(p.split()) for p in shown["problems"]] == [refusal]
+    assert [job["id"] for job in shown["jobs"]] == ["alpha"]
+    assert f"a run would be refused here: {refusal}" in " ".join(printed.stderr.split())
     assert cli.factory.engines == [] and list(out.iterdir()) == []
 
 
@@ -1486,13 +1495,18 @@ def test_an_empty_document_argument_is_refused_and_the_rest_run(cli, docs, tmp_p
 @pytest.mark.parametrize("name", ["results.jsonl", "config.json", ".hisparse.lock"])
 def test_a_folder_where_the_run_writes_its_files_is_a_usage_error(cli, docs, tmp_path, name):
     """Fresh-user finding: results.jsonl or config.json as a folder in the output dir
-    ended in an IsADirectoryError traceback (exit 1)."""
+    ended in an IsADirectoryError traceback (exit 1). --print-config lists it (exit 0)."""
     (tmp_path / "hisparse-out" / name).mkdir(parents=True)
     result = cli("docs/alpha.txt")
     assert result.exit_code == 2, result.output
     err = " ".join(result.stderr.split())
     assert f"{name} is not a regular file (a folder?)" in err and "choose another --output-dir" in err
     assert cli.factory.engines == []
+    printed = cli("docs/alpha.txt", "--print-config")
+    assert printed.exit_code == 0, printed.output
+    (problem,) = json.loads(printed.stdout)["problems"]
+    assert f"{name} is not a regular file (a folder?)" in problem
+    assert "a run would be refused here" in printed.stderr
 
 
 def test_output_dir_has_the_short_flag_o(cli, docs, tmp_path):
