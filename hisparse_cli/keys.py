@@ -16,11 +16,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig, SamplingParams
+from hisparse_cli.manifest_source import PRESET_SAMPLING_FIELDS
 from hisparse_cli.tasks import TaskSpec
 
 KEY_VERSION = 1
@@ -66,9 +68,14 @@ before them: they enter the key only at another value, so earlier results keep t
 def output_settings(config: EngineConfig) -> dict[str, Any]:
     """The engine settings that can change generated text (all but the neutral ones, and
     the :data:`ADDED_SETTINGS` at their old behaviour's value)."""
+    return output_only(config.to_dict())
+
+
+def output_only(engine: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`output_settings` of engine settings given as a dict (``config.json``'s)."""
     return {
         k: v
-        for k, v in config.to_dict().items()
+        for k, v in engine.items()
         if k not in OUTPUT_NEUTRAL_SETTINGS and ADDED_SETTINGS.get(k, object()) != v
     }
 
@@ -88,14 +95,16 @@ def model_fingerprint(model: str | None) -> str:
     return f"{path.name}|{'|'.join(parts)}"
 
 
-def settings_hash(
+def settings_record(
     task: TaskSpec,
     sampling: SamplingParams,
     model_id: str,
     config: EngineConfig,
     text_options: dict[str, str],
-) -> str:
-    """SHA-256 (hex) of everything but the inputs that determines a job's output.
+) -> dict[str, Any]:
+    """Everything but the inputs that determines a job's output: what
+    :func:`settings_hash` hashes, kept on the job's ``results.jsonl`` line (``settings``)
+    so a later run can say which of them it changed (:func:`setting_changes`).
 
     Parameters
     ----------
@@ -106,7 +115,7 @@ def settings_hash(
     model_id
         :func:`model_fingerprint` of the model.
     config
-        Resolved engine config; only :func:`output_settings` enter the hash.
+        Resolved engine config; only :func:`output_settings` enter the record.
     text_options
         How documents are decoded (``encoding``, ``errors``).
     """
@@ -122,7 +131,80 @@ def settings_hash(
         # the reply is decoded constrained to the JSON object (engine.decode.json_constraint):
         # not the output an unconstrained run of the same job wrote
         payload["reply"] = "json-object"
-    return _sha256_json(payload)
+    return payload
+
+
+def settings_hash(
+    task: TaskSpec,
+    sampling: SamplingParams,
+    model_id: str,
+    config: EngineConfig,
+    text_options: dict[str, str],
+) -> str:
+    """SHA-256 (hex) of :func:`settings_record` (the same parameters)."""
+    return record_hash(settings_record(task, sampling, model_id, config, text_options))
+
+
+def record_hash(record: Mapping[str, Any]) -> str:
+    """:func:`settings_hash` of a :func:`settings_record` (also one read back from JSON)."""
+    return _sha256_json(record)
+
+
+def setting_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """``"name old -> new"`` for each setting that differs between two
+    :func:`settings_record` s (task, sampling, model, engine, text decoding, in that order),
+    named as a manifest or ``config.json`` names them: ``top_k 2048 -> 1024`` is the
+    engine's (``--top-k-tokens``), ``top_k (sampling) 0 -> 40`` the job's."""
+    old, new = _as_json(old), _as_json(new)  # a record read back from a line: lists, not tuples
+    changes = []
+    engine_names = set(_section(old, "engine")) | set(_section(new, "engine"))
+    for section in ("task", "sampling", "model", "engine", "text"):
+        if section == "model":
+            if old.get("model") != new.get("model"):
+                changes.append(_model_change(old.get("model"), new.get("model")))
+            continue
+        before, after = _section(old, section), _section(new, section)
+        for name in [*before, *(k for k in after if k not in before)]:
+            if before.get(name) != after.get(name):
+                label = PRESET_SAMPLING_FIELDS.get(name, name) if section == "sampling" else name
+                if section != "engine" and label in engine_names:
+                    label = f"{label} ({section})"
+                changes.append(f"{label} {_shown(before.get(name))} -> {_shown(after.get(name))}")
+    for name in ("reply", "version"):  # the reply follows the task's fields: said above
+        if not changes and old.get(name) != new.get(name):
+            changes.append(f"{name} {_shown(old.get(name))} -> {_shown(new.get(name))}")
+    return changes
+
+
+def _as_json(record: Mapping[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(record, default=str))
+
+
+def _section(record: Mapping[str, Any], name: str) -> dict[str, Any]:
+    value = record.get(name)
+    return dict(value) if isinstance(value, Mapping) else {}
+
+
+def _model_change(before: Any, after: Any) -> str:
+    """A model fingerprint's change: the file names, or that the same name was rewritten."""
+    names = [str(m).split("|", 1)[0] if m is not None else None for m in (before, after)]
+    if names[0] == names[1]:
+        return f"model {names[1]} (the file changed)"
+    return f"model {_shown(names[0])} -> {_shown(names[1])}"
+
+
+_PLAIN = re.compile(r"[\w.:/+-]{1,40}")
+
+
+def _shown(value: Any) -> str:
+    """A setting's value in a line of text: short words as they are, other text quoted,
+    ``unset`` for none, long values cut."""
+    if value is None:
+        return "unset"
+    if isinstance(value, str) and _PLAIN.fullmatch(value):
+        return value
+    text = json.dumps(value, default=str, ensure_ascii=False)
+    return text if len(text) <= 40 else text[:39] + "…"
 
 
 def job_key(input_sha256: Sequence[str], settings: str) -> str:

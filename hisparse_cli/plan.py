@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
-from hisparse_cli.keys import job_key, settings_hash
+from hisparse_cli.keys import job_key, record_hash, settings_record
 from hisparse_cli.manifest import JobSpec
 from hisparse_cli.openai_batch import messages_sha256
 from hisparse_cli.results import FINAL_INPUT, FINAL_PROMPT, ResultsLog
@@ -46,6 +46,8 @@ class PlannedJob:
     left_out: positions in ``spec.inputs`` of the files the job left out, empty ones
         among several (:func:`~hisparse_cli.textio.read_documents`); its line's ``input``
         lists the others, ``input_left_out`` these.
+    settings: what ``settings_hash`` hashes (:func:`~hisparse_cli.keys.settings_record`),
+        kept on its line as ``settings``.
     """
 
     spec: JobSpec
@@ -58,6 +60,7 @@ class PlannedJob:
     warnings: tuple[str, ...] = ()
     final: str | None = None
     left_out: tuple[int, ...] = ()
+    settings: dict[str, Any] = field(default_factory=dict)
 
     def with_documents(self, documents: Sequence[Document]) -> PlannedJob:
         """The same job keyed by ``documents`` (their content may have changed since planning)."""
@@ -89,6 +92,7 @@ class PlannedJob:
             "input_sha256": list(self.input_sha256),
             "key": self.key,
             "settings_hash": self.settings_hash,
+            **({"settings": self.settings} if self.settings else {}),
             "task": self.spec.task.task,
             "model": model,
             **({"custom_id": self.spec.custom_id} if self.spec.custom_id is not None else {}),
@@ -149,8 +153,9 @@ def _plan_one(
 ) -> PlannedJob:
     """``reading``: :func:`read_documents`'s keyword arguments (text options first)."""
     text_options = {k: reading[k] for k in ("encoding", "errors")}
-    settings = settings_hash(spec.task, spec.sampling, model_id, config, text_options)
-    planned = PlannedJob(spec, RUN, settings)
+    record = settings_record(spec.task, spec.sampling, model_id, config, text_options)
+    settings = record_hash(record)
+    planned = PlannedJob(spec, RUN, settings, settings=record)
     if spec.messages is not None:  # an OpenAI-batch request: its messages are the input
         hashes = (messages_sha256(spec.messages),)
         planned = replace(planned, input_sha256=hashes, key=job_key(hashes, settings))

@@ -62,7 +62,13 @@ from hisparse_cli import openai_batch, preflight, settings, textio
 from hisparse_cli.auto_preset import AUTO, AutoChoice, choose_preset
 from hisparse_cli.chunking import ChunkScheduler
 from hisparse_cli.extract import parse_extracted
-from hisparse_cli.keys import DEFAULT_MODEL_ID, model_fingerprint
+from hisparse_cli.keys import (
+    DEFAULT_MODEL_ID,
+    model_fingerprint,
+    output_only,
+    record_hash,
+    setting_changes,
+)
 from hisparse_cli.manifest import Manifest, ManifestError, jobs_from_paths, load_manifest
 from hisparse_cli.naming import EarlierJob
 from hisparse_cli.pipes import STDOUT_CLOSED, guard_consoles
@@ -1362,6 +1368,7 @@ class BatchRun:
         self.engine: BatchEngine | None = None  # while the engine runs
         self.log: ResultsLog
         self.reporter: Reporter
+        self.earlier_engine: dict[str, Any] | None = None  # config.json's, before this run
 
     def run(self, config_doc: dict[str, Any]) -> int:
         """Execute the batch; return the exit code."""
@@ -1392,6 +1399,7 @@ class BatchRun:
 
     def _run_locked(self, config_doc: dict[str, Any]) -> int:
         self.log.compact()  # superseded failure lines of earlier runs
+        self.earlier_engine = earlier_engine_settings(self.output_dir)  # before we write ours
         planned = plan_jobs(
             self.manifest.jobs,
             self.config,
@@ -1549,13 +1557,14 @@ class BatchRun:
                 )
                 return
         line = self.log.existing.latest.get(job.spec.id)
-        key = self.records.get(job.spec.id, {}).get("key")
+        mine_now = self.records.get(job.spec.id, {})
         own = any(e.id == job.spec.id for e in writers)
-        if own and line and line.get("key") != key:
+        if own and line and line.get("key") != mine_now.get("key"):
+            wrote = self.log.existing.latest_success.get(job.spec.id) or line  # the file's
+            why = earlier_answer_difference(wrote, mine_now, self.earlier_engine)
             self.reporter.note(
-                f"{job.spec.id}: {path} holds this job's earlier answer, made with other "
-                f"settings or document content; this run replaces it (that text stays in "
-                f"{RESULTS_FILE})",
+                f"{job.spec.id}: {path} holds this job's earlier answer, made with {why}; "
+                f"this run replaces it (that text stays in {RESULTS_FILE})",
                 "warning",
             )
 
@@ -2116,6 +2125,80 @@ class BatchRun:
                 "(Ctrl-C or SIGTERM again to stop now)",
                 "warning",
             )
+
+
+SHOWN_CHANGES = 3
+"""Changed settings a replaced-answer warning names before it says how many more."""
+
+
+def earlier_engine_settings(output_dir: Path) -> dict[str, Any] | None:
+    """The engine settings in ``output_dir``'s ``config.json`` (the last run that ran or
+    recorded a job), or ``None`` where there is none to read."""
+    try:
+        document = json.loads((output_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    engine = document.get("engine") if isinstance(document, dict) else None
+    return engine if isinstance(engine, dict) else None
+
+
+def earlier_answer_difference(
+    line: dict[str, Any], record: dict[str, Any], earlier_engine: dict[str, Any] | None
+) -> str:
+    """What made a job's earlier answer (its results ``line``) differ from this run's
+    (``record``: the job's line so far), in words after "made with": the settings that
+    changed with their old and new values (``top_k 2048 -> 1024``; the first
+    :data:`SHOWN_CHANGES`, then how many more) and the inputs whose content changed.
+
+    The old settings are the line's ``settings``; a line written before lines kept them
+    has only their hash, and then ``config.json``'s engine settings (``earlier_engine``)
+    are taken where, with this job's other settings, they give that hash (that run
+    changed the engine settings only); else the words say the line does not record them.
+    """
+    found = []
+    old_hash, new_settings = line.get("settings_hash"), record.get("settings") or {}
+    if old_hash != record.get("settings_hash"):
+        old = line.get("settings")
+        if not (isinstance(old, dict) and record_hash(old) == old_hash):
+            old = None
+            if earlier_engine is not None and new_settings:
+                guess = {**new_settings, "engine": output_only(earlier_engine)}
+                old = guess if record_hash(guess) == old_hash else None
+        changes = setting_changes(old, new_settings) if old is not None else []
+        if len(changes) > SHOWN_CHANGES:
+            more = len(changes) - SHOWN_CHANGES
+            changes = changes[:SHOWN_CHANGES]
+            changes[-1] += f" and {more} more"
+        found.append(
+            f"other settings ({', '.join(changes)})"
+            if changes
+            else f"other settings (which: not recorded on its {RESULTS_FILE} line)"
+        )
+    old_inputs, old_hashes = line.get("input"), line.get("input_sha256")
+    new_inputs, new_hashes = record.get("input"), record.get("input_sha256")
+    if old_hashes != new_hashes:
+        same_files = (  # the same files, one hash each: name those whose content changed
+            isinstance(new_inputs, list)
+            and old_inputs == new_inputs
+            and isinstance(old_hashes, list)
+            and isinstance(new_hashes, list)
+            and len(old_hashes) == len(new_hashes) == len(new_inputs)
+        )
+        pairs = zip(new_inputs, old_hashes, new_hashes, strict=True) if same_files else ()
+        edited = [_near(path) for path, a, b in pairs if a != b]
+        found.append(
+            f"an earlier version of {', '.join(edited)}" if edited else "other document content"
+        )
+    return " and ".join(found) or "other settings or document content"
+
+
+def _near(path: str) -> str:
+    """``path`` (a results line's absolute input) relative to the current folder where
+    it lies below it."""
+    try:
+        return str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        return path
 
 
 def json_keys(spec: Any) -> tuple[str, ...] | None:

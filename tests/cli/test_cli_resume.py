@@ -51,9 +51,10 @@ def test_changed_input_redoes_only_that_job(run, tmp_path):
     (tmp_path / "docs" / "b.txt").write_text("document b, edited\n")
     result, seen = run()
     assert seen == ["b"]
-    assert "b: hisparse-out/b.txt holds this job's earlier answer" in " ".join(
-        result.stderr.split()
-    )
+    assert (
+        "b: hisparse-out/b.txt holds this job's earlier answer, made with an earlier version "
+        "of docs/b.txt; this run replaces it"
+    ) in " ".join(result.stderr.split())
     assert [r["id"] for r in lines(tmp_path)] == ["a", "b", "c", "b"]
     assert "holds" not in run("--force")[0].stderr  # the same keys, redone on purpose
 
@@ -121,6 +122,54 @@ def test_changed_settings_redo_all(run):
         assert f"{name}: hisparse-out/{name}.txt holds this job's earlier answer" in stderr
     assert run("--temperature", "0.3", "--top-k-tokens", "1024")[1] == ["a", "b", "c"]
     assert run("--temperature", "0.3", "--top-k-tokens", "1024", "--max-batch", "2")[1] == []
+
+
+def test_the_replaced_answer_warning_names_the_settings_that_changed(run, tmp_path):
+    """Fresh-user finding: a re-run with other settings said the earlier answers were
+    made "with other settings or document content", not which. It names each changed
+    setting with its old and new value (the line keeps its settings), the first three and
+    how many more, and an edited document by name."""
+    run()
+    result, seen = run("--top-k-tokens", "1024", "--temperature", "0.3")
+    assert seen == ["a", "b", "c"]
+    stderr = " ".join(result.stderr.split())
+    for name in ("a", "b", "c"):
+        assert (
+            f"{name}: hisparse-out/{name}.txt holds this job's earlier answer, made with other "
+            "settings (temperature 0.0 -> 0.3, top_k 2048 -> 1024); this run replaces it"
+        ) in stderr, stderr
+    (tmp_path / "docs" / "b.txt").write_text("document b, edited\n")
+    args = ("--top-k-tokens", "512", "--temperature", "0.5", "--top-p", "0.9", "--top-k", "40")
+    result, seen = run(*args, "--max-new-tokens", "4")
+    stderr = " ".join(result.stderr.split())
+    assert (  # the job's top_k beside the engine's: told apart
+        "b: hisparse-out/b.txt holds this job's earlier answer, made with other settings "
+        "(temperature 0.3 -> 0.5, top_p 1.0 -> 0.9, top_k (sampling) 0 -> 40 and 2 more) "
+        "and an earlier version of docs/b.txt; this run replaces it"
+    ) in stderr, stderr
+    assert all(line["settings_hash"] for line in lines(tmp_path))
+
+
+def test_a_line_without_its_settings_names_engine_changes_from_config_json(run, tmp_path):
+    """Lines written before lines kept their settings have only their hash: where
+    config.json's engine settings give that hash (only they changed), those are named;
+    else the warning says the line does not record which."""
+    run()
+    results = tmp_path / "hisparse-out" / "results.jsonl"
+    old = [{k: v for k, v in line.items() if k != "settings"} for line in lines(tmp_path)]
+    results.write_text("".join(json.dumps(line) + "\n" for line in old))
+    result, _ = run("--top-k-tokens", "1024")
+    stderr = " ".join(result.stderr.split())
+    words = "a.txt holds this job's earlier answer, made with other settings (top_k 2048 -> 1024)"
+    assert words in stderr, stderr
+    old = [{k: v for k, v in line.items() if k != "settings"} for line in lines(tmp_path)]
+    results.write_text("".join(json.dumps(line) + "\n" for line in old))
+    result, _ = run("--top-k-tokens", "1024", "--temperature", "0.3")  # not in config.json
+    stderr = " ".join(result.stderr.split())
+    assert (
+        "a.txt holds this job's earlier answer, made with other settings (which: not recorded "
+        "on its results.jsonl line)"
+    ) in stderr, stderr
 
 
 def test_all_skipped_run_keeps_the_config_of_the_run_that_wrote_the_results(run, tmp_path):

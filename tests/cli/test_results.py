@@ -10,7 +10,14 @@ import pytest
 from engine.config import EngineConfig, SamplingParams
 from engine.events import CacheStats, JobResult
 from hisparse_cli import results
-from hisparse_cli.keys import job_key, model_fingerprint, settings_hash
+from hisparse_cli.keys import (
+    job_key,
+    model_fingerprint,
+    record_hash,
+    setting_changes,
+    settings_hash,
+    settings_record,
+)
 from hisparse_cli.results import (
     OutputDirBusy,
     ResultsLog,
@@ -198,6 +205,33 @@ def test_settings_hash_tracks_what_changes_output():
     assert base not in changed and len(set(changed)) == len(changed)
     neutral = config.replace(max_batch=2, device_buffer=8192, trace_path="t")
     assert settings_hash(task, sampling, "m", neutral, opts) == base
+
+
+def test_setting_changes_name_each_changed_setting_as_a_results_line_keeps_it():
+    """A job's line keeps its settings record (what settings_hash hashes); read back from
+    JSON it hashes the same and differs from the in-memory record in nothing, and a change
+    is named with its old and new value."""
+    opts = {"encoding": "utf-8", "errors": "strict"}
+    task, sampling, config = TaskSpec(), SamplingParams(stop=("END",)), EngineConfig()
+    record = settings_record(task, sampling, "m", config, opts)
+    assert record_hash(record) == settings_hash(task, sampling, "m", config, opts)
+    stored = json.loads(json.dumps(record))
+    assert record_hash(stored) == record_hash(record) and setting_changes(stored, record) == []
+    other = settings_record(
+        TaskSpec("answer", question="Who signed?"),
+        SamplingParams(max_tokens=64, top_k=40, stop=("END",)),
+        "m",
+        config.replace(top_k=1024, max_batch=2),  # max_batch: output-neutral, not named
+        {"encoding": "latin-1", "errors": "strict"},
+    )
+    assert setting_changes(stored, other) == [
+        "task summarize -> answer",
+        'question unset -> "Who signed?"',
+        "top_k (sampling) 0 -> 40",
+        "max_new_tokens 256 -> 64",
+        "top_k 2048 -> 1024",
+        "encoding utf-8 -> latin-1",
+    ]
 
 
 def test_a_setting_added_later_keeps_earlier_keys_at_its_old_behaviour():
