@@ -57,7 +57,13 @@ from engine.events import (
 )
 from engine.serve.base import BatchEngine
 from engine.serve.workers import WorkerDied
-from engine.text.context import PromptTooLong, chunk_document, fit_prompt, too_long_message
+from engine.text.context import (
+    PromptTooLong,
+    chunk_document,
+    fit_prompt,
+    too_long_by_size_message,
+    too_long_message,
+)
 from hisparse_cli import openai_batch, preflight, settings, textio
 from hisparse_cli.auto_preset import AUTO, AutoChoice, choose_preset
 from hisparse_cli.chunking import ChunkScheduler
@@ -698,6 +704,45 @@ def job_tokens(
         except Exception:  # noqa: BLE001 - the job fails as usual, after the load
             return None
     return min(counted[spec.id] + max_tokens, limit)
+
+
+def size_floor(spec: Any, request: RunRequest, tokenizer: Any, limit: int) -> int | None:
+    """A lower bound on the tokens of job ``spec``'s prompt that already shows it over
+    ``limit`` beside its ``max_new_tokens``, found from the first bytes of its documents
+    (:func:`textio.document_prefix`) without reading the rest or tokenising: the
+    tokenizer's ``min_tokens`` of the prompt around their text (stripped, and joined by
+    one newline where the job has several: never more bytes than the prompt the engine
+    builds). The bytes read start at twice what ``limit`` tokens can hold and grow
+    fourfold while that is not enough. ``None`` when the bound does not show it (the
+    documents were read whole first: they are few enough bytes to count exactly), where
+    the tokenizer knows no bound, for an OpenAI-batch request, or when a document cannot
+    be read (the job fails on reading it, naming the file)."""
+    longest = getattr(tokenizer, "max_token_bytes", None)
+    if spec.messages is not None or not longest:
+        return None
+    messages = job_messages(spec)
+    size = 2 * longest * limit
+    while True:
+        parts, whole = [], True
+        for path in spec.inputs:
+            try:
+                text, complete = textio.document_prefix(
+                    path, size, **request.text_options,
+                    allow_binary=request.allow_binary, stdin=request.stdin,
+                )  # fmt: skip
+            except textio.DocumentError:
+                return None
+            parts.append(text.strip())
+            whole = whole and complete
+        if whole:
+            return None
+        probe = "\n".join(part for part in parts if part)
+        floor = tokenizer.min_tokens(tokenizer.render_chat(messages(probe)))
+        if floor is None:
+            return None
+        if floor + spec.sampling.max_tokens > limit:
+            return floor
+        size *= 4
 
 
 def check_memory_budget(
@@ -1571,10 +1616,15 @@ class BatchRun:
     def _refuse_too_long(self, pending: list[PlannedJob]) -> list[PlannedJob]:
         """Before the model loads, under ``refuse``/``extend``: the jobs whose document
         could exceed the context limit beside max_new_tokens (more bytes than the limit's
-        tokens: :data:`preflight.BOUND_BYTES_PER_TOKEN`) are tokenised exactly with the
-        model's tokenizer (read from its header, no weights: the load then reuses
-        it), and those over the limit fail now with the engine's own message and choices,
-        so no model is loaded for a job that cannot run. Returns the jobs still to run.
+        tokens: :data:`preflight.BOUND_BYTES_PER_TOKEN`, from the files' sizes) are
+        checked with the model's tokenizer (read from its header, no weights: the load
+        then reuses it). First by size: one whose first bytes already hold more than the
+        limit's tokens (:func:`size_floor`) fails with the engine's "judged from its size;
+        not tokenised" message, the rest of it neither read nor tokenised (a huge file
+        would take minutes and gigabytes to tokenise); the others are tokenised exactly,
+        and those over the limit fail with the exact count. Either way with the engine's
+        own message and choices, so no model is loaded for a job that cannot run, and the
+        other jobs run. Returns the jobs still to run.
         Where the tokenizer cannot be read, the estimate is stated as a warning instead and
         the engine decides after the load."""
         if self.config.context_policy in ("truncate", "chunk"):
@@ -1612,6 +1662,13 @@ class BatchRun:
             if spec.id not in found:
                 keep.append(planned)
                 continue
+            max_tokens = spec.sampling.max_tokens
+            floor = size_floor(spec, self.request, tokenizer, limit)
+            if floor is not None:  # over the limit by the size of its start: read no more
+                policy = self.config.context_policy
+                why = too_long_by_size_message(floor, max_tokens, limit, policy)
+                refused.append((planned, f"{job_where(spec)}: {why}"))
+                continue
             try:
                 documents, document = self._document_of(planned)
                 ids = tokenizer.encode_chat(self._prompt_messages(spec)(document))
@@ -1619,7 +1676,6 @@ class BatchRun:
                 keep.append(planned)
                 continue
             self.counted[spec.id] = len(ids)
-            max_tokens = spec.sampling.max_tokens
             if len(ids) + max_tokens <= limit:
                 keep.append(planned)
                 continue

@@ -391,7 +391,61 @@ def input_bytes(path: Path, stdin: bytes | None = None) -> bytes:
     return _read_bytes(Path(path), stdin)
 
 
-def _read_bytes(path: Path, stdin: bytes | None = None, reads_stdin: bool = True) -> bytes:
+def document_prefix(
+    path: Path | str,
+    size: int,
+    encoding: str = "utf-8",
+    errors: str = "strict",
+    allow_binary: bool = False,
+    stdin: bytes | None = None,
+) -> tuple[str, bool]:
+    """The text of the first ``size`` bytes of document ``path`` (at least its first
+    :data:`SAMPLE_BYTES`, which the binary test reads), decoded and normalised as
+    :func:`read_document` does, and whether that is the whole document. Only those bytes
+    are read (the file's size is checked first, as :func:`read_document` checks it).
+
+    The text is a prefix of :func:`read_document`'s text of the same file, less a
+    character cut at the end: a size check can look at the start of a huge document
+    without reading, decoding or tokenising all of it. Refusals other than those the
+    first bytes show (an invalid byte further on, a document empty past them) are
+    :func:`read_document`'s.
+
+    Raises
+    ------
+    DocumentError
+        As :func:`read_document`, for the bytes read.
+    """
+    path = Path(path)
+    limit = max(size, SAMPLE_BYTES)
+    data = _read_bytes(path, stdin, limit=limit)
+    whole = len(data) <= limit
+    data = data[:limit]
+    codec = codecs.lookup(encoding).name
+    refused = format_reason(data, codec)
+    if refused:
+        raise DocumentError(path, refused)
+    binary = looks_binary(data, codec)
+    if binary and not allow_binary:
+        raise DocumentError(path, binary)
+    if binary:
+        errors = "replace"
+    try:
+        if whole:
+            text = decode_bytes(data, codec, errors)
+        else:  # a character cut at the end waits for bytes that were not read: left out
+            start = len(_UTF8_BOM) if codec == "utf-8" and data.startswith(_UTF8_BOM) else 0
+            decoder = codecs.getincrementaldecoder(codec)(errors)
+            text = decoder.decode(data[start:], final=False).removeprefix("\ufeff")
+    except ValueError as exc:  # UnicodeDecodeError too
+        raise DocumentError(path, str(exc)) from None
+    return normalise_text(text)[0], whole
+
+
+def _read_bytes(
+    path: Path, stdin: bytes | None = None, reads_stdin: bool = True, limit: int | None = None
+) -> bytes:
+    """The bytes of input ``path`` (``stdin`` for :data:`STDIN`); with ``limit``, at most
+    ``limit + 1`` of them (one more than asked tells whether there are more)."""
     if path == STDIN:
         if not reads_stdin:
             raise DocumentError(path, "is not read here, only files are: save the text to a file")
@@ -399,7 +453,7 @@ def _read_bytes(path: Path, stdin: bytes | None = None, reads_stdin: bool = True
             raise DocumentError(path, "was not read (no bytes of standard input were given)")
         if len(stdin) > MAX_DOCUMENT_BYTES:
             raise DocumentError(path, f"goes on past {_TOO_LARGE}")
-        return stdin
+        return stdin if limit is None else stdin[: limit + 1]
     try:
         info = path.stat()
         mode = info.st_mode
@@ -414,7 +468,10 @@ def _read_bytes(path: Path, stdin: bytes | None = None, reads_stdin: bool = True
             )
         if info.st_size > MAX_DOCUMENT_BYTES:
             raise DocumentError(path, f"is larger than {_TOO_LARGE}")
-        return path.read_bytes()
+        if limit is None:
+            return path.read_bytes()
+        with path.open("rb") as f:
+            return f.read(limit + 1)
     except FileNotFoundError:
         raise DocumentError(path, "file not found") from None
     except OSError as exc:

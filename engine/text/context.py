@@ -117,6 +117,16 @@ def too_long_message(prompt_tokens: int, max_tokens: int, limit: int, policy: st
     )
 
 
+def too_long_by_size_message(at_least: int, max_tokens: int, limit: int, policy: str) -> str:
+    """The failure of a prompt whose size alone shows it over the context limit: at least
+    ``at_least`` tokens (a lower bound from its bytes, ``min_tokens``; not tokenised)."""
+    return (
+        f"prompt of at least {at_least} tokens (judged from its size; not tokenised) + "
+        f"max_tokens {max_tokens} exceeds the context limit of {limit} tokens; "
+        f"{too_long_advice(policy)}"
+    )
+
+
 def fit_prompt(
     tokenizer,
     messages_of: Callable[[str], list[dict]],
@@ -180,9 +190,7 @@ def fit_prompt(
     at_least = tokenizer.min_tokens(tokenizer.render_chat(messages_of(document)))
     if at_least is not None and at_least + max_tokens > limit:
         raise PromptTooLong(
-            f"prompt of at least {at_least} tokens (judged from its size; not tokenised) + "
-            f"max_tokens {max_tokens} exceeds the context limit of {limit} tokens; "
-            f"{too_long_advice(config.context_policy)}"
+            too_long_by_size_message(at_least, max_tokens, limit, config.context_policy)
         )
     return render(document), None
 

@@ -1464,6 +1464,60 @@ def test_a_document_over_the_context_fails_before_the_model_loads(cli, docs, tmp
     assert result.exit_code == 0 and "counted the tokens" not in result.output
 
 
+def test_a_huge_document_is_refused_by_its_size_without_being_tokenised(
+    cli, docs, tmp_path, monkeypatch, smollm2_tokenizer
+):
+    """Fresh-user finding: a document far over the context was tokenised in full before
+    the load to be refused (a 20 MB file took 37 s, a few hundred MB minutes and
+    gigabytes). Its first bytes already hold more than the context's tokens (the
+    tokenizer's longest token, 81 bytes for SmolLM2, per token): it fails before the load
+    with the engine's "judged from its size" message, neither re-read whole nor tokenised,
+    and the other documents run; one read whole (few enough bytes) is counted exactly."""
+    from hisparse_cli import preflight
+
+    monkeypatch.setattr(preflight, "trained_context", lambda model: 2048)
+
+    class NoHugeTexts:  # the embedded model's tokenizer, refusing to tokenise huge.txt
+        def __getattr__(self, name):
+            return getattr(smollm2_tokenizer, name)
+
+        def encode_chat(self, messages):
+            assert all(len(m["content"]) < 100_000 for m in messages), "huge.txt tokenised"
+            return smollm2_tokenizer.encode_chat(messages)
+
+    monkeypatch.setattr(runner_module, "load_tokenizer", lambda config, model: NoHugeTexts())
+    huge = docs / "huge.txt"  # 1.3 MB: 2 x 81 x 2048 bytes are read first, 332 KB
+    huge.write_text("Sorting algorithms compare and swap the items of a list.\n" * 24_000)
+    (docs / "long.txt").write_text("A line of prose about sorting things.\n" * 300)  # 11 KB
+    reads = []
+    job_document = runner_module.job_document
+
+    def read_whole(spec, request):
+        reads.append(Path(spec.inputs[0]).name)
+        return job_document(spec, request)
+
+    monkeypatch.setattr(runner_module, "job_document", read_whole)
+    factory = testing.fake_engine_factory(limit=2048)
+    args = ("docs/huge.txt", "docs/alpha.txt", "docs/long.txt", "--max-new-tokens", "8")
+    result = cli(*args, engine=factory)
+    assert result.exit_code == 1, result.output
+    err = " ".join(result.stderr.split())
+    message = re.search(r"FAILED huge: \S+huge.txt: prompt of at least (\d+) tokens", err)
+    assert message and int(message[1]) > 2048, err
+    assert "(judged from its size; not tokenised) + max_tokens 8 exceeds the context" in err
+    assert "--context-policy chunk" in err  # the choices
+    assert re.search(r"FAILED long: \S+long.txt: prompt of \d+ tokens \+ max_tokens 8", err)
+    assert "huge.txt" not in reads and "long.txt" in reads  # read whole: counted exactly
+    assert [job.id for job in factory.engines[0].seen] == ["alpha"]
+    records = {r["id"]: r for r in read_results(tmp_path / "hisparse-out")}
+    assert records["huge"]["final"] == "prompt" and records["huge"]["prompt_tokens"] is None
+    assert records["alpha"]["ok"]
+    unused = testing.fake_engine_factory()
+    again = cli("docs/huge.txt", "--max-new-tokens", "8", engine=unused)  # the same key
+    assert again.exit_code == 1 and unused.engines == []
+    assert "huge: not tried again" in " ".join(again.output.split())
+
+
 def test_a_glob_matching_nothing_is_refused_and_the_rest_run(cli, docs, tmp_path):
     """A command-line glob with no match among real documents: an error naming the
     pattern, counted as a refused input, exit 1; the named documents still run. Alone it

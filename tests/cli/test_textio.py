@@ -182,6 +182,31 @@ def test_larger_than_the_cap_is_refused_before_reading(tmp_path, monkeypatch):
         read_document(STDIN, stdin=b"z" * 17)
 
 
+def test_a_documents_prefix_reads_only_its_first_bytes(tmp_path):
+    """:func:`textio.document_prefix`, for the size check before the load: the text of the
+    first bytes as read_document decodes and normalises them (a prefix of its text), and
+    whether that was all; nothing past them is read, so a bad byte there is not seen."""
+    size = textio.SAMPLE_BYTES
+    start = "\ufeffA line\r\nof text é 日本\n".encode()  # BOM, CRLF, 2- and 3-byte chars
+    body = start + b"x" * (size - len(start) - 1) + "é".encode() + b"tail\xff"
+    path = write(tmp_path, "big.txt", body)
+    text, whole = textio.document_prefix(path, 10)  # at least the binary test's sample
+    assert not whole and text.startswith("A line\nof text é 日本\n") and text.endswith("x")
+    assert len(text) == size - 3 - 1 - 6  # the BOM, the CR and "é", cut in two, left out
+    with pytest.raises(DocumentError, match="invalid utf-8"):  # the whole file is refused
+        read_document(path)
+    small = write(tmp_path, "small.txt", start + b"end\r")
+    text, whole = textio.document_prefix(small, size)
+    assert whole and text == read_document(small).text == "A line\nof text é 日本\nend\n"
+    cut = write(tmp_path, "cut.txt", b"y" * (size - 1) + b"\r\nz")  # CR read, LF not
+    text, whole = textio.document_prefix(cut, size)
+    assert not whole and read_document(cut).text.startswith(text) and text.endswith("y\n")
+    text, whole = textio.document_prefix(STDIN, size, stdin=b"w" * (size + 5))
+    assert (text, whole) == ("w" * size, False)
+    with pytest.raises(DocumentError, match="looks like a PDF"):
+        textio.document_prefix(write(tmp_path, "a.pdf", b"%PDF-1.7" + b"x" * size), size)
+
+
 def test_sha256_is_of_raw_bytes(tmp_path):
     a = read_document(write(tmp_path, "a.txt", b"same\r\n"))
     b = read_document(write(tmp_path, "b.txt", b"same\n"))
