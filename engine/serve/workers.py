@@ -450,13 +450,21 @@ class ParallelEngine:
         """Stop every worker (``exit``, then terminate / kill stragglers); idempotent.
 
         Workers still inside a run (the run was abandoned) are killed: their state is
-        unknown, and in a pipeline so is every stage's.
+        unknown, and in a pipeline so is every stage's. Workers still loading (no
+        ``ready`` yet: Ctrl-C during the load, or another worker failed to load) are
+        terminated at once: they hold nothing to keep, and would read ``exit`` only once
+        loaded (a Ctrl-C waited for every worker's whole load, up to
+        :data:`JOIN_TIMEOUT_S`); a pipeline with a stage still loading never ran, so its
+        loaded stages go too (an ``exit`` would wait on the missing stage).
         """
         abandoned = any(w.alive and w.in_run for w in self.workers)
+        loading = any(w.alive and not w.info for w in self.workers)
         for w in self.workers:
             if not w.alive:
                 continue
-            if abandoned and (self.mode == "pipeline" or w.in_run):
+            if not w.info or (loading and self.mode == "pipeline"):
+                w.process.terminate()
+            elif abandoned and (self.mode == "pipeline" or w.in_run):
                 w.process.kill()
             elif self.mode == "data" or w.spec.rank == 0:
                 w.send("exit")  # stage 0 passes it on to the other stages

@@ -911,6 +911,33 @@ def test_sigterm_while_loading_the_model_prints_the_summary_and_exits_143(cli, d
     assert "interrupted" in result.stdout
 
 
+def test_ctrl_c_while_loading_the_model_keeps_every_earlier_file(cli, docs, tmp_path):
+    """Ctrl-C during the load stops it there, as elsewhere: exit 130 with the summary; the
+    output folder is left as it was (an earlier run's results line, text file and
+    config.json: nothing written, replaced or half-written), and the next run does the
+    jobs."""
+    assert cli("docs/alpha.txt").exit_code == 0
+    out = tmp_path / "hisparse-out"
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".hisparse.lock"}
+
+    def interrupted_load(config, model, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        pytest.fail("Ctrl-C did not stop the load")
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own
+    try:
+        result = cli("docs/alpha.txt", "docs/beta.txt", "--force", engine=interrupted_load)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert result.exit_code == 130, result.output
+    assert "interrupted" in result.stdout and "Traceback" not in result.output
+    after = {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".hisparse.lock"}
+    assert after == before
+    again = testing.fake_engine_factory()
+    assert cli("docs/alpha.txt", "docs/beta.txt", "--force", engine=again).exit_code == 0
+    assert [job.id for job in again.engines[0].seen] == ["alpha", "beta"]
+
+
 def test_a_stop_signal_during_the_engine_imports_waits_for_them(cli, docs, monkeypatch):
     """SIGTERM 3 s into a run, while triton was imported, aborted the process (exit 134,
     a C++ terminate, no summary): during the imports a stop signal is only recorded, and

@@ -9,8 +9,11 @@ every stage must stay in lockstep for the tokens and cache counters to match.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
+import threading
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -21,6 +24,7 @@ from engine.config import EngineConfig, SamplingParams
 from engine.events import DecodeStep, Job, JobFailed, JobFinished, JobQueued, MemorySnapshot
 from engine.serve.pipeline import split_batch
 from engine.serve.workers import (
+    JOIN_TIMEOUT_S,
     JobPlaced,
     ParallelEngine,
     WorkerDied,
@@ -373,6 +377,35 @@ def test_lost_stage_fails_the_pipeline_jobs(pipeline_engine, jobs):
     failed = [r for r in out.values() if isinstance(r, str)]
     assert failed and all("worker 1 (cpu) died" in r or "no worker left" in r for r in failed)
     assert not any(w.alive for w in pipeline_engine.workers)
+
+
+@pytest.mark.parametrize("mode", ["data", "pipeline"])
+def test_ctrl_c_while_the_workers_load_stops_them_at_once(mode, tmp_path):
+    """Fresh-user finding: Ctrl-C during the load of ``--devices cpu,cpu`` stopped the run
+    only 8-9 s later: the workers, still loading, were sent ``exit`` and read it once
+    loaded (a bigger model: the whole 10 s join timeout, then SIGTERM). A worker without
+    ``ready`` holds nothing to keep: it is stopped at once, and the interrupt goes on."""
+    model = tmp_path / "model.gguf"
+    os.mkfifo(model)  # reading the weights blocks until a writer opens it: a load that hangs
+    fired = []
+
+    def interrupt():
+        fired.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in `hisparse run`
+    timer = threading.Timer(1.0, interrupt)
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            ParallelEngine(CONFIG, str(model), "cpu,cpu", mode, tokenizer=object())
+        stopped = time.monotonic()
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+    assert fired and stopped - fired[0] < JOIN_TIMEOUT_S / 2
+    left = [p.name for p in multiprocessing.active_children() if p.name.startswith("hisparse-")]
+    assert left == []
 
 
 # ----------------------------------------------------------------------------- GPU smoke
