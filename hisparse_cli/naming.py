@@ -16,6 +16,7 @@ already run, and never takes over a file an earlier run wrote.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import unicodedata
 from collections.abc import Iterable, Sequence
@@ -239,4 +240,7 @@ def _deepen(group: list[int], resolved: list[Path], depths: list[int]) -> bool:
 
 
 def _short_hash(path: Path) -> str:
-    return hashlib.sha256(str(path).encode()).hexdigest()[:8]
+    """8 hex digits of the SHA-256 of ``path``'s bytes as the file system names it (a name
+    that is not UTF-8, such as ``caf\\xe9.txt`` in Latin-1, has no UTF-8 encoding: it
+    stopped the run with a ``UnicodeEncodeError``; UTF-8 names hash as before)."""
+    return hashlib.sha256(os.fsencode(path)).hexdigest()[:8]

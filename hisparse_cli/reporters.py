@@ -27,7 +27,6 @@ Unknown figures (no decode step yet, no prefill seen) read ``-`` (JSON ``null``)
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import sys
 import threading
@@ -69,7 +68,7 @@ from hisparse_cli.progress import (
     prefill_tok_s_live,
     prefilling,
 )
-from hisparse_cli.results import utc_now
+from hisparse_cli.results import json_line, utc_now
 
 PLAIN_INTERVAL_S = 10.0
 JSON_INTERVAL_S = 2.0
@@ -364,7 +363,7 @@ class JsonReporter:
         """One JSON line: ``obj`` with ``time`` (wall clock, ISO 8601 UTC) and, where the
         object has none of its own (notes, skips, the summary), ``t`` on the run's clock."""
         stamped = {**obj, "t": obj["t"] if "t" in obj else self.clock(), "time": utc_now()}
-        line = json.dumps(stamped, ensure_ascii=False, default=str) + "\n"
+        line = json_line(stamped) + "\n"
         with self._lock:
             self.stream.write(line)
             self.stream.flush()

@@ -48,6 +48,20 @@ def utc_now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
+def json_line(obj: Any) -> str:
+    """``obj`` as one line of JSON (no newline), other than ASCII characters kept as they
+    are, except where it holds a lone surrogate (the name of a file that is not UTF-8, as
+    Python decodes it: ``caf\\udce9.txt``), which UTF-8 cannot encode: that line is written
+    with ``\\uXXXX`` escapes, still valid JSON that reads back as the same string (the
+    results line of such a document was lost: the run stopped with an encoding error)."""
+    line = json.dumps(obj, ensure_ascii=False, default=str)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj, default=str)
+    return line
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` (UTF-8) atomically and durably.
 
@@ -320,7 +334,7 @@ class ResultsLog:
         """Append ``record`` as one line: a single ``write`` then ``fsync``."""
         if self._fd is None:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        line = json.dumps(record, ensure_ascii=False, default=str) + "\n"
+        line = json_line(record) + "\n"
         data = (("\n" if self._needs_newline else "") + line).encode("utf-8")
         written = os.write(self._fd, data)
         while written < len(data):  # only on exotic filesystems

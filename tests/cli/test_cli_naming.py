@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -112,19 +113,40 @@ def test_derived_ids_avoid_taken(tmp_path):
     assert derived == "sub-intro"
 
 
+# names that slug alike: case, accents, scripts ASCII drops, a Latin-1 name (not UTF-8:
+# Python names it with a surrogate, "caf\udce9")
+NAMES = ["a", "b", "A", "a b", "é", "x.y", "Report", "REPORT", "résumé 日本", "résumé 中国",
+         "日本", "caf\udce9", "café"]  # fmt: skip
+
+
 @given(
     st.lists(
-        st.lists(st.sampled_from(["a", "b", "A", "a b", "é", "x.y"]), min_size=1, max_size=4),
+        st.lists(st.sampled_from(NAMES), min_size=1, max_size=4),
         min_size=1,
         max_size=12,
         unique_by=tuple,
     )
 )
-def test_derived_ids_are_unique_and_safe(parts):
+def test_derived_ids_are_unique_safe_and_stable(parts):
     paths = [Path("/root", *p[:-1], p[-1] + ".txt") for p in parts]
     ids = derive_ids(paths)
     assert len({i.casefold() for i in ids}) == len(ids)
     assert all(name_problem(i) is None for i in ids)
+    assert derive_ids(paths[::-1]) == ids[::-1]  # the same names whatever the order
+
+
+def test_unicode_case_and_non_utf8_names_get_ascii_ids(tmp_path):
+    """A fresh user's ``résumé 日本.txt``, names differing only in case, and a Latin-1
+    file name (``caf\\xe9.txt``, which hashing as UTF-8 stopped the run with a
+    UnicodeEncodeError): lower-case ASCII ids, a short hash where two slug alike."""
+    names = ["résumé 日本.txt", "résumé 中国.txt", "日本.txt", "Report.txt", "report.txt"]
+    ids = derive_ids([tmp_path / n for n in names])
+    assert ids[2] == "doc" and all(i.startswith(("resume-", "report-")) for i in ids[:2] + ids[3:])
+    assert len(set(ids)) == 5 and all(i.isascii() and i == i.lower() for i in ids)
+    latin1 = Path(os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9.txt"))
+    assert derive_ids([latin1]) == ["caf"]
+    (one, other) = derive_ids([latin1, tmp_path / "caf.md"])
+    assert one.startswith("caf-") and other.startswith("caf-") and one != other
 
 
 @pytest.mark.parametrize(

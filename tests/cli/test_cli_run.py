@@ -878,6 +878,33 @@ def test_documents_named_like_windows_devices_run(cli, tmp_path):
     assert (tmp_path / "hisparse-out" / "nul_.txt").is_file()
 
 
+def test_unicode_case_and_non_utf8_file_names_each_keep_their_result(cli, tmp_path):
+    """A fresh user's ``résumé 日本.txt``, ``Report.txt`` beside ``report.txt``, and a
+    Latin-1 name (``caf\\xe9.txt``: not UTF-8; hashing it for its id, then writing its
+    results line, stopped the run with a UnicodeEncodeError, its text file written
+    without a line, so the next run refused to overwrite it): every job its own ASCII id
+    and file, every results line written (a non-UTF-8 name with ``\\u`` escapes), and
+    the next run skips them all."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    names = [n.encode() for n in ("résumé 日本.txt", "Report.txt", "report.txt", "café.txt")]
+    for name in [*names, b"caf\xe9.txt"]:
+        (Path(os.fsdecode(os.fsencode(folder) + b"/" + name))).write_text(f"text of {name}\n")
+    docs = sorted(os.fsdecode(b"d/" + name) for name in os.listdir(os.fsencode(folder)))
+    result = cli(*docs, "--json-progress")
+    assert result.exit_code == 0, result.output
+    records = read_results(tmp_path / "hisparse-out")
+    assert sorted(r["input"][0] for r in records) == sorted(str(tmp_path / d) for d in docs)
+    ids = [r["id"] for r in records]
+    assert len(set(ids)) == 5 and all(i.isascii() for i in ids), ids
+    for record in records:
+        text = (tmp_path / "hisparse-out" / record["output"]).read_text()
+        assert text == record["text"]
+    assert b"\\udce9" in (tmp_path / "hisparse-out" / "results.jsonl").read_bytes()
+    again = cli(*docs)
+    assert again.exit_code == 0 and "skipping 5 job(s) already done" in again.stdout
+
+
 def test_reserved_id_written_in_a_manifest_is_still_an_error(cli, docs, tmp_path):
     (tmp_path / "jobs.yaml").write_text("jobs:\n  - id: nul\n    input: docs/alpha.txt\n")
     result = cli("--manifest", "jobs.yaml")
