@@ -379,7 +379,7 @@ def _build(
     ]
     if outputs is not None:
         warnings.extend(outputs.notes())
-    _assign_ids(merged, inputs, jobs, earlier_jobs)
+    _assign_ids(merged, inputs, jobs, earlier_jobs, problems)
     specs = [
         _spec(m, job, paths, problems) for m, job, paths in zip(merged, jobs, inputs, strict=True)
     ]
@@ -761,11 +761,25 @@ def _assign_ids(
     inputs: list[list[Path]],
     jobs: list[Entry],
     earlier_jobs: Sequence[EarlierJob],
+    problems: list[Problem],
 ) -> None:
     """Give jobs without an ``id`` one derived from their first input (a job whose
-    ``id`` is invalid gets none, so it adds no follow-on problems)."""
+    ``id`` is invalid gets none, so it adds no follow-on problems).
+
+    Two jobs without an ``id`` over the same files (also through a symbolic link or
+    another spelling, as the command line counts a file named twice) are a problem of
+    the second, which gets no id: they would take the same id and output (``duplicate id
+    'doc-1ced6f2f'``, an id the manifest never wrote), or, with an earlier job of those
+    files in the output folder, quietly two (the same job run twice)."""
     missing = [i for i, m in enumerate(merged) if "id" not in m and "id" not in jobs[i].invalid]
     missing = [i for i in missing if inputs[i]]
+    readers: dict[tuple[Path, ...], int] = {}  # the files, resolved -> the first such job
+    for i in list(missing):
+        first = readers.setdefault(tuple(p.resolve() for p in inputs[i]), i)
+        if first != i:
+            missing.remove(i)
+            message = _same_inputs(jobs[first], inputs, first, i)
+            problems.append(_problem(jobs[i], "input", message))
     taken = [m["id"][0] for m in merged if "id" in m]
     derived = derive_ids(
         [inputs[i][0] for i in missing],
@@ -775,6 +789,25 @@ def _assign_ids(
     )
     for i, ident in zip(missing, derived, strict=True):
         merged[i]["id"] = (ident, jobs[i])
+
+
+def _same_inputs(first: Entry, inputs: list[list[Path]], i: int, j: int) -> str:
+    """Job ``j``'s problem when it reads the files of job ``i`` (``first``), neither with
+    an id."""
+    line = first.where("input") or first.line
+    place = f"{first.label}, line {line}" if line else first.label
+    cwd = Path.cwd()
+
+    def shown(paths: list[Path]) -> str:
+        return ", ".join(os.path.relpath(p) if p.is_relative_to(cwd) else str(p) for p in paths)
+
+    mine, theirs = shown(inputs[j]), shown(inputs[i])
+    same = f" ({mine} and {theirs} are the same)" if mine != theirs else ""
+    return (
+        f"reads the same file(s) as {place}{same}, and neither job has an id: both "
+        "would take the same id and output file; give each job an id of its own (two "
+        "questions on one document, say), or drop one"
+    )
 
 
 def _spec(

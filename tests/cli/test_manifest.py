@@ -528,6 +528,41 @@ def test_same_file_through_a_link_or_another_spelling_is_one_input(docs, monkeyp
     assert job.inputs == (docs / "docs" / "one.txt", docs / "docs" / "two.txt")
 
 
+def test_two_jobs_without_ids_over_one_file_are_a_problem_of_the_second(docs, monkeypatch):
+    """Two manifest jobs without an id over the same file (directly or through a link)
+    took the same derived id, refused as ``duplicate id 'one-1ced6f2f'`` (an id the
+    manifest never wrote), or, beside an earlier result of that file, quietly ran twice
+    under two ids. Now the second job's input is named, in every output folder; with ids
+    of their own (two questions on one document) both run."""
+    from hisparse_cli.naming import EarlierJob
+
+    monkeypatch.chdir(docs)
+    (docs / "alias.txt").symlink_to(docs / "docs" / "one.txt")
+    path = write_yaml(
+        docs,
+        """
+        jobs:
+          - input: docs/one.txt
+          - input: docs/two.txt
+          - input: alias.txt
+            task: answer
+            question: Who?
+        """,
+    )
+    (problem,) = problems_of(path)
+    assert (problem.field, problem.line) == ("jobs[2].input", 4)
+    same = "reads the same file(s) as jobs[0], line 2 (alias.txt and docs/one.txt are the same)"
+    assert same in problem.message
+    assert "neither job has an id" in problem.message and "duplicate id" not in problem.message
+    earlier = [EarlierJob("one", ((docs / "docs" / "one.txt"),), "one.txt")]
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path, earlier_jobs=earlier)
+    assert [p.field for p in info.value.problems] == ["jobs[2].input"]
+    with_id = path.read_text().replace("- input: alias.txt", "- id: who\n    input: alias.txt")
+    path.write_text(with_id)
+    assert [job.id for job in load_manifest(path).jobs] == ["one", "two", "who"]
+
+
 def test_walk_glob_matches_glob_on_a_tree_without_links(tmp_path):
     import glob as globlib
 
