@@ -403,3 +403,42 @@ def test_truncate_with_no_room_for_the_document_is_refused_before_the_load(
     assert ok.exit_code == 0, ok.output
     shown = cli(*args, "--max-new-tokens", str(fits + 1), "--print-config")
     assert any("leaves no room" in p for p in json.loads(shown.stdout)["problems"])
+
+
+def test_the_size_floor_is_a_lower_bound_of_the_prompts_tokens(
+    tmp_path, monkeypatch, smollm2_tokenizer
+):
+    """:func:`runner.size_floor`, which refuses a document before the load from its first
+    bytes only, never says more tokens than the prompt the engine builds has: CRLF
+    becoming LF, a BOM, characters of several bytes cut at the end of what was read,
+    whitespace at the ends, and a job of several files (one empty: left out) whose join
+    adds headers. A document read whole gets no floor (it is counted exactly)."""
+    from hisparse_cli import textio
+    from hisparse_cli.manifest import load_manifest
+
+    monkeypatch.setattr(textio, "SAMPLE_BYTES", 64)  # read as little as the limit needs
+    files = {
+        "crlf.txt": b"word, other\r\n" * 6000,
+        "utf8.txt": ("é日本 text\t" * 6000).encode(),
+        "bom.txt": b"\xef\xbb\xbf  plain words here " * 6000,
+        "spaced.txt": b"x" * 100 + b" " * 90_000 + b"y\n",
+        "empty.txt": b"\n",
+        "small.txt": b"a few words\n",
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    jobs = ["crlf.txt", "utf8.txt", "bom.txt", "spaced.txt", "small.txt",
+            ["empty.txt", "utf8.txt", "crlf.txt"], ["small.txt", "spaced.txt"]]  # fmt: skip
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text(
+        "jobs:\n" + "".join(f"  - id: j{i}\n    input: {json.dumps(j)}\n" for i, j in enumerate(jobs))
+    )
+    request = runner_module.RunRequest()
+    floors = {}
+    for spec in load_manifest(manifest).jobs:
+        floor = runner_module.size_floor(spec, request, smollm2_tokenizer, 300)
+        _, text = runner_module.job_document(spec, request)
+        exact = len(smollm2_tokenizer.encode_chat(runner_module.job_messages(spec)(text)))
+        assert floor is None or 300 < floor <= exact, (spec.id, floor, exact)
+        floors[spec.id] = floor
+    assert [j for j, f in floors.items() if f is None] == ["j3", "j4", "j6"]  # read whole
