@@ -1414,6 +1414,7 @@ class BatchRun:
         self.log: ResultsLog
         self.reporter: Reporter
         self.earlier_engine: dict[str, Any] | None = None  # config.json's, before this run
+        self.replaced_why: dict[str, str] = {}  # a replaced answer's reason -> first job said
 
     def run(self, config_doc: dict[str, Any]) -> int:
         """Execute the batch; return the exit code."""
@@ -1607,6 +1608,9 @@ class BatchRun:
         if own and line and line.get("key") != mine_now.get("key"):
             wrote = self.log.existing.latest_success.get(job.spec.id) or line  # the file's
             why = earlier_answer_difference(wrote, mine_now, self.earlier_engine)
+            first = self.replaced_why.setdefault(why, job.spec.id)
+            if first != job.spec.id:  # a batch-wide change: said in full once
+                why = f"{why.split(' (', 1)[0]} (as for {first})"
             self.reporter.note(
                 f"{job.spec.id}: {path} holds this job's earlier answer, made with {why}; "
                 f"this run replaces it (that text stays in {RESULTS_FILE})",

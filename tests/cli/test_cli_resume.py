@@ -128,16 +128,22 @@ def test_the_replaced_answer_warning_names_the_settings_that_changed(run, tmp_pa
     """Fresh-user finding: a re-run with other settings said the earlier answers were
     made "with other settings or document content", not which. It names each changed
     setting with its old and new value (the line keeps its settings), the first three and
-    how many more, and an edited document by name."""
+    how many more, and an edited document by name; a change common to several jobs is named
+    in full once, the other jobs referring to the first."""
     run()
     result, seen = run("--top-k-tokens", "1024", "--temperature", "0.3")
     assert seen == ["a", "b", "c"]
     stderr = " ".join(result.stderr.split())
-    for name in ("a", "b", "c"):
+    assert (
+        "a: hisparse-out/a.txt holds this job's earlier answer, made with other "
+        "settings (temperature 0.0 -> 0.3, top_k 2048 -> 1024); this run replaces it"
+    ) in stderr, stderr
+    for name in ("b", "c"):  # the same change of a whole batch: named once
         assert (
             f"{name}: hisparse-out/{name}.txt holds this job's earlier answer, made with other "
-            "settings (temperature 0.0 -> 0.3, top_k 2048 -> 1024); this run replaces it"
+            "settings (as for a); this run replaces it"
         ) in stderr, stderr
+    assert stderr.count("temperature 0.0 -> 0.3") == 1, stderr
     (tmp_path / "docs" / "b.txt").write_text("document b, edited\n")
     args = ("--top-k-tokens", "512", "--temperature", "0.5", "--top-p", "0.9", "--top-k", "40")
     result, seen = run(*args, "--max-new-tokens", "4")
