@@ -2021,9 +2021,14 @@ class BatchRun:
         )
         if cut is not None:
             self.records[spec.id]["truncated"] = cut.to_dict()
+            by = (
+                f"by {cut.dropped_tokens} tokens"
+                if cut.dropped_tokens is not None
+                else f"to {cut.kept_tokens} tokens (too long to count whole)"
+            )
             self.reporter.note(
-                f"{spec.id}: document cut by {cut.dropped_tokens} tokens "
-                f"({KEPT_WORDS[cut.keep]}) to fit {limit - max_tokens} prompt tokens",
+                f"{spec.id}: document cut {by} ({KEPT_WORDS[cut.keep]}) to fit "
+                f"{limit - max_tokens} prompt tokens",
                 "warning",
             )
         return tuple(ids)

@@ -653,3 +653,49 @@ def test_a_truncate_that_cannot_fit_is_final_and_names_the_max_new_tokens_that_f
     with pytest.raises(PromptTooLong) as none:
         fit_prompt(Chars(), messages, "d" * 500, 80, 40, config)
     assert str(none.value).endswith("; raise --max-context")
+
+
+@pytest.mark.parametrize("keep", ["head", "tail", "middle"])
+def test_a_huge_document_is_cut_from_its_ends_alone(tok, keep, monkeypatch):
+    """Fresh-user finding: ``--context-policy truncate`` on a 300 MB document tokenised
+    all of it to keep 8K tokens, until the machine ran out of memory. A document far over
+    the limit is tokenised only at the ends it keeps: the kept text is the document's own
+    start / end, the prompt fits, and it keeps about the tokens the whole-document cut
+    keeps (whose mark counts tokens, this one characters)."""
+    from engine.text import prompting
+
+    sorting = Path(__file__).resolve().parents[2] / "examples" / "howto-sorting.txt"
+    document = (sorting.read_text(encoding="utf-8") + "\n") * 20
+    encoded = []
+
+    class Counting:  # the tokenizer, recording the length of every text it encodes
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def encode_text(self, text):
+            encoded.append(len(text))
+            return tok.encode_text(text)
+
+    def render(doc):
+        encoded.append(len(doc))
+        return tok.encode_chat([{"role": "user", "content": "Summarize this:\n\n" + doc}])
+
+    limit = 700
+    text, cut = prompting.fit_document(Counting(), document, render, limit, keep)
+    assert max(encoded) < len(document) / 8
+    assert cut.original_tokens is None and cut.dropped_tokens is None
+    assert len(render(text)) <= limit
+    mark = prompting.OMISSION_CHARS.split("{n}")[0]
+    before, rest = text.split(mark)
+    after = rest.split(prompting.OMISSION_CHARS.split("{n}")[1], 1)[1]
+    assert document.startswith(before) and document.endswith(after)
+    assert (before != "") == (keep != "tail") and (after != "") == (keep != "head")
+    dropped = int(rest.split(" ", 1)[0])
+    assert dropped == len(document) - len(before) - len(after)
+    monkeypatch.setattr(prompting, "document_ends", lambda *a: None)  # the whole-document cut
+    _, exact = prompting.fit_document(tok, document, render, limit, keep)
+    assert exact.original_tokens > 20 * limit
+    assert abs(cut.kept_tokens - exact.kept_tokens) <= 16
+    full = tok.encode_text(document)
+    if keep != "tail":
+        assert tok.encode_text(before)[:-2] == full[: len(tok.encode_text(before)) - 2]
