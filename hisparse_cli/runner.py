@@ -1988,15 +1988,26 @@ class BatchRun:
     def _record_cancelled_chunks(self) -> None:
         """After a cancel, when the engine has ended: a ``cancelled`` line for each chunked
         job that started (a map job was admitted) but got no line, as for any job that was
-        running; its tokens are those of the map jobs that ran. One whose map jobs never
-        started was not run (no line), like any job never admitted."""
-        for state in self.chunker.cancelled_jobs():
+        running; its tokens are those of the map jobs that ran. One whose map jobs were
+        handed to the engine but never admitted is counted as cancelled too, so it gets its
+        line as well (:meth:`_write_cancelled`); one whose map jobs were never handed over
+        was not run (no line)."""
+        rows = self.tracker.state.jobs
+        handed = [  # map jobs queued, none admitted: _map_failed showed the job cancelled
+            s
+            for s in self.chunker.jobs.values()
+            if not (s.started or s.recorded) and s.job_id in rows
+            and rows[s.job_id].phase == "cancelled"
+        ]
+        for state in [*self.chunker.cancelled_jobs(), *handed]:
             base = self.records.get(state.job_id)
             if base is None:
                 continue
             self.tracker.set_phase(state.job_id, "cancelled")
             why = f"cancelled at chunk level {state.level} (map jobs); no reduce step ran"
-            if state.job_id in self.prompt_tokens:  # its reduce job was built, not admitted
+            if not state.started:
+                why = "cancelled before any of its map jobs was admitted"
+            elif state.job_id in self.prompt_tokens:  # its reduce job was built, not admitted
                 why = "cancelled before its reduce step ran"
             record = failure_record({**base, "prompt_tokens": None, "final": None}, why)
             record = state.attribute({**record, "finish_reason": "cancelled"})
@@ -2036,8 +2047,9 @@ class BatchRun:
     def _handle(self, event: Event) -> None:
         """Fold ``event`` into the state, write results, and show it.
 
-        After Ctrl-C, a failure of a job never admitted means "not run": it is shown as
-        cancelled and gets no results line (the next run does it).
+        After Ctrl-C, a job handed to the engine but never admitted (e.g. one whose prompt
+        was being prepared when the signal came) is shown and counted as cancelled, so it
+        gets a ``cancelled`` line like a running job (the next run redoes it).
         """
         job_id = (
             event.result.job_id
@@ -2049,6 +2061,7 @@ class BatchRun:
             return
         if isinstance(event, JobFailed) and self._unadmitted_after_cancel(event.job_id):
             self.tracker.set_phase(event.job_id, "cancelled")
+            self._write_cancelled(event.job_id, event.error)
             self.reporter.on_event(event)
             return
         if isinstance(event, JobFinished) and job_id in self.chunker.jobs:
@@ -2150,6 +2163,18 @@ class BatchRun:
                 record = self.chunker.jobs[job_id].attribute(record)
             self._flag_earlier_output(record)
             self._append(record)
+
+    def _write_cancelled(self, job_id: str, why: str) -> None:
+        """A ``cancelled`` line for a job the cancel stopped before admission: the summary
+        counts it as cancelled, so ``results.jsonl`` says so too (never final: rerun)."""
+        base = self.records.get(job_id)
+        if base is None or job_id in self.chunker.jobs:  # chunked: _record_cancelled_chunks
+            return
+        tokens = self.prompt_tokens.get(job_id)
+        record = failure_record({**base, "prompt_tokens": tokens, "final": None}, why)
+        record["finish_reason"] = "cancelled"
+        self._flag_earlier_output(record)
+        self._append(record)
 
     def _too_long(self, job_id: str, tokens: int) -> str | None:
         """:data:`FINAL_PROMPT` when the job's tokenised prompt + ``max_tokens`` exceeds the

@@ -198,10 +198,20 @@ def test_ctrl_c_during_map_jobs_records_the_job_as_cancelled(cli, long_doc, tmp_
     assert result.exit_code == 130, result.output
     records = {r["id"]: r for r in read_lines(tmp_path)}
     assert "long" not in [j.id for j in seen]  # no reduce
-    if batch == "1":  # alpha ran alone: long's map jobs never started, so long did not run
-        assert set(records) == {"alpha"} and records["alpha"]["finish_reason"] == "cancelled"
+    # every job the summary counts as cancelled has its line: beta and (batch 1) long were
+    # handed to the engine but never admitted
+    assert "│ 3 / 0" in result.stdout  # cancelled / not run
+    assert {r["finish_reason"] for r in records.values()} == {"cancelled"}
+    assert records["beta"]["error"] == "cancelled before admission"
+    if batch == "1":  # alpha ran alone: long's map jobs were queued, none started
+        assert set(records) == {"alpha", "beta", "long"}
+        long = records["long"]
+        assert long["error"] == "cancelled before any of its map jobs was admitted"
+        assert long["generated_tokens"] == 0 and long["chunked"]["chunks"] >= 3
+        again, seen = run_chunked(cli)
+        assert again.exit_code == 0 and "long" in [j.id for j in seen]
         return
-    assert set(records) == {"alpha", "long"}  # beta was never admitted: no line
+    assert set(records) == {"alpha", "beta", "long"}
     long = records["long"]
     assert long["finish_reason"] == "cancelled" and not long["ok"]
     assert long["chunked"]["chunks"] >= 3 and long["chunked"]["map_prompt_tokens"] > 0

@@ -788,9 +788,14 @@ def test_ctrl_c_cancels_running_jobs_and_exits_130(cli, docs, tmp_path):
     (fake,) = engine.engines
     assert fake.cancelled
     records = read_results(tmp_path / "hisparse-out")
-    assert [(r["id"], r["finish_reason"]) for r in records] == [("alpha", "cancelled")]
+    # beta was queued, never admitted: counted cancelled, so it has its cancelled line too
+    assert [(r["id"], r["finish_reason"]) for r in records] == [
+        ("alpha", "cancelled"),
+        ("beta", "cancelled"),
+    ]
+    assert records[1]["error"] == "cancelled before admission"
     assert "cancelling" in result.stderr and "interrupted" in result.stdout
-    assert "cancelled beta after 0 tokens" in result.stdout  # never admitted: no results line
+    assert "cancelled beta after 0 tokens" in result.stdout
     assert "│ 2 / 0" in result.stdout  # cancelled / not run
     assert signal.getsignal(signal.SIGINT) is previous
     again = testing.fake_engine_factory()
@@ -923,9 +928,43 @@ def test_sigterm_cancels_running_jobs_records_them_and_exits_143(cli, docs, tmp_
     assert result.exit_code == 143
     assert engine.engines[0].cancelled
     records = read_results(tmp_path / "hisparse-out")
-    assert [(r["id"], r["finish_reason"]) for r in records] == [("alpha", "cancelled")]
+    assert [(r["id"], r["finish_reason"]) for r in records] == [
+        ("alpha", "cancelled"),
+        ("beta", "cancelled"),  # queued, never admitted
+    ]
     assert "SIGTERM: cancelling" in result.stderr and "interrupted" in result.stdout
     assert signal.getsignal(signal.SIGTERM) is previous
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_while_a_prompt_is_prepared_records_the_job_cancelled(
+    cli, docs, tmp_path, monkeypatch, signum
+):
+    """A fresh user's SIGTERM while a long document was tokenised before admission: the
+    run printed `cancelled h60 after 0 tokens` and counted it cancelled, but wrote no
+    results line. Every job the summary counts as cancelled has its `cancelled` line, and
+    the next run redoes it."""
+    prompt_ids = runner_module.BatchRun._prompt_ids
+
+    def signal_while_preparing(self, engine, spec, document):
+        os.kill(os.getpid(), signum)
+        return prompt_ids(self, engine, spec, document)
+
+    monkeypatch.setattr(runner_module.BatchRun, "_prompt_ids", signal_while_preparing)
+    result = cli("docs/alpha.txt", "docs/beta.txt")
+    assert result.exit_code == (143 if signum == signal.SIGTERM else 130), result.output
+    assert "cancelled alpha after 0 tokens" in result.stdout
+    assert "│ 1 / 1" in result.stdout  # cancelled / not run: beta was never prepared
+    records = read_results(tmp_path / "hisparse-out")
+    assert [(r["id"], r["finish_reason"], r["ok"]) for r in records] == [
+        ("alpha", "cancelled", False)
+    ]
+    assert records[0]["error"] == "cancelled before admission" and not records[0]["final"]
+    assert records[0]["prompt_tokens"] > 0 and records[0]["generated_tokens"] == 0
+    monkeypatch.setattr(runner_module.BatchRun, "_prompt_ids", prompt_ids)
+    again = testing.fake_engine_factory()
+    assert cli("docs/alpha.txt", "docs/beta.txt", engine=again).exit_code == 0
+    assert [job.id for job in again.engines[0].seen] == ["alpha", "beta"]  # alpha redone
 
 
 def test_sigterm_while_loading_the_model_prints_the_summary_and_exits_143(cli, docs):
