@@ -1418,6 +1418,7 @@ class BatchRun:
 
     def run(self, config_doc: dict[str, Any]) -> int:
         """Execute the batch; return the exit code."""
+        self._created_dirs = missing_folders(self.output_dir)
         try:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -1506,19 +1507,42 @@ class BatchRun:
             self.log.compact()  # this run's lines supersede earlier failures: one line each
             if self.manifest.batch:
                 self._write_batch_output()
+        removed = self._remove_unused_output_dir()
         if config_error is not None:
             return _usage_failure(
                 self.err_console, f"error: cannot load the model: {config_error}", []
             )
-        summary = summarize(
-            self.tracker.state, self.clock(), str(self.output_dir), interrupted, self.preset_line
-        )
+        shown = f"{self.output_dir} (removed: nothing written)" if removed else str(self.output_dir)
+        summary = summarize(self.tracker.state, self.clock(), shown, interrupted, self.preset_line)
         summary = dataclasses.replace(summary, refused=len(self.manifest.rejected))
         self.reporter.summary(summary)
         code = exit_code(summary)
         if code == EXIT_OK and self.manifest.rejected:  # a request line was refused
             code = EXIT_FAILED
         return EXIT_TERMINATED if code == EXIT_INTERRUPTED and self.terminated else code
+
+    def _remove_unused_output_dir(self) -> bool:
+        """Remove the output folder when this run created it and wrote nothing there but
+        its lock file (Ctrl-C or SIGTERM during the model load, a load that failed), with
+        the folders above it that the run made: the file system is left as it was. The
+        lock file goes first, while still held, so no other run can take it meanwhile.
+        Returns whether the output folder was removed."""
+        created = getattr(self, "_created_dirs", [])
+        if not created:
+            return False
+        try:
+            if os.listdir(self.output_dir) != [LOCK_FILE]:
+                return False
+            (self.output_dir / LOCK_FILE).unlink()
+            self.output_dir.rmdir()
+        except OSError:
+            return False
+        for folder in created[1:]:  # the parents it made, innermost first, while empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        return True
 
     def _write_batch_output(self) -> None:
         """``batch_output.jsonl``: one OpenAI batch output line per request of the manifest,
@@ -2215,6 +2239,16 @@ class BatchRun:
                 "(Ctrl-C or SIGTERM again to stop now)",
                 "warning",
             )
+
+
+def missing_folders(path: Path) -> list[Path]:
+    """``path`` and the folders above it that do not exist yet (innermost first): what
+    ``path.mkdir(parents=True)`` would create."""
+    missing = []
+    while not (path.exists() or path.is_symlink()) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
 
 
 SHOWN_CHANGES = 3

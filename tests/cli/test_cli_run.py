@@ -1004,6 +1004,36 @@ def test_ctrl_c_while_loading_the_model_keeps_every_earlier_file(cli, docs, tmp_
     assert [job.id for job in again.engines[0].seen] == ["alpha", "beta"]
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_while_loading_removes_the_output_folder_the_run_created(
+    cli, docs, tmp_path, signum
+):
+    """A fresh user's Ctrl-C during the model load left the new output folder behind,
+    holding only `.hisparse.lock`: the README says the folder is left as it was. A folder
+    (and the folders above it) that the run created and wrote nothing in but the lock is
+    removed; one that was there before is kept."""
+
+    def interrupted_load(config, model, **kwargs):
+        os.kill(os.getpid(), signum)
+        pytest.fail("the signal did not stop the load")
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own
+    try:
+        result = cli("docs/alpha.txt", "-o", "new/out", engine=interrupted_load)
+        (tmp_path / "mine").mkdir()
+        kept = cli("docs/alpha.txt", "-o", "mine", engine=interrupted_load)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert result.exit_code == (130 if signum == signal.SIGINT else 143), result.output
+    assert "interrupted" in result.stdout and "removed: nothing written" in result.stdout
+    assert not (tmp_path / "new").exists()
+    assert kept.exit_code == result.exit_code and (tmp_path / "mine").is_dir()
+    assert "removed" not in kept.stdout
+    again = testing.fake_engine_factory()
+    assert cli("docs/alpha.txt", "-o", "new/out", engine=again).exit_code == 0
+    assert [r["id"] for r in read_results(tmp_path / "new" / "out")] == ["alpha"]
+
+
 def test_a_stop_signal_during_the_engine_imports_waits_for_them(cli, docs, monkeypatch):
     """SIGTERM 3 s into a run, while triton was imported, aborted the process (exit 134,
     a C++ terminate, no summary): during the imports a stop signal is only recorded, and
