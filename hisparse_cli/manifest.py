@@ -49,7 +49,7 @@ from hisparse_cli.naming import (
     stdin_job_id,
 )
 from hisparse_cli.tasks import TASKS, TaskSpec, template_problem
-from hisparse_cli.textio import STDIN
+from hisparse_cli.textio import STDIN, broken_link
 
 JOB_FIELDS = (
     "id",
@@ -628,6 +628,8 @@ def _expand(
                 "to a file, or pipe it to `hisparse run -`",
             )
         )
+    elif link := broken_link(path):
+        problems.append(_problem(entry, "input", f"{pattern!r} {link}"))
     else:
         problems.append(
             _problem(entry, "input", f"file not found: {pattern!r} (looked for {path})")

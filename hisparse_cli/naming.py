@@ -3,7 +3,8 @@
 A user-given id or output name must be a plain file name: ASCII letters, digits,
 ``.``, ``_`` and ``-``, starting with a letter or digit, at most 128 characters, no
 path separators, no ``..`` and not a reserved device name. Ids derived from document
-paths are slugs of the file stem (``_`` appended to a reserved device name:
+paths are slugs of the file stem (of the resolved path; of the name given for a broken
+symbolic link; ``_`` appended to a reserved device name:
 ``nul.bin`` -> ``nul_``); when two documents in different folders give the
 same slug, parent folder names are prepended one at a time until they differ; ids
 that still collide (same folder, e.g. ``a.txt`` and ``a.md``) get a short hash of the
@@ -160,6 +161,7 @@ def derive_ids(
         ``ids[i]`` for ``paths[i]``; all distinct (case-insensitively) and safe.
     """
     resolved = [Path(p).resolve() for p in paths]
+    named = [naming_path(p) for p in paths]
     taken_set = {t.casefold() for t in taken}
     if earlier:
         keys = [(p,) for p in resolved]
@@ -169,7 +171,7 @@ def derive_ids(
         for job in sorted(earlier, key=lambda e: e.id):
             owners.setdefault(job.inputs, []).append(job)
         kept: dict[int, str] = {}
-        for i, (path, key) in enumerate(zip(resolved, keys, strict=True)):
+        for i, (path, key) in enumerate(zip(named, keys, strict=True)):
             for job in owners.get(key, []):
                 free = job.id.casefold() not in taken_set
                 if free and job.output == output_filename(job.id) and derivable(path, job.id):
@@ -181,23 +183,35 @@ def derive_ids(
             stem = job.output[:-4] if job.output.lower().endswith(".txt") else job.output
             taken_set.add(stem.casefold())
         rest = [i for i in range(len(resolved)) if i not in kept]
-        fresh = iter(derive_ids([resolved[i] for i in rest], taken_set))
+        fresh = iter(derive_ids([named[i] for i in rest], taken_set))
         return [kept[i] if i in kept else next(fresh) for i in range(len(resolved))]
-    depths = [0] * len(resolved)
+    depths = [0] * len(named)
     while True:
-        ids = [_candidate(p, d) for p, d in zip(resolved, depths, strict=True)]
+        ids = [_candidate(p, d) for p, d in zip(named, depths, strict=True)]
         groups = _clash_groups(ids, taken_set)
         deepened = False
         for key, group in groups.items():
-            if key in taken_set or len({resolved[i].parent for i in group}) > 1:
-                deepened |= _deepen(group, resolved, depths)
+            if key in taken_set or len({named[i].parent for i in group}) > 1:
+                deepened |= _deepen(group, named, depths)
         if not deepened:
             break
     clashing = {i for group in groups.values() for i in group}
     return [
         f"{ident}-{_short_hash(p)}" if i in clashing else ident
-        for i, (ident, p) in enumerate(zip(ids, resolved, strict=True))
+        for i, (ident, p) in enumerate(zip(ids, named, strict=True))
     ]
+
+
+def naming_path(path: Path | str) -> Path:
+    """The path a derived id is made from: ``path`` resolved, except a broken symbolic
+    link (``dangling.txt -> nowhere.txt``), which keeps the name it was given (its folder
+    resolved): the job is ``dangling``, named as the user named it, not after a file that
+    is not there."""
+    path = Path(path)
+    resolved = path.resolve()
+    if path.is_symlink() and not os.path.lexists(resolved):
+        return path.parent.resolve() / path.name
+    return resolved
 
 
 def derivable(path: Path, ident: str) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import hashlib
+import os
 import re
 import stat
 from collections.abc import Sequence
@@ -74,6 +75,29 @@ def shown_path(path: Path | str) -> str:
 def document_name(path: Path | str) -> str:
     """A document's file name (``$name``), :data:`STDIN_NAME` for standard input."""
     return STDIN_NAME if Path(path) == STDIN else Path(path).name
+
+
+def broken_link(path: Path | str) -> str | None:
+    """``None``, or, when ``path`` is a symbolic link whose target does not exist, what
+    to say about it: ``is a broken symbolic link: it points to 'nowhere.txt'
+    (/abs/nowhere.txt), which does not exist``."""
+    path = Path(path)
+    if path == STDIN or not path.is_symlink():
+        return None
+    try:
+        path.stat()
+        return None  # the target exists (or a loop: that says so itself)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return None
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return None
+    where = Path(os.path.abspath(path.parent / target))
+    shown = repr(target) if str(where) == target else f"{target!r} ({where})"
+    return f"is a broken symbolic link: it points to {shown}, which does not exist"
 
 
 def input_identity(path: Path | str) -> Path:
@@ -473,7 +497,7 @@ def _read_bytes(
         with path.open("rb") as f:
             return f.read(limit + 1)
     except FileNotFoundError:
-        raise DocumentError(path, "file not found") from None
+        raise DocumentError(path, broken_link(path) or "file not found") from None
     except OSError as exc:
         raise DocumentError(path, f"cannot be read: {exc.strerror or exc}") from None
 

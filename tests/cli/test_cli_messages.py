@@ -93,6 +93,30 @@ def test_config_json_records_the_threads_chosen_from_the_free_cores(cli, docs, m
     assert "using 1 of" in doc["effective"]["num_threads"]
 
 
+def test_a_broken_link_among_the_documents_is_named_as_given_and_says_where_it_points(
+    cli, docs
+):
+    """Fresh-user finding: ``dangling.txt -> nowhere.txt`` failed with "file not found" as
+    job ``nowhere``, named after the missing target. The job is ``dangling``, the name the
+    user gave, also on a re-run, and the message says the link is broken and where it
+    points."""
+    import json
+
+    (docs / "dangling.txt").symlink_to("nowhere.txt")
+    for _ in range(2):  # the re-run keeps the id
+        result = cli("docs/alpha.txt", "docs/dangling.txt", "--output-dir", "out")
+        assert result.exit_code == 1, result.output
+        assert "'docs/dangling.txt' is a broken symbolic link" in result.stderr
+        assert "nowhere" not in result.stderr.replace("nowhere.txt", "")
+    lines = [json.loads(x) for x in (docs.parent / "out" / "results.jsonl").read_text().splitlines()]
+    failed = [line for line in lines if not line["ok"]]
+    assert {line["id"] for line in failed} == {"dangling"}
+    assert all(
+        f"points to 'nowhere.txt' ({docs / 'nowhere.txt'}), which does not exist" in line["error"]
+        for line in failed
+    )
+
+
 def test_a_missing_file_or_folder_among_the_documents_fails_only_its_own_job(cli, docs):
     """`hisparse run a.txt missing.txt somedir`: a.txt runs; the missing file and the
     folder each get a failed results line naming the path (the brief: the rest of the

@@ -600,3 +600,13 @@ def test_duplicate_paths_are_found_without_comparing_every_pair(tmp_path, monkey
     monkeypatch.undo()
     assert len(manifest.jobs) == 2000
     assert calls < 10 * len(names), calls
+
+
+def test_a_broken_link_is_named_as_one_with_its_target(docs):
+    """Fresh-user finding: ``dangling.txt -> nowhere.txt`` said "file not found"; a
+    manifest's input that is a broken symbolic link says so and where it points."""
+    (docs / "dangling.txt").symlink_to("nowhere.txt")
+    path = write_yaml(docs, "jobs:\n  - input: dangling.txt\n")
+    message = find(problems_of(path), "jobs[0].input").message
+    assert "'dangling.txt' is a broken symbolic link" in message
+    assert f"points to 'nowhere.txt' ({docs / 'nowhere.txt'}), which does not exist" in message

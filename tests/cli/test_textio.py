@@ -250,3 +250,17 @@ def test_removed_controls_say_where_the_first_was(tmp_path, codec):
     (tmp_path / "clean.txt").write_text("ok\n")
     clean = read_document(tmp_path / "clean.txt")
     assert clean.first_control is None and clean.control_note == ""
+
+
+def test_a_broken_link_says_so_and_where_it_points(tmp_path):
+    """Not "file not found": the link is there, its target is not."""
+    (tmp_path / "dangling.txt").symlink_to("nowhere.txt")
+    with pytest.raises(DocumentError) as info:
+        read_document(tmp_path / "dangling.txt")
+    assert info.value.reason == (
+        f"is a broken symbolic link: it points to 'nowhere.txt' ({tmp_path / 'nowhere.txt'}), "
+        "which does not exist"
+    )
+    with pytest.raises(DocumentError) as missing:
+        read_document(tmp_path / "missing.txt")
+    assert missing.value.reason == "file not found"
