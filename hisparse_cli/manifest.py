@@ -48,6 +48,9 @@ from hisparse_cli.naming import (
     output_filename,
     stdin_job_id,
 )
+from hisparse_cli.openai_batch import BATCH_OUTPUT_FILE
+from hisparse_cli.results import LOCK_FILE, RESULTS_FILE
+from hisparse_cli.settings import CONFIG_FILE
 from hisparse_cli.tasks import TASKS, TaskSpec, template_problem
 from hisparse_cli.textio import STDIN, broken_link
 
@@ -1021,13 +1024,28 @@ def _check_task(value: Any) -> str | None:
     return f"must be one of {', '.join(TASKS)}, got {value!r}{hint}"
 
 
+RUN_FILES = (RESULTS_FILE, CONFIG_FILE, LOCK_FILE, BATCH_OUTPUT_FILE)
+"""The files a run writes in its output folder itself (``batch_output.jsonl`` for an
+OpenAI batch): never a job's ``output``."""
+
+
+def _check_output(value: Any) -> str | None:
+    if isinstance(value, str) and value.casefold() in {n.casefold() for n in RUN_FILES}:
+        shown = ", ".join(RUN_FILES[:-1]) + f" and {RUN_FILES[-1]}"
+        return (
+            f"{value!r} is a file the run writes in the output folder itself ({shown}); "
+            "choose another name for this job's result file"
+        )
+    return name_problem(value)
+
+
 def _check_prompt(value: Any) -> str | None:
     return _check_text(value) or template_problem(value)
 
 
 _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "id": name_problem,
-    "output": name_problem,
+    "output": _check_output,
     "input": _check_input,
     "task": _check_task,
     "prompt": _check_prompt,

@@ -610,3 +610,22 @@ def test_a_broken_link_is_named_as_one_with_its_target(docs):
     message = find(problems_of(path), "jobs[0].input").message
     assert "'dangling.txt' is a broken symbolic link" in message
     assert f"points to 'nowhere.txt' ({docs / 'nowhere.txt'}), which does not exist" in message
+
+
+@pytest.mark.parametrize(
+    "name", ["results.jsonl", "config.json", ".hisparse.lock", "batch_output.jsonl", "Results.JSONL"]
+)
+def test_an_output_named_as_a_file_the_run_writes_is_refused(docs, name):
+    """Fresh-user finding: ``output: results.jsonl`` or ``config.json`` was written as
+    ``results.jsonl.txt`` without a word, while ``.hisparse.lock`` was refused (for its
+    leading dot). Each of the run's own file names is refused alike, with the manifest's
+    file, line and field."""
+    path = write_yaml(
+        docs, f"jobs:\n  - id: ok\n    input: docs/one.txt\n    output: {json.dumps(name)}\n"
+    )
+    problem = find(problems_of(path), "jobs[0].output")
+    assert problem.file.endswith("jobs.yaml") and str(problem).startswith(
+        f"{problem.file}:4: jobs[0].output: "
+    )
+    assert f"{name!r} is a file the run writes in the output folder itself" in problem.message
+    assert "results.jsonl, config.json, .hisparse.lock and batch_output.jsonl" in problem.message
