@@ -301,6 +301,21 @@ def resolved_preset_dict(name_or_path: str | Path) -> dict[str, Any]:
     }
 
 
+def defaulted_settings(name_or_path: str | Path) -> dict[str, set[str]]:
+    """The settings of :func:`resolved_preset_dict`'s ``hardware``, ``engine`` and
+    ``sampling`` blocks that the preset file does not set (block -> names): their values
+    are the built-in defaults. ``hisparse presets show`` marks them ``# default``."""
+    path = preset_path(name_or_path)
+    data = _read_yaml(path)[0]
+    resolved = resolved_preset_dict(path)
+    found: dict[str, set[str]] = {}
+    for block in ("hardware", "engine", "sampling"):
+        given = data.get(block)
+        given = given if isinstance(given, dict) else {}
+        found[block] = {name for name in resolved[block] if name not in given}
+    return found
+
+
 def environment_notes(engine: dict[str, Any]) -> list[str]:
     """One line per :data:`engine.config.ENV_SETTINGS` variable set here whose field
     ``engine`` (a :func:`resolved_preset_dict` engine block) leaves to the environment:

@@ -7,6 +7,7 @@ The main app calls :func:`register`; the commands stay thin: parse flags, call
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal, NoReturn
 
 import typer
@@ -29,6 +30,7 @@ from engine.capacity.shapes import get_model_shape
 from engine.config import DTYPES, HOT_BUFFER_DTYPES, KV_HOST_DTYPES, ConfigError
 from engine.kv.sizing import hot_fp8
 from engine.presets import (
+    defaulted_settings,
     environment_notes,
     list_presets,
     load_preset_full,
@@ -166,7 +168,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Print the preset with its engine settings resolved over the defaults, as YAML.
 
-        The output is a preset file: save it, edit it and pass it to --preset.
+        The output is a preset file: save it, edit it and pass it to --preset. A setting the preset file does not set ends in '# default' (the built-in default).
 
         Settings the environment gives (HISPARSE_HOST_MEMORY_GB, HISPARSE_INT4_TRITON_MIN_ROWS) are left out unless the preset sets them, so a copy follows the environment as the preset does; a comment gives their values here.
 
@@ -176,6 +178,7 @@ def register(app: typer.Typer) -> None:
         try:
             path = preset_path(choice.name if choice else name)
             resolved = resolved_preset_dict(path)
+            defaulted = defaulted_settings(path)
             notes = environment_notes(resolved["engine"])
         except ConfigError as exc:
             _refuse(str(exc))
@@ -186,9 +189,10 @@ def register(app: typer.Typer) -> None:
             if choice.read_by:
                 typer.echo(f"# devices {choice.read_by}")
         typer.echo(f"# preset {path.stem} ({path}), resolved over the defaults")
+        typer.echo(f"# a setting marked '{DEFAULT_MARK}' is the built-in default: {path.name} does not set it")
         for note in notes:  # a copy must not freeze them: the environment sets them
             typer.echo(f"# {note}")
-        typer.echo(yaml.safe_dump(resolved, sort_keys=False), nl=False)
+        typer.echo(preset_yaml(resolved, defaulted), nl=False)
 
     app.add_typer(presets_app, name="presets")
     app.command("plan")(plan_command)
@@ -272,6 +276,32 @@ def plan_command(
         if not as_json:
             _render_refusal(result)
         raise typer.Exit(EXIT_REFUSED)
+
+
+DEFAULT_MARK = "# default"
+"""The trailing comment ``presets show`` puts on a setting the preset file does not set."""
+_BLOCK_KEY = re.compile(r"  ([A-Za-z_][A-Za-z0-9_]*):(?: |$)")
+
+
+def preset_yaml(resolved: dict[str, Any], defaulted: dict[str, set[str]]) -> str:
+    """``resolved`` (:func:`~engine.presets.resolved_preset_dict`) as YAML, each setting
+    named in ``defaulted`` (block -> names: :func:`~engine.presets.defaulted_settings`)
+    ending in :data:`DEFAULT_MARK`. The blocks are written one line a setting (no folded
+    scalars, so a comment never lands inside a value); lists go on the lines after their
+    key, which carries the comment. Loads as ``resolved``."""
+    blocks = set(defaulted)
+    head = {k: v for k, v in resolved.items() if k not in blocks}
+    parts = [yaml.safe_dump(head, sort_keys=False)] if head else []
+    for block in (k for k in resolved if k in blocks):
+        text = yaml.safe_dump({block: resolved[block]}, sort_keys=False, width=1 << 30)
+        lines = []
+        for line in text.splitlines():
+            match = _BLOCK_KEY.match(line)
+            if match and match.group(1) in defaulted[block]:
+                line = f"{line} {DEFAULT_MARK}"
+            lines.append(line)
+        parts.append("\n".join(lines) + "\n")
+    return "".join(parts)
 
 
 def host_memory_figure(

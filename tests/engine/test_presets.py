@@ -447,7 +447,37 @@ def test_a_shown_preset_saved_as_a_file_loads_to_the_same_settings(tmp_path, nam
         original.hardware, original.model, original.description,
     )  # fmt: skip
     again = _invoke("presets", "show", str(saved))
-    assert again.output.split("\n", 1)[1] == shown.output.split("\n", 1)[1]
+    # the copy sets every setting itself: no "# default" marks, the same lines otherwise
+    assert "# default" not in again.output.split("\n", 2)[2]
+
+    def settings(text):
+        return [line.removesuffix(" # default") for line in text.splitlines()[2:]]
+
+    assert settings(again.output) == settings(shown.output)
+
+
+def test_presets_show_marks_the_settings_the_preset_leaves_to_the_defaults():
+    """Fresh-user finding: the README said each setting's source is shown in a comment,
+    but only a header and the environment's overrides were comments. A setting the
+    preset file does not set ends in ``# default``; one it sets has no mark (its source
+    is the file named in the header)."""
+    shown = _invoke("presets", "show", "cpu")
+    assert shown.exit_code == 0, shown.output
+    lines = shown.output.splitlines()
+    assert lines[1] == "# a setting marked '# default' is the built-in default: cpu.yaml does not set it"
+    assert "  context_policy: refuse # default" in lines  # not in cpu.yaml
+    assert "  page_size: 16" in lines  # cpu.yaml sets it
+    assert "  compute_capability: null # default" in lines
+    assert "  top_k: 0 # default" in lines and "  max_tokens: 256" in lines
+    preset = yaml.safe_load(Path(presets_dir() / "cpu.yaml").read_text())
+    for block in ("hardware", "engine", "sampling"):
+        in_block = False
+        for line in lines:
+            if not line.startswith(" "):
+                in_block = line == f"{block}:"
+            elif in_block and not line.startswith("  -") and not line.startswith("   "):
+                key = line.strip().split(":")[0]
+                assert line.endswith(" # default") == (key not in preset[block]), line
 
 
 @pytest.mark.parametrize("name", SHIPPED)
