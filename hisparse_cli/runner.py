@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import fnmatch
 import functools
 import hashlib
 import json
@@ -1198,6 +1199,49 @@ def check_model_path(model: str) -> None:
         raise UsageError(f"--model {path}: not a regular file or a model folder")
     if path.is_file():
         check_gguf_magic(path)
+    else:
+        check_model_folder(path)
+
+
+MODEL_FOLDER_FILES = ("config.json", "tokenizer.json", "*.safetensors")
+"""What a Hugging Face model folder given to ``--model`` holds (the weights may be
+sharded: several ``*.safetensors``)."""
+
+
+def check_model_folder(path: Path) -> None:
+    """Raise :class:`UsageError` unless the folder ``path`` holds every one of
+    :data:`MODEL_FOLDER_FILES`, naming what a model folder needs and which are missing,
+    or that a GGUF file is expected: an empty folder (or one without ``config.json``)
+    said only "no tokenizer.json in this model folder", after the model line."""
+    try:
+        names = [entry.name for entry in path.iterdir()]
+    except OSError as exc:
+        reason = exc.strerror or exc
+        raise UsageError(f"--model {path}: cannot read the folder: {reason}") from None
+    missing = [
+        want for want in MODEL_FOLDER_FILES
+        if not any(fnmatch.fnmatchcase(n, want) and (path / n).is_file() for n in names)
+    ]  # fmt: skip
+    if not missing:
+        return
+    verb = "is" if len(missing) == 1 else "are"
+    what = "it is empty" if not names else f"{_and(missing)} {verb} missing"
+    hints = []
+    if "*.safetensors" in missing and any(n.endswith((".bin", ".pt", ".pth")) for n in names):
+        hints.append("PyTorch .bin checkpoints are not read: re-save with safe_serialization=True")
+    ggufs = sorted(n for n in names if n.lower().endswith(".gguf") and (path / n).is_file())
+    if ggufs:
+        hints.append(f"it holds {_and(ggufs)}: give the file, --model {path / ggufs[0]}")
+    hint = f"; {'; '.join(hints)}" if hints else ""
+    raise UsageError(
+        f"--model {path}: not a model folder ({what}{hint}): a Hugging Face model folder "
+        "holds config.json, tokenizer.json and its weights as *.safetensors; or give a GGUF "
+        "file (--model model.gguf)"
+    )
+
+
+def _and(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 def check_encoding(encoding: str) -> None:

@@ -248,7 +248,11 @@ class TextTokenizer:
         """
         folder = Path(path)
         if not (folder / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"{folder}: no tokenizer.json in this model folder")
+            raise FileNotFoundError(
+                f"{folder}: no tokenizer.json in this model folder (a Hugging Face model "
+                "folder holds config.json, tokenizer.json and its weights as *.safetensors; "
+                "or give a GGUF file)"
+            )
         try:
             backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as exc:  # the tokenizers library's own error: "Model missing. ..."

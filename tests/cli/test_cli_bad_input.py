@@ -338,3 +338,39 @@ def test_run_names_an_unsupported_architecture_before_the_tokenizer(tmp_path):
     one_line_error(result, str(llama), "tokenizer.ggml.model=None is not supported",
                    "Hugging Face folder")  # fmt: skip
     assert "TextTokenizer" not in result.stderr and "from_folder" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("files", "what"),
+    [
+        ((), "(it is empty"),
+        (("tokenizer.json", "model.safetensors"), "(config.json is missing"),
+        (("config.json", "pytorch_model.bin"), "tokenizer.json and *.safetensors are missing"),
+        (("config.json", "tokenizer.json", "model-00001-of-00002.safetensors"), None),
+        (("m.Q4_0.gguf",), "it holds m.Q4_0.gguf: give the file"),
+    ],
+)
+def test_run_says_what_a_model_folder_needs_and_which_files_are_missing(tmp_path, files, what):
+    """Fresh-user finding: ``run --model adir`` (an empty folder, or one without
+    config.json) said only "no tokenizer.json in this model folder", after the model line.
+    It is refused before anything loads (exit 2), naming what a model folder holds and
+    which of it is missing, or that a GGUF file is expected."""
+    from hisparse_cli.runner import UsageError, check_model_folder
+
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    for name in files:
+        (folder / name).write_text("{}")
+    if what is None:  # all three there (shards count): nothing to say before the load
+        check_model_folder(folder)
+        return
+    with pytest.raises(UsageError) as info:
+        check_model_folder(folder)
+    assert what in str(info.value)
+    (tmp_path / "doc.txt").write_text("hello\n")
+    result = invoke("run", "--model", str(folder), str(tmp_path / "doc.txt"), "--preset", "cpu",
+                    "-o", str(tmp_path / "out"))  # fmt: skip
+    one_line_error(result, f"--model {folder}: not a model folder", what,
+                   "a Hugging Face model folder holds config.json, tokenizer.json and its "
+                   "weights as *.safetensors; or give a GGUF file")  # fmt: skip
+    assert "loading model" not in result.output and not (tmp_path / "out").exists()
