@@ -1348,6 +1348,7 @@ def test_a_model_folder_with_a_bad_shape_is_refused_with_exit_2(cli, docs, tmp_p
                  num_key_value_heads=0, intermediate_size=160, vocab_size=256)  # fmt: skip
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"} | shape
     (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"")  # never read: the shape is refused first
     result = cli("--model", str(folder), "docs/alpha.txt", engine=load_engine)
     assert result.exit_code == 2, result.output
     where = folder / "config.json"
