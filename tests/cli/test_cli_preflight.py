@@ -337,8 +337,9 @@ def test_too_long_advice_names_max_new_tokens_only_when_the_prompt_fits():
     assert "raise --max-context to at least 9100" in extend and "chunk" in extend
 
 
+@pytest.mark.parametrize("fast_bf16, budget", [(True, "0.38"), (False, "0.6")])
 def test_a_dense_budget_too_small_for_a_job_is_refused_before_the_load(
-    cli, docs, tmp_path, monkeypatch
+    cli, docs, tmp_path, monkeypatch, fast_bf16, budget
 ):
     """Fresh-user finding: ``hisparse run --attention dense --memory-budget 0.3`` on a CPU
     loaded the model, then failed the job with ``needs 44 KV pool pages but the pool has 17
@@ -346,30 +347,41 @@ def test_a_dense_budget_too_small_for_a_job_is_refused_before_the_load(
     It is now refused just before the load (the job's prompt counted with the model's
     tokenizer, the budget split as the load splits it), naming --memory-budget and a
     budget that fits; that budget runs. A budget with no room for a page is refused
-    before the load too, and --print-config lists the refusal."""
+    before the load too, and --print-config lists the refusal.
+
+    The weights placed on a CPU depend on its instructions (int4, 0.24 GiB, with
+    AVX512-BF16/AMX; float, 0.50 GiB, without: ``engine.weights.placement``), so the
+    feature is pinned and each kind gets a budget with room for some pages, not the job."""
+    import engine.weights.placement as placement
+    import engine.weights.quant as quant
+
+    monkeypatch.setattr(quant, "cpu_fast_bf16", lambda: fast_bf16)
+    monkeypatch.setattr(placement, "cpu_fast_bf16", lambda: fast_bf16)
     monkeypatch.setattr(runner_module, "load_tokenizer", REAL_LOAD_TOKENIZER)
     (docs / "long.txt").write_text("Sorting lists of records by key, stably. " * 300)
     args = ("docs/long.txt", "--attention", "dense", "--max-new-tokens", "4")
-    result = cli(*args, "--memory-budget", "0.38", engine=never_load)
+    result = cli(*args, "--memory-budget", budget, engine=never_load)
     assert result.exit_code == 2, result.output
     err = " ".join(result.stderr.split())
-    assert re.search(r"--memory-budget 0.38 leaves room for \d+ KV pages \(\d+ tokens\) on", err)
+    room = rf"--memory-budget {budget} leaves room for \d+ KV pages \(\d+ tokens\) on"
+    assert re.search(room, err)
     assert "attention dense keeps the KV pool on the compute device" in err
     assert re.search(r"job 'long' needs \d+ \(a \d+-token prompt \+ max_new_tokens 4", err)
     assert "host_pool_gb" not in err.replace("not host_pool_gb", "")
     fits = re.search(r"--memory-budget ([\d.]+) fits it", err)[1]
-    assert float(fits) > 0.38 and not (tmp_path / "hisparse-out" / "results.jsonl").exists()
+    assert float(fits) > float(budget)
+    assert not (tmp_path / "hisparse-out" / "results.jsonl").exists()
     assert not (tmp_path / "hisparse-out" / "config.json").exists()
     ok = cli(*args, "--memory-budget", fits, engine=testing.fake_engine_factory())
     assert ok.exit_code == 0, ok.output
-    done = cli(*args, "--memory-budget", "0.38", engine=never_load)  # skipped: not checked
+    done = cli(*args, "--memory-budget", budget, engine=never_load)  # skipped: not checked
     assert done.exit_code == 0, done.output
     none = cli(*args, "--memory-budget", "0.2", "-o", "none", engine=never_load)
     assert none.exit_code == 2 and "leave no room for a KV page" in none.stderr
-    shown = cli(*args, "--memory-budget", "0.38", "--print-config")
+    shown = cli(*args, "--memory-budget", budget, "--print-config")
     assert shown.exit_code == 0
     assert any("leaves room for" in p for p in json.loads(shown.stdout)["problems"])
-    sparse = cli("docs/long.txt", "--max-new-tokens", "4", "--memory-budget", "0.3",
+    sparse = cli("docs/long.txt", "--max-new-tokens", "4", "--memory-budget", budget,
                  "-o", "sparse", engine=testing.fake_engine_factory())  # fmt: skip
     assert "leaves room for" not in sparse.stderr  # the host pool: not the budget's
 
