@@ -176,3 +176,26 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.OK
         if deselected is not None:
             deselected.write_line(f"all {count} test(s) here were deselected by -m; nothing to run")
+
+
+# --- signals: every test starts as from a terminal --------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _terminal_sigint():
+    """SIGINT raises ``KeyboardInterrupt`` (Python's own handler) during each test, as in a
+    terminal. A shell that starts the suite in the background (``scripts/test.sh &`` from a
+    script) hands it down ignored, and ``hisparse run`` rightly keeps an inherited
+    ``SIG_IGN``: the tests that send themselves a Ctrl-C then saw a run finish (exit 0).
+    The tests of the inherited ``SIG_IGN`` set it themselves (``sigint_ignored``)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
