@@ -50,6 +50,15 @@ class ChunkedJob:
     which its time to first token counts (the reduce step's first token)."""
     reduce_ttft_s: float | None = None
     """The reduce step's own time to first token, from its admission."""
+    map_prefill_s: float = 0.0
+    """Seconds its map jobs spent in prefill, summed (each: prompt tokens / its prefill
+    rate)."""
+    map_decode_s: float = 0.0
+    """Seconds its map jobs spent decoding after their first tokens, summed."""
+    map_decode_tokens: int = 0
+    """Tokens its map jobs generated after their first ones (what their decode rates count)."""
+    reduce_rates: tuple[float, float] | None = None
+    """The reduce step's own ``(prefill_tok_s, decode_tok_s)``."""
 
     @property
     def level(self) -> int:
@@ -65,13 +74,33 @@ class ChunkedJob:
             "per_level": list(self.chunks),
         }
 
+    def whole_rates(
+        self, prompt_tokens: int, prefill_tok_s: float, generated: int, decode_tok_s: float
+    ) -> tuple[float, float]:
+        """The job's ``(prefill_tok_s, decode_tok_s)`` over the whole document, from its
+        reduce step's figures (``prompt_tokens``, ``generated`` tokens and their rates) and
+        its map jobs' (:meth:`ChunkScheduler.count`): all prompt tokens over all prefill
+        seconds, all tokens after each part's first over all decode seconds — the rates a
+        job read whole reports, its parts' seconds summed as if run one after another (in a
+        batch they overlap). Records the reduce step's own (:attr:`reduce_rates`). A rate
+        that is 0 (nothing measured) counts no seconds."""
+        self.reduce_rates = (prefill_tok_s, decode_tok_s)
+        prefill_s = self.map_prefill_s + (prompt_tokens / prefill_tok_s if prefill_tok_s else 0)
+        after_first = max(generated - 1, 0)
+        decode_s = self.map_decode_s + (after_first / decode_tok_s if decode_tok_s else 0)
+        prompt = prompt_tokens + self.map_prompt_tokens
+        decoded = after_first + self.map_decode_tokens
+        return (prompt / prefill_s if prefill_s else 0.0, decoded / decode_s if decode_s else 0.0)
+
     def attribute(self, record: dict[str, Any]) -> dict[str, Any]:
         """``record`` (the job's results line, its token counts the reduce job's, ``None``
         when it never ran) counting the whole document: ``prompt_tokens`` and
         ``generated_tokens`` become map jobs' + reduce job's, and ``chunked`` gets the
         parts (``map_prompt_tokens``, ``map_generated_tokens``, ``reduce_prompt_tokens``,
         ``reduce_generated_tokens``, ``reduce_ttft_s``: the reduce step's own time to first
-        token; the line's ``ttft_s`` counts from the job's start)."""
+        token; the line's ``ttft_s`` counts from the job's start; ``reduce_prefill_tok_s``,
+        ``reduce_decode_tok_s``: the reduce step's own rates; the line's are the whole
+        document's, :meth:`whole_rates`)."""
         prompt, generated = record.get("prompt_tokens") or 0, record.get("generated_tokens") or 0
         parts = {
             "map_prompt_tokens": self.map_prompt_tokens,
@@ -79,6 +108,8 @@ class ChunkedJob:
             "reduce_prompt_tokens": prompt,
             "reduce_generated_tokens": generated,
             "reduce_ttft_s": self.reduce_ttft_s,
+            "reduce_prefill_tok_s": self.reduce_rates[0] if self.reduce_rates else None,
+            "reduce_decode_tok_s": self.reduce_rates[1] if self.reduce_rates else None,
         }
         total = prompt + self.map_prompt_tokens
         return {
@@ -142,13 +173,27 @@ class ChunkScheduler:
         in a map level, between levels or with their reduce job not admitted)."""
         return [s for s in self.jobs.values() if s.started and not s.recorded]
 
-    def count(self, map_id: str, prompt_tokens: int, generated_tokens: int) -> None:
-        """Add an ended map job's tokens to its job's (:meth:`ChunkedJob.attribute`)."""
+    def count(
+        self,
+        map_id: str,
+        prompt_tokens: int,
+        generated_tokens: int,
+        rates: tuple[float, float] | None = None,
+    ) -> None:
+        """Add an ended map job's tokens to its job's (:meth:`ChunkedJob.attribute`), and,
+        for one that finished, its time from its ``rates`` (``(prefill_tok_s,
+        decode_tok_s)``, as its result has them; :meth:`ChunkedJob.whole_rates`)."""
         owner = self.owner.get(map_id)
         if owner is not None:
             state = self.jobs[owner[0]]
             state.map_prompt_tokens += prompt_tokens
             state.map_generated_tokens += generated_tokens
+            if rates is not None:
+                prefill, decode = rates
+                after_first = max(generated_tokens - 1, 0)
+                state.map_prefill_s += prompt_tokens / prefill if prefill else 0.0
+                state.map_decode_s += after_first / decode if decode else 0.0
+                state.map_decode_tokens += after_first if decode else 0
 
     def finished(self, map_id: str, text: str) -> None:
         """A map job's text; the last of its level queues the next level's jobs

@@ -329,11 +329,25 @@ class JsonReporter:
         if isinstance(event, _PERIODIC_EVENTS):
             self._pending = True
         else:
-            self._emit(event_json(event))
+            self._emit(self._whole_document(event_json(event)))
         now = self.clock()
         if self._pending and now - self._printed_t >= self.interval_s:
             self._emit(progress_json(self.tracker.state, now))
             self._printed_t, self._pending = now, False
+
+    def _whole_document(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """A ``job_finished`` object of a chunked job (its reduce step) counts the whole
+        document's tokens, its map jobs' included, as its results line and done line do
+        (``chunk_parts``: how many map jobs ended); other objects as they are."""
+        row = self.tracker.state.jobs.get(obj.get("job_id", "")) if "job_id" in obj else None
+        if obj.get("event") != "job_finished" or row is None or not row.parts:
+            return obj
+        return {
+            **obj,
+            "prompt_tokens": obj["prompt_tokens"] + row.part_prompt_tokens,
+            "generated_tokens": obj["generated_tokens"] + row.part_generated,
+            "chunk_parts": row.parts,
+        }
 
     def _tick(self) -> None:
         """The timer: a progress object when none was written for ``interval_s`` while a

@@ -122,6 +122,8 @@ def test_long_document_maps_then_reduces_in_the_batch(cli, long_doc, tmp_path):
         "per_level": [len(maps)],
         **{k: records["long"]["chunked"][k] for k in TOKEN_PARTS},  # their test is below
         "reduce_ttft_s": 0.01,  # the fake engine's; the job's own counts from its first map
+        "reduce_prefill_tok_s": 1000.0,  # the fake engine's rates
+        "reduce_decode_tok_s": 100.0,
     }
     assert records["long"]["ttft_s"] > records["long"]["chunked"]["reduce_ttft_s"]
     assert records["long"]["started_at"] <= records["alpha"]["finished_at"]  # with its maps
@@ -148,7 +150,19 @@ def test_the_documents_line_and_the_summary_count_every_part_s_tokens(cli, long_
         "map_prompt_tokens": map_prompt, "map_generated_tokens": 4 * len(maps),
         "reduce_prompt_tokens": len(reduce.prompt_ids), "reduce_generated_tokens": 4,
         "reduce_ttft_s": record["chunked"]["reduce_ttft_s"],
+        "reduce_prefill_tok_s": 1000.0, "reduce_decode_tok_s": 100.0,
     }  # fmt: skip
+    # every part at the fake engine's rates: the whole document's are the same
+    assert record["prefill_tok_s"] == pytest.approx(1000.0)
+    assert record["decode_tok_s"] == pytest.approx(100.0)
+    events = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]
+    finished = next(e for e in events if e["event"] == "job_finished" and e["job_id"] == "long")
+    assert finished["prompt_tokens"] == record["prompt_tokens"]  # as the results line
+    assert finished["generated_tokens"] == record["generated_tokens"]
+    assert finished["chunk_parts"] == len(maps)
+    assert (finished["ttft_s"], finished["prefill_tok_s"]) == (
+        record["ttft_s"], record["prefill_tok_s"],
+    )  # fmt: skip
     summary = next(json.loads(x) for x in result.stdout.splitlines() if '"event": "summary"' in x)
     assert summary["prompt_tokens"] == sum(len(j.prompt_ids) for j in seen)  # maps included
     assert summary["generated_tokens"] == 4 * len(seen)
@@ -269,3 +283,28 @@ def test_the_job_total_stays_what_was_asked_while_map_jobs_come_and_go():
     assert "chunk parts 0 running, 1 queued" in totals[1] and "chunk parts" not in totals[2]
     assert tracker.state.jobs["long"].part_prompt_tokens == 200
     assert tracker.state.map_prompt_tokens == 200  # the run's totals, as before
+
+
+def test_a_chunked_job_s_rates_are_the_whole_document_s():
+    """Fresh-user finding: a chunked job's results line gave the reduce step's prefill rate
+    (178 tok/s over its 209 tokens) beside the document's 12,741 prompt tokens, which took
+    264 s. The line's rates are now all tokens over all seconds of its parts (map jobs and
+    reduce), the reduce step's own kept in ``chunked``."""
+    from engine.events import Job
+    from hisparse_cli.chunking import ChunkScheduler
+
+    chunker = ChunkScheduler(lambda job_id, document: [])
+    chunker.maps("doc", ["one", "two"], lambda map_id, text: Job(map_id, (1,)))
+    chunker.count("doc@1.1", 4000, 11, (100.0, 10.0))  # 40 s prefill, 1 s decode
+    chunker.count("doc@1.2", 2000, 21, (50.0, 5.0))  # 40 s prefill, 4 s decode
+    state = chunker.jobs["doc"]
+    prefill, decode = state.whole_rates(200, 200.0, 6, 5.0)  # 1 s prefill, 1 s decode
+    assert prefill == pytest.approx(6200 / 81)  # not the reduce step's 200
+    assert decode == pytest.approx((10 + 20 + 5) / 6)
+    record = state.attribute({"prompt_tokens": 200, "generated_tokens": 6})
+    assert record["prompt_tokens"] == 6200 and record["generated_tokens"] == 38
+    parts = record["chunked"]
+    assert (parts["reduce_prefill_tok_s"], parts["reduce_decode_tok_s"]) == (200.0, 5.0)
+    # a map job that failed counts its tokens and no time
+    chunker.count("doc@1.1", 10, 0)
+    assert state.map_prefill_s == pytest.approx(80.0) and state.map_prompt_tokens == 6010
