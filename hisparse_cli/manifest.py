@@ -52,7 +52,7 @@ from hisparse_cli.openai_batch import BATCH_OUTPUT_FILE
 from hisparse_cli.results import LOCK_FILE, RESULTS_FILE
 from hisparse_cli.settings import CONFIG_FILE
 from hisparse_cli.tasks import TASKS, TaskSpec, template_problem
-from hisparse_cli.textio import STDIN, broken_link
+from hisparse_cli.textio import STDIN, broken_link, file_identity
 
 JOB_FIELDS = (
     "id",
@@ -270,7 +270,8 @@ def jobs_from_paths(
     ----------
     patterns
         Paths or globs, relative to ``base`` (default: the current directory). A file
-        named twice (also through a symbolic link or another spelling) yields one job;
+        named twice (also through a symbolic link, a hard link or another spelling)
+        yields one job, with a note naming each path;
         the check is linear in the number of paths. ``-`` is standard input: one job
         after the files', whose input is :data:`~hisparse_cli.textio.STDIN`, with the id
         :func:`~hisparse_cli.naming.stdin_job_id` gives it (``stdin``).
@@ -465,32 +466,40 @@ def _job_inputs(
 
 
 class _Unique:
-    """Files in the order first met, each real file once: two paths that resolve to the
-    same file (a symbolic link, ``a/../b``) count once. A set makes it linear."""
+    """Files in the order first met, each real file once: two paths to the same file (a
+    symbolic link, ``a/../b``, a hard link: :func:`~hisparse_cli.textio.file_identity`)
+    count once. A dict makes it linear."""
 
     def __init__(self) -> None:
         self.files: list[Path] = []
-        self._given: dict[Path, list[tuple[Path, str | None]]] = {}  # real -> (path, pattern)
+        # the file's identity -> each (path, pattern) that named it
+        self._given: dict[object, list[tuple[Path, str | None]]] = {}
 
     def extend(self, paths: Iterable[Path], pattern: str | None = None) -> None:
         """Add ``paths``, the files of ``pattern`` as the user gave it (for :meth:`notes`)."""
         for path in paths:
-            real = path.resolve()
-            if real not in self._given:
+            key = file_identity(path)
+            if key not in self._given:
                 self.files.append(path)
-            self._given.setdefault(real, []).append((path, pattern))
+            self._given.setdefault(key, []).append((path, pattern))
 
     def notes(self, base: Path) -> list[str]:
         """One note per file given more than once, naming each path as given
         (:func:`_as_given`), and the file they lead to (relative to ``base`` where it is
-        inside it) only when none of them names it but through a symbolic link."""
+        inside it) only when none of them names it but through a symbolic link; paths
+        that lead to several names of it are hard links, and the note says so."""
         notes = []
-        for real, given in self._given.items():
+        for given in self._given.values():
             if len(given) < 2:
                 continue
             names = ", ".join(_as_given(path, pattern, base) for path, pattern in given)
-            shown = str(real.relative_to(base)) if real.is_relative_to(base) else str(real)
-            leads = "" if any(path == real for path, _ in given) else f" ({shown})"
+            reals = list(dict.fromkeys(path.resolve() for path, _ in given))
+            if len(reals) > 1:  # ln a.txt b.txt: one file under two names
+                leads = " (hard links to one file: the first is read)"
+            else:
+                real = reals[0]
+                shown = str(real.relative_to(base)) if real.is_relative_to(base) else str(real)
+                leads = "" if any(path == real for path, _ in given) else f" ({shown})"
             notes.append(f"DOCS: {names} are the same file{leads}: one job")
         return notes
 
@@ -771,16 +780,16 @@ def _assign_ids(
     """Give jobs without an ``id`` one derived from their first input (a job whose
     ``id`` is invalid gets none, so it adds no follow-on problems).
 
-    Two jobs without an ``id`` over the same files (also through a symbolic link or
-    another spelling, as the command line counts a file named twice) are a problem of
+    Two jobs without an ``id`` over the same files (also through a symbolic link, a hard
+    link or another spelling, as the command line counts a file named twice) are a problem of
     the second, which gets no id: they would take the same id and output (``duplicate id
     'doc-1ced6f2f'``, an id the manifest never wrote), or, with an earlier job of those
     files in the output folder, quietly two (the same job run twice)."""
     missing = [i for i, m in enumerate(merged) if "id" not in m and "id" not in jobs[i].invalid]
     missing = [i for i in missing if inputs[i]]
-    readers: dict[tuple[Path, ...], int] = {}  # the files, resolved -> the first such job
+    readers: dict[tuple[object, ...], int] = {}  # the files' identities -> the first job
     for i in list(missing):
-        first = readers.setdefault(tuple(p.resolve() for p in inputs[i]), i)
+        first = readers.setdefault(tuple(file_identity(p) for p in inputs[i]), i)
         if first != i:
             missing.remove(i)
             message = _same_inputs(jobs[first], inputs, first, i)
@@ -807,7 +816,9 @@ def _same_inputs(first: Entry, inputs: list[list[Path]], i: int, j: int) -> str:
         return ", ".join(os.path.relpath(p) if p.is_relative_to(cwd) else str(p) for p in paths)
 
     mine, theirs = shown(inputs[j]), shown(inputs[i])
-    same = f" ({mine} and {theirs} are the same)" if mine != theirs else ""
+    linked = [p.resolve() for p in inputs[j]] != [p.resolve() for p in inputs[i]]
+    what = "hard links to the same file(s)" if linked else "the same"
+    same = f" ({mine} and {theirs} are {what})" if mine != theirs else ""
     return (
         f"reads the same file(s) as {place}{same}, and neither job has an id: both "
         "would take the same id and output file; give each job an id of its own (two "

@@ -100,6 +100,21 @@ def broken_link(path: Path | str) -> str | None:
     return f"is a broken symbolic link: it points to {shown}, which does not exist"
 
 
+def file_identity(path: Path | str) -> tuple[int, int] | Path:
+    """What tells two named files apart when they are read: the device and inode of the
+    file a path leads to, so a symbolic link, another spelling (``a/../b``) and a hard
+    link (``ln a.txt b.txt``: one file under two names) of one file are the same; the
+    resolved path where the file cannot be looked up (missing), :data:`STDIN` itself for
+    standard input."""
+    if Path(path) == STDIN:
+        return STDIN
+    try:
+        info = os.stat(path)
+    except OSError:
+        return Path(path).resolve()
+    return (info.st_dev, info.st_ino)
+
+
 def input_identity(path: Path | str) -> Path:
     """What tells inputs apart: the resolved path, :data:`STDIN` itself for standard
     input (``-`` is no file in the current directory)."""

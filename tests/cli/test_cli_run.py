@@ -1503,6 +1503,25 @@ def test_a_document_named_twice_is_one_job_with_a_note(cli, docs, tmp_path):
     assert "'-' (standard input) is named 2 times: one job" in " ".join(piped.stderr.split())
 
 
+def test_a_document_by_two_hard_links_runs_once_with_a_note_naming_both(cli, docs, tmp_path):
+    """Fresh-user finding: `hisparse run docs/alpha.txt copy.txt`, where copy.txt is a hard
+    link to docs/alpha.txt (one file, two names), ran the document twice, as `alpha` and
+    `copy`. It is one job now (named after the first path given), as for a symbolic
+    link, and the note names both paths; a glob meeting both does the same."""
+    os.link(docs / "alpha.txt", tmp_path / "copy.txt")
+    result = cli("docs/alpha.txt", "copy.txt", "docs/beta.txt")
+    assert result.exit_code == 0, result.output
+    assert sorted(r["id"] for r in read_results(tmp_path / "hisparse-out")) == ["alpha", "beta"]
+    err = " ".join(result.stderr.split())
+    assert "DOCS: docs/alpha.txt, copy.txt are the same file (hard links to one file" in err
+    glob = cli("*.txt", "docs/*.txt", "-o", "globbed")
+    assert glob.exit_code == 0, glob.output
+    assert len(read_results(tmp_path / "globbed")) == 2
+    assert "copy.txt (glob '*.txt'), docs/alpha.txt (glob 'docs/*.txt') are the same file" in (
+        " ".join(glob.stderr.split())
+    )
+
+
 def test_the_same_file_given_twice_is_named_as_given(cli, docs, tmp_path, monkeypatch):
     """Fresh-user finding: the note on a file given twice named it by its resolved,
     absolute path (``/tmp/.../docs/alpha.txt, /tmp/.../docs/alpha.txt``), not as typed.

@@ -563,6 +563,35 @@ def test_two_jobs_without_ids_over_one_file_are_a_problem_of_the_second(docs, mo
     assert [job.id for job in load_manifest(path).jobs] == ["one", "two", "who"]
 
 
+def test_the_same_file_by_two_hard_links_is_one_input_and_one_job(docs, monkeypatch):
+    """Fresh-user finding: two hard links to one file (``ln docs/one.txt copy.txt``: the
+    same device and inode) counted as two files, as symbolic links no longer do: a job
+    listing both read the document twice, and two jobs without an id over them ran it
+    twice. They are one file now: one input, and the second job is a problem naming both
+    paths."""
+    monkeypatch.chdir(docs)
+    os.link(docs / "docs" / "one.txt", docs / "copy.txt")
+    manifest = jobs_from_paths(["docs/one.txt", "copy.txt", "docs/two.txt"])
+    assert [job.inputs for job in manifest.jobs] == [
+        (docs / "docs" / "one.txt",),
+        (docs / "docs" / "two.txt",),
+    ]
+    assert any(
+        "DOCS: docs/one.txt, copy.txt are the same file (hard links to one file" in w
+        for w in manifest.warnings
+    ), manifest.warnings
+    path = write_yaml(docs, "jobs:\n  - id: j\n    input: [docs/one.txt, copy.txt]\n")
+    (job,) = load_manifest(path).jobs
+    assert job.inputs == (docs / "docs" / "one.txt",)
+    path = write_yaml(docs, "jobs:\n  - input: docs/one.txt\n  - input: copy.txt\n")
+    (problem,) = problems_of(path)
+    assert (problem.field, problem.line) == ("jobs[1].input", 3)
+    assert (
+        "reads the same file(s) as jobs[0], line 2 (copy.txt and docs/one.txt are hard links "
+        "to the same file(s))" in problem.message
+    )
+
+
 def test_walk_glob_matches_glob_on_a_tree_without_links(tmp_path):
     import glob as globlib
 
