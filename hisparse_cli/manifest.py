@@ -597,8 +597,8 @@ def _expand(
     outputs: OutputFolder | None = None,
 ) -> list[Path]:
     """Files matching ``pattern`` (relative to ``base``), reporting missing ones; a
-    symbolic link a ``**`` glob did not follow (:func:`walk_glob`) is noted in
-    ``warnings``. A glob leaves out the files in the run's output folder (``outputs``,
+    symbolic link a ``**`` glob did not follow (:func:`walk_glob`), and a broken one a
+    glob matched (skipped: naming where it points), are noted in ``warnings``. A glob leaves out the files in the run's output folder (``outputs``,
     which keeps them for its note); a glob that matched only those is a problem."""
     if not pattern.strip():  # "" would be the current folder
         problems.append(
@@ -608,6 +608,12 @@ def _expand(
     text = os.path.expanduser(pattern)
     if _GLOB_CHARS.search(text):
         matches, skipped = walk_glob(text, base)
+        # a broken symbolic link is no file to read: named with where it points, skipped
+        broken = {m: link for m in matches if (link := broken_link(_absolute(base, m)))}
+        if outputs is not None:  # the output folder's are left out as its files are
+            held = set(outputs.keep(_absolute(base, m) for m in broken))
+            broken = {m: link for m, link in broken.items() if _absolute(base, m) in held}
+        skipped += [f"{m} {link}; skipped" for m, link in broken.items()]
         if warnings is not None:
             where = f"{entry.file}:{entry.where('input')}" if entry.where("input") else entry.file
             warnings.extend(f"{where}: input glob {pattern!r}: {note}" for note in skipped)
@@ -616,9 +622,12 @@ def _expand(
         if files and not kept:
             problems.append(_problem(entry, "input", outputs.only_there(pattern, len(files))))
         elif not files:
-            problems.append(
-                _problem(entry, "input", f"glob {pattern!r} matches no files (in {base})")
-            )
+            found = f"glob {pattern!r} matches no files (in {base})"
+            if broken:  # all it matched: say which, and why each is no file
+                first, link = next(iter(broken.items()))
+                more = f" (and {len(broken) - 1} more such links)" if len(broken) > 1 else ""
+                found = f"{found}: {first} {link}{more}"
+            problems.append(_problem(entry, "input", found))
         return kept
     path = _absolute(base, text)
     if path.is_dir():

@@ -117,6 +117,28 @@ def test_a_broken_link_among_the_documents_is_named_as_given_and_says_where_it_p
     )
 
 
+def test_a_glob_warns_of_each_broken_link_it_matches_and_runs_the_rest(cli, docs):
+    """Fresh-user finding: `hisparse run 'docs/*.txt'` where one match is a broken
+    symbolic link skipped it without a word. It is a warning now, naming the link and
+    where it points; the other documents run (exit 0), and the link gets no job."""
+    import json
+
+    (docs / "dangling.txt").symlink_to("nowhere.txt")
+    result = cli("docs/*.txt", "--output-dir", "out")
+    assert result.exit_code == 0, result.output
+    err = " ".join(result.stderr.split())
+    assert (
+        "input glob 'docs/*.txt': docs/dangling.txt is a broken symbolic link: it points to "
+        f"'nowhere.txt' ({docs / 'nowhere.txt'}), which does not exist; skipped" in err
+    )
+    lines = (docs.parent / "out" / "results.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["id"] for line in lines) == ["alpha", "beta"]
+    alone = cli("docs/d*.txt", "--output-dir", "out2")
+    assert alone.exit_code == 2
+    assert "glob 'docs/d*.txt' matches no files" in " ".join(alone.stderr.split())
+    assert "docs/dangling.txt is a broken symbolic link" in " ".join(alone.stderr.split())
+
+
 def test_a_missing_file_or_folder_among_the_documents_fails_only_its_own_job(cli, docs):
     """`hisparse run a.txt missing.txt somedir`: a.txt runs; the missing file and the
     folder each get a failed results line naming the path (the brief: the rest of the

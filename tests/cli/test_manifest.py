@@ -592,6 +592,40 @@ def test_the_same_file_by_two_hard_links_is_one_input_and_one_job(docs, monkeypa
     )
 
 
+def test_a_glob_names_each_broken_link_it_matches_and_reads_the_rest(docs, monkeypatch):
+    """Fresh-user finding: a glob that matched a broken symbolic link skipped it without a
+    word (the same link named without a glob says it is broken and where it points). Each
+    one a glob matches is now a warning naming the link and its target, at the manifest
+    line (or the command line), and the other matches are read; a glob that matched only
+    broken links is refused naming one."""
+    monkeypatch.chdir(docs)
+    (docs / "docs" / "dangling.txt").symlink_to("nowhere.txt")
+    for pattern in ("docs/*.txt", "docs/**/*.txt"):
+        path = write_yaml(docs, f"jobs:\n  - id: all\n    input: '{pattern}'\n")
+        manifest = load_manifest(path)
+        (job,) = manifest.jobs
+        assert "dangling.txt" not in " ".join(str(p) for p in job.inputs)
+        assert docs / "docs" / "one.txt" in job.inputs
+        (warning,) = manifest.warnings
+        assert warning.startswith(f"{path}:3: input glob {pattern!r}: docs/dangling.txt ")
+        where = docs / "docs" / "nowhere.txt"
+        assert f"is a broken symbolic link: it points to 'nowhere.txt' ({where})" in warning
+        command_line = jobs_from_paths([pattern])
+        assert {"one", "two"} <= {j.id for j in command_line.jobs}
+        assert not any("dangling" in j.id for j in command_line.jobs)
+        assert any(
+            w.startswith(f"command line: input glob {pattern!r}: docs/dangling.txt is a broken")
+            for w in command_line.warnings
+        ), command_line.warnings
+    path = write_yaml(docs, "jobs:\n  - id: none\n    input: docs/d*.txt\n")
+    (problem,) = problems_of(path)
+    assert problem.field == "jobs[0].input" and problem.line == 3
+    assert "glob 'docs/d*.txt' matches no files" in problem.message
+    assert "docs/dangling.txt is a broken symbolic link: it points to 'nowhere.txt'" in (
+        problem.message
+    )
+
+
 def test_walk_glob_matches_glob_on_a_tree_without_links(tmp_path):
     import glob as globlib
 
