@@ -156,7 +156,12 @@ def eval_command(
         from engine.measure import fidelity, ruler
         from engine.presets import resolve_config
         from hisparse_cli.bench_cmd import _chosen_preset
-        from hisparse_cli.runner import UsageError, check_encoding, with_free_threads
+        from hisparse_cli.runner import (
+            UsageError,
+            check_encoding,
+            check_model_path,
+            with_free_threads,
+        )
 
         def task_names() -> list[str]:
             names = _items(tasks)
@@ -213,6 +218,11 @@ def eval_command(
                 typer.echo(note)
             _unique("--configs", config_list, lambda c: c.engine_config(base), "settings")
             texts = _read_haystack(docs or [], encoding, errors, allow_binary, output_dir)
+            if model is not None and not model.startswith("synthetic:"):
+                try:  # as `hisparse run` checks it: a missing path, a FIFO (it hung), a file
+                    check_model_path(model)  # not GGUF, a folder lacking a model's files
+                except UsageError as exc:
+                    raise ValueError(str(exc)) from None
         except (ConfigError, ValueError) as exc:
             _fail(str(exc))
         report = _run(model, base, config_list, texts, task_list, length_list, depth_list,

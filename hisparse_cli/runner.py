@@ -1186,7 +1186,8 @@ def check_gguf_magic(path: Path) -> None:
 def check_model_path(model: str) -> None:
     """Raise :class:`UsageError` unless ``--model`` names a model folder or a file that
     starts as a GGUF file does (:func:`check_gguf_magic`): a missing path, a pipe or a
-    device, or a file of another kind is named before anything loads (``run``, ``bench``).
+    device, or a file of another kind is named before anything loads (``run``, ``bench``,
+    ``eval``).
 
     Raises
     ------

@@ -5,6 +5,7 @@ a one-line error that names the file or the option, exit 2, never a traceback (a
 from __future__ import annotations
 
 import json
+import os
 
 import gguf
 import numpy as np
@@ -374,3 +375,32 @@ def test_run_says_what_a_model_folder_needs_and_which_files_are_missing(tmp_path
                    "a Hugging Face model folder holds config.json, tokenizer.json and its "
                    "weights as *.safetensors; or give a GGUF file")  # fmt: skip
     assert "loading model" not in result.output and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("make", "what"),
+    [
+        (lambda p: p.mkdir(), "not a model folder (it is empty"),
+        (
+            lambda p: (p.mkdir(), (p / "config.json").write_text("{}")),
+            "not a model folder (tokenizer.json and *.safetensors are missing",
+        ),
+        (lambda p: p.write_text("hello, a text file\n"), "not a GGUF file (it starts with"),
+        (lambda p: os.mkfifo(p), "not a regular file or a model folder"),
+        (lambda p: None, "model not found"),
+    ],
+    ids=["empty-folder", "config-only", "text-file", "fifo", "missing"],
+)
+def test_eval_checks_its_model_as_run_does_before_anything_loads(tmp_path, haystack, make, what):
+    """Fresh-user finding: `hisparse eval --model FOLDER` had no check of the model
+    before the load: an empty folder, or one with only config.json, said "no
+    tokenizer.json in this model folder" after torch's 7 s import, not what else was
+    missing; a FIFO hung. Eval now checks --model with run's check (a folder's missing
+    files, the GGUF magic, a missing path, a pipe): one error line, exit 2, before the
+    model (here: eval's _run) is reached."""
+    model = tmp_path / "adir"
+    make(model)
+    result = run_eval(tmp_path, "--model", str(model))
+    one_line_error(result, f"{model}", what)
+    assert haystack == []  # refused before _run, where the model loads
+    assert not (tmp_path / "out").exists()

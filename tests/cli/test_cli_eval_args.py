@@ -16,8 +16,11 @@ from hisparse_cli.main import app
 
 
 @pytest.fixture
-def placed(monkeypatch):
-    """Replace ``place_model``: record the config eval would load with, then stop (exit 2)."""
+def placed(monkeypatch, tmp_path):
+    """Replace ``place_model``: record the config eval would load with, then stop (exit 2).
+    The tests' ``--model none.gguf`` is a file that starts as a GGUF file does, which
+    eval's check of ``--model`` before the load (as ``hisparse run``'s) lets through."""
+    (tmp_path / "none.gguf").write_bytes(b"GGUF")
     seen = []
 
     def place_model(config, model):
