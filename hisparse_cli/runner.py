@@ -1476,8 +1476,12 @@ class BatchRun:
             )
         try:
             with self.sigterm, lock_output_dir(self.output_dir):
-                with ResultsLog(self.output_dir) as self.log:
-                    return self._run_locked(config_doc)
+                try:
+                    with ResultsLog(self.output_dir) as self.log:
+                        return self._run_locked(config_doc)
+                except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM: it stops at once,
+                    self._remove_unused_output_dir()  # but not before this (lock still held)
+                    raise
         except OutputDirBusy as exc:
             return _usage_failure(self.err_console, f"error: {exc}", [])
         except KeyboardInterrupt:
@@ -1571,23 +1575,19 @@ class BatchRun:
         its lock file (Ctrl-C or SIGTERM during the model load, a load that failed), with
         the folders above it that the run made: the file system is left as it was. The
         lock file goes first, while still held, so no other run can take it meanwhile.
+        A stop signal meanwhile waits for it (then stops the run, as it would have):
+        one that cut it short left the folder holding only the lock file, or nothing.
+        Also called when a second Ctrl-C or SIGTERM stopped the run before the summary.
         Returns whether the output folder was removed."""
         created = getattr(self, "_created_dirs", [])
         if not created:
             return False
-        try:
-            if os.listdir(self.output_dir) != [LOCK_FILE]:
-                return False
-            (self.output_dir / LOCK_FILE).unlink()
-            self.output_dir.rmdir()
-        except OSError:
-            return False
-        for folder in created[1:]:  # the parents it made, innermost first, while empty
-            try:
-                folder.rmdir()
-            except OSError:
-                break
-        return True
+        with _StopSignalsDeferred() as stop:
+            removed = _remove_folders(self.output_dir, created[1:])
+        if stop.signals:  # as the handlers would have done, now
+            self.sigterm.received |= signal.SIGTERM in stop.signals
+            raise KeyboardInterrupt
+        return removed
 
     def _write_batch_output(self) -> None:
         """``batch_output.jsonl``: one OpenAI batch output line per request of the manifest,
@@ -2292,6 +2292,25 @@ class BatchRun:
                 "(Ctrl-C or SIGTERM again to stop now)",
                 "warning",
             )
+
+
+def _remove_folders(output_dir: Path, parents: Sequence[Path]) -> bool:
+    """Remove ``output_dir`` if it holds nothing but the lock file (or nothing), then
+    each of ``parents`` (innermost first) while empty; return whether ``output_dir`` was
+    removed."""
+    try:
+        if os.listdir(output_dir) not in ([LOCK_FILE], []):
+            return False
+        (output_dir / LOCK_FILE).unlink(missing_ok=True)
+        output_dir.rmdir()
+    except OSError:
+        return False
+    for folder in parents:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+    return True
 
 
 def missing_folders(path: Path) -> list[Path]:

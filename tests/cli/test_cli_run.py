@@ -1034,6 +1034,67 @@ def test_a_stop_signal_while_loading_removes_the_output_folder_the_run_created(
     assert [r["id"] for r in read_results(tmp_path / "new" / "out")] == ["alpha"]
 
 
+@pytest.mark.parametrize("when", ["winding-up", "removing-the-folder"])
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
+def test_a_second_stop_signal_after_the_load_was_stopped_still_removes_the_new_folder(
+    cli, docs, tmp_path, monkeypatch, second, when
+):
+    """Fresh-user finding: Ctrl-C twice during the model load (the second a few ms after
+    the first, as the run wound up) left the new output folder behind holding only
+    `.hisparse.lock`: the second stopped the run at once, before the folder was removed.
+    It still stops at once (no summary, exit 130 or 143), but the folder the run made, and
+    the folders above it, are removed first (a signal during the removal waits for it); a
+    folder that was there keeps every file; the next run works."""
+    from hisparse_cli.progress import ProgressTracker
+
+    def interrupted_load(config, model, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        pytest.fail("Ctrl-C did not stop the load")
+
+    assert cli("docs/beta.txt", "-o", "mine").exit_code == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "mine").iterdir()}
+    owner, name = {
+        "winding-up": (ProgressTracker, "finish"),
+        "removing-the-folder": (runner_module, "_remove_folders"),
+    }[when]
+    real = getattr(owner, name)
+
+    def second_signal(*args):  # the run winds up after the first: the second comes
+        os.kill(os.getpid(), second)
+        return real(*args)
+
+    monkeypatch.setattr(owner, name, second_signal)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own
+    try:
+        result = cli("docs/alpha.txt", "-o", "new/out", engine=interrupted_load)
+        kept = cli("docs/alpha.txt", "-o", "mine", engine=interrupted_load)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    monkeypatch.setattr(owner, name, real)
+    assert result.exit_code == (130 if second == signal.SIGINT else 143), result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "new").exists()
+    # a folder that was there is not removed: no second signal there, only the first
+    assert kept.exit_code == (result.exit_code if when == "winding-up" else 130)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "mine").iterdir()} == before
+    again = testing.fake_engine_factory()
+    assert cli("docs/alpha.txt", "-o", "new/out", engine=again).exit_code == 0
+    assert [r["id"] for r in read_results(tmp_path / "new" / "out")] == ["alpha"]
+
+
+def test_a_lock_file_left_by_a_dead_run_does_not_block_the_next(cli, docs, tmp_path):
+    """A run killed outright (SIGKILL, a power cut) leaves `.hisparse.lock` with its
+    process id in it. The lock is the kernel's (flock), released with the process, so the
+    file alone never blocks: the next run takes it and writes its own id."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".hisparse.lock").write_text("999999999\n")  # no such process holds it
+    result = cli("docs/alpha.txt", "-o", "out")
+    assert result.exit_code == 0, result.output
+    assert (out / ".hisparse.lock").read_text().strip() == str(os.getpid())
+    assert [r["id"] for r in read_results(out)] == ["alpha"]
+
+
 def test_a_stop_signal_during_the_engine_imports_waits_for_them(cli, docs, monkeypatch):
     """SIGTERM 3 s into a run, while triton was imported, aborted the process (exit 134,
     a C++ terminate, no summary): during the imports a stop signal is only recorded, and
