@@ -6,12 +6,18 @@ Policy (applied in this order):
 2. Refused as binary: a known binary signature (PDF, ZIP/Office, PNG, JPEG, GIF,
    gzip, ELF), or, for ASCII-compatible encodings, more than 1% NUL bytes or more than
    5% other control bytes in the first 64 KiB (the message gives the byte offset of the
-   first NUL or control byte). A UTF-16/32 byte-order mark while decoding as UTF-8 is refused with a hint
-   to pass ``--encoding utf-16``. ``allow_binary`` (``--allow-binary``) overrides the NUL
+   first NUL or control byte; NULs at every other byte add a hint that the file looks like
+   UTF-16 without a byte-order mark). ``allow_binary`` (``--allow-binary``) overrides the NUL
    and control-byte test, not the signatures: such a document is decoded with
    ``errors="replace"`` and carries a :attr:`Document.warning`.
-3. Decoded with ``encoding`` (default UTF-8; a UTF-8 BOM is stripped). Invalid bytes
-   raise an error naming the byte offset and line, unless ``errors="replace"``.
+   Under a UTF-16/32 ``encoding``, a file without a byte-order mark that is valid UTF-8
+   and has no NUL byte is refused: it is not UTF-16/32 text (decoded so, ASCII becomes CJK
+   gibberish).
+3. A byte-order mark (UTF-8, UTF-16 or UTF-32, little- or big-endian) is unambiguous: a
+   file that starts with one is decoded in that encoding whatever ``encoding`` says, and
+   the mark is dropped. Other files are decoded with ``encoding`` (default UTF-8).
+   Invalid bytes raise an error naming the byte offset and line, unless
+   ``errors="replace"``.
 4. CRLF and lone CR become ``\\n``. Tabs and long lines are kept as they are.
 5. Remaining C0 control characters other than ``\\t`` and ``\\n`` (a stray NUL, an ANSI
    escape byte, form feed ...) and DEL are **removed**; the count is reported so the
@@ -56,8 +62,13 @@ _SIGNATURES = {
     b"\x1f\x8b": "a gzip archive",
     b"\x7fELF": "an executable",
 }
-_UTF16_32_BOMS = (b"\xff\xfe", b"\xfe\xff")
-_UTF8_BOM = codecs.BOM_UTF8
+_BOMS = (  # UTF-32 first: its little-endian mark starts with UTF-16's
+    (codecs.BOM_UTF32_LE, "utf-32-le"),
+    (codecs.BOM_UTF32_BE, "utf-32-be"),
+    (codecs.BOM_UTF8, "utf-8"),
+    (codecs.BOM_UTF16_LE, "utf-16-le"),
+    (codecs.BOM_UTF16_BE, "utf-16-be"),
+)
 _CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\r\f\v\x1b\x00")
 _CONTROL_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f]")
 
@@ -213,11 +224,12 @@ def read_document(
     """
     path = Path(path)
     data = _read_bytes(path, stdin, reads_stdin)
-    codec = codecs.lookup(encoding).name
+    asked = codecs.lookup(encoding).name
     digest = hashlib.sha256(data).hexdigest()
-    refused = format_reason(data, codec)
+    refused = format_reason(data, asked)
     if refused:
         raise DocumentError(path, refused, digest)
+    codec = text_codec(data, asked)
     warning = ""
     binary = looks_binary(data, codec)
     if binary and not allow_binary:
@@ -343,14 +355,51 @@ def binary_reason(data: bytes, codec: str) -> str | None:
 
 
 def format_reason(data: bytes, codec: str) -> str | None:
-    """Why ``data`` is a known binary format or in the wrong encoding (by its first
-    bytes), or ``None``. ``allow_binary`` does not override these."""
+    """Why ``data`` is a known binary format or not in the asked encoding ``codec`` (by
+    its first bytes), or ``None``. ``allow_binary`` does not override these.
+
+    Under a UTF-16/32 ``codec``, a file with no byte-order mark whose first
+    :data:`SAMPLE_BYTES` are valid UTF-8 without a NUL byte is not UTF-16/32 text (ASCII
+    would decode as CJK gibberish, and fluently so); a file with a mark is read in the
+    mark's encoding (:func:`text_codec`)."""
     for signature, kind in _SIGNATURES.items():
         if data.startswith(signature):
             return f"looks like {kind}, not text; convert it to plain text first"
-    if codec == "utf-8" and data.startswith(_UTF16_32_BOMS):
-        return "starts with a UTF-16/UTF-32 byte-order mark; pass --encoding utf-16 (or utf-32)"
+    if codec.startswith(("utf-16", "utf-32")) and data and bom_codec(data) is None:
+        sample = data[:SAMPLE_BYTES]
+        try:
+            codecs.getincrementaldecoder("utf-8")().decode(sample, final=len(data) <= len(sample))
+        except UnicodeDecodeError:
+            return None
+        if b"\x00" not in sample:
+            return (
+                f"is not {codec} text: it has no byte-order mark and no NUL byte, and reads "
+                f"as UTF-8 (as {codec} it would decode to gibberish); read it without "
+                f"--encoding {codec} (a file that starts with a byte-order mark is read in "
+                "that mark's encoding whatever --encoding says: UTF-16 files with one need "
+                "no --encoding)"
+            )
     return None
+
+
+def bom_codec(data: bytes) -> tuple[str, int] | None:
+    """``(codec, length)`` of the byte-order mark ``data`` starts with, or ``None``. A
+    UTF-32-LE mark is taken for one only when the length is a multiple of 4 (else it is
+    UTF-16-LE text whose first character is U+0000)."""
+    for bom, codec in _BOMS:
+        if data.startswith(bom):
+            if codec == "utf-32-le" and len(data) % 4:
+                continue
+            return codec, len(bom)
+    return None
+
+
+def text_codec(data: bytes, codec: str) -> str:
+    """The codec ``data`` is decoded with: that of its byte-order mark
+    (:func:`bom_codec`) whatever ``codec`` (the asked ``--encoding``) says, else
+    ``codec``."""
+    found = bom_codec(data)
+    return found[0] if found is not None else codec
 
 
 def looks_binary(data: bytes, codec: str) -> str | None:
@@ -368,7 +417,7 @@ def looks_binary(data: bytes, codec: str) -> str | None:
     if nuls / len(sample) > MAX_NUL_SHARE:
         return (
             f"looks binary: {nuls} NUL bytes in the first {len(sample)} bytes "
-            f"(the first at byte offset {sample.index(0)})"
+            f"(the first at byte offset {sample.index(0)}){_utf16_hint(sample)}"
         )
     controls = sum(sample.count(b) for b in _CONTROL_BYTES)
     if controls / len(sample) > MAX_CONTROL_SHARE:
@@ -380,8 +429,21 @@ def looks_binary(data: bytes, codec: str) -> str | None:
     return None
 
 
+def _utf16_hint(sample: bytes) -> str:
+    """``""``, or, when at least half the odd (even) bytes of ``sample`` are NULs and
+    hardly any others (mostly ASCII text in UTF-16 without a byte-order mark), a hint to
+    pass ``--encoding utf-16-le`` (``-be``)."""
+    even, odd = sample[0::2], sample[1::2]
+    if len(sample) < 4 or len(sample) % 2:
+        return ""
+    for zeros, other, codec in ((odd, even, "utf-16-le"), (even, odd, "utf-16-be")):
+        if zeros.count(0) >= 0.5 * len(zeros) and other.count(0) <= 0.1 * len(other):
+            return f"; it may be UTF-16 text without a byte-order mark: pass --encoding {codec}"
+    return ""
+
+
 def decode_bytes(data: bytes, codec: str, errors: str = "strict") -> str:
-    """Decode ``data``; a UTF-8 BOM is skipped.
+    """Decode ``data``; a byte-order mark of ``codec`` (:func:`text_codec`) is skipped.
 
     Raises
     ------
@@ -389,20 +451,28 @@ def decode_bytes(data: bytes, codec: str, errors: str = "strict") -> str:
         Invalid input under ``errors="strict"``; the message names the byte offset
         (counted in the file, BOM included) and the line.
     """
-    offset = 0
-    if codec == "utf-8" and data.startswith(_UTF8_BOM):
-        offset = len(_UTF8_BOM)
+    offset = _bom_length(data, codec)
     try:
         text = data[offset:].decode(codec, errors)
     except UnicodeDecodeError as exc:
         at = offset + exc.start
         line = data[:at].count(b"\n") + 1
+        other = "or --encoding to read it as another encoding (e.g. latin-1, cp1252)"
+        if offset:  # --encoding does not apply to it
+            other = f"it starts with a {codec} byte-order mark, so it is read as {codec}"
+            other += " whatever --encoding says"
         raise ValueError(
             f"invalid {codec} at byte offset {at} (line {line}, byte 0x{data[at]:02x}); "
-            "pass --errors replace to substitute U+FFFD, or --encoding to read it as "
-            "another encoding (e.g. latin-1, cp1252)"
+            f"pass --errors replace to substitute U+FFFD; {other}"
         ) from None
     return text.removeprefix("\ufeff")
+
+
+def _bom_length(data: bytes, codec: str) -> int:
+    """Length of ``data``'s byte-order mark when it is ``codec``'s (skipped before
+    decoding), else 0."""
+    found = bom_codec(data)
+    return found[1] if found is not None and found[0] == codec else 0
 
 
 def normalise_text(text: str) -> tuple[str, int]:
@@ -459,10 +529,11 @@ def document_prefix(
     data = _read_bytes(path, stdin, limit=limit)
     whole = len(data) <= limit
     data = data[:limit]
-    codec = codecs.lookup(encoding).name
-    refused = format_reason(data, codec)
+    asked = codecs.lookup(encoding).name
+    refused = format_reason(data, asked)
     if refused:
         raise DocumentError(path, refused)
+    codec = text_codec(data, asked)
     binary = looks_binary(data, codec)
     if binary and not allow_binary:
         raise DocumentError(path, binary)
@@ -472,7 +543,7 @@ def document_prefix(
         if whole:
             text = decode_bytes(data, codec, errors)
         else:  # a character cut at the end waits for bytes that were not read: left out
-            start = len(_UTF8_BOM) if codec == "utf-8" and data.startswith(_UTF8_BOM) else 0
+            start = _bom_length(data, codec)
             decoder = codecs.getincrementaldecoder(codec)(errors)
             text = decoder.decode(data[start:], final=False).removeprefix("\ufeff")
     except ValueError as exc:  # UnicodeDecodeError too

@@ -151,6 +151,25 @@ def test_bad_document_fails_its_job_only(cli, docs, tmp_path):
     assert records["beta"]["ok"]
 
 
+def test_encoding_utf16_does_not_garble_the_other_files_of_the_batch(cli, docs, tmp_path):
+    """Fresh-user finding: following the hint ``--encoding utf-16`` for a UTF-16 file in a
+    mixed batch decoded the ASCII file beside it as CJK gibberish, which ran "ok". A
+    byte-order mark now chooses the encoding by itself; a file without one that reads as
+    UTF-8 is refused under ``--encoding utf-16``, naming why, and the rest runs."""
+    (docs / "utf16.txt").write_bytes("Hello from a UTF-16 file.\n".encode("utf-16"))
+    (docs / "even.txt").write_bytes(b"Dogs bark loudly at night!!\n")
+    result = cli("--encoding", "utf-16", "-o", "out", "docs/utf16.txt", "docs/even.txt")
+    assert result.exit_code == 1, result.output
+    records = {r["id"]: r for r in read_results(tmp_path / "out")}
+    assert records["utf16"]["ok"]
+    assert not records["even"]["ok"] and records["even"]["final"] == "input"
+    assert "even.txt: is not utf-16 text" in records["even"]["error"]
+    assert "even.txt: is not utf-16 text" in " ".join(result.stderr.split())
+    plain = cli("-o", "plain", "docs/utf16.txt", "docs/even.txt")  # no --encoding needed
+    assert plain.exit_code == 0, plain.output
+    assert all(r["ok"] for r in read_results(tmp_path / "plain"))
+
+
 def test_allow_binary_reads_a_document_with_a_nul_and_warns(cli, docs, tmp_path):
     (docs / "note.txt").write_bytes(b"Notes\x00 on sorting.\n")
     refused = cli("docs/note.txt")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -77,11 +78,70 @@ def test_other_encoding_decodes(tmp_path):
     assert doc.text == "café"
 
 
-def test_utf16_needs_encoding_flag(tmp_path):
+def test_utf16_with_a_bom_is_read_with_or_without_the_encoding_flag(tmp_path):
+    """A byte-order mark is unambiguous: no ``--encoding utf-16`` needed (it was refused
+    with that hint, and following the hint in a mixed batch garbled the other files)."""
     path = write(tmp_path, "u16.txt", "hello".encode("utf-16"))
-    with pytest.raises(DocumentError, match="--encoding utf-16"):
-        read_document(path)
+    assert read_document(path).text == "hello"
     assert read_document(path, encoding="utf-16").text == "hello"
+
+
+@pytest.mark.parametrize(
+    "codec", ["utf-8", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"]
+)
+@pytest.mark.parametrize("asked", ["utf-8", "latin-1", "utf-16", "utf-32-be", "cp1252"])
+def test_a_byte_order_mark_wins_over_encoding(tmp_path, codec, asked):
+    before, text = "caf\u00e9 \u65e5\u672c\r\nsecond ", "\x1b line\n"
+    native = f"-{sys.byteorder[0]}e"  # what Python's utf-16 and utf-32 write
+    plain = codec + native if codec in ("utf-16", "utf-32") else codec
+    bom = "\ufeff".encode(plain)
+    data = bom + (before + text).encode(plain)
+    path = write(tmp_path, "bom.txt", data)
+    doc = read_document(path, encoding=asked)
+    assert doc.text == "caf\u00e9 \u65e5\u672c\nsecond  line\n"
+    assert doc.first_control == (len(bom) + len(before.encode(plain)), 2)
+    prefix, whole = textio.document_prefix(path, 8, encoding=asked)
+    assert whole and prefix == doc.text
+
+
+@pytest.mark.parametrize("asked", ["utf-16", "utf-16-le", "utf-32", "UTF-16BE"])
+def test_utf8_text_without_a_bom_is_not_read_as_utf16(tmp_path, asked):
+    """Fresh-user finding: under ``--encoding utf-16`` the 28-byte ASCII file of the same
+    batch became CJK gibberish, without a word, and ran."""
+    path = write(tmp_path, "even.txt", b"Dogs bark loudly at night!!\n")
+    with pytest.raises(DocumentError) as info:
+        read_document(path, encoding=asked)
+    assert info.value.path == path and info.value.sha256  # final: the same bytes fail again
+    assert "is not utf-" in info.value.reason and "no byte-order mark" in info.value.reason
+    assert "reads as UTF-8" in info.value.reason and "--encoding" in info.value.reason
+    with pytest.raises(DocumentError, match="is not utf-"):
+        textio.document_prefix(path, 8, encoding=asked)
+    assert read_document(path).text == "Dogs bark loudly at night!!\n"
+
+
+def test_utf16_without_a_bom_reads_with_its_encoding_and_hints_at_it(tmp_path):
+    data = "plain text, \u65e5\u672c\n".encode("utf-16-le")
+    path = write(tmp_path, "le.txt", data)
+    assert read_document(path, encoding="utf-16-le").text == "plain text, \u65e5\u672c\n"
+    with pytest.raises(DocumentError) as info:  # read as UTF-8: every other byte a NUL
+        read_document(path)
+    assert "looks binary" in info.value.reason
+    assert "UTF-16 text without a byte-order mark: pass --encoding utf-16-le" in info.value.reason
+    big_endian = write(tmp_path, "be.txt", "plain text\n".encode("utf-16-be"))
+    with pytest.raises(DocumentError, match="pass --encoding utf-16-be"):
+        read_document(big_endian)
+    with pytest.raises(DocumentError) as info:  # NULs, but not every other byte
+        read_document(write(tmp_path, "blob.bin", b"\x00\x01\x02\x00" * 100))
+    assert "UTF-16" not in info.value.reason
+
+
+def test_invalid_text_after_a_bom_says_the_mark_chose_the_encoding(tmp_path):
+    path = write(tmp_path, "bad.txt", b"\xef\xbb\xbfcaf\xe9\n")
+    with pytest.raises(DocumentError) as info:
+        read_document(path, encoding="latin-1")
+    assert "invalid utf-8 at byte offset 6" in info.value.reason
+    assert "starts with a utf-8 byte-order mark" in info.value.reason
+    assert read_document(path, errors="replace").text == "caf\ufffd\n"
 
 
 @pytest.mark.parametrize(
