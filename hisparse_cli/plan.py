@@ -46,6 +46,8 @@ class PlannedJob:
     left_out: positions in ``spec.inputs`` of the files the job left out, empty ones
         among several (:func:`~hisparse_cli.textio.read_documents`); its line's ``input``
         lists the others, ``input_left_out`` these.
+    left_out_reasons: why each of ``left_out`` was left out (empty, or only invisible
+        characters).
     settings: what ``settings_hash`` hashes (:func:`~hisparse_cli.keys.settings_record`),
         kept on its line as ``settings``.
     """
@@ -61,15 +63,19 @@ class PlannedJob:
     final: str | None = None
     left_out: tuple[int, ...] = ()
     settings: dict[str, Any] = field(default_factory=dict)
+    left_out_reasons: tuple[str, ...] = ()
 
     def with_documents(self, documents: Sequence[Document]) -> PlannedJob:
         """The same job keyed by ``documents`` (their content may have changed since planning)."""
         hashes = tuple(d.sha256 for d in documents)
         removed = sum(d.removed_controls for d in documents)
         read = {d.path for d in documents}
+        left_out = tuple(i for i, p in enumerate(self.spec.inputs) if Path(p) not in read)
+        why = dict(documents[0].left_out) if documents else {}
         return replace(
             self,
-            left_out=tuple(i for i, p in enumerate(self.spec.inputs) if Path(p) not in read),
+            left_out=left_out,
+            left_out_reasons=tuple(why.get(Path(self.spec.inputs[i]), EMPTY) for i in left_out),
             input_sha256=hashes,
             key=job_key(hashes, self.settings_hash),
             removed_controls=removed,
@@ -83,7 +89,11 @@ class PlannedJob:
         the files it read (``input_sha256`` theirs), and ``input_left_out`` (only when it
         left one out) the others, each with its ``index`` among the job's inputs."""
         inputs = self.spec.inputs
-        left_out = [{"path": str(inputs[i]), "index": i, "reason": EMPTY} for i in self.left_out]
+        reasons = self.left_out_reasons or (EMPTY,) * len(self.left_out)
+        left_out = [
+            {"path": str(inputs[i]), "index": i, "reason": reason}
+            for i, reason in zip(self.left_out, reasons, strict=True)
+        ]
         return {
             "id": self.spec.id,
             "output": self.spec.output,

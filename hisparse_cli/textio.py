@@ -22,7 +22,10 @@ Policy (applied in this order):
 5. Remaining C0 control characters other than ``\\t`` and ``\\n`` (a stray NUL, an ANSI
    escape byte, form feed ...) and DEL are **removed**; the count is reported so the
    caller can warn.
-6. A document that is empty or only whitespace after this is refused.
+6. A document that is empty or only whitespace after this is refused; invisible
+   characters count as whitespace there (zero-width and other format characters such as
+   U+200B or U+FEFF, every space, line and paragraph separator, fillers and variation
+   selectors: :func:`is_invisible`), so a file of only those is refused too, naming them.
 
 Every failure is a :class:`DocumentError` carrying the path and the reason.
 
@@ -39,6 +42,7 @@ import hashlib
 import os
 import re
 import stat
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,13 +149,19 @@ class DocumentError(Exception):
         Hex digest of the bytes that were refused: set when the refusal follows from the
         content (binary, undecodable, empty), so reading the same bytes with the same
         options fails again; ``None`` when the file could not be read at all.
+    empty : bool
+        The document has no text to read (:data:`EMPTY`, or only invisible characters):
+        of a job over several files it is left out (:func:`read_documents`).
     """
 
-    def __init__(self, path: Path | str, reason: str, sha256: str | None = None) -> None:
+    def __init__(
+        self, path: Path | str, reason: str, sha256: str | None = None, empty: bool = False
+    ) -> None:
         super().__init__(f"{shown_path(path)}: {reason}")
         self.path = Path(path)
         self.reason = reason
         self.sha256 = sha256
+        self.empty = empty
 
 
 @dataclass(frozen=True)
@@ -165,6 +175,9 @@ class Document:
         ``None`` when none was removed.
     warning: set when the document looked binary and was read anyway (``allow_binary``);
         names the file and says what was done.
+    left_out: of the first document of a job over several files
+        (:func:`read_documents`), the files the job left out, each with its refusal's
+        reason (empty or only invisible characters).
     """
 
     path: Path
@@ -173,6 +186,7 @@ class Document:
     removed_controls: int = 0
     warning: str = ""
     first_control: tuple[int, int] | None = None
+    left_out: tuple[tuple[Path, str], ...] = ()
 
     @property
     def control_note(self) -> str:
@@ -250,7 +264,9 @@ def read_document(
     first = first_control(data, text, codec) if _CONTROL_CHARS.search(text) else None
     text, removed = normalise_text(text)
     if not text.strip():
-        raise DocumentError(path, EMPTY, digest)
+        raise DocumentError(path, EMPTY, digest, empty=True)
+    if not has_visible(text):
+        raise DocumentError(path, invisible_reason(text), digest, empty=True)
     return Document(path, text, digest, removed, warning, first if removed else None)
 
 
@@ -296,6 +312,54 @@ def first_control(data: bytes, text: str, codec: str) -> tuple[int, int] | None:
 EMPTY = "is empty or only whitespace"
 """:class:`DocumentError` reason of a document with no text."""
 
+_INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})
+_BLANK_CHARS = frozenset(
+    "\u034f\u115f\u1160\u17b4\u17b5\u180b\u180c\u180d\u180e\u180f\u2800\u3164\uffa0"
+)
+"""Characters of other categories that show nothing: the combining grapheme joiner,
+Hangul fillers, Khmer inherent vowels, Mongolian variation selectors, the blank Braille
+pattern."""
+
+
+def is_invisible(char: str) -> bool:
+    """Whether ``char`` shows nothing: whitespace, a control or format character (Unicode
+    category Cc, Cf: U+200B-U+200D, U+2060, U+FEFF, U+00AD ...), a space, line or
+    paragraph separator (Zs, Zl, Zp), a variation selector or a filler
+    (:data:`_BLANK_CHARS`)."""
+    if char.isspace() or char in _BLANK_CHARS:
+        return True
+    code = ord(char)
+    if 0xFE00 <= code <= 0xFE0F or 0xE0100 <= code <= 0xE01EF:  # variation selectors
+        return True
+    return unicodedata.category(char) in _INVISIBLE_CATEGORIES
+
+
+def has_visible(text: str) -> bool:
+    """Whether ``text`` has a character that is not :func:`is_invisible` (the first
+    character past the leading whitespace answers for nearly every document)."""
+    at = 0
+    while (found := _NOT_SPACE.search(text, at)) is not None:
+        if not is_invisible(found.group()):
+            return True
+        at = found.end()
+    return False
+
+
+_NOT_SPACE = re.compile(r"\S")
+
+
+def invisible_reason(text: str) -> str:
+    """:class:`DocumentError` reason of a document with characters but no visible one:
+    :data:`EMPTY`, then which invisible characters it holds (the first 5 kinds, ASCII
+    whitespace left unnamed)."""
+    kinds = list(dict.fromkeys(c for c in text if not c.isspace() or ord(c) > 0x7F))
+    shown = ", ".join(f"U+{ord(c):04X} {unicodedata.name(c, '(unnamed)')}" for c in kinds[:5])
+    more = f" and {len(kinds) - 5} more kind(s)" if len(kinds) > 5 else ""
+    return (
+        f"{EMPTY} or invisible characters: its {len(text)} character(s) show nothing "
+        f"({shown}{more})"
+    )
+
 
 def read_documents(
     paths: Sequence[Path],
@@ -309,15 +373,16 @@ def read_documents(
 
     Of a job over several files, an empty one adds nothing to the joined text, so it is
     left out with a warning (on the first document kept) instead of failing the job (a
-    fresh user's ``input: '**/*.txt'`` failed for one empty file among six); a job whose
-    files are all empty raises the first one's :class:`DocumentError`."""
+    fresh user's ``input: '**/*.txt'`` failed for one empty file among six; a file of only
+    invisible characters counts as empty, :attr:`DocumentError.empty`); a job whose files
+    are all empty raises the first one's :class:`DocumentError`."""
     documents: list[Document] = []
     empty: list[DocumentError] = []
     for p in paths:
         try:
             documents.append(read_document(p, encoding, errors, allow_binary, stdin))
         except DocumentError as exc:
-            if exc.reason != EMPTY or len(paths) == 1:
+            if not exc.empty or len(paths) == 1:
                 raise
             empty.append(exc)
     if not documents:
@@ -327,7 +392,8 @@ def read_documents(
         note = f"left out {len(empty)} empty file(s) of the job's inputs: {names}"
         first = documents[0]
         warning = f"{first.warning}; {note}" if first.warning else note
-        documents[0] = dataclasses.replace(first, warning=warning)
+        left_out = tuple((e.path, e.reason) for e in empty)
+        documents[0] = dataclasses.replace(first, warning=warning, left_out=left_out)
     return documents
 
 

@@ -1827,6 +1827,30 @@ def test_an_empty_file_among_a_jobs_inputs_is_left_out_with_a_warning(cli, docs,
     assert not records["none"]["ok"] and "is empty or only whitespace" in records["none"]["error"]
 
 
+def test_a_document_of_only_invisible_characters_fails_as_empty(cli, docs, tmp_path):
+    """Fresh-user finding: a file of only zero-width and other invisible characters ran
+    and got a made-up summary. It fails its job as empty, naming them; among a job's
+    several files it is left out, its line saying why."""
+    (docs / "invisible.txt").write_bytes("\u200b\ufeff\u00a0\u2028\u3000".encode())
+    (tmp_path / "jobs.yaml").write_text(
+        "jobs:\n  - id: both\n    input: [docs/alpha.txt, docs/invisible.txt]\n"
+    )
+    result = cli("docs/invisible.txt", "docs/beta.txt")
+    assert result.exit_code == 1, result.output
+    records = {r["id"]: r for r in read_results(tmp_path / "hisparse-out")}
+    assert records["beta"]["ok"] and not records["invisible"]["ok"]
+    error = records["invisible"]["error"]
+    assert error.startswith(f"{docs / 'invisible.txt'}: is empty or only whitespace or invisible")
+    assert "U+200B ZERO WIDTH SPACE" in error and records["invisible"]["final"] == "input"
+    several = cli("--manifest", "jobs.yaml", "-o", "several")
+    assert several.exit_code == 0, several.output
+    (record,) = read_results(tmp_path / "several")
+    assert record["input"] == [str(docs / "alpha.txt")]
+    (left_out,) = record["input_left_out"]
+    assert left_out["path"] == str(docs / "invisible.txt") and left_out["index"] == 1
+    assert left_out["reason"].startswith("is empty or only whitespace or invisible characters")
+
+
 def test_a_left_out_empty_file_is_not_listed_as_an_input_of_the_job(cli, docs, tmp_path):
     """Fresh-user finding: the empty file a job left out (with a warning) was still in
     its ``input`` list in ``results.jsonl``, beside an ``input_sha256`` of the other files

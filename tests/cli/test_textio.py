@@ -196,6 +196,43 @@ def test_empty_or_whitespace_is_refused(tmp_path, data):
         read_document(write(tmp_path, "empty.txt", data))
 
 
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("\u200b\ufeff\u00a0\u2028\u3000", "U+200B ZERO WIDTH SPACE"),  # the trial's file
+        ("\ufeff\u200b\u200c\u200d\u2060\n", "U+2060 WORD JOINER"),
+        (" \u00ad\u2029\u202f\u2062\u180e\u3164\ufe0f\U000e0001\u2800\t\n", "U+00AD SOFT HYPHEN"),
+        ("\x85\u200e\u200f\u061c", "U+200E LEFT-TO-RIGHT MARK"),  # NEL (C1), bidi marks
+    ],
+)
+def test_only_invisible_characters_is_refused_as_empty_naming_them(tmp_path, text, named):
+    """Fresh-user finding: a file of only U+200B, U+FEFF, U+00A0, U+2028, U+3000 ran as
+    80 tokens and got a made-up summary. Invisible characters count as whitespace."""
+    path = write(tmp_path, "invisible.txt", text.encode())
+    with pytest.raises(DocumentError) as info:
+        read_document(path)
+    assert info.value.empty and info.value.sha256  # final, left out among several
+    assert info.value.reason.startswith("is empty or only whitespace or invisible characters")
+    assert named in info.value.reason
+
+
+@pytest.mark.parametrize(
+    "text", ["\u200bhello", "\u3000\u200b\u00b7", "\u200d\U0001f600", "\u0301"]
+)
+def test_one_visible_character_among_invisible_ones_is_text(tmp_path, text):
+    assert read_document(write(tmp_path, "a.txt", text.encode())).text == text
+
+
+def test_a_file_of_invisible_characters_is_left_out_of_a_job_of_several(tmp_path):
+    one = write(tmp_path, "one.txt", b"Some text.\n")
+    blank = write(tmp_path, "blank.txt", "\u200b\u2060\n".encode())
+    documents = read_documents([one, blank])
+    assert [d.path for d in documents] == [one]
+    assert "left out 1 empty file(s) of the job's inputs" in documents[0].warning
+    ((path, reason),) = documents[0].left_out
+    assert path == blank and "U+2060 WORD JOINER" in reason
+
+
 def test_missing_file_and_directory(tmp_path):
     with pytest.raises(DocumentError, match="not found"):
         read_document(tmp_path / "nope.txt")
