@@ -7,7 +7,12 @@ Durability:
   one, never half of one.
 - Each ``results.jsonl`` line is one ``os.write`` on a descriptor opened with
   ``O_APPEND``, followed by ``fsync``. A kill can at worst leave the *last* line
-  truncated; :func:`read_results` ignores it with a warning and the next append
+  truncated; :func:`read_results` ignores it with a warning, and the next run
+  (:meth:`ResultsLog.set_aside_broken_lines`, holding the lock) moves its bytes to a new
+  ``results.jsonl.partial`` file (``.partial.2`` ... beside an earlier one, never over it)
+  and cuts ``results.jsonl`` back to its last complete line, so the file stays valid JSON
+  lines; so it does with a line in the middle that is not JSON (a cut-short line an
+  earlier version left there, appending after it). If that is not done, the next append
   starts with a newline so the damage never spreads.
 - Lines are never rewritten: a redone job appends a new line and readers take the
   last line per id. The one exception is :meth:`ResultsLog.compact`, which drops
@@ -18,6 +23,7 @@ Durability:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -32,6 +38,9 @@ from hisparse_cli.naming import EarlierJob
 from hisparse_cli.textio import input_identity
 
 RESULTS_FILE = "results.jsonl"
+PARTIAL_FILE = RESULTS_FILE + ".partial"
+"""Where the bytes of cut-short ``results.jsonl`` lines are moved (``.partial.2`` ... when
+it exists: :meth:`ResultsLog.set_aside_broken_lines`)."""
 LOCK_FILE = ".hisparse.lock"
 SUCCESS_REASONS = ("stop", "length")
 FINAL_INPUT, FINAL_PROMPT = "input", "prompt"
@@ -251,6 +260,35 @@ def given_inputs(record: dict[str, Any]) -> list[str]:
     return given
 
 
+def _is_json(line: bytes) -> bool:
+    """Whether ``line`` is a JSON value (of any kind): one that is not was cut short."""
+    try:
+        json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return True
+
+
+def _new_partial_file(folder: Path, data: bytes) -> Path:
+    """Write ``data`` durably to a new file :data:`PARTIAL_FILE` in ``folder``, or
+    ``.partial.2``, ``.partial.3`` ... when it exists (an earlier run's is never
+    overwritten); its path."""
+    number = 1
+    while True:
+        path = Path(folder) / (PARTIAL_FILE if number == 1 else f"{PARTIAL_FILE}.{number}")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            number += 1
+            continue
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        _fsync_dir(path.parent)
+        return path
+
+
 def _parse_line(line: bytes) -> dict[str, Any] | None:
     try:
         record = json.loads(line)
@@ -295,6 +333,56 @@ class ResultsLog:
         if record is None or not key or record.get("key") != key or is_success(record):
             return None
         return record if record.get("final") == kind else None
+
+    def set_aside_broken_lines(self) -> str | None:
+        """Move the lines of ``results.jsonl`` that are not JSON (a truncated last line,
+        a write a kill cut short; or such a line in the middle, where an earlier version
+        appended after it) to a new :data:`PARTIAL_FILE` (their bytes, each followed by a
+        newline; written and synced first, so a crash leaves them in both files, never in
+        neither), then replace ``results.jsonl`` atomically with the other lines, ending
+        in a newline: the file is valid JSON lines again. Lines that are JSON but not an
+        object with an id are left (and warned about) as they are. Call it holding the
+        output dir's lock, before :meth:`append`. :attr:`existing` is read again, but keeps
+        its ``truncated_tail`` (the cut job's text file may be replaced).
+
+        Returns
+        -------
+        str or None
+            What was done, naming the lines and the file they went to (for stderr); ``None``
+            when every line was JSON.
+        """
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        lines = data.split(b"\n")
+        broken = [n for n, line in enumerate(lines) if line.strip() and not _is_json(line)]
+        if not broken:
+            return None
+        moved = b"".join(lines[n] + b"\n" for n in broken)
+        partial = _new_partial_file(self.path.parent, moved)
+        kept = b"\n".join(line for n, line in enumerate(lines) if n not in broken)
+        if kept and not kept.endswith(b"\n"):
+            kept += b"\n"
+        write_bytes_atomic(self.path, kept)
+        self.close()  # the file was replaced: appends reopen it
+        tail = self.existing.truncated_tail
+        self.existing = dataclasses.replace(read_results(self.path), truncated_tail=tail)
+        self.latest = dict(self.existing.latest)
+        self._needs_newline = False
+        last = len(lines) - 1
+        what = [
+            f"truncated last line {n + 1} (interrupted write)"
+            if n == last
+            else f"line {n + 1} (not JSON: a line cut short, with lines appended after it)"
+            for n in broken
+        ]
+        size = sum(len(lines[n]) for n in broken)
+        return (
+            f"{self.path}: {', '.join(what)}: moved {'its' if len(broken) == 1 else 'their'} "
+            f"{size} bytes to {partial} (a new file); {self.path.name} now holds only its "
+            "complete lines"
+        )
 
     def compact(self) -> int:
         """Drop superseded failure lines from ``results.jsonl``: a line that did not

@@ -1494,6 +1494,7 @@ class BatchRun:
         return first == signal.SIGTERM or (first is None and self.sigterm.received)
 
     def _run_locked(self, config_doc: dict[str, Any]) -> int:
+        set_aside = self.log.set_aside_broken_lines()  # lines cut short: to a .partial file
         self.log.compact()  # superseded failure lines of earlier runs
         self.earlier_engine = earlier_engine_settings(self.output_dir)  # before we write ours
         planned = plan_jobs(
@@ -1537,7 +1538,7 @@ class BatchRun:
         interrupted = False
         config_error = None
         with self.reporter:
-            for warning in self.log.existing.warnings:
+            for warning in [*([set_aside] if set_aside else []), *self.log.existing.warnings]:
                 self.reporter.note(warning, "warning")
             for rejected in self.manifest.rejected:  # bad OpenAI-batch lines: the rest run
                 self.reporter.note(str(rejected), "error")

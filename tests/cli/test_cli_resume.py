@@ -224,6 +224,31 @@ def test_truncated_last_line_is_ignored_with_warning(run, tmp_path):
     assert path.read_bytes().endswith(b"\n")
 
 
+def test_a_half_written_last_line_is_set_aside_and_the_file_stays_json_lines(run, tmp_path):
+    """Fresh-user finding: after ``{"id": "half", "ok": tr`` (no newline) the run warned,
+    then appended a newline and its lines after the half line, and every later run said
+    ``ignoring line N: not a JSON object with an id``. The half line now goes to
+    results.jsonl.partial, said on stderr, and every line of results.jsonl is JSON."""
+    run()
+    path = tmp_path / "hisparse-out" / "results.jsonl"
+    before = path.read_bytes()
+    path.write_bytes(before + b'{"id": "half", "ok": tr')
+    result, seen = run("--force")
+    assert result.exit_code == 0, result.output
+    assert seen == ["a", "b", "c"]
+    partial = tmp_path / "hisparse-out" / "results.jsonl.partial"
+    err = " ".join(result.stderr.split())
+    assert "warning: hisparse-out/results.jsonl: truncated last line 4 (interrupted write): " in err
+    assert "moved its 23 bytes to hisparse-out/results.jsonl.partial (a new file)" in err
+    assert partial.read_bytes() == b'{"id": "half", "ok": tr\n'
+    assert path.read_bytes().startswith(before)
+    assert [r["id"] for r in lines(tmp_path)] == ["a", "b", "c", "a", "b", "c"]  # all JSON
+    again, seen = run()
+    assert again.exit_code == 0 and seen == []
+    assert "results.jsonl" not in again.stderr
+    assert partial.read_bytes() == b'{"id": "half", "ok": tr\n'
+
+
 def lines_tolerant(path):
     out = []
     for line in path.read_text().splitlines():

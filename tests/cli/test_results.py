@@ -91,6 +91,54 @@ def test_truncated_last_line_is_ignored_and_next_append_starts_a_new_line(tmp_pa
     assert read_results(path).warnings[0].endswith("ignoring line 2: not a JSON object with an id")
 
 
+def test_a_truncated_last_line_is_moved_to_a_partial_file(tmp_path):
+    """Fresh-user finding: the half line stayed in results.jsonl for ever, the next line
+    appended after it, so every later run warned about it and jq or pandas could not read
+    the file. Its bytes go to a new results.jsonl.partial (never over an earlier one) and
+    results.jsonl is cut back to its last complete line."""
+    path = tmp_path / "results.jsonl"
+    complete = json.dumps(ok_line("a")) + "\n"
+    path.write_text(complete + '{"id": "half", "ok": tr')
+    with ResultsLog(tmp_path) as log:
+        assert log.existing.truncated_tail == b'{"id": "half", "ok": tr'
+        note = log.set_aside_broken_lines()
+        assert note == (
+            f"{path}: truncated last line 2 (interrupted write): moved its 23 bytes to "
+            f"{tmp_path / 'results.jsonl.partial'} (a new file); results.jsonl now holds only "
+            "its complete lines"
+        )
+        assert log.existing.truncated_tail == b'{"id": "half", "ok": tr'  # its .txt: replaceable
+        assert path.read_text() == complete
+        log.append(ok_line("b"))
+    assert (tmp_path / "results.jsonl.partial").read_bytes() == b'{"id": "half", "ok": tr\n'
+    assert [json.loads(x)["id"] for x in path.read_text().splitlines()] == ["a", "b"]
+    assert read_results(path).warnings == ()
+    with ResultsLog(tmp_path) as log:  # nothing to do: no new file
+        assert log.set_aside_broken_lines() is None
+    path.write_bytes(path.read_bytes() + b'{"id": "c", "te')  # cut short again
+    with ResultsLog(tmp_path) as log:
+        assert "results.jsonl.partial.2 (a new file)" in log.set_aside_broken_lines()
+    assert (tmp_path / "results.jsonl.partial").read_bytes() == b'{"id": "half", "ok": tr\n'
+    assert (tmp_path / "results.jsonl.partial.2").read_bytes() == b'{"id": "c", "te\n'
+    assert [json.loads(x)["id"] for x in path.read_text().splitlines()] == ["a", "b"]
+
+
+def test_a_cut_line_in_the_middle_is_moved_too_and_other_lines_stay(tmp_path):
+    """What earlier versions left (a half line, then the next run's lines after it): the
+    half line goes to the .partial file; a JSON line that is not a record stays, warned
+    about, as it is."""
+    path = tmp_path / "results.jsonl"
+    first, last = json.dumps(ok_line("a")), json.dumps(ok_line("b"))
+    path.write_text(f'{first}\n{{"id": "half", "ok": tr\n["not", "a", "record"]\n{last}\n')
+    with ResultsLog(tmp_path) as log:
+        note = log.set_aside_broken_lines()
+        assert "results.jsonl: line 2 (not JSON: a line cut short, with lines appended" in note
+        assert list(log.latest) == ["a", "b"]
+        assert log.existing.warnings == (f"{path}: ignoring line 2: not a JSON object with an id",)
+    assert path.read_text() == f'{first}\n["not", "a", "record"]\n{last}\n'
+    assert (tmp_path / "results.jsonl.partial").read_text() == '{"id": "half", "ok": tr\n'
+
+
 def test_last_line_per_id_wins_and_done_needs_success_and_key(tmp_path):
     path = tmp_path / "results.jsonl"
     lines = [
