@@ -5,8 +5,8 @@ Policy (applied in this order):
 1. The file is read as bytes; its SHA-256 is the content hash used for resume.
 2. Refused as binary: a known binary signature (PDF, ZIP/Office, PNG, JPEG, GIF,
    gzip, ELF), or, for ASCII-compatible encodings, more than 1% NUL bytes or more than
-   5% other control bytes in the first 64 KiB (the message gives the byte offset of the
-   first NUL or control byte; NULs at every other byte add a hint that the file looks like
+   5% control bytes (:data:`CONTROL_CHARS`: those step 5 removes) in the first 64 KiB
+   (the message gives the byte offset of the first NUL or control byte; NULs at every other byte add a hint that the file looks like
    UTF-16 without a byte-order mark). ``allow_binary`` (``--allow-binary``) overrides the NUL
    and control-byte test, not the signatures: such a document is decoded with
    ``errors="replace"`` and carries a :attr:`Document.warning`.
@@ -22,7 +22,8 @@ Policy (applied in this order):
 5. Remaining C0 control characters other than ``\\t`` and ``\\n`` (a stray NUL, an ANSI
    escape byte, form feed ...) and DEL are **removed**; the count is reported so the
    caller can warn.
-6. A document that is empty or only whitespace after this is refused; invisible
+6. A document that is empty or only whitespace after this is refused (one that had
+   only NUL/control bytes, read with ``allow_binary``, says so); invisible
    characters count as whitespace there (zero-width and other format characters such as
    U+200B or U+FEFF, every space, line and paragraph separator, fillers and variation
    selectors: :func:`is_invisible`), so a file of only those is refused too, naming them.
@@ -73,8 +74,13 @@ _BOMS = (  # UTF-32 first: its little-endian mark starts with UTF-16's
     (codecs.BOM_UTF16_LE, "utf-16-le"),
     (codecs.BOM_UTF16_BE, "utf-16-be"),
 )
-_CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\r\f\v\x1b\x00")
-_CONTROL_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f]")
+CONTROL_CHARS = "".join(chr(c) for c in (*range(32), 0x7F) if chr(c) not in "\t\n\r")
+"""The control characters: C0 but tab, newline and carriage return (which becomes a
+newline), and DEL. One definition for what step 5 removes (and counts, and locates) and
+for what the binary test of step 2 counts and locates as control bytes (NUL among them)."""
+_CONTROL_BYTES = CONTROL_CHARS.encode("ascii")
+_CONTROL_CHARS = re.compile(f"[{re.escape(CONTROL_CHARS)}]")
+_CONTROL_BYTE = re.compile(b"[" + re.escape(_CONTROL_BYTES) + b"]")
 
 STDIN = Path("-")
 """The input path that stands for standard input (``hisparse run -``)."""
@@ -173,6 +179,8 @@ class Document:
     first_control: where the first of them was in the file, ``(byte offset, line)``
         (offset 0-based, counted in the file as stored, BOM included; line 1-based), or
         ``None`` when none was removed.
+    removed_nuls, first_nul: how many of them were NULs, and where the first NUL was (as
+        ``first_control``; the binary test's message names it).
     warning: set when the document looked binary and was read anyway (``allow_binary``);
         names the file and says what was done.
     left_out: of the first document of a job over several files
@@ -187,16 +195,25 @@ class Document:
     warning: str = ""
     first_control: tuple[int, int] | None = None
     left_out: tuple[tuple[Path, str], ...] = ()
+    removed_nuls: int = 0
+    first_nul: tuple[int, int] | None = None
 
     @property
     def control_note(self) -> str:
-        """``""``, or what step 5 removed from this file and where the first one was."""
+        """``""``, or what step 5 removed from this file and where the first one was; when
+        NULs were among them, how many and where the first NUL was (what the binary
+        test's message gives, so the two agree)."""
         if not self.removed_controls:
             return ""
         where = ""
         if self.first_control is not None:
             offset, line = self.first_control
             where = f" (the first at byte offset {offset}, line {line})"
+        if self.removed_nuls:
+            where += f"; {self.removed_nuls} of them NUL bytes"
+            if self.first_nul is not None:
+                offset, line = self.first_nul
+                where += f", the first at byte offset {offset} (line {line})"
         source = shown_path(self.path)
         return f"removed {self.removed_controls} control character(s) from {source}{where}"
 
@@ -262,21 +279,32 @@ def read_document(
     except ValueError as exc:
         raise DocumentError(path, str(exc), digest) from None
     first = first_control(data, text, codec) if _CONTROL_CHARS.search(text) else None
+    nuls = text.count("\x00")
+    first_nul = first_control(data, text, codec, "\x00") if nuls else None
     text, removed = normalise_text(text)
     if not text.strip():
-        raise DocumentError(path, EMPTY, digest, empty=True)
+        reason = EMPTY
+        if removed:  # an all-NUL file read with --allow-binary: not "whitespace"
+            of_them = f", {nuls} of them NUL" if nuls else ""
+            reason = (
+                f"has no text: only NUL/control bytes{' and whitespace' if text else ''}, "
+                f"which are removed ({removed} control character(s){of_them})"
+            )
+        raise DocumentError(path, reason, digest, empty=True)
     if not has_visible(text):
         raise DocumentError(path, invisible_reason(text), digest, empty=True)
-    return Document(path, text, digest, removed, warning, first if removed else None)
+    first = first if removed else None
+    return Document(
+        path, text, digest, removed, warning, first, removed_nuls=nuls, first_nul=first_nul
+    )
 
 
-_CONTROL_BYTE = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-_REMOVED_CHAR = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-
-
-def first_control(data: bytes, text: str, codec: str) -> tuple[int, int] | None:
-    """Where the first control character that :func:`normalise_text` removes sits in the
-    file: ``(byte offset, line)``, or ``None`` if there is none.
+def first_control(
+    data: bytes, text: str, codec: str, chars: str = CONTROL_CHARS
+) -> tuple[int, int] | None:
+    """Where the first control character that :func:`normalise_text` removes (or, with
+    ``chars``, the first of those) sits in the file: ``(byte offset, line)``, or ``None``
+    if there is none.
 
     Parameters
     ----------
@@ -289,14 +317,16 @@ def first_control(data: bytes, text: str, codec: str) -> tuple[int, int] | None:
         byte below 0x20 or 0x7F is that control character and never part of another
         character, so the offset is exact; in others (UTF-16...) it is the length of the
         encoded text before it.
+    chars
+        Some of :data:`CONTROL_CHARS` (``"\\x00"``: the first NUL).
     """
     if _ascii_compatible(codec):
-        match = _CONTROL_BYTE.search(data)
+        match = re.search(b"[" + re.escape(chars.encode("ascii")) + b"]", data)
         if match is None:
             return None
         at = match.start()
         return at, data[:at].count(b"\n") + 1
-    match = _REMOVED_CHAR.search(text)
+    match = re.search(f"[{re.escape(chars)}]", text)
     if match is None:
         return None
     before = text[: match.start()]
@@ -472,7 +502,9 @@ def looks_binary(data: bytes, codec: str) -> str | None:
     """Why ``data`` looks binary by its NUL or control bytes (first 64 KiB), or ``None``.
 
     Only for ASCII-compatible codecs; the message gives the byte offset of the first NUL
-    (or control byte) in the file.
+    (or control byte) in the file. Control bytes are :data:`CONTROL_CHARS`, NUL, escape,
+    form feed and DEL included: those step 5 would remove, so the count and the first
+    offset are the ones its warning gives (:attr:`Document.control_note`).
     """
     if not _ascii_compatible(codec):
         return None
@@ -487,7 +519,7 @@ def looks_binary(data: bytes, codec: str) -> str | None:
         )
     controls = sum(sample.count(b) for b in _CONTROL_BYTES)
     if controls / len(sample) > MAX_CONTROL_SHARE:
-        first = min(i for i in (sample.find(b) for b in _CONTROL_BYTES) if i >= 0)
+        first = _CONTROL_BYTE.search(sample).start()  # as first_control finds it
         return (
             f"looks binary: {controls} control bytes in the first {len(sample)} bytes "
             f"(the first at byte offset {first})"

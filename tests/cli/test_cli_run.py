@@ -183,6 +183,27 @@ def test_allow_binary_reads_a_document_with_a_nul_and_warns(cli, docs, tmp_path)
     assert read_results(tmp_path / "hisparse-out")[-1]["ok"]
 
 
+def test_allow_binary_warnings_agree_and_an_all_nul_file_says_so(cli, docs, tmp_path):
+    """Fresh-user findings: the binary warning gave the first NUL's offset and the removal
+    warning the first control byte's, unnamed, so they seemed to disagree; an all-NUL file
+    read with --allow-binary failed as ``empty or only whitespace``."""
+    (docs / "mixed.txt").write_bytes(
+        b"Status report: \x1b[1mbold\x1b[0m x\x00\x00\x00 more \x00\x00 ok\n"
+    )
+    (docs / "zeros.txt").write_bytes(b"\x00" * 64)
+    result = cli("--allow-binary", "docs/mixed.txt", "docs/zeros.txt")
+    assert result.exit_code == 1, result.output
+    err = " ".join(result.stderr.split())
+    assert "looks binary: 5 NUL bytes in the first 44 bytes (the first at byte offset 29)" in err
+    assert "5 of them NUL bytes, the first at byte offset 29 (line 1)" in err
+    records = {r["id"]: r for r in read_results(tmp_path / "hisparse-out")}
+    assert records["mixed"]["ok"]
+    assert records["zeros"]["error"] == (
+        f"{docs / 'zeros.txt'}: has no text: only NUL/control bytes, which are removed "
+        "(64 control character(s), 64 of them NUL)"
+    )
+
+
 def test_errors_replace_lets_invalid_utf8_through(cli, docs, tmp_path):
     (docs / "bad-utf8.txt").write_bytes(b"fine\n\xff")
     assert cli("docs/bad-utf8.txt", "--errors", "replace").exit_code == 0

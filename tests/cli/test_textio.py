@@ -185,6 +185,63 @@ def test_allow_binary_decodes_with_replacement_and_warns(tmp_path):
     assert read_document(write(tmp_path, "plain.txt", b"plain\n"), allow_binary=True).warning == ""
 
 
+def test_the_binary_message_and_the_removal_warning_agree_on_offsets(tmp_path):
+    """Fresh-user finding: on a file with an ESC byte and NULs the binary check said
+    ``the first at byte offset 29`` and the removal warning ``the first at byte offset 15``:
+    the first NUL and the first control byte, unnamed. The warning now also gives the NULs
+    among the removed characters, with the binary message's offset."""
+    data = b"Status report: \x1b[1mbold\x1b[0m x\x00\x00\x00 more \x00\x00 text here and there\n"
+    path = write(tmp_path, "mixed.txt", data)
+    with pytest.raises(DocumentError) as info:
+        read_document(path)
+    assert "looks binary: 5 NUL bytes in the first 61 bytes (the first at byte offset 29)" in (
+        info.value.reason
+    )
+    doc = read_document(path, allow_binary=True)
+    assert "5 NUL bytes in the first 61 bytes (the first at byte offset 29)" in doc.warning
+    assert doc.control_note == (
+        f"removed 7 control character(s) from {path} (the first at byte offset 15, line 1); "
+        "5 of them NUL bytes, the first at byte offset 29 (line 1)"
+    )
+
+
+@pytest.mark.parametrize("controls", [b"\x1b\x7f\x0c\x0b", b"\x01\x1b", b"\x7f\x02\x1f"])
+def test_the_binary_test_counts_the_control_bytes_that_are_removed(tmp_path, controls):
+    """One definition: the control bytes the binary test counts and locates are the ones
+    reading removes (escape, form feed, vertical tab and DEL were removed, but not
+    counted, so a file of them was read while its count and first offset disagreed)."""
+    data = b"some text\n" + controls * 10 + b" end\n"
+    path = write(tmp_path, "ctl.txt", data)
+    with pytest.raises(DocumentError) as info:
+        read_document(path)
+    count, first = 10 * len(controls), len(b"some text\n")
+    assert f"{count} control bytes in the first {len(data)} bytes" in info.value.reason
+    assert f"(the first at byte offset {first})" in info.value.reason
+    doc = read_document(path, allow_binary=True)
+    assert doc.removed_controls == count and doc.first_control == (first, 2)
+    removed = f"removed {count} control character(s) from {path}"
+    assert doc.control_note == f"{removed} (the first at byte offset {first}, line 2)"
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (b"\x00" * 100, "has no text: only NUL/control bytes, which are removed (100 control "
+         "character(s), 100 of them NUL)"),
+        (b"\x00\x00  \n\x00", "only NUL/control bytes and whitespace"),
+        (b"\x07\x7f" * 20, "only NUL/control bytes, which are removed (40 control character(s))"),
+    ],
+    ids=["all-nul", "nul-and-whitespace", "bel-and-del"],
+)  # fmt: skip
+def test_a_file_of_only_control_bytes_read_anyway_says_so(tmp_path, data, says):
+    """Fresh-user finding: an all-NUL file read with --allow-binary failed with ``is empty
+    or only whitespace``."""
+    with pytest.raises(DocumentError) as info:
+        read_document(write(tmp_path, "nul.bin", data), allow_binary=True)
+    assert says in info.value.reason and "is empty or only whitespace" not in info.value.reason
+    assert info.value.empty  # among a job's files: left out, as an empty one is
+
+
 def test_allow_binary_does_not_override_known_formats(tmp_path):
     with pytest.raises(DocumentError, match="PDF"):
         read_document(write(tmp_path, "a.pdf", b"%PDF-1.7\n\x00\x00"), allow_binary=True)
