@@ -1297,6 +1297,8 @@ def check_output_dir(output_dir: Path) -> None:
         why = "is not a folder" if not parent.is_dir() else None
         if why is None and not os.access(parent, os.W_OK | os.X_OK):
             why = "is not writable"
+        if why is None:  # os.access says yes to root even where no folder can be made
+            why = folder_probe_problem(parent)  # (/proc, /sys): make one, removed at once
         if why:
             raise UsageError(f"cannot create output dir {output_dir}: {parent} {why}")
     for name in (RESULTS_FILE, CONFIG_FILE, LOCK_FILE):  # a folder there: a traceback before
@@ -1310,6 +1312,17 @@ def check_output_dir(output_dir: Path) -> None:
         problem = lock_file_problem(output_dir)
         if problem:
             raise UsageError(f"--output-dir {output_dir} is not writable: {problem}")
+
+
+def folder_probe_problem(parent: Path) -> str | None:
+    """Why no folder can be made in the existing folder ``parent`` (``takes no new folders
+    (No such file or directory)``), or ``None``: makes an empty probe folder there and
+    removes it at once, so ``--print-config`` leaves nothing behind."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".hisparse.probe.", dir=parent))
+    except OSError as exc:
+        return f"takes no new folders ({exc.strerror or exc})"
+    return None
 
 
 def check_trace_path(config: EngineConfig) -> None:

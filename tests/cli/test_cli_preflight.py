@@ -5,8 +5,10 @@ what ``--print-config`` reports about this machine."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
+from pathlib import Path
 
 import gguf
 import pytest
@@ -206,6 +208,47 @@ def test_an_output_dir_that_cannot_be_made_is_refused_by_print_config_too(cli, d
     assert printed.exit_code == 0, printed.output
     (problem,) = json.loads(printed.stdout)["problems"]
     assert words in " ".join(problem.split())
+
+
+def test_an_output_dir_in_a_folder_that_takes_no_new_folders_is_refused_by_print_config(
+    cli, docs, tmp_path, monkeypatch
+):
+    """Fresh-user finding: ``--print-config -o /proc/foo`` (root: os.access says yes to
+    /proc) printed no problem, exit 0, while the run refused it when it made the folder.
+    The check makes a probe folder in the nearest existing one, removed at once; here a
+    folder whose mkdir fails as /proc's does."""
+    (tmp_path / "proc").mkdir()
+    real_mkdir = os.mkdir
+
+    def no_folders_here(path, *args, **kwargs):
+        if Path(path).absolute().parent == tmp_path / "proc":
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", no_folders_here)
+    words = f"cannot create output dir proc/foo: {tmp_path / 'proc'} takes no new folders"
+    printed = cli("docs/beta.txt", "-o", "proc/foo", "--print-config")
+    assert printed.exit_code == 0, printed.output
+    (problem,) = json.loads(printed.stdout)["problems"]
+    assert f"{words} (No such file or directory)" in " ".join(problem.split())
+    run = cli("docs/beta.txt", "-o", "proc/foo", engine=never_load)
+    assert run.exit_code == 2, run.output
+    assert words in " ".join(run.stderr.split()) and "Traceback" not in run.output
+    monkeypatch.setattr(os, "mkdir", real_mkdir)
+    clean = cli("docs/beta.txt", "-o", "fine/out", "--print-config")  # the probe: removed
+    assert "problems" not in json.loads(clean.stdout)
+    assert not (tmp_path / "fine").exists() and list((tmp_path / "proc").iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs", "proc"]
+
+
+@pytest.mark.skipif(
+    not (Path("/proc/self").is_dir() and os.access("/proc", os.W_OK)),
+    reason="needs /proc as root (os.access says writable, no folder can be made)",
+)
+def test_proc_foo_as_output_dir_is_refused_by_print_config(cli, docs):
+    printed = cli("docs/beta.txt", "-o", "/proc/foo", "--print-config")
+    (problem,) = json.loads(printed.stdout)["problems"]
+    assert "cannot create output dir /proc/foo: /proc takes no new folders" in problem
 
 
 def test_device_cuda_without_cuda_exits_2_before_loading(cli, docs, tmp_path, monkeypatch):
