@@ -36,6 +36,23 @@ def nonempty_path(value: str | Path) -> Path:
     return Path(nonempty_text(value))
 
 
+def run_output_dir(value: str | Path) -> Path:
+    """Typer parser of ``hisparse run --output-dir``: :func:`nonempty_path`, and ``-``
+    (standard output, as for the documents) refused rather than made a folder named ``-``.
+
+    Raises
+    ------
+    typer.BadParameter : the value is empty or ``-``.
+    """
+    if str(value) == "-":
+        raise typer.BadParameter(
+            "'-' is not standard output here: results go to a folder (results.jsonl and "
+            "<job>.txt); to stream them, --json-progress writes each job_finished object, "
+            "its text included, as a JSON line on stdout; ./- names a folder called '-'"
+        )
+    return nonempty_path(value)
+
+
 def default_is(value: str) -> str:
     """`` [default: VALUE]`` for the help text of an option whose real default is ``None``
     ("not given": a preset or manifest may set it), shown as a value (Typer's
@@ -315,7 +332,7 @@ OutputDir = Annotated[
     typer.Option(
         "--output-dir",
         "-o",
-        parser=nonempty_path,
+        parser=run_output_dir,
         metavar="DIR",
         help="Where results.jsonl, config.json and <job>.txt go.",
         rich_help_panel=OUTPUT,

@@ -1816,6 +1816,26 @@ def test_output_dir_has_the_short_flag_o(cli, docs, tmp_path):
     assert not (tmp_path / "hisparse-out").exists()
 
 
+@pytest.mark.parametrize("flag", [("-o", "-"), ("--output-dir=-",)])
+def test_output_dir_dash_is_refused_and_says_how_to_stream(cli, docs, tmp_path, flag):
+    """Fresh-user finding: ``-o -`` (a user expecting stdout) made a folder named ``-``.
+    It is refused (exit 2, nothing made), naming the flag, where results go and how to
+    stream them; ``./-`` still names a folder called ``-``."""
+    result = cli("docs/alpha.txt", *flag)
+    assert result.exit_code == 2, result.output
+    err = " ".join(result.stderr.replace("│", " ").split())
+    assert "Invalid value for '--output-dir' / '-o': '-' is not standard output here" in err
+    assert "results go to a folder" in err and "--json-progress" in err and "./-" in err
+    assert cli.factory.engines == [] and sorted(p.name for p in tmp_path.iterdir()) == ["docs"]
+    streamed = cli("docs/alpha.txt", "--json-progress")  # what the message promises
+    finished = [json.loads(line) for line in streamed.stdout.splitlines()]
+    (done,) = [e for e in finished if e["event"] == "job_finished"]
+    assert done["job_id"] == "alpha" and done["text"]
+    named = cli("docs/beta.txt", "-o", "./-")
+    assert named.exit_code == 0, named.output
+    assert [r["id"] for r in read_results(tmp_path / "-")] == ["beta"]
+
+
 def test_job_where_names_the_document_standard_input_or_the_manifest_line():
     from types import SimpleNamespace
 
