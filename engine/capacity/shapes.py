@@ -24,6 +24,7 @@ from engine.config import (
     check_shape,
     model_shape,
 )
+from engine.model.registry import UnsupportedArchitecture, for_hf
 
 MODEL_SHAPES: dict[str, ModelConfig] = {
     # HuggingFaceTB/SmolLM2-135M-Instruct; the embedded default model (DESIGN.md), whose
@@ -262,9 +263,11 @@ def shape_from_hf_config(path: str | Path) -> ModelConfig:
     Raises
     ------
     ConfigError
-        The file cannot be read, is not JSON, is not a JSON object, or lacks a field or
-        has one of the wrong type or out of range (the message names the file and the
-        field).
+        The file cannot be read, is not JSON, is not a JSON object, names an architecture
+        the engine does not run (``architectures``, else ``model_type``, checked first as
+        the loader does; a file naming neither is read as a Llama-family shape), or lacks
+        a field or has one of the wrong type or out of range (the message names the file
+        and the field).
     """
     path = Path(path)
     try:
@@ -273,6 +276,11 @@ def shape_from_hf_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: cannot read it as JSON: {exc}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path}: a config.json is a JSON object, got {type(cfg).__name__}")
+    if cfg.get("architectures") or cfg.get("model_type") is not None:
+        try:  # the loader's first check (read_hf_config): another kind of model is named so
+            for_hf(cfg.get("architectures"), cfg.get("model_type"))
+        except UnsupportedArchitecture as exc:
+            raise ConfigError(f"{path}: {exc}") from None
     problems = []  # as the loader reports them (engine.weights.hf.read_hf_config)
     try:
         shape = hf_shape(cfg, path)

@@ -236,3 +236,51 @@ def test_config_json_records_the_max_batch_the_budget_allows(devices, monkeypatc
     assert document["effective"]["max_batch"] == (
         f"requested 4; memory_budget_gb 0.012 holds the hot buffers of {allowed} job(s) at once"
     )
+
+
+GPT2_CONFIG = {  # a tiny GPT2Config(...).save_pretrained(): GPT-2 names its shape its own way
+    "architectures": ["GPT2LMHeadModel"],
+    "model_type": "gpt2",
+    "n_layer": 2,
+    "n_embd": 32,
+    "n_head": 2,
+    "n_positions": 128,
+    "vocab_size": 100,
+    "activation_function": "gelu_new",
+    "layer_norm_epsilon": 1e-05,
+}
+
+
+def test_plan_names_an_unsupported_architecture_as_run_does(devices, tmp_path):
+    """Fresh-user finding: ``plan --model`` on a GPT-2 folder listed the Llama fields its
+    config.json lacks (``num_hidden_layers: missing`` ...) while ``run`` said GPT-2 is not
+    supported. Plan checks the architecture first, as the loader does, in its words; a
+    GGUF file of another ``general.architecture`` already was."""
+    import gguf
+    import numpy as np
+
+    from engine.weights.hf import HFModelError, read_hf_config
+
+    folder = tmp_path / "hf-gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(GPT2_CONFIG))
+    result = invoke("plan", "--model", str(folder), "--jobs", "1", "--context", "4K")
+    assert result.exit_code == 2, result.output
+    err = " ".join(result.stderr.split())
+    said = f"{folder / 'config.json'}: architectures=['GPT2LMHeadModel'] (model_type='gpt2')"
+    assert f"{said} is not supported; supported: LlamaForCausalLM" in err
+    assert "missing" not in err and "Traceback" not in result.output
+    with pytest.raises(HFModelError) as loader:  # what run says when it loads the folder
+        read_hf_config(folder)
+    assert " ".join(str(loader.value).split()) in err
+    writer = gguf.GGUFWriter(tmp_path / "gpt2.gguf", "gpt2")
+    writer.add_context_length(128)
+    writer.add_tensor("token_embd.weight", np.zeros((100, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    result = invoke("plan", "--model", str(tmp_path / "gpt2.gguf"), "-n", "1", "-c", "4K")
+    assert result.exit_code == 2, result.output
+    err = " ".join(result.stderr.split())
+    assert "gpt2.gguf: general.architecture='gpt2' is not supported (supported: llama" in err
