@@ -262,14 +262,16 @@ def _input_size(path: Path, stdin: bytes | None) -> int:
 @dataclass(frozen=True)
 class Oversized:
     """A document that may not fit the context limit beside ``max_new_tokens``: job id,
-    bytes, its estimated tokens (:func:`safe_tokens`, above the real count), and ``room``:
+    bytes, its estimated tokens (:func:`safe_tokens`, above the real count), ``room``:
     a ``max_new_tokens`` that fits beside its prompt per that estimate (``<= 0``: the
-    document alone may not fit)."""
+    document alone may not fit), and ``prompt``: the tokens of the prompt around it
+    (``template_tokens(spec, safe=True)``: its instruction and the chat template)."""
 
     job_id: str
     size: int
     tokens: int
     room: int = 0
+    prompt: int = 0
 
 
 BOUND_BYTES_PER_TOKEN = 1.0
@@ -299,7 +301,7 @@ def oversized_documents(
             continue  # the job fails on reading it, naming the file
         tokens = math.ceil(size / bytes_per_token)
         if tokens + template + max_tokens > limit:
-            found.append(Oversized(job_id, size, tokens, limit - tokens - template))
+            found.append(Oversized(job_id, size, tokens, limit - tokens - template, template))
     return found
 
 
@@ -311,18 +313,23 @@ def oversized_statement(found: Sequence[Oversized], limit: int, policy: str) -> 
 
     shown = ", ".join(f"{o.job_id} (~{o.tokens:,} tokens)" for o in found[:5])
     more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+    prompts = {o.prompt for o in found}  # the documents' own tokens are not all it counts
+    around = f"{'' if len(prompts) == 1 else 'up to '}~{max(prompts):,} tokens"
+    counted = (
+        f"with the prompt around them (the task's instruction and the chat template: "
+        f"{around}, counted high), estimated from their size before the model loads"
+    )
     if all(o.room > 0 for o in found):
         room = min(o.room for o in found)
         return (
             f"{len(found)} document(s) may not fit beside --max-new-tokens in the model's "
-            f"context of {limit:,} tokens, estimated from their size before the model "
-            f"loads: {shown}{more}; under --context-policy {policy} they would fail; "
-            f"{too_long_advice(policy, room=room, estimated=True)}"
+            f"context of {limit:,} tokens {counted}: {shown}{more}; under --context-policy "
+            f"{policy} they would fail; {too_long_advice(policy, room=room, estimated=True)}"
         )
     return (
         f"{len(found)} document(s) may be longer than the model's context of {limit:,} "
-        f"tokens, estimated from their size before the model loads: {shown}{more}; under "
-        f"--context-policy {policy} they would fail; {too_long_advice(policy)}"
+        f"tokens {counted}: {shown}{more}; under --context-policy {policy} they would "
+        f"fail; {too_long_advice(policy)}"
     )
 
 

@@ -356,6 +356,31 @@ def test_the_trial_document_near_the_context_gets_advice_safe_to_follow(tmp_path
     assert "may be longer" in statement and "estimated" in statement
 
 
+def test_a_short_document_flagged_for_a_tiny_context_is_told_the_prompt_counts(cli, docs, tmp_path):
+    """Fresh-user finding: a GGUF declaring a 128-token context gave ``1 document(s) may
+    be longer than the model's context of 128 tokens ... even (~10 tokens)``: 10 against
+    128, the prompt around the document left unsaid. The warning says what it counts:
+    the prompt around the documents, with its estimate, beside each document's own."""
+    model = str(tiny_gguf(tmp_path / "m.gguf", context=128))
+    (docs / "even.txt").write_text("Even short text here, ten tokens or so.\n")  # 41 bytes
+    result = cli("docs/even.txt", "--model", model, "--max-new-tokens", "4")
+    out = " ".join(result.output.split())
+    statement = "1 document(s) may be longer than the model's context of 128 tokens"
+    assert statement in out and "even (~15 tokens)" in out  # 41 bytes / 2.8
+    line = out[out.index(statement) :]
+    prompt = re.search(r"with the prompt around them \(the task's instruction and the chat "
+                       r"template: ~([\d,]+) tokens, counted high\), estimated", line)  # fmt: skip
+    assert prompt, line
+    assert int(prompt[1]) + 15 > 128 > 15 and int(prompt[1]) >= preflight.CHAT_TEMPLATE_TOKENS
+    room = preflight.oversized_statement(
+        [preflight.Oversized("a", 10, 4, 30, 50), preflight.Oversized("b", 10, 4, 20, 60)],
+        128,
+        "refuse",
+    )  # a document that fits alone: beside --max-new-tokens; prompts that differ
+    assert "may not fit beside --max-new-tokens in the model's context of 128 tokens with " in room
+    assert "chat template: up to ~60 tokens, counted high" in room
+
+
 def test_safe_estimate_is_above_the_real_token_count(smollm2_tokenizer):
     """The safe bytes-per-token bound overestimates the embedded tokenizer's count on
     ordinary text: every 16 KB stretch of this repository's README."""
