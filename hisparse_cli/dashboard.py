@@ -26,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from engine.events import Event, JobFailed, JobFinished
+from hisparse_cli.display import escaped, terminal_text
 from hisparse_cli.pipes import guard_consoles
 from hisparse_cli.progress import (
     FINISHED_PHASES,
@@ -367,7 +368,8 @@ def job_progress(row: JobRow, bar: bool = True) -> Text:
         figure = f"{100 * row.prefill_fraction:3.0f}%"
         return Text(f"{text_bar(row.prefill_fraction)} {figure}" if bar else figure, "yellow")
     if row.phase == "failed":
-        return Text(row.error[:60] if bar else row.error[:10], "red")
+        error = escaped(row.error)  # a file name's newline or escape sequence: shown as such
+        return Text(error[:60] if bar else error[:10], "red")
     if row.phase in ("queued", "skipped"):
         return Text("")
     limit = row.max_tokens or row.generated or 1
@@ -396,16 +398,16 @@ def render_summary(summary: RunSummary) -> Table:
     table.add_row(
         "time", f"{fmt_seconds(summary.wall_s)} ({fmt_rate(summary.decode_tok_s)} decode)"
     )
-    table.add_row("output", summary.output_dir)
+    table.add_row("output", Text(escaped(summary.output_dir)))  # Text: "[bold]" is a name
     if summary.preset:
-        table.add_row("preset", summary.preset)
+        table.add_row("preset", Text(escaped(summary.preset)))
     return table
 
 
 def finish_text(row: JobRow) -> Text:
     """One line when a job ends (printed above the live display)."""
-    if row.phase == "failed":
-        return Text(f"✗ {row.id}: {row.error}", "red")
+    if row.phase == "failed":  # one line, as the plain reporter's (reporters.finish_line)
+        return Text(f"✗ {row.id}: {escaped(row.error)}", "red")
     if row.phase == "cancelled":
         return Text(f"■ {row.id}: cancelled after {row.generated} tokens", "magenta")
     rate = fmt_rate(row.decode_tok_s)
@@ -485,7 +487,8 @@ class LiveDashboard:
         """Print a message above the display: info on stdout, warnings and errors on
         stderr (Rich's ``Live`` keeps both above the display)."""
         style = {"warning": "yellow", "error": "bold red"}.get(level, "")
-        (self.console if level == "info" else self.err_console).print(Text(message, style))
+        text = Text(terminal_text(message), style)  # no escape sequence of a name: shown
+        (self.console if level == "info" else self.err_console).print(text)
 
     def skipped(self, job_ids: list[str]) -> None:
         """Mention jobs skipped because results.jsonl already holds them."""

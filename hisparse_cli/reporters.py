@@ -53,6 +53,7 @@ from hisparse_cli.dashboard import (
     fmt_seconds,
     render_summary,
 )
+from hisparse_cli.display import escaped, terminal_text
 from hisparse_cli.pipes import STDOUT_CLOSED, guard
 from hisparse_cli.progress import (
     JobRow,
@@ -166,10 +167,11 @@ def progress_line(state: RunState, now: float) -> str:
 
 def finish_line(row: JobRow) -> str:
     """One line for a job that ended; a chunked job's tokens are its whole document's
-    (map jobs and reduce), as on its results line."""
+    (map jobs and reduce), as on its results line. One line it stays: a newline in the
+    error (a file name's) is written ``\\n`` (:func:`~hisparse_cli.display.escaped`)."""
     generated = row.generated + row.part_generated
     if row.phase == "failed":
-        return f"FAILED {row.id}: {row.error}"
+        return f"FAILED {row.id}: {escaped(row.error)}"
     if row.phase == "cancelled":
         return f"cancelled {row.id} after {generated} tokens"
     parts = f"; {row.parts} chunk parts + reduce" if row.parts else ""
@@ -242,9 +244,11 @@ class PlainReporter:
         console.print(render_summary(summary))
 
     def _write(self, line: str, stream: IO[str] | None = None) -> None:
+        """``line`` and a newline, no control character of it reaching the terminal
+        (:func:`~hisparse_cli.display.terminal_text`: a name's escape sequence)."""
         stream = stream or self.stream
         with self._lock:
-            stream.write(line.rstrip("\n") + "\n")
+            stream.write(terminal_text(line.rstrip("\n")) + "\n")
             stream.flush()
 
 

@@ -68,6 +68,7 @@ from engine.text.context import (
 from hisparse_cli import openai_batch, preflight, settings, textio
 from hisparse_cli.auto_preset import AUTO, AutoChoice, choose_preset
 from hisparse_cli.chunking import ChunkScheduler
+from hisparse_cli.display import terminal_text
 from hisparse_cli.extract import parse_extracted
 from hisparse_cli.keys import (
     DEFAULT_MODEL_ID,
@@ -146,8 +147,7 @@ def job_where(spec: Any) -> str:
     if not inputs:
         return str(spec.origin)
     more = f" and {len(inputs) - 1} more" if len(inputs) > 1 else ""
-    first = "standard input" if str(inputs[0]) == "-" else inputs[0]
-    return f"{first}{more}"
+    return f"{textio.shown_path(inputs[0])}{more}"  # control characters escaped
 
 
 class UsageError(Exception):
@@ -469,9 +469,7 @@ def execute(
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     for warning in manifest.warnings:
-        err_console.print(
-            f"warning: {warning}", style="yellow", markup=False, highlight=False, soft_wrap=True
-        )
+        _print_line(err_console, f"warning: {warning}", "yellow")
     document = config_document(config, request.preset, resolved_model(request.model))
     if choice is not None:
         document["preset_auto"] = choice.reason
@@ -489,13 +487,9 @@ def execute(
             printed["rejected"] = [str(r) for r in manifest.rejected]
         console.file.write(json.dumps(printed, indent=2, sort_keys=True, default=str) + "\n")
         for line in [f"a run would be refused here: {p}" for p in problems] + warnings:
-            err_console.print(
-                f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True
-            )
+            _print_line(err_console, f"warning: {line}", "yellow")
         for rejected in manifest.rejected:  # as the run reports them; the others would run
-            err_console.print(
-                f"error: {rejected}", style="red", markup=False, highlight=False, soft_wrap=True
-            )
+            _print_line(err_console, f"error: {rejected}", "red")
         return EXIT_OK
     batch = BatchRun(request, manifest, config, console, err_console)
     batch.preset_line = preset_line(request.preset, choice)
@@ -1364,10 +1358,17 @@ def check_trace_path(config: EngineConfig) -> None:
 
 
 def _usage_failure(err_console: Console, headline: str, problems: list) -> int:
-    err_console.print(headline, style="bold red", markup=False, highlight=False, soft_wrap=True)
+    _print_line(err_console, headline, "bold red")
     for problem in problems:
-        err_console.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
+        _print_line(err_console, f"  {problem}")
     return EXIT_USAGE
+
+
+def _print_line(console: Console, message: str, style: str | None = None) -> None:
+    """``message`` as plain text (no Rich markup, no highlighting), no control character
+    of it reaching the terminal (:func:`~hisparse_cli.display.terminal_text`)."""
+    text = terminal_text(message)
+    console.print(text, style=style, markup=False, highlight=False, soft_wrap=True)
 
 
 class _StopSignalsDeferred:

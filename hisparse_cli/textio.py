@@ -89,8 +89,11 @@ STDIN_NAME = "stdin"
 
 
 def shown_path(path: Path | str) -> str:
-    """``path`` as messages name it: ``standard input`` for :data:`STDIN`."""
-    return "standard input" if Path(path) == STDIN else str(path)
+    """``path`` as messages name it: ``standard input`` for :data:`STDIN`; control
+    characters (a newline, an escape sequence) escaped (:func:`~hisparse_cli.display.escaped`)."""
+    from hisparse_cli.display import escaped
+
+    return "standard input" if Path(path) == STDIN else escaped(str(path))
 
 
 def document_name(path: Path | str) -> str:

@@ -160,3 +160,42 @@ def test_a_missing_file_or_folder_among_the_documents_fails_only_its_own_job(cli
     assert any("sub" in line["error"] and "directory" in line["error"] for line in failed)
     alone = cli("docs/missing.txt")  # nothing else to run: refused as before
     assert alone.exit_code == 2 and "file not found" in alone.stderr
+
+
+def test_file_names_with_control_characters_are_shown_escaped(cli, tmp_path):
+    """Fresh-user finding: files named ``evil\\nFAILED other: fake.txt`` and
+    ``esc\\x1b[31mred.txt`` were printed raw: stderr had a forged ``FAILED other:
+    fake.txt: ...`` line, and the escape sequence reached the terminal. Every name in the
+    human-readable output is escaped (``\\n``, ``\\x1b``), each job's line stays one line,
+    Rich markup in a name stays text; results.jsonl keeps the real names (JSON escapes
+    them)."""
+    import json
+
+    folder = tmp_path / "t"
+    folder.mkdir()
+    (folder / "evil\nFAILED other: fake.txt").write_text("")
+    (folder / "esc\x1b[31mred.txt").write_text("")
+    (folder / "cr\rover.txt").write_bytes(b"\x00\x01\x02bin")
+    (folder / "[bold]fine.txt").write_text("A short document.\n")
+    result = cli("t/*", "-o", "[bold]out")
+    assert result.exit_code == 1, result.output
+    err = result.stderr.splitlines()
+    assert sorted(line.split(":")[0] for line in err if line.startswith("FAILED")) == [
+        "FAILED cr-over",
+        "FAILED esc-31mred",
+        "FAILED evil-failed-other-fake",
+    ]  # no forged "FAILED other" line
+    where = f"{folder}/"
+    forged = f"FAILED evil-failed-other-fake: {where}evil\\nFAILED other: fake.txt: is empty"
+    assert any(line.startswith(forged) for line in err), err
+    assert f"{where}esc\\x1b[31mred.txt: is empty" in result.stderr
+    assert f"{where}cr\\rover.txt: looks binary" in result.stderr
+    for stream in (result.stdout, result.stderr):
+        assert not any(c in stream for c in "\x1b\r\x00"), repr(stream)
+    assert "[bold]out" in result.stdout  # the summary's output folder, markup as text
+    results = (tmp_path / "[bold]out" / "results.jsonl").read_text()
+    lines = [json.loads(x) for x in results.splitlines()]
+    inputs = {line["id"]: line["input"] for line in lines}
+    assert inputs["evil-failed-other-fake"] == [f"{where}evil\nFAILED other: fake.txt"]
+    assert inputs["esc-31mred"] == [f"{where}esc\x1b[31mred.txt"]
+    assert [line["ok"] for line in lines if line["id"] == "bold-fine"] == [True]

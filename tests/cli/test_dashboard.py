@@ -270,3 +270,59 @@ def test_json_progress_one_object_per_line():
     assert finished["generated_tokens"] == 3 and "token_ids" not in finished
     assert objects[2]["jobs"]["decode"] == 1
     assert objects[-1]["ok"] == 1
+
+
+NAMED = "/d/evil\nFAILED other: fake.txt\x1b[31m\r\x9b2J\u202etxt.exe"
+"""A file name with a newline (a forged log line), an escape sequence, a carriage return,
+the one-character CSI and a right-to-left override, as a failure names it."""
+SHOWN = "/d/evil\\nFAILED other: fake.txt\\x1b[31m\\r\\x9b2J\\u202etxt.exe"
+
+
+def test_display_escapes_control_characters_and_keeps_other_text():
+    from hisparse_cli.display import escaped, terminal_text
+
+    assert escaped(NAMED) == SHOWN
+    assert escaped("naïve ☃ [bold] \\n tab\there") == "naïve ☃ [bold] \\n tab\\there"
+    assert escaped(escaped(NAMED)) == SHOWN  # escaping an escaped message changes nothing
+    assert terminal_text(f"one {NAMED}\ntwo") == f"one {SHOWN.replace(chr(92) + 'n', chr(10))}\ntwo"
+    assert terminal_text("a\x1b[2Jb\nc\x07") == "a\\x1b[2Jb\nc\\x07"
+
+
+def test_plain_and_live_output_show_a_names_control_characters_escaped():
+    """Fresh-user finding: files named ``evil\\nFAILED other: fake.txt`` and
+    ``esc\\x1b[31mred.txt`` printed raw forged a ``FAILED`` line on stderr and drove the
+    terminal. A job's line stays one line, every message's escape sequences are shown
+    escaped, and a name's Rich markup stays text (the summary's output folder)."""
+    tracker = ProgressTracker(0.0)
+    stream, err = io.StringIO(), io.StringIO()
+    reporter = PlainReporter(stream, tracker, interval_s=1e9, clock=lambda: 0.0, err_stream=err)
+    failed = JobFailed(1.0, "evil", f"{NAMED}: is empty or only whitespace")
+    tracker.update(failed)
+    reporter.on_event(failed)
+    reporter.note("esc\x1b[31m\r.txt: read as text\nsecond line", "warning")
+    assert err.getvalue().splitlines() == [
+        f"FAILED evil: {SHOWN}: is empty or only whitespace",
+        "warning: esc\\x1b[31m\\r.txt: read as text",  # names in messages come escaped
+        "second line",  # (textio.shown_path); a message's own lines stay lines
+    ]
+    summary = summarize(tracker.state, 2.0, "[bold]out\x1b[2J")
+    reporter.summary(summary)
+    assert "[bold]out\\x1b[2J" in stream.getvalue() and "\x1b" not in stream.getvalue()
+    console = Console(record=True, width=300, force_terminal=True, color_system=None)
+    err_console = Console(record=True, width=300, force_terminal=True, color_system=None)
+    with LiveDashboard(console, tracker, clock=lambda: 2.0, err_console=err_console) as live:
+        live.on_event(failed)
+        live.note("esc\x1b[31m\x9b.txt: noted", "warning")
+        live.summary(summary)
+    text, errors = console.export_text(), err_console.export_text()
+    assert f"✗ evil: {SHOWN}: is empty" in errors and "esc\\x1b[31m\\x9b.txt: noted" in errors
+    assert "\x1b" not in text + errors and "\x9b" not in text + errors
+    assert "[bold]out\\x1b[2J" in text  # not a bold "out": the name as it is
+    assert "evil\\nFAILED" in text  # the job table's error cell
+
+
+def test_finish_line_of_a_failure_is_one_line():
+    row_error = "x\ny"
+    tracker = ProgressTracker(0.0)
+    tracker.update(JobFailed(0.0, "a", row_error))
+    assert finish_line(tracker.state.jobs["a"]) == "FAILED a: x\\ny"
