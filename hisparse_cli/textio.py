@@ -5,7 +5,8 @@ Policy (applied in this order):
 1. The file is read as bytes; its SHA-256 is the content hash used for resume.
 2. Refused as binary: a known binary signature (PDF, ZIP/Office, PNG, JPEG, GIF,
    gzip, ELF), or, for ASCII-compatible encodings, more than 1% NUL bytes or more than
-   5% control bytes (:data:`CONTROL_CHARS`: those step 5 removes) in the first 64 KiB
+   5% control bytes (:data:`CONTROL_CHARS`, those step 5 removes, but
+   :data:`TEXT_CONTROLS`: escape, form feed, vertical tab) in the first 64 KiB
    (the message gives the byte offset of the first NUL or control byte; NULs at every other byte add a hint that the file looks like
    UTF-16 without a byte-order mark). ``allow_binary`` (``--allow-binary``) overrides the NUL
    and control-byte test, not the signatures: such a document is decoded with
@@ -78,7 +79,11 @@ CONTROL_CHARS = "".join(chr(c) for c in (*range(32), 0x7F) if chr(c) not in "\t\
 """The control characters: C0 but tab, newline and carriage return (which becomes a
 newline), and DEL. One definition for what step 5 removes (and counts, and locates) and
 for what the binary test of step 2 counts and locates as control bytes (NUL among them)."""
-_CONTROL_BYTES = CONTROL_CHARS.encode("ascii")
+TEXT_CONTROLS = "\x1b\f\v"
+"""Control characters that text files carry: escape (terminal colours in captured logs,
+``ls --color``, build output), form feed and vertical tab (page breaks). Reading removes
+them like the others, but the binary test does not count them: a coloured log is text."""
+_CONTROL_BYTES = "".join(c for c in CONTROL_CHARS if c not in TEXT_CONTROLS).encode("ascii")
 _CONTROL_CHARS = re.compile(f"[{re.escape(CONTROL_CHARS)}]")
 _CONTROL_BYTE = re.compile(b"[" + re.escape(_CONTROL_BYTES) + b"]")
 
@@ -505,9 +510,11 @@ def looks_binary(data: bytes, codec: str) -> str | None:
     """Why ``data`` looks binary by its NUL or control bytes (first 64 KiB), or ``None``.
 
     Only for ASCII-compatible codecs; the message gives the byte offset of the first NUL
-    (or control byte) in the file. Control bytes are :data:`CONTROL_CHARS`, NUL, escape,
-    form feed and DEL included: those step 5 would remove, so the count and the first
-    offset are the ones its warning gives (:attr:`Document.control_note`).
+    (or control byte) in the file. Control bytes are :data:`CONTROL_CHARS` (those step 5
+    removes, NUL and DEL included) but :data:`TEXT_CONTROLS` (escape, form feed, vertical
+    tab: a coloured log is text), and the message says so; the removal warning
+    (:attr:`Document.control_note`) counts them all and gives the first NUL's offset as
+    this message does.
     """
     if not _ascii_compatible(codec):
         return None
@@ -525,7 +532,8 @@ def looks_binary(data: bytes, codec: str) -> str | None:
         first = _CONTROL_BYTE.search(sample).start()  # as first_control finds it
         return (
             f"looks binary: {controls} control bytes in the first {len(sample)} bytes "
-            f"(the first at byte offset {first})"
+            f"(the first at byte offset {first}; escape, form feed and vertical tab not "
+            "counted)"
         )
     return None
 
