@@ -14,6 +14,23 @@ ENDS_MARGIN = 256
 """Tokens past the most that can be kept which an end of a huge document is tokenised
 with (:func:`document_ends`), so that the kept tokens lie away from the piece's edge."""
 
+FAR_OVER_CHARS = 32
+"""Characters per token of ``limit`` + :data:`ENDS_MARGIN` past which a document's size
+alone says it is far over a limit of ``limit`` tokens (:func:`over_by_size`): 8 x the
+about 4 characters a token holds in English, 3 in logs and code. Such a document is not
+tokenised whole to learn that it does not fit: ``truncate`` tokenises the ends it keeps
+(:func:`document_ends`), ``chunk`` tokenises it in pieces
+(:func:`engine.text.context.chunk_document`)."""
+
+
+def over_by_size(chars: int, limit: int, parts: int = 1) -> bool:
+    """Whether a document of ``chars`` characters is far over ``limit`` tokens judged by
+    its size alone: more than ``parts`` x :data:`FAR_OVER_CHARS` characters per token of
+    ``limit`` + :data:`ENDS_MARGIN` (``parts``: 2 where both ends are kept). Not a proof:
+    a text of more than 32 characters a token (long runs of one character) is this long
+    and may fit; callers that act on it check the tokens they get."""
+    return chars > parts * FAR_OVER_CHARS * (limit + ENDS_MARGIN)
+
 
 @dataclass(frozen=True)
 class Truncation:
@@ -155,16 +172,20 @@ def document_ends(
     the text with at least ``limit`` + :data:`ENDS_MARGIN` tokens; or ``None`` for a
     document that is not at least 4 times such pieces (it is tokenised whole).
 
-    A piece starts at ``8 x (limit + ENDS_MARGIN)`` characters and grows fourfold while it
-    holds too few tokens. The ids kept are at least :data:`ENDS_MARGIN` tokens from the
+    A document is tokenised whole unless :func:`over_by_size` (by both ends' share for
+    ``middle``). A piece starts at a quarter of that bound, ``8 x (limit + ENDS_MARGIN)``
+    characters, and grows fourfold while it holds too few tokens. The ids kept are at least :data:`ENDS_MARGIN` tokens from the
     piece's cut edge, so they are the whole document's ids there unless one pre-token (a
     run of text the tokenizer never splits across, such as a word) spans that margin.
     """
     if keep not in ("head", "tail", "middle"):
         raise ValueError(f"truncate_keep={keep!r} is not one of head, tail, middle")
+    parts = 2 if keep == "middle" else 1
+    if not over_by_size(len(document), limit, parts):
+        return None
     want = limit + ENDS_MARGIN
-    size = 8 * want
-    while 4 * size * (2 if keep == "middle" else 1) < len(document):
+    size = FAR_OVER_CHARS // 4 * want
+    while 4 * size * parts < len(document):  # the first time: over_by_size
         head = encode(document[:size]) if keep in ("head", "middle") else []
         tail = encode(document[-size:]) if keep in ("tail", "middle") else []
         if all(len(ids) >= want for ids, used in ((head, keep != "tail"), (tail, keep != "head")) if used):
