@@ -21,13 +21,18 @@ Torch-free, so the CLI can judge documents before the model loads.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import bisect
+import itertools
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, overload
 
 from engine.config import ConfigError, EngineConfig, ModelConfig, RopeScaling
-from engine.text.prompting import NoRoomForDocument, Truncation, fit_document
+from engine.text.prompting import NoRoomForDocument, Truncation, fit_document, over_by_size
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from engine.model.rope import Rope
 
 
@@ -201,6 +206,12 @@ CHUNK_OVERLAP = 0.1
 CHUNK_SLACK = 16
 """Tokens kept free per chunk for re-tokenisation at the chunk's edges."""
 
+CHUNK_PIECE_CHARS = 1 << 20
+"""Characters of a document that :func:`chunk_document` tokenises at once: a longer one is
+tokenised in pieces of about this many characters (:func:`piece_ids`), so that a huge log
+never goes to the tokenizer whole (its ``tokenizers`` encoding of a 100 MB text takes
+gigabytes)."""
+
 
 def chunk_document(
     tokenizer,
@@ -209,16 +220,27 @@ def chunk_document(
     limit: int,
     max_tokens: int,
     overlap: float = CHUNK_OVERLAP,
-) -> list[str]:
+) -> Sequence[str]:
     """Split ``document`` into chunks whose prompts fit the context (the ``chunk``
     policy's map step): windows of the document's tokens of ``limit - max_tokens -
     template - CHUNK_SLACK`` tokens (the template: the tokens of the prompt around an
     empty document), each starting ``1 - overlap`` of a window after the previous one;
     a chunk whose re-rendered prompt is still over the limit is shrunk until it fits.
 
+    A document whose size alone shows it far over the context
+    (:func:`engine.text.prompting.over_by_size`, as ``truncate`` judges it) is not
+    rendered whole to learn that it does not fit. One of more than
+    :data:`CHUNK_PIECE_CHARS` characters is tokenised in pieces cut at line starts
+    (:func:`piece_ids`: the ids of the whole, so the same chunks, for a byte-level BPE),
+    its ids kept as ``int32`` arrays (4 bytes a token), and its chunks are a
+    :class:`TokenChunks`: each text is decoded when it is read, so the texts of a huge
+    document are never all in memory at once.
+
     Returns
     -------
-    The chunk texts in document order; ``[document]`` when its prompt already fits.
+    The chunk texts in document order (``len`` of them known): ``[document]`` when its
+    prompt already fits; a ``list`` for a document of at most :data:`CHUNK_PIECE_CHARS`
+    characters, else a :class:`TokenChunks`.
 
     Raises
     ------
@@ -233,7 +255,8 @@ def chunk_document(
         return tokenizer.encode_chat(messages_of(text))
 
     room = limit - max_tokens
-    if len(render(document)) <= room:
+    huge = over_by_size(len(document), room)
+    if not huge and len(render(document)) <= room:
         return [document]
     template = len(render(""))
     window = room - template - CHUNK_SLACK
@@ -243,20 +266,189 @@ def chunk_document(
             f"of the context limit of {limit}: no room for a chunk of the document"
         )
     encode = getattr(tokenizer, "encode_text", tokenizer.encode)  # special tokens as text
-    ids = encode(document)
+    in_pieces = len(document) > CHUNK_PIECE_CHARS
+    if in_pieces:
+        ids = piece_ids(encode, document)
+        take = ids.take
+    else:
+        whole = encode(document)
+        ids, take = whole, lambda a, b: whole[a:b]
+    # a document over the size bound may still fit (more than 32 characters a token)
+    if huge and len(ids) <= window + 2 * CHUNK_SLACK and len(render(document)) <= room:
+        return [document]
     stride = max(1, int(window * (1.0 - overlap)))
-    chunks, start = [], 0
+    windows = _windows(len(ids), take, tokenizer.decode, render, room, window, stride)
+    if not in_pieces:
+        return [text for _, _, text in windows]
+    return TokenChunks(ids, [(start, size) for start, size, _ in windows], tokenizer.decode)
+
+
+def _windows(
+    n: int,
+    take: Callable[[int, int], list[int]],
+    decode: Callable[[list[int]], str],
+    render: Callable[[str], list[int]],
+    room: int,
+    window: int,
+    stride: int,
+) -> Iterator[tuple[int, int, str]]:
+    """:func:`chunk_document`'s chunks of a document of ``n`` tokens (``take(a, b)``: its
+    ids ``[a, b)``), in order: ``(first token, tokens, text)``, each of at most ``window``
+    tokens (fewer where its rendered prompt is over ``room``), starting ``stride`` tokens
+    (at most its own size) after the previous one, the last reaching token ``n``."""
+    start = 0
     while True:
         size = window
         while True:
-            text = tokenizer.decode(ids[start : start + size])
+            text = decode(take(start, start + size))
             if len(render(text)) <= room or size <= CHUNK_SLACK:
                 break
             size -= max(CHUNK_SLACK, size // 50)
-        chunks.append(text)
-        if start + size >= len(ids):
-            return chunks
+        yield start, size, text
+        if start + size >= n:
+            return
         start += min(stride, size)
+
+
+class PieceIds:
+    """A document's token ids as ``int32`` arrays, one per piece of its text
+    (:func:`piece_ids`): 4 bytes a token, where a list of Python ints takes 8 to 36.
+
+    Parameters
+    ----------
+    pieces : the ids of each piece, in document order (``[T_i]`` arrays; empty allowed).
+    """
+
+    def __init__(self, pieces: list[np.ndarray]) -> None:
+        self.pieces = pieces
+        self.starts = list(itertools.accumulate((len(p) for p in pieces), initial=0))
+        """``[len(pieces) + 1]``: the index of each piece's first id, then the total."""
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def take(self, a: int, b: int) -> list[int]:
+        """The ids ``[a, b)`` as Python ints (``b`` past the end is the end), across
+        pieces where they span several."""
+        b = min(b, len(self))
+        out: list[int] = []
+        i = bisect.bisect_right(self.starts, a) - 1
+        while a < b:
+            piece, first = self.pieces[i], self.starts[i]
+            stop = min(b - first, len(piece))
+            out += piece[a - first : stop].tolist()
+            a, i = first + stop, i + 1
+        return out
+
+
+def piece_ids(
+    encode: Callable[[str], list[int]], document: str, piece_chars: int | None = None
+) -> PieceIds:
+    """The token ids of ``document``, tokenised in pieces of at most ``piece_chars``
+    characters (default :data:`CHUNK_PIECE_CHARS`) so that the tokenizer never holds all
+    of it.
+
+    A piece ends at a line start, else before a space between two words
+    (:func:`_piece_end`; at most ``2 x piece_chars`` characters), else at ``piece_chars``
+    (twice that text without such a place: the one case where a piece's edge can split
+    a word, and its ids there differ). A piece after the first is tokenised with the
+    character before it in front (the newline, the word's last character) and that
+    character's ids are taken off again, so a tokenizer that marks the start of a text
+    (a sentencepiece ``▁``) does not mark the piece's start. For a byte-level BPE, whose
+    pre-tokens never span those places, the ids are those of ``encode(document)``.
+
+    Returns
+    -------
+    The ids, 4 bytes each (:class:`PieceIds`); ``len`` of it is the document's tokens.
+    """
+    import numpy as np  # not at import: the CLI imports this module before the load
+
+    size = CHUNK_PIECE_CHARS if piece_chars is None else piece_chars
+    pieces, start = [], 0
+    while start < len(document):
+        end = _piece_end(document, start, size)
+        if start == 0:
+            ids = encode(document[:end])
+        else:
+            anchor = encode(document[start - 1])
+            ids = encode(document[start - 1 : end])
+            if ids[: len(anchor)] == anchor:
+                ids = ids[len(anchor) :]
+            else:  # the character is not a token of its own there
+                ids = encode(document[start:end])
+        pieces.append(np.asarray(ids, dtype=np.int32))
+        start = end
+    return PieceIds(pieces)
+
+
+_LINE_START = re.compile(r"(?<=\S)\n(?=[^\W_])")
+"""A newline after a character other than whitespace, before a letter or digit: a piece
+may start after it (:func:`_piece_end`)."""
+
+_WORD_SPACE = re.compile(r"(?<=\S) (?=\S)")
+"""A space between two characters other than whitespace: a piece may start at it."""
+
+
+def _piece_end(document: str, start: int, size: int) -> int:
+    """Where the piece of ``document`` from ``start`` of about ``size`` characters ends
+    (:func:`piece_ids`): after the last newline of :data:`_LINE_START`, else at the
+    last space of :data:`_WORD_SPACE` (the space begins the next piece), looked for in
+    the piece's second half, then in all of it; else at the first of either in the next
+    ``size`` characters; else (``2 x size`` characters without one) at ``size``.
+
+    No pre-token of a byte-level BPE (GPT-2's split, Llama 3's, Qwen2's, Tekken's and
+    GPT-4o's) spans those places: whitespace runs (``" \\t\\n"``, ``"\\r\\n"``) and
+    punctuation that takes the newline and a ``/`` after it (Tekken) are left whole, and
+    the space before a word goes with the word."""
+    end = start + size
+    if end >= len(document):
+        return len(document)
+    for lo in (start + size // 2, start + 1):
+        at = end
+        while (k := document.rfind("\n", lo, at)) >= 0:
+            if document[k + 1].isalnum() and not document[k - 1].isspace():
+                return k + 1
+            at = k
+        at = end
+        while (k := document.rfind(" ", lo, at)) >= 0:
+            if not (document[k - 1].isspace() or document[k + 1].isspace()):
+                return k
+            at = k
+    line = _LINE_START.search(document, end, end + size)
+    word = _WORD_SPACE.search(document, end, end + size)
+    cuts = [m.end() for m in (line,) if m] + [m.start() for m in (word,) if m]
+    return min(cuts, default=end)
+
+
+class TokenChunks(Sequence[str]):
+    """:func:`chunk_document`'s chunks of a document tokenised in pieces: their number is
+    known, and each text is decoded from the document's ids when it is read (index or
+    iteration; again on each read), so the texts are never all in memory at once.
+
+    Parameters
+    ----------
+    ids : the document's ids (:func:`piece_ids`).
+    spans : each chunk's ``(first token, tokens)``, in document order.
+    decode : ids -> text (the tokenizer's ``decode``).
+    """
+
+    def __init__(
+        self, ids: PieceIds, spans: list[tuple[int, int]], decode: Callable[[list[int]], str]
+    ) -> None:
+        self.ids, self.spans, self.decode = ids, spans, decode
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        start, size = self.spans[index]
+        return self.decode(self.ids.take(start, start + size))
 
 
 def reduce_document(results: list[str]) -> str:

@@ -69,6 +69,49 @@ def test_chunks_fit_cover_the_document_in_order_and_overlap():
     assert "[part 1 of 2]\none" in reduced and reduced.index("one") < reduced.index("two")
 
 
+def test_a_huge_document_tokenised_in_pieces_is_chunked_whole_in_order_with_the_overlap(
+    monkeypatch,
+):
+    """A document far over the context by its size is tokenised in pieces (here of 200
+    characters, cut at line starts): its chunks still cover it in order, contiguous, each
+    starting 90% of a window after the previous one across the pieces' edges, as the
+    chunks of the whole document's ids; it is never tokenised or rendered whole."""
+    from engine.text import context
+
+    tok, encoded = WordTokenizer(), []
+    encode = tok.encode
+
+    def counting(text):
+        encoded.append(len(text))
+        return encode(text)
+
+    monkeypatch.setattr(tok, "encode", counting)
+    n = 4000  # 23 KB: over 32 characters a token of the room (152 + 256 tokens)
+    document = "\n".join(
+        " ".join(f"w{i}" for i in range(at, min(n, at + 7))) for at in range(0, n, 7)
+    )
+    monkeypatch.setattr(context, "CHUNK_PIECE_CHARS", 200)
+    chunks = chunk_document(tok, messages_of, document, LIMIT, 8, overlap=0.1)
+    assert isinstance(chunks, context.TokenChunks) and max(encoded) < len(document) / 8
+    template = len(tok.encode_chat(messages_of("")))
+    window = LIMIT - 8 - template - CHUNK_SLACK
+    spans = []
+    for text in chunks:
+        assert len(tok.encode_chat(messages_of(text))) + 8 <= LIMIT
+        ids = [int(w[1:]) for w in text.split()]
+        assert ids == list(range(ids[0], ids[-1] + 1))  # contiguous
+        spans.append((ids[0], ids[-1]))
+    assert spans[0][0] == 0 and spans[-1][1] == n - 1
+    for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False):
+        assert e0 - s1 + 1 == window - int(window * 0.9)  # 10% of a window repeated
+    monkeypatch.setattr(context, "CHUNK_PIECE_CHARS", 10**9)
+    assert list(chunks) == chunk_document(tok, messages_of, document, LIMIT, 8, overlap=0.1)
+    # over the size bound, yet one token (more than 32 characters a token): it fits whole
+    for piece_chars in (10**9, 200):
+        monkeypatch.setattr(context, "CHUNK_PIECE_CHARS", piece_chars)
+        assert chunk_document(tok, messages_of, "x" * 20_000, LIMIT, 8) == ["x" * 20_000]
+
+
 @pytest.fixture
 def long_doc(docs):
     (docs / "long.txt").write_text(" ".join(f"word{i}" for i in range(WORDS)) + "\n")

@@ -699,3 +699,75 @@ def test_a_huge_document_is_cut_from_its_ends_alone(tok, keep, monkeypatch):
     full = tok.encode_text(document)
     if keep != "tail":
         assert tok.encode_text(before)[:-2] == full[: len(tok.encode_text(before)) - 2]
+
+
+@pytest.mark.parametrize("pre", ["embedded", "llama-bpe", "qwen2", "tekken", "gpt-4o"])
+def test_a_document_tokenised_in_pieces_has_the_ids_of_the_whole(
+    tok, tmp_path, small_vocab, corpus_file_text, pre
+):
+    """``--context-policy chunk`` tokenises a huge document in pieces
+    (:func:`engine.text.context.piece_ids`) cut at line starts, else before a word: the
+    ids are those of the whole document for each byte-level pre-tokenizer. Pieces of 97
+    characters put hundreds of edges among CRLF, tabs, whitespace runs, CJK, emoji,
+    punctuation before newlines, digits and special-token text."""
+    from engine.text.context import piece_ids
+
+    if pre != "embedded":
+        tok = TextTokenizer.from_gguf(_write_gguf(tmp_path / f"{pre}.gguf", *small_vocab, pre=pre))
+    sorting = Path(__file__).resolve().parents[2] / "examples" / "howto-sorting.txt"
+    text = "\n".join([*VARIED.values(), sorting.read_text(encoding="utf-8"), corpus_file_text])
+    document = text + "\n./run --x=1\n/usr/bin\n. /etc\nA\r\nB \nC\n\nD"
+    whole = tok.encode_text(document)
+    encoded = []
+
+    def encode(text):
+        encoded.append(len(text))
+        return tok.encode_text(text)
+
+    for size in (97, 1000):
+        encoded.clear()
+        ids = piece_ids(encode, document, size)
+        assert len(ids.pieces) > len(document) // size
+        assert max(encoded) <= 2 * size + 1  # a piece, the character before it in front
+        assert ids.take(0, len(ids)) == whole
+        assert ids.take(5, 5 + 3 * size) == whole[5 : 5 + 3 * size]  # across pieces
+
+
+def test_a_huge_document_is_chunked_from_pieces_alone(tok, monkeypatch):
+    """Fresh-user finding (as for truncate): ``--context-policy chunk`` on a huge log
+    rendered it whole to learn that it did not fit, then tokenised it whole again (a
+    10 MB log peaked at 2.3 GB, so 1 GB logs could not run). A document whose size shows
+    it far over the context is never rendered or tokenised whole: it is tokenised in
+    pieces, and its chunks are the very chunks of the whole-document tokenisation, each
+    decoded when read."""
+    from engine.text import context
+
+    sorting = Path(__file__).resolve().parents[2] / "examples" / "howto-sorting.txt"
+    document = (sorting.read_text(encoding="utf-8") + "\n") * 20
+    encoded = []
+
+    class Counting:  # the tokenizer, recording the length of every text it encodes
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def encode_text(self, text):
+            encoded.append(len(text))
+            return tok.encode_text(text)
+
+        def encode_chat(self, messages):
+            encoded.append(sum(len(m["content"]) for m in messages))
+            return tok.encode_chat(messages)
+
+    def messages_of(text):
+        return [{"role": "user", "content": "Summarize this:\n\n" + text}]
+
+    limit, max_tokens = 1200, 8
+    monkeypatch.setattr(context, "CHUNK_PIECE_CHARS", 20_000)
+    chunks = context.chunk_document(Counting(), messages_of, document, limit, max_tokens)
+    assert max(encoded) < len(document) / 8
+    assert isinstance(chunks, context.TokenChunks) and len(chunks) > 20
+    monkeypatch.setattr(context, "CHUNK_PIECE_CHARS", 10**9)  # tokenised whole
+    whole = context.chunk_document(tok, messages_of, document, limit, max_tokens)
+    assert isinstance(whole, list) and list(chunks) == whole
+    assert chunks[-1] == whole[-1] and chunks[1:3] == whole[1:3]
+    assert all(len(tok.encode_chat(messages_of(c))) + max_tokens <= limit for c in chunks)

@@ -160,3 +160,24 @@ def test_tokenizer_is_checked_before_weights_are_read(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_loader, "load_gguf", no_weights)
     with pytest.raises(ValueError, match=r"t5\.gguf: tokenizer\.ggml\.model='t5'"):
         load_weights(str(tmp_path / "t5.gguf"))
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+def test_a_document_tokenised_in_pieces_has_the_ids_of_the_whole(tmp_path, pieces, prefix):
+    """``--context-policy chunk`` tokenises a huge document in pieces
+    (:func:`engine.text.context.piece_ids`): a sentencepiece vocabulary puts its ``▁``
+    prefix in front of every text it encodes, so each piece is encoded after the
+    character before it, whose ids are taken off; the ids are the whole document's."""
+    from engine.text.context import _piece_end, piece_ids
+
+    tok = TextTokenizer.from_gguf(write_spm_gguf(tmp_path / "s.gguf", pieces, prefix))
+    document = "\n".join([*TEXTS, "def f(x):\n    return x\nA\r\nB \nC\n\nD end"] * 4)
+    whole = tok.encode_text(document)
+    ids = piece_ids(tok.encode_text, document, 97)
+    assert len(ids.pieces) > 4 and ids.take(0, len(ids)) == whole
+    alone, at = [], 0  # the same pieces, each encoded alone
+    while at < len(document):
+        end = _piece_end(document, at, 97)
+        alone += tok.encode_text(document[at:end])
+        at = end
+    assert (alone != whole) == prefix  # the prefix's ▁ at each piece's start
