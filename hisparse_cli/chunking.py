@@ -19,7 +19,7 @@ The job's results line counts the whole document's tokens: its ``prompt_tokens``
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,32 +127,34 @@ class ChunkScheduler:
     ----------
     next_level : ``(job id, document) -> jobs``: the jobs for ``document`` (the joined
         results of a finished level): the reduce job under the job's own id when its
-        prompt fits, else the next level's map jobs (built through :meth:`maps`).
+        prompt fits, else the next level's map jobs (registered through :meth:`maps`;
+        an iterable, drawn as the engine takes jobs: :meth:`take_ready`).
     """
 
-    def __init__(self, next_level: Callable[[str, str], list[Job]]) -> None:
+    def __init__(self, next_level: Callable[[str, str], Iterable[Job]]) -> None:
         self.next_level = next_level
         self.jobs: dict[str, ChunkedJob] = {}
         self.owner: dict[str, tuple[str, int]] = {}  # map job id -> (job id, index)
-        self.ready: deque[Job] = deque()
+        self.ready: deque[Iterator[Job]] = deque()  # jobs of finished levels, drawn in order
 
     def is_map(self, job_id: str) -> bool:
         """Whether ``job_id`` is one of this run's map jobs."""
         return job_id in self.owner
 
-    def maps(self, job_id: str, chunks: list[str], make: Callable[[str, str], Job]) -> list[Job]:
-        """The next level's map jobs of ``job_id``, one per chunk text; ``make(map id,
-        chunk text)`` builds one."""
+    def maps(self, job_id: str, count: int) -> list[str]:
+        """The ids of the next level's ``count`` map jobs of ``job_id``, registered at once
+        (the level ends when every one has finished); the caller builds the jobs, as they
+        are drawn where the chunks are many (:meth:`BatchRun._map_jobs`)."""
         state = self.jobs.setdefault(job_id, ChunkedJob(job_id))
-        state.chunks.append(len(chunks))
+        state.chunks.append(count)
         state.texts = {}
-        jobs = []
-        for i, text in enumerate(chunks):
+        ids = []
+        for i in range(count):
             map_id = f"{job_id}{SEPARATOR}{state.level}.{i + 1}"
             self.owner[map_id] = (job_id, i)
             state.outstanding.add(map_id)
-            jobs.append(make(map_id, text))
-        return jobs
+            ids.append(map_id)
+        return ids
 
     def admitted(self, map_id: str, t: float | None = None) -> str | None:
         """A map job was admitted (at ``t``, ``time.monotonic()``): its job has started
@@ -208,7 +210,7 @@ class ChunkScheduler:
             from engine.text.context import reduce_document
 
             texts = [state.texts[i] for i in range(len(state.texts))]
-            self.ready.extend(self.next_level(job_id, reduce_document(texts)))
+            self.ready.append(iter(self.next_level(job_id, reduce_document(texts))))
 
     def abandon(self, map_id: str) -> str | None:
         """A map job that failed or was cancelled: the job is given up (its other map jobs'
@@ -226,11 +228,15 @@ class ChunkScheduler:
         if job_id in self.jobs:
             self.jobs[job_id].done = True
 
-    def take_ready(self) -> list[Job]:
-        """The jobs queued since the last call."""
-        jobs = list(self.ready)
-        self.ready.clear()
-        return jobs
+    def take_ready(self) -> Iterator[Job]:
+        """The jobs queued by finished levels, in order, each built as it is drawn (a
+        level's map jobs: :meth:`maps`); stops when none is left."""
+        while self.ready:
+            job = next(self.ready[0], None)
+            if job is None:
+                self.ready.popleft()
+            else:
+                yield job
 
     def waiting(self) -> bool:
         """Whether a job still has map jobs running or jobs ready to hand out."""

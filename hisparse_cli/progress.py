@@ -204,6 +204,11 @@ class ProgressTracker:
             owner.part_generated += row.generated
         return row
 
+    def forget(self, job_id: str) -> None:
+        """A row that will never run leaves the table uncounted (a map job registered but
+        never built: its job was given up, or the run cancelled)."""
+        self.state.jobs.pop(job_id, None)
+
     def finish(self, t: float) -> None:
         """The run ended at ``t``: every display and the summary use this time from now on."""
         if self.state.ended_t is None:

@@ -1932,21 +1932,26 @@ class BatchRun:
         while map jobs still run."""
         for planned in pending:
             yield from self.chunker.take_ready()
-            if self.cancel is not None and self.cancel.count:
+            if self._cancelled():
                 return
             yield from self._make_jobs(engine, planned)
         while self.chunker.waiting():
-            if self.cancel is not None and self.cancel.count:
+            if self._cancelled():
                 return
-            ready = self.chunker.take_ready()
-            if ready:
-                yield from ready
-            else:
+            drawn = False
+            for job in self.chunker.take_ready():
+                drawn = True
+                yield job
+            if not drawn:
                 yield None
 
-    def _make_jobs(self, engine: BatchEngine, planned: PlannedJob) -> list[Job]:
+    def _cancelled(self) -> bool:
+        """Whether Ctrl-C (or SIGTERM) stopped the run's feeding."""
+        return self.cancel is not None and bool(self.cancel.count)
+
+    def _make_jobs(self, engine: BatchEngine, planned: PlannedJob) -> Iterable[Job]:
         """The job of ``planned`` (none when it failed to build; its map jobs under
-        ``chunk`` when its document does not fit)."""
+        ``chunk`` when its document does not fit, built as they are drawn)."""
         spec = planned.spec
         try:
             documents, document = self._document_of(planned)
@@ -1980,8 +1985,9 @@ class BatchRun:
         return job_messages(spec)
 
     # ----- context_policy chunk (hisparse_cli.chunking) ------------------------------
-    def _chunks(self, engine: BatchEngine, spec: Any, document: str) -> list[str]:
-        """``document`` as chunks whose prompts fit (one when it fits whole)."""
+    def _chunks(self, engine: BatchEngine, spec: Any, document: str) -> Sequence[str]:
+        """``document`` as chunks whose prompts fit (one when it fits whole; a huge one's
+        texts are decoded as they are read: :func:`engine.text.context.chunk_document`)."""
         return chunk_document(
             engine.tokenizer,
             self._prompt_messages(spec),
@@ -1990,28 +1996,48 @@ class BatchRun:
             spec.sampling.max_tokens,
         )
 
-    def _map_jobs(self, spec: Any, key: str, chunks: list[str]) -> list[Job]:
+    def _map_jobs(self, spec: Any, key: str, chunks: Sequence[str]) -> Iterator[Job]:
         """The next level's map jobs of ``spec``'s job, noted in its results line's
-        ``chunked`` field."""
-        assert self.engine is not None
-        encode, messages = self.engine.tokenizer.encode_chat, self._prompt_messages(spec)
-
-        def make(map_id: str, text: str) -> Job:
-            meta = {"key": key, "output": spec.output, "chunk_of": spec.id}
-            ids = tuple(encode(messages(text)))
-            self.tracker.add_job(map_id, part_of=spec.id)  # not counted as a job
-            return Job(map_id, ids, spec.sampling, str(spec.inputs[0]), meta, json_keys(spec))
-
-        jobs = self.chunker.maps(spec.id, chunks, make)
+        ``chunked`` field; registered now, each built (its chunk's text read, its prompt
+        tokenised) only when the engine draws it (:meth:`_build_maps`)."""
+        map_ids = self.chunker.maps(spec.id, len(chunks))
+        for map_id in map_ids:  # shown queued at once (not counted as jobs)
+            self.tracker.add_job(map_id, part_of=spec.id)
         self.records[spec.id]["chunked"] = self.chunker.jobs[spec.id].summary()
         if len(self.chunker.jobs[spec.id].chunks) == 1:
             self.reporter.note(
                 f"{spec.id}: document over the context limit: the task runs on "
                 f"{len(chunks)} overlapping chunks, then on their results (context policy chunk)"
             )
-        return jobs
+        return self._build_maps(spec, key, map_ids, chunks)
 
-    def _next_level(self, job_id: str, document: str) -> list[Job]:
+    def _build_maps(
+        self, spec: Any, key: str, map_ids: list[str], chunks: Sequence[str]
+    ) -> Iterator[Job]:
+        """The map jobs ``map_ids`` on ``chunks``, one at a time as they are drawn, so
+        that those of a huge document (tens of thousands, each with its chunk's prompt
+        ids) are never all in memory. None is built after Ctrl-C or once the job was given
+        up (a map job failed); one whose prompt cannot be built fails the job. The rows of
+        those never built leave the progress table."""
+        assert self.engine is not None
+        encode, messages = self.engine.tokenizer.encode_chat, self._prompt_messages(spec)
+        meta = {"key": key, "output": spec.output, "chunk_of": spec.id}
+        source = str(spec.inputs[0])
+        for i, map_id in enumerate(map_ids):
+            if self._cancelled() or self.chunker.jobs[spec.id].done:
+                break
+            try:
+                ids = tuple(encode(messages(chunks[i])))
+            except Exception as exc:  # noqa: BLE001 - one bad job must not stop the batch
+                self._map_failed(map_id, f"cannot prepare its prompt: {exc}")
+                break
+            yield Job(map_id, ids, spec.sampling, source, dict(meta), json_keys(spec))
+        else:
+            return
+        for never in map_ids[i:]:
+            self.tracker.forget(never)
+
+    def _next_level(self, job_id: str, document: str) -> Iterable[Job]:
         """After a level of ``job_id``'s map jobs: the reduce job over their joined
         results (``document``) under the job's id, or the next level's map jobs when it
         is still too long. A failure to build them fails the job."""

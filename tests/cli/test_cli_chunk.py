@@ -12,7 +12,9 @@ import signal
 import pytest
 
 from engine.text.context import CHUNK_SLACK, chunk_document, reduce_document
+from hisparse_cli import runner as runner_module
 from hisparse_cli import testing
+from hisparse_cli.dashboard import chunk_parts
 from hisparse_cli.tasks import TaskSpec, build_messages
 
 TOKEN_PARTS = (
@@ -333,11 +335,10 @@ def test_a_chunked_job_s_rates_are_the_whole_document_s():
     (178 tok/s over its 209 tokens) beside the document's 12,741 prompt tokens, which took
     264 s. The line's rates are now all tokens over all seconds of its parts (map jobs and
     reduce), the reduce step's own kept in ``chunked``."""
-    from engine.events import Job
     from hisparse_cli.chunking import ChunkScheduler
 
     chunker = ChunkScheduler(lambda job_id, document: [])
-    chunker.maps("doc", ["one", "two"], lambda map_id, text: Job(map_id, (1,)))
+    chunker.maps("doc", 2)
     chunker.count("doc@1.1", 4000, 11, (100.0, 10.0))  # 40 s prefill, 1 s decode
     chunker.count("doc@1.2", 2000, 21, (50.0, 5.0))  # 40 s prefill, 4 s decode
     state = chunker.jobs["doc"]
@@ -351,3 +352,93 @@ def test_a_chunked_job_s_rates_are_the_whole_document_s():
     # a map job that failed counts its tokens and no time
     chunker.count("doc@1.1", 10, 0)
     assert state.map_prefill_s == pytest.approx(80.0) and state.map_prompt_tokens == 6010
+
+
+class Recorded:
+    """Chunks (a sequence), recording each text read; the text ``fail_at`` raises."""
+
+    def __init__(self, chunks, reads, fail_at=None):
+        self.chunks, self.reads, self.fail_at = chunks, reads, fail_at
+
+    def __len__(self):
+        return len(self.chunks)
+
+    def __getitem__(self, i):
+        self.reads.append(i)
+        if i == self.fail_at:
+            raise ValueError("no such text")
+        return self.chunks[i]
+
+
+class OneAtATime(testing.FakeEngine):
+    """Draws a job only when the one before it has ended (the real engine draws one when
+    there is room), recording ``(job id, chunk texts read by then, the progress line's
+    chunk parts then)``."""
+
+    def run(self, jobs):
+        for job in jobs:
+            if job is not None:
+                parts = chunk_parts(self.trackers[-1].state)
+                self.drawn.append((job.id, len(self.reads), parts))
+                yield from testing.FakeEngine.run(self, [job])
+
+
+def run_one_at_a_time(cli, monkeypatch, fail_at=None, **engine_kwargs):
+    """The three documents under ``chunk`` with :class:`OneAtATime`, the chunk texts
+    :class:`Recorded`. Returns the result, the jobs drawn and the run's progress state."""
+    reads, drawn, trackers = [], [], []
+    monkeypatch.setattr(
+        runner_module,
+        "chunk_document",
+        lambda *a, **k: Recorded(chunk_document(*a, **k), reads, fail_at),
+    )
+
+    class Tracker(runner_module.ProgressTracker):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            trackers.append(self)
+
+    monkeypatch.setattr(runner_module, "ProgressTracker", Tracker)
+
+    def load(config, model, job_tokens=None):
+        engine = OneAtATime(config=config, limit=LIMIT, **engine_kwargs)
+        engine.drawn, engine.reads, engine.trackers = drawn, reads, trackers
+        return engine
+
+    args = ("docs/alpha.txt", "docs/long.txt", "docs/beta.txt", "--context-policy", "chunk")
+    result = cli(*args, "--max-new-tokens", "4", engine=load)
+    return result, drawn, trackers[-1].state
+
+
+def test_map_jobs_are_built_as_the_engine_draws_them(cli, long_doc, tmp_path, monkeypatch):
+    """The map jobs of a huge document (tens of thousands, each with its chunk's text
+    and prompt ids) are not all built at once: a chunk's text is read and its job built
+    only when the engine draws it, and the level still ends, and reduces, only when every
+    map job has finished."""
+    result, drawn, state = run_one_at_a_time(cli, monkeypatch)
+    assert result.exit_code == 0, result.output
+    maps = [(job, read, parts) for job, read, parts in drawn if job.startswith("long@1.")]
+    assert len(maps) >= 3 and [read for _, read, _ in maps] == list(range(1, len(maps) + 1))
+    assert [job for job, _, _ in drawn] == ["alpha", *(m for m, _, _ in maps), "long", "beta"]
+    # the progress line counts every map job of the level from the start, built or not
+    assert maps[0][2] == f"; chunk parts 0 running, {len(maps)} queued"
+    assert maps[-1][2] == "; chunk parts 0 running, 1 queued" and chunk_parts(state) == ""
+    record = {r["id"]: r for r in read_lines(tmp_path)}["long"]
+    assert record["ok"] and record["chunked"]["chunks"] == len(maps)
+    assert f"the task runs on {len(maps)} overlapping chunks" in result.output
+
+
+@pytest.mark.parametrize("how", ["engine", "prompt"])
+def test_no_map_job_is_built_once_one_failed(cli, long_doc, tmp_path, monkeypatch, how):
+    """A map job that fails (in the engine, or its prompt cannot be built) fails its job,
+    and none of the job's later map jobs is built; the batch goes on."""
+    fail = {"fail": {"long@1.2": "out of memory"}} if how == "engine" else {}
+    result, drawn, state = run_one_at_a_time(cli, monkeypatch, None if fail else 1, **fail)
+    assert result.exit_code == 1, result.output
+    ids = [job for job, _, _ in drawn]
+    assert ids == ["alpha", "long@1.1", *(["long@1.2"] if fail else []), "beta"]
+    assert chunk_parts(state) == ""  # the map jobs never built left the progress line
+    records = {r["id"]: r for r in read_lines(tmp_path)}
+    assert records["alpha"]["ok"] and records["beta"]["ok"] and not records["long"]["ok"]
+    why = "out of memory" if fail else "cannot prepare its prompt: no such text"
+    assert records["long"]["error"] == f"chunk long@1.2 failed: {why}"
