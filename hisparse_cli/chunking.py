@@ -3,13 +3,15 @@
 A job whose document does not fit the context under ``context_policy: chunk`` becomes
 *map* jobs, one per overlapping chunk (:func:`engine.text.context.chunk_document`), with
 ids ``<job>@<level>.<i>``; they go to the engine with the other jobs of the batch and
-run batched like them. When every map job of a level has finished, their texts joined
-(:func:`engine.text.context.reduce_document`) are the next document: if its prompt fits,
-the *reduce* job runs under the job's own id and its result is the job's result;
-otherwise it is chunked again (level + 1). Map results are kept in memory only: they get
-no results line, so a run stopped half-way redoes the whole job on resume (its line,
-written once, is what resume reads). A map job that fails fails the job; one cancelled
-leaves it not run.
+run batched like them. A level's map jobs are registered at once and each is built (its
+chunk's text read, its prompt tokenised) only when the engine draws it, so a huge
+document's are never all in memory. When every map job of a level has finished, their
+texts joined (:func:`engine.text.context.reduce_document`) are the next document: if its
+prompt fits, the *reduce* job runs under the job's own id and its result is the job's
+result; otherwise it is chunked again (level + 1). Map results are kept in memory only:
+they get no results line, so a run stopped half-way redoes the whole job on resume (its
+line, written once, is what resume reads). A map job that fails fails the job (no later
+one is built); one cancelled leaves it not run.
 
 The job's results line counts the whole document's tokens: its ``prompt_tokens`` and
 ``generated_tokens`` are those of every map job (all levels) plus the reduce job's, and
