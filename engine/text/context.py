@@ -232,9 +232,10 @@ def chunk_document(
     rendered whole to learn that it does not fit. One of more than
     :data:`CHUNK_PIECE_CHARS` characters is tokenised in pieces cut at line starts
     (:func:`piece_ids`: the ids of the whole, so the same chunks, for a byte-level BPE),
-    its ids kept as ``int32`` arrays (4 bytes a token), and its chunks are a
-    :class:`TokenChunks`: each text is decoded when it is read, so the texts of a huge
-    document are never all in memory at once.
+    its ids kept as numpy arrays (2 bytes a token where they are below 65,536, as in most
+    vocabularies, else 4), and its chunks are a :class:`TokenChunks`: each text is
+    decoded when it is read, so the texts of a huge document are never all in memory at
+    once.
 
     Returns
     -------
@@ -311,8 +312,9 @@ def _windows(
 
 
 class PieceIds:
-    """A document's token ids as ``int32`` arrays, one per piece of its text
-    (:func:`piece_ids`): 4 bytes a token, where a list of Python ints takes 8 to 36.
+    """A document's token ids as numpy arrays, one per piece of its text
+    (:func:`piece_ids`): 2 bytes a token (``uint16``, ids below 65536) or 4 (``int32``),
+    where a list of Python ints takes 8 to 36.
 
     Parameters
     ----------
@@ -359,7 +361,7 @@ def piece_ids(
 
     Returns
     -------
-    The ids, 4 bytes each (:class:`PieceIds`); ``len`` of it is the document's tokens.
+    The ids, 2 or 4 bytes each (:class:`PieceIds`); ``len`` of it is the document's tokens.
     """
     import numpy as np  # not at import: the CLI imports this module before the load
 
@@ -376,7 +378,10 @@ def piece_ids(
                 ids = ids[len(anchor) :]
             else:  # the character is not a token of its own there
                 ids = encode(document[start:end])
-        pieces.append(np.asarray(ids, dtype=np.int32))
+        piece = np.asarray(ids, dtype=np.int32)
+        if not len(piece) or piece.max() < 1 << 16:  # most vocabularies: 2 bytes a token
+            piece = piece.astype(np.uint16)
+        pieces.append(piece)
         start = end
     return PieceIds(pieces)
 

@@ -114,6 +114,22 @@ def test_a_huge_document_tokenised_in_pieces_is_chunked_whole_in_order_with_the_
         assert chunk_document(tok, messages_of, "x" * 20_000, LIMIT, 8) == ["x" * 20_000]
 
 
+def test_piece_ids_keep_ids_of_any_size():
+    """A huge document's ids are kept in 2 bytes each where they fit, else in 4."""
+    from engine.text.context import piece_ids
+
+    document = "ab cd\nef gh " * 50
+    for scale, dtype in ((1, "uint16"), (1000, "int32")):  # ids up to 104 / 104,000
+
+        def encode(text, scale=scale):
+            return [ord(c) * scale for c in text]
+
+        ids = piece_ids(encode, document, 16)
+        assert len(ids.pieces) > 20 and {p.dtype.name for p in ids.pieces} == {dtype}
+        assert ids.take(0, len(ids)) == encode(document)
+        assert ids.take(7, 40) == encode(document)[7:40] and ids.take(10, 10) == []
+
+
 @pytest.fixture
 def long_doc(docs):
     (docs / "long.txt").write_text(" ".join(f"word{i}" for i in range(WORDS)) + "\n")
