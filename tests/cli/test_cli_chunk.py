@@ -48,25 +48,33 @@ def messages_of(text):
     return build_messages(TaskSpec("summarize"), text, "long", "long.txt")
 
 
-def test_chunks_fit_cover_the_document_in_order_and_overlap():
-    tok = WordTokenizer()
-    words = [f"w{i}" for i in range(WORDS)]
-    chunks = chunk_document(tok, messages_of, " ".join(words), LIMIT, 8, overlap=0.1)
-    assert len(chunks) > 3
+def check_chunks(tok, chunks):
+    """Each chunk's prompt fits (8 new tokens) and holds contiguous words ``w<i>``:
+    ``(window, [(first, last) word of each chunk])``."""
     template = len(tok.encode_chat(messages_of("")))
-    window = LIMIT - 8 - template - CHUNK_SLACK
     spans = []
     for text in chunks:
         assert len(tok.encode_chat(messages_of(text))) + 8 <= LIMIT
         ids = [int(w[1:]) for w in text.split()]
         assert ids == list(range(ids[0], ids[-1] + 1))  # contiguous
         spans.append((ids[0], ids[-1]))
+    return LIMIT - 8 - template - CHUNK_SLACK, spans
+
+
+def test_chunks_fit_cover_the_document_in_order_and_overlap():
+    tok = WordTokenizer()
+    words = [f"w{i}" for i in range(WORDS)]
+    chunks = chunk_document(tok, messages_of, " ".join(words), LIMIT, 8, overlap=0.1)
+    assert len(chunks) > 3
+    window, spans = check_chunks(tok, chunks)
     assert spans[0][0] == 0 and spans[-1][1] == WORDS - 1
     for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False):
         assert e0 - s1 + 1 == window - int(window * 0.9)  # 10% of a window repeated
     assert chunk_document(tok, messages_of, "short text", LIMIT, 8) == ["short text"]
     with pytest.raises(ValueError, match="no room for a chunk"):
-        chunk_document(tok, messages_of, " ".join(words), template + 20, 8)
+        chunk_document(
+            tok, messages_of, " ".join(words), len(tok.encode_chat(messages_of(""))) + 20, 8
+        )
     reduced = reduce_document(["one", "two"])
     assert "[part 1 of 2]\none" in reduced and reduced.index("one") < reduced.index("two")
 
@@ -95,14 +103,7 @@ def test_a_huge_document_tokenised_in_pieces_is_chunked_whole_in_order_with_the_
     monkeypatch.setattr(context, "CHUNK_PIECE_CHARS", 200)
     chunks = chunk_document(tok, messages_of, document, LIMIT, 8, overlap=0.1)
     assert isinstance(chunks, context.TokenChunks) and max(encoded) < len(document) / 8
-    template = len(tok.encode_chat(messages_of("")))
-    window = LIMIT - 8 - template - CHUNK_SLACK
-    spans = []
-    for text in chunks:
-        assert len(tok.encode_chat(messages_of(text))) + 8 <= LIMIT
-        ids = [int(w[1:]) for w in text.split()]
-        assert ids == list(range(ids[0], ids[-1] + 1))  # contiguous
-        spans.append((ids[0], ids[-1]))
+    window, spans = check_chunks(tok, chunks)
     assert spans[0][0] == 0 and spans[-1][1] == n - 1
     for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False):
         assert e0 - s1 + 1 == window - int(window * 0.9)  # 10% of a window repeated

@@ -655,6 +655,31 @@ def test_a_truncate_that_cannot_fit_is_final_and_names_the_max_new_tokens_that_f
     assert str(none.value).endswith("; raise --max-context")
 
 
+def huge_sorting_document() -> str:
+    """The bundled corpus document 20 times over (about 270 K characters)."""
+    sorting = Path(__file__).resolve().parents[2] / "examples" / "howto-sorting.txt"
+    return (sorting.read_text(encoding="utf-8") + "\n") * 20
+
+
+def counting_tokenizer(tok: TextTokenizer, encoded: list[int]) -> type:
+    """A class whose instances are ``tok`` recording in ``encoded`` the length of every
+    text it encodes (``encode_text``; ``encode_chat``: its messages' contents)."""
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def encode_text(self, text):
+            encoded.append(len(text))
+            return tok.encode_text(text)
+
+        def encode_chat(self, messages):
+            encoded.append(sum(len(m["content"]) for m in messages))
+            return tok.encode_chat(messages)
+
+    return Counting
+
+
 @pytest.mark.parametrize("keep", ["head", "tail", "middle"])
 def test_a_huge_document_is_cut_from_its_ends_alone(tok, keep, monkeypatch):
     """Fresh-user finding: ``--context-policy truncate`` on a 300 MB document tokenised
@@ -664,17 +689,9 @@ def test_a_huge_document_is_cut_from_its_ends_alone(tok, keep, monkeypatch):
     keeps (whose mark counts tokens, this one characters)."""
     from engine.text import prompting
 
-    sorting = Path(__file__).resolve().parents[2] / "examples" / "howto-sorting.txt"
-    document = (sorting.read_text(encoding="utf-8") + "\n") * 20
+    document = huge_sorting_document()
     encoded = []
-
-    class Counting:  # the tokenizer, recording the length of every text it encodes
-        def __getattr__(self, name):
-            return getattr(tok, name)
-
-        def encode_text(self, text):
-            encoded.append(len(text))
-            return tok.encode_text(text)
+    Counting = counting_tokenizer(tok, encoded)
 
     def render(doc):
         encoded.append(len(doc))
@@ -742,21 +759,9 @@ def test_a_huge_document_is_chunked_from_pieces_alone(tok, monkeypatch):
     decoded when read."""
     from engine.text import context
 
-    sorting = Path(__file__).resolve().parents[2] / "examples" / "howto-sorting.txt"
-    document = (sorting.read_text(encoding="utf-8") + "\n") * 20
+    document = huge_sorting_document()
     encoded = []
-
-    class Counting:  # the tokenizer, recording the length of every text it encodes
-        def __getattr__(self, name):
-            return getattr(tok, name)
-
-        def encode_text(self, text):
-            encoded.append(len(text))
-            return tok.encode_text(text)
-
-        def encode_chat(self, messages):
-            encoded.append(sum(len(m["content"]) for m in messages))
-            return tok.encode_chat(messages)
+    Counting = counting_tokenizer(tok, encoded)
 
     def messages_of(text):
         return [{"role": "user", "content": "Summarize this:\n\n" + text}]
