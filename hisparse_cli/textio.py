@@ -20,9 +20,10 @@ Policy (applied in this order):
    Invalid bytes raise an error naming the byte offset and line, unless
    ``errors="replace"``.
 4. CRLF and lone CR become ``\\n``. Tabs and long lines are kept as they are.
-5. Remaining C0 control characters other than ``\\t`` and ``\\n`` (a stray NUL, an ANSI
-   escape byte, form feed ...) and DEL are **removed**; the count is reported so the
-   caller can warn.
+5. Terminal escape sequences (``ESC [ 31 m`` and the like: :data:`ANSI_SEQUENCE`) are
+   removed whole, then the remaining C0 control characters other than ``\\t`` and ``\\n``
+   (a stray NUL, a lone escape byte, form feed ...) and DEL are **removed**; the count of
+   control characters is reported so the caller can warn.
 6. A document that is empty or only whitespace after this is refused (one that had
    only NUL/control bytes, read with ``allow_binary``, says so); invisible
    characters count as whitespace there (zero-width and other format characters such as
@@ -584,17 +585,33 @@ def _bom_length(data: bytes, codec: str) -> int:
     return found[1] if found is not None and found[0] == codec else 0
 
 
+ANSI_SEQUENCE = re.compile(
+    r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_78=>])"
+)
+"""A terminal escape sequence (ECMA-48): a CSI sequence (``ESC [ 31 m``: colours, cursor
+moves), an OSC sequence (``ESC ] ... BEL``: titles, links) or a two-character escape
+(``ESC`` and one of ``@``-``_``, or ``7 8 = >``: cursor save and restore, keypad modes).
+Removed whole with its parameters, so a coloured log reads ``error: disk full``, not
+``[31merror[0m: disk full``."""
+
+
 def normalise_text(text: str) -> tuple[str, int]:
-    """Newlines to ``\\n`` and control characters removed (policy steps 4-5).
+    """Newlines to ``\\n``, terminal escape sequences (:data:`ANSI_SEQUENCE`) and control
+    characters removed (policy steps 4-5).
 
     Returns
     -------
     text : str
         The cleaned text.
     removed : int
-        Number of control characters removed.
+        Number of control characters removed (an escape sequence's ESC, and its BEL,
+        among them; its other characters are not counted).
     """
     text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if "\x1b" in text:
+        controls = len(_CONTROL_CHARS.findall(text))
+        text = _CONTROL_CHARS.sub("", ANSI_SEQUENCE.sub("", text))
+        return text, controls
     return _CONTROL_CHARS.subn("", text)
 
 
@@ -655,6 +672,10 @@ def document_prefix(
             start = _bom_length(data, codec)
             decoder = codecs.getincrementaldecoder(codec)(errors)
             text = decoder.decode(data[start:], final=False).removeprefix("\ufeff")
+            # an escape sequence cut at the end would leave its parameters: left out too
+            esc = text.rfind("\x1b", max(0, len(text) - 256))
+            if esc >= 0 and not ANSI_SEQUENCE.match(text, esc):
+                text = text[:esc]
     except ValueError as exc:  # UnicodeDecodeError too
         raise DocumentError(path, str(exc)) from None
     return normalise_text(text)[0], whole

@@ -48,7 +48,7 @@ def test_tabs_and_very_long_lines_are_kept(tmp_path):
 def test_stray_nul_and_controls_are_removed_and_counted(tmp_path):
     text = b"a" * 500 + b"\x00" + b"b\x1b[31mred\x07\x7f" + b"\x0c" + b"end"
     doc = read_document(write(tmp_path, "ctl.txt", text))
-    assert doc.text == "a" * 500 + "b[31mredend"
+    assert doc.text == "a" * 500 + "bredend"  # the escape sequence whole (ANSI_SEQUENCE)
     assert doc.removed_controls == 5
 
 
@@ -422,13 +422,46 @@ def test_a_broken_link_says_so_and_where_it_points(tmp_path):
 
 def test_a_coloured_log_is_text_its_escapes_removed(tmp_path):
     """ANSI colours in a captured log (``ls --color``, a build) are escape bytes, often
-    more than 5 % of them: the file is read, not refused as binary, and the escapes are
-    removed (the warning counts them); form feeds and vertical tabs likewise."""
+    more than 5 % of them: the file is read, not refused as binary, and the escape
+    sequences are removed whole, parameters included (a second trial saw ``[31merror[0m``
+    reach the model: only the ESC bytes went); the warning counts the control characters;
+    form feeds and vertical tabs are removed too."""
     line = b"\x1b[01;34mdir\x1b[0m  \x1b[01;32mrun.sh\x1b[0m\f\v\n"
     data = line * 200
     assert data.count(0x1B) / len(data) > 0.05
     doc = read_document(write(tmp_path, "ls.txt", data))
-    assert doc.text.startswith("[01;34mdir[0m  [01;32mrun.sh[0m")
+    assert doc.text.startswith("dir  run.sh\ndir  run.sh\n")  # the sequences whole
     assert doc.removed_controls == 6 * 200 and not doc.warning
     with pytest.raises(DocumentError, match="escape, form feed and vertical tab not counted"):
         read_document(write(tmp_path, "bin.txt", b"text\n" + b"\x01\x1b" * 50))
+
+
+@pytest.mark.parametrize(
+    ("raw", "text"),
+    [
+        (b"\x1b[31merror\x1b[0m: disk full\n", "error: disk full\n"),
+        (b"\x1b[1;38;5;208mwarn\x1b[m x\x1b[2K\x1b[1A\n", "warn x\n"),
+        (b"\x1b]0;title\x07build ok \x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\\n", "build ok link\n"),
+        (b"a \x1b7saved\x1b8 b \x1b\n", "a saved b \n"),  # a lone ESC: only it goes
+    ],
+    ids=["csi-colour", "csi-256-and-cursor", "osc-title-and-link", "two-char-and-lone"],
+)  # fmt: skip
+def test_terminal_escape_sequences_are_removed_whole(tmp_path, raw, text):
+    doc = read_document(write(tmp_path, "log.txt", raw))
+    assert doc.text == text
+    assert doc.removed_controls == raw.count(b"\x1b") + raw.count(b"\x07")
+
+
+def test_a_prefix_cut_inside_an_escape_sequence_leaves_none_of_it(tmp_path):
+    """The start of a document read for a size check (:func:`document_prefix`) ends
+    inside a colour sequence: its parameters are left out as the whole document's
+    reading removes them, so the prefix is never longer than the document's start."""
+    from hisparse_cli.textio import SAMPLE_BYTES, document_prefix
+
+    line = b"error: disk full \x1b[38;5;208mhot\x1b[0m\n"
+    raw = line * (2 * SAMPLE_BYTES // len(line))
+    path = write(tmp_path, "log.txt", raw)
+    whole = read_document(path).text
+    for size in range(SAMPLE_BYTES, SAMPLE_BYTES + len(line)):
+        text, complete = document_prefix(path, size)
+        assert not complete and whole.startswith(text), size
