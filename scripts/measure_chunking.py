@@ -19,8 +19,8 @@ size then is given too. One JSON line on stdout.
 
 Usage::
 
-    python scripts/measure_chunking.py --mb 100 [--step chunk|truncate|run] [--read]
-        [--limit 8192] [--max-new-tokens 8]
+    python scripts/measure_chunking.py --mb 100 [--step chunk|truncate|run|write] [--read]
+        [--limit 8192] [--max-new-tokens 8] [--separator-lines K]
 
 Run it against another tree with ``PYTHONPATH=<tree>`` (the tree's ``engine`` and
 ``hisparse_cli`` are imported first).
@@ -48,8 +48,10 @@ MESSAGES = (
 )
 
 
-def make_log(path: Path, mib: int, seed: int = 0) -> None:
-    """Write ``mib`` MiB of synthetic log lines to ``path`` (1 MiB at a time)."""
+def make_log(path: Path, mib: int, seed: int = 0, separators: int = 0) -> None:
+    """Write ``mib`` MiB of synthetic log lines to ``path`` (1 MiB at a time), each
+    followed by ``separators`` lines of 79 ``-`` (a log of few tokens a character: about
+    27 characters a token with 99 of them)."""
     rng = random.Random(seed)
     target, written, t = mib << 20, 0, 1_764_806_400
     with path.open("w", encoding="utf-8") as f:
@@ -66,7 +68,7 @@ def make_log(path: Path, mib: int, seed: int = 0) -> None:
                     f"2026-12-{1 + t // 86400 % 28:02d}T{t // 3600 % 24:02d}:{t // 60 % 60:02d}:"
                     f"{t % 60:02d}.{n[4] % 1000:03d}Z {rng.choice(LEVELS):5} "
                     f"{rng.choice(SERVICES)}[{n[0] % 4000}]: {msg}\n"
-                )
+                ) + ("-" * 79 + "\n") * separators
                 lines.append(line)
                 size += len(line)
             block = "".join(lines)[: target - written]
@@ -171,14 +173,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=int, required=True, help="MiB of synthetic log")
     ap.add_argument("--doc", type=Path, help="where the log is written (and reused)")
-    ap.add_argument("--step", choices=("chunk", "truncate", "run"), default="chunk")
+    ap.add_argument(
+        "--step",
+        choices=("chunk", "truncate", "run", "write"),
+        default="chunk",
+        help="write: only write the log (for a real `hisparse run` on it) and print its path",
+    )
+    ap.add_argument(
+        "--separator-lines", type=int, default=0, help="lines of 79 '-' after each log line"
+    )
     ap.add_argument("--read", action="store_true", help="chunk: read every chunk's prompt")
     ap.add_argument("--limit", type=int, default=8192, help="context limit (tokens)")
     ap.add_argument("--max-new-tokens", type=int, default=8)
     args = ap.parse_args()
-    doc = args.doc or Path(f"/tmp/hisparse-log-{args.mb}.txt")
+    sep = f"-sep{args.separator_lines}" if args.separator_lines else ""
+    doc = args.doc or Path(f"/tmp/hisparse-log-{args.mb}{sep}.txt")
     if not doc.exists() or doc.stat().st_size != args.mb << 20:
-        make_log(doc, args.mb)
+        make_log(doc, args.mb, separators=args.separator_lines)
+    if args.step == "write":
+        print(doc)
+        return
     import engine
 
     tok = load_tokenizer()
