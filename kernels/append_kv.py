@@ -183,6 +183,38 @@ EMAX: tl.constexpr = tl.constexpr(EXP_MAX)
 
 
 @triton.jit
+def _store_kv(dst, stride_kv, k, v, mask):
+    """Store ``k`` at ``dst`` and ``v`` at ``dst + stride_kv``, cast to ``dst``'s dtype
+    (exact for fp8 destinations: the values are e4m3 values already)."""
+    dt = dst.dtype.element_ty
+    tl.store(dst, k.to(dt), mask=mask)
+    tl.store(dst + stride_kv, v.to(dt), mask=mask)
+
+
+@triton.jit
+def _store_exponents(dst, stride_kv, ek, ev):
+    """Store one token row's int8 scale exponents of K (at ``dst``) and V."""
+    tl.store(dst, ek.to(tl.int8))
+    tl.store(dst + stride_kv, ev.to(tl.int8))
+
+
+@triton.jit
+def _widen_meta(meta, stride_mm, k, first, mask):
+    """Widen the page's key min (at ``meta``) / max (``meta + stride_mm``) by ``k``, or
+    start them at ``k`` for a page's ``first`` token. The key is rounded to the metadata
+    dtype first (as the reference does), then compared in fp32: min/max return one of
+    their inputs, so this is exact for every dtype."""
+    mdt = meta.dtype.element_ty
+    kn = k.to(mdt).to(tl.float32)
+    lo = tl.load(meta, mask=mask, other=0.0).to(tl.float32)
+    hi = tl.load(meta + stride_mm, mask=mask, other=0.0).to(tl.float32)
+    lo = tl.where(first, kn, tl.minimum(lo, kn, propagate_nan=tl.PropagateNan.ALL))
+    hi = tl.where(first, kn, tl.maximum(hi, kn, propagate_nan=tl.PropagateNan.ALL))
+    tl.store(meta, lo.to(mdt), mask=mask)
+    tl.store(meta + stride_mm, hi.to(mdt), mask=mask)
+
+
+@triton.jit
 def _append_kv_kernel(
     k_ptr,
     v_ptr,
@@ -253,6 +285,7 @@ def _append_kv_kernel(
         tl.store(st, k.to(staging_ptr.dtype.element_ty), mask=mask_d)
         tl.store(st + stride_st_kv, v.to(staging_ptr.dtype.element_ty), mask=mask_d)
 
+    kr, vr = k, v  # the values an fp8 destination receives (e4m3 values with FP8)
     if FP8:  # quantise (exact power-of-two scaling, RNE rounding) and round back
         kf = k.to(tl.float32)
         vf = v.to(tl.float32)
@@ -264,50 +297,33 @@ def _append_kv_kernel(
         # metadata was also written, although the fp8 pool bytes were right.
         kr = _round_e4m3(kf * _pow2(-ek))
         vr = _round_e4m3(vf * _pow2(-ev))
-        kq = kr.to(tl.float8e4nv)
-        vq = vr.to(tl.float8e4nv)
         k = (kr * _pow2(ek)).to(k.dtype)
         v = (vr * _pow2(ev)).to(v.dtype)
 
     if WRITE_POOL:
         rec = pool_ptr + pool_page * stride_pool_p + h * stride_pool_h + off * stride_pool_s
         if POOL_FP8:
-            tl.store(rec + offs_d, kq, mask=mask_d)
-            tl.store(rec + stride_pool_kv + offs_d, vq, mask=mask_d)
+            _store_kv(rec + offs_d, stride_pool_kv, kr, vr, mask_d)
             sc = scale_ptr + pool_page * stride_sc_p + h * stride_sc_h + off
-            tl.store(sc, ek.to(tl.int8))
-            tl.store(sc + stride_sc_kv, ev.to(tl.int8))
+            _store_exponents(sc, stride_sc_kv, ek, ev)
         else:
-            tl.store(rec + offs_d, k.to(pool_ptr.dtype.element_ty), mask=mask_d)
-            tl.store(rec + stride_pool_kv + offs_d, v.to(pool_ptr.dtype.element_ty), mask=mask_d)
+            _store_kv(rec + offs_d, stride_pool_kv, k, v, mask_d)
 
     if HAS_META:
         meta = meta_ptr + pool_page * stride_meta_p + h * stride_meta_h + offs_d
-        # Round the key to the metadata dtype first (as the reference does), then compare
-        # in fp32: min/max return one of their inputs, so this is exact for every dtype.
-        kn = k.to(meta_ptr.dtype.element_ty).to(tl.float32)
-        first = off == 0
-        lo = tl.load(meta, mask=mask_d, other=0.0).to(tl.float32)
-        hi = tl.load(meta + stride_meta_mm, mask=mask_d, other=0.0).to(tl.float32)
-        lo = tl.where(first, kn, tl.minimum(lo, kn, propagate_nan=tl.PropagateNan.ALL))
-        hi = tl.where(first, kn, tl.maximum(hi, kn, propagate_nan=tl.PropagateNan.ALL))
-        tl.store(meta, lo.to(meta_ptr.dtype.element_ty), mask=mask_d)
-        tl.store(meta + stride_meta_mm, hi.to(meta_ptr.dtype.element_ty), mask=mask_d)
+        _widen_meta(meta, stride_meta_mm, k, off == 0, mask_d)
 
     if HAS_SLOTS:
         slab = tl.load(slab_ids_ptr + b * stride_slab_b + h * stride_slab_h).to(tl.int64)
         slot = tl.load(page_table_ptr + slab * stride_pt_slab + page).to(tl.int64)
         if slot >= 0:
-            dst = slots_ptr + slot * stride_slots_n + off * stride_slots_s
+            dst = slots_ptr + slot * stride_slots_n + off * stride_slots_s + offs_d
             if SLOTS_FP8:
-                tl.store(dst + offs_d, kq, mask=mask_d)
-                tl.store(dst + stride_slots_kv + offs_d, vq, mask=mask_d)
+                _store_kv(dst, stride_slots_kv, kr, vr, mask_d)
                 ss = slot_scale_ptr + slot * stride_ss_n + off
-                tl.store(ss, ek.to(tl.int8))
-                tl.store(ss + stride_ss_kv, ev.to(tl.int8))
+                _store_exponents(ss, stride_ss_kv, ek, ev)
             else:
-                tl.store(dst + offs_d, k.to(slots_ptr.dtype.element_ty), mask=mask_d)
-                tl.store(dst + stride_slots_kv + offs_d, v.to(slots_ptr.dtype.element_ty), mask=mask_d)
+                _store_kv(dst, stride_slots_kv, k, v, mask_d)
 
 
 def _unused(t: torch.Tensor, ndim: int) -> torch.Tensor:

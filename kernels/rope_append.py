@@ -43,7 +43,10 @@ from kernels.append_kv import (
     _fp8_exponent,
     _pow2,
     _round_e4m3,
+    _store_exponents,
+    _store_kv,
     _unused,
+    _widen_meta,
     append_kv_ref,
     check_pool_writes,
     check_slot_writes,
@@ -315,6 +318,7 @@ def _rope_append_kernel(
         tl.store(st + stride_st_kv, v1.to(sdt), mask=mask)
         tl.store(st + stride_st_kv + HALF, v2.to(sdt), mask=mask)
 
+    k1r, k2r, v1r, v2r = k1, k2, v1, v2  # what an fp8 destination receives
     if FP8:  # as _append_kv_kernel: fp32-rounded e4m3 values, exact power-of-two scales
         k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
         v1f, v2f = v1.to(tl.float32), v2.to(tl.float32)
@@ -329,35 +333,18 @@ def _rope_append_kernel(
     if WRITE_POOL:
         rec = pool_ptr + pool_page * stride_pool_p + h * stride_pool_h + off * stride_pool_s + offs
         if POOL_FP8:
-            tl.store(rec, k1r.to(tl.float8e4nv), mask=mask)
-            tl.store(rec + HALF, k2r.to(tl.float8e4nv), mask=mask)
-            tl.store(rec + stride_pool_kv, v1r.to(tl.float8e4nv), mask=mask)
-            tl.store(rec + stride_pool_kv + HALF, v2r.to(tl.float8e4nv), mask=mask)
+            _store_kv(rec, stride_pool_kv, k1r, v1r, mask)
+            _store_kv(rec + HALF, stride_pool_kv, k2r, v2r, mask)
             sc = scale_ptr + pool_page * stride_sc_p + h * stride_sc_h + off
-            tl.store(sc, ek.to(tl.int8))
-            tl.store(sc + stride_sc_kv, ev.to(tl.int8))
+            _store_exponents(sc, stride_sc_kv, ek, ev)
         else:
-            pdt = pool_ptr.dtype.element_ty
-            tl.store(rec, k1.to(pdt), mask=mask)
-            tl.store(rec + HALF, k2.to(pdt), mask=mask)
-            tl.store(rec + stride_pool_kv, v1.to(pdt), mask=mask)
-            tl.store(rec + stride_pool_kv + HALF, v2.to(pdt), mask=mask)
+            _store_kv(rec, stride_pool_kv, k1, v1, mask)
+            _store_kv(rec + HALF, stride_pool_kv, k2, v2, mask)
 
     if HAS_META:
-        mdt = meta_ptr.dtype.element_ty
-        first = off == 0
-        for part in tl.static_range(2):
-            if part == 0:
-                kn = k1.to(mdt).to(tl.float32)
-            else:
-                kn = k2.to(mdt).to(tl.float32)
-            meta = meta_ptr + pool_page * stride_meta_p + h * stride_meta_h + part * HALF + offs
-            lo = tl.load(meta, mask=mask, other=0.0).to(tl.float32)
-            hi = tl.load(meta + stride_meta_mm, mask=mask, other=0.0).to(tl.float32)
-            lo = tl.where(first, kn, tl.minimum(lo, kn, propagate_nan=tl.PropagateNan.ALL))
-            hi = tl.where(first, kn, tl.maximum(hi, kn, propagate_nan=tl.PropagateNan.ALL))
-            tl.store(meta, lo.to(mdt), mask=mask)
-            tl.store(meta + stride_meta_mm, hi.to(mdt), mask=mask)
+        meta = meta_ptr + pool_page * stride_meta_p + h * stride_meta_h + offs
+        _widen_meta(meta, stride_meta_mm, k1, off == 0, mask)
+        _widen_meta(meta + HALF, stride_meta_mm, k2, off == 0, mask)
 
     if HAS_SLOTS:
         slab = tl.load(slab_ids_ptr + b * stride_slab_b + h * stride_slab_h).to(tl.int64)
@@ -365,19 +352,13 @@ def _rope_append_kernel(
         if slot >= 0:  # (a name of its own: `rec` may be an fp8 pointer above)
             tail = slots_ptr + slot * stride_slots_n + off * stride_slots_s + offs
             if SLOTS_FP8:
-                tl.store(tail, k1r.to(tl.float8e4nv), mask=mask)
-                tl.store(tail + HALF, k2r.to(tl.float8e4nv), mask=mask)
-                tl.store(tail + stride_slots_kv, v1r.to(tl.float8e4nv), mask=mask)
-                tl.store(tail + stride_slots_kv + HALF, v2r.to(tl.float8e4nv), mask=mask)
+                _store_kv(tail, stride_slots_kv, k1r, v1r, mask)
+                _store_kv(tail + HALF, stride_slots_kv, k2r, v2r, mask)
                 ss = slot_scale_ptr + slot * stride_ss_n + off
-                tl.store(ss, ek.to(tl.int8))
-                tl.store(ss + stride_ss_kv, ev.to(tl.int8))
+                _store_exponents(ss, stride_ss_kv, ek, ev)
             else:
-                odt = slots_ptr.dtype.element_ty
-                tl.store(tail, k1.to(odt), mask=mask)
-                tl.store(tail + HALF, k2.to(odt), mask=mask)
-                tl.store(tail + stride_slots_kv, v1.to(odt), mask=mask)
-                tl.store(tail + stride_slots_kv + HALF, v2.to(odt), mask=mask)
+                _store_kv(tail, stride_slots_kv, k1, v1, mask)
+                _store_kv(tail + HALF, stride_slots_kv, k2, v2, mask)
 
 
 def rope_append(
