@@ -377,7 +377,7 @@ class ResultsLog:
             else f"line {n + 1} (not JSON: a line cut short, with lines appended after it)"
             for n in broken
         ]
-        size = sum(len(lines[n]) for n in broken)
+        size = len(moved)  # as the .partial file holds them: each with its newline
         return (
             f"{self.path}: {', '.join(what)}: moved {'its' if len(broken) == 1 else 'their'} "
             f"{size} bytes to {partial} (a new file); {self.path.name} now holds only its "

@@ -239,7 +239,7 @@ def test_a_half_written_last_line_is_set_aside_and_the_file_stays_json_lines(run
     partial = tmp_path / "hisparse-out" / "results.jsonl.partial"
     err = " ".join(result.stderr.split())
     assert "warning: hisparse-out/results.jsonl: truncated last line 4 (interrupted write): " in err
-    assert "moved its 23 bytes to hisparse-out/results.jsonl.partial (a new file)" in err
+    assert "moved its 24 bytes to hisparse-out/results.jsonl.partial (a new file)" in err
     assert partial.read_bytes() == b'{"id": "half", "ok": tr\n'
     assert path.read_bytes().startswith(before)
     assert [r["id"] for r in lines(tmp_path)] == ["a", "b", "c", "a", "b", "c"]  # all JSON

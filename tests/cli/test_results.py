@@ -103,7 +103,7 @@ def test_a_truncated_last_line_is_moved_to_a_partial_file(tmp_path):
         assert log.existing.truncated_tail == b'{"id": "half", "ok": tr'
         note = log.set_aside_broken_lines()
         assert note == (
-            f"{path}: truncated last line 2 (interrupted write): moved its 23 bytes to "
+            f"{path}: truncated last line 2 (interrupted write): moved its 24 bytes to "
             f"{tmp_path / 'results.jsonl.partial'} (a new file); results.jsonl now holds only "
             "its complete lines"
         )
@@ -137,6 +137,19 @@ def test_a_cut_line_in_the_middle_is_moved_too_and_other_lines_stay(tmp_path):
         assert log.existing.warnings == (f"{path}: ignoring line 2: not a JSON object with an id",)
     assert path.read_text() == f'{first}\n["not", "a", "record"]\n{last}\n'
     assert (tmp_path / "results.jsonl.partial").read_text() == '{"id": "half", "ok": tr\n'
+
+
+def test_the_note_counts_the_bytes_the_partial_file_holds(tmp_path):
+    """The note's byte count is what the .partial file holds: each moved line with the
+    newline written after it (it gave the lines' bytes alone: 23 for a 24-byte file)."""
+    path = tmp_path / "results.jsonl"
+    first, last = json.dumps(ok_line("a")), json.dumps(ok_line("b"))
+    path.write_text(f'{first}\n{{"id": "half", "ok": tr\n{last}\n{{"id": "c", "te')
+    with ResultsLog(tmp_path) as log:
+        note = log.set_aside_broken_lines()
+    size = (tmp_path / "results.jsonl.partial").stat().st_size
+    assert size == len('{"id": "half", "ok": tr\n{"id": "c", "te\n')
+    assert f"moved their {size} bytes to " in note
 
 
 def test_last_line_per_id_wins_and_done_needs_success_and_key(tmp_path):
