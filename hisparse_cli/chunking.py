@@ -13,19 +13,24 @@ they get no results line, so a run stopped half-way redoes the whole job on resu
 line, written once, is what resume reads). A map job that fails fails the job (no later
 one is built); one cancelled leaves it not run.
 
-The job's results line counts the whole document's tokens: its ``prompt_tokens`` and
-``generated_tokens`` are those of every map job (all levels) plus the reduce job's, and
-``chunked`` keeps the parts (:meth:`ChunkedJob.attribute`).
+The job's results line counts the whole document: its ``prompt_tokens`` and
+``generated_tokens`` are those of every map job (all levels) plus the reduce job's, as
+are its ``cache`` (hot-buffer traffic summed) and its ``audit`` (audited steps pooled:
+:meth:`ChunkedJob.whole_audit`), and ``chunked`` keeps the parts
+(:meth:`ChunkedJob.attribute`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.events import Job
+from engine.decode.audit import AuditTally
+from engine.events import AuditStats, CacheStats, Job
+from hisparse_cli.results import AuditLimits, audit_figures, audit_record, cache_record
 
 SEPARATOR = "@"
 """Between a job's id and its map jobs' ``<level>.<index>``."""
@@ -61,6 +66,15 @@ class ChunkedJob:
     """Tokens its map jobs generated after their first ones (what their decode rates count)."""
     reduce_rates: tuple[float, float] | None = None
     """The reduce step's own ``(prefill_tok_s, decode_tok_s)``."""
+    map_cache: CacheStats | None = None
+    """Hot-buffer traffic of its map jobs that ended with a result, summed (``None``
+    before one)."""
+    map_audit: AuditTally | None = None
+    """Sums of its map jobs' audited steps (``--audit``; ``None`` before one reported)."""
+    reduce_cache: CacheStats | None = None
+    """The reduce step's own hot-buffer traffic."""
+    reduce_audit: AuditStats | None = None
+    """The reduce step's own audit."""
 
     @property
     def level(self) -> int:
@@ -94,7 +108,26 @@ class ChunkedJob:
         decoded = after_first + self.map_decode_tokens
         return (prompt / prefill_s if prefill_s else 0.0, decoded / decode_s if decode_s else 0.0)
 
-    def attribute(self, record: dict[str, Any]) -> dict[str, Any]:
+    def whole_cache(self, reduce: CacheStats) -> CacheStats:
+        """The job's hot-buffer traffic over the whole document: its map jobs' (every
+        level) plus its reduce step's, ``reduce`` (recorded: :attr:`reduce_cache`)."""
+        self.reduce_cache = reduce
+        return _add_cache(self.map_cache, reduce)
+
+    def whole_audit(self, reduce: AuditStats | None) -> AuditStats | None:
+        """The job's audit over the whole document: every part's audited steps pooled —
+        steps, agreements and seconds summed, ``kl_max`` the largest, the means taken
+        again over all steps (:meth:`engine.decode.audit.AuditTally.stats`) — from its map
+        jobs' and its reduce step's, ``reduce`` (recorded: :attr:`reduce_audit`)."""
+        self.reduce_audit = reduce
+        if self.map_audit is None:
+            return reduce
+        tally = dataclasses.replace(self.map_audit)
+        return (tally if reduce is None else _add_audit(tally, reduce)).stats()
+
+    def attribute(
+        self, record: dict[str, Any], audit_limits: AuditLimits | None = None
+    ) -> dict[str, Any]:
         """``record`` (the job's results line, its token counts the reduce job's, ``None``
         when it never ran) counting the whole document: ``prompt_tokens`` and
         ``generated_tokens`` become map jobs' + reduce job's, and ``chunked`` gets the
@@ -102,7 +135,11 @@ class ChunkedJob:
         ``reduce_generated_tokens``, ``reduce_ttft_s``: the reduce step's own time to first
         token; the line's ``ttft_s`` counts from the job's start; ``reduce_prefill_tok_s``,
         ``reduce_decode_tok_s``: the reduce step's own rates; the line's are the whole
-        document's, :meth:`whole_rates`)."""
+        document's, :meth:`whole_rates`; ``reduce_cache`` and, with an audit,
+        ``reduce_audit``: the reduce step's own; the line's are the whole document's,
+        :meth:`whole_cache`, :meth:`whole_audit`). A line without a ``cache`` (the job
+        failed or was cancelled before its reduce step ended) gets its map jobs' traffic
+        and audit, those of the parts that ran (the audit flagged by ``audit_limits``)."""
         prompt, generated = record.get("prompt_tokens") or 0, record.get("generated_tokens") or 0
         parts = {
             "map_prompt_tokens": self.map_prompt_tokens,
@@ -112,14 +149,49 @@ class ChunkedJob:
             "reduce_ttft_s": self.reduce_ttft_s,
             "reduce_prefill_tok_s": self.reduce_rates[0] if self.reduce_rates else None,
             "reduce_decode_tok_s": self.reduce_rates[1] if self.reduce_rates else None,
+            "reduce_cache": cache_record(self.reduce_cache) if self.reduce_cache else None,
         }
+        if self.map_audit is not None or self.reduce_audit is not None:
+            reduce_audit = self.reduce_audit
+            parts["reduce_audit"] = audit_figures(reduce_audit) if reduce_audit else None
+        whole = {}
+        if record.get("cache") is None and self.map_cache is not None:
+            whole["cache"] = cache_record(self.map_cache)
+            if self.map_audit is not None and "audit" not in record:
+                limits = audit_limits or AuditLimits()
+                whole["audit"] = audit_record(self.map_audit.stats(), limits)
         total = prompt + self.map_prompt_tokens
         return {
             **record,
+            **whole,
             "prompt_tokens": total or record.get("prompt_tokens"),
             "generated_tokens": generated + self.map_generated_tokens,
             "chunked": {**self.summary(), **parts},
         }
+
+
+def _add_cache(total: CacheStats | None, cache: CacheStats) -> CacheStats:
+    """``total`` (``None``: nothing yet) with ``cache``'s traffic added."""
+    if total is None:
+        return cache
+    return CacheStats(
+        hits=total.hits + cache.hits,
+        misses=total.misses + cache.misses,
+        h2d_bytes=total.h2d_bytes + cache.h2d_bytes,
+        prefetched=total.prefetched + cache.prefetched,
+    )
+
+
+def _add_audit(tally: AuditTally, audit: AuditStats) -> AuditTally:
+    """``tally`` with ``audit``'s steps added: its means times its steps are its sums."""
+    n = audit.steps
+    tally.steps += n
+    tally.agree += round(audit.top1_agreement * n)
+    tally.kl_sum += audit.kl_mean * n
+    tally.kl_max = max(tally.kl_max, audit.kl_max)
+    tally.mass_sum += audit.mass_kept_mean * n
+    tally.seconds += audit.seconds
+    return tally
 
 
 class ChunkScheduler:
@@ -183,15 +255,23 @@ class ChunkScheduler:
         prompt_tokens: int,
         generated_tokens: int,
         rates: tuple[float, float] | None = None,
+        cache: CacheStats | None = None,
+        audit: AuditStats | None = None,
     ) -> None:
         """Add an ended map job's tokens to its job's (:meth:`ChunkedJob.attribute`), and,
         for one that finished, its time from its ``rates`` (``(prefill_tok_s,
-        decode_tok_s)``, as its result has them; :meth:`ChunkedJob.whole_rates`)."""
+        decode_tok_s)``, as its result has them; :meth:`ChunkedJob.whole_rates`), its
+        hot-buffer traffic ``cache`` and its ``audit`` (:meth:`ChunkedJob.whole_cache`,
+        :meth:`ChunkedJob.whole_audit`)."""
         owner = self.owner.get(map_id)
         if owner is not None:
             state = self.jobs[owner[0]]
             state.map_prompt_tokens += prompt_tokens
             state.map_generated_tokens += generated_tokens
+            if cache is not None:
+                state.map_cache = _add_cache(state.map_cache, cache)
+            if audit is not None:
+                state.map_audit = _add_audit(state.map_audit or AuditTally(), audit)
             if rates is not None:
                 prefill, decode = rates
                 after_first = max(generated_tokens - 1, 0)

@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Self
 
-from engine.events import AuditStats, JobResult
+from engine.events import AuditStats, CacheStats, JobResult
 from hisparse_cli.naming import EarlierJob
 from hisparse_cli.textio import input_identity
 
@@ -468,25 +468,43 @@ class AuditLimits:
         return "; ".join(why)
 
 
-def audit_record(audit: AuditStats, limits: AuditLimits) -> dict[str, Any]:
-    """The ``audit`` field of a results line: ``steps``, ``top1_agreement``, ``kl_mean``,
-    ``kl_max`` (nats), ``mass_kept_mean`` (0-1), ``seconds`` the audit took, ``flagged``
-    and, when flagged, ``flag_reason``. With no audited step (a reply shorter than the
-    first scheduled one) the figures are ``None``: nothing was compared."""
-    why = limits.problem(audit)
+def audit_figures(audit: AuditStats) -> dict[str, Any]:
+    """An audit's figures as a results line gives them: ``steps``, ``top1_agreement``,
+    ``kl_mean``, ``kl_max`` (nats), ``mass_kept_mean`` (0-1) and ``seconds`` the audit
+    took. With no audited step (a reply shorter than the first scheduled one) the figures
+    are ``None``: nothing was compared."""
     known = audit.steps > 0
-    record = {
+    return {
         "steps": audit.steps,
         "top1_agreement": audit.top1_agreement if known else None,
         "kl_mean": audit.kl_mean if known else None,
         "kl_max": audit.kl_max if known else None,
         "mass_kept_mean": min(audit.mass_kept_mean, 1.0) if known else None,
         "seconds": audit.seconds,
-        "flagged": bool(why),
     }
+
+
+def audit_record(audit: AuditStats, limits: AuditLimits) -> dict[str, Any]:
+    """The ``audit`` field of a results line: :func:`audit_figures`, ``flagged`` and,
+    when flagged, ``flag_reason``."""
+    why = limits.problem(audit)
+    record = {**audit_figures(audit), "flagged": bool(why)}
     if why:
         record["flag_reason"] = why
     return record
+
+
+def cache_record(cache: CacheStats) -> dict[str, Any]:
+    """The ``cache`` field of a results line: ``hits``, ``misses`` (records attention
+    selected), ``hit_rate`` (0-1), ``prefetched`` (records) and ``h2d_bytes``
+    (:class:`engine.events.CacheStats`)."""
+    return {
+        "hits": cache.hits,
+        "misses": cache.misses,
+        "hit_rate": cache.hit_rate,
+        "prefetched": cache.prefetched,
+        "h2d_bytes": cache.h2d_bytes,
+    }
 
 
 def result_record(
@@ -503,7 +521,6 @@ def result_record(
         The engine's result; with an audit (``--audit``) the line gets an ``audit``
         field (:func:`audit_record`, flagged by ``audit_limits``).
     """
-    cache = result.cache
     extra = {}
     if result.audit is not None:
         extra["audit"] = audit_record(result.audit, audit_limits or AuditLimits())
@@ -517,13 +534,7 @@ def result_record(
         "ttft_s": result.ttft_s,
         "prefill_tok_s": result.prefill_tok_s,
         "decode_tok_s": result.decode_tok_s,
-        "cache": {
-            "hits": cache.hits,
-            "misses": cache.misses,
-            "hit_rate": cache.hit_rate,
-            "prefetched": cache.prefetched,
-            "h2d_bytes": cache.h2d_bytes,
-        },
+        "cache": cache_record(result.cache),
         **extra,
         "error": result.error,
         "finished_at": utc_now(),

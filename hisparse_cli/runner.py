@@ -2069,7 +2069,7 @@ class BatchRun:
                 self.records[started]["started_at"] = utc_now()
         elif isinstance(event, JobFinished):
             r = event.result
-            self._retire_map(map_id, (r.prefill_tok_s, r.decode_tok_s))
+            self._retire_map(map_id, r)
             if r.finish_reason in SUCCESS_REASONS and not r.error:
                 self.chunker.finished(map_id, r.text)
             else:
@@ -2078,14 +2078,21 @@ class BatchRun:
             self._retire_map(map_id)
             self._map_failed(map_id, event.error)
 
-    def _retire_map(self, map_id: str, rates: tuple[float, float] | None = None) -> None:
+    def _retire_map(self, map_id: str, result: JobResult | None = None) -> None:
         """An ended map job's row leaves the table; its tokens (and, for one that finished,
-        its prefill and decode ``rates``) count for its job's results line
-        (:meth:`ChunkScheduler.count`), its progress row and the run
+        its ``result``'s prefill and decode rates, hot-buffer traffic and audit) count for
+        its job's results line (:meth:`ChunkScheduler.count`), its progress row and the run
         (:meth:`ProgressTracker.retire_part`)."""
         row = self.tracker.retire_part(map_id)
-        if row is not None:
-            self.chunker.count(map_id, row.prompt_tokens, row.generated, rates)
+        if row is None:
+            return
+        if result is None:
+            self.chunker.count(map_id, row.prompt_tokens, row.generated)
+            return
+        rates = (result.prefill_tok_s, result.decode_tok_s)
+        self.chunker.count(
+            map_id, row.prompt_tokens, row.generated, rates, result.cache, result.audit
+        )
 
     def _map_failed(self, map_id: str, why: str) -> None:
         job_id = self.chunker.abandon(map_id)
@@ -2121,7 +2128,9 @@ class BatchRun:
             elif state.job_id in self.prompt_tokens:  # its reduce job was built, not admitted
                 why = "cancelled before its reduce step ran"
             record = failure_record({**base, "prompt_tokens": None, "final": None}, why)
-            record = state.attribute({**record, "finish_reason": "cancelled"})
+            record = state.attribute(
+                {**record, "finish_reason": "cancelled"}, self.request.audit_limits
+            )
             state.recorded = True
             self._flag_earlier_output(record)
             self._append(record)
@@ -2194,9 +2203,11 @@ class BatchRun:
         """A chunked job's reduce step finished: its time to first token counted from the
         job's start (its first map job's admission) to the reduce step's first token, not
         from the reduce step's own admission — the wait for the answer — and its prefill
-        and decode rates over the whole document (:meth:`ChunkedJob.whole_rates`), as the
-        results line, the done line and the JSON ``job_finished`` report them (the reduce
-        step's own figures are kept in ``chunked``). A fresh user saw the reduce step's
+        and decode rates, hot-buffer traffic and audit over the whole document
+        (:meth:`ChunkedJob.whole_rates`, :meth:`ChunkedJob.whole_cache`,
+        :meth:`ChunkedJob.whole_audit`), as the results line, the done line and the JSON
+        ``job_finished`` report them (the reduce step's own figures are kept in
+        ``chunked``). A fresh user saw the reduce step's
         prefill rate (178 tok/s over its 209 tokens) beside the document's 12,741 tokens,
         which took 264 s."""
         result = event.result
@@ -2204,7 +2215,9 @@ class BatchRun:
         prefill, decode = state.whole_rates(
             result.prompt_tokens, result.prefill_tok_s, len(result.token_ids), result.decode_tok_s
         )
-        changes: dict[str, float] = {"prefill_tok_s": prefill, "decode_tok_s": decode}
+        changes: dict[str, Any] = {"prefill_tok_s": prefill, "decode_tok_s": decode}
+        changes["cache"] = state.whole_cache(result.cache)
+        changes["audit"] = state.whole_audit(result.audit)
         admitted = self.reduce_admitted.get(result.job_id)
         if state.t_start is not None and admitted is not None:
             state.reduce_ttft_s = result.ttft_s
@@ -2218,7 +2231,7 @@ class BatchRun:
         record = result_record(base, result, self.request.audit_limits)
         if result.job_id in self.chunker.jobs:  # the whole document's tokens, maps included
             self.chunker.jobs[result.job_id].recorded = True
-            record = self.chunker.jobs[result.job_id].attribute(record)
+            record = self.chunker.jobs[result.job_id].attribute(record, self.request.audit_limits)
         audit = record.get("audit")
         if audit and audit["flagged"]:
             self.reporter.note(
@@ -2278,7 +2291,7 @@ class BatchRun:
             )
             if job_id in self.chunker.jobs:  # the map jobs that ran before it failed
                 self.chunker.jobs[job_id].recorded = True
-                record = self.chunker.jobs[job_id].attribute(record)
+                record = self.chunker.jobs[job_id].attribute(record, self.request.audit_limits)
             self._flag_earlier_output(record)
             self._append(record)
 

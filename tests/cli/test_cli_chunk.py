@@ -21,6 +21,9 @@ TOKEN_PARTS = (
     "map_prompt_tokens", "map_generated_tokens", "reduce_prompt_tokens", "reduce_generated_tokens",
 )  # fmt: skip
 LIMIT = 160  # the fake engine's context limit (tokens = words)
+PART_CACHE = {"hits": 12, "misses": 4, "hit_rate": 0.75, "prefetched": 0, "h2d_bytes": 65536}
+"""The fake engine's hot-buffer traffic for a part of 4 tokens (3 hits, 1 miss and 16 KiB
+copied a token)."""
 WORDS = 400
 
 
@@ -186,6 +189,7 @@ def test_long_document_maps_then_reduces_in_the_batch(cli, long_doc, tmp_path):
         "reduce_ttft_s": 0.01,  # the fake engine's; the job's own counts from its first map
         "reduce_prefill_tok_s": 1000.0,  # the fake engine's rates
         "reduce_decode_tok_s": 100.0,
+        "reduce_cache": PART_CACHE,
     }
     assert records["long"]["ttft_s"] > records["long"]["chunked"]["reduce_ttft_s"]
     assert records["long"]["started_at"] <= records["alpha"]["finished_at"]  # with its maps
@@ -213,6 +217,7 @@ def test_the_documents_line_and_the_summary_count_every_part_s_tokens(cli, long_
         "reduce_prompt_tokens": len(reduce.prompt_ids), "reduce_generated_tokens": 4,
         "reduce_ttft_s": record["chunked"]["reduce_ttft_s"],
         "reduce_prefill_tok_s": 1000.0, "reduce_decode_tok_s": 100.0,
+        "reduce_cache": PART_CACHE,
     }  # fmt: skip
     # every part at the fake engine's rates: the whole document's are the same
     assert record["prefill_tok_s"] == pytest.approx(1000.0)
@@ -229,6 +234,42 @@ def test_the_documents_line_and_the_summary_count_every_part_s_tokens(cli, long_
     assert summary["prompt_tokens"] == sum(len(j.prompt_ids) for j in seen)  # maps included
     assert summary["generated_tokens"] == 4 * len(seen)
     assert summary["ok"] == 3
+
+
+class MapIds(set):
+    """Every map job of ``long`` (``audit_disagree`` of the fake engine)."""
+
+    def __contains__(self, job_id):
+        return job_id.startswith("long@")
+
+
+def test_the_documents_cache_and_audit_count_every_part(cli, long_doc, tmp_path):
+    """The line's ``cache`` is every part's hot-buffer traffic summed (map jobs and
+    reduce), its ``audit`` every part's audited steps (counts summed, means and the flag
+    recomputed from the sums); the reduce step's own are kept in ``chunked``. Before, both
+    were the reduce step's only: here a clean reduce hid map jobs that all disagreed."""
+    args = ("--json-progress", "--audit", "2")
+    result, seen = run_chunked(cli, *args, audit_disagree=MapIds())
+    assert result.exit_code == 0, result.output
+    parts = 1 + len([j for j in seen if j.id.startswith("long@")])
+    record = {r["id"]: r for r in read_lines(tmp_path)}["long"]
+    whole = {k: v * parts for k, v in PART_CACHE.items() if k != "hit_rate"}
+    assert record["cache"] == {**whole, "hit_rate": 0.75}
+    assert record["chunked"]["reduce_cache"] == PART_CACHE
+    audit = record["audit"]  # 2 steps a part; the map jobs' disagree (KL 2.0, mass 0.5)
+    assert audit["steps"] == 2 * parts and audit["kl_max"] == 2.0
+    assert audit["top1_agreement"] == pytest.approx(1 / parts)
+    assert audit["kl_mean"] == pytest.approx((2.0 * (parts - 1) + 0.01) / parts)
+    assert audit["mass_kept_mean"] == pytest.approx((0.5 * (parts - 1) + 0.95) / parts)
+    assert audit["seconds"] == pytest.approx(0.002 * parts)
+    assert audit["flagged"] and "top-1 agreement with dense" in audit["flag_reason"]
+    assert "long: audit flagged over" in result.output
+    reduce = record["chunked"]["reduce_audit"]
+    assert (reduce["steps"], reduce["top1_agreement"], reduce["kl_mean"]) == (2, 1.0, 0.01)
+    events = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]
+    finished = next(e for e in events if e["event"] == "job_finished" and e["job_id"] == "long")
+    assert finished["cache"]["hits"] == record["cache"]["hits"]  # as the results line
+    assert finished["audit"]["steps"] == audit["steps"]
 
 
 def test_reduce_is_chunked_again_while_too_long(cli, long_doc, tmp_path):
@@ -292,6 +333,7 @@ def test_ctrl_c_during_map_jobs_records_the_job_as_cancelled(cli, long_doc, tmp_
     assert long["finish_reason"] == "cancelled" and not long["ok"]
     assert long["chunked"]["chunks"] >= 3 and long["chunked"]["map_prompt_tokens"] > 0
     assert long["error"] == "cancelled at chunk level 1 (map jobs); no reduce step ran"
+    assert long["cache"]["hits"] == 3 * long["generated_tokens"]  # the map jobs that ran
     again, seen = run_chunked(cli)  # resume redoes the whole job
     assert again.exit_code == 0 and "long" in [j.id for j in seen]
 
