@@ -29,11 +29,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.decode.audit import AuditTally
-from engine.events import AuditStats, CacheStats, Job
+from engine.events import AuditStats, CacheStats, Event, Job
 from hisparse_cli.results import AuditLimits, audit_figures, audit_record, cache_record
 
 SEPARATOR = "@"
 """Between a job's id and its map jobs' ``<level>.<index>``."""
+
+
+@dataclass(frozen=True)
+class ChunkPartFinished(Event):
+    """A map job ended (finished, failed or cancelled): what the displays get in place of
+    its ``JobFinished`` or ``JobFailed``, so that those stay one per job asked for (JSON
+    progress: a ``chunk_part_finished`` object). ``job_id``: the job it is part of;
+    ``part_id``: its own, ``<job_id>@<level>.<index>`` (``index`` from 1);
+    ``prompt_tokens`` and ``generated_tokens``: its own; ``finish_reason``: its result's
+    (``stop``, ``length``, ``error``, ``cancelled``), ``error`` why it failed (``""``)."""
+
+    job_id: str
+    part_id: str
+    level: int
+    index: int
+    prompt_tokens: int
+    generated_tokens: int
+    finish_reason: str
+    error: str = ""
 
 
 @dataclass
@@ -214,6 +233,11 @@ class ChunkScheduler:
     def is_map(self, job_id: str) -> bool:
         """Whether ``job_id`` is one of this run's map jobs."""
         return job_id in self.owner
+
+    def part(self, map_id: str) -> tuple[str, int, int]:
+        """``(job id, level, index from 1)`` of a map job not yet ended."""
+        job_id, index = self.owner[map_id]
+        return job_id, self.jobs[job_id].level, index + 1
 
     def maps(self, job_id: str, count: int) -> list[str]:
         """The ids of the next level's ``count`` map jobs of ``job_id``, registered at once

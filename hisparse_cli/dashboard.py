@@ -26,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from engine.events import Event, JobFailed, JobFinished
+from hisparse_cli.chunking import ChunkPartFinished
 from hisparse_cli.display import escaped, terminal_text
 from hisparse_cli.pipes import guard_consoles
 from hisparse_cli.progress import (
@@ -465,13 +466,16 @@ class LiveDashboard:
             self._live = None
 
     def on_event(self, event: Event) -> None:
-        """Print finish lines and redraw when due."""
+        """Print finish lines (map jobs' included) and redraw when due."""
         job_id = (
             event.result.job_id
             if isinstance(event, JobFinished)
+            else event.part_id
+            if isinstance(event, ChunkPartFinished)
             else getattr(event, "job_id", None)
         )
-        if isinstance(event, JobFinished | JobFailed) and job_id in self.tracker.state.jobs:
+        ended = isinstance(event, JobFinished | JobFailed | ChunkPartFinished)
+        if ended and job_id in self.tracker.state.jobs:
             row = self.tracker.state.jobs[job_id]  # a failure is an error: stderr
             (self.err_console if row.phase == "failed" else self.console).print(finish_text(row))
         self.refresh()

@@ -10,7 +10,9 @@ All reporters share one interface (context manager, ``on_event``, ``note``,
   top to bottom. Warnings and errors go to stderr (``err_stream``).
 - :class:`JsonReporter` (``--json-progress``): one JSON object per line on stdout.
   Job lifecycle events (``job_queued``, ``job_admitted``, ``first_token``,
-  ``job_finished``, ``job_failed``, ``job_skipped``) are written as they happen;
+  ``job_finished``, ``job_failed``, ``job_skipped``; a ``context_policy: chunk`` map job
+  ends with a ``chunk_part_finished`` instead, so ``job_finished`` and ``job_failed`` are
+  one per job asked for) are written as they happen;
   the high-rate ones (decode steps, prefill progress, memory snapshots) are folded
   into a ``progress`` object every ``interval_s`` seconds (also from a timer thread);
   ``warning`` and a final ``summary`` object complete the stream. Every object has
@@ -44,6 +46,7 @@ from engine.events import (
     MemorySnapshot,
     PrefillProgress,
 )
+from hisparse_cli.chunking import ChunkPartFinished
 from hisparse_cli.dashboard import (
     LiveDashboard,
     chunk_parts,
@@ -209,8 +212,9 @@ class PlainReporter:
         self.stream.flush()
 
     def on_event(self, event: Event) -> None:
-        """A line per finished/failed job; a progress line when the interval has passed."""
-        if isinstance(event, JobFinished | JobFailed):
+        """A line per finished/failed job (map jobs included); a progress line when the
+        interval has passed."""
+        if isinstance(event, JobFinished | JobFailed | ChunkPartFinished):
             row = self.tracker.state.jobs.get(_job_id(event))
             if row is not None:  # a failure is an error: stderr, as the README says
                 failed = row.phase == "failed"
@@ -387,5 +391,8 @@ class JsonReporter:
             self.stream.flush()
 
 
-def _job_id(event: JobFinished | JobFailed) -> str:
+def _job_id(event: JobFinished | JobFailed | ChunkPartFinished) -> str:
+    """The id of the row that ended (a map job's own)."""
+    if isinstance(event, ChunkPartFinished):
+        return event.part_id
     return event.result.job_id if isinstance(event, JobFinished) else event.job_id

@@ -67,7 +67,7 @@ from engine.text.context import (
 )
 from hisparse_cli import openai_batch, preflight, settings, textio
 from hisparse_cli.auto_preset import AUTO, AutoChoice, choose_preset
-from hisparse_cli.chunking import ChunkScheduler
+from hisparse_cli.chunking import ChunkPartFinished, ChunkScheduler
 from hisparse_cli.display import terminal_text
 from hisparse_cli.extract import parse_extracted
 from hisparse_cli.keys import (
@@ -2058,11 +2058,16 @@ class BatchRun:
         return [Job(job_id, ids, spec.sampling, str(spec.inputs[0]), meta, json_keys(spec))]
 
     def _handle_map(self, event: Event, map_id: str) -> None:
-        """An event of a map job: shown (its row leaves the table when it ends); its text
-        goes to :attr:`chunker`; its failure fails its job; its cancellation ends the job
-        as ``cancelled`` (:meth:`_record_cancelled_chunks`)."""
+        """An event of a map job: shown, its end as a :class:`ChunkPartFinished` (its row
+        leaves the table then); its text goes to :attr:`chunker`; its failure fails its
+        job; its cancellation ends the job as ``cancelled``
+        (:meth:`_record_cancelled_chunks`)."""
+        unadmitted = isinstance(event, JobFailed) and self._unadmitted_after_cancel(map_id)
         self.tracker.update(event)
-        self.reporter.on_event(event)
+        if isinstance(event, JobFinished | JobFailed):
+            self.reporter.on_event(self._part_finished(event, map_id, unadmitted))
+        else:
+            self.reporter.on_event(event)
         if isinstance(event, JobAdmitted):
             started = self.chunker.admitted(map_id, event.t)
             if started is not None and started in self.records:  # the job starts with its maps
@@ -2077,6 +2082,25 @@ class BatchRun:
         elif isinstance(event, JobFailed):
             self._retire_map(map_id)
             self._map_failed(map_id, event.error)
+
+    def _part_finished(
+        self, event: JobFinished | JobFailed, map_id: str, unadmitted: bool
+    ) -> ChunkPartFinished:
+        """The displays' event for a map job's end (``unadmitted``: it failed as never
+        admitted after Ctrl-C: cancelled)."""
+        job_id, level, index = self.chunker.part(map_id)
+        if isinstance(event, JobFinished):
+            r = event.result
+            return ChunkPartFinished(
+                event.t, job_id, map_id, level, index, r.prompt_tokens, len(r.token_ids),
+                r.finish_reason, r.error,
+            )  # fmt: skip
+        row = self.tracker.state.jobs.get(map_id)
+        tokens = (row.prompt_tokens, row.generated) if row is not None else (0, 0)
+        reason = "cancelled" if unadmitted else "error"
+        return ChunkPartFinished(
+            event.t, job_id, map_id, level, index, *tokens, reason, event.error
+        )
 
     def _retire_map(self, map_id: str, result: JobResult | None = None) -> None:
         """An ended map job's row leaves the table; its tokens (and, for one that finished,

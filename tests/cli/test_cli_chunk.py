@@ -236,6 +236,40 @@ def test_the_documents_line_and_the_summary_count_every_part_s_tokens(cli, long_
     assert summary["ok"] == 3
 
 
+def test_map_jobs_send_chunk_part_finished_objects_not_job_finished(cli, long_doc, tmp_path):
+    """With ``--json-progress`` a map job's end is a ``chunk_part_finished`` object (its
+    job's id, level, index, tokens); ``job_finished`` objects are one per job asked for.
+    Before, each map job sent a ``job_finished`` of its own (a trial counted 7 for one
+    job); a failed map job's ``job_failed`` is its job's only."""
+    result, seen = run_chunked(cli, "--json-progress")
+    assert result.exit_code == 0, result.output
+    events = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]
+    finished = [e["job_id"] for e in events if e["event"] == "job_finished"]
+    assert sorted(finished) == ["alpha", "beta", "long"]
+    maps = [j for j in seen if j.id.startswith("long@")]
+    parts = sorted(
+        (e for e in events if e["event"] == "chunk_part_finished"), key=lambda e: e["index"]
+    )
+    assert [(e["job_id"], e["part_id"], e["level"], e["index"]) for e in parts] == [
+        ("long", m.id, 1, i) for i, m in enumerate(maps, 1)
+    ]
+    assert [e["prompt_tokens"] for e in parts] == [len(m.prompt_ids) for m in maps]
+    assert {(e["generated_tokens"], e["finish_reason"], e["error"]) for e in parts} == {
+        (4, "length", "")
+    }
+    failing, _ = run_chunked(cli, "--json-progress", "--force", fail={maps[1].id: "oom"})
+    events = [json.loads(x) for x in failing.stdout.splitlines() if x.startswith("{")]
+    failed = [e for e in events if e["event"] == "job_failed"]
+    assert [e["job_id"] for e in failed] == ["long"]
+    (part,) = [e for e in events if e["event"] == "chunk_part_finished" and e["error"]]
+    assert (part["part_id"], part["finish_reason"], part["error"]) == (maps[1].id, "error", "oom")
+    args = ("--json-progress", "--force", "--max-batch", "1")  # Ctrl-C: long's maps unadmitted
+    stopped, _ = run_chunked(cli, *args, on_step=interrupt_at(1))
+    events = [json.loads(x) for x in stopped.stdout.splitlines() if x.startswith("{")]
+    parts = [e for e in events if e["event"] == "chunk_part_finished"]
+    assert len(parts) == len(maps) and {e["finish_reason"] for e in parts} == {"cancelled"}
+
+
 class MapIds(set):
     """Every map job of ``long`` (``audit_disagree`` of the fake engine)."""
 
