@@ -31,11 +31,14 @@ from hisparse_cli.display import escaped, terminal_text
 from hisparse_cli.pipes import guard_consoles
 from hisparse_cli.progress import (
     FINISHED_PHASES,
+    RUNNING_PHASES,
     DeviceMemory,
     JobRow,
     ProgressTracker,
     RunState,
     RunSummary,
+    chunk_label,
+    chunk_step,
     decode_tok_s_recent,
     decode_tok_s_run,
     decoding_known,
@@ -50,6 +53,7 @@ from hisparse_cli.progress import (
 
 PHASE_STYLES = {
     "queued": "dim",
+    "map": "blue",
     "prefill": "yellow",
     "decode": "cyan",
     "done": "green",
@@ -162,13 +166,13 @@ def render_dashboard(
 
 
 def chunk_parts(state: RunState) -> str:
-    """``; chunk parts 2 running, 3 queued`` while the chunk policy's map jobs (not
-    counted as jobs) have not all ended, else ``""``."""
+    """``; chunk parts 4 done, 2 running, 3 queued`` while the chunk policy's map jobs
+    (not counted as jobs) have not all ended, else ``""``."""
     parts = phase_counts(state, parts=True)
     running = parts["prefill"] + parts["decode"]
     if not running and not parts["queued"]:
         return ""
-    return f"; chunk parts {running} running, {parts['queued']} queued"
+    return f"; chunk parts {parts['done']} done, {running} running, {parts['queued']} queued"
 
 
 def render_header(state: RunState, now: float) -> Text:
@@ -334,7 +338,7 @@ def render_jobs(state: RunState, now: float, max_rows: int = 20, width: int | No
 def visible_rows(state: RunState, max_rows: int) -> list[JobRow]:
     """Which jobs fit: running, then most recently finished, then queued."""
     rows = list(state.jobs.values())
-    running = [r for r in rows if r.phase in ("prefill", "decode")]
+    running = [r for r in rows if r.phase in RUNNING_PHASES]
     finished = sorted(
         (r for r in rows if r.phase in FINISHED_PHASES and r.phase != "skipped"),
         key=lambda r: r.finished_t or 0.0,
@@ -348,13 +352,14 @@ def visible_rows(state: RunState, max_rows: int) -> list[JobRow]:
 def job_cells(
     row: JobRow, now: float, bars: bool = True, name: str | None = None
 ) -> list[RenderableType]:
-    """Cells of one job row: id (or its shortened ``name``), tokens in, phase, progress,
-    TTFT, tok/s, ETA."""
+    """Cells of one job row: id (or its shortened ``name``), tokens in, phase (a chunked
+    job's ``map``, ``map L2``, ``reduce``), progress, TTFT, tok/s, ETA."""
     style = PHASE_STYLES.get(row.phase, "")
+    phase = chunk_label(row).rsplit(" ", 1)[0] if chunk_step(row) else row.phase
     return [
         Text(name or row.id),
         f"{row.prompt_tokens:,}" if row.prompt_tokens else "-",
-        Text(row.phase, style),
+        Text(phase, style),
         job_progress(row, bars),
         fmt_seconds(row.ttft_s),
         fmt_rate(job_tok_s(row, now), ""),
@@ -364,7 +369,11 @@ def job_cells(
 
 def job_progress(row: JobRow, bar: bool = True) -> Text:
     """Bar (unless ``bar`` is off) and figure: prefill share while prefilling, tokens /
-    limit while decoding."""
+    limit while decoding, a chunked job's map jobs ended / all of its level."""
+    if row.phase == "map":
+        figure = f"{row.level_done}/{row.level_parts}"
+        fraction = row.level_done / row.level_parts if row.level_parts else 0.0
+        return Text(f"{text_bar(fraction)} {figure}" if bar else figure, PHASE_STYLES["map"])
     if row.phase == "prefill":
         figure = f"{100 * row.prefill_fraction:3.0f}%"
         return Text(f"{text_bar(row.prefill_fraction)} {figure}" if bar else figure, "yellow")

@@ -38,7 +38,11 @@ from engine.events import (
     PrefillProgress,
 )
 
-PHASES = ("queued", "prefill", "decode", "done", "failed", "cancelled", "skipped")
+PHASES = ("queued", "map", "prefill", "decode", "done", "failed", "cancelled", "skipped")
+"""A job's phases; ``map``: a ``context_policy: chunk`` job whose map jobs run (from the
+first one's admission until its reduce step's admission; then ``prefill`` and ``decode``
+are its reduce step's: :func:`chunk_step`)."""
+RUNNING_PHASES = ("map", "prefill", "decode")
 FINISHED_PHASES = ("done", "failed", "cancelled", "skipped")
 WINDOW_S = 5.0
 
@@ -69,6 +73,11 @@ class JobRow:
     part_generated: int = 0
     """A chunked job's map jobs that ended and their tokens (:meth:`ProgressTracker.retire_part`):
     with the row's own (the reduce job's) they are the job's results line's figures."""
+    level: int = 0
+    level_parts: int = 0
+    level_done: int = 0
+    """A chunked job's map level (from 1; 0: not chunked), its map jobs and those of them
+    that ended (:meth:`ProgressTracker.add_parts`)."""
 
 
 @dataclass
@@ -158,6 +167,9 @@ class RunState:
     map_generated_tokens: int = 0
     """Tokens of ``context_policy: chunk`` map jobs that ended: their rows leave
     :attr:`jobs`, their tokens still count in the summary and in :func:`tokens_out`."""
+    parts_ended: dict[str, int] = field(default_factory=dict)
+    """Those map jobs by the phase they ended in (``done``, ``failed``, ``cancelled``):
+    :func:`phase_counts` with ``parts``."""
 
     def clock(self, now: float) -> float:
         """``now``, or the end time once :meth:`ProgressTracker.finish` froze it."""
@@ -189,17 +201,31 @@ class ProgressTracker:
         row.part_of = part_of or row.part_of
         return row
 
+    def add_parts(self, job_id: str, part_ids: list[str]) -> None:
+        """The next level of ``job_id``'s map jobs, ``part_ids``: shown queued (not counted
+        as jobs), counted by its row (``level``, ``level_parts``, ``level_done``)."""
+        owner = self._row(job_id)
+        owner.level, owner.level_parts, owner.level_done = owner.level + 1, len(part_ids), 0
+        for part_id in part_ids:
+            self.add_job(part_id, part_of=job_id)
+
     def retire_part(self, map_id: str) -> JobRow | None:
-        """An ended map job's row leaves the table; its tokens count for its job's row
-        (``part_*``) and for the run (``RunState.map_*_tokens``). Returns the row."""
+        """An ended map job's row leaves the table; it counts as ended in its phase
+        (``RunState.parts_ended``) and for its job's row (``level_done``), and its tokens
+        count for its job's row (``part_*``) and for the run (``RunState.map_*_tokens``).
+        Returns the row."""
         row = self.state.jobs.pop(map_id, None)
         if row is None:
             return None
         self.state.map_prompt_tokens += row.prompt_tokens
         self.state.map_generated_tokens += row.generated
+        if row.phase in FINISHED_PHASES:
+            ended = self.state.parts_ended
+            ended[row.phase] = ended.get(row.phase, 0) + 1
         owner = self.state.jobs.get(row.part_of)
         if owner is not None:
             owner.parts += 1
+            owner.level_done += 1
             owner.part_prompt_tokens += row.prompt_tokens
             owner.part_generated += row.generated
         return row
@@ -236,11 +262,15 @@ class ProgressTracker:
 
     def _queued(self, event: JobQueued) -> None:
         row = self._row(event.job_id)
-        row.prompt_tokens, row.phase = event.prompt_tokens, "queued"
+        row.prompt_tokens = event.prompt_tokens
+        row.phase = "map" if row.phase == "map" else "queued"  # a reduce step: still running
 
     def _admitted(self, event: JobAdmitted) -> None:
         row = self._row(event.job_id)
         row.prompt_tokens, row.phase, row.admitted_t = event.prompt_tokens, "prefill", event.t
+        owner = self.state.jobs.get(row.part_of) if row.part_of else None
+        if owner is not None and owner.phase == "queued":  # its first map job: it runs
+            owner.phase = "map"
 
     def _prefill(self, event: PrefillProgress) -> None:
         row = self._row(event.job_id)
@@ -439,12 +469,39 @@ def job_eta_s(row: JobRow, now: float) -> float | None:
 
 def phase_counts(state: RunState, parts: bool = False) -> dict[str, int]:
     """Number of jobs in each phase (all of :data:`PHASES`, zeros included): the jobs the
-    user asked for, or with ``parts`` the chunk policy's map jobs not yet ended."""
+    user asked for, or with ``parts`` the chunk policy's map jobs (those that ended
+    counted in the phase they ended in)."""
     counts = dict.fromkeys(PHASES, 0)
     for row in list(state.jobs.values()):
         if bool(row.part_of) == parts:
             counts[row.phase] = counts.get(row.phase, 0) + 1
+    if parts:
+        for phase, n in list(state.parts_ended.items()):
+            counts[phase] += n
     return counts
+
+
+def chunk_step(row: JobRow) -> str:
+    """What a chunked job is running: ``map`` (its map jobs), ``reduce`` (its reduce
+    step), else ``""``."""
+    if row.phase == "map":
+        return "map"
+    return "reduce" if row.level and row.phase in ("prefill", "decode") else ""
+
+
+def chunk_label(row: JobRow) -> str:
+    """A chunked job's step in words: ``map 3/7`` (its level's map jobs ended of all;
+    ``map L2 1/3`` from level 2), ``reduce``, or ``""``."""
+    step = chunk_step(row)
+    if step != "map":
+        return step
+    level = f" L{row.level}" if row.level > 1 else ""
+    return f"map{level} {row.level_done}/{row.level_parts}"
+
+
+def chunked_jobs(state: RunState) -> list[JobRow]:
+    """The chunked jobs running now (:func:`chunk_step`)."""
+    return [r for r in list(state.jobs.values()) if chunk_step(r)]
 
 
 # ----------------------------------------------------------------------------- summary
@@ -496,7 +553,7 @@ def summarize(
         failed=counts["failed"],
         skipped=counts["skipped"],
         cancelled=counts["cancelled"],
-        not_run=counts["queued"] + counts["prefill"] + counts["decode"],
+        not_run=counts["queued"] + sum(counts[p] for p in RUNNING_PHASES),
         prompt_tokens=sum(r.prompt_tokens for r in ran) + state.map_prompt_tokens,
         generated_tokens=sum(r.generated for r in ran) + state.map_generated_tokens,
         wall_s=max(0.0, now - state.started_t),

@@ -59,10 +59,14 @@ from hisparse_cli.dashboard import (
 from hisparse_cli.display import escaped, terminal_text
 from hisparse_cli.pipes import STDOUT_CLOSED, guard
 from hisparse_cli.progress import (
+    RUNNING_PHASES,
     JobRow,
     ProgressTracker,
     RunState,
     RunSummary,
+    chunk_label,
+    chunk_step,
+    chunked_jobs,
     decode_tok_s_recent,
     decode_tok_s_run,
     decoding_known,
@@ -140,11 +144,12 @@ class _Ticker:
 
 
 def progress_line(state: RunState, now: float) -> str:
-    """One status line: elapsed, jobs, throughput, cache, transfer and memory."""
+    """One status line: elapsed, jobs, throughput, cache, transfer and memory; the jobs
+    prefilling and the chunked jobs running (``chunked long map 3/7``)."""
     counts = phase_counts(state)
     total = sum(counts.values()) - counts["skipped"]  # the jobs asked for, not map jobs
     ended = counts["done"] + counts["failed"] + counts["cancelled"]
-    running = counts["prefill"] + counts["decode"]
+    running = sum(counts[phase] for phase in RUNNING_PHASES)
     now = state.clock(now)
     decoding = decoding_known(state)
     parts = [
@@ -163,6 +168,11 @@ def progress_line(state: RunState, now: float) -> str:
     if jobs:
         shown = ", ".join(f"{r.id} {100 * r.prefill_fraction:.0f}%" for r in jobs[:4])
         parts.append(f"prefilling {shown}{f' +{len(jobs) - 4} more' if len(jobs) > 4 else ''}")
+    chunked = chunked_jobs(state)
+    if chunked:
+        shown = ", ".join(f"{r.id} {chunk_label(r)}" for r in chunked[:4])
+        more = f" +{len(chunked) - 4} more" if len(chunked) > 4 else ""
+        parts.append(f"chunked {shown}{more}")
     memory = list(state.memory.values())
     parts += [f"{m.device} {fmt_bytes(m.used)}/{fmt_bytes(m.total)}" for m in memory]
     return " | ".join(parts)
@@ -276,7 +286,9 @@ def event_json(event: Event) -> dict[str, Any]:
 
 def progress_json(state: RunState, now: float) -> dict[str, Any]:
     """The periodic ``progress`` object (``null`` for figures not known yet;
-    ``prefill``: job id -> share of its prefill done, for the jobs prefilling)."""
+    ``prefill``: job id -> share of its prefill done, for the jobs prefilling;
+    ``chunked``: job id -> its ``step`` (``map``, ``reduce``), map ``level``, and that
+    level's map jobs ``done`` of all (``parts``), for the chunked jobs running)."""
     now = state.clock(now)
     decoding = decoding_known(state)
     return {
@@ -284,7 +296,16 @@ def progress_json(state: RunState, now: float) -> dict[str, Any]:
         "t": now,
         "elapsed_s": now - state.started_t,
         "jobs": phase_counts(state),
-        "chunk_parts": phase_counts(state, parts=True),  # map jobs not yet ended
+        "chunk_parts": phase_counts(state, parts=True),  # map jobs; ended: done, failed...
+        "chunked": {
+            r.id: {
+                "step": chunk_step(r),
+                "level": r.level,
+                "done": r.level_done,
+                "parts": r.level_parts,
+            }
+            for r in chunked_jobs(state)
+        },
         "decode_tok_s": decode_tok_s_recent(state, now) if decoding else None,
         "decode_tok_s_run": decode_tok_s_run(state, now) if decoding else None,
         "prefill_tok_s": prefill_tok_s_live(state, now),
@@ -361,9 +382,7 @@ class JsonReporter:
         """The timer: a progress object when none was written for ``interval_s`` while a
         job runs (a prefill without events included)."""
         now = self.clock()
-        running = any(
-            r.phase in ("prefill", "decode") for r in list(self.tracker.state.jobs.values())
-        )
+        running = any(r.phase in RUNNING_PHASES for r in list(self.tracker.state.jobs.values()))
         if (self._pending or running) and now - self._printed_t >= self.interval_s:
             self._emit(progress_json(self.tracker.state, now))
             self._printed_t, self._pending = now, False

@@ -2001,8 +2001,7 @@ class BatchRun:
         ``chunked`` field; registered now, each built (its chunk's text read, its prompt
         tokenised) only when the engine draws it (:meth:`_build_maps`)."""
         map_ids = self.chunker.maps(spec.id, len(chunks))
-        for map_id in map_ids:  # shown queued at once (not counted as jobs)
-            self.tracker.add_job(map_id, part_of=spec.id)
+        self.tracker.add_parts(spec.id, map_ids)  # shown queued at once (not counted as jobs)
         self.records[spec.id]["chunked"] = self.chunker.jobs[spec.id].summary()
         if len(self.chunker.jobs[spec.id].chunks) == 1:
             self.reporter.note(
@@ -2358,7 +2357,7 @@ class BatchRun:
     def _unadmitted_after_cancel(self, job_id: str) -> bool:
         row = self.tracker.state.jobs.get(job_id)
         cancelling = self.cancel is not None and self.cancel.count > 0
-        return cancelling and row is not None and row.phase == "queued"
+        return cancelling and row is not None and row.phase in ("queued", "map")
 
     def _announce_cancel(self) -> None:
         if self.cancel is not None and self.cancel.count and not self._announced:

@@ -407,8 +407,8 @@ def test_the_job_total_stays_what_was_asked_while_map_jobs_come_and_go():
     for job_id in ("long", "small"):
         tracker.add_job(job_id)
     totals = []
+    tracker.add_parts("long", ["long@1.1", "long@1.2"])
     for i in (1, 2):
-        tracker.add_job(f"long@1.{i}", part_of="long")
         tracker.update(JobQueued(0.1, f"long@1.{i}", 100))
     tracker.update(JobAdmitted(0.2, "long@1.1", 100))
     totals.append(progress_line(tracker.state, 1.0))
@@ -417,8 +417,9 @@ def test_the_job_total_stays_what_was_asked_while_map_jobs_come_and_go():
     tracker.retire_part("long@1.2")
     totals.append(progress_line(tracker.state, 1.0))
     assert all("jobs 0/2 ended" in line for line in totals), totals
-    assert "chunk parts 1 running, 1 queued" in totals[0]
-    assert "chunk parts 0 running, 1 queued" in totals[1] and "chunk parts" not in totals[2]
+    assert "chunk parts 0 done, 1 running, 1 queued" in totals[0]
+    assert "chunk parts 0 done, 0 running, 1 queued" in totals[1]  # retired unfinished: not done
+    assert "chunk parts" not in totals[2]
     assert tracker.state.jobs["long"].part_prompt_tokens == 200
     assert tracker.state.map_prompt_tokens == 200  # the run's totals, as before
 
@@ -476,9 +477,10 @@ class OneAtATime(testing.FakeEngine):
                 yield from testing.FakeEngine.run(self, [job])
 
 
-def run_one_at_a_time(cli, monkeypatch, fail_at=None, **engine_kwargs):
-    """The three documents under ``chunk`` with :class:`OneAtATime`, the chunk texts
-    :class:`Recorded`. Returns the result, the jobs drawn and the run's progress state."""
+def run_one_at_a_time(cli, monkeypatch, fail_at=None, engine_class=None, **engine_kwargs):
+    """The three documents under ``chunk`` with :class:`OneAtATime` (or ``engine_class``),
+    the chunk texts :class:`Recorded`. Returns the result, the jobs drawn and the run's
+    progress state."""
     reads, drawn, trackers = [], [], []
     monkeypatch.setattr(
         runner_module,
@@ -494,7 +496,7 @@ def run_one_at_a_time(cli, monkeypatch, fail_at=None, **engine_kwargs):
     monkeypatch.setattr(runner_module, "ProgressTracker", Tracker)
 
     def load(config, model, job_tokens=None):
-        engine = OneAtATime(config=config, limit=LIMIT, **engine_kwargs)
+        engine = (engine_class or OneAtATime)(config=config, limit=LIMIT, **engine_kwargs)
         engine.drawn, engine.reads, engine.trackers = drawn, reads, trackers
         return engine
 
@@ -514,8 +516,9 @@ def test_map_jobs_are_built_as_the_engine_draws_them(cli, long_doc, tmp_path, mo
     assert len(maps) >= 3 and [read for _, read, _ in maps] == list(range(1, len(maps) + 1))
     assert [job for job, _, _ in drawn] == ["alpha", *(m for m, _, _ in maps), "long", "beta"]
     # the progress line counts every map job of the level from the start, built or not
-    assert maps[0][2] == f"; chunk parts 0 running, {len(maps)} queued"
-    assert maps[-1][2] == "; chunk parts 0 running, 1 queued" and chunk_parts(state) == ""
+    assert maps[0][2] == f"; chunk parts 0 done, 0 running, {len(maps)} queued"
+    assert maps[-1][2] == f"; chunk parts {len(maps) - 1} done, 0 running, 1 queued"
+    assert chunk_parts(state) == ""
     record = {r["id"]: r for r in read_lines(tmp_path)}["long"]
     assert record["ok"] and record["chunked"]["chunks"] == len(maps)
     assert f"the task runs on {len(maps)} overlapping chunks" in result.output
@@ -535,3 +538,72 @@ def test_no_map_job_is_built_once_one_failed(cli, long_doc, tmp_path, monkeypatc
     assert records["alpha"]["ok"] and records["beta"]["ok"] and not records["long"]["ok"]
     why = "out of memory" if fail else "cannot prepare its prompt: no such text"
     assert records["long"]["error"] == f"chunk long@1.2 failed: {why}"
+
+
+class Watched(OneAtATime):
+    """Records, at each decode step, the job running and what the progress displays show
+    then (:attr:`snaps`)."""
+
+    snaps: list = []
+
+    def _step_event(self, running, step):
+        from hisparse_cli.dashboard import render_jobs
+        from hisparse_cli.reporters import progress_json, progress_line
+
+        state = self.trackers[-1].state
+        shown = progress_json(state, state.last_t)
+        table = _text(render_jobs(state, state.last_t))
+        self.snaps.append(
+            {
+                "running": running[0].job.id,
+                **{k: shown.get(k) for k in ("jobs", "chunk_parts", "chunked")},
+                "line": progress_line(state, state.last_t),
+                "long": next(x for x in table.splitlines() if "│ long " in x),
+            }
+        )
+        return testing.FakeEngine._step_event(self, running, step)
+
+
+def _text(renderable):
+    from rich.console import Console
+
+    console = Console(record=True, width=160, force_terminal=False, color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_a_chunked_job_runs_from_its_first_map_job_and_counts_its_parts_done(
+    cli, long_doc, tmp_path, monkeypatch
+):
+    """From its first map job's admission a chunked job is running (phase ``map``, with
+    its level's map jobs done of all; then its reduce step), not ``queued``, and the map
+    jobs that ended count as ``chunk_parts`` done: in the JSON progress object, the plain
+    progress line and the dashboard. Before, it read ``queued`` until its reduce step was
+    admitted and ``chunk_parts.done`` stayed 0."""
+    monkeypatch.setattr(Watched, "snaps", [])
+    result, drawn, state = run_one_at_a_time(cli, monkeypatch, engine_class=Watched)
+    assert result.exit_code == 0, result.output
+    n = len([job for job, _, _ in drawn if job.startswith("long@1.")])
+    at = {}
+    for snap in Watched.snaps:  # each job's first decode step (one job runs at a time)
+        at.setdefault(snap["running"], snap)
+    assert at["alpha"]["jobs"]["queued"] == 2 and at["alpha"]["chunked"] == {}  # not started
+    for i in range(1, n + 1):
+        snap = at[f"long@1.{i}"]
+        assert snap["jobs"] == {
+            "queued": 1, "map": 1, "prefill": 0, "decode": 0, "done": 1, "failed": 0,
+            "cancelled": 0, "skipped": 0,
+        }  # fmt: skip
+        assert snap["chunk_parts"]["done"] == i - 1 and snap["chunk_parts"]["decode"] == 1
+        assert snap["chunked"] == {"long": {"step": "map", "level": 1, "done": i - 1, "parts": n}}
+        assert (
+            f"jobs 1/3 ended (1 ok, 0 failed, 1 running, 1 queued; chunk parts {i - 1} "
+            f"done, 1 running, {n - i} queued)"
+        ) in snap["line"]
+        assert f"chunked long map {i - 1}/{n}" in snap["line"]
+        assert re.search(rf"│ map\s+│ .*{i - 1}/{n}", snap["long"]), snap["long"]
+    reduce = at["long"]
+    assert reduce["chunk_parts"]["done"] == n and reduce["jobs"]["decode"] == 1
+    assert reduce["chunked"] == {"long": {"step": "reduce", "level": 1, "done": n, "parts": n}}
+    assert "chunked long reduce" in reduce["line"] and "│ reduce " in reduce["long"]
+    assert at["beta"]["chunked"] == {} and at["beta"]["chunk_parts"]["done"] == n
