@@ -25,7 +25,14 @@ from hisparse_cli.keys import job_key, record_hash, settings_record
 from hisparse_cli.manifest import JobSpec
 from hisparse_cli.openai_batch import messages_sha256
 from hisparse_cli.results import FINAL_INPUT, FINAL_PROMPT, ResultsLog
-from hisparse_cli.textio import EMPTY, Document, DocumentError, input_bytes, read_documents
+from hisparse_cli.textio import (
+    EMPTY,
+    Document,
+    DocumentError,
+    bom_codec,
+    input_bytes,
+    read_documents,
+)
 
 RUN, SKIP, INVALID, FAILED_BEFORE = "run", "skip", "invalid", "failed-before"
 
@@ -49,7 +56,8 @@ class PlannedJob:
     left_out_reasons: why each of ``left_out`` was left out (empty, or only invisible
         characters).
     settings: what ``settings_hash`` hashes (:func:`~hisparse_cli.keys.settings_record`),
-        kept on its line as ``settings``.
+        kept on its line as ``settings``; its ``text`` is :func:`keyed_text_options`.
+    text_options: the text options asked (``--encoding``, ``--errors``).
     """
 
     spec: JobSpec
@@ -64,20 +72,31 @@ class PlannedJob:
     left_out: tuple[int, ...] = ()
     settings: dict[str, Any] = field(default_factory=dict)
     left_out_reasons: tuple[str, ...] = ()
+    text_options: dict[str, str] = field(default_factory=dict)
+
+    def with_text(self, boms: Sequence[str | None]) -> PlannedJob:
+        """The same job with its settings' text options as read: ``boms`` the codec of
+        each input's byte-order mark (``None`` for one without) (:func:`keyed_text_options`)."""
+        if not self.settings:
+            return self
+        text = keyed_text_options(self.text_options, boms)
+        settings = {**self.settings, "text": text}
+        return replace(self, settings=settings, settings_hash=record_hash(settings))
 
     def with_documents(self, documents: Sequence[Document]) -> PlannedJob:
         """The same job keyed by ``documents`` (their content may have changed since planning)."""
+        keyed = self.with_text([d.bom_encoding for d in documents])
         hashes = tuple(d.sha256 for d in documents)
         removed = sum(d.removed_controls for d in documents)
         read = {d.path for d in documents}
         left_out = tuple(i for i, p in enumerate(self.spec.inputs) if Path(p) not in read)
         why = dict(documents[0].left_out) if documents else {}
         return replace(
-            self,
+            keyed,
             left_out=left_out,
             left_out_reasons=tuple(why.get(Path(self.spec.inputs[i]), EMPTY) for i in left_out),
             input_sha256=hashes,
-            key=job_key(hashes, self.settings_hash),
+            key=job_key(hashes, keyed.settings_hash),
             removed_controls=removed,
             warnings=tuple(
                 note for d in documents for note in (d.warning, d.control_note) if note
@@ -108,6 +127,16 @@ class PlannedJob:
             **({"custom_id": self.spec.custom_id} if self.spec.custom_id is not None else {}),
             "truncated": None,  # set when context_policy=truncate cut the document
         }
+
+
+def keyed_text_options(text_options: dict[str, str], boms: Sequence[str | None]) -> dict[str, str]:
+    """The text options a job's resume key records: as asked, but where a byte-order mark
+    decided the encoding of every input (a file with one is read in its mark's encoding
+    whatever ``--encoding`` says), the marks' codecs in its place, so another
+    ``--encoding`` keeps the key. ``boms``: each input's mark's codec, ``None`` for none."""
+    if not boms or None in boms:
+        return dict(text_options)
+    return {**text_options, "encoding": ",".join(dict.fromkeys(boms))}
 
 
 def plan_jobs(
@@ -165,7 +194,7 @@ def _plan_one(
     text_options = {k: reading[k] for k in ("encoding", "errors")}
     record = settings_record(spec.task, spec.sampling, model_id, config, text_options)
     settings = record_hash(record)
-    planned = PlannedJob(spec, RUN, settings, settings=record)
+    planned = PlannedJob(spec, RUN, settings, settings=record, text_options=text_options)
     if spec.messages is not None:  # an OpenAI-batch request: its messages are the input
         hashes = (messages_sha256(spec.messages),)
         planned = replace(planned, input_sha256=hashes, key=job_key(hashes, settings))
@@ -175,9 +204,11 @@ def _plan_one(
     try:
         documents = read_documents(spec.inputs, **reading)
     except DocumentError as exc:
-        hashes = _content_hashes(spec.inputs, reading["stdin"]) if exc.sha256 else None
-        if hashes is None:  # unreadable: may work next time
+        read = _content_hashes(spec.inputs, reading["stdin"]) if exc.sha256 else None
+        if read is None:  # unreadable: may work next time
             return replace(planned, status=INVALID, error=str(exc))
+        hashes, boms = read
+        planned = planned.with_text(boms)
         key = job_key(hashes, planned.settings_hash)
         planned = replace(planned, input_sha256=hashes, key=key, final=FINAL_INPUT)
         return _unless_failed_before(planned, log, retry, INVALID, str(exc), FINAL_INPUT)
@@ -200,10 +231,17 @@ def _unless_failed_before(
     return replace(planned, status=status, error=error)
 
 
-def _content_hashes(paths: Sequence[Path], stdin: bytes | None) -> tuple[str, ...] | None:
-    """SHA-256 of each input's bytes (``stdin`` for standard input), or ``None`` if one
-    cannot be read."""
+def _content_hashes(
+    paths: Sequence[Path], stdin: bytes | None
+) -> tuple[tuple[str, ...], tuple[str | None, ...]] | None:
+    """SHA-256 of each input's bytes (``stdin`` for standard input) and the codec of its
+    byte-order mark (``None`` for none), or ``None`` if one cannot be read."""
     try:
-        return tuple(hashlib.sha256(input_bytes(p, stdin)).hexdigest() for p in paths)
+        data = [input_bytes(p, stdin) for p in paths]
     except DocumentError:
         return None
+    boms = [bom_codec(d) for d in data]
+    return (
+        tuple(hashlib.sha256(d).hexdigest() for d in data),
+        tuple(b[0] if b is not None else None for b in boms),
+    )

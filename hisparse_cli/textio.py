@@ -195,6 +195,8 @@ class Document:
     left_out: of the first document of a job over several files
         (:func:`read_documents`), the files the job left out, each with its refusal's
         reason (empty or only invisible characters).
+    bom_encoding: the codec of the byte-order mark the file starts with, which decided
+        its decoding whatever ``encoding`` asked (:func:`text_codec`); ``None`` without one.
     """
 
     path: Path
@@ -206,6 +208,7 @@ class Document:
     left_out: tuple[tuple[Path, str], ...] = ()
     removed_nuls: int = 0
     first_nul: tuple[int, int] | None = None
+    bom_encoding: str | None = None
 
     @property
     def control_note(self) -> str:
@@ -303,8 +306,17 @@ def read_document(
     if not has_visible(text):
         raise DocumentError(path, invisible_reason(text), digest, empty=True)
     first = first if removed else None
+    bom = bom_codec(data)
     return Document(
-        path, text, digest, removed, warning, first, removed_nuls=nuls, first_nul=first_nul
+        path,
+        text,
+        digest,
+        removed,
+        warning,
+        first,
+        removed_nuls=nuls,
+        first_nul=first_nul,
+        bom_encoding=bom[0] if bom is not None else None,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 
 import pytest
@@ -154,6 +155,30 @@ def test_the_replaced_answer_warning_names_the_settings_that_changed(run, tmp_pa
         "and an earlier version of docs/b.txt; this run replaces it"
     ) in stderr, stderr
     assert all(line["settings_hash"] for line in lines(tmp_path))
+
+
+def test_another_encoding_keeps_the_jobs_whose_byte_order_mark_decides(run, tmp_path):
+    """A file that starts with a byte-order mark is read in the mark's encoding whatever
+    ``--encoding`` says: another ``--encoding`` does not redo its job (its key records the
+    mark's codec), nor one refused for its content; a file without a mark, whose text it
+    changes, is redone and the warning names the change."""
+    docs = tmp_path / "docs"
+    (docs / "a.txt").write_bytes(codecs.BOM_UTF16_LE + "document a\n".encode("utf-16-le"))
+    (docs / "b.txt").write_bytes(codecs.BOM_UTF8 + "document b \u00e9\n".encode())
+    (docs / "c.txt").write_bytes("document c \u00e9\n".encode())
+    (docs / "d.txt").write_bytes(codecs.BOM_UTF8 + b"\xff invalid\n")  # fails for its content
+    result, seen = run()
+    assert result.exit_code == 1 and seen == ["a", "b", "c"]
+    encodings = {r["id"]: r["settings"]["text"]["encoding"] for r in lines(tmp_path)}
+    assert encodings == {"a": "utf-16-le", "b": "utf-8", "c": "utf-8", "d": "utf-8"}
+    result, seen = run("--encoding", "latin-1")
+    assert result.exit_code == 1 and seen == ["c"]
+    stderr = " ".join(result.stderr.split())
+    assert "made with other settings (encoding utf-8 -> latin-1)" in stderr, stderr
+    assert "d: " in stderr and "not tried again" in stderr, stderr
+    assert "a: " not in stderr and "b: " not in stderr, stderr
+    result, seen = run("--encoding", "utf-16")  # c.txt is not UTF-16: refused
+    assert seen == [] and [r["id"] for r in lines(tmp_path)].count("a") == 1
 
 
 def test_a_line_without_its_settings_names_engine_changes_from_config_json(run, tmp_path):
