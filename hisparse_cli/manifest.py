@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import SAMPLING_CHECKS, EngineConfig, SamplingParams, setting_problem
+from hisparse_cli.display import escaped
 from hisparse_cli.manifest_source import (
     COMMAND_LINE,
     PRESET_SAMPLING,
@@ -52,7 +53,7 @@ from hisparse_cli.openai_batch import BATCH_OUTPUT_FILE
 from hisparse_cli.results import LOCK_FILE, RESULTS_FILE
 from hisparse_cli.settings import CONFIG_FILE
 from hisparse_cli.tasks import TASKS, TaskSpec, template_problem
-from hisparse_cli.textio import STDIN, broken_link, file_identity
+from hisparse_cli.textio import STDIN, broken_link, file_identity, shown_path
 
 JOB_FIELDS = (
     "id",
@@ -228,8 +229,8 @@ def _build_batch(
     for name in [k for k in values if k not in BATCH_FLAGS]:
         flag = CLI_FLAGS.get(name, name)
         problems.append(
-            Problem(COMMAND_LINE, None, flag, f"does not apply to an OpenAI batch manifest ({file}): "
-                    "each request's body.messages is its prompt")
+            Problem(COMMAND_LINE, None, flag, "does not apply to an OpenAI batch manifest "
+                    f"({escaped(file)}): each request's body.messages is its prompt")
         )  # fmt: skip
     cli = _clean(Entry(COMMAND_LINE, "", None, values), problems, allowed=BATCH_FLAGS)
     sampling_base = sampling_base and _clean(sampling_base, problems, allowed=SAMPLING_FIELDS)
@@ -498,7 +499,7 @@ class _Unique:
                 leads = " (hard links to one file: the first is read)"
             else:
                 real = reals[0]
-                shown = str(real.relative_to(base)) if real.is_relative_to(base) else str(real)
+                shown = shown_path(real.relative_to(base) if real.is_relative_to(base) else real)
                 leads = "" if any(path == real for path, _ in given) else f" ({shown})"
             notes.append(f"DOCS: {names} are the same file{leads}: one job")
         return notes
@@ -509,12 +510,12 @@ def _as_given(path: Path, pattern: str | None, base: Path) -> str:
     pattern itself when it names one file, else the match as a path from ``base``
     (absolute for an absolute glob) with its glob."""
     if pattern is None:
-        return str(path)
+        return shown_path(path)
     text = os.path.expanduser(pattern)
     if not _GLOB_CHARS.search(text):
-        return pattern
+        return shown_path(pattern)
     shown = path if Path(text).is_absolute() else os.path.relpath(path, base)
-    return f"{shown} (glob {pattern!r})"
+    return f"{shown_path(shown)} (glob {pattern!r})"
 
 
 class OutputFolder:
@@ -527,7 +528,7 @@ class OutputFolder:
     default folder, which its messages name (``hisparse eval``'s is ``hisparse-eval``)."""
 
     def __init__(self, output_dir: Path | str | None, default: str = "hisparse-out") -> None:
-        self.shown = output_dir
+        self.shown = None if output_dir is None else escaped(str(output_dir))
         self.default = default
         self.real = None if output_dir is None else Path(os.path.realpath(output_dir))
         self.skipped: dict[Path, None] = {}  # in the order met, each once
@@ -564,7 +565,9 @@ class OutputFolder:
         if not self.skipped:
             return []
         cwd = Path.cwd()
-        names = [str(p.relative_to(cwd)) if p.is_relative_to(cwd) else str(p) for p in self.skipped]
+        names = [
+            shown_path(p.relative_to(cwd) if p.is_relative_to(cwd) else p) for p in self.skipped
+        ]
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         return [
             f"input globs skipped {len(names)} file(s) in the output folder {self.shown} "
@@ -613,7 +616,7 @@ def _expand(
         if outputs is not None:  # the output folder's are left out as its files are
             held = set(outputs.keep(_absolute(base, m) for m in broken))
             broken = {m: link for m, link in broken.items() if _absolute(base, m) in held}
-        skipped += [f"{m} {link}; skipped" for m, link in broken.items()]
+        skipped += [f"{shown_path(m)} {link}; skipped" for m, link in broken.items()]
         if warnings is not None:
             where = f"{entry.file}:{entry.where('input')}" if entry.where("input") else entry.file
             warnings.extend(f"{where}: input glob {pattern!r}: {note}" for note in skipped)
@@ -626,7 +629,7 @@ def _expand(
             if broken:  # all it matched: say which, and why each is no file
                 first, link = next(iter(broken.items()))
                 more = f" (and {len(broken) - 1} more such links)" if len(broken) > 1 else ""
-                found = f"{found}: {first} {link}{more}"
+                found = f"{found}: {shown_path(first)} {link}{more}"
             problems.append(_problem(entry, "input", found))
         return kept
     path = _absolute(base, text)
@@ -653,7 +656,7 @@ def _expand(
         problems.append(_problem(entry, "input", f"{pattern!r} {link}"))
     else:
         problems.append(
-            _problem(entry, "input", f"file not found: {pattern!r} (looked for {path})")
+            _problem(entry, "input", f"file not found: {pattern!r} (looked for {shown_path(path)})")
         )
     return []
 
@@ -720,9 +723,10 @@ def walk_glob(pattern: str, base: Path) -> tuple[list[str], list[str]]:
         key = (info.st_dev, info.st_ino, i)
         if key in seen:
             if os.path.islink(where):
+                target, real = os.readlink(where), os.path.realpath(where)
                 skipped.append(
-                    f"skipped symbolic link {shown} -> {os.readlink(where)} (leads back into "
-                    f"{os.path.realpath(where)}, already searched)"
+                    f"skipped symbolic link {shown_path(shown)} -> {shown_path(target)} (leads "
+                    f"back into {shown_path(real)}, already searched)"
                 )
             continue
         seen.add(key)
@@ -818,11 +822,13 @@ def _same_inputs(first: Entry, inputs: list[list[Path]], i: int, j: int) -> str:
     """Job ``j``'s problem when it reads the files of job ``i`` (``first``), neither with
     an id."""
     line = first.where("input") or first.line
-    place = f"{first.label}, line {line}" if line else first.label
+    place = f"{escaped(first.label)}, line {line}" if line else escaped(first.label)
     cwd = Path.cwd()
 
     def shown(paths: list[Path]) -> str:
-        return ", ".join(os.path.relpath(p) if p.is_relative_to(cwd) else str(p) for p in paths)
+        return ", ".join(
+            shown_path(os.path.relpath(p) if p.is_relative_to(cwd) else p) for p in paths
+        )
 
     mine, theirs = shown(inputs[j]), shown(inputs[i])
     linked = [p.resolve() for p in inputs[j]] != [p.resolve() for p in inputs[i]]
@@ -939,7 +945,7 @@ def _check_unique(
 
 def _place(entry: Entry) -> str:
     line = entry.where("id")
-    return f"first used on line {line}" if line else f"first used by {entry.label}"
+    return f"first used on line {line}" if line else f"first used by {escaped(entry.label)}"
 
 
 def _problem(entry: Entry, name: str, message: str) -> Problem:

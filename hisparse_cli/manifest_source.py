@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from engine.presets import MAX_YAML_VALUES, yaml_expanded_size
+from hisparse_cli.display import escaped
 
 COMMAND_LINE = "command line"
 PRESET_SAMPLING = "preset sampling"
@@ -48,7 +49,8 @@ TOP_LEVEL_KEYS = ("defaults", "jobs")
 
 @dataclass(frozen=True)
 class Problem:
-    """One validation finding: where (file, line, field) and what."""
+    """One validation finding: where (file, line, field) and what. Shown (``str``) with
+    control characters in the file and field (a document's name) escaped."""
 
     file: str
     line: int | None
@@ -56,10 +58,9 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
-        where = f"{self.file}:{self.line}" if self.line else self.file
-        return (
-            f"{where}: {self.field}: {self.message}" if self.field else f"{where}: {self.message}"
-        )
+        file, name = escaped(self.file), escaped(self.field)
+        where = f"{file}:{self.line}" if self.line else file
+        return f"{where}: {name}: {self.message}" if name else f"{where}: {self.message}"
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import Any
 
 from engine.config import ConfigError, EngineConfig
 from engine.text.context import context_limit as engine_context_limit
+from hisparse_cli.display import escaped
 from hisparse_cli.textio import STDIN, document_name
 
 BYTES_PER_TOKEN = 4.5
@@ -236,7 +237,7 @@ def max_new_tokens_problem(
         f"--max-new-tokens {spec.sampling.max_tokens:,}"
         if flag_given
         else f"max_new_tokens {spec.sampling.max_tokens:,} of job {spec.id!r} (from "
-        f"{spec.source('max_new_tokens')})"
+        f"{escaped(spec.source('max_new_tokens'))})"
     )
     more = (
         "; or raise --max-context"

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from engine.events import AuditStats, CacheStats, JobResult
+from hisparse_cli.display import escaped
 from hisparse_cli.naming import EarlierJob
 from hisparse_cli.textio import input_identity
 
@@ -111,7 +112,7 @@ def lock_file_problem(output_dir: Path) -> str | None:
             os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
             os.unlink(probe)
     except OSError as exc:
-        return f"cannot create its lock file {path} ({exc.strerror or exc})"
+        return f"cannot create its lock file {escaped(str(path))} ({exc.strerror or exc})"
     return None
 
 
@@ -141,8 +142,8 @@ def lock_output_dir(output_dir: Path) -> Iterator[None]:
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
             who = f" (process {holder})" if holder.isdigit() else ""
             raise OutputDirBusy(
-                f"another hisparse run{who} is using {output_dir}: it holds the lock on "
-                f"{path}; wait for it to end, or choose another --output-dir"
+                f"another hisparse run{who} is using {escaped(str(output_dir))}: it holds the "
+                f"lock on {escaped(str(path))}; wait for it to end, or choose another --output-dir"
             ) from None
         os.ftruncate(fd, 0)  # the holder's process id, for the message above
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -189,6 +190,7 @@ def read_results(path: Path) -> ExistingResults:
     by_key: dict[tuple[str, str], dict[str, Any]] = {}
     tail = b""
     warnings: list[str] = []
+    shown = escaped(str(path))
     lines = data.split(b"\n")
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -201,9 +203,9 @@ def read_results(path: Path) -> ExistingResults:
             by_key[(record["id"], str(record.get("key")))] = record
         elif number == len(lines):
             tail = line
-            warnings.append(f"{path}: ignoring truncated last line {number} (interrupted write)")
+            warnings.append(f"{shown}: ignoring truncated last line {number} (interrupted write)")
         else:
-            warnings.append(f"{path}: ignoring line {number}: not a JSON object with an id")
+            warnings.append(f"{shown}: ignoring line {number}: not a JSON object with an id")
     return ExistingResults(
         latest, tuple(warnings), bool(data) and not data.endswith(b"\n"), success, by_key, tail
     )
@@ -379,8 +381,9 @@ class ResultsLog:
         ]
         size = len(moved)  # as the .partial file holds them: each with its newline
         return (
-            f"{self.path}: {', '.join(what)}: moved {'its' if len(broken) == 1 else 'their'} "
-            f"{size} bytes to {partial} (a new file); {self.path.name} now holds only its "
+            f"{escaped(str(self.path))}: {', '.join(what)}: moved "
+            f"{'its' if len(broken) == 1 else 'their'} {size} bytes to {escaped(str(partial))} "
+            f"(a new file); {self.path.name} now holds only its "
             "complete lines"
         )
 

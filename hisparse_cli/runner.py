@@ -68,7 +68,7 @@ from engine.text.context import (
 from hisparse_cli import openai_batch, preflight, settings, textio
 from hisparse_cli.auto_preset import AUTO, AutoChoice, choose_preset
 from hisparse_cli.chunking import ChunkPartFinished, ChunkScheduler
-from hisparse_cli.display import terminal_text
+from hisparse_cli.display import escaped, terminal_text
 from hisparse_cli.extract import parse_extracted
 from hisparse_cli.keys import (
     DEFAULT_MODEL_ID,
@@ -117,6 +117,7 @@ from hisparse_cli.textio import (
     input_identity,
     join_documents,
     read_documents,
+    shown_path,
 )
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -145,7 +146,7 @@ def job_where(spec: Any) -> str:
     (``manifest:line`` or ``command line``)."""
     inputs = list(getattr(spec, "inputs", ()) or ())
     if not inputs:
-        return str(spec.origin)
+        return escaped(str(spec.origin))
     more = f" and {len(inputs) - 1} more" if len(inputs) > 1 else ""
     return f"{textio.shown_path(inputs[0])}{more}"  # control characters escaped
 
@@ -661,8 +662,10 @@ def check_model_header(model: str | None) -> None:
     except OSError:
         return
     except GGUFHeaderError as exc:
-        detail = str(exc).removeprefix(f"{model}: ")
-        raise UsageError(f"cannot load the model: {model}: not a readable GGUF file ({detail})") from None
+        detail, shown = str(exc).removeprefix(f"{model}: "), escaped(model)
+        raise UsageError(
+            f"cannot load the model: {shown}: not a readable GGUF file ({detail})"
+        ) from None
 
 
 def preload_tokenizer(config: EngineConfig, model: str | None) -> Callable[[], Any]:
@@ -828,9 +831,10 @@ def check_run_files(manifest: Manifest, output_dir: Path) -> None:
         for path in job.inputs:
             name = own.get(input_identity(path))
             if name is not None:
+                origin, folder = escaped(job.origin), escaped(str(output_dir))
                 raise UsageError(
-                    f"job {job.id!r} ({job.origin}) reads {path}, which is the run's own "
-                    f"{name} in --output-dir {output_dir}; a run writes that file, so copy the "
+                    f"job {job.id!r} ({origin}) reads {shown_path(path)}, which is the run's "
+                    f"own {name} in --output-dir {folder}; a run writes that file, so copy the "
                     "input elsewhere or choose another --output-dir"
                 )
 
@@ -851,8 +855,8 @@ def check_trace_outputs(config: EngineConfig, manifest: Manifest, output_dir: Pa
         own |= {input_identity(p): f"an input of job {job.id!r}" for p in job.inputs}
     if trace in own:
         raise UsageError(
-            f"--trace {config.trace_path} would replace {own[trace]}; a trace never replaces "
-            "a file the run reads or writes: choose another name"
+            f"--trace {escaped(config.trace_path)} would replace {own[trace]}; a trace never "
+            "replaces a file the run reads or writes: choose another name"
         )
 
 
@@ -870,9 +874,10 @@ def check_outputs_over_documents(manifest: Manifest, output_dir: Path) -> None:
     if hits and len(hits) == len(manifest.jobs):
         job, path = hits[0]
         more = f" (and {len(hits) - 1} more: every job)" if len(hits) > 1 else ""
+        folder, result = escaped(str(output_dir)), escaped(str(output_dir / job.output))
         raise UsageError(
-            f"--output-dir {output_dir} would overwrite the documents: the result of job "
-            f"{job.id!r}, {output_dir / job.output}, is the document {path}{more}; nothing was "
+            f"--output-dir {folder} would overwrite the documents: the result of job "
+            f"{job.id!r}, {result}, is the document {shown_path(path)}{more}; nothing was "
             "written: choose another --output-dir (the default is hisparse-out)"
         )
 
@@ -904,8 +909,9 @@ def output_collisions(
             owner, path = reader
             whose = "its own input" if owner == job.spec.id else f"an input of job {owner!r}"
             found[job.spec.id] = (
-                f"output {target} is {whose} ({path}); refusing to write over an input of "
-                "the run: choose another --output-dir, or set the job's output (or id)"
+                f"output {escaped(str(target))} is {whose} ({shown_path(path)}); refusing to "
+                "write over an input of the run: choose another --output-dir, or set the "
+                "job's output (or id)"
             )
     ours = {(output_dir / name).resolve() for name in known_outputs}
     for job in jobs:
@@ -916,8 +922,9 @@ def output_collisions(
         if truncated_tail.startswith(b"{" + cut_short):  # killed while writing its line
             continue
         if target.resolve() not in ours:
+            results = escaped(str(output_dir / RESULTS_FILE))
             found[job.spec.id] = (
-                f"output {target} already exists and no line of {output_dir / RESULTS_FILE} "
+                f"output {escaped(str(target))} already exists and no line of {results} "
                 "names it (hisparse did not write it); refusing to overwrite it: move it, "
                 "choose another --output-dir, or set the job's output (or id)"
             )
@@ -993,7 +1000,7 @@ def truncate_room_problem(
             source = (
                 f"--max-new-tokens {max_tokens:,}"
                 if flag
-                else f"max_new_tokens {max_tokens:,} of job {spec.id!r} ({spec.origin})"
+                else f"max_new_tokens {max_tokens:,} of job {spec.id!r} ({escaped(spec.origin)})"
             )
             return (
                 f"{source} leaves no room for the document of job {spec.id!r} under "
@@ -1165,14 +1172,15 @@ def check_gguf_magic(path: Path) -> None:
     """Raise :class:`UsageError` unless ``path`` starts with the GGUF magic (the four bytes
     ``GGUF``, https://github.com/ggml-org/ggml/blob/master/docs/gguf.md): a wrong file is
     named before the model line and the tokenizer, not after."""
+    shown = escaped(str(path))
     try:
         with path.open("rb") as f:
             magic = f.read(4)
     except OSError as exc:
-        raise UsageError(f"--model {path}: cannot read it: {exc.strerror or exc}") from None
+        raise UsageError(f"--model {shown}: cannot read it: {exc.strerror or exc}") from None
     if magic != b"GGUF":
         raise UsageError(
-            f"--model {path}: not a GGUF file (it starts with {magic!r}, a GGUF file with "
+            f"--model {shown}: not a GGUF file (it starts with {magic!r}, a GGUF file with "
             "b'GGUF'); give a .gguf file or a Hugging Face model folder"
         )
 
@@ -1189,9 +1197,9 @@ def check_model_path(model: str) -> None:
     """
     path = Path(model)
     if not path.exists():
-        raise UsageError(f"model not found: {model}")
+        raise UsageError(f"model not found: {escaped(model)}")
     if not path.is_dir() and not path.is_file():  # a FIFO: it hung
-        raise UsageError(f"--model {path}: not a regular file or a model folder")
+        raise UsageError(f"--model {escaped(str(path))}: not a regular file or a model folder")
     if path.is_file():
         check_gguf_magic(path)
     else:
@@ -1208,11 +1216,12 @@ def check_model_folder(path: Path) -> None:
     :data:`MODEL_FOLDER_FILES`, naming what a model folder needs and which are missing,
     or that a GGUF file is expected: an empty folder (or one without ``config.json``)
     said only "no tokenizer.json in this model folder", after the model line."""
+    shown = escaped(str(path))
     try:
         names = [entry.name for entry in path.iterdir()]
     except OSError as exc:
         reason = exc.strerror or exc
-        raise UsageError(f"--model {path}: cannot read the folder: {reason}") from None
+        raise UsageError(f"--model {shown}: cannot read the folder: {reason}") from None
     missing = [
         want for want in MODEL_FOLDER_FILES
         if not any(fnmatch.fnmatchcase(n, want) and (path / n).is_file() for n in names)
@@ -1226,10 +1235,11 @@ def check_model_folder(path: Path) -> None:
         hints.append("PyTorch .bin checkpoints are not read: re-save with safe_serialization=True")
     ggufs = sorted(n for n in names if n.lower().endswith(".gguf") and (path / n).is_file())
     if ggufs:
-        hints.append(f"it holds {_and(ggufs)}: give the file, --model {path / ggufs[0]}")
+        given = escaped(str(path / ggufs[0]))
+        hints.append(f"it holds {escaped(_and(ggufs))}: give the file, --model {given}")
     hint = f"; {'; '.join(hints)}" if hints else ""
     raise UsageError(
-        f"--model {path}: not a model folder ({what}{hint}): a Hugging Face model folder "
+        f"--model {shown}: not a model folder ({what}{hint}): a Hugging Face model folder "
         "holds config.json, tokenizer.json and its weights as *.safetensors; or give a GGUF "
         "file (--model model.gguf)"
     )
@@ -1265,9 +1275,10 @@ def check_request(request: RunRequest) -> None:
             "nothing to run: give documents (hisparse run docs/*.txt) or --manifest FILE"
         )
     if request.manifest is not None and request.manifest.is_dir():
-        raise UsageError(f"--manifest {request.manifest} is a directory: name the manifest file")
+        shown = escaped(str(request.manifest))
+        raise UsageError(f"--manifest {shown} is a directory: name the manifest file")
     if request.manifest is not None and not request.manifest.is_file():
-        raise UsageError(f"manifest not found: {request.manifest}")
+        raise UsageError(f"manifest not found: {escaped(str(request.manifest))}")
     if request.model is not None:
         check_model_path(request.model)
     if request.errors not in ERROR_MODES:
@@ -1280,10 +1291,11 @@ def check_output_dir(output_dir: Path) -> None:
     not a folder, not writable, not makeable, one of its own files a folder, or no lock
     file can be made there (:func:`lock_file_problem`). One of :func:`run_checks`, so
     ``--print-config`` lists it as it does the others."""
+    shown = escaped(str(output_dir))
     if output_dir.exists() and not output_dir.is_dir():
-        raise UsageError(f"--output-dir {output_dir} exists and is not a directory")
+        raise UsageError(f"--output-dir {shown} exists and is not a directory")
     if output_dir.is_dir() and not os.access(output_dir, os.W_OK | os.X_OK):
-        raise UsageError(f"--output-dir {output_dir} is not writable")
+        raise UsageError(f"--output-dir {shown} is not writable")
     if not output_dir.exists():  # the run makes it
         parent = output_dir.absolute().parent
         while not parent.exists() and parent != parent.parent:
@@ -1294,18 +1306,18 @@ def check_output_dir(output_dir: Path) -> None:
         if why is None:  # os.access says yes to root even where no folder can be made
             why = folder_probe_problem(parent)  # (/proc, /sys): make one, removed at once
         if why:
-            raise UsageError(f"cannot create output dir {output_dir}: {parent} {why}")
+            raise UsageError(f"cannot create output dir {shown}: {escaped(str(parent))} {why}")
     for name in (RESULTS_FILE, CONFIG_FILE, LOCK_FILE):  # a folder there: a traceback before
         own = output_dir / name
         if own.exists() and not own.is_file():
             raise UsageError(
-                f"{own} is not a regular file (a folder?); a run writes its {name} there: "
-                "move it away or choose another --output-dir"
+                f"{escaped(str(own))} is not a regular file (a folder?); a run writes its {name} "
+                "there: move it away or choose another --output-dir"
             )
     if output_dir.is_dir():  # writable by os.access, yet (root in /sys) no file
         problem = lock_file_problem(output_dir)
         if problem:
-            raise UsageError(f"--output-dir {output_dir} is not writable: {problem}")
+            raise UsageError(f"--output-dir {shown} is not writable: {problem}")
 
 
 def folder_probe_problem(parent: Path) -> str | None:
@@ -1331,30 +1343,30 @@ def check_trace_path(config: EngineConfig) -> None:
     trace = config.trace_path
     if not trace:
         return
-    path = Path(trace)
+    path, shown = Path(trace), escaped(trace)
     if path.is_dir():
-        raise UsageError(f"--trace {trace} is a directory; give a file name")
+        raise UsageError(f"--trace {shown} is a directory; give a file name")
     workers = len(config.devices)
     files = [worker_trace_path(trace, r) for r in range(workers)] if workers > 1 else [trace]
     for name in files:
         if os.path.lexists(name):
             raise UsageError(
-                f"--trace {trace}: {name} already exists; a trace never replaces a file "
-                "(remove it or choose another name)"
+                f"--trace {shown}: {escaped(str(name))} already exists; a trace never replaces "
+                "a file (remove it or choose another name)"
             )
     parent = path.parent if str(path.parent) else Path(".")
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
-        raise UsageError(f"--trace {trace}: {parent} is not a folder")
+        raise UsageError(f"--trace {shown}: {escaped(str(parent))} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"--trace {trace}: not writable")
+        raise UsageError(f"--trace {shown}: not writable")
     try:  # os.access says yes to root everywhere (/proc too): try a file there, then drop it
         fd, probe = tempfile.mkstemp(prefix=".hisparse-trace-probe-", dir=parent)
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise UsageError(f"--trace {trace}: not writable ({exc.strerror or exc})") from None
+        raise UsageError(f"--trace {shown}: not writable ({exc.strerror or exc})") from None
 
 
 def _usage_failure(err_console: Console, headline: str, problems: list) -> int:
@@ -1478,15 +1490,16 @@ class BatchRun:
     def run(self, config_doc: dict[str, Any]) -> int:
         """Execute the batch; return the exit code."""
         self._created_dirs = missing_folders(self.output_dir)
+        shown = escaped(str(self.output_dir))
         try:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             return _usage_failure(
-                self.err_console, f"error: cannot create output dir {self.output_dir}: {exc}", []
+                self.err_console, f"error: cannot create output dir {shown}: {exc}", []
             )
         if not os.access(self.output_dir, os.W_OK | os.X_OK):  # e.g. a read-only file system
             return _usage_failure(
-                self.err_console, f"error: output dir {self.output_dir} is not writable", []
+                self.err_console, f"error: output dir {shown} is not writable", []
             )
         try:
             with self.sigterm, lock_output_dir(self.output_dir):
@@ -1618,7 +1631,7 @@ class BatchRun:
         path = self.output_dir / openai_batch.BATCH_OUTPUT_FILE
         write_text_atomic(path, text)
         refused = len(self.manifest.rejected)
-        self.reporter.note(f"OpenAI batch output: {path} ({len(lines)} line(s))")
+        self.reporter.note(f"OpenAI batch output: {escaped(str(path))} ({len(lines)} line(s))")
         if refused:  # the summary counts jobs only: say why the exit code is 1
             self.reporter.note(
                 f"{refused} request line(s) of the manifest were refused (errors above; "
@@ -1677,11 +1690,12 @@ class BatchRun:
         path = self.output_dir / job.spec.output
         if not path.is_file():
             return
+        shown = escaped(str(path))
         for earlier in writers:
             if earlier.inputs != mine:
-                inputs = ", ".join(map(str, earlier.inputs)) or "unrecorded inputs"
+                inputs = ", ".join(map(shown_path, earlier.inputs)) or "unrecorded inputs"
                 self.reporter.note(
-                    f"{job.spec.id}: {path} holds earlier job {earlier.id}'s result for "
+                    f"{job.spec.id}: {shown} holds earlier job {earlier.id}'s result for "
                     f"{inputs}; this run replaces it (that text stays in {RESULTS_FILE})",
                     "warning",
                 )
@@ -1696,7 +1710,7 @@ class BatchRun:
             if first != job.spec.id:  # a batch-wide change: said in full once
                 why = f"{why.split(' (', 1)[0]} (as for {first})"
             self.reporter.note(
-                f"{job.spec.id}: {path} holds this job's earlier answer, made with {why}; "
+                f"{job.spec.id}: {shown} holds this job's earlier answer, made with {why}; "
                 f"this run replaces it (that text stays in {RESULTS_FILE})",
                 "warning",
             )
@@ -2277,14 +2291,17 @@ class BatchRun:
                 self.reporter.note(f"{result.job_id}: no data extracted: {error}", "warning")
         target = self.output_dir / base["output"]
         if record["ok"] and target.resolve() in self.input_paths:  # never write over an input
-            error = f"output {target} is an input of the run; its text was not written"
+            error = (
+                f"output {escaped(str(target))} is an input of the run; its text was not written"
+            )
             record = {**record, "ok": False, "finish_reason": "error", "error": error}
         elif record["ok"]:  # the text file without the reply's leading blank lines/spaces;
             write_text_atomic(target, result.text.lstrip())  # results.jsonl keeps it raw
             if not result.text.strip():  # ok (it stopped as asked), but nothing to read
                 self.reporter.note(
                     f"{result.job_id}: the reply is empty ({len(result.token_ids)} token(s) "
-                    f"generated, finish_reason {result.finish_reason}): {target} is empty",
+                    f"generated, finish_reason {result.finish_reason}): {escaped(str(target))} is "
+                    "empty",
                     "warning",
                 )
         else:
@@ -2349,7 +2366,7 @@ class BatchRun:
         if path.is_file() and ours and path.resolve() not in self.input_paths:
             record["earlier_output"] = True
             self.reporter.note(
-                f"{record['id']}: {path} is an earlier run's output, not this run's "
+                f"{record['id']}: {escaped(str(path))} is an earlier run's output, not this run's "
                 f"({record['finish_reason']})",
                 "warning",
             )
@@ -2467,11 +2484,11 @@ def earlier_answer_difference(
 
 def _near(path: str) -> str:
     """``path`` (a results line's absolute input) relative to the current folder where
-    it lies below it."""
+    it lies below it, as messages show it (:func:`~hisparse_cli.textio.shown_path`)."""
     try:
-        return str(Path(path).relative_to(Path.cwd()))
+        return shown_path(Path(path).relative_to(Path.cwd()))
     except ValueError:
-        return path
+        return shown_path(path)
 
 
 def json_keys(spec: Any) -> tuple[str, ...] | None:

@@ -126,7 +126,7 @@ def broken_link(path: Path | str) -> str | None:
     except OSError:
         return None
     where = Path(os.path.abspath(path.parent / target))
-    shown = repr(target) if str(where) == target else f"{target!r} ({where})"
+    shown = repr(target) if str(where) == target else f"{target!r} ({shown_path(where)})"
     return f"is a broken symbolic link: it points to {shown}, which does not exist"
 
 

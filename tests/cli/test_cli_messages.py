@@ -199,3 +199,51 @@ def test_file_names_with_control_characters_are_shown_escaped(cli, tmp_path):
     assert inputs["evil-failed-other-fake"] == [f"{where}evil\nFAILED other: fake.txt"]
     assert inputs["esc-31mred"] == [f"{where}esc\x1b[31mred.txt"]
     assert [line["ok"] for line in lines if line["id"] == "bold-fine"] == [True]
+
+
+def test_control_characters_in_names_stay_escaped_in_every_message(cli, tmp_path):
+    """File names holding a newline and an escape byte, met where messages built their
+    text from raw paths: a manifest job's failing input, its earlier answer replaced after
+    an edit, a glob's broken link (a manifest problem and a command-line warning), a hard
+    link named twice, a link loop, ``--model`` and ``--manifest`` paths. No stderr line is
+    forged (none starts with the name's second line) and no escape byte is written."""
+    import glob
+    import json
+    import os
+
+    name = "evil\nFORGED: line\x1b[31m"
+    shown = "evil\\nFORGED: line\\x1b[31m"
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / f"{name}.txt").write_text("A short document.\n")
+    (folder / f"{name}-empty.txt").write_text("")
+    (folder / "plain.txt").write_text("Plain text.\n")
+    os.link(folder / "plain.txt", folder / f"{name}-hard.txt")
+    (folder / "loop").mkdir()
+    os.symlink("..", folder / "loop" / name)
+    jobs = [
+        {"id": "ok", "input": glob.escape(f"d/{name}.txt")},
+        {"id": "bad", "input": glob.escape(f"d/{name}-empty.txt")},
+    ]
+    manifest = tmp_path / "jobs.json"
+    manifest.write_text(json.dumps({"jobs": jobs}))
+    errors = [cli("--manifest", "jobs.json", "-o", "out").stderr]
+    (folder / f"{name}.txt").write_text("A short document, edited.\n")
+    errors.append(cli("--manifest", "jobs.json", "-o", "out").stderr)
+    assert f"an earlier version of d/{shown}.txt; this run replaces it" in errors[-1]
+    assert f"FAILED bad: {folder}/{shown}-empty.txt: is empty" in errors[0]
+    os.symlink("nowhere", folder / f"{name}-link.txt")
+    manifest.write_text(json.dumps({"jobs": [*jobs, {"id": "link", "input": "d/*-link.txt"}]}))
+    errors.append(cli("--manifest", "jobs.json", "-o", "out").stderr)
+    assert f"(in .): d/{shown}-link.txt is a broken symbolic link" in errors[-1]
+    errors.append(cli("d/*", "d/**/*.txt", "-o", "out2").stderr)
+    assert f"d/{shown}-link.txt is a broken symbolic link" in errors[-1]
+    assert f"d/{shown}-hard.txt (glob 'd/*')" in errors[-1]
+    assert f"skipped symbolic link d/loop/{shown} -> .." in errors[-1]
+    errors.append(cli("plain.txt", "--model", f"{name}.gguf").stderr)
+    errors.append(cli("--manifest", f"{name}.yaml").stderr)
+    assert f"model not found: {shown}.gguf" in errors[-2]
+    assert f"manifest not found: {shown}.yaml" in errors[-1]
+    for stderr in errors:
+        assert not [line for line in stderr.splitlines() if line.startswith("FORGED")], stderr
+        assert "\x1b" not in stderr, repr(stderr)
