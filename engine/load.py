@@ -20,6 +20,7 @@ from engine.weights.types import ModelWeights, describe_placement
 
 if TYPE_CHECKING:
     from engine.model.llama import LlamaModel
+    from engine.text.tokenizer import TextTokenizer
     from kernels.dispatch import Ops
 
 
@@ -76,7 +77,7 @@ def load_weights(
     if path.is_dir():
         from engine.weights.hf import load_hf_folder
 
-        tokenizer = TextTokenizer.from_folder(path)  # refused before any weight is read
+        tokenizer = folder_tokenizer(path)  # refused before any weight is read
         weights = load_hf_folder(path)
         marks["weights"] = time.monotonic()
         return weights, tokenizer, path.name
@@ -114,7 +115,7 @@ def load_tokenizer(model: str | None, tokenizer: str | None = None) -> tuple[obj
         return make_tokenizer(cfg.vocab_size, tokenizer), f"{PREFIX}{cfg.name}"
     path = Path(model)
     if path.is_dir():
-        return TextTokenizer.from_folder(path), path.name
+        return folder_tokenizer(path), path.name
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
     _check_gguf_architecture(path)
@@ -130,6 +131,35 @@ _TOKENIZERS: dict[tuple, object] = {}
 :func:`load_weights` of the same unchanged file takes it instead of building it again (the
 CLI counts long documents' tokens before the model loads, so a run that does so builds it
 once, not twice: 0.2 s for the embedded model, ``scripts/measure_tokenizer_build.py``)."""
+
+
+def folder_tokenizer(path: Path) -> TextTokenizer:
+    """The tokenizer of the Hugging Face model folder ``path``, checked against the model:
+    every id it can give (added tokens included) must have a row in the embedding
+    (``vocab_size`` of ``config.json``, which the weights' shapes are checked against). A
+    tokenizer smaller than the embedding (rows padded to a round number) is fine.
+
+    Raises
+    ------
+    HFModelError
+        (a ``ValueError``) The tokenizer gives ids past the embedding: not this model's
+        tokenizer (an id past the rows would index out of range).
+    """
+    from engine.text.tokenizer import TextTokenizer
+    from engine.weights.hf import HFModelError, read_hf_config
+
+    tokenizer = TextTokenizer.from_folder(path)
+    rows = read_hf_config(path).vocab_size
+    ids = tokenizer.backend.get_vocab(with_added_tokens=True).values()
+    top = max(ids, default=-1)
+    if top >= rows:
+        raise HFModelError(
+            f"{path}: the tokenizer's vocabulary (tokenizer.json: {len(ids):,} tokens, ids up "
+            f"to {top:,}) is larger than the model's vocab_size {rows:,} (config.json, the "
+            f"embedding's rows): ids from {rows:,} on have no embedding; the tokenizer is "
+            "not this model's (use the tokenizer.json saved with its weights)"
+        )
+    return tokenizer
 
 
 def _check_gguf_architecture(path: Path) -> None:

@@ -518,3 +518,29 @@ def test_prequantised_config_over_float_weights_is_refused(llama_copy, method):
     want = rf"q_proj\.qweight is missing: config\.json quantization_config declares {method.upper()}"
     with pytest.raises(HFModelError, match=want):
         load_hf_folder(llama_copy)
+
+
+@pytest.mark.parametrize("vocab_size", [200, 320])
+def test_a_tokenizer_with_ids_past_the_embedding_is_refused(tmp_path, vocab_size):
+    """A folder whose tokenizer.json gives ids the embedding has no row for (256 tokens,
+    ``vocab_size`` 200) was loaded without a word: those ids index past the embedding. It
+    is refused, naming the folder and both sizes, by the weights' load and by the
+    tokenizer's alone (what the CLI builds before the load); a tokenizer smaller than the
+    embedding (rows padded to 320) loads."""
+    from engine.load import load_tokenizer, load_weights
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**(TINY | {"vocab_size": vocab_size}), head_dim=16)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    save_tokenizer(tmp_path)
+    if vocab_size > 256:
+        weights, tokenizer, _ = load_weights(str(tmp_path))
+        assert weights.embed.shape[0] == 320 and load_tokenizer(str(tmp_path))[0]
+        return
+    for load in (load_weights, load_tokenizer):
+        with pytest.raises(HFModelError) as info:
+            load(str(tmp_path))
+        assert str(info.value).startswith(
+            f"{tmp_path}: the tokenizer's vocabulary (tokenizer.json: 256 tokens, ids up to "
+            "255) is larger than the model's vocab_size 200 (config.json, the embedding's rows)"
+        ), info.value
