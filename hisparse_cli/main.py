@@ -139,7 +139,7 @@ def run(
     Exit code: 0 all jobs ok, 1 a job failed, 2 bad arguments, jobs or config, 130 Ctrl-C, 143 SIGTERM.
     """
     from hisparse_cli.results import AuditLimits
-    from hisparse_cli.runner import RunRequest, execute
+    from hisparse_cli.runner import RunRequest, execute, quiet_late_interrupts
 
     job_overrides = {
         "task": task,
@@ -196,7 +196,9 @@ def run(
         retry_failed=retry_failed,
         audit_limits=AuditLimits(audit_min_agreement, audit_max_kl),
     )
-    raise typer.Exit(execute(request))
+    code = execute(request)
+    quiet_late_interrupts()  # the results are written: a Ctrl-C now only stops the exit
+    raise typer.Exit(code)
 
 
 def _device_list(devices: str | None) -> tuple[str, ...] | None:

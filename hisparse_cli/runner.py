@@ -19,13 +19,15 @@ Lifecycle of one run:
 5. Fold every event into the progress state, show it, and write each result as its
    job ends (``.txt`` first, then the ``results.jsonl`` line).
 6. Ctrl-C (SIGINT) or SIGTERM once: ``engine.cancel()``; running jobs end as
-   ``cancelled``. Twice: stop now. SIGTERM before the engine runs stops at once.
+   ``cancelled``. Twice: stop now. SIGTERM before the engine runs stops at once. Once
+   the run has returned, a Ctrl-C during the exit ends it quietly (:func:`quiet_late_interrupts`).
 7. Print the summary; exit 0 (all ok), 1 (a job failed or did not run), 130 (Ctrl-C),
    143 (SIGTERM).
 """
 
 from __future__ import annotations
 
+import atexit
 import codecs
 import dataclasses
 import fnmatch
@@ -1408,6 +1410,42 @@ class _StopSignalsDeferred:
     def __exit__(self, *exc: object) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+
+
+LATE_INTERRUPT = (
+    "Ctrl-C while exiting: stopped at once (the run had ended; its results are written)"
+)
+
+
+def quiet_late_interrupts() -> None:
+    """Once the interpreter exits, make Ctrl-C end the process at once: exit 130, one line
+    (:data:`LATE_INTERRUPT`) on stderr. Called when a run has returned.
+
+    A run's results are written when it returns, but the exit still runs the callbacks
+    imports registered with :mod:`atexit` (torch's finalizers take a moment): a Ctrl-C
+    there (a second one, pressed as the summary printed) wrote "Exception ignored in
+    atexit callback" and a ``KeyboardInterrupt`` traceback. Registered anew on each call,
+    so it runs first (atexit runs the last registered first); nothing changes before the
+    exit, so a process that goes on (the tests) keeps its own handler."""
+    atexit.unregister(_handle_late_interrupts)
+    atexit.register(_handle_late_interrupts)
+
+
+def _handle_late_interrupts() -> None:
+    if signal.SIGINT in handled_stop_signals():  # an inherited SIG_IGN stays
+        signal.signal(signal.SIGINT, _exit_interrupted)
+
+
+def _exit_interrupted(signum: int, frame: object) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+            if stream is sys.stderr:
+                stream.write(LATE_INTERRUPT + "\n")
+                stream.flush()
+        except (OSError, ValueError):  # closed: nothing more to say there
+            pass
+    os._exit(EXIT_INTERRUPTED)
 
 
 class _SigintCanceller(_StopSignalsDeferred):

@@ -856,6 +856,63 @@ def test_second_ctrl_c_stops_at_once(cli, docs):
     assert result.exit_code == 130
 
 
+LATE_CTRL_C_DRIVER = textwrap.dedent(
+    """
+    import atexit, os, signal, sys, time
+    from hisparse_cli import runner, settings, testing
+    from hisparse_cli.main import app
+
+    def slow_exit():  # as torch's finalizers: registered on import, run at the exit
+        print("exiting", file=sys.stderr, flush=True)
+        time.sleep(60)
+
+    def ctrl_c(step):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def no_tokenizer(config, model):
+        raise RuntimeError("no tokenizer before the load")
+
+    atexit.register(slow_exit)
+    settings.preset_overrides = lambda name: {}
+    runner.cuda_device_count = lambda: 0
+    runner.warm_cuda = lambda config, marks: None
+    runner.import_engine_modules = lambda: None
+    runner.free_cpu_threads = lambda config: None
+    runner.load_tokenizer = no_tokenizer
+    runner.load_engine = testing.fake_engine_factory(on_step=ctrl_c)
+    app(["run", *sys.argv[1:]])
+    """
+)
+
+
+def test_a_second_ctrl_c_while_the_process_exits_ends_it_quietly(tmp_path):
+    """Found by pressing Ctrl-C twice on a real run: the second one, as the summary
+    printed, met torch's atexit finalizers (``torch/library.py``, ``_del_library``) and
+    printed "Exception ignored in atexit callback" and a ``KeyboardInterrupt`` traceback.
+    The run's results are written by then: the process ends at once, exit 130, one line."""
+    (tmp_path / "a.txt").write_text("A short document about sorting.\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env |= {"HISPARSE_HOST_MEMORY_GB": "256", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LATE_CTRL_C_DRIVER, "a.txt", "--max-new-tokens", "50"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        lines = []
+        while not lines or lines[-1] != "exiting\n":  # the run is over; the exit is not
+            lines.append(proc.stderr.readline())
+            assert lines[-1], "".join(lines)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    stderr = "".join(lines) + err
+    assert "interrupted" in out and "cancelling" in stderr  # the first Ctrl-C's run
+    assert proc.returncode == 130, stderr
+    assert err == f"{runner_module.LATE_INTERRUPT}\n", stderr
+
+
 @pytest.mark.parametrize(
     "error",
     [
