@@ -518,6 +518,7 @@ def load_gguf(path: str | Path, reader=None) -> ModelWeights:
         return _load_tensor(t, path, keep_int4)
 
     _check_names(cfg, by_name, path)
+    _check_vocabulary(reader, by_name, path)
     permuted = registry.get(cfg.arch).gguf_permuted_qk
     layer_tensors, fused = _layer_tensors(cfg)
     kv_rows = cfg.num_kv_heads * cfg.head_dim
@@ -582,6 +583,42 @@ def _check_names(cfg: ModelConfig, by_name: dict, path: Path) -> None:
         raise GGUFError(
             f"{path}: tensor(s) {', '.join(unknown[:5])}{more} are not used by a {cfg.arch} "
             f"model ({registry.get(cfg.arch).description}); refusing rather than ignoring them"
+        )
+
+
+def _check_vocabulary(reader, by_name: dict, path: Path) -> None:
+    """Refuse a file whose tokenizer or LM head gives ids past the token embedding's rows,
+    from the header alone (no tensor data read). llama.cpp sizes both tensors by the token
+    list (``token_embd.weight`` and ``output.weight`` are ``{n_embd, n_vocab}``,
+    ``llama-model.cpp``) and refuses other shapes; here a larger token list is refused
+    (an id past the rows would index out of range: on the CPU the job failed with "index
+    226 is out of bounds", on a GPU a device-side assert ends every job) and a smaller one
+    is accepted (rows padded to a round number).
+
+    Raises
+    ------
+    GGUFError
+        The token list (``tokenizer.ggml.tokens``) or ``output.weight`` has more entries
+        than ``token_embd.weight`` has rows; the message names the file and both counts.
+    """
+    embed = by_name.get("token_embd.weight")
+    if embed is None or len(embed.shape) != 2:
+        return  # the load names a missing tensor; a wrong rank fails its shape check
+    rows = int(embed.shape[1])  # ggml's ne1: one row per token id
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    count = len(tokens.data) if tokens is not None else 0
+    if count > rows:
+        raise GGUFError(
+            f"{path}: the tokenizer (tokenizer.ggml.tokens) has {count:,} tokens but "
+            f"token_embd.weight only {rows:,} rows: ids from {rows:,} on have no "
+            "embedding; the file is broken or its tokenizer is not this model's"
+        )
+    head = by_name.get("output.weight")
+    if head is not None and len(head.shape) == 2 and int(head.shape[1]) > rows:
+        raise GGUFError(
+            f"{path}: output.weight has {int(head.shape[1]):,} rows (token ids the model "
+            f"can generate) but token_embd.weight only {rows:,}: a generated id past "
+            f"{rows - 1:,} would have no embedding"
         )
 
 

@@ -90,6 +90,36 @@ def test_rope_freqs_wrong_length_is_refused(tmp_path):
         load_weights(str(path))
 
 
+@pytest.mark.parametrize("vocab_size", [200, 320])
+def test_a_token_list_past_the_embedding_is_refused(tmp_path, vocab_size):
+    """A GGUF whose tokenizer lists more tokens (256) than ``token_embd.weight`` has rows
+    is refused before any tensor data is read, naming the file and both counts (on the
+    CPU such a job failed mid-prefill with "index 226 is out of bounds"); an embedding
+    with more rows than tokens (padding) loads."""
+    model = build_hf(tmp_path / "hf", "llama", vocab_size=vocab_size)
+    path = write_gguf(tmp_path / "m.gguf", model, "llama")
+    if vocab_size > 256:
+        assert load_weights(str(path))[0].embed.shape[0] == vocab_size
+        return
+    with pytest.raises(ValueError, match=r"m\.gguf: the tokenizer .* 256 tokens but token_embd\.weight only 200 rows"):
+        load_weights(str(path))
+
+
+def test_an_lm_head_past_the_embedding_is_refused(tmp_path):
+    """``output.weight`` with more rows than ``token_embd.weight``: a generated id could
+    have no embedding, so the file is refused, naming both."""
+    import gguf
+
+    model = build_hf(tmp_path / "hf", "llama", vocab_size=256)
+    head = np.zeros((320, model.config.hidden_size), np.float32).view(np.uint8)
+    path = write_gguf(
+        tmp_path / "m.gguf", model, "llama",
+        raw_tensors={"output.weight": (gguf.GGMLQuantizationType.F32, head)},
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"output\.weight has 320 rows .* only 256"):
+        load_weights(str(path))
+
+
 # ----------------------------------------------------------------------------- K-quants
 
 # A llama whose every K is a multiple of the 256-element K-quant super-block.
