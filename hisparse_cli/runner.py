@@ -2233,8 +2233,9 @@ class BatchRun:
                 else f"to {cut.kept_tokens} tokens (too long to count whole)"
             )
             self.reporter.note(
-                f"{spec.id}: document cut {by} ({KEPT_WORDS[cut.keep]}) to fit "
-                f"{limit - max_tokens} prompt tokens",
+                f"{spec.id}: document cut {by} ({KEPT_WORDS[cut.keep]}) to fit the "
+                f"{limit - max_tokens} prompt tokens the context leaves beside max_tokens "
+                f"{max_tokens}: the prompt is now {len(ids)} tokens",
                 "warning",
             )
         return tuple(ids)

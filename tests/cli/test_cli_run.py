@@ -655,6 +655,9 @@ def test_truncated_jobs_say_so_in_results(cli, docs, tmp_path, keep):
     }
     assert f"cut by {400 - cut['kept_tokens']} tokens ({words[keep]})" in result.stderr
     assert records["long"]["prompt_tokens"] <= 200 - 4
+    # the warning gives the room and the prompt's own size, which the results line records
+    assert "to fit the 196 prompt tokens the context leaves beside max_tokens 4" in result.stderr
+    assert f"the prompt is now {records['long']['prompt_tokens']} tokens" in result.stderr
     assert records["alpha"]["truncated"] is None
 
 
