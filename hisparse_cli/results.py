@@ -44,6 +44,9 @@ PARTIAL_FILE = RESULTS_FILE + ".partial"
 it exists: :meth:`ResultsLog.set_aside_broken_lines`)."""
 LOCK_FILE = ".hisparse.lock"
 SUCCESS_REASONS = ("stop", "length")
+RESULT_KEYS = ("id", "output", "key", "finish_reason")
+"""Keys every ``results.jsonl`` line hisparse wrote has (every version's): a file with
+content and no such line is someone else's (:func:`is_hisparse_results`)."""
 FINAL_INPUT, FINAL_PROMPT = "input", "prompt"
 """Values of a failure line's ``final``: the inputs were refused for their content, or
 the prompt for its length. Either fails again with the same resume key."""
@@ -209,6 +212,25 @@ def read_results(path: Path) -> ExistingResults:
     return ExistingResults(
         latest, tuple(warnings), bool(data) and not data.endswith(b"\n"), success, by_key, tail
     )
+
+
+def is_hisparse_results(data: bytes) -> bool:
+    """Whether ``data``, the bytes of a ``results.jsonl``, is one hisparse wrote: empty,
+    or with a line that is a JSON object with :data:`RESULT_KEYS`, or one that is not
+    JSON but starts as hisparse starts its lines (``{"id": ``: a write a kill cut short,
+    which the run sets aside to :data:`PARTIAL_FILE`). Any other file is someone else's,
+    which a run must not append to."""
+    for line in data.split(b"\n"):
+        if not line.strip():
+            continue
+        if not _is_json(line):
+            if line.startswith(b'{"id": '):
+                return True
+            continue
+        record = _parse_line(line)
+        if record is not None and all(k in record for k in RESULT_KEYS):
+            return True
+    return not data.strip()
 
 
 def earlier_jobs(output_dir: Path) -> list[EarlierJob]:

@@ -95,6 +95,7 @@ from hisparse_cli.results import (
     ResultsLog,
     earlier_jobs,
     failure_record,
+    is_hisparse_results,
     jobs_of,
     lock_file_problem,
     lock_output_dir,
@@ -107,6 +108,7 @@ from hisparse_cli.settings import (
     SettingsError,
     config_document,
     engine_flag,
+    is_hisparse_config,
     job_settings,
     preset_sampling,
     resolve_engine_config,
@@ -629,6 +631,7 @@ def run_checks(
         lambda: check_trace_path(config),
         lambda: check_trace_outputs(config, manifest, output_dir),
         lambda: check_run_files(manifest, output_dir),
+        lambda: check_foreign_run_files(output_dir),
     ]
     if request.docs:
         checks.append(lambda: check_outputs_over_documents(manifest, output_dir))
@@ -839,6 +842,33 @@ def check_run_files(manifest: Manifest, output_dir: Path) -> None:
                     f"own {name} in --output-dir {folder}; a run writes that file, so copy the "
                     "input elsewhere or choose another --output-dir"
                 )
+
+
+def check_foreign_run_files(output_dir: Path) -> None:
+    """Raise :class:`UsageError` when ``output_dir`` holds a ``config.json`` or a
+    ``results.jsonl`` that hisparse did not write (:func:`is_hisparse_config`,
+    :func:`is_hisparse_results`): a run would replace the one and append to the other,
+    so it is refused before anything is written (``-o .`` in a project folder). A file
+    that cannot be read is left to the run, which names it."""
+    foreign = {
+        CONFIG_FILE: (is_hisparse_config, "not a JSON object with hisparse's keys", "replace"),
+        RESULTS_FILE: (
+            is_hisparse_results,
+            "no line is a JSON object with hisparse's result keys",
+            "append its results to",
+        ),
+    }
+    for name, (ours, why, would) in foreign.items():
+        path = output_dir / name
+        try:
+            data = path.read_bytes() if path.is_file() else b""
+        except OSError:
+            continue
+        if not ours(data):
+            raise UsageError(
+                f"{escaped(str(path))}: hisparse did not write it ({why}); a run would "
+                f"{would} it: move it away or choose another --output-dir"
+            )
 
 
 def check_trace_outputs(config: EngineConfig, manifest: Manifest, output_dir: Path) -> None:

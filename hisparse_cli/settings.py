@@ -33,6 +33,12 @@ from hisparse_cli.manifest_source import (
 from hisparse_cli.results import write_text_atomic
 
 CONFIG_FILE = "config.json"
+CONFIG_MARKER = {"written_by": "hisparse"}
+"""What :func:`save_config` adds to ``config.json``, so a run tells its own file from
+another one of that name (:func:`is_hisparse_config`)."""
+CONFIG_KEYS = ("preset", "model", "engine")
+"""Keys every ``config.json`` hisparse wrote has, those of earlier versions (without
+:data:`CONFIG_MARKER`) included."""
 
 
 def preset_overrides(name: str) -> dict[str, Any]:
@@ -239,7 +245,27 @@ names differ (``max_tokens`` is the jobs' ``max_new_tokens``, as in a preset).""
 
 
 def save_config(output_dir: Path, document: dict[str, Any]) -> Path:
-    """Write ``config.json`` into ``output_dir`` atomically; return its path."""
+    """Write ``config.json`` (``document`` with :data:`CONFIG_MARKER`) into ``output_dir``
+    atomically; return its path."""
     path = output_dir / CONFIG_FILE
-    write_text_atomic(path, json.dumps(document, indent=2, sort_keys=True, default=str) + "\n")
+    text = json.dumps({**document, **CONFIG_MARKER}, indent=2, sort_keys=True, default=str)
+    write_text_atomic(path, text + "\n")
     return path
+
+
+def is_hisparse_config(data: bytes) -> bool:
+    """Whether ``data``, the bytes of a ``config.json``, is one hisparse wrote: a JSON
+    object with :data:`CONFIG_MARKER`, or (earlier versions) with :data:`CONFIG_KEYS`
+    and ``engine`` an object. An empty file is taken as one (replacing it loses
+    nothing); any other file is someone else's, which a run must not replace."""
+    if not data.strip():
+        return True
+    try:
+        document = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    if not isinstance(document, dict):
+        return False
+    if all(document.get(k) == v for k, v in CONFIG_MARKER.items()):
+        return True
+    return all(k in document for k in CONFIG_KEYS) and isinstance(document["engine"], dict)

@@ -121,3 +121,59 @@ def test_files_named_in_the_output_folder_keep_their_checks(cli, docs, tmp_path)
     assert "is its own input" in records["own"]["error"]
     assert "output folder" not in result.stderr  # no glob: nothing skipped
     assert os.path.isfile(tmp_path / "out" / "alpha.txt")
+
+
+def test_a_config_json_hisparse_did_not_write_is_refused(cli, docs, tmp_path):
+    """A fresh user's ``-o userdir`` replaced their own config.json without a word (and
+    appended to their results.jsonl): a folder whose config.json is not hisparse's is
+    refused (exit 2) before anything is written, naming the file; --print-config lists it."""
+    user = tmp_path / "userdir"
+    user.mkdir()
+    (user / "config.json").write_text('{"my": "precious settings"}\n')
+    result = cli("docs/alpha.txt", "-o", "userdir", engine=never_load)
+    assert result.exit_code == 2, result.output
+    err = " ".join(result.stderr.split())
+    assert "userdir/config.json" in err and "hisparse did not write it" in err
+    assert "choose another --output-dir" in err and "move it" in err
+    assert (user / "config.json").read_text() == '{"my": "precious settings"}\n'
+    assert sorted(p.name for p in user.iterdir()) == ["config.json"]
+    printed = cli("docs/alpha.txt", "-o", "userdir", "--print-config")
+    assert printed.exit_code == 0, printed.output
+    (problem,) = json.loads(printed.stdout)["problems"]
+    assert "userdir/config.json" in problem
+
+
+def test_a_results_jsonl_hisparse_did_not_write_is_refused(cli, docs, tmp_path):
+    """Content but no line hisparse could have written: refused, naming the file, and it
+    is left as it was; an empty results.jsonl is fine."""
+    user = tmp_path / "userdir"
+    user.mkdir()
+    (user / "results.jsonl").write_text('{"name": "row1"}\n{"id": "x", "text": "mine"}\n')
+    result = cli("docs/alpha.txt", "-o", "userdir", engine=never_load)
+    assert result.exit_code == 2, result.output
+    err = " ".join(result.stderr.split())
+    assert "userdir/results.jsonl" in err and "hisparse did not write it" in err
+    assert (user / "results.jsonl").read_text() == '{"name": "row1"}\n{"id": "x", "text": "mine"}\n'
+    assert sorted(p.name for p in user.iterdir()) == ["results.jsonl"]
+    (user / "results.jsonl").write_text("")
+    assert cli("docs/alpha.txt", "-o", "userdir", engine=cli.factory).exit_code == 0
+    assert [r["id"] for r in read_results(user)] == ["alpha"]
+
+
+def test_hisparse_files_of_earlier_versions_and_cut_lines_are_its_own(cli, docs, tmp_path):
+    """config.json without the marker (earlier versions wrote preset, model and engine
+    only) is hisparse's; so is a results.jsonl holding only a line a kill cut short (it is
+    set aside to results.jsonl.partial as before); the config.json written now has the
+    marker."""
+    assert cli("docs/alpha.txt", "-o", "out").exit_code == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["written_by"] == "hisparse"
+    old = {k: v for k, v in config.items() if k in ("preset", "model", "engine")}
+    (tmp_path / "out" / "config.json").write_text(json.dumps(old))
+    line = (tmp_path / "out" / "results.jsonl").read_text()
+    (tmp_path / "out" / "results.jsonl").write_text(line[:40])  # no newline: cut short
+    result = cli("docs/alpha.txt", "-o", "out")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "results.jsonl.partial").read_text() == line[:40] + "\n"
+    assert [r["id"] for r in read_results(tmp_path / "out")] == ["alpha"]
+
