@@ -26,7 +26,7 @@ import fnmatch
 import glob
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -264,6 +264,7 @@ def jobs_from_paths(
     stdin_sha256: str | None = None,
     sampling_base: Entry | None = None,
     output_dir: Path | None = None,
+    earlier_outputs: Collection[Path] = (),
 ) -> Manifest:
     """One job per document (the short form ``hisparse run docs/*.txt``).
 
@@ -286,7 +287,13 @@ def jobs_from_paths(
         text gets another id (never taking over an earlier result).
     sampling_base, output_dir
         As for :func:`load_manifest` (a glob skips the output folder's files; a path
-        named without one is taken as it is).
+        named without one is taken as it is, unless it is one of ``earlier_outputs``).
+    earlier_outputs
+        The files earlier runs wrote in ``output_dir`` (resolved:
+        :func:`~hisparse_cli.results.earlier_outputs`): a result named again (``hisparse
+        run docs/*.txt -o docs``, the shell expanding the glob, on a second run) is no
+        document; it is skipped with one warning naming it (every document skipped is a
+        problem: nothing to run).
 
     Raises
     ------
@@ -312,6 +319,15 @@ def jobs_from_paths(
         found_problems.extend(problems)
     files = found.files
     warnings.extend(found.notes(base))
+    results = [f for f in files if f.resolve() in earlier_outputs]
+    if results:  # an earlier run's result, given back by the shell's glob: no document
+        files = [f for f in files if f.resolve() not in earlier_outputs]
+        note = _earlier_results_note(results, outputs.shown)
+        if files or has_stdin:
+            warnings.append(f"DOCS: skipped {note}")
+        else:
+            problem = f"skipped {note}; no other document is left to run"
+            raw.problems.append(Problem(COMMAND_LINE, None, "DOCS", problem))
     if patterns.count("-") > 1:
         warnings.append(f"DOCS: '-' (standard input) is named {patterns.count('-')} times: one job")
     if files or has_stdin:  # the named-but-unreadable ones become failing jobs
@@ -348,6 +364,20 @@ class UnmatchedInput:
 
     def __str__(self) -> str:
         return f"{self.problem}: nothing from it runs, the other documents do"
+
+
+def _earlier_results_note(files: Sequence[Path], folder: str | None) -> str:
+    """How a note names ``files``, results an earlier run wrote in the output folder
+    ``folder`` that were named as documents (:func:`jobs_from_paths`)."""
+    cwd = Path.cwd()
+    names = [shown_path(p.relative_to(cwd) if p.is_relative_to(cwd) else p) for p in files]
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return (
+        f"{len(names)} file(s) that an earlier run wrote in the output folder {folder} "
+        f"({', '.join(names[:3])}{more}; its {RESULTS_FILE} names each as a job's output): "
+        "a result is never read as a document; to use one, copy it out of that folder or "
+        "choose another --output-dir"
+    )
 
 
 UNREADABLE_LABEL = "unreadable document "

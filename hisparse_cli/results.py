@@ -233,6 +233,18 @@ def is_hisparse_results(data: bytes) -> bool:
     return not data.strip()
 
 
+def earlier_outputs(output_dir: Path) -> set[Path]:
+    """The files earlier runs wrote in ``output_dir``, resolved: the ``output`` of each
+    id's last successful ``results.jsonl`` line (a failure line wrote none); none when
+    there is no file or it cannot be read."""
+    try:
+        success = read_results(Path(output_dir) / RESULTS_FILE).latest_success
+    except OSError:
+        return set()
+    names = [r["output"] for r in success.values() if isinstance(r.get("output"), str)]
+    return {(Path(output_dir) / name).resolve() for name in names}
+
+
 def earlier_jobs(output_dir: Path) -> list[EarlierJob]:
     """The jobs earlier runs recorded in ``output_dir``'s ``results.jsonl`` (the last
     line of each id; none when there is no file or it cannot be read — the run reports

@@ -94,6 +94,7 @@ from hisparse_cli.results import (
     OutputDirBusy,
     ResultsLog,
     earlier_jobs,
+    earlier_outputs,
     failure_record,
     is_hisparse_results,
     jobs_of,
@@ -598,6 +599,7 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
             stdin_sha256=stdin_sha256,
             sampling_base=sampling,
             output_dir=request.output_dir,
+            earlier_outputs=earlier_outputs(request.output_dir),
         )
     else:
         manifest = Manifest((), {})

@@ -177,3 +177,33 @@ def test_hisparse_files_of_earlier_versions_and_cut_lines_are_its_own(cli, docs,
     assert (tmp_path / "out" / "results.jsonl.partial").read_text() == line[:40] + "\n"
     assert [r["id"] for r in read_results(tmp_path / "out")] == ["alpha"]
 
+
+def test_earlier_outputs_named_on_the_command_line_are_no_documents(cli, tmp_path):
+    """``hisparse run docs/*.txt -o docs`` three times: the shell's glob gives the earlier
+    run's docs/my-doc.txt too; it is skipped with one warning (not summarised as job
+    docs-my-doc, which made job my-doc fail as "an input of job 'docs-my-doc'")."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("A document whose result would be itself.\n")
+    (docs / "My Doc.txt").write_text("My document talks about sorting.\n")
+
+    def run():
+        names = sorted(str(p.relative_to(tmp_path)) for p in docs.glob("*.txt"))
+        return cli(*names, "-o", "docs")
+
+    first = run()
+    assert first.exit_code == 1, first.output  # a.txt: its own input
+    summary = (docs / "my-doc.txt").read_text()
+    for _ in range(2):
+        again = run()
+        err = " ".join(again.stderr.split())
+        assert err.count("docs/my-doc.txt") == 1, err
+        assert "an earlier run wrote in the output folder docs" in err
+        latest = {r["id"]: r for r in read_results(docs)}
+        assert sorted(latest) == ["a", "my-doc"]
+        assert latest["my-doc"]["ok"], latest["my-doc"]
+        assert (docs / "my-doc.txt").read_text() == summary
+        assert not (docs / "docs-my-doc.txt").exists()
+    printed = cli("docs/my-doc.txt", "-o", "docs", "--print-config")
+    assert printed.exit_code == 2 and "docs/my-doc.txt" in printed.stderr
+
