@@ -930,13 +930,16 @@ def output_collisions(
     wrote none); any other existing file at a
     job's output is the user's and is never overwritten — except the job whose line was
     cut short (``truncated_tail``, the results file's torn last line: its text file was
-    written just before)."""
+    written just before). A job skipped as done writes nothing and is never one: its
+    output, its own earlier result, may be another job's input."""
     readers: dict[Path, tuple[str, Path]] = {}
     for job in jobs:
         for path in job.spec.inputs:
             readers.setdefault(input_identity(path), (job.spec.id, path))
     found = {}
     for job in jobs:
+        if job.status == SKIP:  # done: it writes nothing, its file is its own earlier result
+            continue
         target = output_dir / job.spec.output
         reader = readers.get(target.resolve())
         if reader is not None:

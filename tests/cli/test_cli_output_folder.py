@@ -207,3 +207,19 @@ def test_earlier_outputs_named_on_the_command_line_are_no_documents(cli, tmp_pat
     printed = cli("docs/my-doc.txt", "-o", "docs", "--print-config")
     assert printed.exit_code == 2 and "docs/my-doc.txt" in printed.stderr
 
+
+def test_a_done_job_is_not_failed_when_another_job_reads_its_output(cli, docs, tmp_path):
+    """A manifest job may read an earlier result by naming it (no glob); the job that
+    wrote it is done and writes nothing, so it stays done rather than being recorded as
+    failed over its own earlier output."""
+    (tmp_path / "jobs.yaml").write_text("jobs:\n  - id: first\n    input: docs/alpha.txt\n")
+    assert cli("--manifest", "jobs.yaml", "-o", "out").exit_code == 0
+    (tmp_path / "jobs.yaml").write_text(
+        "jobs:\n  - id: first\n    input: docs/alpha.txt\n"
+        "  - id: second\n    input: out/first.txt\n"
+    )
+    result = cli("--manifest", "jobs.yaml", "-o", "out")
+    assert result.exit_code == 0, result.output
+    lines = read_results(tmp_path / "out")
+    assert [r["id"] for r in lines] == ["first", "second"]
+    assert all(r["ok"] for r in lines)
