@@ -11,7 +11,11 @@ YAML (``.yaml``/``.yml``)::
         input: reports/2023.txt
         question: What was the revenue?
 
-A top-level list is accepted as ``jobs`` without defaults.
+A top-level list is accepted as ``jobs`` without defaults. YAML merge keys work as the
+merge spec has them (https://yaml.org/type/merge.html; ``<<: *name`` or ``<<: [*a, *b]``:
+a key given beside the merge beats the merged one, the first mapping of a list beats the
+later ones); a merged field is reported on the line of its ``<<``. A top-level key
+starting with ``x-`` holds anchors and is otherwise ignored.
 
 JSONL (``.jsonl``/``.ndjson``): one JSON object per line; a line whose only key is
 ``defaults`` holds the defaults (``{"defaults": {"task": "summarize", "engine": {...}}}``).
@@ -45,6 +49,9 @@ PRESET_SAMPLING_FIELDS = {"max_tokens": "max_new_tokens"}
 YAML_SUFFIXES = (".yaml", ".yml", ".json")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 TOP_LEVEL_KEYS = ("defaults", "jobs")
+EXTENSION_PREFIX = "x-"
+"""A top-level YAML key starting with this (``x-common: &common {...}``, as docker-compose
+has them) holds anchors for jobs to merge (``<<: *common``); it is otherwise ignored."""
 
 
 @dataclass(frozen=True)
@@ -165,12 +172,12 @@ def _yaml_top(file: str, root: yaml.MappingNode, loader: yaml.SafeLoader, raw: R
         return
     entry, nodes = top
     for key in entry.values:
-        if key not in TOP_LEVEL_KEYS:
-            raw.problems.append(
-                Problem(
-                    file, entry.where(key), key, "unknown top-level key (expected defaults, jobs)"
-                )
+        if key not in TOP_LEVEL_KEYS and not key.startswith(EXTENSION_PREFIX):
+            message = (
+                "unknown top-level key (expected defaults, jobs; a key starting with x- "
+                "holds YAML anchors for <<: merges and is otherwise ignored)"
             )
+            raw.problems.append(Problem(file, entry.where(key), key, message))
     if "jobs" not in nodes:
         raw.problems.append(Problem(file, entry.line, "jobs", "is required (a list of jobs)"))
     elif not isinstance(nodes["jobs"], yaml.SequenceNode):
@@ -215,11 +222,15 @@ def _yaml_entry(
     if not isinstance(node, yaml.MappingNode):
         raw.problems.append(Problem(file, _line(node), label, "must be a mapping of field: value"))
         return None
-    loader.flatten_mapping(node)
     entry, nodes = Entry(file, label, _line(node), {}), {}
+    merges: list[tuple[int, dict[str, yaml.Node]]] = []  # (line of <<, its keys)
     for key_node, value_node in node.value:
         key, line = key_node.value, _line(key_node)
-        if not isinstance(key_node, yaml.ScalarNode) or not key:
+        if key_node.tag == MERGE_TAG:
+            merged = _merge_source(file, label, value_node, line, raw)
+            if merged is not None:
+                merges.append((line, merged))
+        elif not isinstance(key_node, yaml.ScalarNode) or not key:
             raw.problems.append(Problem(file, line, label, "field names must be plain strings"))
         elif key in entry.values:
             where = f"{label}.{key}" if label else key
@@ -231,7 +242,54 @@ def _yaml_entry(
         else:
             entry.values[key] = _construct(value_node, loader) if construct else None
             entry.lines[key], nodes[key] = line, value_node
+    for line, merged in merges:  # a key given beside a merge beats the merged one
+        for key, value_node in merged.items():
+            if key not in nodes:
+                entry.values[key] = _construct(value_node, loader) if construct else None
+                entry.lines[key], nodes[key] = line, value_node
     return entry, nodes
+
+
+MERGE_TAG = "tag:yaml.org,2002:merge"
+"""The tag of a ``<<`` key (a YAML merge: ``<<: *name`` or ``<<: [*a, *b]``)."""
+
+
+def _merge_source(
+    file: str, label: str, node: yaml.Node, line: int, raw: RawManifest
+) -> dict[str, yaml.Node] | None:
+    """The keys and value nodes a ``<<`` key at ``line`` merges in, as the YAML merge
+    spec gives them: of a list of mappings the first that has a key wins (PyYAML 6.0.4's
+    ``safe_load`` lets the last win); a mapping's own keys beat the ones it merges itself. ``None`` (a problem reported)
+    when the value is not a mapping or a list of mappings."""
+    sources = node.value if isinstance(node, yaml.SequenceNode) else [node]
+    if not sources or not all(isinstance(s, yaml.MappingNode) for s in sources):
+        where = f"{label}.<<" if label else "<<"
+        message = "a merge (<<) takes a mapping or a list of them (<<: *name or <<: [*a, *b])"
+        raw.problems.append(Problem(file, line, where, message))
+        return None
+    found: dict[str, yaml.Node] = {}
+    for source in sources:
+        for key, value in _mapping_keys(source).items():
+            found.setdefault(key, value)
+    return found
+
+
+def _mapping_keys(node: yaml.MappingNode) -> dict[str, yaml.Node]:
+    """A merged mapping's keys and value nodes, its own merges resolved (its own
+    problems, as duplicate keys, are reported where it is written, not where it is
+    merged). Aliases cannot loop here: :func:`yaml_expanded_size` refused those."""
+    own: dict[str, yaml.Node] = {}
+    merged: dict[str, yaml.Node] = {}
+    for key_node, value_node in node.value:
+        if key_node.tag == MERGE_TAG:
+            inner = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+            for source in inner:
+                if isinstance(source, yaml.MappingNode):
+                    for key, value in _mapping_keys(source).items():
+                        merged.setdefault(key, value)
+        elif isinstance(key_node, yaml.ScalarNode) and key_node.value:
+            own[key_node.value] = value_node
+    return {**merged, **own}
 
 
 def _construct(node: yaml.Node, loader: yaml.SafeLoader) -> Any:

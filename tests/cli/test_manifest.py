@@ -287,6 +287,46 @@ def test_yaml_duplicate_key_is_reported(docs):
     assert problem.line == 4 and "duplicate key" in problem.message
 
 
+def test_yaml_merge_keys_work_as_safe_load_reads_them(docs):
+    """Fresh-user finding: ``- <<: *q`` with ``id: q2`` beside it was refused as ``duplicate
+    key`` and ``duplicate id 'q1'`` (the merged id kept): a key given beside a merge beats
+    the merged one, as ``yaml.safe_load`` has it; of ``<<: [*a, *b]`` the first wins (the
+    YAML merge spec); an
+    ``x-`` top-level key holds anchors and is ignored; a merged field is reported on the
+    line of its ``<<``."""
+    import yaml
+
+    path = write_yaml(
+        docs,
+        """
+        x-common: &base {task: answer, max_new_tokens: 30, question: "Base?"}
+        jobs:
+          - &q {id: q1, input: docs/one.txt, task: answer, question: "What?"}
+          - <<: *q
+            id: q2
+          - <<: [*q, *base]
+            id: q3
+            input: docs/two.txt
+        """,
+    )
+    q1, q2, q3 = load_manifest(path).jobs
+    assert (q1.id, q2.id, q3.id) == ("q1", "q2", "q3")
+    assert q2.task.question == "What?" and q2.origin.endswith(":5")
+    assert q3.task.question == "What?" and q3.sampling.max_tokens == 30  # *q first, then *base
+    # safe_load agrees on the ids (PyYAML 6.0.4 lets the last of <<: [...] win, against
+    # the merge spec, yaml.org/type/merge.html: "keys in mapping nodes earlier in the
+    # sequence override keys specified in later mapping nodes")
+    assert [j["id"] for j in yaml.safe_load(path.read_text())["jobs"]] == ["q1", "q2", "q3"]
+    path.write_text("jobs:\n  - &q {id: q1, input: docs/one.txt}\n  - <<: *q\n")
+    problem = find(problems_of(path), "jobs[1].id")  # the merged id: on the line of <<
+    assert problem.line == 3 and "duplicate id 'q1'" in problem.message
+    path.write_text("jobs:\n  - {input: docs/one.txt, <<: 3}\n")
+    assert "a merge (<<) takes a mapping" in find(problems_of(path), "jobs[0].<<").message
+    path.write_text("defaults_: &d {task: answer}\njobs:\n  - {input: docs/one.txt}\n")
+    message = find(problems_of(path), "defaults_").message
+    assert "unknown top-level key" in message and "starting with x-" in message
+
+
 def test_paths_are_relative_to_the_manifest(docs, monkeypatch, tmp_path_factory):
     monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
     path = write_yaml(docs, "jobs:\n  - input: docs/one.txt\n")
