@@ -6,6 +6,7 @@ so they only override lower layers (preset, manifest) when the user passes them.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -20,7 +21,9 @@ take a column) their long names would be cut at 80 columns."""
 def nonempty_text(value: str | Path) -> str:
     """Typer parser of an option that names something (a model, a file, a folder): ``""``
     or spaces (an unset shell variable, ``-o "$OUT"``) are refused instead of being read
-    as ``.``, the current folder.
+    as ``.``, the current folder. A leading ``~`` is the home folder
+    (:func:`os.path.expanduser`) even when the shell left it (``-o "~/out"``), as for the
+    documents: not a folder named ``~`` in the current one.
 
     Raises
     ------
@@ -28,7 +31,13 @@ def nonempty_text(value: str | Path) -> str:
     """
     if not str(value).strip():
         raise typer.BadParameter("is empty (an unset shell variable?); give a path or a name")
-    return str(value)
+    return os.path.expanduser(str(value))
+
+
+def home_expanded(value: str) -> str:
+    """Typer parser of ``--preset`` (a name or a file): a leading ``~`` is the home folder,
+    as for the other paths (:func:`nonempty_text`)."""
+    return os.path.expanduser(value)
 
 
 def nonempty_path(value: str | Path) -> Path:
@@ -168,6 +177,7 @@ Stop = Annotated[
 Preset = Annotated[
     str,
     typer.Option(
+        parser=home_expanded,
         metavar="NAME|FILE",
         help="Hardware preset name or YAML file (see `hisparse presets`); auto picks the "
         "preset matching this machine's CUDA devices (cpu without CUDA).",

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
+import gguf
 import pytest
+import yaml
 
 
 def read_results(folder):
@@ -223,3 +226,32 @@ def test_a_done_job_is_not_failed_when_another_job_reads_its_output(cli, docs, t
     lines = read_results(tmp_path / "out")
     assert [r["id"] for r in lines] == ["first", "second"]
     assert all(r["ok"] for r in lines)
+
+
+def test_a_quoted_tilde_is_the_home_folder_for_every_path_option(cli, docs, tmp_path, monkeypatch):
+    """Fresh-user finding: ``-o "~/hs-out"`` made a folder named ``~`` in the current one
+    (the summary said ``output ~/hs-out``) and ``--manifest "~/m.yaml"`` was not found,
+    while a quoted ``~`` in a document path was the home folder. Every path option takes a
+    leading ``~`` as the home folder now: -o, --manifest, --model, --trace, --preset."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    (home / "m.yaml").write_text(f"jobs:\n  - {{id: a, input: {docs / 'alpha.txt'}}}\n")
+    result = cli("--manifest", "~/m.yaml", "-o", "~/hs-out")
+    assert result.exit_code == 0, result.output
+    assert read_results(home / "hs-out")[0]["id"] == "a"
+    assert not (tmp_path / "~").exists()
+    preset = yaml.safe_load((Path(__file__).parents[2] / "presets" / "cpu.yaml").read_text())
+    (home / "p.yaml").write_text(yaml.safe_dump(preset))
+    model = home / "m.gguf"  # a header only: --print-config reads no weights
+    writer = gguf.GGUFWriter(str(model), "llama")
+    writer.add_context_length(2048)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    args = ("--model", "~/m.gguf", "--trace", "~/t.jsonl", "--preset", "~/p.yaml")
+    shown = cli("docs/alpha.txt", *args, "-o", "~/out2", "--print-config")
+    assert shown.exit_code == 0, shown.output
+    printed = json.loads(shown.stdout)
+    assert printed["model"] == str(model) and printed["preset"] == str(home / "p.yaml")
+    assert printed["engine"]["trace_path"] == str(home / "t.jsonl")
