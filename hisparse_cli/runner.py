@@ -659,7 +659,7 @@ def check_model_header(model: str | None) -> None:
     """
     if model is None or not Path(model).is_file():
         return
-    from engine.weights.header import GGUFHeaderError, read_gguf_fields
+    from engine.weights.header import GGUFHeaderError, GGUFTruncatedError, read_gguf_fields
 
     try:
         with open(model, "rb") as f:
@@ -670,6 +670,8 @@ def check_model_header(model: str | None) -> None:
         return
     except GGUFHeaderError as exc:
         detail, shown = str(exc).removeprefix(f"{model}: "), escaped(model)
+        if isinstance(exc, GGUFTruncatedError):  # as the load and `hisparse plan` say it
+            raise UsageError(f"cannot load the model: {shown}: {escaped(detail)}") from None
         raise UsageError(
             f"cannot load the model: {shown}: not a readable GGUF file ({detail})"
         ) from None

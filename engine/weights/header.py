@@ -26,6 +26,15 @@ class GGUFHeaderError(ValueError):
     """The file is not a GGUF file, or its header is cut off or malformed."""
 
 
+class GGUFTruncatedError(GGUFHeaderError):
+    """The header runs past the end of the file (a cut-off download or copy); the message
+    is the loader's (:func:`engine.weights.gguf.open_reader`)."""
+
+
+class _Cut(Exception):
+    """A fixed-size read past the end of the file."""
+
+
 class _Past(Exception):
     """A string or array length that runs past the end of the file (cut off, or corrupt:
     unchecked, a huge length sends the next read past ``ssize_t``, an OverflowError)."""
@@ -40,7 +49,8 @@ def read_gguf_fields(path: str | Path, keys: set[str] | frozenset[str]) -> dict[
     Raises
     ------
     GGUFHeaderError
-        Not a GGUF file (bad magic), unsupported version, or a cut-off header.
+        Not a GGUF file (bad magic), unsupported version, or a malformed header;
+        :class:`GGUFTruncatedError` where it runs past the end of the file.
     OSError
         The file cannot be read.
     """
@@ -48,6 +58,11 @@ def read_gguf_fields(path: str | Path, keys: set[str] | frozenset[str]) -> dict[
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
             return _read(buf, path, keys)
+        except _Cut:
+            raise GGUFTruncatedError(
+                f"{path}: not a valid GGUF file: truncated, its header runs past the end of "
+                f"the file ({len(buf):,} bytes)"
+            ) from None
         except (_Past, struct.error, IndexError, UnicodeDecodeError) as exc:
             raise GGUFHeaderError(f"{path}: malformed or cut-off GGUF header ({exc})") from None
 
@@ -55,14 +70,14 @@ def read_gguf_fields(path: str | Path, keys: set[str] | frozenset[str]) -> dict[
 def _read(buf: mmap.mmap, path: Path, keys: set[str] | frozenset[str]) -> dict[str, Any]:
     if buf[:4] != b"GGUF":
         raise GGUFHeaderError(f"{path}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
-    (version,) = struct.unpack_from("<I", buf, 4)
+    (version,) = _unpack("<I", buf, 4)
     if version not in (2, 3):
         raise GGUFHeaderError(f"{path}: GGUF version {version} is not supported (2 or 3)")
-    count = struct.unpack_from("<Q", buf, 16)[0]
+    count = _unpack("<Q", buf, 16)[0]
     pos, found = 24, {}
     for _ in range(count):
         key, pos = _string(buf, pos)
-        (kind,) = struct.unpack_from("<I", buf, pos)
+        (kind,) = _unpack("<I", buf, pos)
         pos += 4
         if key in keys and kind != _ARRAY:
             value, pos = _value(buf, pos, kind)
@@ -74,6 +89,13 @@ def _read(buf: mmap.mmap, path: Path, keys: set[str] | frozenset[str]) -> dict[s
     return found
 
 
+def _unpack(fmt: str, buf: mmap.mmap, pos: int) -> tuple[Any, ...]:
+    """``struct.unpack_from``, raising :class:`_Cut` where the file ends first."""
+    if pos + struct.calcsize(fmt) > len(buf):
+        raise _Cut
+    return struct.unpack_from(fmt, buf, pos)
+
+
 def _string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
     end = _string_end(buf, pos)
     return bytes(buf[pos + 8 : end]).decode("utf-8"), end
@@ -81,7 +103,7 @@ def _string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
 
 def _string_end(buf: mmap.mmap, pos: int) -> int:
     """The offset after the GGUF string at ``pos``, checked against the file's size."""
-    (length,) = struct.unpack_from("<Q", buf, pos)
+    (length,) = _unpack("<Q", buf, pos)
     end = pos + 8 + length
     if end > len(buf):
         raise _Past(f"GGUF string at byte {pos} runs past the end of the file")
@@ -94,7 +116,7 @@ def _value(buf: mmap.mmap, pos: int, kind: int) -> tuple[Any, int]:
     fmt = _SCALARS.get(kind)
     if fmt is None:
         raise struct.error(f"unknown value type {kind}")
-    return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+    return _unpack(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
 
 
 def _skip(buf: mmap.mmap, pos: int, kind: int) -> int:
@@ -102,7 +124,7 @@ def _skip(buf: mmap.mmap, pos: int, kind: int) -> int:
         return _string_end(buf, pos)
     if kind == _ARRAY:
         start = pos
-        element, n = struct.unpack_from("<IQ", buf, pos)
+        element, n = _unpack("<IQ", buf, pos)
         pos += 12
         if element in _SCALARS:
             end = pos + n * struct.calcsize(_SCALARS[element])

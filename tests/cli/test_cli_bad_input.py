@@ -291,6 +291,27 @@ def test_run_refuses_a_gguf_with_a_corrupt_string_length_in_one_line(tmp_path):
                    f"GGUF string at byte {at} runs past the end of the file")  # fmt: skip
 
 
+def test_run_says_what_plan_says_of_a_gguf_cut_inside_its_metadata(tmp_path):
+    """Fresh-user finding: ``head -c 1000000 SmolLM2-...gguf > trunc.gguf`` then ``run
+    --model trunc.gguf`` said "... (unpack_from requires a buffer of at least 1000007 bytes
+    for unpacking 8 bytes at offset 999999 ...)", Python's words, where ``plan`` said
+    "truncated, its header runs past the end of the file"; ``run`` now says the same."""
+    from tiny_models import build_hf, write_gguf  # imports transformers: only where needed
+
+    model = build_hf(tmp_path / "hf", "llama", max_position_embeddings=1024)
+    whole = write_gguf(tmp_path / "m.gguf", model, "llama").read_bytes()
+    cut = tmp_path / "cut.gguf"  # a key read, its value type (4 bytes) cut after 2
+    cut.write_bytes(whole[: whole.index(b"general.name") + len("general.name") + 2])
+    (tmp_path / "doc.txt").write_text("hello\n")
+    plan = invoke("plan", "-n", "2", "-c", "4K", "--model", str(cut))
+    said = " ".join(plan.stderr.split()).removeprefix("error: ")
+    assert plan.exit_code == 2 and "truncated, its header runs past the end" in said, said
+    run = invoke("run", "--model", str(cut), str(tmp_path / "doc.txt"), "--preset", "cpu",
+                 "-o", str(tmp_path / "out"))  # fmt: skip
+    one_line_error(run, f"cannot load the model: {said}")
+    assert "unpack" not in run.stderr and not (tmp_path / "out").exists()
+
+
 def test_print_config_lists_a_gguf_whose_header_cannot_be_read(tmp_path):
     """Fresh-user finding: ``run --model flipped.gguf --print-config`` printed the config and
     exited 0, although the run is refused at the load; it now lists the refusal, and a run
