@@ -181,7 +181,7 @@ def run(
     }
     request = RunRequest(
         docs=tuple(docs or ()),
-        manifest=manifest,
+        manifest=opt.one_manifest(manifest),
         model=model,
         job_overrides=job_overrides,
         engine_overrides=engine_overrides,

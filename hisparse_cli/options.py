@@ -82,7 +82,7 @@ Docs = Annotated[
     ),
 ]
 ManifestFile = Annotated[
-    Path | None,
+    list[Path] | None,  # a list only to refuse a second one (one_manifest), not silently
     typer.Option(
         "--manifest",
         "-m",
@@ -92,6 +92,30 @@ ManifestFile = Annotated[
         rich_help_panel=JOBS,
     ),
 ]
+
+
+def one_manifest(manifests: list[Path] | None) -> Path | None:
+    """The one ``--manifest`` of ``hisparse run``: given twice, the last silently won (the
+    first file's jobs never ran); several are refused, naming them.
+
+    Raises
+    ------
+    typer.BadParameter : more than one ``--manifest``.
+    """
+    if not manifests:
+        return None
+    if len(manifests) > 1:
+        from hisparse_cli.display import escaped
+
+        shown = ", ".join(escaped(str(m)) for m in manifests)
+        raise typer.BadParameter(
+            f"given {len(manifests)} times ({shown}): a run takes one manifest; put the "
+            "jobs in one file, or run each manifest on its own",
+            param_hint="'--manifest' / '-m'",
+        )
+    return manifests[0]
+
+
 Model = Annotated[
     str | None,
     typer.Option(

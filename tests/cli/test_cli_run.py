@@ -1867,6 +1867,21 @@ def test_a_folder_where_the_run_writes_its_files_is_a_usage_error(cli, docs, tmp
     assert "a run would be refused here" in printed.stderr
 
 
+def test_a_second_manifest_is_refused_not_dropped(cli, docs, tmp_path):
+    """Fresh-user finding: ``--manifest a.yaml --manifest b.yaml`` ran only b.yaml, saying
+    nothing of a.yaml's jobs. A run takes one manifest: two are refused (exit 2), naming
+    both, before anything runs."""
+    for name in ("a", "b"):
+        job = f"{{id: {name}, input: docs/alpha.txt}}"
+        (tmp_path / f"{name}.yaml").write_text(f"jobs:\n  - {job}\n")
+    result = cli("--manifest", "a.yaml", "-m", "b.yaml")
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.replace("│", " ").split())
+    assert "given 2 times (a.yaml, b.yaml): a run takes one manifest" in said, said
+    assert cli.factory.engines == [] and not (tmp_path / "hisparse-out").exists()
+    assert cli("--manifest", "b.yaml").exit_code == 0
+
+
 def test_output_dir_has_the_short_flag_o(cli, docs, tmp_path):
     """``-o`` is ``--output-dir`` (as in ``hisparse eval``)."""
     result = cli("docs/alpha.txt", "-o", "elsewhere")
