@@ -245,8 +245,19 @@ def max_new_tokens_problem(
         else "; or --context-policy extend with a --max-context above it (RoPE scaling past "
         "the model's trained context, which may cost quality)"
     )
+    context = f"the model's context of {limit:,} tokens"
+    if limit_source is not None:  # the limit is max_context's: raising it is a fix too
+        context = f"the context limit of {limit:,} tokens (set by {limit_source})"
+        if policy == "extend":
+            more = f"; or raise {limit_source}"
+        else:
+            more = (
+                f"; or raise {limit_source} (up to the model's trained context), or use "
+                "--context-policy extend with a --max-context above that (RoPE scaling past "
+                "the model's trained context, which may cost quality)"
+            )
     return (
-        f"{source} cannot fit the model's context of {limit:,} tokens even with an empty "
+        f"{source} cannot fit {context} even with an empty "
         f"document (the prompt around a document takes at least ~{limit - room:,} tokens, "
         f"judged from its size): the largest --max-new-tokens that could fit is below "
         f"{max(room, 0):,}, less the document's own tokens; truncating or chunking the "

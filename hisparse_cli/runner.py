@@ -996,11 +996,7 @@ def check_max_new_tokens(
         return
     limit = preflight.context_limit(config, trained)
     flag = request.job_overrides.get("max_new_tokens") is not None
-    source = None
-    if config.max_context and limit == config.max_context:  # the limit is the setting's
-        source = preflight.setting_source(
-            "max_context", request.preset, manifest.engine, request.engine_overrides
-        )
+    source = max_context_source(config, request, manifest, limit)
     problem = preflight.max_new_tokens_problem(
         manifest.jobs, limit, config.context_policy, flag, source
     )
@@ -1008,6 +1004,18 @@ def check_max_new_tokens(
         problem = truncate_room_problem(config, request, manifest, limit, tokenizer)
     if problem:
         raise UsageError(problem)
+
+
+def max_context_source(
+    config: EngineConfig, request: RunRequest, manifest: Manifest, limit: int
+) -> str | None:
+    """Where ``max_context`` was set (``--max-context``, the manifest's or the preset's:
+    :func:`preflight.setting_source`) when the context limit ``limit`` is that setting,
+    else ``None`` (the model's trained context)."""
+    if not config.max_context or limit != config.max_context:
+        return None
+    flags = request.engine_overrides
+    return preflight.setting_source("max_context", request.preset, manifest.engine, flags)
 
 
 def truncate_room_problem(
@@ -1834,6 +1842,7 @@ class BatchRun:
             return pending
         keep: list[PlannedJob] = []
         refused: list[tuple[PlannedJob, str]] = []
+        limit_from = max_context_source(self.config, self.request, self.manifest, limit)
         for planned in pending:
             spec = planned.spec
             if spec.id not in found:
@@ -1843,7 +1852,7 @@ class BatchRun:
             floor = size_floor(spec, self.request, tokenizer, limit)
             if floor is not None:  # over the limit by the size of its start: read no more
                 policy = self.config.context_policy
-                why = too_long_by_size_message(floor, max_tokens, limit, policy)
+                why = too_long_by_size_message(floor, max_tokens, limit, policy, limit_from)
                 refused.append((planned, f"{job_where(spec)}: {why}"))
                 continue
             try:
@@ -1858,7 +1867,8 @@ class BatchRun:
                 continue
             if documents is not None:
                 planned = planned.with_documents(documents)
-            why = too_long_message(len(ids), max_tokens, limit, self.config.context_policy)
+            policy = self.config.context_policy
+            why = too_long_message(len(ids), max_tokens, limit, policy, limit_from)
             refused.append((planned, f"{job_where(spec)}: {why}"))
             self.prompt_tokens[spec.id] = len(ids)  # counted: its results line says so
         if refused:  # documents that fit are not mentioned

@@ -95,15 +95,23 @@ advice of every "too long" message (:func:`too_long_advice`, the CLI's pre-load 
 
 
 def too_long_advice(
-    policy: str, need: int | None = None, room: int | None = None, estimated: bool = False
+    policy: str,
+    need: int | None = None,
+    room: int | None = None,
+    estimated: bool = False,
+    limit_from: str | None = None,
 ) -> str:
     """What to do about a prompt over the limit under ``policy`` (``need``: the tokens it
     needs, when known; ``room``: the largest ``max_tokens`` that fits beside the prompt,
     when the prompt alone fits and only ``max_tokens`` does not; ``estimated``: ``room``
-    was estimated from the document's size, cautiously: a value safe to follow)."""
+    was estimated from the document's size, cautiously: a value safe to follow;
+    ``limit_from``: where ``max_context`` was set when it is the limit, as ``--max-context``:
+    raising it is then a choice too, up to the model's trained context)."""
     if policy == "extend":
         target = f"to at least {need}" if need else "above that"
         choices = f"raise --max-context {target}, or use --context-policy truncate or chunk"
+    elif limit_from:
+        choices = f"raise it (up to the model's trained context), or use {POLICY_CHOICES}"
     else:
         choices = f"use {POLICY_CHOICES}"
     if room is not None and room > 0:
@@ -112,24 +120,35 @@ def too_long_advice(
     return choices
 
 
-def too_long_message(prompt_tokens: int, max_tokens: int, limit: int, policy: str) -> str:
+def too_long_message(
+    prompt_tokens: int, max_tokens: int, limit: int, policy: str, limit_from: str | None = None
+) -> str:
     """The failure of a tokenised prompt of ``prompt_tokens`` over the context limit; when
-    the prompt alone fits, the advice names the largest ``--max-new-tokens`` that fits."""
+    the prompt alone fits, the advice names the largest ``--max-new-tokens`` that fits.
+    ``limit_from``: where ``max_context`` was set, when the limit is that setting."""
     need = prompt_tokens + max_tokens
+    advice = too_long_advice(policy, need, limit - prompt_tokens, limit_from=limit_from)
     return (
         f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} exceeds the context "
-        f"limit of {limit} tokens; {too_long_advice(policy, need, limit - prompt_tokens)}"
+        f"limit of {limit} tokens{set_by(limit_from)}; {advice}"
     )
 
 
-def too_long_by_size_message(at_least: int, max_tokens: int, limit: int, policy: str) -> str:
+def too_long_by_size_message(
+    at_least: int, max_tokens: int, limit: int, policy: str, limit_from: str | None = None
+) -> str:
     """The failure of a prompt whose size alone shows it over the context limit: at least
     ``at_least`` tokens (a lower bound from its bytes, ``min_tokens``; not tokenised)."""
     return (
         f"prompt of at least {at_least} tokens (judged from its size; not tokenised) + "
-        f"max_tokens {max_tokens} exceeds the context limit of {limit} tokens; "
-        f"{too_long_advice(policy)}"
+        f"max_tokens {max_tokens} exceeds the context limit of {limit} tokens"
+        f"{set_by(limit_from)}; {too_long_advice(policy, limit_from=limit_from)}"
     )
+
+
+def set_by(limit_from: str | None) -> str:
+    """`` (set by --max-context)``: where a context limit that is ``max_context`` was set."""
+    return f" (set by {limit_from})" if limit_from else ""
 
 
 def fit_prompt(

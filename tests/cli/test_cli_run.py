@@ -1768,6 +1768,35 @@ def test_a_document_over_the_context_fails_before_the_model_loads(cli, docs, tmp
     assert result.exit_code == 0 and "counted the tokens" not in result.output
 
 
+def test_a_too_long_failure_names_max_context_when_it_set_the_limit(cli, docs, monkeypatch):
+    """Fresh-user finding: with ``--max-context 100`` a too-long document's failure offered
+    only extend, truncate or chunk, as if the model's context were the limit. Where
+    ``max_context`` (a flag, the manifest's or the preset's) set the limit, the failure
+    says so and that raising it is a fix too; with the model's own limit it does not."""
+    from hisparse_cli import preflight
+
+    monkeypatch.setattr(preflight, "trained_context", lambda model: 400)
+    monkeypatch.setattr(runner_module, "load_tokenizer", lambda config, model: FakeTokenizer())
+    (docs / "long.txt").write_text(" ".join(f"w{i}" for i in range(290)) + "\n")  # 300 < it < 400
+    result = cli("docs/long.txt", "--max-new-tokens", "4", "--max-context", "300")
+    err = " ".join(result.stderr.split())
+    assert result.exit_code == 1, result.output
+    assert "exceeds the context limit of 300 tokens (set by --max-context); raise it (up to " in err
+    (docs / "jobs.yaml").write_text(
+        "defaults: {engine: {max_context: 300}}\njobs:\n  - {input: long.txt}\n"
+    )
+    result = cli("--manifest", "docs/jobs.yaml", "--max-new-tokens", "4", "--force")
+    err = " ".join(result.stderr.split())
+    assert "(set by the manifest's defaults.engine.max_context); raise it" in err, err
+    (docs / "long.txt").write_text(" ".join(f"w{i}" for i in range(600)) + "\n")  # > 400
+    result = cli("docs/long.txt", "--max-new-tokens", "4", "--force")
+    assert "exceeds the context limit of 400 tokens; use --context-policy" in result.stderr
+    result = cli("docs/beta.txt", "--max-new-tokens", "299", "--max-context", "300")
+    err = " ".join(result.stderr.split())  # no room even for an empty document
+    assert result.exit_code == 2 and "the context limit of 300 tokens (set by --max-context)" in err
+    assert "or raise --max-context (up to the model's trained context)" in err, err
+
+
 def test_a_huge_document_is_refused_by_its_size_without_being_tokenised(
     cli, docs, tmp_path, monkeypatch, smollm2_tokenizer
 ):
