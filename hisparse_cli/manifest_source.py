@@ -329,6 +329,30 @@ def _read_jsonl(file: str, text: str, raw: RawManifest) -> None:
             raw.jobs.append(_json_entry(file, "job", number, obj))
     if not raw.jobs and not raw.problems:
         raw.problems.append(Problem(file, None, "jobs", "the manifest holds no jobs"))
+    _one_json_value(file, text, raw)
+
+
+def _one_json_value(file: str, text: str, raw: RawManifest) -> None:
+    """A JSONL manifest whose first line is not JSON while the whole file is (pretty-printed
+    JSON named ``.jsonl``): one problem saying what the format is, instead of one "not valid
+    JSON" per line of it (and jobs of the lines that happened to parse)."""
+    first = next((n for n, line in enumerate(text.splitlines(), 1) if line.strip()), None)
+    broken = [p for p in raw.problems if p.message.startswith("not valid JSON")]
+    if first is None or not any(p.line == first for p in broken):
+        return
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return
+    raw.jobs, raw.defaults, raw.engine = [], None, None  # what its lines gave: pieces
+    raw.problems = [
+        Problem(
+            file, first, "", "the file is one JSON value over several lines; a .jsonl "
+            "manifest takes one JSON object per line (one job each; defaults as "
+            "{\"defaults\": {...}}), or name the file .json to read it whole (jobs: and "
+            "defaults:, as in YAML)",
+        )
+    ]  # fmt: skip
 
 
 def _read_batch(text: str, raw: RawManifest) -> bool:

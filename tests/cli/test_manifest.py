@@ -351,6 +351,25 @@ def test_jsonl_manifest_lines_and_defaults(docs):
     assert {p.line for p in problems if "JSON object" in p.message} == {6}
 
 
+def test_pretty_printed_json_named_jsonl_says_one_object_per_line(docs):
+    """Fresh-user finding: a pretty-printed JSON manifest named ``.jsonl`` gave one "not
+    valid JSON" per line (and a job of each line that parsed alone). When its first line
+    is not JSON and the whole file is, one problem says a .jsonl takes one JSON object per
+    line; the same file named .json reads whole."""
+    jobs = [{"id": "a", "input": "docs/one.txt"}, {"id": "b", "input": "docs/two.txt"}]
+    text = json.dumps({"jobs": jobs}, indent=2)
+    pretty_b = '{\n      "id": "b",\n      "input": "docs/two.txt"\n    }'
+    text = text.replace(pretty_b, json.dumps(jobs[1]))  # a line that parses alone
+    (docs / "jobs.jsonl").write_text(text + "\n")
+    (problem,) = problems_of(docs / "jobs.jsonl")
+    assert problem.line == 1 and "one JSON object per line" in problem.message
+    (docs / "jobs.json").write_text(text)
+    assert [j.id for j in load_manifest(docs / "jobs.json").jobs] == ["a", "b"]
+    (docs / "bad.jsonl").write_text('{"id": "a", "input": "docs/one.txt"}\n{not json\n')
+    (problem,) = problems_of(docs / "bad.jsonl")  # the first line is JSON: no hint
+    assert problem.line == 2 and "not valid JSON" in problem.message
+
+
 def test_jsonl_valid(docs):
     path = docs / "jobs.jsonl"
     path.write_text(
