@@ -211,7 +211,7 @@ def load_engine(config: EngineConfig, model: str | None, job_tokens: int | None 
     Checks the host KV pool against the memory available (:func:`check_host_pool`)
     before any weights are read.
     """
-    check_host_pool(config)
+    check_host_pool(config, model)
     from engine.load import load_engine as _load_engine
 
     return _load_engine(config, model, job_tokens=job_tokens)
@@ -307,11 +307,14 @@ def fit_preset_host_pool(
     config: EngineConfig,
     manifest_engine: Mapping[str, Any] | None,
     flags: Mapping[str, Any] | None,
+    model: str | None = None,
 ) -> tuple[EngineConfig, str | None]:
     """A preset's host pool cap cut to what this machine can hold: when neither
     ``--host-pool`` nor the manifest set ``host_pool_gb`` and the preset's cap exceeds
-    :data:`engine.kv.sizing.HOST_POOL_SHARE` of the host memory available now, the cap
-    becomes that share (whole 0.25 GiB, at least 0.25) and the returned note says so. A
+    :data:`engine.kv.sizing.HOST_POOL_SHARE` of the host memory available now, less what
+    loading ``model`` will take of it (:func:`model_load_host_bytes`), the cap becomes that
+    share (whole 0.25 GiB, at least 0.25) and the returned note says so: the rule
+    :func:`check_host_pool` applies, so the checks before and after the load accept it. A
     cap the user chose is left alone (:func:`check_host_pool` refuses it if it does not
     fit). The pool is a cap: jobs that need more than the cut pool are refused one by one
     with the sizes, not the whole run.
@@ -322,16 +325,21 @@ def fit_preset_host_pool(
     )
     if chosen or not _pool_on_host(config):
         return config, None
-    from engine.kv.sizing import HOST_POOL_SHARE, available_host_bytes
+    from engine.kv.sizing import HOST_POOL_SHARE, available_host_bytes, host_pool_limit
 
     avail = available_host_bytes(config.host_memory_gb)
-    if avail is None or config.host_pool_gb * 2**30 <= HOST_POOL_SHARE * avail:
+    if avail is None:
         return config, None
-    fit = max(0.25, int(HOST_POOL_SHARE * avail / 2**30 * 4) / 4)
+    load = 0 if _declared_host_memory(config) else model_load_host_bytes(config, model)
+    limit = host_pool_limit(avail, load)
+    if config.host_pool_gb * 2**30 <= limit:
+        return config, None
+    fit = max(0.25, int(limit / 2**30 * 4) / 4)
+    less = f" less the {load / 2**30:.1f} GiB the model load will take" if load else ""
     note = (
         f"host pool: the preset's {config.host_pool_gb:g} GiB cap is more than "
-        f"{HOST_POOL_SHARE:.0%} of the {avail / 2**30:.1f} GiB of host memory available now; "
-        f"using {fit:g} GiB (--host-pool GB to choose)"
+        f"{HOST_POOL_SHARE:.0%} of the {avail / 2**30:.1f} GiB of host memory available now"
+        f"{less}; using {fit:g} GiB (--host-pool GB to choose)"
     )
     return dataclasses.replace(config, host_pool_gb=fit), note
 
@@ -343,14 +351,46 @@ def _pool_on_host(config: EngineConfig) -> bool:
     )
 
 
-def check_host_pool(config: EngineConfig) -> None:
-    """Raise ``CacheFullError`` when the host KV pool (``host_pool_gb``, shared by all
-    workers) cannot fit in the host memory available now; the pool lives on the host
-    on CPU devices and with the hierarchical sparse cache."""
-    if _pool_on_host(config):
-        from engine.kv.sizing import check_host_memory
+def _declared_host_memory(config: EngineConfig) -> float | None:
+    """``host_memory_gb``, else ``$HISPARSE_HOST_MEMORY_GB`` (a fixed figure the load does
+    not lower), else ``None`` (``MemAvailable`` is read)."""
+    from engine.config import env_overrides
 
-        check_host_memory(int(config.host_pool_gb * 2**30), config.host_memory_gb)
+    return config.host_memory_gb or env_overrides().get("host_memory_gb")
+
+
+def model_load_host_bytes(config: EngineConfig, model: str | None) -> int:
+    """What loading ``model`` will add to the host memory in use, which ``MemAvailable``
+    read before the load does not show yet: :data:`engine.kv.sizing.LOAD_MARGIN_BYTES`,
+    plus the weights of each CPU device (one copy a data-parallel worker, the whole model
+    once for a pipeline), as the planner counts them
+    (:func:`engine.capacity.planner.weight_bytes`, the shape read from the model's header;
+    none counted where it cannot be read)."""
+    from engine.kv.sizing import LOAD_MARGIN_BYTES
+
+    cpus = [d for d in (list(config.devices) or [config.device]) if d.split(":")[0] == "cpu"]
+    shape = preflight.model_shape(model) if cpus else None
+    if shape is None:
+        return LOAD_MARGIN_BYTES
+    from engine.capacity.planner import weight_bytes
+
+    copies = 1 if config.parallel == "pipeline" else len(cpus)
+    return LOAD_MARGIN_BYTES + copies * weight_bytes(shape, config.replace(device="cpu"))
+
+
+def check_host_pool(config: EngineConfig, model: str | None = None) -> int | None:
+    """Raise ``CacheFullError`` when the host KV pool (``host_pool_gb``, shared by all
+    workers) cannot fit in the host memory available now, less what loading ``model``
+    will take (:func:`model_load_host_bytes`; the cache checks again after the load,
+    setting nothing aside); the pool lives on the host on CPU devices and with the
+    hierarchical sparse cache. Returns the available bytes read (``None`` where the pool
+    is not on the host or they cannot be read)."""
+    if not _pool_on_host(config):
+        return None
+    from engine.kv.sizing import check_host_memory
+
+    load = 0 if _declared_host_memory(config) else model_load_host_bytes(config, model)
+    return check_host_memory(int(config.host_pool_gb * 2**30), config.host_memory_gb, load)
 
 
 def is_config_error(exc: BaseException) -> bool:
@@ -608,7 +648,9 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
     )
     check_policy_flags(config, request.preset, manifest.engine, request.engine_overrides)
     config = with_preset_devices(config, request.preset, request.engine_overrides)
-    config, note = fit_preset_host_pool(config, manifest.engine, request.engine_overrides)
+    config, note = fit_preset_host_pool(
+        config, manifest.engine, request.engine_overrides, request.model
+    )
     notes = [n for n in (note, preflight.max_context_warning(config, request.model)) if n]
     if notes:
         manifest = dataclasses.replace(manifest, warnings=(*manifest.warnings, *notes))
@@ -1077,7 +1119,7 @@ def run_problems(config: EngineConfig, request: RunRequest, manifest: Manifest) 
     before the load)."""
     checks = [
         *run_checks(config, request, manifest),
-        lambda: check_host_pool(config),
+        lambda: check_host_pool(config, request.model),
         lambda: check_memory_budget(config, request, manifest),
     ]
     problems = []
@@ -1912,7 +1954,7 @@ class BatchRun:
         if not pending:  # every job to run was over the context: no model to load
             return False
         try:  # refused before the "loading model" line (load_engine checks it again)
-            check_host_pool(self.config)
+            self.host_available = check_host_pool(self.config, self.request.model)
         except CacheFullError as exc:
             raise LoadConfigError(str(exc)) from exc
         longest = self._longest_job(pending)  # what a memory budget sizes the cache for
@@ -1964,7 +2006,7 @@ class BatchRun:
             engine = load_engine(self.config, self.request.model, **sized)
         except Exception as exc:  # noqa: BLE001 - any load failure ends the run cleanly
             if is_config_error(exc):
-                raise LoadConfigError(str(exc)) from exc
+                raise LoadConfigError(str(exc) + self._memory_shrank(exc)) from exc
             self.reporter.note(f"cannot load the model: {exc}", "error")
             return False
         self._note_sized_batch(engine)
@@ -1994,6 +2036,23 @@ class BatchRun:
             if self.cancel.count:
                 self._record_cancelled_chunks()
             return self.cancel.count > 0
+
+    def _memory_shrank(self, exc: BaseException) -> str:
+        """For a host pool the cache refused after the load although the check before it
+        accepted the pool: the words saying that the memory available shrank meanwhile
+        by more than the load was counted to take (other processes took it), else ``""``."""
+        from engine.kv.sizing import HostMemoryError
+
+        before = getattr(self, "host_available", None)
+        if not isinstance(exc, HostMemoryError) or before is None or exc.available >= before:
+            return ""
+        load = model_load_host_bytes(self.config, self.request.model)
+        return (
+            f"; the memory available shrank while the model loaded: {before / 2**30:.1f} GiB "
+            f"before it, {load / 2**30:.1f} GiB of which was set aside for the load, and "
+            f"{exc.available / 2**30:.1f} GiB after it (other processes took memory "
+            "meanwhile)"
+        )
 
     def _note_sized_batch(self, engine: BatchEngine) -> None:
         """``config.json``'s ``max_batch`` is what the loaded engine admits at once: a memory

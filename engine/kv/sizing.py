@@ -262,10 +262,26 @@ def available_host_bytes(declared_gb: float | None = None) -> int | None:
 HOST_POOL_SHARE = 0.9
 """Largest share of the available host memory (:func:`available_host_bytes`) the pool may take."""
 
+LOAD_MARGIN_BYTES = 1 << 30
+"""Host memory a model load takes besides weights kept on a CPU device: torch's libraries,
+the interpreter's heap, read buffers. A check made before the load sets it aside (with
+those weights) from ``MemAvailable``, which the load then lowers (:func:`check_host_memory`)."""
 
-def check_host_memory(pool_bytes: int, declared_gb: float | None = None) -> None:
+
+class HostMemoryError(CacheFullError):
+    """The host pool does not fit in the memory available (:func:`check_host_memory`);
+    ``available``: the bytes that were available, as read."""
+
+    def __init__(self, message: str, available: int):
+        super().__init__(message)
+        self.available = available
+
+
+def check_host_memory(
+    pool_bytes: int, declared_gb: float | None = None, load_bytes: int = 0
+) -> int | None:
     """Refuse a host pool larger than 90% (:data:`HOST_POOL_SHARE`) of the memory
-    available now.
+    available now, less ``load_bytes`` when the figure is ``MemAvailable``.
 
     Parameters
     ----------
@@ -273,25 +289,45 @@ def check_host_memory(pool_bytes: int, declared_gb: float | None = None) -> None
         Size of the whole host pool, in bytes.
     declared_gb
         ``EngineConfig.host_memory_gb`` (``HISPARSE_HOST_MEMORY_GB``), if declared.
+    load_bytes
+        What the model load will add to the memory in use, for a check made before it
+        (weights kept on a CPU device and :data:`LOAD_MARGIN_BYTES`): ``MemAvailable``
+        drops by about that much before the cache checks the pool again, with 0. A
+        declared size is a fixed figure: nothing is set aside from it.
+
+    Returns
+    -------
+    The available bytes read (``None`` where they cannot be read).
 
     Raises
     ------
-    CacheFullError
-        Naming the pool size, what is available (and where that figure came from), the
-        90% rule and the settings to change (``--host-pool``, ``host_pool_gb``,
-        ``HISPARSE_HOST_MEMORY_GB``).
+    HostMemoryError
+        Naming the pool size, what is available (and where that figure came from, and
+        what was set aside for the load), the 90% rule and the settings to change
+        (``--host-pool``, ``host_pool_gb``, ``HISPARSE_HOST_MEMORY_GB``).
     """
     if declared_gb is None:
         declared_gb = env_overrides().get("host_memory_gb")
     avail = available_host_bytes(declared_gb)
-    if avail is not None and pool_bytes > HOST_POOL_SHARE * avail:
+    load_bytes = 0 if declared_gb else load_bytes
+    if avail is not None and pool_bytes > host_pool_limit(avail, load_bytes):
         source = f"HISPARSE_HOST_MEMORY_GB={declared_gb:g}" if declared_gb else "MemAvailable"
-        raise CacheFullError(
+        if load_bytes:
+            source += f", less {load_bytes / 2**30:.1f} GiB the model load will take"
+        raise HostMemoryError(
             f"the host KV pool needs {pool_bytes / 2**30:.1f} GiB but only "
             f"{avail / 2**30:.1f} GiB of host memory is available ({source}), and the pool "
             f"may take at most {HOST_POOL_SHARE:.0%} of it "
-            f"({HOST_POOL_SHARE * avail / 2**30:.1f} GiB); lower the pool with --host-pool GB "
-            "(host_pool_gb in a preset or a manifest's defaults.engine; shared by all "
-            "workers), or, where MemAvailable reads low (memory that grows on demand), "
-            "declare the real size with HISPARSE_HOST_MEMORY_GB"
+            f"({host_pool_limit(avail, load_bytes) / 2**30:.1f} GiB); lower the pool with "
+            "--host-pool GB (host_pool_gb in a preset or a manifest's defaults.engine; "
+            "shared by all workers), or, where MemAvailable reads low (memory that grows on "
+            "demand), declare the real size with HISPARSE_HOST_MEMORY_GB",
+            avail,
         )
+    return avail
+
+
+def host_pool_limit(avail: int, load_bytes: int = 0) -> int:
+    """The largest host pool, in bytes: :data:`HOST_POOL_SHARE` of ``avail`` less
+    ``load_bytes`` (what the model load will still take of it; 0 once loaded)."""
+    return int(HOST_POOL_SHARE * max(0, avail - load_bytes))

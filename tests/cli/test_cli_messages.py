@@ -80,6 +80,38 @@ def test_a_preset_pool_over_the_memory_is_cut_to_fit_with_a_warning(cli, docs, m
     assert chosen.exit_code == 2 and "host KV pool needs 8.0 GiB" in chosen.stderr
 
 
+def test_a_preset_pool_cut_to_fit_is_accepted_again_after_the_model_loads(cli, docs, monkeypatch):
+    """MemAvailable read 8.7 GiB at start-up and 8.0 GiB once the model has loaded (its
+    weights on the CPU, torch): the start-up cut the preset's 8 GiB pool to 90% of 8.7
+    (7.75 GiB), which the cache refused after the load (90% of 8.0 is 7.2), on every run.
+    The cut now sets aside what the load takes, so the cache accepts it; memory that
+    shrank further is refused saying so."""
+    import engine.kv.sizing as sizing
+
+    gib = 2**30
+    memory = {"available": int(8.7 * gib)}
+    monkeypatch.delenv("HISPARSE_HOST_MEMORY_GB")
+    monkeypatch.setattr(sizing, "available_host_bytes", lambda declared=None: memory["available"])
+
+    def load(config, model, **kwargs):  # the load lowers MemAvailable; the cache checks
+        memory["available"] = after
+        sizing.check_host_memory(int(config.host_pool_gb * gib), config.host_memory_gb)
+        return cli.factory(config, model, **kwargs)
+
+    after = int(8.0 * gib)
+    result = cli("docs/alpha.txt", engine=load)
+    assert result.exit_code == 0, result.output
+    load_gib = runner_module.model_load_host_bytes(cli.factory.engines[0].config, None) / gib
+    assert f"8.7 GiB of host memory available now less the {load_gib:.1f} GiB" in result.stderr
+    assert cli.factory.engines[0].config.host_pool_gb <= 0.9 * (8.7 - load_gib)
+    memory["available"], after = int(8.7 * gib), int(5.0 * gib)
+    shrank = cli("docs/beta.txt", engine=load)
+    assert shrank.exit_code == 2, shrank.output
+    err = " ".join(shrank.stderr.split())
+    assert "the memory available shrank while the model loaded: 8.7 GiB before it" in err
+    assert "and 5.0 GiB after it" in err
+
+
 def test_config_json_records_the_threads_chosen_from_the_free_cores(cli, docs, monkeypatch):
     """On a busy box the run picks its CPU threads itself; config.json ("the settings as
     they take effect") then says that count and why, not ``null``."""
