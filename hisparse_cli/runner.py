@@ -801,22 +801,26 @@ def check_memory_budget(
     specs: Sequence[Any] | None = None,
     counted: dict[str, int] | None = None,
 ) -> None:
-    """Refuse, before the load, a ``memory_budget_gb`` that cannot hold the KV pool of
-    ``specs`` (default: every job) where all-resident attention (``attention: dense``, or
-    ``hierarchical: false``) keeps it: on the compute device, sized by the budget
-    (``host_pool_gb`` does not size it). The budget is split as the load splits it: for
-    the longest job (:func:`job_tokens`, prompts counted with the model's tokenizer,
-    ``counted`` reused; :func:`engine.load.sized_tokens`), by
+    """Refuse, before the load, a ``memory_budget_gb`` the load would refuse: one that
+    leaves no room beside the weights (and the page metadata of the host pool) for the
+    hot buffer of one job (hierarchical) or a KV page, or, where all-resident attention
+    (``attention: dense``, or ``hierarchical: false``) keeps the KV pool on the compute
+    device, sized by the budget (``host_pool_gb`` does not size it), that cannot hold the
+    pool of ``specs`` (default: every job). The budget is split as the load splits it:
+    for the longest job (:func:`job_tokens`, prompts counted with the model's tokenizer,
+    ``counted`` reused; :func:`engine.load.sized_tokens`; the context limit where the
+    tokenizer cannot be read, as the load then sizes it), by
     :func:`engine.capacity.budget.size_kv_for_budget`, with the weights as the planner
-    counts the load's placement. A job too long for the context under ``refuse`` or
-    ``extend`` is left out: it fails on its own, saying so. The run checks this just
-    before the load, over the jobs it will run; ``--print-config`` over all
-    (:func:`run_problems`).
+    counts the load's placement from the model's header. A job too long for the context
+    under ``refuse`` or ``extend`` is left out of the all-resident pool: it fails on its
+    own, saying so. The run checks this just before the load, over the jobs it will run;
+    ``--print-config`` over all (:func:`run_problems`). The load checks again.
 
     Raises
     ------
     ConfigError
-        The budget leaves no room for a KV page (the load's own refusal).
+        The budget leaves no room for a KV page or one job's hot buffer (the load's own
+        refusal, in its words).
     UsageError
         The pool holds fewer pages than a job needs; the message names the budget that
         fits the longest. Unchecked with several devices, or where the model's shape or
@@ -825,13 +829,13 @@ def check_memory_budget(
     """
     from engine.kv.sizing import hierarchical, pages_for
 
-    if config.memory_budget_gb is None or hierarchical(config) or len(config.devices) > 1:
+    if config.memory_budget_gb is None or len(config.devices) > 1:
         return
     specs = manifest.jobs if specs is None else specs
     trained = preflight.trained_context(request.model)
     shape = preflight.model_shape(request.model) if specs and trained is not None else None
     tokenizer = preload_tokenizer(config, request.model)() if shape is not None else None
-    if shape is None or trained is None or tokenizer is None:
+    if shape is None or trained is None:
         return
     from engine.capacity.budget import budget_for_pages, size_kv_for_budget
     from engine.capacity.planner import weight_bytes
@@ -839,6 +843,16 @@ def check_memory_budget(
 
     config = config.replace(device=config.devices[0]) if config.devices else config
     limit, counted = preflight.context_limit(config, trained), {} if counted is None else counted
+    weights = weight_bytes(shape, config)
+    if hierarchical(config):  # the load's split, for the longest job (BatchRun._longest_job)
+        longest = None
+        if tokenizer is not None:
+            tokens = (job_tokens(s, request, tokenizer, limit, counted) for s in specs)
+            longest = max((n for n in tokens if n is not None), default=None)
+        size_kv_for_budget(shape, config, weights, sized_tokens(limit, longest))
+        return
+    if tokenizer is None:
+        return
     needs = []  # (tokens, job)
     for spec in specs:
         need = job_tokens(spec, request, tokenizer, limit, counted)
@@ -849,7 +863,6 @@ def check_memory_budget(
     if not needs:
         return
     sized = sized_tokens(limit, max(n for n, _ in needs))  # as the load sizes the cache
-    weights = weight_bytes(shape, config)
     pages = size_kv_for_budget(shape, config, weights, sized).num_pool_pages
     short = [(n, s) for n, s in needs if pages_for(n, config.page_size) > pages]
     if not short:

@@ -457,6 +457,26 @@ def test_a_dense_budget_too_small_for_a_job_is_refused_before_the_load(
     assert "leaves room for" not in sparse.stderr  # the host pool: not the budget's
 
 
+def test_a_budget_with_no_room_beside_the_weights_is_refused_before_the_load(cli, docs):
+    """Fresh-user finding: ``--memory-budget 0.1`` (the hierarchical default) was refused
+    only after ``loading model`` (~6 s in): the weights and the host pool's page metadata
+    leave no room for one job's hot buffer, which the engine's budget split found after
+    the load, though README says such a budget is refused before it, and --print-config
+    listed no problem. The same split now runs before the load (the weights counted from
+    the model's header), in the load's words, and --print-config lists it."""
+    args = ("docs/alpha.txt", "--max-new-tokens", "4", "--memory-budget", "0.1")
+    result = cli(*args, engine=never_load)
+    assert result.exit_code == 2, result.output
+    err = " ".join(result.stderr.split())
+    assert "memory_budget_gb=0.1: weights " in err
+    assert "leave no room for the hot buffer of one request" in err
+    assert "loading model" not in result.stdout + result.stderr
+    shown = cli(*args, "--print-config")
+    assert shown.exit_code == 0, shown.output
+    problems = json.loads(shown.stdout).get("problems", [])
+    assert any("leave no room for the hot buffer" in p for p in problems), problems
+
+
 def test_truncate_with_no_room_for_the_document_is_refused_before_the_load(
     cli, docs, tmp_path, monkeypatch
 ):
