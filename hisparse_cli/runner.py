@@ -844,22 +844,17 @@ def check_memory_budget(
     config = config.replace(device=config.devices[0]) if config.devices else config
     limit, counted = preflight.context_limit(config, trained), {} if counted is None else counted
     weights = weight_bytes(shape, config)
-    if hierarchical(config):  # the load's split, for the longest job (BatchRun._longest_job)
-        longest = None
-        if tokenizer is not None:
-            tokens = (job_tokens(s, request, tokenizer, limit, counted) for s in specs)
-            longest = max((n for n in tokens if n is not None), default=None)
-        size_kv_for_budget(shape, config, weights, sized_tokens(limit, longest))
-        return
-    if tokenizer is None:
-        return
     needs = []  # (tokens, job)
-    for spec in specs:
+    for spec in specs if tokenizer is not None else ():
         need = job_tokens(spec, request, tokenizer, limit, counted)
         fits_context = spec.id in counted and counted[spec.id] + spec.sampling.max_tokens <= limit
         if need is None or (config.context_policy in ("refuse", "extend") and not fits_context):
             continue  # it fails on its own, naming why
         needs.append((need, spec))
+    if hierarchical(config):  # the load's split, for the longest job (BatchRun._longest_job)
+        longest = max((n for n, _ in needs), default=None)
+        size_kv_for_budget(shape, config, weights, sized_tokens(limit, longest))
+        return
     if not needs:
         return
     sized = sized_tokens(limit, max(n for n, _ in needs))  # as the load sizes the cache
@@ -1709,8 +1704,9 @@ class BatchRun:
                 self.reporter.note(str(rejected), "error")
             for warning in config_warnings(self.config) if runs else ():
                 self.reporter.note(warning, "warning")
-            pending = self._register(planned)
             try:
+                self._check_before_load(planned)  # a refused run warns of no replacement
+                pending = self._register(planned)
                 if pending:
                     interrupted = self._run_engine(pending)
             except KeyboardInterrupt:
@@ -1960,22 +1956,33 @@ class BatchRun:
         needs = [job_tokens(p.spec, self.request, tokenizer, limit, self.counted) for p in pending]
         return max((n for n in needs if n is not None), default=None)
 
+    def _check_before_load(self, planned: list[PlannedJob]) -> None:
+        """The refusals of a run that has jobs to run, made before any job is shown, so a
+        refused run warns of nothing it would have done (replacing earlier answers): the
+        host pool against the memory available (load_engine checks it again) and the
+        memory budget against the jobs (the load's split; it checks again).
+
+        Raises
+        ------
+        LoadConfigError
+            Either does not fit (exit 2).
+        """
+        specs = [job.spec for job in planned if job.status == RUN]
+        if not specs:
+            return
+        try:
+            self.host_available = check_host_pool(self.config, self.request.model)
+            check_memory_budget(self.config, self.request, self.manifest, specs, self.counted)
+        except (UsageError, ConfigError, CacheFullError) as exc:
+            raise LoadConfigError(str(exc)) from exc
+
     def _run_engine(self, pending: list[PlannedJob]) -> bool:
         """Load the engine and consume its events; return whether Ctrl-C was pressed."""
         warm_cuda(self.config, self.startup_marks)  # while torch is imported below
         pending = self._refuse_too_long(pending)
         if not pending:  # every job to run was over the context: no model to load
             return False
-        try:  # refused before the "loading model" line (load_engine checks it again)
-            self.host_available = check_host_pool(self.config, self.request.model)
-        except CacheFullError as exc:
-            raise LoadConfigError(str(exc)) from exc
         longest = self._longest_job(pending)  # what a memory budget sizes the cache for
-        try:  # a budget-sized pool on the compute device that a job cannot fit
-            specs = [p.spec for p in pending]
-            check_memory_budget(self.config, self.request, self.manifest, specs, self.counted)
-        except (UsageError, ConfigError) as exc:
-            raise LoadConfigError(str(exc)) from exc
         self.reporter.note(
             f"loading model {self.model_name} ({len(pending)} job(s) to run; "
             f"preset {self.preset_line})"

@@ -80,6 +80,20 @@ def test_a_preset_pool_over_the_memory_is_cut_to_fit_with_a_warning(cli, docs, m
     assert chosen.exit_code == 2 and "host KV pool needs 8.0 GiB" in chosen.stderr
 
 
+def test_a_refused_run_does_not_first_warn_that_it_replaces_an_earlier_answer(cli, docs):
+    """Fresh-user finding: ``--host-pool 500`` over an earlier answer warned ``... this
+    run replaces it``, then refused to run at all. The refusals come first now; the
+    warning is for a run that goes ahead."""
+    assert cli("docs/alpha.txt").exit_code == 0
+    args = ("docs/alpha.txt", "--max-new-tokens", "7")  # another resume key: a replacement
+    refused = cli(*args, "--host-pool", "1000")
+    assert refused.exit_code == 2, refused.output
+    assert "host KV pool needs 1000.0 GiB" in refused.stderr
+    assert "replaces it" not in refused.stdout + refused.stderr
+    ran = cli(*args)
+    assert ran.exit_code == 0 and "this run replaces it" in " ".join(ran.stderr.split())
+
+
 def test_a_preset_pool_cut_to_fit_is_accepted_again_after_the_model_loads(cli, docs, monkeypatch):
     """MemAvailable read 8.7 GiB at start-up and 8.0 GiB once the model has loaded (its
     weights on the CPU, torch): the start-up cut the preset's 8 GiB pool to 90% of 8.7
