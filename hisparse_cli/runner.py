@@ -522,6 +522,10 @@ def execute(
         if choice.read_by:
             document["preset_auto_devices"] = choice.read_by
     if request.print_config:
+        used, threads_note = with_free_threads(config)  # the count the run would use, and why
+        if threads_note:  # as config.json records it
+            document["engine"]["num_threads"] = used.num_threads
+            document.setdefault("effective", {})["num_threads"] = threads_note
         problems = run_problems(config, request, manifest)
         warnings = config_warnings(config)
         printed = {**document, "jobs": [job_settings(spec) for spec in manifest.jobs]}
@@ -532,6 +536,8 @@ def execute(
         if manifest.rejected:  # bad batch lines, globs that matched nothing: a run skips them
             printed["rejected"] = [str(r) for r in manifest.rejected]
         console.file.write(json.dumps(printed, indent=2, sort_keys=True, default=str) + "\n")
+        if threads_note:  # as the run says it
+            _print_line(err_console, f"note: {threads_note}")
         for line in [f"a run would be refused here: {p}" for p in problems] + warnings:
             _print_line(err_console, f"warning: {line}", "yellow")
         for rejected in manifest.rejected:  # as the run reports them; the others would run

@@ -1609,6 +1609,21 @@ def test_threads_above_the_cpu_count_are_cut_with_a_note(monkeypatch):
     assert config.num_threads == 2 and note is None
 
 
+def test_print_config_shows_the_thread_count_the_run_would_use(cli, docs, monkeypatch):
+    """``--print-config --threads 999`` showed ``num_threads: 999`` with no note, while the
+    run cuts it to the CPUs and says so: it shows the count the run would use, the note
+    under ``effective`` (as config.json records it) and on stderr."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    result = cli("docs/alpha.txt", "--threads", "999", "--print-config")
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)
+    assert shown["engine"]["num_threads"] == 2
+    assert "--threads 999 is more than the 2 CPU threads here" in shown["effective"]["num_threads"]
+    assert "note: --threads 999 is more than the 2 CPU threads here: using 2" in result.stderr
+    kept = json.loads(cli("docs/alpha.txt", "--threads", "1", "--print-config").stdout)
+    assert kept["engine"]["num_threads"] == 1 and "effective" not in kept
+
+
 def test_json_progress_reports_the_startup_steps_in_order(cli, docs):
     """The ``startup_times`` object: the CLI's steps, then the engine's (a fake engine
     records none: ``engine`` is when the load returned), on the monotonic clock."""
