@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from engine.config import (
     ConfigError,
@@ -45,14 +45,15 @@ from engine.config import (
     model_shape,
 )
 from engine.model import registry
-from engine.weights.quant import int4_from_gguf_blocks
-from engine.weights.types import (
-    LINEAR_NAMES,
-    LayerWeights,
-    ModelWeights,
-    split_rows,
-    unpermute_qk_rows,
-)
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.weights.types import ModelWeights
+
+# torch (and the weight types built on it) is imported where tensors are made
+# (:func:`load_gguf`), so reading a header's shape (``hisparse plan``, ``run
+# --print-config``, the host-pool fit before the load) starts without it.
 
 SUPPORTED_ARCHS = registry.gguf_names()
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # linears kept as 4-bit codes
@@ -468,6 +469,9 @@ def _load_tensor(t, path: Path, keep_int4: bool = False):
         A type gguf-py cannot decode, or blocks that do not fit the shape (names tensor).
     """
     import gguf
+    import torch
+
+    from engine.weights.quant import int4_from_gguf_blocks
 
     kind = t.tensor_type.name
     shape = tuple(int(x) for x in reversed(t.shape))  # ggml ne0 is the inner dim
@@ -502,6 +506,14 @@ def load_gguf(path: str | Path, reader=None) -> ModelWeights:
         with its type and shape, before any data is read; :func:`open_reader`); an
         unsupported architecture, a missing key or tensor, or a wrong shape.
     """
+    from engine.weights.types import (
+        LINEAR_NAMES,
+        LayerWeights,
+        ModelWeights,
+        split_rows,
+        unpermute_qk_rows,
+    )
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
