@@ -119,6 +119,25 @@ def lock_file_problem(output_dir: Path) -> str | None:
     return None
 
 
+def results_file_problem(output_dir: Path) -> str | None:
+    """Why ``output_dir``'s existing ``results.jsonl`` cannot be opened to read it and
+    append to it (a run does both: :class:`ResultsLog`), or ``None`` (no such file, or it
+    can): ``chmod 444`` on it let the jobs run, then every line failed. Opens it, as
+    ``os.access`` says yes to root."""
+    path = Path(output_dir) / RESULTS_FILE
+    if not path.is_file():
+        return None
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_APPEND))
+    except OSError as exc:
+        return (
+            f"{escaped(str(path))} cannot be opened for reading and writing "
+            f"({exc.strerror or exc}); a run reads it and appends a line there for each job: "
+            "make it writable (chmod u+rw), or choose another --output-dir"
+        )
+    return None
+
+
 @contextlib.contextmanager
 def lock_output_dir(output_dir: Path) -> Iterator[None]:
     """Hold an exclusive advisory lock on ``output_dir`` (``flock`` on a lock file).

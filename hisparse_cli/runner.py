@@ -101,6 +101,7 @@ from hisparse_cli.results import (
     lock_file_problem,
     lock_output_dir,
     result_record,
+    results_file_problem,
     utc_now,
     write_text_atomic,
 )
@@ -1391,8 +1392,9 @@ def check_request(request: RunRequest) -> None:
 
 def check_output_dir(output_dir: Path) -> None:
     """Raise :class:`UsageError` when the run could not write its files in ``output_dir``:
-    not a folder, not writable, not makeable, one of its own files a folder, or no lock
-    file can be made there (:func:`lock_file_problem`). One of :func:`run_checks`, so
+    not a folder, not writable, not makeable, one of its own files a folder, no lock
+    file can be made there (:func:`lock_file_problem`), or its ``results.jsonl`` cannot
+    be opened for writing (:func:`results_file_problem`). One of :func:`run_checks`, so
     ``--print-config`` lists it as it does the others."""
     shown = escaped(str(output_dir))
     if output_dir.exists() and not output_dir.is_dir():
@@ -1421,6 +1423,9 @@ def check_output_dir(output_dir: Path) -> None:
         problem = lock_file_problem(output_dir)
         if problem:
             raise UsageError(f"--output-dir {shown} is not writable: {problem}")
+        problem = results_file_problem(output_dir)
+        if problem:
+            raise UsageError(problem)
 
 
 def folder_probe_problem(parent: Path) -> str | None:
