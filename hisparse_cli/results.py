@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import secrets
@@ -56,6 +57,42 @@ class OutputDirBusy(Exception):
     """Another process holds the output directory's lock."""
 
 
+FULL_DISK = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up"}
+"""The errors of a disk with no room left, in words."""
+
+
+class WriteFailed(OSError):
+    """Writing one of the run's files (``results.jsonl``, ``config.json``, a result file)
+    failed: a full disk, a file made read-only meanwhile. ``errno``, ``strerror`` and
+    ``filename`` are the system's error's, ``filename`` the file meant (not a temporary
+    one); ``str()`` is one line naming it (:func:`write_problem`). ``removed``: a result
+    file removed because this failure left no line recording it; ``reported``: the
+    error was shown already (the run sets both)."""
+
+    def __init__(self, path: Path, exc: OSError) -> None:
+        super().__init__(exc.errno, exc.strerror or str(exc), str(path))
+        self.message = write_problem(path, exc)
+        self.removed: Path | None = None
+        self.reported = False
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def write_problem(path: Path, exc: OSError, also: str = "") -> str:
+    """``cannot write PATH (the system's reason)``, then ``also`` (what became of the
+    files); for a full disk or quota (:data:`FULL_DISK`) it says so, and what to do."""
+    full = FULL_DISK.get(exc.errno or 0)
+    reason = f"{exc.strerror or exc}: {full}" if full else f"{exc.strerror or exc}"
+    text = f"cannot write {escaped(str(path))} ({reason}){also}"
+    if full:
+        text += (
+            "; free space on it (or choose an --output-dir on another disk) and run again: "
+            f"jobs already recorded in {RESULTS_FILE} are skipped"
+        )
+    return text
+
+
 def utc_now() -> str:
     """Current time as an ISO 8601 UTC string with milliseconds."""
     return datetime.now(UTC).isoformat(timespec="milliseconds")
@@ -84,19 +121,30 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically and durably (as :func:`write_text_atomic`)."""
+    """Replace ``path`` with ``data`` atomically and durably (as :func:`write_text_atomic`).
+
+    Raises
+    ------
+    WriteFailed
+        It could not be written (a full disk): ``path`` is as it was, no temporary file left.
+    """
     path = Path(path)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # mode as umask allows
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # mode as umask allows
+    except OSError as exc:
+        raise WriteFailed(path, exc) from exc
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):  # a full disk: the file named, not the temporary one
+            raise WriteFailed(path, exc) from exc
         raise
     _fsync_dir(path.parent)
 
@@ -167,8 +215,11 @@ def lock_output_dir(output_dir: Path) -> Iterator[None]:
                 f"another hisparse run{who} is using {escaped(str(output_dir))}: it holds the "
                 f"lock on {escaped(str(path))}; wait for it to end, or choose another --output-dir"
             ) from None
-        os.ftruncate(fd, 0)  # the holder's process id, for the message above
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)  # the holder's process id, for the message above
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:  # a full disk
+            raise WriteFailed(path, exc) from exc
         yield
     finally:
         os.close(fd)
@@ -336,10 +387,17 @@ def _new_partial_file(folder: Path, data: bytes) -> Path:
         except FileExistsError:
             number += 1
             continue
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+        except OSError as exc:
+            raise WriteFailed(path, exc) from exc
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:  # a full disk: nothing moved, results.jsonl as it was
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise WriteFailed(path, exc) from exc
         _fsync_dir(path.parent)
         return path
 
@@ -475,15 +533,31 @@ class ResultsLog:
         return len(dropped)
 
     def append(self, record: dict[str, Any]) -> None:
-        """Append ``record`` as one line: a single ``write`` then ``fsync``."""
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        """Append ``record`` as one line: a single ``write`` then ``fsync``.
+
+        Raises
+        ------
+        WriteFailed
+            The line could not be written (a full disk, a file made read-only): what part
+            of it was written is cut off again, so the file keeps only complete lines.
+        """
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            size = os.lseek(self._fd, 0, os.SEEK_END)  # the lock is held: no other writer
+        except OSError as exc:
+            raise WriteFailed(self.path, exc) from exc
         line = json_line(record) + "\n"
         data = (("\n" if self._needs_newline else "") + line).encode("utf-8")
-        written = os.write(self._fd, data)
-        while written < len(data):  # only on exotic filesystems
-            written += os.write(self._fd, data[written:])
-        os.fsync(self._fd)
+        try:
+            written = os.write(self._fd, data)
+            while written < len(data):  # only on exotic filesystems (or a disk filling up)
+                written += os.write(self._fd, data[written:])
+            os.fsync(self._fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, size)
+            raise WriteFailed(self.path, exc) from exc
         self._needs_newline = False
         self.latest[record["id"]] = record
 

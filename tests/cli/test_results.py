@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 
@@ -21,6 +22,7 @@ from hisparse_cli.keys import (
 from hisparse_cli.results import (
     OutputDirBusy,
     ResultsLog,
+    WriteFailed,
     failure_record,
     lock_output_dir,
     read_results,
@@ -54,6 +56,44 @@ def test_write_text_atomic_keeps_old_file_when_write_fails(tmp_path, monkeypatch
         write_text_atomic(target, "new")
     assert target.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]
+
+
+def test_a_full_disk_names_the_file_meant_and_leaves_no_temp(tmp_path, monkeypatch):
+    """ENOSPC in an atomic write: a :class:`WriteFailed` naming the target (not the
+    temporary file) and the full disk, the old file as it was, no temporary file left."""
+    target = tmp_path / "out.txt"
+    target.write_text("old")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(results.os, "fsync", full)
+    with pytest.raises(WriteFailed) as caught:
+        write_text_atomic(target, "new")
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(target)
+    message = f"cannot write {target} (No space left on device: the disk is full); free space"
+    assert str(caught.value).startswith(message)
+    assert target.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]
+
+
+def test_an_append_cut_short_by_a_full_disk_is_taken_back(tmp_path, monkeypatch):
+    """Half a line written, then ENOSPC: the bytes are cut off again (the file keeps only
+    complete lines) and :class:`WriteFailed` names ``results.jsonl``."""
+    with ResultsLog(tmp_path) as log:
+        log.append(ok_line("a"))
+    before = (tmp_path / "results.jsonl").read_bytes()
+    real_write = os.write
+
+    def full(fd, data):
+        real_write(fd, bytes(data)[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(results.os, "write", full)
+    with ResultsLog(tmp_path) as log, pytest.raises(WriteFailed) as caught:
+        log.append(ok_line("b"))
+    assert caught.value.filename == str(tmp_path / "results.jsonl")
+    assert (tmp_path / "results.jsonl").read_bytes() == before
 
 
 def test_append_is_one_write_per_line_with_fsync(tmp_path, monkeypatch):
