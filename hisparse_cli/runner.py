@@ -17,7 +17,10 @@ Lifecycle of one run:
    config (:func:`is_config_error`: bad device, host pool larger than memory, budget
    without room for the weights, missing or non-GGUF model) exits 2; others exit 1.
 5. Fold every event into the progress state, show it, and write each result as its
-   job ends (``.txt`` first, then the ``results.jsonl`` line).
+   job ends (``.txt`` first, then the ``results.jsonl`` line). A file that cannot be
+   written (:class:`~hisparse_cli.results.WriteFailed`: a full disk) stops the run as an
+   engine error does, with one error line; that job counts as failed, and its ``.txt``
+   is removed when its line was not written (:meth:`BatchRun._handle`).
 6. Ctrl-C (SIGINT) or SIGTERM once: ``engine.cancel()``; running jobs end as
    ``cancelled``. Twice: stop now. SIGTERM before the engine runs stops at once. Once
    the run has returned, a Ctrl-C during the exit ends it quietly (:func:`quiet_late_interrupts`).
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import codecs
+import contextlib
 import dataclasses
 import fnmatch
 import functools
@@ -93,6 +97,7 @@ from hisparse_cli.results import (
     AuditLimits,
     OutputDirBusy,
     ResultsLog,
+    WriteFailed,
     earlier_jobs,
     earlier_outputs,
     failure_record,
@@ -103,6 +108,7 @@ from hisparse_cli.results import (
     result_record,
     results_file_problem,
     utc_now,
+    write_problem,
     write_text_atomic,
 )
 from hisparse_cli.settings import (
@@ -1629,6 +1635,7 @@ class BatchRun:
         self.log: ResultsLog
         self.reporter: Reporter
         self.earlier_engine: dict[str, Any] | None = None  # config.json's, before this run
+        self.write_failed = False  # a file of the run could not be written: it stopped
         self.replaced_why: dict[str, str] = {}  # a replaced answer's reason -> first job said
 
     def run(self, config_doc: dict[str, Any]) -> int:
@@ -1655,6 +1662,9 @@ class BatchRun:
                     raise
         except OutputDirBusy as exc:
             return _usage_failure(self.err_console, f"error: {exc}", [])
+        except WriteFailed as exc:  # before the jobs (the lock file, tidying results.jsonl)
+            _print_line(self.err_console, f"error: {exc}", "bold red")
+            return EXIT_FAILED
         except KeyboardInterrupt:
             return EXIT_TERMINATED if self.terminated else EXIT_INTERRUPTED
 
@@ -1724,11 +1734,17 @@ class BatchRun:
                 interrupted = True
             except LoadConfigError as exc:
                 config_error = exc
+            except WriteFailed as exc:  # a full disk: the run stops, as on an engine error
+                self._stopped_writing(exc)
             self.tracker.finish(self.clock())  # the last frame and the summary: one time
             self.log.close()  # compact replaces the file: appends reopen it
-            self.log.compact()  # this run's lines supersede earlier failures: one line each
-            if self.manifest.batch:
-                self._write_batch_output()
+            try:
+                self.log.compact()  # this run's lines supersede earlier failures: one each
+                if self.manifest.batch:
+                    self._write_batch_output()
+            except WriteFailed as exc:  # results.jsonl as it was: replaced atomically
+                if not self.write_failed:  # tidying after a full disk: said already
+                    self._stopped_writing(exc)
         removed = self._remove_unused_output_dir()
         if config_error is not None:
             return _usage_failure(
@@ -1739,8 +1755,8 @@ class BatchRun:
         summary = dataclasses.replace(summary, refused=len(self.manifest.rejected))
         self.reporter.summary(summary)
         code = exit_code(summary)
-        if code == EXIT_OK and self.manifest.rejected:  # a request line was refused
-            code = EXIT_FAILED
+        if code == EXIT_OK and (self.manifest.rejected or self.write_failed):
+            code = EXIT_FAILED  # a request line was refused, or a file could not be written
         return EXIT_TERMINATED if code == EXIT_INTERRUPTED and self.terminated else code
 
     def _remove_unused_output_dir(self) -> bool:
@@ -2041,7 +2057,11 @@ class BatchRun:
             self.reporter.note(f"cannot load the model: {exc}", "error")
             return False
         self._note_sized_batch(engine)
-        self._save_config()  # the jobs run now
+        try:
+            self._save_config()  # the jobs run now
+        except WriteFailed:  # a full disk: the run stops before any job
+            engine.close()
+            raise
         info = f" ({engine.weights_info})" if engine.weights_info else ""  # tensor types
         self.reporter.note(f"model loaded in {self.clock() - started:.1f}s{info}")
         self._report_startup(load_started, engine)
@@ -2057,7 +2077,7 @@ class BatchRun:
                 for event in engine.run(self._jobs(engine, pending)):
                     self._announce_cancel()
                     self._handle(event)
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, WriteFailed):
                 raise
             except Exception as exc:  # noqa: BLE001 - report, keep finished results
                 self.err_console.print_exception()
@@ -2378,6 +2398,43 @@ class BatchRun:
         return tuple(ids)
 
     def _handle(self, event: Event) -> None:
+        """:meth:`_fold` ``event``; when its job's results line cannot be written
+        (:class:`WriteFailed`: a full disk), the job is shown and counted as failed with
+        that error, never ok, and the error is raised again: the run stops."""
+        try:
+            self._fold(event)
+        except WriteFailed as exc:
+            job_id = event.result.job_id if isinstance(event, JobFinished) else None
+            job_id = job_id or getattr(event, "job_id", None)
+            if job_id in self.records:  # a job asked for (not a map job): failed, not ok
+                failed = JobFailed(t=event.t, job_id=job_id, error=self._stop_message(exc))
+                self.tracker.update(failed)
+                self.reporter.on_event(failed)
+                exc.reported = True
+            raise
+
+    def _stopped_writing(self, exc: WriteFailed) -> None:
+        """The run stops: a file could not be written (``exc``); one error line, unless
+        the failed job's line said it already (:meth:`_handle`)."""
+        self.write_failed = True
+        if not exc.reported:
+            self.reporter.note(self._stop_message(exc), "error")
+
+    @staticmethod
+    def _stop_message(exc: WriteFailed) -> str:
+        """``the run stopped: cannot write PATH (reason)``, with the job's text file that
+        was removed (``exc.removed``: :meth:`_write_result`) and, for a full disk, what
+        to do (:func:`~hisparse_cli.results.write_problem`)."""
+        removed = exc.removed
+        also = (
+            f"; {escaped(str(removed))}, written just before, was removed: no {RESULTS_FILE} "
+            "line records it"
+            if removed is not None
+            else ""
+        )
+        return f"the run stopped: {write_problem(Path(exc.filename), exc, also)}"
+
+    def _fold(self, event: Event) -> None:
         """Fold ``event`` into the state, write results, and show it.
 
         After Ctrl-C, a job handed to the engine but never admitted (e.g. one whose prompt
@@ -2482,7 +2539,14 @@ class BatchRun:
                 )
         else:
             self._flag_earlier_output(record)
-        self._append(record)
+        try:
+            self._append(record)
+        except WriteFailed as exc:
+            if record["ok"]:  # its text file, that no line records: the next run redoes it
+                with contextlib.suppress(OSError):
+                    target.unlink()
+                    exc.removed = target
+            raise
 
     def _save_config(self) -> None:
         """Write ``config.json`` once, when this run first runs or records a job."""
