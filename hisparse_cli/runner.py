@@ -1024,11 +1024,19 @@ def output_collisions(
         if truncated_tail.startswith(b"{" + cut_short):  # killed while writing its line
             continue
         if target.resolve() not in ours:
-            results = escaped(str(output_dir / RESULTS_FILE))
+            results = output_dir / RESULTS_FILE
+            unrecorded = (
+                f"no line of {escaped(str(results))} records it as hisparse's (a file of "
+                "your own, or a result whose line was removed)"
+                if results.exists()
+                else f"no {escaped(str(results))} records it as hisparse's (there is none: "
+                "never written here, or deleted)"
+            )
             found[job.spec.id] = (
-                f"output {escaped(str(target))} already exists and no line of {results} "
-                "names it (hisparse did not write it); refusing to overwrite it: move it, "
-                "choose another --output-dir, or set the job's output (or id)"
+                f"output {escaped(str(target))} already exists and {unrecorded}; refusing "
+                "to overwrite a file hisparse cannot show it wrote (--force does not change "
+                "that): delete or move it, choose another --output-dir, or set the job's "
+                "output (or id)"
             )
     return found
 

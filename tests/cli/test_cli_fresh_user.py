@@ -86,7 +86,9 @@ def test_a_file_hisparse_did_not_write_is_never_overwritten(cli, docs, tmp_path)
     assert mine.read_text() == "my own notes, not a result\n"
     records = {r["id"]: r for r in read_results(out)}
     assert records["beta"]["ok"] and (out / "beta.txt").is_file()
-    assert not records["alpha"]["ok"] and "hisparse did not write it" in records["alpha"]["error"]
+    error = " ".join(records["alpha"]["error"].split())
+    assert not records["alpha"]["ok"] and "no mixed/results.jsonl records it" in error
+    assert "refusing to overwrite a file hisparse cannot show it wrote" in error
     assert "earlier run's output" not in result.stderr  # it is the user's, not a run's
     # the same command again: the failure line wrote no text, so the file is still theirs
     again = cli("docs/alpha.txt", "docs/beta.txt", "--output-dir", "mixed")

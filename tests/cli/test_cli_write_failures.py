@@ -144,3 +144,22 @@ def test_a_full_disk_mid_line_keeps_results_whole(cli, docs, tmp_path, monkeypat
     again = cli("docs/alpha.txt", "docs/beta.txt")
     assert again.exit_code == 0, again.output
     assert [r["id"] for r in read_results(out)] == ["alpha", "beta"]
+
+
+def test_an_output_results_jsonl_does_not_record_is_refused_truthfully(cli, docs, tmp_path):
+    """``rm o/results.jsonl`` after a run: ``--force`` still refuses to replace the text
+    files (nothing shows hisparse wrote them), but the message no longer claims hisparse
+    did not write them, and says how to go on."""
+    assert cli("docs/alpha.txt", "-o", "o").exit_code == 0
+    (tmp_path / "o" / "results.jsonl").unlink()
+    before = (tmp_path / "o" / "alpha.txt").read_text()
+    result = cli("docs/alpha.txt", "-o", "o", "--force")
+    assert result.exit_code == 1, result.output
+    error = " ".join(read_results(tmp_path / "o")[0]["error"].split())
+    assert "hisparse did not write it" not in error
+    assert (
+        "no o/results.jsonl records it as hisparse's (there is none: never written here, or deleted)"
+        in error
+    ), error
+    assert "(--force does not change that): delete or move it" in error
+    assert (tmp_path / "o" / "alpha.txt").read_text() == before
