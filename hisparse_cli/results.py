@@ -87,7 +87,7 @@ def write_problem(path: Path, exc: OSError, also: str = "") -> str:
     text = f"cannot write {escaped(str(path))} ({reason}){also}"
     if full:
         text += (
-            "; free space on it (or choose an --output-dir on another disk) and run again: "
+            "; free space on that disk (or choose an --output-dir on another disk) and run again: "
             f"jobs already recorded in {RESULTS_FILE} are skipped"
         )
     return text

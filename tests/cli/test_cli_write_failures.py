@@ -103,8 +103,8 @@ def test_a_full_disk_at_config_json_is_one_clean_error(cli, docs, tmp_path, monk
     err = " ".join(result.stderr.split())
     assert (
         "error: the run stopped: cannot write hisparse-out/config.json (No space left on "
-        "device: the disk is full); free space on it (or choose an --output-dir on another "
-        "disk) and run again: jobs already recorded in results.jsonl are skipped"
+        "device: the disk is full); free space on that disk (or choose an --output-dir on "
+        "another disk) and run again: jobs already recorded in results.jsonl are skipped"
     ) in err, err
     out = tmp_path / "hisparse-out"
     assert not out.exists()  # it held only its lock file: removed, as on a failed load
@@ -134,7 +134,7 @@ def test_a_full_disk_mid_line_keeps_results_whole(cli, docs, tmp_path, monkeypat
     assert (
         "FAILED beta: the run stopped: cannot write hisparse-out/results.jsonl (No space left "
         "on device: the disk is full); hisparse-out/beta.txt, written just before, was "
-        "removed: no results.jsonl line records it; free space on it"
+        "removed: no results.jsonl line records it; free space on that disk"
     ) in err, err
     assert (out / "results.jsonl").read_bytes() == before
     assert not (out / "beta.txt").exists() and (out / "alpha.txt").is_file()
