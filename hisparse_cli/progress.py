@@ -10,8 +10,9 @@ Rates over "the last 5 s" use the samples whose event time lies in
 Prefill tokens are estimated from ``PrefillProgress.done / total`` times the job's
 prompt tokens, so they do not depend on the unit of ``done``. The live prefill rate
 (:func:`prefill_tok_s_live`) also counts the time since the latest progress event of a
-prefill still running, so a long prefill with sparse events neither reads 0 between them
-nor keeps the pace of a finished phase. Figures not known yet are ``None`` (shown ``-``).
+prefill still running, so a long prefill with sparse events does not read 0 between them;
+once no job is prefilling it is ``None``, not a finished phase's pace. Figures not known
+(yet) are ``None`` (shown ``-``).
 
 The displays may read the state from a timer thread while the run loop folds events in:
 readers copy ``samples``, ``jobs`` and ``memory`` (``list(...)``, atomic in CPython) before
@@ -406,19 +407,19 @@ def prefill_tok_s_recent(state: RunState, now: float, window_s: float = WINDOW_S
 
 
 def prefill_tok_s_live(state: RunState, now: float, window_s: float = WINDOW_S) -> float | None:
-    """Prefill tokens/s now: the prefill tokens of the last ``window_s`` seconds' samples,
-    plus the latest sample while a job is still prefilling, over the seconds from the start
+    """Prefill tokens/s now, while a job is prefilling: the prefill tokens of the last
+    ``window_s`` seconds' samples, plus the latest sample, over the seconds from the start
     of the earliest of them to ``now`` (so the time since the latest event of a running
-    prefill counts). ``None`` before any prefill work was seen; 0 once none ran lately."""
+    prefill counts). Each sample's tokens are divided over a span that begins no later
+    than their work did, so a finished prefill's tokens in the window can only lower the
+    rate. ``None`` before any prefill work was seen and whenever no job is prefilling (a
+    finished phase's pace is not shown as the present one)."""
     samples = [s for s in recent(state, now, window_s) if s.start is not None]
     last = state.last_prefill
-    if last is None:
+    if last is None or not any(r.phase == "prefill" for r in list(state.jobs.values())):
         return None
-    prefilling = any(r.phase == "prefill" for r in list(state.jobs.values()))
-    if prefilling and last not in samples:
+    if last not in samples:
         samples.append(last)
-    if not samples:
-        return 0.0
     start = min(s.start for s in samples if s.start is not None)
     return sum(s.prefill_tokens for s in samples) / max(1e-9, now - start)
 

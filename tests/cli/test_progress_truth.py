@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import time
 from datetime import datetime, timedelta
 
@@ -62,7 +63,27 @@ def test_live_prefill_rate_counts_a_long_prefill_between_sparse_events():
     assert "prefilling a 50%" in line and "prefill 90.9 tok/s" in line
     assert progress_json(tracker.state, 41.0)["prefill"] == {"a": 0.5}
     feed(tracker, PrefillProgress(50.0, "a", 4, 4, 4000), FirstToken(50.0, "a", 50.0))
-    assert prefill_tok_s_live(tracker.state, 60.0) == 0.0  # none running, none lately
+    assert prefill_tok_s_live(tracker.state, 60.0) is None  # none running: not known
+
+
+def test_the_live_prefill_rate_is_unknown_once_no_prefill_runs():
+    """Fresh-user finding: after the prefill had ended, the dashboard's last frame read
+    ``prefill (now) 51.0 tok/s``, JSON progress objects after the first token gave the
+    prefill's last seconds' pace (153.6, then 134.7 tok/s) and the plain line ``prefill
+    0.0 tok/s``. With no job prefilling the rate is not known now: ``-`` / ``null``."""
+    tracker = feed(
+        ProgressTracker(0.0),
+        JobAdmitted(0.0, "a", 4000),
+        PrefillProgress(1.0, "a", 1, 2, 4000),
+    )
+    assert prefill_tok_s_live(tracker.state, 1.5) == pytest.approx(2000 / 1.5)  # running
+    feed(tracker, PrefillProgress(2.0, "a", 2, 2, 4000), FirstToken(2.0, "a", 2.0))
+    for now in (2.5, 4.0, 30.0):  # the prefill's samples still in the window, then not
+        assert prefill_tok_s_live(tracker.state, now) is None
+        assert progress_json(tracker.state, now)["prefill_tok_s"] is None
+        assert "prefill -" in progress_line(tracker.state, now)
+    tracker.finish(3.0)
+    assert re.search(r"prefill \(now\)\s+-", render(render_dashboard(tracker.state, 9.0), 120))
 
 
 def test_values_not_known_yet_read_a_dash():
