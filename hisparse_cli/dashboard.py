@@ -352,13 +352,15 @@ def visible_rows(state: RunState, max_rows: int) -> list[JobRow]:
 def job_cells(
     row: JobRow, now: float, bars: bool = True, name: str | None = None
 ) -> list[RenderableType]:
-    """Cells of one job row: id (or its shortened ``name``), tokens in, phase (a chunked
-    job's ``map``, ``map L2``, ``reduce``), progress, TTFT, tok/s, ETA."""
+    """Cells of one job row: id (or its shortened ``name``), tokens in (a chunked job's:
+    its map jobs' that ended and its reduce step's, as its ``done`` line), phase (a
+    chunked job's ``map``, ``map L2``, ``reduce``), progress, TTFT, tok/s, ETA."""
     style = PHASE_STYLES.get(row.phase, "")
     phase = chunk_label(row).rsplit(" ", 1)[0] if chunk_step(row) else row.phase
+    tokens_in = row.prompt_tokens + row.part_prompt_tokens
     return [
         Text(name or row.id),
-        f"{row.prompt_tokens:,}" if row.prompt_tokens else "-",
+        f"{tokens_in:,}" if tokens_in else "-",
         Text(phase, style),
         job_progress(row, bars),
         fmt_seconds(row.ttft_s),
@@ -369,7 +371,8 @@ def job_cells(
 
 def job_progress(row: JobRow, bar: bool = True) -> Text:
     """Bar (unless ``bar`` is off) and figure: prefill share while prefilling, tokens /
-    limit while decoding, a chunked job's map jobs ended / all of its level."""
+    limit while decoding, a chunked job's map jobs ended / all of its level; a chunked
+    job that ended: its whole document's tokens out (``40 out``, as its ``done`` line)."""
     if row.phase == "map":
         figure = f"{row.level_done}/{row.level_parts}"
         fraction = row.level_done / row.level_parts if row.level_parts else 0.0
@@ -385,6 +388,8 @@ def job_progress(row: JobRow, bar: bool = True) -> Text:
     limit = row.max_tokens or row.generated or 1
     done = 1.0 if row.phase == "done" else row.generated / limit
     figure = f"{row.generated}/{row.max_tokens or '?'}"
+    if row.parts and row.phase in FINISHED_PHASES:  # the reduce step's limit: not the job's
+        figure = f"{row.generated + row.part_generated} out"
     return Text(f"{text_bar(done)} {figure}" if bar else figure, PHASE_STYLES[row.phase])
 
 
@@ -418,11 +423,12 @@ def finish_text(row: JobRow) -> Text:
     """One line when a job ends (printed above the live display)."""
     if row.phase == "failed":  # one line, as the plain reporter's (reporters.finish_line)
         return Text(f"✗ {row.id}: {escaped(row.error)}", "red")
+    generated = row.generated + row.part_generated  # a chunked job's: its whole document's
     if row.phase == "cancelled":
-        return Text(f"■ {row.id}: cancelled after {row.generated} tokens", "magenta")
+        return Text(f"■ {row.id}: cancelled after {generated} tokens", "magenta")
     rate = fmt_rate(row.decode_tok_s)
     return Text(
-        f"✓ {row.id}: {row.generated} tokens ({row.finish_reason}), TTFT {fmt_seconds(row.ttft_s)}, {rate}",
+        f"✓ {row.id}: {generated} tokens ({row.finish_reason}), TTFT {fmt_seconds(row.ttft_s)}, {rate}",
         "green",
     )
 

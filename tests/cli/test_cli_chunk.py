@@ -607,3 +607,34 @@ def test_a_chunked_job_runs_from_its_first_map_job_and_counts_its_parts_done(
     assert reduce["chunked"] == {"long": {"step": "reduce", "level": 1, "done": n, "parts": n}}
     assert "chunked long reduce" in reduce["line"] and "│ reduce " in reduce["long"]
     assert at["beta"]["chunked"] == {} and at["beta"]["chunk_parts"]["done"] == n
+
+
+def test_the_dashboard_row_of_a_chunked_job_counts_its_whole_document():
+    """Fresh-user finding: once a chunked job ended its dashboard row read ``in 166`` and
+    ``8/8`` (its reduce step's) while its ``done`` line and results line said 3991 tokens
+    in, 40 out. The row's tokens in and, once it ended, out are the whole document's."""
+    from engine.events import FirstToken, JobAdmitted, JobFinished, JobQueued, JobResult
+    from hisparse_cli.dashboard import finish_text, render_jobs
+    from hisparse_cli.progress import ProgressTracker
+
+    tracker = ProgressTracker(0.0)
+    tracker.add_job("long")
+    tracker.add_parts("long", ["long@1.1", "long@1.2"])
+    for i, prompt in ((1, 992), (2, 815)):
+        part = f"long@1.{i}"
+        tracker.update(JobQueued(0.1, part, prompt))
+        tracker.update(JobAdmitted(0.2, part, prompt))
+        tracker.update(FirstToken(0.3, part, 0.1))
+        tracker.update(JobFinished(0.5, JobResult(part, "x", tuple(range(16)), prompt, "length")))
+        tracker.retire_part(part)
+    row = tracker.state.jobs["long"]
+    assert re.search(r"│ long\s+│\s+1,807 │ map ", _text(render_jobs(tracker.state, 0.6)))
+    tracker.update(JobQueued(0.6, "long", 166))
+    tracker.update(JobAdmitted(0.6, "long", 166))
+    tracker.update(FirstToken(0.7, "long", 0.1))
+    tracker.update(JobFinished(0.9, JobResult("long", "y", tuple(range(8)), 166, "length")))
+    row.max_tokens = 8
+    table = _text(render_jobs(tracker.state, 1.0))
+    assert re.search(r"│ long\s+│\s+1,973 │ done\s+│ \S* ?40 out", table), table
+    assert "long: 40 tokens (length)" in finish_text(row).plain
+
