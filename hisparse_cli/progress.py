@@ -213,12 +213,13 @@ class ProgressTracker:
     def retire_part(self, map_id: str) -> JobRow | None:
         """An ended map job's row leaves the table; it counts as ended in its phase
         (``RunState.parts_ended``) and for its job's row (``level_done``), and its tokens
-        count for its job's row (``part_*``) and for the run (``RunState.map_*_tokens``).
-        Returns the row."""
+        count for its job's row (``part_*``) and for the run (``RunState.map_*_tokens``):
+        its prompt tokens only if it ran (:func:`part_ran`). Returns the row."""
         row = self.state.jobs.pop(map_id, None)
         if row is None:
             return None
-        self.state.map_prompt_tokens += row.prompt_tokens
+        prompt_tokens = part_prompt_tokens(row)
+        self.state.map_prompt_tokens += prompt_tokens
         self.state.map_generated_tokens += row.generated
         if row.phase in FINISHED_PHASES:
             ended = self.state.parts_ended
@@ -227,7 +228,7 @@ class ProgressTracker:
         if owner is not None:
             owner.parts += 1
             owner.level_done += 1
-            owner.part_prompt_tokens += row.prompt_tokens
+            owner.part_prompt_tokens += prompt_tokens
             owner.part_generated += row.generated
         return row
 
@@ -364,6 +365,19 @@ _HANDLERS = {
     MemorySnapshot: ProgressTracker._memory,
     AuditStep: ProgressTracker._audit,
 }
+
+
+def part_ran(row: JobRow) -> bool:
+    """Whether a map job ran: its prefill reported progress (a share done, or its first
+    token). One cancelled (Ctrl-C) while queued, or admitted but still waiting for its
+    prefill (the engine prefills one job at a time), did not."""
+    return row.prefill_fraction > 0 or row.first_token_t is not None or row.generated > 0
+
+
+def part_prompt_tokens(row: JobRow) -> int:
+    """The prompt tokens an ended map job counts for its job and the run: its own if it
+    ran (:func:`part_ran`), else 0."""
+    return row.prompt_tokens if part_ran(row) else 0
 
 
 def _finished_phase(finish_reason: str, error: str) -> str:

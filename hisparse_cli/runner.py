@@ -87,7 +87,7 @@ from hisparse_cli.manifest import Manifest, ManifestError, jobs_from_paths, load
 from hisparse_cli.naming import EarlierJob
 from hisparse_cli.pipes import STDOUT_CLOSED, guard_consoles
 from hisparse_cli.plan import FAILED_BEFORE, INVALID, RUN, SKIP, PlannedJob, plan_jobs
-from hisparse_cli.progress import ProgressTracker, RunSummary, summarize
+from hisparse_cli.progress import ProgressTracker, RunSummary, part_prompt_tokens, summarize
 from hisparse_cli.reporters import Reporter, make_reporter
 from hisparse_cli.results import (
     FINAL_PROMPT,
@@ -2319,20 +2319,20 @@ class BatchRun:
         )
 
     def _retire_map(self, map_id: str, result: JobResult | None = None) -> None:
-        """An ended map job's row leaves the table; its tokens (and, for one that finished,
+        """An ended map job's row leaves the table; its tokens (its prompt's only if it ran:
+        :func:`~hisparse_cli.progress.part_ran`) (and, for one that finished,
         its ``result``'s prefill and decode rates, hot-buffer traffic and audit) count for
         its job's results line (:meth:`ChunkScheduler.count`), its progress row and the run
         (:meth:`ProgressTracker.retire_part`)."""
         row = self.tracker.retire_part(map_id)
         if row is None:
             return
+        prompt_tokens = part_prompt_tokens(row)  # one that never ran (Ctrl-C): none
         if result is None:
-            self.chunker.count(map_id, row.prompt_tokens, row.generated)
+            self.chunker.count(map_id, prompt_tokens, row.generated)
             return
         rates = (result.prefill_tok_s, result.decode_tok_s)
-        self.chunker.count(
-            map_id, row.prompt_tokens, row.generated, rates, result.cache, result.audit
-        )
+        self.chunker.count(map_id, prompt_tokens, row.generated, rates, result.cache, result.audit)
 
     def _map_failed(self, map_id: str, why: str) -> None:
         job_id = self.chunker.abandon(map_id)

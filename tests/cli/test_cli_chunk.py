@@ -399,7 +399,7 @@ def test_progress_counts_the_jobs_asked_for_and_a_chunked_job_s_whole_tokens(
 
 
 def test_the_job_total_stays_what_was_asked_while_map_jobs_come_and_go():
-    from engine.events import JobAdmitted, JobQueued
+    from engine.events import JobAdmitted, JobQueued, PrefillProgress
     from hisparse_cli.progress import ProgressTracker
     from hisparse_cli.reporters import progress_line
 
@@ -411,6 +411,7 @@ def test_the_job_total_stays_what_was_asked_while_map_jobs_come_and_go():
     for i in (1, 2):
         tracker.update(JobQueued(0.1, f"long@1.{i}", 100))
     tracker.update(JobAdmitted(0.2, "long@1.1", 100))
+    tracker.update(PrefillProgress(0.3, "long@1.1", 1, 2, 100))
     totals.append(progress_line(tracker.state, 1.0))
     tracker.retire_part("long@1.1")
     totals.append(progress_line(tracker.state, 1.0))
@@ -420,8 +421,8 @@ def test_the_job_total_stays_what_was_asked_while_map_jobs_come_and_go():
     assert "chunk parts 0 done, 1 running, 1 queued" in totals[0]
     assert "chunk parts 0 done, 0 running, 1 queued" in totals[1]  # retired unfinished: not done
     assert "chunk parts" not in totals[2]
-    assert tracker.state.jobs["long"].part_prompt_tokens == 200
-    assert tracker.state.map_prompt_tokens == 200  # the run's totals, as before
+    assert tracker.state.jobs["long"].part_prompt_tokens == 100  # long@1.2 never ran
+    assert tracker.state.map_prompt_tokens == 100  # the run's totals, as before
 
 
 def test_a_chunked_job_s_rates_are_the_whole_document_s():
@@ -637,4 +638,38 @@ def test_the_dashboard_row_of_a_chunked_job_counts_its_whole_document():
     table = _text(render_jobs(tracker.state, 1.0))
     assert re.search(r"│ long\s+│\s+1,973 │ done\s+│ \S* ?40 out", table), table
     assert "long: 40 tokens (length)" in finish_text(row).plain
+
+
+@pytest.mark.parametrize("batch", ["3", "1"])  # two of long's maps ran / none did
+def test_ctrl_c_during_map_jobs_counts_the_tokens_of_the_parts_that_ran_only(
+    cli, long_doc, tmp_path, batch
+):
+    """Fresh-user finding: a job cancelled during its map jobs had ``prompt_tokens`` of all
+    its map jobs (992+992+992+815) while one only had prefilled. Its line, the JSON summary
+    and its progress row count the prompt tokens of the map jobs that ran (their prefill
+    reported progress): not those cancelled queued, or admitted but not yet prefilling."""
+    from engine.events import JobAdmitted, JobFinished, JobQueued, JobResult
+    from hisparse_cli.progress import ProgressTracker
+
+    result, seen = run_chunked(
+        cli, "--max-batch", batch, "--json-progress", on_step=interrupt_at(1)
+    )
+    assert result.exit_code == 130, result.output
+    ran = [j for j in seen[1 : int(batch)] if j.id.startswith("long@")]  # admitted with alpha
+    assert len(ran) == int(batch) - 1 and len(seen) > int(batch) + 1  # others were queued
+    long = {r["id"]: r for r in read_lines(tmp_path)}["long"]
+    prompt = sum(len(j.prompt_ids) for j in ran)
+    assert long["chunked"]["map_prompt_tokens"] == prompt
+    assert long["prompt_tokens"] == (prompt or None)
+    summary = next(json.loads(x) for x in result.stdout.splitlines() if '"event": "summary"' in x)
+    assert summary["prompt_tokens"] == sum(r["prompt_tokens"] or 0 for r in read_lines(tmp_path))
+    # a map job admitted but cancelled before its prefill began counts no prompt tokens
+    tracker = ProgressTracker(0.0)
+    tracker.add_job("doc")
+    tracker.add_parts("doc", ["doc@1.1"])
+    tracker.update(JobQueued(0.1, "doc@1.1", 900))
+    tracker.update(JobAdmitted(0.2, "doc@1.1", 900))
+    tracker.update(JobFinished(0.3, JobResult("doc@1.1", "", (), 900, "cancelled")))
+    tracker.retire_part("doc@1.1")
+    assert tracker.state.jobs["doc"].part_prompt_tokens == tracker.state.map_prompt_tokens == 0
 
