@@ -12,7 +12,8 @@ All reporters share one interface (context manager, ``on_event``, ``note``,
   Job lifecycle events (``job_queued``, ``job_admitted``, ``first_token``,
   ``job_finished``, ``job_failed``, ``job_skipped``; a ``context_policy: chunk`` map job
   ends with a ``chunk_part_finished`` instead, so ``job_finished`` and ``job_failed`` are
-  one per job asked for) are written as they happen;
+  one per job asked for, and a chunked job's one ``job_queued`` comes just before its first
+  map job's) are written as they happen;
   the high-rate ones (decode steps, prefill progress, memory snapshots) are folded
   into a ``progress`` object every ``interval_s`` seconds (also from a timer thread);
   ``warning`` and a final ``summary`` object complete the stream. Every object has
@@ -43,6 +44,7 @@ from engine.events import (
     Event,
     JobFailed,
     JobFinished,
+    JobQueued,
     MemorySnapshot,
     PrefillProgress,
 )
@@ -341,6 +343,7 @@ class JsonReporter:
         self.stream = guard(stream, STDOUT_CLOSED, err_stream)  # a closed pipe: dropped
         self._printed_t = clock()
         self._pending = False
+        self._chunked: set[str] = set()  # chunked jobs whose job_queued was written
         self._lock = threading.Lock()
         self._ticker = _Ticker(interval_s, self._tick)
 
@@ -357,12 +360,31 @@ class JsonReporter:
         """Lifecycle events at once; the rest folded into periodic progress objects."""
         if isinstance(event, _PERIODIC_EVENTS):
             self._pending = True
-        else:
+        elif not isinstance(event, JobQueued) or self._queued(event):
             self._emit(self._whole_document(event_json(event)))
         now = self.clock()
         if self._pending and now - self._printed_t >= self.interval_s:
             self._emit(progress_json(self.tracker.state, now))
             self._printed_t, self._pending = now, False
+
+    def _queued(self, event: JobQueued) -> bool:
+        """Whether to write ``event``'s ``job_queued``: a chunked job's own is written once,
+        just before its first map job's (``prompt_tokens`` ``null``: its document is split;
+        ``chunk_parts``: its first level's map jobs), so its reduce step's is not."""
+        row = self.tracker.state.jobs.get(event.job_id)
+        owner = self.tracker.state.jobs.get(row.part_of) if row and row.part_of else None
+        if owner is not None and owner.id not in self._chunked:
+            self._chunked.add(owner.id)
+            self._emit(
+                {
+                    "event": "job_queued",
+                    "t": event.t,
+                    "job_id": owner.id,
+                    "prompt_tokens": None,
+                    "chunk_parts": owner.level_parts,
+                }
+            )
+        return event.job_id not in self._chunked
 
     def _whole_document(self, obj: dict[str, Any]) -> dict[str, Any]:
         """A ``job_finished`` object of a chunked job (its reduce step) counts the whole

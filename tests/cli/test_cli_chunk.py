@@ -673,3 +673,32 @@ def test_ctrl_c_during_map_jobs_counts_the_tokens_of_the_parts_that_ran_only(
     tracker.retire_part("doc@1.1")
     assert tracker.state.jobs["doc"].part_prompt_tokens == tracker.state.map_prompt_tokens == 0
 
+
+def test_a_chunked_job_s_own_job_queued_comes_once_with_its_map_jobs():
+    """Fresh-user finding: with ``--json-progress`` a chunked job got no ``job_queued``
+    under its own id until its reduce step (its map jobs had theirs). It comes once, just
+    before its first map job's, with ``prompt_tokens`` null and ``chunk_parts``."""
+    import io
+
+    from engine.events import JobQueued
+    from hisparse_cli.progress import ProgressTracker
+    from hisparse_cli.reporters import JsonReporter
+
+    tracker, stream = ProgressTracker(0.0), io.StringIO()
+    reporter = JsonReporter(stream, tracker, interval_s=1e9, clock=lambda: 1.0)
+    tracker.add_job("alpha")
+    tracker.add_job("long")
+    tracker.add_parts("long", ["long@1.1", "long@1.2"])
+    for event in (
+        JobQueued(0.1, "alpha", 50),
+        JobQueued(0.2, "long@1.1", 150),
+        JobQueued(0.3, "long@1.2", 120),
+        JobQueued(0.9, "long", 40),  # its reduce step
+    ):
+        tracker.update(event)
+        reporter.on_event(event)
+    queued = [json.loads(x) for x in stream.getvalue().splitlines()]
+    assert [(o["job_id"], o["prompt_tokens"], o.get("chunk_parts")) for o in queued] == [
+        ("alpha", 50, None), ("long", None, 2), ("long@1.1", 150, None), ("long@1.2", 120, None),
+    ]  # fmt: skip
+    assert {o["event"] for o in queued} == {"job_queued"} and queued[1]["t"] == 0.2
