@@ -19,9 +19,11 @@ starting with ``x-`` holds anchors and is otherwise ignored.
 
 JSONL (``.jsonl``/``.ndjson``): one JSON object per line; a line whose only key is
 ``defaults`` holds the defaults (``{"defaults": {"task": "summarize", "engine": {...}}}``).
-Blank lines are skipped. A JSONL file whose first JSON-object line has ``custom_id`` or
-``body`` is an OpenAI batch (:mod:`hisparse_cli.openai_batch`): its lines are kept as parsed
-(``RawManifest.batch``) for that module to check one by one.
+Blank lines are skipped. A key given twice in one object, at any depth, is reported
+(``json.loads`` keeps the last silently). A JSONL file whose first JSON-object line has
+``custom_id`` or ``body`` is an OpenAI batch (:mod:`hisparse_cli.openai_batch`): its lines
+are kept as parsed (``RawManifest.batch``) for that module to check one by one (a line
+with a key given twice is one it rejects).
 
 Values are built with PyYAML's safe constructor (``yaml.safe_load`` semantics) but
 from the composed node tree, so each key keeps its line number; duplicate keys,
@@ -224,9 +226,17 @@ def _yaml_entry(
         return None
     entry, nodes = Entry(file, label, _line(node), {}), {}
     merges: list[tuple[int, dict[str, yaml.Node]]] = []  # (line of <<, its keys)
+    merge_line: int | None = None  # the line of this mapping's first <<
     for key_node, value_node in node.value:
         key, line = key_node.value, _line(key_node)
-        if key_node.tag == MERGE_TAG:
+        if key_node.tag == MERGE_TAG and merge_line is not None:  # the first would win silently
+            where = f"{label}.<<" if label else "<<"
+            message = (
+                f"duplicate key (first given on line {merge_line}; merge several with <<: [*a, *b])"
+            )
+            raw.problems.append(Problem(file, line, where, message))
+        elif key_node.tag == MERGE_TAG:
+            merge_line = line
             merged = _merge_source(file, label, value_node, line, raw)
             if merged is not None:
                 merges.append((line, merged))
@@ -315,15 +325,17 @@ def _read_jsonl(file: str, text: str, raw: RawManifest) -> None:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, object_pairs_hook=_Pairs)
         except json.JSONDecodeError as exc:
             raw.problems.append(
                 Problem(file, number, "", f"not valid JSON: {exc.msg} (column {exc.colno})")
             )
             continue
+        for where in _duplicate_keys(obj, "" if _is_defaults(obj) else "job"):
+            raw.problems.append(Problem(file, number, where, DUPLICATE_JSON_KEY))
         if not isinstance(obj, dict):
             raw.problems.append(Problem(file, number, "", "each line must be a JSON object"))
-        elif set(obj) == {"defaults"}:
+        elif _is_defaults(obj):
             _jsonl_defaults(file, number, obj["defaults"], raw)
         else:
             raw.jobs.append(_json_entry(file, "job", number, obj))
@@ -355,6 +367,47 @@ def _one_json_value(file: str, text: str, raw: RawManifest) -> None:
     ]  # fmt: skip
 
 
+DUPLICATE_JSON_KEY = (
+    "duplicate key (given twice in one JSON object, where the last would silently win)"
+)
+
+
+class _Pairs(dict):
+    """A JSON object as :func:`json.loads` builds it with ``object_pairs_hook``, also
+    remembering the keys given more than once (which a plain ``dict`` drops silently)."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        self.duplicates: list[str] = []
+        if len(self) < len(pairs):
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    self.duplicates.append(key)
+                seen.add(key)
+
+
+def _duplicate_keys(value: Any, path: str) -> list[str]:
+    """The dotted paths (``job.input``, ``defaults.engine.top_k``, ``body.messages[0].role``)
+    of the keys given twice in one object of ``value``, at any depth, each once."""
+    found: list[str] = []
+    todo = [(value, path)]  # no recursion: json.loads takes deeper nesting than Python's stack
+    while todo:
+        value, path = todo.pop()
+        if isinstance(value, _Pairs):
+            found += [f"{path}.{key}" if path else key for key in dict.fromkeys(value.duplicates)]
+            items = [(item, f"{path}.{key}" if path else key) for key, item in value.items()]
+            todo += reversed(items)
+        elif isinstance(value, list):
+            todo += reversed([(item, f"{path}[{i}]") for i, item in enumerate(value)])
+    return found
+
+
+def _is_defaults(obj: Any) -> bool:
+    """Whether a JSONL manifest line is the defaults line (its only key is ``defaults``)."""
+    return isinstance(obj, dict) and set(obj) == {"defaults"}
+
+
 def _read_batch(text: str, raw: RawManifest) -> bool:
     """Keep the lines of an OpenAI batch (the first object line has ``custom_id`` or
     ``body``) in ``raw.batch``; return whether the file is one."""
@@ -366,10 +419,14 @@ def _read_batch(text: str, raw: RawManifest) -> bool:
         if not line.strip():
             continue
         try:
-            lines.append((number, json.loads(line)))
+            lines.append((number, json.loads(line, object_pairs_hook=_Pairs)))
         except json.JSONDecodeError as exc:
             lines.append((number, None))
             errors[number] = f"not valid JSON: {exc.msg} (column {exc.colno})"
+            continue
+        duplicates = _duplicate_keys(lines[-1][1], "")
+        if duplicates:  # the request is rejected, the rest of the batch runs
+            errors[number] = "; ".join(f"{where}: {DUPLICATE_JSON_KEY}" for where in duplicates)
     first = next((obj for _, obj in lines if isinstance(obj, dict)), None)
     if not is_batch_request(first):
         return False

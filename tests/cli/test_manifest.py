@@ -327,6 +327,49 @@ def test_yaml_merge_keys_work_as_safe_load_reads_them(docs):
     assert "unknown top-level key" in message and "starting with x-" in message
 
 
+def test_two_merge_keys_in_one_mapping_are_a_duplicate_key(docs):
+    """Fresh-user finding: ``{id: y, <<: *a, <<: {question: other}}`` was read with the
+    first ``<<`` winning and no word; two ``<<`` keys are a duplicate key (a list merges
+    several)."""
+    path = write_yaml(
+        docs,
+        """
+        x-a: &a {task: answer, question: "A?"}
+        jobs:
+          - {id: y, input: docs/one.txt, <<: *a,
+             <<: {question: "other"}}
+        """,
+    )
+    problem = find(problems_of(path), "jobs[0].<<")
+    assert problem.line == 4 and "duplicate key (first given on line 3" in problem.message
+    assert "<<: [*a, *b]" in problem.message
+    path.write_text(path.read_text().replace('<<: *a,\n     <<: {question: "other"}', "<<: [*a]"))
+    assert load_manifest(path).jobs[0].task.question == "A?"
+
+
+def test_json_duplicate_keys_are_refused_at_any_depth(docs):
+    """Fresh-user finding: a JSONL job with ``input`` twice ran on the last one, no word
+    (YAML refuses a duplicate key). Every key given twice in one JSON object is a
+    problem, on its line, named by its path."""
+    lines = [
+        '{"id": "j1", "input": "docs/one.txt", "max_new_tokens": 4, "input": "docs/two.txt"}',
+        '{"defaults": {"task": "answer", "engine": {"top_k": 512, "top_k": 64}}}',
+        json.dumps({"id": "ok", "input": "docs/one.txt"}),
+        '{"id": "j3", "input": "docs/two.txt", "stop": ["x"], "id": "j4"}',
+    ]
+    path = docs / "jobs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    problems = [p for p in problems_of(path) if "duplicate key" in p.message]
+    assert [(p.line, p.field) for p in problems] == [
+        (1, "job.input"),
+        (2, "defaults.engine.top_k"),
+        (4, "job.id"),
+    ]
+    assert str(problems[0]).startswith(f"{path}:1: job.input: duplicate key")
+    path.write_text(lines[2] + "\n")
+    assert [j.id for j in load_manifest(path).jobs] == ["ok"]
+
+
 def test_paths_are_relative_to_the_manifest(docs, monkeypatch, tmp_path_factory):
     monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
     path = write_yaml(docs, "jobs:\n  - input: docs/one.txt\n")

@@ -70,6 +70,23 @@ def test_bad_lines_are_rejected_with_file_and_line_and_the_rest_kept(tmp_path):
     assert "frequency_penalty" in found[8]
 
 
+def test_a_batch_line_with_a_key_given_twice_is_rejected_and_the_rest_kept(tmp_path):
+    """A JSON object with a key twice (``body.max_tokens``, ``body.messages[0].role``) is
+    a rejected line naming the key; the other lines run."""
+    twice = json.dumps(request("b", max_tokens=3))
+    twice = twice.replace('"max_tokens": 3', '"max_tokens": 3, "max_tokens": 9')
+    nested = json.dumps(request("c"))
+    nested = nested.replace('"role": "user"', '"role": "user", "role": "system"')
+    path = write_batch(tmp_path / "b.jsonl", request("a"), twice, nested, request("d"))
+    manifest = load_manifest(path)
+    assert [j.id for j in manifest.jobs] == ["a", "d"]
+    found = {r.line: str(r) for r in manifest.rejected}
+    assert sorted(found) == [2, 3]
+    assert found[2].startswith(f"{path}:2: body.max_tokens: duplicate key")
+    assert found[3].startswith(f"{path}:3: body.messages[0].role: duplicate key")
+    assert [r.custom_id for r in manifest.rejected] == ["b", "c"]
+
+
 def test_flags_that_cannot_apply_to_a_batch_are_refused(tmp_path):
     path = write_batch(tmp_path / "b.jsonl", request("a"))
     with pytest.raises(ManifestError, match="--question.*OpenAI batch"):
