@@ -20,6 +20,7 @@ with file, line and field, and all are raised together in one :class:`ManifestEr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import fnmatch
@@ -50,7 +51,7 @@ from hisparse_cli.naming import (
     stdin_job_id,
 )
 from hisparse_cli.openai_batch import BATCH_OUTPUT_FILE
-from hisparse_cli.results import LOCK_FILE, RESULTS_FILE
+from hisparse_cli.results import LOCK_FILE, PARTIAL_FILE, RESULTS_FILE
 from hisparse_cli.settings import CONFIG_FILE
 from hisparse_cli.tasks import TASKS, TaskSpec, template_problem
 from hisparse_cli.textio import STDIN, broken_link, file_identity, shown_path
@@ -292,8 +293,9 @@ def jobs_from_paths(
         The files earlier runs wrote in ``output_dir`` (resolved:
         :func:`~hisparse_cli.results.earlier_outputs`): a result named again (``hisparse
         run docs/*.txt -o docs``, the shell expanding the glob, on a second run) is no
-        document; it is skipped with one warning naming it (every document skipped is a
-        problem: nothing to run).
+        document, nor is one of the run's own files there (``config.json``,
+        ``results.jsonl``, ...: :func:`_run_files`); it is skipped with one warning naming
+        it (every document skipped is a problem: nothing to run).
 
     Raises
     ------
@@ -319,10 +321,11 @@ def jobs_from_paths(
         found_problems.extend(problems)
     files = found.files
     warnings.extend(found.notes(base))
-    results = [f for f in files if f.resolve() in earlier_outputs]
-    if results:  # an earlier run's result, given back by the shell's glob: no document
-        files = [f for f in files if f.resolve() not in earlier_outputs]
-        note = _earlier_results_note(results, outputs.shown)
+    own = _run_files(output_dir)
+    results = [f for f in files if f.resolve() in earlier_outputs or f.resolve() in own]
+    if results:  # an earlier run's result or file, given back by the shell's glob: no document
+        files = [f for f in files if f not in results]
+        note = _earlier_results_note(results, own, outputs.shown)
         if files or has_stdin:
             warnings.append(f"DOCS: skipped {note}")
         else:
@@ -366,17 +369,38 @@ class UnmatchedInput:
         return f"{self.problem}: nothing from it runs, the other documents do"
 
 
-def _earlier_results_note(files: Sequence[Path], folder: str | None) -> str:
+def _run_files(output_dir: Path | None) -> set[Path]:
+    """The files every run writes in ``output_dir`` itself, resolved: ``config.json``,
+    ``results.jsonl``, the lock file, ``batch_output.jsonl`` and the ``results.jsonl.partial``
+    files (``.partial.2`` ...) that there are; none without an output folder."""
+    if output_dir is None:
+        return set()
+    names = {*RUN_FILES, PARTIAL_FILE}
+    with contextlib.suppress(OSError):
+        for path in Path(output_dir).glob(glob.escape(PARTIAL_FILE) + ".*"):
+            names |= {path.name} if path.suffix[1:].isdigit() else set()
+    return {(Path(output_dir) / name).resolve() for name in names}
+
+
+def _earlier_results_note(files: Sequence[Path], own: Collection[Path], folder: str | None) -> str:
     """How a note names ``files``, results an earlier run wrote in the output folder
-    ``folder`` that were named as documents (:func:`jobs_from_paths`)."""
+    ``folder`` or the run's own files there (``own``: :func:`_run_files`) that were named
+    as documents (:func:`jobs_from_paths`)."""
     cwd = Path.cwd()
     names = [shown_path(p.relative_to(cwd) if p.is_relative_to(cwd) else p) for p in files]
     more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    runs = [p.resolve().name for p in files if p.resolve() in own]
+    why = []
+    if len(runs) < len(files):
+        whose = "each" if not runs else f"{len(files) - len(runs)} of them"
+        why.append(f"its {RESULTS_FILE} names {whose} as a job's output")
+    if runs:
+        why.append(f"{', '.join(runs)}: the run's own files, which every run writes")
     return (
         f"{len(names)} file(s) that an earlier run wrote in the output folder {folder} "
-        f"({', '.join(names[:3])}{more}; its {RESULTS_FILE} names each as a job's output): "
-        "a result is never read as a document; to use one, copy it out of that folder or "
-        "choose another --output-dir"
+        f"({', '.join(names[:3])}{more}; {'; '.join(why)}): "
+        f"a result{' or a run file' if runs else ''} is never read as a document; to use "
+        "one, copy it out of that folder or choose another --output-dir"
     )
 
 

@@ -107,10 +107,15 @@ def test_subfolders_of_the_output_folder_are_searched(cli, docs, tmp_path):
 
 
 def test_files_named_in_the_output_folder_keep_their_checks(cli, docs, tmp_path):
-    """Not through a glob: the run's own files are refused (exit 2), a result file that is
+    """Not through a glob: the run's own files are refused in a manifest (exit 2) and
+    skipped with a warning on the command line (the shell's glob), a result file that is
     its job's own input fails that job (exit 1), another file there is read."""
     assert cli("docs/alpha.txt", "-o", "out").exit_code == 0
-    refused = cli("docs/beta.txt", "out/results.jsonl", "-o", "out", engine=never_load)
+    skipped = cli("docs/alpha.txt", "out/results.jsonl", "-o", "out", engine=never_load)
+    assert skipped.exit_code == 0, skipped.output
+    assert "results.jsonl: the run's own files" in " ".join(skipped.stderr.split())
+    (tmp_path / "own.yaml").write_text("jobs:\n  - {id: r, input: out/results.jsonl}\n")
+    refused = cli("--manifest", "own.yaml", "-o", "out", engine=never_load)
     assert refused.exit_code == 2 and "the run's own results.jsonl" in refused.stderr
     (tmp_path / "out" / "mine.txt").write_text("a document kept in the output folder\n")
     (tmp_path / "jobs.yaml").write_text(
@@ -209,6 +214,36 @@ def test_earlier_outputs_named_on_the_command_line_are_no_documents(cli, tmp_pat
         assert not (docs / "docs-my-doc.txt").exists()
     printed = cli("docs/my-doc.txt", "-o", "docs", "--print-config")
     assert printed.exit_code == 2 and "docs/my-doc.txt" in printed.stderr
+
+
+def test_the_runs_own_files_named_on_the_command_line_are_no_documents(cli, tmp_path):
+    """Fresh-user finding: ``hisparse run d2/* -o d2`` ran once, then every rerun exited
+    2: the shell's ``*`` gave d2/config.json (and results.jsonl), "the run's own
+    config.json". The run's own files in the output folder named on the command line are
+    skipped with the earlier results' warning; a manifest naming one is still refused."""
+    d2 = tmp_path / "d2"
+    d2.mkdir()
+    (d2 / "a.md").write_text("A is about sorting.\n")
+    (d2 / "b.md").write_text("B is about graphs.\n")
+
+    def run():
+        names = sorted(str(p.relative_to(tmp_path)) for p in d2.glob("[!.]*"))  # as sh's *
+        return cli(*names, "-o", "d2")
+
+    assert run().exit_code == 0
+    (d2 / "results.jsonl.partial").write_text("{cut short\n")
+    for _ in range(2):
+        again = run()
+        assert again.exit_code == 0, again.output
+        err = " ".join(again.stderr.split())
+        assert "an earlier run wrote in the output folder d2" in err, err
+        assert "config.json, results.jsonl, results.jsonl.partial: the run's own files" in err
+        assert sorted(r["id"] for r in read_results(d2)) == ["a", "b"]
+    only = cli("d2/config.json", "d2/.hisparse.lock", "-o", "d2")
+    assert only.exit_code == 2 and "no other document is left to run" in only.stderr
+    (tmp_path / "jobs.yaml").write_text("jobs:\n  - {id: c, input: d2/config.json}\n")
+    refused = cli("--manifest", "jobs.yaml", "-o", "d2")
+    assert refused.exit_code == 2 and "the run's own config.json" in refused.stderr
 
 
 def test_a_done_job_is_not_failed_when_another_job_reads_its_output(cli, docs, tmp_path):
