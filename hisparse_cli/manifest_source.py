@@ -164,6 +164,8 @@ def _read_yaml(file: str, text: str, raw: RawManifest) -> None:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark else None
         raw.problems.append(Problem(file, line, "", f"not valid YAML: {_yaml_message(exc)}"))
+    except RecursionError:
+        raw.problems.append(Problem(file, None, "", TOO_DEEP))
     finally:
         loader.dispose()
 
@@ -318,6 +320,10 @@ def _yaml_message(exc: yaml.YAMLError) -> str:
 # ----------------------------------------------------------------------------- JSONL
 
 
+TOO_DEEP = "not readable: nested too deeply (past Python's recursion limit)"
+"""A JSON line whose arrays or objects nest past what ``json.loads`` can recurse into."""
+
+
 def _read_jsonl(file: str, text: str, raw: RawManifest) -> None:
     if _read_batch(text, raw):
         return
@@ -330,6 +336,9 @@ def _read_jsonl(file: str, text: str, raw: RawManifest) -> None:
             raw.problems.append(
                 Problem(file, number, "", f"not valid JSON: {exc.msg} (column {exc.colno})")
             )
+            continue
+        except RecursionError:
+            raw.problems.append(Problem(file, number, "", TOO_DEEP))
             continue
         for where in _duplicate_keys(obj, "" if _is_defaults(obj) else "job"):
             raw.problems.append(Problem(file, number, where, DUPLICATE_JSON_KEY))
@@ -354,7 +363,7 @@ def _one_json_value(file: str, text: str, raw: RawManifest) -> None:
         return
     try:
         json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return
     raw.jobs, raw.defaults, raw.engine = [], None, None  # what its lines gave: pieces
     raw.problems = [
@@ -423,6 +432,10 @@ def _read_batch(text: str, raw: RawManifest) -> bool:
         except json.JSONDecodeError as exc:
             lines.append((number, None))
             errors[number] = f"not valid JSON: {exc.msg} (column {exc.colno})"
+            continue
+        except RecursionError:
+            lines.append((number, None))
+            errors[number] = TOO_DEEP
             continue
         duplicates = _duplicate_keys(lines[-1][1], "")
         if duplicates:  # the request is rejected, the rest of the batch runs

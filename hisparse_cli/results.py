@@ -370,7 +370,7 @@ def _is_json(line: bytes) -> bool:
     """Whether ``line`` is a JSON value (of any kind): one that is not was cut short."""
     try:
         json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return False
     return True
 
@@ -405,7 +405,7 @@ def _new_partial_file(folder: Path, data: bytes) -> Path:
 def _parse_line(line: bytes) -> dict[str, Any] | None:
     try:
         record = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return None
     return record if isinstance(record, dict) and isinstance(record.get("id"), str) else None
 

@@ -370,6 +370,29 @@ def test_json_duplicate_keys_are_refused_at_any_depth(docs):
     assert [j.id for j in load_manifest(path).jobs] == ["ok"]
 
 
+def test_a_value_nested_past_the_recursion_limit_is_a_problem_not_a_traceback(docs):
+    """A JSONL line, a batch line or a YAML value whose arrays nest 100,000 deep made
+    ``json.loads`` / PyYAML raise RecursionError, a traceback; it is a problem of its own
+    line (a batch line is rejected and the rest run), the other lines kept."""
+    deep = "[" * 100_000 + "]" * 100_000
+    ok = json.dumps({"id": "ok", "input": "docs/one.txt"})
+    path = docs / "jobs.jsonl"
+    path.write_text('{"id": "a", "input": "docs/one.txt", "x": ' + deep + "}\n" + ok + "\n")
+    problems = problems_of(path)
+    assert [(p.line, p.message) for p in problems] == [
+        (1, "not readable: nested too deeply (past Python's recursion limit)")
+    ]
+    yaml_path = write_yaml(docs, "jobs:\n  - id: a\n    input: docs/one.txt\n    x: " + deep + "\n")
+    assert any("nested too deeply" in p.message for p in problems_of(yaml_path))
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    good = {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    batch = docs / "batch.jsonl"
+    batch.write_text(json.dumps(good) + "\n" + '{"custom_id": "r2", "x": ' + deep + "}\n")
+    manifest = load_manifest(batch)
+    assert [j.id for j in manifest.jobs] == ["r1"]
+    assert [(r.line, "nested too deeply" in str(r)) for r in manifest.rejected] == [(2, True)]
+
+
 def test_paths_are_relative_to_the_manifest(docs, monkeypatch, tmp_path_factory):
     monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
     path = write_yaml(docs, "jobs:\n  - input: docs/one.txt\n")
