@@ -705,15 +705,20 @@ def run_checks(
 def check_model_header(model: str | None) -> None:
     """Refuse a GGUF ``--model`` whose metadata cannot be read, every key and value walked
     as the load reads them (:func:`engine.weights.header.read_gguf_fields`, no weights, no
-    torch), so ``--print-config`` lists it and a run stops before the load. Other files,
-    folders and missing paths are left to the checks and the load that name them.
+    torch), or whose tensor records describe data the file cannot hold (a cut-off
+    download: :func:`engine.weights.gguf.open_reader`, the load's own check, no tensor
+    data read, no torch), so ``--print-config`` lists it and a run stops before the load.
+    Other files, folders and missing paths are left to the checks and the load that name
+    them.
 
     Raises
     ------
-    UsageError : ``cannot load the model: <file>: ...`` naming where the header breaks
+    UsageError : ``cannot load the model: <file>: ...`` naming where the header breaks,
+        or the tensor whose data the file lacks
     """
     if model is None or not Path(model).is_file():
         return
+    from engine.weights.gguf import GGUFError, open_reader
     from engine.weights.header import GGUFHeaderError, GGUFTruncatedError, read_gguf_fields
 
     try:
@@ -730,6 +735,13 @@ def check_model_header(model: str | None) -> None:
         raise UsageError(
             f"cannot load the model: {shown}: not a readable GGUF file ({detail})"
         ) from None
+    try:
+        open_reader(Path(model))  # the tensor records, as the load checks them
+    except OSError:
+        return
+    except GGUFError as exc:  # as the load and `hisparse plan` say it
+        detail = str(exc).removeprefix(f"{Path(model)}: ")
+        raise UsageError(f"cannot load the model: {escaped(model)}: {escaped(detail)}") from None
 
 
 def preload_tokenizer(config: EngineConfig, model: str | None) -> Callable[[], Any]:

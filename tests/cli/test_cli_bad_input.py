@@ -328,6 +328,31 @@ def test_print_config_lists_a_gguf_whose_header_cannot_be_read(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_print_config_lists_a_gguf_whose_tensor_data_is_cut_short(tmp_path):
+    """Fresh-user finding: ``head -c 50000000 SmolLM2-...Q4_1.gguf > cut.gguf`` (the header
+    whole, the tensor data cut short): ``run --print-config`` exited 0 with no problem,
+    while ``run`` and ``plan`` refused it ("tensor blk.16.ffn_down.weight ... missing; the
+    file is truncated"). --print-config now lists the load's tensor check (no torch), and
+    a run stops before the load with the same words, in one line."""
+    from tiny_models import build_hf, write_gguf  # imports transformers: only where needed
+
+    whole = write_gguf(tmp_path / "m.gguf", build_hf(tmp_path / "hf", "llama"), "llama")
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 4096])  # inside the tensor data, past the header
+    (tmp_path / "doc.txt").write_text("hello\n")
+    args = ("run", "--model", str(cut), str(tmp_path / "doc.txt"), "--preset", "cpu",
+            "--max-new-tokens", "4", "-o", str(tmp_path / "out"))  # fmt: skip
+    shown = invoke(*args, "--print-config")
+    assert shown.exit_code == 0, shown.output
+    problems = json.loads(shown.stdout).get("problems", [])
+    said = f"cannot load the model: {cut}: tensor "
+    assert any(said in p and "the file is truncated" in p for p in problems), problems
+    run = invoke(*args)
+    one_line_error(run, said, "missing); the file is truncated")
+    assert "loading model" not in run.output and not (tmp_path / "out").exists()
+
+
 def header_only_gguf(path, arch):
     """A GGUF file of ``arch`` with a context length and no tokenizer or tensors."""
     writer = gguf.GGUFWriter(str(path), arch)
