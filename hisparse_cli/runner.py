@@ -856,26 +856,17 @@ def check_memory_budget(
 
     if config.memory_budget_gb is None or len(config.devices) > 1:
         return
-    specs = manifest.jobs if specs is None else specs
-    trained = preflight.trained_context(request.model)
-    shape = preflight.model_shape(request.model) if specs and trained is not None else None
-    tokenizer = preload_tokenizer(config, request.model)() if shape is not None else None
-    if shape is None or trained is None:
+    config = config.replace(device=config.devices[0]) if config.devices else config
+    counted = {} if counted is None else counted
+    found = job_needs(config, request, manifest.jobs if specs is None else specs, counted)
+    if found is None:
         return
     from engine.capacity.budget import budget_for_pages, size_kv_for_budget
     from engine.capacity.planner import weight_bytes
     from engine.load import sized_tokens
 
-    config = config.replace(device=config.devices[0]) if config.devices else config
-    limit, counted = preflight.context_limit(config, trained), {} if counted is None else counted
+    shape, limit, needs = found
     weights = weight_bytes(shape, config)
-    needs = []  # (tokens, job)
-    for spec in specs if tokenizer is not None else ():
-        need = job_tokens(spec, request, tokenizer, limit, counted)
-        fits_context = spec.id in counted and counted[spec.id] + spec.sampling.max_tokens <= limit
-        if need is None or (config.context_policy in ("refuse", "extend") and not fits_context):
-            continue  # it fails on its own, naming why
-        needs.append((need, spec))
     if hierarchical(config):  # the load's split, for the longest job (BatchRun._longest_job)
         longest = max((n for n, _ in needs), default=None)
         size_kv_for_budget(shape, config, weights, sized_tokens(limit, longest))
@@ -903,6 +894,94 @@ def check_memory_budget(
         f"{more} needs {need_pages} ({prompt} + max_new_tokens {spec.sampling.max_tokens}, "
         f"counted with the model's tokenizer before loading it): --memory-budget {fits:g} "
         "fits it"
+    )
+
+
+def job_needs(
+    config: EngineConfig, request: RunRequest, specs: Sequence[Any], counted: dict[str, int]
+) -> tuple[Any, int, list[tuple[int, Any]]] | None:
+    """What the checks that size the KV pool before the load count: ``(the model's shape
+    from its header, the context limit, [(tokens, job)])``, the tokens of each job of
+    ``specs`` that holds them in the pool (:func:`job_tokens`, its prompt counted with the
+    model's tokenizer, kept in ``counted``; none where the tokenizer cannot be read). A
+    job whose prompt cannot be built here, or too long for the context under ``refuse``
+    or ``extend``, is left out: it fails on its own, naming why. ``None`` where the shape
+    or the trained context cannot be read before the load."""
+    trained = preflight.trained_context(request.model)
+    shape = preflight.model_shape(request.model) if specs and trained is not None else None
+    tokenizer = preload_tokenizer(config, request.model)() if shape is not None else None
+    if shape is None or trained is None:
+        return None
+    limit = preflight.context_limit(config, trained)
+    needs = []  # (tokens, job)
+    for spec in specs if tokenizer is not None else ():
+        need = job_tokens(spec, request, tokenizer, limit, counted)
+        fits_context = spec.id in counted and counted[spec.id] + spec.sampling.max_tokens <= limit
+        if need is None or (config.context_policy in ("refuse", "extend") and not fits_context):
+            continue  # it fails on its own, naming why
+        needs.append((need, spec))
+    return shape, limit, needs
+
+
+def check_pool_pages(
+    config: EngineConfig,
+    request: RunRequest,
+    manifest: Manifest,
+    specs: Sequence[Any] | None = None,
+    counted: dict[str, int] | None = None,
+) -> None:
+    """Refuse, before the load, a ``host_pool_gb`` whose KV pool holds fewer pages than
+    the longest job of ``specs`` (default: every job) needs, which the engine would fail
+    after the load: the pool's pages are ``host_pool_gb`` over the bytes of a page of the
+    model's shape (read from its header) in ``page_size`` and the KV dtypes
+    (:func:`engine.kv.sizing.default_pool_pages`, as the cache counts them), the jobs'
+    tokens counted as :func:`check_memory_budget` counts them (:func:`job_needs`). Not
+    checked with several devices (the workers split the pool), where a memory budget
+    sizes an all-resident pool (:func:`check_memory_budget` checks that one), or where
+    the shape or tokenizer cannot be read before the load: the engine's own check of
+    each job stays the backstop.
+
+    Raises
+    ------
+    UsageError
+        Naming the pool's pages, the job (and how many more) and the ``--host-pool`` that
+        fits it (rounded up to few digits).
+    """
+    from engine.kv.sizing import all_resident, default_pool_pages, pages_for
+
+    if len(config.devices) > 1 or (config.memory_budget_gb is not None and all_resident(config)):
+        return
+    trained = preflight.trained_context(request.model)
+    shape = preflight.model_shape(request.model) if trained is not None else None
+    if shape is None:
+        return
+    pages = default_pool_pages(shape, config)
+    if pages_for(preflight.context_limit(config, trained), config.page_size) <= pages:
+        return  # it holds a job of the whole context: no prompt to count (no tokenizer)
+    counted = {} if counted is None else counted
+    found = job_needs(config, request, manifest.jobs if specs is None else specs, counted)
+    if found is None:
+        return
+    needs = found[2]
+    short = [(n, s) for n, s in needs if pages_for(n, config.page_size) > pages]
+    if not short:
+        return
+    from engine.capacity.budget import pool_gb_holding
+
+    need, spec = max(short, key=lambda pair: pair[0])
+    need_pages = pages_for(need, config.page_size)
+    source = preflight.setting_source(
+        "host_pool_gb", request.preset, manifest.engine, request.engine_overrides
+    )
+    more = f" (and {len(short) - 1} more)" if len(short) > 1 else ""
+    prompt = f"a {counted[spec.id]}-token prompt" if spec.id in counted else "its prompt"
+    fits = pool_gb_holding(shape, config, need_pages, 2 * need_pages, False)
+    hint = f": --host-pool {fits[0]:g} fits it" if fits is not None else ""
+    raise UsageError(
+        f"{source} {config.host_pool_gb:g} holds {pages} KV pool pages "
+        f"({pages * config.page_size} tokens); job {spec.id!r}{more} needs {need_pages} "
+        f"({prompt} + max_new_tokens {spec.sampling.max_tokens}, counted with the model's "
+        f"tokenizer before loading it){hint}"
     )
 
 
@@ -1157,11 +1236,13 @@ def run_problems(config: EngineConfig, request: RunRequest, manifest: Manifest) 
     """What would stop this run here, each in the words the run refuses it with:
     ``--print-config`` reports them (``problems``) since it skips the checks that refuse a
     run (:func:`run_checks`, then the host pool and the memory budget the run checks just
-    before the load)."""
+    before the load, and the host pool against the longest job)."""
+    counted: dict[str, int] = {}
     checks = [
         *run_checks(config, request, manifest),
         lambda: check_host_pool(config, request.model),
-        lambda: check_memory_budget(config, request, manifest),
+        lambda: check_memory_budget(config, request, manifest, counted=counted),
+        lambda: check_pool_pages(config, request, manifest, counted=counted),
     ]
     problems = []
     for check in checks:
@@ -2006,8 +2087,9 @@ class BatchRun:
     def _check_before_load(self, planned: list[PlannedJob]) -> None:
         """The refusals of a run that has jobs to run, made before any job is shown, so a
         refused run warns of nothing it would have done (replacing earlier answers): the
-        host pool against the memory available (load_engine checks it again) and the
-        memory budget against the jobs (the load's split; it checks again).
+        host pool against the memory available (load_engine checks it again), the memory
+        budget against the jobs (the load's split; it checks again) and the host pool
+        against the longest job (the engine checks each job again).
 
         Raises
         ------
@@ -2020,6 +2102,7 @@ class BatchRun:
         try:
             self.host_available = check_host_pool(self.config, self.request.model)
             check_memory_budget(self.config, self.request, self.manifest, specs, self.counted)
+            check_pool_pages(self.config, self.request, self.manifest, specs, self.counted)
         except (UsageError, ConfigError, CacheFullError) as exc:
             raise LoadConfigError(str(exc)) from exc
 

@@ -277,7 +277,7 @@ def _one_request_fixes(
     those and the reserve. ``pool_shares``: as :func:`size_kv_for_budget`'s; the host
     pools named are the totals the user sets, each device's share said beside them."""
     per_req = per_request_device_bytes(model, config, max_pages, nl)
-    least = _pool_gb_holding(model, config, max_pages, 2 * max_pages, False, pool_shares)
+    least = pool_gb_holding(model, config, max_pages, 2 * max_pages, False, pool_shares)
     raised = pages < max_pages and least is not None  # the pool must grow first
     if raised:
         pages = least[1]
@@ -300,7 +300,7 @@ def _one_request_fixes(
     pool = None
     if not raised:
         most = max_pool_pages(model, config, room - per_req, nl)
-        pool = _pool_gb_holding(model, config, max_pages, most, True, pool_shares)
+        pool = pool_gb_holding(model, config, max_pages, most, True, pool_shares)
         if pool is not None:
             its = f"its {pool[1]} pages"
             if pool_shares > 1:
@@ -324,7 +324,7 @@ def _one_request_fixes(
     return fixes
 
 
-def _pool_gb_holding(
+def pool_gb_holding(
     model: ModelConfig,
     config: EngineConfig,
     least: int,

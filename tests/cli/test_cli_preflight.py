@@ -477,6 +477,36 @@ def test_a_budget_with_no_room_beside_the_weights_is_refused_before_the_load(cli
     assert any("leave no room for the hot buffer" in p for p in problems), problems
 
 
+def test_a_host_pool_too_small_for_a_job_is_refused_before_the_load(cli, docs, monkeypatch):
+    """Fresh-user finding: ``hisparse run --host-pool 0.0001`` listed no problem under
+    --print-config; the run loaded the model, then failed the job "needs 26 KV pool pages
+    but the pool has 1 (host_pool_gb=0.0001)", exit 1, with no --host-pool that fits. The
+    pool's pages (host_pool_gb over a page of the model's shape) are now checked before the
+    load against the longest job (its prompt counted with the model's tokenizer), naming
+    the job and the --host-pool that fits it; --print-config lists it; that value runs."""
+    monkeypatch.setattr(runner_module, "load_tokenizer", REAL_LOAD_TOKENIZER)
+    (docs / "long.txt").write_text("Sorting lists of records by key, stably. " * 40)
+    args = ("docs/alpha.txt", "docs/long.txt", "--max-new-tokens", "4")
+    result = cli(*args, "--host-pool", "0.0001", engine=never_load)
+    assert result.exit_code == 2, result.output
+    err = " ".join(result.stderr.split())
+    pages = re.search(r"--host-pool 0.0001 holds (\d+) KV pool pages \(\d+ tokens\)", err)
+    assert pages, err
+    need = re.search(r"job 'long' \(and 1 more\) needs (\d+) \(a \d+-token prompt \+ "
+                     r"max_new_tokens 4, counted with the model's tokenizer", err)  # fmt: skip
+    assert need and int(need[1]) > int(pages[1]), err
+    fits = re.search(r"--host-pool ([\d.]+) fits it", err)[1]
+    assert 0.0001 < float(fits) <= 0.1, fits  # rounded up to few digits, not a round GiB
+    assert "loading model" not in result.stdout + result.stderr
+    shown = cli(*args, "--host-pool", "0.0001", "--print-config")
+    assert shown.exit_code == 0
+    assert any("fits it" in p for p in json.loads(shown.stdout)["problems"]), shown.stdout
+    ok = cli(*args, "--host-pool", fits, "--print-config")
+    assert "problems" not in json.loads(ok.stdout), ok.stdout
+    ran = cli(*args, "--host-pool", fits, engine=testing.fake_engine_factory())
+    assert ran.exit_code == 0, ran.output
+
+
 def test_truncate_with_no_room_for_the_document_is_refused_before_the_load(
     cli, docs, tmp_path, monkeypatch
 ):
