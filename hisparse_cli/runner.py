@@ -167,8 +167,22 @@ class UsageError(Exception):
     """The command line cannot work as given (exit 2)."""
 
 
+class RunRefused(UsageError):
+    """Every check of :func:`run_problems` that refuses the run, as ``--print-config``
+    lists them (``problems``, in its order): one ``error:`` line each (exit 2)."""
+
+    def __init__(self, problems: Sequence[str]):
+        super().__init__(problems[0])
+        self.problems = list(problems)
+
+
 class LoadConfigError(Exception):
-    """The model could not be loaded because of a setting, path or config (exit 2)."""
+    """The model could not be loaded because of a setting, path or config (exit 2);
+    ``problems``: each refusal found before the load (one ``error:`` line each)."""
+
+    def __init__(self, *problems: str):
+        super().__init__(*problems[:1])
+        self.problems = list(problems)
 
 
 @dataclass(frozen=True)
@@ -341,7 +355,7 @@ def fit_preset_host_pool(
     limit = host_pool_limit(avail, load)
     if config.host_pool_gb * 2**30 <= limit:
         return config, None
-    fit = max(0.25, int(limit / 2**30 * 4) / 4)
+    fit = fitted_pool_gb(limit)
     less = f" less the {load / 2**30:.1f} GiB the model load will take" if load else ""
     note = (
         f"host pool: the preset's {config.host_pool_gb:g} GiB cap is more than "
@@ -349,6 +363,11 @@ def fit_preset_host_pool(
         f"{less}; using {fit:g} GiB (--host-pool GB to choose)"
     )
     return dataclasses.replace(config, host_pool_gb=fit), note
+
+
+def fitted_pool_gb(limit: int) -> float:
+    """The host pool a cap cut to ``limit`` bytes becomes: whole 0.25 GiB, at least 0.25."""
+    return max(0.25, int(limit / 2**30 * 4) / 4)
 
 
 def _pool_on_host(config: EngineConfig) -> bool:
@@ -517,6 +536,10 @@ def execute(
             f"{len(exc.problems)} problem(s) in the engine settings; nothing was run:",
             exc.problems,
         )
+    except RunRefused as exc:  # one line each, as --print-config lists them
+        for problem in exc.problems:
+            _print_line(err_console, f"error: {problem}", "bold red")
+        return EXIT_USAGE
     except (UsageError, ConfigError) as exc:
         return _usage_failure(err_console, f"error: {exc}", [])
     except KeyboardInterrupt:
@@ -668,8 +691,9 @@ def prepare(request: RunRequest) -> tuple[Manifest, EngineConfig]:
     if notes:
         manifest = dataclasses.replace(manifest, warnings=(*manifest.warnings, *notes))
     if not request.print_config:  # it lists what they find instead (run_problems)
-        for check in run_checks(config, request, manifest):
-            check()
+        problems = collect_problems(run_checks(config, request, manifest))
+        if problems:  # refused: every problem --print-config lists, in its order
+            raise RunRefused(problems + load_problems(config, request, manifest)[0])
     return manifest, config
 
 
@@ -678,8 +702,9 @@ def run_checks(
 ) -> list[Callable[[], None]]:
     """The checks that refuse a run (exit 2, nothing written) once its jobs and config are
     resolved, in the order it makes them: each raises :class:`UsageError` (or a
-    :class:`ConfigError`). :func:`prepare` makes them for a run; ``--print-config`` lists
-    what every one of them finds (:func:`run_problems`), so the two cannot drift apart."""
+    :class:`ConfigError`). :func:`prepare` makes them all for a run and refuses it with
+    every problem found (:class:`RunRefused`); ``--print-config`` lists what every one of
+    them finds (:func:`run_problems`), so the two cannot drift apart."""
     flags, engine, output_dir = request.engine_overrides, manifest.engine, request.output_dir
     checks: list[Callable[[], None]] = [
         lambda: check_output_dir(output_dir),
@@ -1235,15 +1260,56 @@ def config_warnings(config: EngineConfig) -> list[str]:
 def run_problems(config: EngineConfig, request: RunRequest, manifest: Manifest) -> list[str]:
     """What would stop this run here, each in the words the run refuses it with:
     ``--print-config`` reports them (``problems``) since it skips the checks that refuse a
-    run (:func:`run_checks`, then the host pool and the memory budget the run checks just
-    before the load, and the host pool against the longest job)."""
-    counted: dict[str, int] = {}
-    checks = [
-        *run_checks(config, request, manifest),
-        lambda: check_host_pool(config, request.model),
-        lambda: check_memory_budget(config, request, manifest, counted=counted),
-        lambda: check_pool_pages(config, request, manifest, counted=counted),
-    ]
+    run (:func:`run_checks`, then :func:`load_problems`: the host pool and the memory
+    budget the run checks just before the load)."""
+    checks = collect_problems(run_checks(config, request, manifest))
+    return checks + load_problems(config, request, manifest)[0]
+
+
+def load_problems(
+    config: EngineConfig,
+    request: RunRequest,
+    manifest: Manifest,
+    specs: Sequence[Any] | None = None,
+    counted: dict[str, int] | None = None,
+) -> tuple[list[str], int | None]:
+    """What the run refuses just before the load, over ``specs`` (default: every job;
+    ``counted`` as :func:`job_tokens` keeps it): the host pool against the memory
+    available (:func:`check_host_pool`), the memory budget (:func:`check_memory_budget`)
+    and the host pool against the longest job (:func:`check_pool_pages`). Where the host
+    pool is refused, the other two are judged with the pool that fits (the cap cut as
+    :func:`fit_preset_host_pool` cuts a preset's), so their hints do not build on a pool
+    the run refuses. Returns ``(problems, the available host bytes read or None)``."""
+    problems, available, counted = [], None, {} if counted is None else counted
+    judged = ""  # where the pool that fits stands in for the refused one
+    try:
+        available = check_host_pool(config, request.model)
+    except Exception as exc:  # noqa: BLE001 - CacheFullError: not a ValueError
+        if not is_config_error(exc):
+            raise
+        problems.append(str(exc))
+        if isinstance(getattr(exc, "available", None), int):  # HostMemoryError
+            from engine.kv.sizing import host_pool_limit
+
+            load = (
+                0 if _declared_host_memory(config) else model_load_host_bytes(config, request.model)
+            )
+            fit = fitted_pool_gb(host_pool_limit(exc.available, load))
+            if fit < config.host_pool_gb:
+                judged = (
+                    f" (judged with host_pool_gb {fit:g}, the largest pool that fits, in "
+                    f"place of the refused {config.host_pool_gb:g})"
+                )
+                config = config.replace(host_pool_gb=fit)
+    found = collect_problems([
+        lambda: check_memory_budget(config, request, manifest, specs, counted),
+        lambda: check_pool_pages(config, request, manifest, specs, counted),
+    ])  # fmt: skip
+    return problems + [f"{problem}{judged}" for problem in found], available
+
+
+def collect_problems(checks: Sequence[Callable[[], None]]) -> list[str]:
+    """The message of each of ``checks`` that refuses the run, in their order."""
     problems = []
     for check in checks:
         try:
@@ -1847,10 +1913,12 @@ class BatchRun:
                 if not self.write_failed:  # tidying after a full disk: said already
                     self._stopped_writing(exc)
         removed = self._remove_unused_output_dir()
-        if config_error is not None:
-            return _usage_failure(
-                self.err_console, f"error: cannot load the model: {config_error}", []
-            )
+        if config_error is not None:  # one line each
+            for problem in config_error.problems:
+                _print_line(
+                    self.err_console, f"error: cannot load the model: {problem}", "bold red"
+                )
+            return EXIT_USAGE
         shown = f"{self.output_dir} (removed: nothing written)" if removed else str(self.output_dir)
         summary = summarize(self.tracker.state, self.clock(), shown, interrupted, self.preset_line)
         summary = dataclasses.replace(summary, refused=len(self.manifest.rejected))
@@ -2089,22 +2157,21 @@ class BatchRun:
         refused run warns of nothing it would have done (replacing earlier answers): the
         host pool against the memory available (load_engine checks it again), the memory
         budget against the jobs (the load's split; it checks again) and the host pool
-        against the longest job (the engine checks each job again).
+        against the longest job (the engine checks each job again): :func:`load_problems`.
 
         Raises
         ------
         LoadConfigError
-            Either does not fit (exit 2).
+            With every one that does not fit (exit 2).
         """
         specs = [job.spec for job in planned if job.status == RUN]
         if not specs:
             return
-        try:
-            self.host_available = check_host_pool(self.config, self.request.model)
-            check_memory_budget(self.config, self.request, self.manifest, specs, self.counted)
-            check_pool_pages(self.config, self.request, self.manifest, specs, self.counted)
-        except (UsageError, ConfigError, CacheFullError) as exc:
-            raise LoadConfigError(str(exc)) from exc
+        problems, self.host_available = load_problems(
+            self.config, self.request, self.manifest, specs, self.counted
+        )
+        if problems:
+            raise LoadConfigError(*problems)
 
     def _run_engine(self, pending: list[PlannedJob]) -> bool:
         """Load the engine and consume its events; return whether Ctrl-C was pressed."""

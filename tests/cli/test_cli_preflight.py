@@ -507,6 +507,37 @@ def test_a_host_pool_too_small_for_a_job_is_refused_before_the_load(cli, docs, m
     assert ran.exit_code == 0, ran.output
 
 
+def test_a_run_with_several_problems_reports_each_as_print_config_lists_them(
+    cli, docs, tmp_path, monkeypatch
+):
+    """Fresh-user finding: a run with an existing --trace file, a foreign config.json in
+    its output folder, --max-context above the model's, --host-pool 1000 and
+    --memory-budget 0.3 said only the --trace error; --print-config listed them all. The
+    run now says each, one error line, in --print-config's order, and exits 2. The
+    --memory-budget hint suggested a budget built on the refused 1000 GiB pool's page
+    metadata: it is now judged with the pool that fits (the cap cut to 90% of the memory,
+    as a preset's is), and says so."""
+    monkeypatch.setenv("HISPARSE_HOST_MEMORY_GB", "24")
+    (tmp_path / "existing_trace.jsonl").write_text("x\n")
+    (tmp_path / "o3").mkdir()
+    (tmp_path / "o3" / "config.json").write_text('{"mine": 1}\n')
+    args = ("--memory-budget", "0.3", "--trace", "existing_trace.jsonl",
+            "--max-context", "100000", "docs/alpha.txt", "-o", "o3")  # fmt: skip
+    shown = cli(*args, "--host-pool", "1000", "--print-config")
+    problems = json.loads(shown.stdout)["problems"]
+    assert len(problems) == 5, problems
+    result = cli(*args, "--host-pool", "1000", engine=never_load)
+    assert result.exit_code == 2, result.output
+    said = [" ".join(line.split()) for line in result.stderr.split("error: ")[1:]]
+    assert said == [" ".join(p.split()) for p in problems], result.stderr
+    (budget,) = [p for p in problems if p.startswith("memory_budget_gb=0.3")]
+    judged = " (judged with host_pool_gb 21.5, the largest pool that fits, in place of the "
+    assert budget.endswith(f"{judged}refused 1000)"), budget  # 90% of 24, 0.25 GiB steps
+    fitted = cli(*args, "--host-pool", "21.5", "--print-config")
+    assert budget.removesuffix(f"{judged}refused 1000)") in json.loads(fitted.stdout)["problems"]
+    assert not (tmp_path / "o3" / "results.jsonl").exists()
+
+
 def test_truncate_with_no_room_for_the_document_is_refused_before_the_load(
     cli, docs, tmp_path, monkeypatch
 ):
