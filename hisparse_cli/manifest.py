@@ -372,13 +372,26 @@ class UnmatchedInput:
 def _run_files(output_dir: Path | None) -> set[Path]:
     """The files every run writes in ``output_dir`` itself, resolved: ``config.json``,
     ``results.jsonl``, the lock file, ``batch_output.jsonl`` and the ``results.jsonl.partial``
-    files (``.partial.2`` ...) that there are; none without an output folder."""
+    files (``.partial.2`` ...) that there are; none without an output folder. A
+    ``config.json`` or ``results.jsonl`` that hisparse did not write
+    (:func:`hisparse_cli.settings.is_hisparse_config`,
+    :func:`hisparse_cli.results.is_hisparse_results`) is left out: it is no run file but a
+    file of the user's, which the run refuses to replace (and a job reading it fails)."""
     if output_dir is None:
         return set()
+    from hisparse_cli.results import is_hisparse_results
+    from hisparse_cli.settings import is_hisparse_config
+
     names = {*RUN_FILES, PARTIAL_FILE}
     with contextlib.suppress(OSError):
         for path in Path(output_dir).glob(glob.escape(PARTIAL_FILE) + ".*"):
             names |= {path.name} if path.suffix[1:].isdigit() else set()
+    for name, ours in ((CONFIG_FILE, is_hisparse_config), (RESULTS_FILE, is_hisparse_results)):
+        try:
+            if not ours((Path(output_dir) / name).read_bytes()):
+                names.discard(name)
+        except OSError:  # missing or unreadable: nothing of the user's to protect
+            pass
     return {(Path(output_dir) / name).resolve() for name in names}
 
 
