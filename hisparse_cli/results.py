@@ -120,6 +120,14 @@ def write_text_atomic(path: Path, text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
+def _write_synced(fd: int, data: bytes) -> None:
+    """Write ``data`` to the new file open on ``fd`` (closed here) and sync it to disk."""
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically and durably (as :func:`write_text_atomic`).
 
@@ -135,10 +143,7 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     except OSError as exc:
         raise WriteFailed(path, exc) from exc
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+        _write_synced(fd, data)
         os.replace(tmp, path)
     except BaseException as exc:
         with contextlib.suppress(OSError):
@@ -390,10 +395,7 @@ def _new_partial_file(folder: Path, data: bytes) -> Path:
         except OSError as exc:
             raise WriteFailed(path, exc) from exc
         try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
+            _write_synced(fd, data)
         except OSError as exc:  # a full disk: nothing moved, results.jsonl as it was
             with contextlib.suppress(OSError):
                 os.unlink(path)
