@@ -350,6 +350,11 @@ class EngineConfig:
         the compute of the other. Off by default; the ``h200`` presets turn it on (on an
         H200 it gains 4-7 % at 8-32 jobs since the small ops were fused; it lost before;
         docs/performance.md, "The small ops around attention").
+    decode_micro_batches: how many micro-batches ``decode_overlap`` splits a batch into
+        (at least 2; a batch of fewer rows runs one row each), each on a stream of its own
+        with its gathers taking turns on the link (``gather_turns``). More chains give
+        each chain's gathers more of the others' compute to hide behind, and read the
+        weights once more a step each (docs/performance.md, "Three micro-batches").
     async_decode: launch decode step t+1 before the host reads step t's tokens (greedy
         batches: the device feeds step t's argmax to step t+1), so the host's work between
         steps (stop checks, events, scheduling) overlaps the GPU's step instead of
@@ -489,6 +494,7 @@ class EngineConfig:
     skip_host_io: bool = False
     cuda_graph: bool = True
     decode_overlap: bool = False
+    decode_micro_batches: int = 2
     async_decode: bool | None = None
     eviction: str = "lru"
     kv_host_dtype: str = "bf16"
@@ -770,6 +776,10 @@ def _at_least_one(value: Any) -> str | None:
     return None if ok else f"must be a number >= 1, got {value!r}"
 
 
+def _at_least_two(value: Any) -> str | None:
+    return None if _is_int(value) and value >= 2 else f"must be an integer >= 2, got {value!r}"
+
+
 def _non_negative(value: Any) -> str | None:
     return None if _is_int(value) and value >= 0 else f"must be an integer >= 0, got {value!r}"
 
@@ -843,6 +853,7 @@ SETTING_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "skip_host_io": _flag,
     "cuda_graph": _flag,
     "decode_overlap": _flag,
+    "decode_micro_batches": _at_least_two,
     "async_decode": _flag_or_none,
     "eviction": _choice(EVICTION_POLICIES),
     "kv_host_dtype": _choice(KV_HOST_DTYPES),

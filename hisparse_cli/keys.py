@@ -42,6 +42,7 @@ OUTPUT_NEUTRAL_SETTINGS = frozenset(
         "prefetch_pages",
         "cuda_graph",
         "decode_overlap",
+        "decode_micro_batches",
         "async_decode",
         "host_pool_gb",
         "memory_budget_gb",

@@ -63,9 +63,15 @@ def width_bucket(pages: int, limit: int) -> int:
     return max(min(w, limit), pages)
 
 
-def split_plan(plan: StepPlan, half: int) -> tuple[StepPlan, StepPlan]:
-    """``plan`` as two plans over rows ``[:half]`` and ``[half:]`` (views: the counters
-    of each half are written through into ``plan``'s)."""
+def split_plan(plan: StepPlan, parts: int) -> list[StepPlan]:
+    """``plan`` as ``parts`` plans over contiguous row groups, the first ones one row
+    larger where ``B`` does not divide (``B = 5, parts = 2``: rows ``[:3]`` and ``[3:]``);
+    fewer when ``B < parts`` (one row each). Views: each group's counters are written
+    through into ``plan``'s."""
+    b = len(plan.seq_ids)
+    parts = max(1, min(parts, b))
+    bounds = [(i * b + parts - 1) // parts for i in range(parts)]  # ceil(i * B / parts)
+    bounds.append(b)
 
     def rows(sl: slice) -> StepPlan:
         return StepPlan(
@@ -79,10 +85,10 @@ def split_plan(plan: StepPlan, half: int) -> tuple[StepPlan, StepPlan]:
             hits=plan.hits[sl] if plan.hits is not None else None,
             misses=plan.misses[sl] if plan.misses is not None else None,
             prefetched=plan.prefetched[sl] if plan.prefetched is not None else None,
-            row0=plan.row0 + (sl.start or 0),
+            row0=plan.row0 + sl.start,
         )
 
-    return rows(slice(0, half)), rows(slice(half, None))
+    return [rows(slice(lo, hi)) for lo, hi in zip(bounds, bounds[1:], strict=False)]
 
 
 def table_width(cache, seq_ids: list[int]) -> int:
@@ -138,7 +144,7 @@ class DecodeGraphs:
         self.disabled_reason = ""
         self.captures = 0
         self.replays = 0
-        self._side: torch.cuda.Stream | None = None
+        self._sides: list[torch.cuda.Stream] = []
         self._capture_stream: torch.cuda.Stream | None = None
         self.keep_capture = bool(engine.config.audit_steps)
         # The last launch's (cache layer, row0, q, selection) per layer (keep_capture):
@@ -312,8 +318,9 @@ class DecodeGraphs:
         logits, greedy tokens and, with :attr:`keep_capture`, the per-layer queries and
         selections (:attr:`engine.decode.attention.DecodeAttention.capture`; else ``[]``).
 
-        With :attr:`overlap` the batch runs as two micro-batches, the second on a side
-        stream (:meth:`engine.serve.engine.Engine.decode_batch`).
+        With :attr:`overlap` the batch runs as ``decode_micro_batches`` micro-batches,
+        each after the first on a side stream of its own
+        (:meth:`engine.serve.engine.Engine.decode_batch`).
         """
         eng = self.engine
         m, cache = eng.model, eng.cache
@@ -340,10 +347,10 @@ class DecodeGraphs:
         e.hits.zero_()
         e.misses.zero_()
         e.prefetched.zero_()
-        side = self._side_stream() if m.device.type == "cuda" and self.overlap else None
+        sides = self._side_streams() if m.device.type == "cuda" and self.overlap else None
         eng.attn.capture = [] if self.keep_capture else None
         try:
-            h = eng.decode_batch(plan, m.embed_tokens(tokens), self.overlap, side)
+            h = eng.decode_batch(plan, m.embed_tokens(tokens), self.overlap, sides)
             refs = eng.attn.capture or []
         finally:
             eng.attn.capture = None
@@ -357,14 +364,16 @@ class DecodeGraphs:
 
     @property
     def overlap(self) -> bool:
-        """Whether steps run as two overlapping micro-batches (see :meth:`_forward`)."""
+        """Whether steps run as overlapping micro-batches (see :meth:`_forward`)."""
         eng = self.engine
         return self.split or (self.capture and eng.split_batches)
 
-    def _side_stream(self) -> torch.cuda.Stream:
-        if self._side is None:
-            self._side = torch.cuda.Stream(device=self.engine.model.device)
-        return self._side
+    def _side_streams(self) -> list[torch.cuda.Stream]:
+        """One side stream per micro-batch after the first, made once."""
+        want = self.engine.config.decode_micro_batches - 1
+        while len(self._sides) < want:
+            self._sides.append(torch.cuda.Stream(device=self.engine.model.device))
+        return self._sides[:want]
 
     def _warm_and_capture(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor, list]:
         """Run the step eagerly on a side stream (its results are this step's), then

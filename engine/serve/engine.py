@@ -896,46 +896,54 @@ class Engine:
 
     @torch.inference_mode()
     def decode_batch(
-        self, plan: StepPlan, h: torch.Tensor, split: bool, side: torch.cuda.Stream | None = None
+        self,
+        plan: StepPlan,
+        h: torch.Tensor,
+        split: bool,
+        sides: list[torch.cuda.Stream] | None = None,
     ) -> torch.Tensor:
-        """:meth:`decode_layers` for ``plan``'s batch, as two micro-batches when ``split``
-        (and B >= 2): rows ``[:ceil(B/2)]`` and the rest, each a chain through every layer.
-        With a ``side`` stream the second chain runs there, beside the first: the GPU then
-        overlaps one chain's gathers (waiting on the host link) with the other's compute.
-        With ``gather_turns`` (hierarchical) the chains are issued layer by layer and
-        their gathers take turns on the link (:class:`engine.decode.attention.LinkTurns`).
-        The halves own disjoint slabs, pages and counter rows, so they share no writable
-        state; each row's result does not depend on the split.
+        """:meth:`decode_layers` for ``plan``'s batch ``h [B, H]`` -> ``[B, H]``; when
+        ``split`` (and B >= 2), as ``decode_micro_batches`` micro-batches of contiguous
+        rows (:func:`engine.decode.cuda_graph.split_plan`), each a chain through every
+        layer. With ``sides`` (one CUDA stream per micro-batch after the first) the chains
+        run beside each other: the GPU then overlaps one chain's gathers (waiting on the
+        host link) with the others' compute. With ``gather_turns`` (hierarchical) the
+        chains are issued layer by layer, round robin, and their gathers take turns on
+        the link (:class:`engine.decode.attention.LinkTurns`). The micro-batches own
+        disjoint slabs, pages and counter rows, so they share no writable state; each
+        row's result does not depend on the split.
         """
         b = len(plan.seq_ids)
         if not split or b < 2:
             return self.decode_layers(plan, h)
-        half = (b + 1) // 2
-        first, second = split_plan(plan, half)
-        if side is None:
-            h1 = self.decode_layers(first, h[:half])
-            h2 = self.decode_layers(second, h[half:])
-            return torch.cat([h1, h2])
+        groups = split_plan(plan, self.config.decode_micro_batches)
+        hs = list(torch.split(h, [len(g.seq_ids) for g in groups]))
+        if sides is None:
+            return torch.cat([self.decode_layers(g, x) for g, x in zip(groups, hs, strict=True)])
         main = torch.cuda.current_stream()
-        side.wait_stream(main)
+        streams = [main, *sides[: len(groups) - 1]]
+        for side in streams[1:]:
+            side.wait_stream(main)
         if not (self.config.gather_turns and self.cache.hierarchical):
-            with torch.cuda.stream(side):
-                h2 = self.decode_layers(second, h[half:])
-            h1 = self.decode_layers(first, h[:half])
-        else:  # issued layer by layer, so each gather can wait for the other chain's
-            first.link_turns = second.link_turns = LinkTurns()
-            h1, h2 = h[:half], h[half:]
+            for i in range(len(groups) - 1, -1, -1):  # the main stream's chain issued last
+                with torch.cuda.stream(streams[i]):
+                    hs[i] = self.decode_layers(groups[i], hs[i])
+        else:  # issued layer by layer, so each gather can wait for the previous chain's
+            turns = LinkTurns()
+            for g in groups:
+                g.link_turns = turns
             try:
                 for layer in self.model.layer_range:
-                    with torch.cuda.stream(side):
-                        h2 = self.decode_layer(second, layer, h2)
-                    h1 = self.decode_layer(first, layer, h1)
+                    for i in range(len(groups) - 1, -1, -1):
+                        with torch.cuda.stream(streams[i]):
+                            hs[i] = self.decode_layer(groups[i], layer, hs[i])
             finally:  # each chain's late pool writes and prefetches land on its stream
-                with torch.cuda.stream(side):
-                    self.cache.join_late()
-                self.cache.join_late()
-        main.wait_stream(side)
-        return torch.cat([h1, h2])
+                for stream in reversed(streams):
+                    with torch.cuda.stream(stream):
+                        self.cache.join_late()
+        for side in streams[1:]:
+            main.wait_stream(side)
+        return torch.cat(hs)
 
     @torch.inference_mode()
     def decode_layers(self, plan: StepPlan, h: torch.Tensor) -> torch.Tensor:

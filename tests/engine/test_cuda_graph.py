@@ -79,6 +79,10 @@ MODES = {
         attention="sparse", top_k=128, device_buffer=160, local_window=32, decode_overlap=True,
         kv_host_dtype="fp8", hot_buffer_dtype="fp8",
     ),  # fmt: skip
+    "hierarchical-fp8-three-streams": dict(
+        attention="sparse", top_k=128, device_buffer=160, local_window=32, decode_overlap=True,
+        decode_micro_batches=3, kv_host_dtype="fp8",
+    ),  # fmt: skip
     "sparse-resident": dict(attention="sparse", hierarchical=False, top_k=128),
     "dense": dict(attention="dense"),
 }
@@ -89,9 +93,9 @@ def test_graph_replay_equals_eager(model, mode):
     eager = _engine(model, False, **MODES[mode])
     graph = _engine(model, True, **MODES[mode])
     assert eager.graphs is None and graph.graphs is not None, graph.graphs_off_reason
-    # Two micro-batches on two streams exactly when the hierarchy runs with decode_overlap
-    # (the eager engine splits the same way, one half after the other).
-    assert graph.graphs.overlap == mode.endswith("two-streams") == eager.split_batches
+    # Micro-batches on their streams exactly when the hierarchy runs with decode_overlap
+    # (the eager engine splits the same way, one micro-batch after the other).
+    assert graph.graphs.overlap == mode.endswith("-streams") == eager.split_batches
     gen = torch.Generator().manual_seed(0)
     lengths = [300, 1000, 2100, 45]
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in lengths]
