@@ -42,7 +42,14 @@ def _plan(b: int) -> StepPlan:
 
 @pytest.mark.parametrize(
     "b,parts,sizes",
-    [(5, 2, [3, 2]), (7, 3, [3, 2, 2]), (6, 3, [2, 2, 2]), (2, 3, [1, 1]), (1, 2, [1]), (4, 4, [1, 1, 1, 1])],
+    [
+        (5, 2, [3, 2]),
+        (7, 3, [3, 2, 2]),
+        (6, 3, [2, 2, 2]),
+        (2, 3, [1, 1]),
+        (1, 2, [1]),
+        (4, 4, [1, 1, 1, 1]),
+    ],
 )
 def test_split_plan_groups_contiguous_rows(b, parts, sizes):
     """Contiguous groups, the first ones larger, no more groups than rows; each group's
@@ -110,7 +117,9 @@ def test_static_micro_batches_equal_the_eager_ones(micro_batches, rows):
     by a small hot buffer. (The unsplit step's logits differ from these in the last bits
     on the CPU: the products' blocking depends on the rows.)"""
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(5, 40000, (n,), generator=g).tolist() for n in (300, 211, 400, 120, 260)]
+    prompts = [
+        torch.randint(5, 40000, (n,), generator=g).tolist() for n in (300, 211, 400, 120, 260)
+    ]
     cfg = dict(decode_overlap=True, decode_micro_batches=micro_batches)
     eager = _decode(make(**cfg), prompts, 12)
     static = _decode(make(**cfg), prompts, 12, static=True)
@@ -119,7 +128,9 @@ def test_static_micro_batches_equal_the_eager_ones(micro_batches, rows):
         assert a[4] == b[4] == list(rows[step >= 6]), f"split at step {step}"
         assert a[0] == b[0], f"tokens differ at step {step}"
         assert torch.equal(a[1], b[1]), f"logits differ at step {step}"
-        assert torch.equal(a[2], b[2]) and torch.equal(a[3], b[3]), f"traffic differs at step {step}"
+        assert torch.equal(a[2], b[2]) and torch.equal(a[3], b[3]), (
+            f"traffic differs at step {step}"
+        )
         misses += int(b[3].sum())
     assert misses > 0
 
