@@ -1565,15 +1565,39 @@ def check_request(request: RunRequest) -> None:
 
 def check_output_dir(output_dir: Path) -> None:
     """Raise :class:`UsageError` when the run could not write its files in ``output_dir``:
-    not a folder, not writable, not makeable, one of its own files a folder, no lock
-    file can be made there (:func:`lock_file_problem`), or its ``results.jsonl`` cannot
-    be opened for writing (:func:`results_file_problem`). One of :func:`run_checks`, so
-    ``--print-config`` lists it as it does the others."""
+    not a folder, not writable, not makeable, one of its own files a folder
+    (:func:`check_output_folder`), no lock file can be made there
+    (:func:`lock_file_problem`), or its ``results.jsonl`` cannot be opened for writing
+    (:func:`results_file_problem`). One of :func:`run_checks`, so ``--print-config`` lists
+    it as it does the others."""
+    check_output_folder(output_dir, (RESULTS_FILE, CONFIG_FILE, LOCK_FILE), probe=False)
+    if output_dir.is_dir():  # writable by os.access, yet (root in /sys) no file
+        problem = lock_file_problem(output_dir)
+        if problem:
+            raise UsageError(f"--output-dir {escaped(str(output_dir))} is not writable: {problem}")
+        problem = results_file_problem(output_dir)
+        if problem:
+            raise UsageError(problem)
+
+
+def check_output_folder(
+    output_dir: Path,
+    files: Sequence[str],
+    option: str = "--output-dir",
+    writer: str = "a run",
+    probe: bool = True,
+) -> None:
+    """Raise :class:`UsageError` when ``writer`` (a run, eval, bench) could not write its
+    ``files`` in the folder ``output_dir`` (given as ``option``), before any work: it
+    exists and is not a folder, is not writable, cannot be made (the nearest existing
+    folder above it is not writable or takes no new folders: :func:`folder_probe_problem`),
+    or one of ``files`` there is a folder. With ``probe``, an existing folder must also
+    take a new entry (``os.access`` says yes to root in ``/proc``)."""
     shown = escaped(str(output_dir))
     if output_dir.exists() and not output_dir.is_dir():
-        raise UsageError(f"--output-dir {shown} exists and is not a directory")
+        raise UsageError(f"{option} {shown} exists and is not a directory")
     if output_dir.is_dir() and not os.access(output_dir, os.W_OK | os.X_OK):
-        raise UsageError(f"--output-dir {shown} is not writable")
+        raise UsageError(f"{option} {shown} is not writable")
     if not output_dir.exists():  # the run makes it
         parent = output_dir.absolute().parent
         while not parent.exists() and parent != parent.parent:
@@ -1585,20 +1609,52 @@ def check_output_dir(output_dir: Path) -> None:
             why = folder_probe_problem(parent)  # (/proc, /sys): make one, removed at once
         if why:
             raise UsageError(f"cannot create output dir {shown}: {escaped(str(parent))} {why}")
-    for name in (RESULTS_FILE, CONFIG_FILE, LOCK_FILE):  # a folder there: a traceback before
+    for name in files:  # a folder there: a traceback before
         own = output_dir / name
         if own.exists() and not own.is_file():
             raise UsageError(
-                f"{escaped(str(own))} is not a regular file (a folder?); a run writes its {name} "
-                "there: move it away or choose another --output-dir"
+                f"{escaped(str(own))} is not a regular file (a folder?); {writer} writes its "
+                f"{name} there: move it away or choose another {option}"
             )
-    if output_dir.is_dir():  # writable by os.access, yet (root in /sys) no file
-        problem = lock_file_problem(output_dir)
-        if problem:
-            raise UsageError(f"--output-dir {shown} is not writable: {problem}")
-        problem = results_file_problem(output_dir)
-        if problem:
-            raise UsageError(problem)
+    if probe and output_dir.is_dir():
+        why = folder_probe_problem(output_dir)
+        if why:
+            raise UsageError(f"{option} {shown} is not writable: it {why}")
+
+
+def check_no_earlier_results(
+    output_dir: Path, report: str, option: str, writer: str, force: bool
+) -> None:
+    """Raise :class:`UsageError` when ``output_dir`` holds ``report`` (an earlier eval's
+    ``eval.json``, bench's ``bench.json``) and ``force`` is off: ``writer`` would replace
+    it, and its plots, without a word (``--force`` lets it)."""
+    path = output_dir / report
+    if os.path.lexists(path) and not force:
+        raise UsageError(
+            f"{escaped(str(path))} holds the results of an earlier {writer}; give --force to "
+            f"replace them, or choose another {option}"
+        )
+
+
+def check_new_file(path: Path, option: str) -> None:
+    """Raise :class:`UsageError` when no file ``path`` (given as ``option``) can be made:
+    missing folders are made when it is written, so the nearest existing one must be a
+    writable folder that takes a new file (tried: ``os.access`` says yes to root
+    everywhere, ``/proc`` too)."""
+    shown = escaped(str(path))
+    parent = path.parent if str(path.parent) else Path(".")
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{option} {shown}: {escaped(str(parent))} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {shown}: not writable")
+    try:  # try a file there, then drop it
+        fd, probe = tempfile.mkstemp(prefix=".hisparse-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(f"{option} {shown}: not writable ({exc.strerror or exc})") from None
 
 
 def folder_probe_problem(parent: Path) -> str | None:
@@ -1635,19 +1691,7 @@ def check_trace_path(config: EngineConfig) -> None:
                 f"--trace {shown}: {escaped(str(name))} already exists; a trace never replaces "
                 "a file (remove it or choose another name)"
             )
-    parent = path.parent if str(path.parent) else Path(".")
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UsageError(f"--trace {shown}: {escaped(str(parent))} is not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"--trace {shown}: not writable")
-    try:  # os.access says yes to root everywhere (/proc too): try a file there, then drop it
-        fd, probe = tempfile.mkstemp(prefix=".hisparse-trace-probe-", dir=parent)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise UsageError(f"--trace {shown}: not writable ({exc.strerror or exc})") from None
+    check_new_file(path, "--trace")
 
 
 def _usage_failure(err_console: Console, headline: str, problems: list) -> int:
