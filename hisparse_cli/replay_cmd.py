@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
@@ -19,6 +20,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+from hisparse_cli import options as opt
+from hisparse_cli.display import escaped
+from hisparse_cli.textio import input_identity
 
 if TYPE_CHECKING:
     from engine.measure.replay import ReplayResult
@@ -76,8 +81,22 @@ PolicyOpt = Annotated[
 ]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the random policy.")]
 JsonOutOpt = Annotated[
-    Path | None, typer.Option("--json", metavar="FILE", help="Also write the results as JSON to FILE.")
+    Path | None,
+    typer.Option(
+        "--json",
+        metavar="FILE",
+        help="Also write the results as JSON to FILE (a new file).",
+        rich_help_panel=opt.OUTPUT,
+    ),
 ]
+ForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force/--no-force", metavar="", show_default=False,
+        help="Replace an existing --json FILE (never one of the TRACES).",
+        rich_help_panel=opt.OUTPUT,
+    ),
+]  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:
@@ -92,10 +111,11 @@ def replay_command(
     policy: PolicyOpt = None,
     seed: SeedOpt = 0,
     json_out: JsonOutOpt = None,
+    force: ForceOpt = False,
 ) -> None:
     """Replay TRACES (the files of one run) through LRU, FIFO, random and Bélády at each hot-buffer size.
 
-    Miss rate = misses / selected pages; "warm" leaves out cold misses (first selection of a page).
+    Miss rate = misses / selected pages; "warm" leaves out cold misses (first selection of a page). --json never replaces a file unless --force, and never one of the TRACES; it is checked before anything is replayed (exit 2).
 
     Example: `hisparse replay trace.jsonl --buffer-multiple 1,2,4 --json out.json`
     """
@@ -107,6 +127,8 @@ def replay_command(
     if unknown:
         _refuse(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
     multiples = _multiples(buffer_multiple)
+    if json_out is not None:
+        _check_json_out(json_out, traces, force)
     try:
         header, records = read_traces(traces)
         if not multiples and not device_buffer_pages:
@@ -126,7 +148,54 @@ def replay_command(
             "seed": seed,
             "results": [r.to_dict() for r in results],
         }
-        json_out.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+        _write_json(json_out, json.dumps(payload, indent=2) + "\n")
+
+
+def _check_json_out(path: Path, traces: list[Path], force: bool) -> None:
+    """Refuse (exit 2) a ``--json`` FILE that cannot be written, before any work: a
+    folder, one of the ``traces`` (the results would destroy their input, ``--force``
+    or not), an existing file without ``force``, or a place where no file can be made
+    (:func:`~hisparse_cli.runner.check_new_file`, as ``run --trace`` checks its file)."""
+    from hisparse_cli.runner import UsageError, check_new_file
+
+    shown = escaped(str(path))
+    if path.is_dir():
+        _refuse(f"--json {shown} is a directory; give a file name")
+    if any(_same_file(path, trace) for trace in traces):
+        _refuse(
+            f"--json {shown} is one of the traces replayed; the results never replace "
+            "their input (--force neither): choose another name"
+        )
+    if os.path.lexists(path) and not force:
+        _refuse(
+            f"--json {shown} already exists; give --force to replace it, or choose another name"
+        )
+    try:
+        check_new_file(path, "--json")
+    except UsageError as exc:
+        _refuse(str(exc))
+
+
+def _same_file(path: Path, trace: Path) -> bool:
+    """Whether ``path`` names the file ``trace`` (the same path resolved, or a hard link)."""
+    if input_identity(path) == input_identity(trace):
+        return True
+    try:
+        return os.path.samefile(path, trace)
+    except OSError:  # no such file
+        return False
+
+
+def _write_json(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (a temporary file renamed into place);
+    missing folders are made. A failure is one error line naming the file, exit 1."""
+    from hisparse_cli.results import write_text_atomic
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, text)
+    except OSError as exc:
+        _refuse(f"cannot write --json {escaped(str(path))} ({exc.strerror or exc})", 1)
 
 
 def render_table(header: TraceHeader, results: list[ReplayResult]) -> Table:
@@ -176,7 +245,7 @@ def _multiples(values: list[str] | None) -> list[float]:
     return multiples
 
 
-def _refuse(message: str) -> NoReturn:
+def _refuse(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     error = Text.assemble(("error:", "red"), " ", message)  # message as plain text, not markup
     Console(stderr=True, soft_wrap=True).print(error, highlight=False)
-    raise typer.Exit(EXIT_BAD_INPUT)
+    raise typer.Exit(code)
