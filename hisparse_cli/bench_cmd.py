@@ -109,6 +109,13 @@ TimeLimitOpt = Annotated[
     typer.Option(help="Skip runs not started within this many seconds.", rich_help_panel=BENCH),
 ]
 OutOpt = Annotated[Path, typer.Option("--out", help="Output folder (bench.json, PNG plots).")]
+ForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force/--no-force", metavar="", show_default=False,
+        help="Replace an earlier bench's bench.json and plots in OUT.",
+    ),
+]  # fmt: skip
 CorpusTokensOpt = Annotated[
     Path | None,
     typer.Option(
@@ -207,12 +214,13 @@ def bench_command(
     corpus_tokens: CorpusTokensOpt = None,
     write_corpus_tokens: WriteCorpusTokensOpt = None,
     replot: ReplotOpt = False,
+    force: ForceOpt = False,
 ) -> None:
     """Decode throughput vs concurrency for each KV mode under one memory budget.
 
     Example: `hisparse bench --model synthetic:qwen2.5-7b --contexts 32K,128K --concurrency 1,2,4,8 --memory-budget 48 --decode-steps 32 --out bench-out --soak 2000`
 
-    Writes OUT/bench.json (rewritten after every run), OUT/throughput_<context>.png and OUT/soak_step_latency.png. Exit code 2 on bad arguments.
+    Writes OUT/bench.json (rewritten after every run), OUT/throughput_<context>.png and OUT/soak_step_latency.png; an OUT holding an earlier bench.json is refused unless --force, which removes its plots before the new run starts. Exit code 2 on bad arguments, found before the model loads.
     """
     guard_std_streams(f"{STDOUT_CLOSED}; results: {out / 'bench.json'}")
     from engine.capacity.planner import parse_context
@@ -223,7 +231,12 @@ def bench_command(
     from engine.weights.gguf import GGUFError
     from engine.weights.hf import HFModelError
     from hisparse_cli import bench_plots
-    from hisparse_cli.runner import UsageError, check_model_path
+    from hisparse_cli.runner import (
+        UsageError,
+        check_model_path,
+        check_no_earlier_results,
+        check_output_folder,
+    )
 
     if write_corpus_tokens is not None:
         typer.echo(f"wrote {bench_kv.write_corpus_tokens(write_corpus_tokens)}")
@@ -285,9 +298,14 @@ def bench_command(
             synthetic_shape(model)  # an unknown name raises ValueError listing the known ones
         else:
             check_model_path(model)  # as `hisparse run`: a missing path, not a GGUF file
+        check_output_folder(out, (bench_report.REPORT_FILE,), "--out", "bench")  # as run's
+        check_no_earlier_results(out, bench_report.REPORT_FILE, "--out", "bench", force)
     except (ConfigError, ValueError, UsageError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
+    removed = bench_plots.remove_plots(out) if force else []
+    if removed:
+        typer.echo(f"removed the earlier bench's plots (--force): {', '.join(removed)}")
     try:
         report = bench.run_bench(spec, log=typer.echo)
     except (ConfigError, FileNotFoundError) as exc:

@@ -5,6 +5,7 @@ concurrency per context, and the soak's step latency. Drawn by the CLI after
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -91,11 +92,30 @@ def plot_soak(soak: dict[str, Any] | None, out_dir: Path) -> Path | None:
         fontsize=9,
     )
     ax.legend(fontsize=8)
-    path = out_dir / "soak_step_latency.png"
+    path = out_dir / SOAK_PLOT
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+SOAK_PLOT = "soak_step_latency.png"
+PLOT_NAME = re.compile(r"throughput_\d+[KM]?\.png|" + re.escape(SOAK_PLOT))
+"""The names of the plots bench draws (:func:`plot_throughput`, :func:`plot_soak`)."""
+
+
+def remove_plots(out_dir: Path) -> list[str]:
+    """Remove the plots an earlier bench drew in ``out_dir`` (files named as
+    :data:`PLOT_NAME`; nothing else), so that a new run (``--force``) leaves none that
+    its ``bench.json`` does not name. Returns their names, sorted."""
+    if not out_dir.is_dir():
+        return []
+    removed = []
+    for path in sorted(out_dir.iterdir()):
+        if PLOT_NAME.fullmatch(path.name) and path.is_file() and not path.is_symlink():
+            path.unlink()
+            removed.append(path.name)
+    return removed
 
 
 def make_plots(report: dict[str, Any], out_dir: Path) -> list[str]:

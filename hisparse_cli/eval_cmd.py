@@ -111,6 +111,13 @@ OutputDirOpt = Annotated[
         help="Folder for eval.json and eval.png.",
     ),
 ]
+ForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force/--no-force", metavar="", show_default=False,
+        help="Replace an earlier eval's eval.json and eval.png in OUTPUT_DIR.",
+    ),
+]  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:
@@ -129,6 +136,7 @@ def eval_command(
     seed: SeedOpt = 0,
     max_new_tokens: MaxNewOpt = None,
     output_dir: OutputDirOpt = Path(DEFAULT_OUTPUT_DIR),
+    force: ForceOpt = False,
     preset: opt.Preset = "auto",
     max_batch: opt.MaxBatch = None,
     context_policy: EvalContextPolicy = None,
@@ -144,7 +152,7 @@ def eval_command(
 
     Example: `hisparse eval --lengths 2K,4K --tasks niah_single,niah_multikey --configs dense,sparse,top_k=512`
 
-    Every configuration answers the same prompts (prefilled once, decoded as a batch per configuration); scores are RULER's string match (share of expected values in the answer). Writes OUTPUT_DIR/eval.json and OUTPUT_DIR/eval.png and prints the table.
+    Every configuration answers the same prompts (prefilled once, decoded as a batch per configuration); scores are RULER's string match (share of expected values in the answer). Writes OUTPUT_DIR/eval.json and OUTPUT_DIR/eval.png and prints the table; an OUTPUT_DIR holding an earlier eval.json is refused unless --force.
 
     Lengths over the model's context are skipped unless --context-policy extend (RoPE scaling; the limit defaults to the longest length). Exit code 2 on bad arguments, found before the model loads; 130 on Ctrl-C (nothing is written before every configuration has run).
     """
@@ -156,10 +164,13 @@ def eval_command(
         from engine.measure import fidelity, ruler
         from engine.presets import resolve_config
         from hisparse_cli.bench_cmd import _chosen_preset
+        from hisparse_cli.eval_report import HEATMAP_FILE
         from hisparse_cli.runner import (
             UsageError,
             check_encoding,
             check_model_path,
+            check_no_earlier_results,
+            check_output_folder,
             with_free_threads,
         )
 
@@ -217,6 +228,11 @@ def eval_command(
             if note:
                 typer.echo(note)
             _unique("--configs", config_list, lambda c: c.engine_config(base), "settings")
+            try:  # as `hisparse run` checks its folder: before the model loads
+                check_output_folder(output_dir, (REPORT_FILE, HEATMAP_FILE), writer="eval")
+                check_no_earlier_results(output_dir, REPORT_FILE, "--output-dir", "eval", force)
+            except UsageError as exc:
+                raise ValueError(str(exc)) from None
             texts = _read_haystack(docs or [], encoding, errors, allow_binary, output_dir)
             if model is not None and not model.startswith("synthetic:"):
                 try:  # as `hisparse run` checks it: a missing path, a FIFO (it hung), a file
@@ -308,6 +324,8 @@ def _write(report, output_dir: Path, written: list[Path]) -> None:
     path = eval_report.write_report(report, output_dir, REPORT_FILE)
     written.append(path)
     note = eval_report.heatmap(report, output_dir / eval_report.HEATMAP_FILE)
+    if note:  # no heatmap drawn: an earlier eval's (--force) would disagree with eval.json
+        (output_dir / eval_report.HEATMAP_FILE).unlink(missing_ok=True)
     Console().print(eval_report.accuracy_table(report))
     typer.echo(
         f"wrote {path}" + (f"; {note}" if note else f", {output_dir / eval_report.HEATMAP_FILE}")

@@ -27,7 +27,8 @@
 # DEVICE_BUFFER sets the hot buffer in tokens per (job, layer, KV head) (default: the h200
 # preset's 4096 = 2 x top_k; the dual4090 preset uses 8192). KV_HOST_DTYPE=fp8 stores the
 # host pool as fp8 records (kv_host_dtype; default bf16): about twice the jobs per host GiB.
-# Files back: bench.json, bench.log, gpu.txt and the PNG plots.
+# Files back: bench.json, bench.log, gpu.txt and the PNG plots. A rerun into the same OUT
+# replaces them all (bench --force: the earlier plots are removed first).
 #
 # On virtual machines whose memory grows on demand (MemAvailable reads far less than the
 # machine has), HOST_MEMORY_GB declares the real size (HISPARSE_HOST_MEMORY_GB).
@@ -82,7 +83,7 @@ case "$SCENARIO" in
 esac
 
 timeout "${TIMEOUT:-570}" "$PY" -m hisparse_cli.bench_cmd \
-  --out "$OUT" --model "$MODEL" --preset h200 --memory-budget 48 \
+  --out "$OUT" --force --model "$MODEL" --preset h200 --memory-budget 48 \
   --contexts "$CONTEXTS" --concurrency "$LEVELS" \
   --modes "${MODES:-dense,sparse,hierarchical,noio}" \
   --decode-steps "${STEPS:-16}" --warmup-steps 3 --profile-steps 2 \

@@ -217,8 +217,8 @@ def test_eval_says_on_stderr_that_ctrl_c_stopped_it_and_what_was_written(tmp_pat
     assert "earlier run" not in err and not (out / "eval.json").exists()
 
     out.mkdir()
-    (out / "eval.json").write_text("{}\n")  # an earlier run's
-    result = run_eval(tmp_path)
+    (out / "eval.json").write_text("{}\n")  # an earlier run's, replaced only with --force
+    result = run_eval(tmp_path, "--force")
     assert result.exit_code == 130
     err = " ".join(result.stderr.split())
     assert "the eval.json there is an earlier run's, left as it was" in err
@@ -226,7 +226,7 @@ def test_eval_says_on_stderr_that_ctrl_c_stopped_it_and_what_was_written(tmp_pat
 
     monkeypatch.setattr(eval_cmd, "_run", lambda *args: {"configs": [], "table": []})
     monkeypatch.setattr(eval_report, "heatmap", interrupted)  # Ctrl-C after eval.json
-    result = run_eval(tmp_path)
+    result = run_eval(tmp_path, "--force")
     assert result.exit_code == 130
     err = " ".join(result.stderr.split())
     assert f"interrupted (Ctrl-C) after writing {out / 'eval.json'}" in err

@@ -66,7 +66,7 @@ def test_eval_table_and_answers_equal_engine_runs(tiny, tmp_path):
             assert answer["text"] == texts[row["id"]], (c.name, row["id"])
             assert answer["score"] == ruler.score(row["expected"], answer["text"])
 
-    r = CliRunner().invoke(app, [*args, "--lengths", "4K"], catch_exceptions=False)
+    r = CliRunner().invoke(app, [*args, "--lengths", "4K", "--force"], catch_exceptions=False)
     assert r.exit_code == 2 and "no length fits" in r.output and "extend" in r.output
 
 

@@ -1,7 +1,7 @@
-"""Fresh-user findings on the files ``replay`` writes: ``--json`` replaces no file without
-``--force`` and never one of its traces; an output path that cannot be written is refused
-before any work (exit 2, one line naming it, as ``hisparse run`` refuses its
-``--output-dir``)."""
+"""Fresh-user findings on the files ``replay``, ``eval`` and ``bench`` write: none replaces a
+file or an earlier run's results without ``--force``, ``replay --json`` never replaces one
+of its traces, an output path that cannot be written is refused before any work (exit 2,
+one line naming it, as ``hisparse run`` refuses its ``--output-dir``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
+from hisparse_cli import runner as runner_module
 from hisparse_cli.main import app
 
 UNWRITABLE = "/proc/evx"  # os.access says yes to root there, yet no file can be made
@@ -116,3 +117,131 @@ def test_replay_json_names_are_escaped(tmp_path, trace):
     result = invoke("replay", str(trace), "--json", str(name))
     one_line_error(result, "evil\\x1b[2J.json")
     assert "\x1b[2J" not in result.stderr
+
+
+# ------------------------------------------------------------------------------ eval
+
+
+@pytest.fixture
+def no_eval_model(monkeypatch):
+    """Eval's model load (``_run``) fails the test if reached; this box's CPU load is not
+    sampled."""
+    from hisparse_cli import eval_cmd
+
+    def run(*args):
+        raise AssertionError("eval reached the model load")
+
+    monkeypatch.setattr(eval_cmd, "_run", run)
+    monkeypatch.setattr(runner_module, "free_cpu_threads", lambda config: None)
+
+
+def run_eval(out, *args):
+    return invoke("eval", "--preset", "cpu", "-o", str(out), *args)
+
+
+def test_eval_refuses_an_output_path_it_cannot_write_before_the_model(tmp_path, no_eval_model):
+    """Fresh-user finding: ``eval -o FILE`` or ``-o /proc/evx`` ran every configuration,
+    then a FileExistsError / FileNotFoundError traceback, exit 1."""
+    file = tmp_path / "a file"
+    file.write_text("mine\n")
+    one_line_error(run_eval(file), f"--output-dir {file} exists and is not a directory")
+    assert file.read_text() == "mine\n"
+    (tmp_path / "o" / "eval.json").mkdir(parents=True)
+    one_line_error(run_eval(tmp_path / "o"), f"{tmp_path / 'o' / 'eval.json'} is not a regular")
+    if os.path.isdir("/proc"):
+        one_line_error(run_eval(UNWRITABLE), f"cannot create output dir {UNWRITABLE}")
+
+
+def test_eval_refuses_an_earlier_evals_folder_unless_force(tmp_path, monkeypatch):
+    """Fresh-user finding: a second eval into the same folder silently replaced the first
+    one's eval.json. Refused now (the message says how to go on); with --force the new
+    results replace it, and an eval.png the new run does not draw is removed."""
+    from hisparse_cli import eval_cmd, eval_report
+
+    report = {
+        "model": "m",
+        "configs": [{"name": "dense"}],
+        "table": [
+            {"task": "vt", "length": 600, "config": "dense", "accuracy": 100.0, "samples": 1}
+        ],
+    }
+    monkeypatch.setattr(eval_cmd, "_run", lambda *args: report)
+    monkeypatch.setattr(runner_module, "free_cpu_threads", lambda config: None)
+    monkeypatch.setattr(eval_report, "heatmap", lambda report, path: "no heatmap: test")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "eval.json").write_text('{"model": "earlier"}\n')
+    (out / "eval.png").write_bytes(b"earlier heatmap")
+    result = run_eval(out)
+    one_line_error(result, f"{out / 'eval.json'} holds the results of an earlier eval", "--force")
+    assert json.loads((out / "eval.json").read_text()) == {"model": "earlier"}
+    result = run_eval(out, "--force")
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "eval.json").read_text())["model"] == "m"
+    assert not (out / "eval.png").exists()  # the earlier heatmap would disagree
+
+
+# ------------------------------------------------------------------------------ bench
+
+
+def bench(out, *args):
+    return invoke(
+        "bench", "--contexts", "2K", "--concurrency", "1", "--memory-budget", "2",
+        "--preset", "cpu", "--out", str(out), *args,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def fake_bench(monkeypatch):
+    """``run_bench`` replaced by one that writes a small report of one 2K context (no model);
+    the calls are kept."""
+    from engine.measure import bench as bench_module
+    from engine.measure.report import write_report
+
+    calls = []
+
+    def run_bench(spec, log):
+        calls.append(spec)
+        row = {"context": 2048, "admitted": 1, "mode": "dense", "decode_tok_s": 10.0,
+               "concurrency": 1, "status": "ok"}  # fmt: skip
+        report = {"model": "synthetic:test", "synthetic": True, "memory_budget_gb": 2.0,
+                  "contexts_requested": [2048], "modes": ["dense"], "runs": [row],
+                  "notes": [], "soak": None, "plots": []}  # fmt: skip
+        write_report(report, spec.out_dir)
+        return report
+
+    monkeypatch.setattr(bench_module, "run_bench", run_bench)
+    return calls
+
+
+def test_bench_refuses_an_output_path_it_cannot_write_before_the_model(tmp_path, fake_bench):
+    """Fresh-user finding: ``bench --out FILE`` or ``--out /proc/evx`` ran the whole sweep,
+    then a traceback, exit 1."""
+    file = tmp_path / "a file"
+    file.write_text("mine\n")
+    one_line_error(bench(file), f"--out {file} exists and is not a directory")
+    assert file.read_text() == "mine\n"
+    if os.path.isdir("/proc"):
+        one_line_error(bench(UNWRITABLE), f"cannot create output dir {UNWRITABLE}")
+    assert fake_bench == []
+
+
+def test_bench_refuses_an_earlier_benchs_folder_and_force_drops_its_stale_plots(
+    tmp_path, fake_bench
+):
+    """Fresh-user finding: a second bench into the same folder replaced bench.json and left
+    throughput_1K.png of the first beside it. Refused now; with --force the earlier plots
+    are removed, so the folder holds only what the new bench.json names."""
+    out = tmp_path / "bench-out"
+    out.mkdir()
+    (out / "bench.json").write_text('{"model": "earlier"}')
+    for name in ("throughput_1K.png", "soak_step_latency.png", "notes.png"):
+        (out / name).write_bytes(b"earlier")
+    result = bench(out)
+    one_line_error(result, f"{out / 'bench.json'} holds the results of an earlier bench", "--force")
+    assert fake_bench == [] and (out / "throughput_1K.png").exists()
+    result = bench(out, "--force")
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "bench.json").read_text())
+    assert report["plots"] == ["throughput_2K.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "notes.png", "throughput_2K.png"]
