@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from hisparse_cli import options as opt
+from hisparse_cli.display import escaped
 from hisparse_cli.pipes import STDOUT_CLOSED, guard_std_streams
 
 BENCH, SOAK, MODEL = "Benchmark", "Soak", "Roofline"
@@ -244,8 +245,9 @@ def bench_command(
     if replot:
         try:
             plots = bench_plots.replot(out)
-        except (OSError, ValueError) as exc:  # no bench.json, or a cut/corrupt one
-            typer.echo(f"error: cannot replot {out / bench_report.REPORT_FILE}: {exc}", err=True)
+        except (OSError, ValueError) as exc:  # no bench.json, a cut one, not a report
+            shown = escaped(str(out / bench_report.REPORT_FILE))
+            typer.echo(f"error: cannot replot {shown}: {exc}", err=True)
             raise typer.Exit(EXIT_USAGE) from None
         typer.echo(f"plots: {', '.join(plots) or 'none'}")
         return

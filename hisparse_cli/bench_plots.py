@@ -129,9 +129,30 @@ def make_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
     return names + ([soak_png.name] if soak_png else [])
 
 
+REPORT_KEYS = {"contexts_requested": list, "runs": list, "modes": list, "notes": list}
+"""The fields of ``bench.json`` the plots read, and their JSON types."""
+
+
 def replot(out_dir: Path) -> list[str]:
-    """Redraw the plots of ``out_dir/bench.json`` (e.g. on a machine with matplotlib)."""
+    """Redraw the plots of ``out_dir/bench.json`` (e.g. on a machine with matplotlib).
+
+    Raises
+    ------
+    OSError
+        No ``bench.json`` there, or it cannot be read.
+    ValueError
+        It is not JSON (a cut-off file), or not a bench report: another JSON value, a
+        field the plots read missing or of another shape.
+    """
     report = json.loads((out_dir / REPORT_FILE).read_text(encoding="utf-8"))
-    report["plots"] = make_plots(report, out_dir)
+    if not isinstance(report, dict):
+        raise ValueError("not a bench report (its JSON is not an object)")
+    for key, kind in REPORT_KEYS.items():
+        if not isinstance(report.get(key), kind):
+            raise ValueError(f"not a bench report (no {key} list)")
+    try:
+        report["plots"] = make_plots(report, out_dir)
+    except (KeyError, TypeError, AttributeError, IndexError) as exc:  # a run of another shape
+        raise ValueError(f"not a bench report ({type(exc).__name__}: {exc})") from None
     write_report(report, out_dir)
     return report["plots"]

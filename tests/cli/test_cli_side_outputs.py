@@ -1,7 +1,8 @@
 """Fresh-user findings on the files ``replay``, ``eval`` and ``bench`` write: none replaces a
 file or an earlier run's results without ``--force``, ``replay --json`` never replaces one
 of its traces, an output path that cannot be written is refused before any work (exit 2,
-one line naming it, as ``hisparse run`` refuses its ``--output-dir``)."""
+one line naming it, as ``hisparse run`` refuses its ``--output-dir``), and ``bench
+--replot`` of a ``bench.json`` of another shape is one error line, not a traceback."""
 
 from __future__ import annotations
 
@@ -245,3 +246,22 @@ def test_bench_refuses_an_earlier_benchs_folder_and_force_drops_its_stale_plots(
     report = json.loads((out / "bench.json").read_text())
     assert report["plots"] == ["throughput_2K.png"]
     assert sorted(p.name for p in out.iterdir()) == ["bench.json", "notes.png", "throughput_2K.png"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[]",
+        "3",
+        '"bench"',
+        "{}",
+        '{"contexts_requested": [2048], "modes": [], "runs": [1], "notes": []}',
+    ],
+)
+def test_bench_replot_of_a_json_of_another_shape_is_one_error(tmp_path, text):
+    """Fresh-user finding: ``bench --replot`` of a bench.json holding ``[]`` gave a TypeError
+    traceback (a cut-off one was refused already)."""
+    (tmp_path / "bench.json").write_text(text)
+    result = invoke("bench", "--out", str(tmp_path), "--replot")
+    one_line_error(result, f"cannot replot {tmp_path / 'bench.json'}", "not a bench report")
+    assert (tmp_path / "bench.json").read_text() == text
