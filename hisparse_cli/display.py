@@ -12,6 +12,9 @@ clears the screen) or a carriage return (it writes over the start of the line).
 - :func:`terminal_text`: the same but keeping newlines, for a message as a whole (its
   lines are the program's own): what the reporters and the run's error lines write, so
   no escape sequence reaches the terminal whatever names a message holds.
+- :func:`shown_message`: a message the engine built from the raw names the user gave
+  (``model not found: a<newline>b.gguf``, a preset's ``file:line: ...`` problems): those
+  names escaped where they stand, then :func:`terminal_text`.
 
 Controls: C0 (U+0000-U+001F), DEL, C1 (U+0080-U+009F: U+009B is the one-character
 CSI), the line and paragraph separators (U+2028, U+2029) and the bidirectional
@@ -23,6 +26,9 @@ printed as plain text (``markup=False``, :class:`rich.text.Text`).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+from os import PathLike
+from pathlib import Path
 
 _CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
@@ -45,3 +51,24 @@ def terminal_text(text: str) -> str:
     """``text`` with every control character but ``\\n`` written as an escape
     (:func:`escaped`): a message keeps its own lines, nothing in it drives the terminal."""
     return "\n".join(escaped(line) for line in text.split("\n"))
+
+
+def shown_message(message: str, names: Iterable[str | PathLike[str] | None] = ()) -> str:
+    """``message``, built from raw file names (the engine's errors: ``model not found:
+    nl<newline>x.gguf``, a preset's ``nl<newline>x.yaml:3: ...`` problems), made safe to
+    show: each of ``names`` (what the user gave: ``--model``, ``--preset``, a path
+    argument; ``None`` is skipped) is written :func:`escaped` wherever it stands in the
+    message, as given, as a path (``./a`` is ``a``) and with ``~`` expanded, so a newline
+    in it forges no line; then every other control character but the message's own
+    newlines is escaped too (:func:`terminal_text`)."""
+    forms: set[str] = set()
+    for name in names:
+        if name is None:
+            continue
+        text = str(name)
+        forms |= {text, str(Path(text)), str(Path(text).expanduser())} if text else set()
+    for form in sorted(forms, key=len, reverse=True):  # a longer form before its part
+        shown = escaped(form)
+        if shown != form:
+            message = message.replace(form, shown)
+    return terminal_text(message)
