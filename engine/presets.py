@@ -123,24 +123,52 @@ def list_presets() -> list[str]:
     return sorted(p.stem for p in directory.glob("*.yaml"))
 
 
+PRESET_SUFFIXES = (".yaml", ".yml")
+"""What a preset file's name ends in: a ``--preset`` that does (or that holds a ``/``) is a
+file; any other is a preset name (``presets/NAME.yaml``)."""
+
+
 def preset_path(name_or_path: str | Path) -> Path:
     """The file for a preset name (``h200``) or a path to a YAML file.
+
+    A value ending in ``.yaml``/``.yml`` or holding a ``/`` is a path; any other is a
+    preset name, but where no preset has that name and a file or folder does, the message
+    says what it is (``--preset model.txt``: not a YAML preset file) rather than
+    "unknown preset".
 
     Raises
     ------
     PresetError
-        No such preset; the message lists the known ones.
+        No such preset (the message lists the known ones), no such file, a folder, a
+        pipe or a device, or a file whose name is not a preset file's.
     """
     text = str(name_or_path)
     candidate = Path(text).expanduser()
-    if candidate.suffix in (".yaml", ".yml") or os.sep in text or "/" in text:
-        if candidate.is_file():
-            return candidate
-        raise PresetError(f"preset file {text!r} does not exist")
-    path = presets_dir() / f"{text}.yaml"
-    if path.is_file():
-        return path
+    is_path = candidate.suffix.lower() in PRESET_SUFFIXES or os.sep in text or "/" in text
+    if not is_path:
+        path = presets_dir() / f"{text}.yaml"
+        if path.is_file():
+            return path
     known = ", ".join(list_presets()) or "none"
+    if candidate.is_dir():
+        raise PresetError(
+            f"preset file {text!r} is a directory: give a preset's YAML file or a preset "
+            f"name (known presets: {known})"
+        )
+    if candidate.exists() and not candidate.is_file():
+        raise PresetError(
+            f"preset file {text!r} is not a regular file (a pipe or a device): give a "
+            "preset's YAML file"
+        )
+    if candidate.is_file():
+        if candidate.suffix.lower() in PRESET_SUFFIXES:
+            return candidate
+        raise PresetError(
+            f"preset file {text!r} is not a YAML preset file: a preset file's name ends in "
+            f".yaml or .yml (known presets: {known})"
+        )
+    if is_path:
+        raise PresetError(f"preset file {text!r} does not exist")
     raise PresetError(f"unknown preset {text!r}; known presets: {known}")
 
 
@@ -385,8 +413,18 @@ def _read_yaml(
     """The preset's mapping, the line (1-based) of each top-level key and of each key of a
     block (``("engine", "page_size") -> 27``), and a problem for each key given twice (YAML
     keeps the last silently)."""
-    with path.open(encoding="utf-8") as stream:  # YAML's messages name the file
-        return _compose(path, yaml.SafeLoader(stream))
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise PresetError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PresetError(
+            f"{path}: not a YAML preset file: not UTF-8 text (byte "
+            f"0x{data[exc.start]:02x} at offset {exc.start}; a binary file?)"
+        ) from None
+    return _compose(path, yaml.SafeLoader(text))
 
 
 def _compose(
@@ -401,7 +439,7 @@ def _compose(
             )
         data = loader.construct_document(root) if root is not None else None
     except yaml.YAMLError as exc:
-        raise PresetError(f"{path}: not valid YAML: {exc}") from None
+        raise PresetError(_yaml_error(path, exc)) from None
     finally:
         loader.dispose()
     if not isinstance(data, dict):
@@ -415,6 +453,16 @@ def _compose(
         for inner, _ in value.value if isinstance(value, yaml.MappingNode) else ():
             _note_line(path, lines, problems, (str(key.value), str(inner.value)), inner)
     return data, lines, problems
+
+
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
+    """A YAML syntax error as one line, ``path:line: not valid YAML: what (column N)``,
+    as a manifest's (PyYAML's own text spans three lines and names the file again)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if mark is None:
+        return f"{path}: not valid YAML: {what}"
+    return f"{path}:{mark.line + 1}: not valid YAML: {what} (column {mark.column + 1})"
 
 
 def _note_line(

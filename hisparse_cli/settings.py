@@ -23,6 +23,7 @@ from engine.config import (
     given,
     layered_config,
 )
+from hisparse_cli.display import shown_message
 from hisparse_cli.manifest_source import (
     COMMAND_LINE,
     PRESET_SAMPLING,
@@ -88,8 +89,11 @@ def _load_preset(name: str) -> Any:
         from hisparse_cli.auto_preset import name_auto
 
         text = name_auto(str(exc))  # "unknown preset 'x'; ...": named once, not twice
-        named = f"preset {name!r}" in text or text.startswith(str(Path(name).expanduser()))
-        raise ConfigError(text if named else f"preset {name!r}: {text}") from None
+        named = any(f"preset {kind}{name!r}" in text for kind in ("", "file ")) or text.startswith(
+            str(Path(name).expanduser())
+        )
+        text = text if named else f"preset {name!r}: {text}"
+        raise ConfigError(shown_message(text, [name])) from None  # a name's newline escaped
 
 
 class SettingsError(ConfigError):

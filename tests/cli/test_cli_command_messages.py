@@ -65,3 +65,38 @@ def test_shown_message_escapes_the_names_given_where_a_message_holds_them_raw():
     )  # its own newline kept; the name's escaped, as given or as a path; no raw ESC
     home = os.path.expanduser("~")
     assert shown_message(f"{home}/a\tb: gone", ["~/a\tb"]) == f"{home}/a\\tb: gone"
+
+
+# ----------------------------------------------------------------------------- presets
+
+
+@pytest.mark.parametrize("command", ["plan", "presets", "run"])
+def test_a_preset_that_is_no_yaml_file_is_named_for_what_it_is(here, command):
+    """``--preset d.yaml`` (a folder) said "does not exist"; a PNG as p.yaml gave "'utf-8'
+    codec can't decode byte 0x89"; ``--preset model.txt`` said "unknown preset"; a YAML
+    syntax error printed PyYAML's three lines, only the first with ``error:``."""
+    (here / "d.yaml").mkdir()
+    (here / "p.yaml").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(32)))
+    (here / "model.txt").write_text("hello\n")
+    (here / "bad.yaml").write_text("description: x\nhardware: [1,\n")
+    (here / "a.txt").write_text("A short document.\n")
+
+    def refusal(preset):
+        args = {
+            "plan": ("plan", "-n", "1", "-c", "8K", "--preset", preset),
+            "presets": ("presets", "show", preset),
+            "run": ("run", "--preset", preset, "a.txt"),
+        }[command]
+        return one_error(invoke(*args))
+
+    assert refusal("d.yaml").startswith("error: preset file 'd.yaml' is a directory")
+    png = refusal("p.yaml")
+    assert png.startswith("error: p.yaml: not a YAML preset file: not UTF-8 text")
+    assert "codec" not in png
+    text = refusal("model.txt")
+    assert text.startswith("error: preset file 'model.txt' is not a YAML preset file")
+    assert "unknown preset" not in text
+    syntax = refusal("bad.yaml")
+    assert syntax.startswith("error: bad.yaml:3: not valid YAML: ")
+    assert "stream end" in syntax
+    assert refusal("./nothere.yaml") == "error: preset file './nothere.yaml' does not exist"
