@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn
 
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape as markup_escape
 from rich.table import Table
 from rich.text import Text
 
 from engine.capacity.planner import (
     GIB,
     LRU_MISS_RATE,
+    Hardware,
     Plan,
     device_reserve_rule,
     format_context,
@@ -26,10 +30,18 @@ from engine.capacity.planner import (
     plan,
     weight_format,
 )
-from engine.capacity.shapes import get_model_shape
-from engine.config import DTYPES, HOT_BUFFER_DTYPES, KV_HOST_DTYPES, ConfigError
+from engine.capacity.shapes import MODEL_SHAPES, get_model_shape, shape_from_gguf
+from engine.config import (
+    DTYPES,
+    HOT_BUFFER_DTYPES,
+    KV_HOST_DTYPES,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+)
 from engine.kv.sizing import hot_fp8
 from engine.presets import (
+    Preset,
     defaulted_settings,
     environment_notes,
     list_presets,
@@ -39,6 +51,7 @@ from engine.presets import (
     resolved_preset_dict,
 )
 from hisparse_cli.auto_preset import AUTO, AutoChoice, name_auto, rules
+from hisparse_cli.display import escaped, shown_message
 from hisparse_cli.options import default_is, nonempty_text
 
 EXIT_REFUSED = 2
@@ -181,15 +194,19 @@ def register(app: typer.Typer) -> None:
             defaulted = defaulted_settings(path)
             notes = environment_notes(resolved["engine"])
         except ConfigError as exc:
-            _refuse(str(exc))
+            _refuse(str(exc), (name,))
+        shown, file = escaped(path.stem), escaped(str(path))  # one comment line each
         # YAML comments: the output is a preset file, which has no name or file keys
         if choice is not None:
             typer.echo(f"# auto: {choice.name} on this machine ({choice.reason})")
             typer.echo(f"# auto picks: {rules()}")
             if choice.read_by:
                 typer.echo(f"# devices {choice.read_by}")
-        typer.echo(f"# preset {path.stem} ({path}), resolved over the defaults")
-        typer.echo(f"# a setting marked '{DEFAULT_MARK}' is the built-in default: {path.name} does not set it")
+        typer.echo(f"# preset {shown} ({file}), resolved over the defaults")
+        typer.echo(
+            f"# a setting marked '{DEFAULT_MARK}' is the built-in default: "
+            f"{escaped(path.name)} does not set it"
+        )
         for note in notes:  # a copy must not freeze them: the environment sets them
             typer.echo(f"# {note}")
         typer.echo(preset_yaml(resolved, defaulted), nl=False)
@@ -251,19 +268,23 @@ def plan_command(
     choice = auto_choice(preset)
     if choice is not None:
         preset = choice.name
+    names = (preset, model)  # what the user named, escaped wherever a message holds it
+    problem = None if host_memory is None else Hardware.field_problem("host_memory_gb", host_memory)
+    if problem:  # named by the flag, not by the preset's hardware.host_memory_gb
+        _refuse(f"--host-memory: {problem}")
     try:
         loaded = load_preset_full(preset)
-        config = resolve_config(loaded, {}, overrides)
+        config = _engine_config(preset, loaded, overrides)
         memory_gb, memory_source = host_memory_figure(
             host_memory, config.host_memory_gb, loaded.hardware.host_memory_gb, loaded.name
         )
         hardware = loaded.hardware.replace(
             host_memory_gb=memory_gb, **({"parallel": parallel} if parallel else {})
         )
-        shape = get_model_shape(model or loaded.model or "smollm2-135m")
+        shape = model_shape(model or loaded.model or "smollm2-135m")
         result = plan(shape, config, hardware, jobs, parse_context(context))
     except ConfigError as exc:
-        _refuse(str(exc))
+        _refuse(str(exc), names)
     if as_json:
         named = {"preset": loaded.name} | ({"preset_auto": choice.reason} if choice else {})
         named["host_memory_source"] = memory_source
@@ -276,6 +297,59 @@ def plan_command(
         if not as_json:
             _render_refusal(result)
         raise typer.Exit(EXIT_REFUSED)
+
+
+def _engine_config(preset: str, loaded: Preset, overrides: dict[str, Any]) -> EngineConfig:
+    """The engine settings of ``loaded`` (the preset named ``preset``) under the flags' (``resolve_config``); a setting that
+    cannot run is named by what set it, as ``hisparse run`` names it: the flag
+    (``--host-pool: must be a number > 0 ...``), else the preset's ``engine.<field>``.
+
+    Raises
+    ------
+    ConfigError
+        One line per problem (:func:`hisparse_cli.settings.resolve_engine_config`).
+    """
+    from hisparse_cli.manifest_source import COMMAND_LINE
+    from hisparse_cli.settings import SettingsError, resolve_engine_config
+
+    try:
+        resolve_engine_config(preset, {}, overrides)
+    except SettingsError as exc:
+        raise ConfigError(
+            "\n".join(
+                f"{p.field}: {p.message}" if p.file == COMMAND_LINE else str(p)
+                for p in exc.problems
+            )
+        ) from None
+    return resolve_config(loaded, {}, overrides)
+
+
+def model_shape(model: str) -> ModelConfig:
+    """The shape ``plan --model`` names: a known shape, a Hugging Face ``config.json`` or
+    its folder (:func:`~engine.capacity.shapes.get_model_shape`), or a GGUF file, which is
+    checked as ``hisparse run`` checks ``--model``, in its words: a pipe or a device, or a
+    file of another kind (``not a GGUF file (it starts with b'...')``,
+    :func:`hisparse_cli.runner.check_gguf_magic`), whatever its name ends in.
+
+    Raises
+    ------
+    ConfigError
+        The shape cannot be read (the message names the file or the shape).
+    """
+    from hisparse_cli.runner import UsageError, check_gguf_magic
+
+    path = Path(model)
+    if model.lower() in MODEL_SHAPES or path.suffix.lower() == ".json" or path.is_dir():
+        return get_model_shape(model)
+    try:
+        if path.exists() and not path.is_file():  # a FIFO, a device
+            raise UsageError(f"--model {escaped(model)}: not a regular file or a model folder")
+        if path.is_file():
+            check_gguf_magic(path)
+            return shape_from_gguf(path)
+    except UsageError as exc:
+        raise ConfigError(str(exc)) from None
+    return get_model_shape(model)
 
 
 DEFAULT_MARK = "# default"
@@ -347,8 +421,8 @@ def _presets_table() -> Table:
     for name in list_presets():
         try:
             p = load_preset_full(name)
-        except ConfigError as exc:
-            table.add_row(name, Text(str(exc), "red"))
+        except ConfigError as exc:  # a file of HISPARSE_PRESETS_DIR: its name escaped
+            table.add_row(Text(escaped(name)), Text(shown_message(str(exc), [name]), "red"))
             continue
         hw = p.hardware
         hardware = (
@@ -356,7 +430,7 @@ def _presets_table() -> Table:
             f"host RAM {hw.host_memory_gb:g} GiB; {hw.parallel} parallel"
             + (f"; model {p.model}" if p.model else "")
         )
-        table.add_row(name, Text.assemble((hardware, "cyan"), "\n", p.description))
+        table.add_row(Text(escaped(name)), Text.assemble((hardware, "cyan"), "\n", p.description))
         table.add_row("", "")
     choice = auto_choice(AUTO)
     assert choice is not None
@@ -441,7 +515,8 @@ def _host_table(result: Plan, memory_source: str) -> Table:
     table.add_column("")
     table.add_column("GiB", justify="right")
     table.add_column("what")
-    table.add_row("host RAM", f"{result.hardware.host_memory_gb:,.2f}", memory_source)
+    memory = Text(escaped(memory_source))  # a preset's file name: no markup, no controls
+    table.add_row("host RAM", f"{result.hardware.host_memory_gb:,.2f}", memory)
     ctx = _context_tokens(result.context)
     table.add_row(
         "KV per job", _gib(result.job_kv_bytes), f"{ctx} x L x Hkv x D x 2, paged"
@@ -483,9 +558,10 @@ def _context_tokens(tokens: int) -> str:
 def _render_plan(result: Plan, preset_name: str, memory_source: str) -> None:
     console = Console()
     hw, ctx = result.hardware, _context_tokens(result.context)
+    model, preset = (markup_escape(escaped(n)) for n in (result.model.name, preset_name))
     console.print(
-        f"[bold]{result.num_jobs} x {ctx}-token jobs[/] of [bold]{result.model.name}[/] on "
-        f"[bold]{preset_name}[/]: {hw.num_devices} x {hw.device_name or hw.devices[0]}, "
+        f"[bold]{result.num_jobs} x {ctx}-token jobs[/] of [bold]{model}[/] on "
+        f"[bold]{preset}[/]: {hw.num_devices} x {hw.device_name or hw.devices[0]}, "
         f"{hw.parallel} parallel, attention {result.config.attention}"
     )
     console.print(_device_table(result))
@@ -533,10 +609,13 @@ def _render_refusal(result: Plan) -> None:
             err.print(f"  - {suggestion}")
 
 
-def _refuse(message: str) -> NoReturn:
-    """``error: message`` on stderr (one line, as ``hisparse run``'s: the terminal wraps
-    it), exit 2."""
-    Console(stderr=True, soft_wrap=True).print(
-        f"[red bold]error:[/] {name_auto(message)}", highlight=False
-    )
+def _refuse(message: str, names: Sequence[str | None] = ()) -> NoReturn:
+    """``error: message`` on stderr, one line per problem of ``message`` (as ``hisparse
+    run``'s: the terminal wraps it), exit 2. ``names``: the preset and model as the user
+    gave them, escaped where the message holds them raw
+    (:func:`~hisparse_cli.display.shown_message`); the message is plain text, never Rich
+    markup (a ``[red]`` in a file name stays as it is)."""
+    console = Console(stderr=True, soft_wrap=True)
+    for line in shown_message(name_auto(message), names).split("\n"):
+        console.print(Text.assemble(("error:", "red bold"), " ", line), highlight=False)
     raise typer.Exit(EXIT_REFUSED)

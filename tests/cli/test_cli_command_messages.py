@@ -100,3 +100,61 @@ def test_a_preset_that_is_no_yaml_file_is_named_for_what_it_is(here, command):
     assert syntax.startswith("error: bad.yaml:3: not valid YAML: ")
     assert "stream end" in syntax
     assert refusal("./nothere.yaml") == "error: preset file './nothere.yaml' does not exist"
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@pytest.mark.parametrize("name", list(NAMES))
+def test_plan_escapes_a_model_name_as_run_does(here, name):
+    """``plan --model $'nl\\nname.gguf'`` split its error over two lines; an ``ESC`` went
+    to the terminal raw. Missing, and a file that is no GGUF file."""
+    shown = NAMES[name]
+    missing = one_error(invoke("plan", "-n", "1", "-c", "8K", "--model", f"{name}.gguf"))
+    assert missing == f"error: model not found: {shown}.gguf"
+    (here / f"{name}.gguf").write_text("hello\n")
+    found = one_error(invoke("plan", "-n", "1", "-c", "8K", "--model", f"{name}.gguf"))
+    assert found.startswith(f"error: --model {shown}.gguf: not a GGUF file")
+
+
+def test_plan_shows_a_preset_name_as_text(here):
+    """A preset file named with an escape and Rich markup: the plan's first line shows it
+    escaped and as it is spelt (``[red]`` was read as markup and vanished)."""
+    name = "ok\x1b[31m[red]x"
+    (here / f"{name}.yaml").write_text(PRESET)
+    result = CliRunner().invoke(
+        app, ["plan", "-n", "1", "-c", "8K", "--preset", f"{name}.yaml"], color=True,
+        env={"COLUMNS": "200"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "on ok\\x1b[31m[red]x: 1 x" in result.stdout and "\x1b" not in result.stdout
+    shown = invoke("presets", "show", f"{name}.yaml")
+    assert shown.exit_code == 0, shown.output
+    assert shown.stdout.startswith("# preset ok\\x1b[31m[red]x (ok\\x1b[31m[red]x.yaml),")
+
+
+def test_plan_names_its_flags_not_the_fields_they_set(here):
+    """``plan --host-memory -3`` said ``hardware.host_memory_gb: must be ...``; the engine
+    flags said ``host_pool_gb:``, ``page_size:``: the flags, as run names them."""
+    line = one_error(invoke("plan", "-n", "1", "-c", "8K", "--host-memory", "-3"))
+    assert line.startswith("error: --host-memory: must be a number > 0")
+    assert "host_memory_gb" not in line
+    lines = errors(invoke("plan", "-n", "1", "-c", "8K", "--host-pool", "-3", "--page-size", "7"))
+    assert sorted(line.split(":")[1] for line in lines) == [" --host-pool", " --page-size"]
+    one_error(invoke("plan", "-n", "1", "-c", "8K", "--hot-dtype", "fp8"), "error: --hot-dtype: ")
+
+
+@pytest.mark.parametrize(
+    ("name", "data"),
+    [("model.txt", b"hello, a text file\n"), ("pic.png", b"\x89PNG\r\n\x1a\n0000")],
+)
+def test_plan_refuses_a_file_that_is_no_model_in_runs_words(here, name, data):
+    """``plan --model model.txt`` said "is a file but not a model", ``run --model`` "not a
+    GGUF file (it starts with ...)": the same check, the same line."""
+    (here / name).write_bytes(data)
+    (here / "a.txt").write_text("A short document.\n")
+    plan = one_error(invoke("plan", "-n", "1", "-c", "8K", "--model", name))
+    run = invoke("run", "--model", name, "a.txt")
+    assert run.exit_code == 2
+    assert plan == run.stderr.strip()
+    assert plan.startswith(f"error: --model {name}: not a GGUF file (it starts with b'")
