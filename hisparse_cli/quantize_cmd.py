@@ -12,7 +12,9 @@ from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
+from hisparse_cli.display import escaped, shown_message, terminal_text
 from hisparse_cli.options import nonempty_path
 
 EXIT_REFUSED = 2
@@ -74,14 +76,25 @@ def quantize_command(
 
     Exit code: 0 written, 2 refused (unsupported model, bad group size, OUT exists).
     """
-    from engine.weights.quantize import quantize_folder
+    from engine.weights.quantize import SINGLE_FILE, quantize_folder
 
     console = Console(stderr=True)
-    progress = None if quiet else (lambda name: console.print(f"  {name}", highlight=False))
+
+    def progress(name: str) -> None:  # a tensor's name, as the file spells it: plain text
+        console.print(f"  {escaped(name)}", markup=False, highlight=False)
+
+    names = (src, out)  # escaped wherever a message holds them
     try:
-        report = quantize_folder(src, out, group_size, overwrite=force, progress=progress)
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:
-        _refuse(str(exc))
+        report = quantize_folder(
+            src, out, group_size, overwrite=force, progress=None if quiet else progress
+        )
+    except FileExistsError:  # the engine's words name its overwrite=True
+        _refuse(f"{escaped(str(out / SINGLE_FILE))} exists: --force replaces it")
+    except (ValueError, FileNotFoundError) as exc:
+        _refuse(shown_message(str(exc), names))
+    except OSError as exc:  # OUT cannot be written: no permission, a full disk
+        where = escaped(exc.filename) if isinstance(exc.filename, str) else escaped(str(out))
+        _refuse(f"cannot write {where}: {exc.strerror or exc}")
     smaller = (
         f", {report.num_smaller_group} with a smaller group" if report.num_smaller_group else ""
     )
@@ -91,7 +104,7 @@ def quantize_command(
     )
     typer.echo(
         f"safetensors: {_mb(report.src_bytes)} -> {_mb(report.out_bytes)} "
-        f"({report.ratio:.1%}); wrote {report.out}"
+        f"({report.ratio:.1%}); wrote {escaped(str(report.out))}"
     )
 
 
@@ -100,5 +113,8 @@ def _mb(n: int) -> str:
 
 
 def _refuse(message: str) -> NoReturn:
-    Console(stderr=True, soft_wrap=True).print(f"[red bold]error:[/] {message}", highlight=False)
+    """``error: message`` on stderr as plain text (a ``[red]`` in a name is no markup),
+    no control character of it reaching the terminal; exit 2."""
+    error = Text.assemble(("error:", "red bold"), " ", terminal_text(message))
+    Console(stderr=True, soft_wrap=True).print(error, highlight=False)
     raise typer.Exit(EXIT_REFUSED)

@@ -151,7 +151,8 @@ def quantize_folder(
     FileExistsError
         ``out/model.safetensors`` exists and ``overwrite`` is False.
     HFModelError (a ValueError)
-        ``src`` is a file (a GGUF file, a ``config.json``), not a folder; what
+        ``src`` is a file (a GGUF file, a ``config.json``), not a folder; ``out`` or a
+        folder above it is a file; what
         :func:`engine.weights.hf.load_hf_folder` refuses, an already quantised source, a
         bad ``group_size`` or a K not divisible by 32 (names the tensor).
     """
@@ -162,9 +163,16 @@ def quantize_folder(
         raise HFModelError(_not_a_folder(src))
     if not src.is_dir():
         raise FileNotFoundError(f"model folder not found: {src}")
+    placed = next((p for p in (out, *out.parents) if p.exists()), None)
+    if placed is not None and not placed.is_dir():  # found now, not after the work
+        what = "exists and is not a folder" if placed == out else f"{placed} is not a folder"
+        raise HFModelError(
+            f"{out}: {what}: the output is a folder (model.safetensors, config.json and the "
+            "tokenizer files); give a new folder's name"
+        )
     target = out / SINGLE_FILE
     if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} exists (pass overwrite / --force to replace it)")
+        raise FileExistsError(f"{target} exists (overwrite=True replaces it)")
     if out.resolve() == src.resolve():
         raise HFModelError(f"{out}: the output folder must differ from the source")
     cfg = read_hf_config(src)

@@ -158,3 +158,36 @@ def test_plan_refuses_a_file_that_is_no_model_in_runs_words(here, name, data):
     assert run.exit_code == 2
     assert plan == run.stderr.strip()
     assert plan.startswith(f"error: --model {name}: not a GGUF file (it starts with b'")
+
+
+# ----------------------------------------------------------------------------- quantize
+
+
+@pytest.mark.parametrize("name", list(NAMES))
+def test_quantize_escapes_its_source_and_output_names(here, name):
+    shown = NAMES[name]
+    one_error(invoke("quantize", name, "out"), f"model folder not found: {shown}")
+    (here / name).write_text("hello\n")
+    one_error(invoke("quantize", name, "out"), f"{shown} is a file, not a model folder")
+
+
+def test_quantize_into_a_file_or_over_its_output_says_what_to_do(here):
+    """``quantize src out`` with ``out`` a file said "[Errno 17] File exists: 'out'" after
+    the whole quantisation; over an earlier output, "pass overwrite / --force": an argument
+    of the Python function the user never sees."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_models import build_hf
+
+    build_hf(here / "hf", "llama")
+    (here / "model.txt").write_text("hello\n")
+    line = one_error(invoke("quantize", "-q", "hf", "model.txt"))
+    assert line.startswith("error: model.txt: exists and is not a folder")
+    assert "Errno" not in line
+    one_error(invoke("quantize", "-q", "hf", "model.txt/sub"), "model.txt is not a folder")
+    assert invoke("quantize", "-q", "hf", "out").exit_code == 0
+    again = one_error(invoke("quantize", "-q", "hf", "out"))
+    assert again == "error: out/model.safetensors exists: --force replaces it"
+    assert invoke("quantize", "-q", "--force", "hf", "out").exit_code == 0
