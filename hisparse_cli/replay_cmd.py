@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from hisparse_cli import options as opt
-from hisparse_cli.display import escaped
+from hisparse_cli.display import escaped, shown_message, terminal_text
 from hisparse_cli.textio import input_identity
 
 if TYPE_CHECKING:
@@ -32,29 +32,26 @@ if TYPE_CHECKING:
 EXIT_BAD_INPUT = 2
 DEFAULT_MULTIPLES = (1.0, 2.0, 4.0)
 
-def _regular_files(paths: list[Path]) -> list[Path]:
-    """Refuse a pipe or a device among the traces: reading /dev/zero never ends (and
-    filled the memory), a FIFO with no writer blocks forever.
-
-    Raises
-    ------
-    typer.BadParameter : a path that is not a regular file.
-    """
-    for path in paths or []:
-        if path.exists() and not stat.S_ISREG(path.stat().st_mode):
-            raise typer.BadParameter(
-                f"{path} is not a regular file (a pipe or a device): a trace is a file "
+def _check_traces(paths: list[Path]) -> None:
+    """Refuse, in one ``error:`` line as ``hisparse run`` refuses a document, a trace that
+    is missing, a folder, or a pipe or a device: reading /dev/zero never ends (and filled
+    the memory), a FIFO with no writer blocks forever."""
+    for path in paths:
+        shown = escaped(str(path))
+        if not path.exists():
+            _refuse(f"trace not found: {shown}")
+        if path.is_dir():
+            _refuse(f"{shown} is a directory: a trace is a file written by hisparse run --trace")
+        if not stat.S_ISREG(path.stat().st_mode):
+            _refuse(
+                f"{shown} is not a regular file (a pipe or a device): a trace is a file "
                 "written by hisparse run --trace"
             )
-    return paths
 
 
 TraceArg = Annotated[
     list[Path],
     typer.Argument(
-        exists=True,
-        dir_okay=False,
-        callback=_regular_files,
         metavar="TRACES",
         help="Selection trace (hisparse run --trace FILE); with several devices, every "
         "worker's file (FILE.w0.jsonl FILE.w1.jsonl ...).",
@@ -122,6 +119,7 @@ def replay_command(
     from engine.measure.replay import POLICIES, capacities_from_multiples, load_streams, replay
     from engine.measure.trace import read_traces
 
+    _check_traces(traces)
     policies = _split(policy) or list(POLICIES)
     unknown = sorted(set(policies) - set(POLICIES))
     if unknown:
@@ -138,8 +136,11 @@ def replay_command(
         )
         streams = load_streams(records)
         results = [replay(streams, c, p, seed) for p in policies for c in capacities]
-    except ValueError as exc:
-        _refuse(str(exc))
+    except ValueError as exc:  # its text names the files raw: escaped here
+        _refuse(shown_message(str(exc), traces))
+    except OSError as exc:  # a trace that cannot be opened (no permission)
+        where = exc.filename if isinstance(exc.filename, str) else ", ".join(map(str, traces))
+        _refuse(f"cannot read {escaped(where)}: {exc.strerror or exc}")
     Console().print(render_table(header, results))
     if json_out is not None:
         payload = {
@@ -209,7 +210,8 @@ def render_table(header: TraceHeader, results: list[ReplayResult]) -> Table:
     )
     if first is not None:
         caption += f"; {first.num_streams} streams, {first.accesses} selected pages"
-    table = Table(title="miss rate (warm: without cold misses)", caption=caption)
+    # the model as the run named it (a path): plain text, its control characters escaped
+    table = Table(title="miss rate (warm: without cold misses)", caption=Text(escaped(caption)))
     table.add_column("policy")
     for c in capacities:
         table.add_column(f"{c} pages ({c / header.top_k_pages:g}x top_k)", justify="right")
@@ -246,6 +248,9 @@ def _multiples(values: list[str] | None) -> list[float]:
 
 
 def _refuse(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
-    error = Text.assemble(("error:", "red"), " ", message)  # message as plain text, not markup
+    """``error: message`` on stderr, exit ``code`` (2: bad input): plain text, not markup,
+    and no control character of it reaching the terminal (names are escaped where they
+    enter it)."""
+    error = Text.assemble(("error:", "red"), " ", terminal_text(message))
     Console(stderr=True, soft_wrap=True).print(error, highlight=False)
     raise typer.Exit(code)

@@ -191,3 +191,21 @@ def test_quantize_into_a_file_or_over_its_output_says_what_to_do(here):
     again = one_error(invoke("quantize", "-q", "hf", "out"))
     assert again == "error: out/model.safetensors exists: --force replaces it"
     assert invoke("quantize", "-q", "--force", "hf", "out").exit_code == 0
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+@pytest.mark.parametrize("name", list(NAMES))
+def test_replay_escapes_a_trace_name(here, name):
+    """``hisparse replay $'esc\\e[31mred.gguf'`` printed the ESC raw; a missing trace was a
+    usage box, not an ``error:`` line."""
+    shown = NAMES[name]
+    one_error(invoke("replay", f"{name}.jsonl"), f"trace not found: {shown}.jsonl")
+    (here / f"{name}.jsonl").write_text("hello\n")
+    one_error(invoke("replay", f"{name}.jsonl"), f"{shown}.jsonl: not a hisparse selection trace")
+    (here / "dir.jsonl").mkdir()
+    one_error(invoke("replay", "dir.jsonl"), "dir.jsonl is a directory")
+
+
+# ----------------------------------------------------------------------------- eval and bench
