@@ -5,13 +5,14 @@ memory budget, with a soak test. Thin: flags -> :class:`engine.measure.bench.Ben
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
 from hisparse_cli import options as opt
-from hisparse_cli.display import escaped
+from hisparse_cli.display import escaped, shown_message
 from hisparse_cli.pipes import STDOUT_CLOSED, guard_std_streams
 
 BENCH, SOAK, MODEL = "Benchmark", "Soak", "Roofline"
@@ -247,13 +248,14 @@ def bench_command(
             plots = bench_plots.replot(out)
         except (OSError, ValueError) as exc:  # no bench.json, a cut one, not a report
             shown = escaped(str(out / bench_report.REPORT_FILE))
-            typer.echo(f"error: cannot replot {shown}: {exc}", err=True)
+            typer.echo(f"error: cannot replot {shown}: {shown_message(str(exc), [out])}", err=True)
             raise typer.Exit(EXIT_USAGE) from None
         typer.echo(f"plots: {', '.join(plots) or 'none'}")
         return
     if memory_budget is None:
         typer.echo("error: --memory-budget is required (GiB per device, every mode)", err=True)
         raise typer.Exit(EXIT_USAGE)
+    names = (model, preset, corpus_tokens)  # escaped where a message holds them raw
     overrides = {
         "memory_budget_gb": memory_budget,
         "device": device,
@@ -303,22 +305,28 @@ def bench_command(
         check_output_folder(out, (bench_report.REPORT_FILE,), "--out", "bench")  # as run's
         check_no_earlier_results(out, bench_report.REPORT_FILE, "--out", "bench", force)
     except (ConfigError, ValueError, UsageError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_USAGE) from None
+        _fail(str(exc), names)
     removed = bench_plots.remove_plots(out) if force else []
     if removed:
         typer.echo(f"removed the earlier bench's plots (--force): {', '.join(removed)}")
     try:
         report = bench.run_bench(spec, log=typer.echo)
     except (ConfigError, FileNotFoundError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_USAGE) from None
+        _fail(str(exc), names)
     except (GGUFError, HFModelError) as exc:  # a truncated or malformed model file
-        typer.echo(f"error: cannot load the model: {exc}", err=True)
-        raise typer.Exit(EXIT_USAGE) from None
+        _fail(f"cannot load the model: {exc}", names)
     report["plots"] = bench_plots.make_plots(report, spec.out_dir)
     bench_report.write_report(report, spec.out_dir)
     typer.echo(f"plots: {', '.join(report['plots']) or 'none'}")
+
+
+def _fail(message: str, names: Sequence[str | Path | None]) -> NoReturn:
+    """``error:`` and a line of ``message`` per line on stderr (a preset's problems), exit
+    2; ``names`` (what the user gave) escaped where the message holds them raw
+    (:func:`~hisparse_cli.display.shown_message`)."""
+    for line in shown_message(message, names).split("\n"):
+        typer.echo(f"error: {line}", err=True)
+    raise typer.Exit(EXIT_USAGE)
 
 
 def _chosen_preset(preset: str, device: str | None) -> str:

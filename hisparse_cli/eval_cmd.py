@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, NoReturn
 import typer
 
 from hisparse_cli import options as opt
+from hisparse_cli.display import escaped, shown_message
 from hisparse_cli.pipes import STDOUT_CLOSED, guard_std_streams
 
 EVAL = "Eval"
@@ -240,7 +241,7 @@ def eval_command(
                 except UsageError as exc:
                     raise ValueError(str(exc)) from None
         except (ConfigError, ValueError) as exc:
-            _fail(str(exc))
+            _fail(str(exc), (model, preset, *(docs or ())))
         report = _run(model, base, config_list, texts, task_list, length_list, depth_list,
                       samples, seed, max_new_tokens)  # fmt: skip
         _write(report, output_dir, written)
@@ -256,7 +257,7 @@ def _run(model, base, configs, texts, tasks, lengths, depths, samples, seed, max
     try:
         placed = place_model(base, model)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
-        _fail(str(exc))
+        _fail(str(exc), (model,))
     limit = placed.context_limit
     skipped = [n for n in lengths if n > limit]
     for n in skipped:
@@ -282,7 +283,7 @@ def _run(model, base, configs, texts, tasks, lengths, depths, samples, seed, max
     if not suite:
         _fail("no prompt could be built")
     typer.echo(
-        f"{len(suite)} prompts x {len(configs)} configs on {placed.name} "
+        f"{len(suite)} prompts x {len(configs)} configs on {escaped(placed.name)} "
         f"({'haystack: ' + str(len(texts)) + ' file(s)' if texts else 'haystack: noise'})"
     )
     report = fidelity.run_eval(placed, base, configs, suite, log=typer.echo)
@@ -335,9 +336,10 @@ def _write(report, output_dir: Path, written: list[Path]) -> None:
 def _interrupted(output_dir: Path, written: list[Path]) -> NoReturn:
     """Say on stderr that Ctrl-C stopped eval and what it left written; exit 130."""
     if written:
-        where = f"after writing {written[0]} (the table and heatmap may be missing)"
+        where = f"after writing {escaped(str(written[0]))} (the table and heatmap may be missing)"
     else:
-        where = f"before writing {output_dir / REPORT_FILE}: no result was written (eval "
+        report = escaped(str(output_dir / REPORT_FILE))
+        where = f"before writing {report}: no result was written (eval "
         where += "writes its results only once every configuration has run)"
         if (output_dir / REPORT_FILE).is_file():
             where += f"; the {REPORT_FILE} there is an earlier run's, left as it was"
@@ -473,11 +475,17 @@ def _read_haystack(
                 typer.echo(f"warning: {note}", err=True)
         texts.append(document.text)
     if paths and not texts:
-        raise ValueError(f"no readable haystack file among {', '.join(paths)}")
+        names = ", ".join(escaped(p) for p in paths)
+        raise ValueError(f"no readable haystack file among {names}")
     return texts
 
 
-def _fail(message: str):
+def _fail(message: str, names: Sequence[str | None] = ()) -> NoReturn:
+    """``error:`` and a line of ``message`` per line on stderr, exit 2. ``names``: the
+    files and names the user gave (``--model``, ``--preset``, DOCS), escaped where the
+    message holds them raw (:func:`~hisparse_cli.display.shown_message`: the engine's
+    messages name them as they are), no control character reaching the terminal."""
+    message = shown_message(message, names)
     for line in message.splitlines() or [message]:
         typer.echo(f"error: {line}", err=True)
     raise typer.Exit(EXIT_USAGE)

@@ -209,3 +209,38 @@ def test_replay_escapes_a_trace_name(here, name):
 
 
 # ----------------------------------------------------------------------------- eval and bench
+
+
+def test_eval_and_bench_escape_the_files_they_name(here):
+    result = invoke("eval", "-o", "out", "--preset", "cpu", "nl\nmissing.txt")
+    assert result.exit_code == 2 and "\x1b" not in result.output
+    assert result.stderr.splitlines() == [
+        "skipped haystack file nl\\nmissing.txt: file not found",
+        "error: no readable haystack file among nl\\nmissing.txt",
+    ]
+    one_error(
+        invoke("bench", "--memory-budget", "4", "--preset", "cpu", "--model", "esc\x1b[31m.gguf"),
+        "model not found: esc\\x1b[31m.gguf",
+    )
+
+
+@pytest.mark.parametrize("name", list(NAMES))
+def test_a_preset_name_is_escaped_in_every_commands_problems(here, name):
+    """A preset file whose name holds a newline: each of its problems (``file:line: ...``)
+    stays one ``error:`` line in plan, presets show, bench and eval; run names it escaped."""
+    shown = NAMES[name]
+    (here / f"{name}.yaml").write_text(PRESET + "foo: 1\nbar: 2\n")
+    for args in (
+        ("plan", "-n", "1", "-c", "8K"),
+        ("presets", "show"),
+        ("bench", "--memory-budget", "4"),
+        ("eval", "-o", "out"),
+    ):
+        preset = [f"{name}.yaml"] if args[0] == "presets" else ["--preset", f"{name}.yaml"]
+        lines = errors(invoke(*args, *preset))
+        assert [line.split(": ")[1] for line in lines] == [f"{shown}.yaml:3", f"{shown}.yaml:4"]
+    result = invoke("run", "--preset", f"{name}.yaml", "a.txt")
+    assert result.exit_code == 2 and f"{shown}.yaml:3: foo: unknown key" in result.stderr
+    assert "\x1b" not in result.output and f"\n{shown.split(chr(92))[1]}" not in result.stderr
+    missing = one_error(invoke("plan", "-n", "1", "-c", "8K", "--preset", f"x{name}.yaml"))
+    assert missing == f"error: preset file 'x{shown}.yaml' does not exist"
