@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn
@@ -20,6 +21,7 @@ from hisparse_cli.pipes import STDOUT_CLOSED, guard_std_streams
 EVAL = "Eval"
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as hisparse run
 REPORT_FILE = "eval.json"
 DEFAULT_OUTPUT_DIR = "hisparse-eval"
 EVAL_POLICIES = ("refuse", "extend")
@@ -155,11 +157,15 @@ def eval_command(
 
     Every configuration answers the same prompts (prefilled once, decoded as a batch per configuration); scores are RULER's string match (share of expected values in the answer). Writes OUTPUT_DIR/eval.json and OUTPUT_DIR/eval.png and prints the table; an OUTPUT_DIR holding an earlier eval.json is refused unless --force.
 
-    Lengths over the model's context are skipped unless --context-policy extend (RoPE scaling; the limit defaults to the longest length). Exit code 2 on bad arguments, found before the model loads; 130 on Ctrl-C (nothing is written before every configuration has run).
+    Lengths over the model's context are skipped unless --context-policy extend (RoPE scaling; the limit defaults to the longest length). Exit code 2 on bad arguments, found before the model loads; 130 on Ctrl-C, 143 on SIGTERM (nothing is written before every configuration has run).
     """
     guard_std_streams(f"{STDOUT_CLOSED}; results: {output_dir / 'eval.json'}")
     written: list[Path] = []  # eval.json, once written
+    from hisparse_cli.runner import _SigtermAsInterrupt
+
+    sigterm = _SigtermAsInterrupt()  # SIGTERM stops eval as Ctrl-C does, and says so
     try:
+        sigterm.__enter__()
         from engine.capacity.planner import parse_context
         from engine.config import ConfigError
         from engine.measure import fidelity, ruler
@@ -245,12 +251,20 @@ def eval_command(
         report = _run(model, base, config_list, texts, task_list, length_list, depth_list,
                       samples, seed, max_new_tokens)  # fmt: skip
         _write(report, output_dir, written)
-    except KeyboardInterrupt:  # typer's own exit 130 says nothing
-        _interrupted(output_dir, written)
+    except KeyboardInterrupt:  # typer's own exit 130 says nothing (SIGTERM: exit 143, silent)
+        _interrupted(output_dir, written, sigterm.received)
+    finally:
+        sigterm.__exit__()
 
 
 def _run(model, base, configs, texts, tasks, lengths, depths, samples, seed, max_new):
     from engine.config import ConfigError
+    from hisparse_cli.runner import _StopSignalsDeferred, import_engine_modules
+
+    with _StopSignalsDeferred() as stop:  # torch's native imports: a signal only recorded
+        import_engine_modules()
+    if stop.signals:  # Ctrl-C or SIGTERM during the imports: stop now it is safe
+        signal.raise_signal(stop.signals[0])
     from engine.load import place_model
     from engine.measure import fidelity, ruler
 
@@ -333,8 +347,9 @@ def _write(report, output_dir: Path, written: list[Path]) -> None:
     )
 
 
-def _interrupted(output_dir: Path, written: list[Path]) -> NoReturn:
-    """Say on stderr that Ctrl-C stopped eval and what it left written; exit 130."""
+def _interrupted(output_dir: Path, written: list[Path], terminated: bool = False) -> NoReturn:
+    """Say on stderr that Ctrl-C (``terminated``: SIGTERM) stopped eval and what it left
+    written; exit 130 (143)."""
     if written:
         where = f"after writing {escaped(str(written[0]))} (the table and heatmap may be missing)"
     else:
@@ -343,8 +358,8 @@ def _interrupted(output_dir: Path, written: list[Path]) -> NoReturn:
         where += "writes its results only once every configuration has run)"
         if (output_dir / REPORT_FILE).is_file():
             where += f"; the {REPORT_FILE} there is an earlier run's, left as it was"
-    typer.echo(f"interrupted (Ctrl-C) {where}", err=True)
-    raise typer.Exit(EXIT_INTERRUPTED)
+    typer.echo(f"interrupted ({'SIGTERM' if terminated else 'Ctrl-C'}) {where}", err=True)
+    raise typer.Exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
 
 
 def _depth(text: str) -> float:

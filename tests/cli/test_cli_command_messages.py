@@ -7,6 +7,8 @@ and ``plan --model`` refuses a file that is no model in ``run``'s words."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -244,3 +246,37 @@ def test_a_preset_name_is_escaped_in_every_commands_problems(here, name):
     assert "\x1b" not in result.output and f"\n{shown.split(chr(92))[1]}" not in result.stderr
     missing = one_error(invoke("plan", "-n", "1", "-c", "8K", "--preset", f"x{name}.yaml"))
     assert missing == f"error: preset file 'x{shown}.yaml' does not exist"
+
+
+# ----------------------------------------------------------------------------- eval
+
+
+def test_sigterm_stops_eval_with_the_words_of_ctrl_c(here, monkeypatch):
+    """SIGTERM to ``hisparse eval`` exited 143 without a word; Ctrl-C says that no result
+    was written. The test's own handler stands in for SIGTERM's default (the end of the
+    process) until eval puts its own."""
+    from hisparse_cli import eval_cmd
+
+    class Terminated(Exception):
+        pass
+
+    def default(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, default)
+    try:
+
+        def run(*args):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # the handler's exception ends it
+            raise AssertionError("SIGTERM did not stop eval")
+
+        monkeypatch.setattr(eval_cmd, "_run", run)
+        result = CliRunner().invoke(app, ["eval", "--preset", "cpu", "-o", "out"])
+        assert signal.getsignal(signal.SIGTERM) is default  # put back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not isinstance(result.exception, Terminated), "eval left SIGTERM to its default"
+    assert result.exit_code == 143, result.output
+    err = " ".join(result.stderr.split())
+    assert "interrupted (SIGTERM) before writing out/eval.json: no result was written" in err
