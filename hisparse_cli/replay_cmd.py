@@ -155,7 +155,8 @@ def replay_command(
 def _check_json_out(path: Path, traces: list[Path], force: bool) -> None:
     """Refuse (exit 2) a ``--json`` FILE that cannot be written, before any work: a
     folder, one of the ``traces`` (the results would destroy their input, ``--force``
-    or not), an existing file without ``force``, or a place where no file can be made
+    or not), a device, FIFO or socket (``/dev/null``: ``--force`` or not), an existing file
+    without ``force``, or a place where no file can be made
     (:func:`~hisparse_cli.runner.check_new_file`, as ``run --trace`` checks its file)."""
     from hisparse_cli.runner import UsageError, check_new_file
 
@@ -167,14 +168,14 @@ def _check_json_out(path: Path, traces: list[Path], force: bool) -> None:
             f"--json {shown} is one of the traces replayed; the results never replace "
             "their input (--force neither): choose another name"
         )
+    try:  # first: a device or FIFO is never replaced, --force or not
+        check_new_file(path, "--json")
+    except UsageError as exc:
+        _refuse(str(exc))
     if os.path.lexists(path) and not force:
         _refuse(
             f"--json {shown} already exists; give --force to replace it, or choose another name"
         )
-    try:
-        check_new_file(path, "--json")
-    except UsageError as exc:
-        _refuse(str(exc))
 
 
 def _same_file(path: Path, trace: Path) -> bool:

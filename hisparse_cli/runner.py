@@ -39,6 +39,7 @@ import functools
 import hashlib
 import json
 import os
+import stat
 import signal
 import sys
 import tempfile
@@ -1640,8 +1641,19 @@ def check_new_file(path: Path, option: str) -> None:
     """Raise :class:`UsageError` when no file ``path`` (given as ``option``) can be made:
     missing folders are made when it is written, so the nearest existing one must be a
     writable folder that takes a new file (tried: ``os.access`` says yes to root
-    everywhere, ``/proc`` too)."""
+    everywhere, ``/proc`` too). An existing ``path`` that is neither a regular file nor a
+    symbolic link (a device such as ``/dev/null``, a FIFO, a socket) is refused: writing
+    whole renames a new file over its name, which would replace the device itself."""
     shown = escaped(str(path))
+    try:
+        mode = path.lstat().st_mode
+    except OSError:  # nothing there (or no access: the probe below says)
+        mode = None
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        raise UsageError(
+            f"{option} {shown} is not a regular file (a device, FIFO or socket); it is never "
+            "replaced: choose a file name"
+        )
     parent = path.parent if str(path.parent) else Path(".")
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent

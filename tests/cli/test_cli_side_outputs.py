@@ -111,6 +111,27 @@ def test_replay_json_refuses_a_folder_or_an_unwritable_place_before_replaying(tm
         assert "belady" not in result.stdout
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_replay_json_never_replaces_a_device_or_fifo(tmp_path, trace):
+    """Fresh-user finding: ``replay ... --json /dev/null --force`` renamed a new file over
+    ``/dev/null`` (and ``/dev/full``, a FIFO). Anything there that is neither a regular
+    file nor a link is refused, ``--force`` or not; a FIFO stands in for the device."""
+    import stat
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for extra in ([], ["--force"]):
+        result = invoke("replay", str(trace), "--json", str(fifo), *extra)
+        one_line_error(result, f"--json {fifo} is not a regular file", "never replaced")
+        assert "belady" not in result.stdout
+        assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    link = tmp_path / "link.json"  # a link is replaced, never its target
+    link.symlink_to(fifo)
+    result = invoke("replay", str(trace), "--json", str(link), "--force")
+    assert result.exit_code == 0, result.output
+    assert link.is_file() and not link.is_symlink() and stat.S_ISFIFO(fifo.lstat().st_mode)
+
+
 def test_replay_json_names_are_escaped(tmp_path, trace):
     """A control character in the name is shown as an escape, not written raw."""
     name = tmp_path / "evil\x1b[2J.json"
