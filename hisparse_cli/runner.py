@@ -39,8 +39,8 @@ import functools
 import hashlib
 import json
 import os
-import stat
 import signal
+import stat
 import sys
 import tempfile
 import threading
