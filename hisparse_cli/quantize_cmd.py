@@ -47,7 +47,8 @@ ForceOpt = Annotated[
     bool,
     typer.Option(
         "--force/--no-force", metavar="", show_default=False,
-        help="Replace an existing OUT/model.safetensors.",
+        help="Replace the files of OUT quantize writes (model.safetensors, config.json, "
+        "the tokenizer files) where they exist.",
     ),
 ]  # fmt: skip
 QuietOpt = Annotated[
@@ -74,9 +75,9 @@ def quantize_command(
 
     Linear weights (q/k/v/o, gate/up/down projections) become 4-bit groups: qweight uint8, float32 scales and offsets. Embeddings, lm_head, norms and biases are copied unquantised, in their stored dtype (16-bit for bf16/fp16 checkpoints). config.json and the tokenizer files are copied; `hisparse run --model OUT` loads the result.
 
-    Exit code: 0 written, 2 refused (unsupported model, bad group size, OUT exists).
+    Exit code: 0 written, 2 refused (unsupported model, bad group size, a file it writes exists in OUT: --force replaces them), found before any work.
     """
-    from engine.weights.quantize import SINGLE_FILE, quantize_folder
+    from engine.weights.quantize import existing_outputs, quantize_folder
 
     console = Console(stderr=True)
 
@@ -89,7 +90,12 @@ def quantize_command(
             src, out, group_size, overwrite=force, progress=None if quiet else progress
         )
     except FileExistsError:  # the engine's words name its overwrite=True
-        _refuse(f"{escaped(str(out / SINGLE_FILE))} exists: --force replaces it")
+        existing = [escaped(str(p)) for p in existing_outputs(src, out)]
+        _refuse(
+            f"{', '.join(existing)} exist{'s' if len(existing) == 1 else ''}: quantize would "
+            f"replace {'it' if len(existing) == 1 else 'them'}; --force replaces "
+            f"{'it' if len(existing) == 1 else 'them'}, or choose another OUT"
+        )
     except (ValueError, FileNotFoundError) as exc:
         _refuse(shown_message(str(exc), names))
     except OSError as exc:  # OUT cannot be written: no permission, a full disk

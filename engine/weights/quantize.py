@@ -30,6 +30,7 @@ tensor at a time is read, quantised and written, so memory stays near one tensor
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,7 +138,7 @@ def quantize_folder(
     out : output folder (created)
     group_size : g, elements per scale/offset group along K: 32, 64, 128 or 256 (smaller
         for a weight whose K it does not divide)
-    overwrite : replace an existing ``out/model.safetensors``
+    overwrite : replace the files of ``out`` it writes (:func:`output_files`) that exist
     progress : called with each tensor name as it is written
 
     Returns
@@ -149,7 +150,9 @@ def quantize_folder(
     FileNotFoundError
         ``src`` or its ``config.json`` is missing.
     FileExistsError
-        ``out/model.safetensors`` exists and ``overwrite`` is False.
+        One of the files it would write (:func:`output_files`: ``model.safetensors``,
+        ``config.json``, the tokenizer files) exists in ``out`` and ``overwrite`` is
+        False; found before any work.
     HFModelError (a ValueError)
         ``src`` is a file (a GGUF file, a ``config.json``), not a folder; ``out`` or a
         folder above it is a file; what
@@ -171,10 +174,12 @@ def quantize_folder(
             "tokenizer files); give a new folder's name"
         )
     target = out / SINGLE_FILE
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} exists (overwrite=True replaces it)")
     if out.resolve() == src.resolve():
         raise HFModelError(f"{out}: the output folder must differ from the source")
+    existing = existing_outputs(src, out)
+    if existing and not overwrite:
+        names = ", ".join(map(str, existing))
+        raise FileExistsError(f"{names} exist(s) (overwrite=True replaces them)")
     cfg = read_hf_config(src)
     if "quantization_config" in json.loads((src / "config.json").read_text()):
         raise HFModelError(
@@ -211,6 +216,19 @@ def quantize_folder(
         out_bytes=target.stat().st_size,
         copied_files=copied,
     )
+
+
+def output_files(src: str | Path, out: str | Path) -> list[Path]:
+    """The files :func:`quantize_folder` writes in ``out``: ``model.safetensors`` and
+    each of :data:`COPIED_FILES` that ``src`` has."""
+    src, out = Path(src), Path(out)
+    copied = [out / name for name in COPIED_FILES if (src / name).is_file()]
+    return [out / SINGLE_FILE, *copied]
+
+
+def existing_outputs(src: str | Path, out: str | Path) -> list[Path]:
+    """Those of :func:`output_files` that exist already (a file, a link, a folder)."""
+    return [p for p in output_files(src, out) if os.path.lexists(p)]
 
 
 def _block(

@@ -191,8 +191,39 @@ def test_quantize_into_a_file_or_over_its_output_says_what_to_do(here):
     one_error(invoke("quantize", "-q", "hf", "model.txt/sub"), "model.txt is not a folder")
     assert invoke("quantize", "-q", "hf", "out").exit_code == 0
     again = one_error(invoke("quantize", "-q", "hf", "out"))
-    assert again == "error: out/model.safetensors exists: --force replaces it"
+    assert again.startswith("error: out/model.safetensors, out/config.json, ")
+    assert again.endswith(
+        " exist: quantize would replace them; --force replaces them, or choose another OUT"
+    )
     assert invoke("quantize", "-q", "--force", "hf", "out").exit_code == 0
+
+
+def test_quantize_refuses_an_out_holding_any_file_it_would_write(here):
+    """Fresh-user finding: ``quantize SRC OUT`` with OUT holding the user's own config.json
+    and tokenizer.json (no model.safetensors) replaced both without a word, rc 0: only
+    model.safetensors was protected. Every file it writes is refused now, before any work."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_models import build_hf
+
+    build_hf(here / "hf", "llama")
+    (here / "hf" / "tokenizer.json").write_text('{"source": 1}')
+    out = here / "out"
+    out.mkdir()
+    (out / "config.json").write_text("mine\n")
+    (out / "tokenizer.json").write_text("my tokenizer\n")
+    line = one_error(invoke("quantize", "-q", "hf", "out"))
+    assert line == (
+        "error: out/config.json, out/tokenizer.json exist: quantize would replace them; "
+        "--force replaces them, or choose another OUT"
+    )
+    assert (out / "config.json").read_text() == "mine\n"
+    assert (out / "tokenizer.json").read_text() == "my tokenizer\n"
+    assert not (out / "model.safetensors").exists()  # refused before any work
+    assert invoke("quantize", "-q", "--force", "hf", "out").exit_code == 0
+    assert (out / "tokenizer.json").read_text() == '{"source": 1}'
 
 
 # ----------------------------------------------------------------------------- replay
