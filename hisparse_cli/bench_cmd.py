@@ -5,6 +5,7 @@ memory budget, with a soak test. Thin: flags -> :class:`engine.measure.bench.Ben
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, NoReturn
@@ -17,6 +18,8 @@ from hisparse_cli.pipes import STDOUT_CLOSED, guard_std_streams
 
 BENCH, SOAK, MODEL = "Benchmark", "Soak", "Roofline"
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as hisparse run
 
 ModelOpt = Annotated[
     str,
@@ -115,7 +118,8 @@ ForceOpt = Annotated[
     bool,
     typer.Option(
         "--force/--no-force", metavar="", show_default=False,
-        help="Replace an earlier bench's bench.json and plots in OUT.",
+        help="Replace an earlier bench's bench.json and plots in OUT (never a file bench did "
+        "not write).",
     ),
 ]  # fmt: skip
 CorpusTokensOpt = Annotated[
@@ -222,7 +226,7 @@ def bench_command(
 
     Example: `hisparse bench --model synthetic:qwen2.5-7b --contexts 32K,128K --concurrency 1,2,4,8 --memory-budget 48 --decode-steps 32 --out bench-out --soak 2000`
 
-    Writes OUT/bench.json (rewritten after every run), OUT/throughput_<context>.png and OUT/soak_step_latency.png; an OUT holding an earlier bench.json is refused unless --force, which removes its plots before the new run starts. Exit code 2 on bad arguments, found before the model loads.
+    Writes OUT/bench.json (rewritten after every run; its status says running, complete or interrupted), OUT/throughput_<context>.png and OUT/soak_step_latency.png; an OUT holding an earlier bench.json is refused unless --force, which removes its plots before the new run starts; a bench.json bench did not write, or (with none) a PNG named as a plot it draws, is refused even with --force. OUT is locked as `hisparse run` locks its folder. Exit code 2 on bad arguments, found before the model loads; 130 on Ctrl-C, 143 on SIGTERM (bench.json keeps the runs done).
     """
     guard_std_streams(f"{STDOUT_CLOSED}; results: {out / 'bench.json'}")
     from engine.capacity.planner import parse_context
@@ -233,15 +237,17 @@ def bench_command(
     from engine.weights.gguf import GGUFError
     from engine.weights.hf import HFModelError
     from hisparse_cli import bench_plots
+    from hisparse_cli.results import LOCK_FILE
     from hisparse_cli.runner import (
         UsageError,
+        _SigtermAsInterrupt,
         check_model_path,
-        check_no_earlier_results,
         check_output_folder,
+        locked_output_folder,
     )
 
     if write_corpus_tokens is not None:
-        typer.echo(f"wrote {bench_kv.write_corpus_tokens(write_corpus_tokens)}")
+        typer.echo(f"wrote {escaped(str(bench_kv.write_corpus_tokens(write_corpus_tokens)))}")
         return
     if replot:
         try:
@@ -302,22 +308,82 @@ def bench_command(
             synthetic_shape(model)  # an unknown name raises ValueError listing the known ones
         else:
             check_model_path(model)  # as `hisparse run`: a missing path, not a GGUF file
-        check_output_folder(out, (bench_report.REPORT_FILE,), "--out", "bench")  # as run's
-        check_no_earlier_results(out, bench_report.REPORT_FILE, "--out", "bench", force)
+        own = (bench_report.REPORT_FILE, LOCK_FILE)
+        check_output_folder(out, own, "--out", "bench")  # as run's
+        _check_earlier_bench(out, force, bench_plots.plot_names(spec.contexts, bool(soak)))
     except (ConfigError, ValueError, UsageError) as exc:
         _fail(str(exc), names)
-    removed = bench_plots.remove_plots(out) if force else []
-    if removed:
-        typer.echo(f"removed the earlier bench's plots (--force): {', '.join(removed)}")
+    shown_names = (*names, out)
+
+    def log(line: str) -> None:  # the engine's lines name OUT raw ("wrote OUT/bench.json")
+        typer.echo(shown_message(line, shown_names))
+
+    sigterm = _SigtermAsInterrupt()  # SIGTERM stops bench as Ctrl-C does, and says so
     try:
-        report = bench.run_bench(spec, log=typer.echo)
-    except (ConfigError, FileNotFoundError) as exc:
+        with sigterm, locked_output_folder(out, "--out"):  # as `hisparse run`'s folder
+            _check_earlier_bench(out, force, bench_plots.plot_names(spec.contexts, bool(soak)))
+            earlier = (out / bench_report.REPORT_FILE).is_file()  # hisparse's, checked
+            removed = bench_plots.remove_plots(out) if force and earlier else []
+            if removed:
+                typer.echo(f"removed the earlier bench's plots (--force): {', '.join(removed)}")
+            try:
+                report = bench.run_bench(spec, log=log)
+            except (ConfigError, FileNotFoundError) as exc:
+                _fail(str(exc), names)
+            except (GGUFError, HFModelError) as exc:  # a truncated or malformed model file
+                _fail(f"cannot load the model: {exc}", names)
+            report["plots"] = bench_plots.make_plots(report, spec.out_dir)
+            bench_report.write_report(report, spec.out_dir)
+    except UsageError as exc:  # another process holds OUT's lock
         _fail(str(exc), names)
-    except (GGUFError, HFModelError) as exc:  # a truncated or malformed model file
-        _fail(f"cannot load the model: {exc}", names)
-    report["plots"] = bench_plots.make_plots(report, spec.out_dir)
-    bench_report.write_report(report, spec.out_dir)
+    except KeyboardInterrupt as exc:  # typer's own exit 130 says nothing (SIGTERM: silent)
+        _interrupted(out, exc, sigterm.received)
     typer.echo(f"plots: {', '.join(report['plots']) or 'none'}")
+
+
+def _check_earlier_bench(out: Path, force: bool, plots: Sequence[str]) -> None:
+    """Raise ``UsageError`` when OUT holds a ``bench.json`` hisparse did not write
+    (``--force`` or not), an earlier bench's without ``force``, or, with no bench.json
+    (nothing says a plot there is an earlier bench's), a file named as one of the
+    ``plots`` this bench draws: the user's own, which bench would replace."""
+    import os
+
+    from engine.measure.report import REPORT_FILE
+    from hisparse_cli import bench_plots
+    from hisparse_cli.runner import UsageError, check_no_earlier_results
+
+    check_no_earlier_results(out, REPORT_FILE, "--out", "bench", force, bench_plots.is_bench_report)
+    if os.path.lexists(out / REPORT_FILE):
+        return
+    for name in plots:
+        if os.path.lexists(out / name):
+            raise UsageError(
+                f"{escaped(str(out / name))}: not drawn by hisparse bench (no {REPORT_FILE} "
+                "beside it); bench would replace it (--force neither): move it away or choose "
+                "another --out"
+            )
+
+
+def _interrupted(out: Path, exc: BaseException, terminated: bool) -> NoReturn:
+    """Say on stderr that Ctrl-C (``terminated``: SIGTERM) stopped bench and what it left
+    written (:class:`~engine.measure.bench.BenchInterrupted`: a bench.json whose
+    ``status`` says the sweep is incomplete); exit 130 (143)."""
+    from engine.measure.report import INTERRUPTED, REPORT_FILE
+
+    path = getattr(exc, "path", None)
+    if path is not None:
+        runs = getattr(exc, "runs", 0)
+        where = (
+            f"after {runs} run(s): wrote {escaped(str(path))} with them, marked "
+            f'"status": "{INTERRUPTED}" (the sweep is incomplete); no plots drawn '
+            f"(bench --replot --out {escaped(str(out))} draws them)"
+        )
+    else:
+        where = f"before the sweep: nothing written in {escaped(str(out))}"
+        if (out / REPORT_FILE).is_file():
+            where += f"; the {REPORT_FILE} there is an earlier bench's, left as it was"
+    typer.echo(f"interrupted ({'SIGTERM' if terminated else 'Ctrl-C'}) {where}", err=True)
+    raise typer.Exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
 
 
 def _fail(message: str, names: Sequence[str | Path | None]) -> NoReturn:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.capacity.planner import format_context
-from engine.measure.report import REPORT_FILE, write_report
+from engine.measure.report import REPORT_FILE, REPORT_FORMAT, write_report
 
 
 def plot_throughput(report: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -102,6 +102,26 @@ def plot_soak(soak: dict[str, Any] | None, out_dir: Path) -> Path | None:
 SOAK_PLOT = "soak_step_latency.png"
 PLOT_NAME = re.compile(r"throughput_\d+[KM]?\.png|" + re.escape(SOAK_PLOT))
 """The names of the plots bench draws (:func:`plot_throughput`, :func:`plot_soak`)."""
+
+
+def is_bench_report(data: bytes) -> bool:
+    """Whether ``data``, the bytes of a ``bench.json``, is one bench wrote: a JSON object
+    whose ``format`` is ``hisparse-bench``. An empty file is taken as one (replacing it
+    loses nothing), as a run takes an empty ``config.json``; any other file is someone
+    else's, which bench must not replace, ``--force`` or not."""
+    if not data.strip():
+        return True
+    try:
+        document = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(document, dict) and document.get("format") == REPORT_FORMAT
+
+
+def plot_names(contexts: list[int], soak: bool) -> list[str]:
+    """The plots a bench of ``contexts`` (tokens; with a ``soak``) may draw."""
+    names = [f"throughput_{format_context(c)}.png" for c in contexts]
+    return names + ([SOAK_PLOT] if soak else [])
 
 
 def remove_plots(out_dir: Path) -> list[str]:

@@ -118,7 +118,8 @@ ForceOpt = Annotated[
     bool,
     typer.Option(
         "--force/--no-force", metavar="", show_default=False,
-        help="Replace an earlier eval's eval.json and eval.png in OUTPUT_DIR.",
+        help="Replace an earlier eval's eval.json and eval.png in OUTPUT_DIR (never a file "
+        "eval did not write).",
     ),
 ]  # fmt: skip
 
@@ -155,7 +156,7 @@ def eval_command(
 
     Example: `hisparse eval --lengths 2K,4K --tasks niah_single,niah_multikey --configs dense,sparse,top_k=512`
 
-    Every configuration answers the same prompts (prefilled once, decoded as a batch per configuration); scores are RULER's string match (share of expected values in the answer). Writes OUTPUT_DIR/eval.json and OUTPUT_DIR/eval.png and prints the table; an OUTPUT_DIR holding an earlier eval.json is refused unless --force.
+    Every configuration answers the same prompts (prefilled once, decoded as a batch per configuration); scores are RULER's string match (share of expected values in the answer). Writes OUTPUT_DIR/eval.json and OUTPUT_DIR/eval.png and prints the table; an OUTPUT_DIR holding an earlier eval.json is refused unless --force, an eval.json eval did not write even with it; OUTPUT_DIR is locked as `hisparse run` locks its folder.
 
     Lengths over the model's context are skipped unless --context-policy extend (RoPE scaling; the limit defaults to the longest length). Exit code 2 on bad arguments, found before the model loads; 130 on Ctrl-C, 143 on SIGTERM (nothing is written before every configuration has run).
     """
@@ -171,15 +172,22 @@ def eval_command(
         from engine.measure import fidelity, ruler
         from engine.presets import resolve_config
         from hisparse_cli.bench_cmd import _chosen_preset
-        from hisparse_cli.eval_report import HEATMAP_FILE
+        from hisparse_cli.eval_report import HEATMAP_FILE, is_eval_report
+        from hisparse_cli.results import LOCK_FILE
         from hisparse_cli.runner import (
             UsageError,
             check_encoding,
             check_model_path,
             check_no_earlier_results,
             check_output_folder,
+            locked_output_folder,
             with_free_threads,
         )
+
+        def check_earlier_eval() -> None:  # an earlier eval's report, or the user's file
+            check_no_earlier_results(
+                output_dir, REPORT_FILE, "--output-dir", "eval", force, is_eval_report
+            )
 
         def task_names() -> list[str]:
             names = _items(tasks)
@@ -236,8 +244,10 @@ def eval_command(
                 typer.echo(note)
             _unique("--configs", config_list, lambda c: c.engine_config(base), "settings")
             try:  # as `hisparse run` checks its folder: before the model loads
-                check_output_folder(output_dir, (REPORT_FILE, HEATMAP_FILE), writer="eval")
-                check_no_earlier_results(output_dir, REPORT_FILE, "--output-dir", "eval", force)
+                check_output_folder(
+                    output_dir, (REPORT_FILE, HEATMAP_FILE, LOCK_FILE), writer="eval"
+                )
+                check_earlier_eval()
             except UsageError as exc:
                 raise ValueError(str(exc)) from None
             texts = _read_haystack(docs or [], encoding, errors, allow_binary, output_dir)
@@ -248,9 +258,14 @@ def eval_command(
                     raise ValueError(str(exc)) from None
         except (ConfigError, ValueError) as exc:
             _fail(str(exc), (model, preset, *(docs or ())))
-        report = _run(model, base, config_list, texts, task_list, length_list, depth_list,
-                      samples, seed, max_new_tokens)  # fmt: skip
-        _write(report, output_dir, written)
+        try:  # the lock `hisparse run` takes: a second eval into this folder is refused
+            with locked_output_folder(output_dir, "--output-dir"):
+                check_earlier_eval()  # again, under the lock: one may have ended since
+                report = _run(model, base, config_list, texts, task_list, length_list,
+                              depth_list, samples, seed, max_new_tokens)  # fmt: skip
+                _write(report, output_dir, written)
+        except UsageError as exc:
+            _fail(str(exc), (output_dir,))
     except KeyboardInterrupt:  # typer's own exit 130 says nothing (SIGTERM: exit 143, silent)
         _interrupted(output_dir, written, sigterm.received)
     finally:
@@ -342,9 +357,8 @@ def _write(report, output_dir: Path, written: list[Path]) -> None:
     if note:  # no heatmap drawn: an earlier eval's (--force) would disagree with eval.json
         (output_dir / eval_report.HEATMAP_FILE).unlink(missing_ok=True)
     Console().print(eval_report.accuracy_table(report))
-    typer.echo(
-        f"wrote {path}" + (f"; {note}" if note else f", {output_dir / eval_report.HEATMAP_FILE}")
-    )
+    heatmap = escaped(str(output_dir / eval_report.HEATMAP_FILE))
+    typer.echo(f"wrote {escaped(str(path))}" + (f"; {note}" if note else f", {heatmap}"))
 
 
 def _interrupted(output_dir: Path, written: list[Path], terminated: bool = False) -> NoReturn:

@@ -11,6 +11,31 @@ from typing import Any
 from rich.table import Table
 
 HEATMAP_FILE = "eval.png"
+REPORT_FORMAT = "hisparse-eval"
+"""``eval.json``'s ``format``: what tells a report eval wrote from another file of that
+name (:func:`is_eval_report`), as ``bench.json``'s ``hisparse-bench`` does."""
+EARLIER_KEYS = ("model", "configs", "samples", "table")
+"""Keys every ``eval.json`` eval wrote has, those of versions before :data:`REPORT_FORMAT`
+included."""
+
+
+def is_eval_report(data: bytes) -> bool:
+    """Whether ``data``, the bytes of an ``eval.json``, is one eval wrote: a JSON object
+    whose ``format`` is :data:`REPORT_FORMAT` or (earlier versions) one with
+    :data:`EARLIER_KEYS` and ``table`` a list. An empty file is taken as one (replacing it
+    loses nothing), as a run takes an empty ``config.json``; any other file is someone
+    else's, which eval must not replace, ``--force`` or not."""
+    if not data.strip():
+        return True
+    try:
+        document = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    if not isinstance(document, dict):
+        return False
+    if document.get("format") == REPORT_FORMAT:
+        return True
+    return all(k in document for k in EARLIER_KEYS) and isinstance(document["table"], list)
 
 
 def cells(report: dict[str, Any]) -> tuple[list[tuple[str, int]], list[str], dict]:
@@ -89,10 +114,12 @@ def heatmap(report: dict[str, Any], path: Path) -> str:
 
 
 def write_report(report: dict[str, Any], out_dir: Path, name: str) -> Path:
-    """``out_dir/name`` (JSON, indented), written whole then renamed into place."""
+    """``out_dir/name`` (JSON, indented; ``format`` :data:`REPORT_FORMAT` first), written
+    whole then renamed into place."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name
     tmp = path.with_suffix(".json.tmp")
+    report = {"format": REPORT_FORMAT, **report}
     tmp.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     tmp.replace(path)
     return path

@@ -192,11 +192,12 @@ def results_file_problem(output_dir: Path) -> str | None:
 
 
 @contextlib.contextmanager
-def lock_output_dir(output_dir: Path) -> Iterator[None]:
+def lock_output_dir(output_dir: Path, option: str = "--output-dir") -> Iterator[None]:
     """Hold an exclusive advisory lock on ``output_dir`` (``flock`` on a lock file).
 
     Two runs appending to one ``results.jsonl`` would redo each other's jobs; the second
-    one gets :class:`OutputDirBusy` instead. Where ``fcntl`` is missing, no lock is taken.
+    one gets :class:`OutputDirBusy` instead (its message names ``option``, the flag that
+    gave the folder). Where ``fcntl`` is missing, no lock is taken.
 
     Raises
     ------
@@ -218,7 +219,7 @@ def lock_output_dir(output_dir: Path) -> Iterator[None]:
             who = f" (process {holder})" if holder.isdigit() else ""
             raise OutputDirBusy(
                 f"another hisparse run{who} is using {escaped(str(output_dir))}: it holds the "
-                f"lock on {escaped(str(path))}; wait for it to end, or choose another --output-dir"
+                f"lock on {escaped(str(path))}; wait for it to end, or choose another {option}"
             ) from None
         try:
             os.ftruncate(fd, 0)  # the holder's process id, for the message above

@@ -1624,17 +1624,71 @@ def check_output_folder(
 
 
 def check_no_earlier_results(
-    output_dir: Path, report: str, option: str, writer: str, force: bool
+    output_dir: Path,
+    report: str,
+    option: str,
+    writer: str,
+    force: bool,
+    ours: Callable[[bytes], bool] | None = None,
 ) -> None:
     """Raise :class:`UsageError` when ``output_dir`` holds ``report`` (an earlier eval's
     ``eval.json``, bench's ``bench.json``) and ``force`` is off: ``writer`` would replace
-    it, and its plots, without a word (``--force`` lets it)."""
+    it, and its plots, without a word (``--force`` lets it). With ``ours`` (whether the
+    file's bytes are a report ``writer`` wrote: its marker, as :func:`is_hisparse_config`
+    tells a run's ``config.json``), a ``report`` it did not write is refused even with
+    ``force``: it is the user's own file. One that cannot be read is left to ``force``."""
     path = output_dir / report
-    if os.path.lexists(path) and not force:
+    if not os.path.lexists(path):
+        return
+    if ours is not None and path.is_file():
+        try:
+            data = path.read_bytes()
+        except OSError:
+            data = None
+        if data is not None and not ours(data):
+            raise UsageError(
+                f"{escaped(str(path))}: not written by hisparse {writer}; {writer} would "
+                f"replace it (--force neither): move it away or choose another {option}"
+            )
+    if not force:
         raise UsageError(
             f"{escaped(str(path))} holds the results of an earlier {writer}; give --force to "
             f"replace them, or choose another {option}"
         )
+
+
+@contextlib.contextmanager
+def locked_output_folder(output_dir: Path, option: str) -> Iterator[None]:
+    """Make ``output_dir`` (and the folders above it) and hold the lock ``hisparse run``
+    takes there (:func:`lock_output_dir`), so two commands writing one folder (eval,
+    bench, a run) never replace each other's files: the second is refused. On leaving, a
+    folder made here that holds nothing but the lock file (a failure or a stop before
+    anything was written) is removed with the folders made above it, as a run does.
+
+    Raises
+    ------
+    UsageError
+        The folder cannot be made, or another process holds its lock (the message names
+        the process and the lock file, as a run's does).
+    """
+    created = missing_folders(output_dir)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        shown = escaped(str(output_dir))
+        raise UsageError(f"cannot create output dir {shown}: {exc.strerror or exc}") from None
+    try:
+        with lock_output_dir(output_dir, option):
+            try:
+                yield
+            finally:
+                if created:
+                    with _StopSignalsDeferred() as stop:
+                        _remove_folders(output_dir, created[1:])
+                    if stop.signals:  # as the handlers would have done, now
+                        signal.raise_signal(stop.signals[0])
+    except OutputDirBusy as exc:  # the folder is the other process's now: left as it is
+        raise UsageError(str(exc)) from None
 
 
 def check_new_file(path: Path, option: str) -> None:

@@ -104,6 +104,10 @@ from engine.measure.bench_kv import (
 )
 from engine.measure.profiling import PHASES, PhaseTimer, kernel_breakdown, timed_model, timed_ops
 from engine.measure.report import (
+    COMPLETE,
+    INTERRUPTED,
+    REPORT_FORMAT,
+    RUNNING,
     header_lines,
     point_line,
     roofline,
@@ -814,11 +818,23 @@ class _Run:
         return limit is not None and time.monotonic() - self.t_start > limit
 
 
+class BenchInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped :func:`run_bench` during the sweep: ``path`` is the ``bench.json``
+    written with the ``runs`` done before, its ``status`` ``interrupted``."""
+
+    def __init__(self, path: Path, runs: int) -> None:
+        super().__init__(path, runs)
+        self.path, self.runs = path, runs
+
+
 def run_bench(spec: BenchSpec, log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Run the whole benchmark; writes ``bench.json`` (after every run; the CLI adds the plots).
 
     Raises
     ------
+    BenchInterrupted
+        Ctrl-C during the sweep (a ``KeyboardInterrupt``): ``bench.json`` is written with
+        the runs done, its ``status`` ``interrupted``.
     ConfigError
         Bad settings (see :meth:`BenchSpec.validate`), or a budget that holds no weights.
     FileNotFoundError
@@ -859,8 +875,15 @@ def run_bench(spec: BenchSpec, log: Callable[[str], None] = lambda line: None) -
         log,
         t_start,
     )
-    for context in spec.contexts:
-        _run_context(run, context)
+    try:
+        for context in spec.contexts:
+            _run_context(run, context)
+    except KeyboardInterrupt as exc:  # Ctrl-C (SIGTERM where the caller makes it one)
+        report["status"] = INTERRUPTED
+        report["elapsed_s"] = time.monotonic() - t_start
+        report.setdefault("plots", [])
+        raise BenchInterrupted(write_report(report, spec.out_dir), len(report["runs"])) from exc
+    report["status"] = COMPLETE
     run.shared.clear()
     free_device_memory()
     report["elapsed_s"] = time.monotonic() - t_start
@@ -1065,8 +1088,9 @@ def _report_skeleton(
         f"host link {bw['link_gbps']:.1f} GB/s ({bw['source']['link_gbps']})"
     )
     return {
-        "format": "hisparse-bench",
+        "format": REPORT_FORMAT,
         "version": 1,
+        "status": RUNNING,
         "model": name,
         "model_shape": dataclasses.asdict(model.config),
         "synthetic": synthetic,

@@ -17,6 +17,12 @@ from engine.model.llama import LlamaModel
 from kernels.superpage_select import num_candidates
 
 REPORT_FILE = "bench.json"
+REPORT_FORMAT = "hisparse-bench"
+"""``bench.json``'s ``format``: what tells a report bench wrote from another file of that
+name."""
+RUNNING, COMPLETE, INTERRUPTED = "running", "complete", "interrupted"
+"""``bench.json``'s ``status``: the sweep goes on (what a killed bench leaves), ended, or was
+stopped by Ctrl-C / SIGTERM (the report holds the runs done before)."""
 
 
 # ----------------------------------------------------------------------------- roofline

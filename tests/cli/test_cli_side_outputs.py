@@ -192,14 +192,16 @@ def test_eval_refuses_an_earlier_evals_folder_unless_force(tmp_path, monkeypatch
     monkeypatch.setattr(eval_report, "heatmap", lambda report, path: "no heatmap: test")
     out = tmp_path / "out"
     out.mkdir()
-    (out / "eval.json").write_text('{"model": "earlier"}\n')
+    earlier = {"format": "hisparse-eval", "model": "earlier"}
+    (out / "eval.json").write_text(json.dumps(earlier))
     (out / "eval.png").write_bytes(b"earlier heatmap")
     result = run_eval(out)
     one_line_error(result, f"{out / 'eval.json'} holds the results of an earlier eval", "--force")
-    assert json.loads((out / "eval.json").read_text()) == {"model": "earlier"}
+    assert json.loads((out / "eval.json").read_text()) == earlier
     result = run_eval(out, "--force")
     assert result.exit_code == 0, result.output
     assert json.loads((out / "eval.json").read_text())["model"] == "m"
+    assert json.loads((out / "eval.json").read_text())["format"] == "hisparse-eval"
     assert not (out / "eval.png").exists()  # the earlier heatmap would disagree
 
 
@@ -229,7 +231,7 @@ def fake_bench(monkeypatch):
         report = {"model": "synthetic:test", "synthetic": True, "memory_budget_gb": 2.0,
                   "contexts_requested": [2048], "modes": ["dense"], "runs": [row],
                   "notes": [], "soak": None, "plots": []}  # fmt: skip
-        write_report(report, spec.out_dir)
+        log(f"wrote {write_report(report, spec.out_dir)}")  # as run_bench says it
         return report
 
     monkeypatch.setattr(bench_module, "run_bench", run_bench)
@@ -256,7 +258,7 @@ def test_bench_refuses_an_earlier_benchs_folder_and_force_drops_its_stale_plots(
     are removed, so the folder holds only what the new bench.json names."""
     out = tmp_path / "bench-out"
     out.mkdir()
-    (out / "bench.json").write_text('{"model": "earlier"}')
+    (out / "bench.json").write_text('{"format": "hisparse-bench", "model": "earlier"}')
     for name in ("throughput_1K.png", "soak_step_latency.png", "notes.png"):
         (out / name).write_bytes(b"earlier")
     result = bench(out)
@@ -266,7 +268,138 @@ def test_bench_refuses_an_earlier_benchs_folder_and_force_drops_its_stale_plots(
     assert result.exit_code == 0, result.output
     report = json.loads((out / "bench.json").read_text())
     assert report["plots"] == ["throughput_2K.png"]
-    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "notes.png", "throughput_2K.png"]
+    names = sorted(p.name for p in out.iterdir())  # and the lock file, as a run leaves it
+    assert names == [".hisparse.lock", "bench.json", "notes.png", "throughput_2K.png"]
+
+
+# ------------------------------------------------------------------- eval and bench: folder
+
+
+def fake_eval(monkeypatch, run=None):
+    """Eval without a model: ``_run`` returns a one-cell report (or calls ``run``)."""
+    from hisparse_cli import eval_cmd, eval_report
+
+    report = {
+        "model": "m",
+        "configs": [{"name": "dense"}],
+        "table": [
+            {"task": "vt", "length": 600, "config": "dense", "accuracy": 100.0, "samples": 1}
+        ],
+    }
+
+    def fake_run(*args):
+        if run is not None:
+            run()
+        return report
+
+    monkeypatch.setattr(eval_cmd, "_run", fake_run)
+    monkeypatch.setattr(runner_module, "free_cpu_threads", lambda config: None)
+    monkeypatch.setattr(eval_report, "heatmap", lambda report, path: "no heatmap: test")
+
+
+def test_a_second_eval_or_bench_into_a_folder_in_use_is_refused(tmp_path, monkeypatch, fake_bench):
+    """Fresh-user finding: two ``eval -o same`` (or ``bench --out same``) started together
+    both exited 0, the last one's report silently replacing the other's (the earlier-results
+    check only ran at start-up). Each takes the lock ``hisparse run`` takes: the second is
+    refused, exit 2, naming the process and the lock file, and writes nothing."""
+    from hisparse_cli.results import lock_output_dir
+
+    fake_eval(monkeypatch)
+    out = tmp_path / "same"
+    out.mkdir()
+    lock = out / ".hisparse.lock"
+    with lock_output_dir(out):  # the first eval / bench / run, still going
+        busy = f"(process {os.getpid()}) is using {out}: it holds the lock on {lock}"
+        one_line_error(run_eval(out), busy, "choose another --output-dir")
+        one_line_error(bench(out), busy, "choose another --out")
+    assert sorted(p.name for p in out.iterdir()) == [".hisparse.lock"]
+    assert fake_bench == []
+    assert run_eval(out).exit_code == 0  # once it has ended
+    assert bench(out).exit_code == 0
+
+
+def test_an_eval_that_ended_meanwhile_is_not_replaced(tmp_path, monkeypatch):
+    """The earlier-results check is made again under the lock: an eval into the same folder
+    that wrote its report while this one started (before its lock) is not replaced."""
+    out = tmp_path / "out"
+
+    def other_eval_ends():  # another eval wrote its report meanwhile
+        (out / "eval.json").write_text('{"format": "hisparse-eval", "model": "other"}')
+
+    fake_eval(monkeypatch)
+    from hisparse_cli import runner
+
+    real = runner.lock_output_dir
+
+    def lock_after_other(folder, option="--output-dir"):
+        other_eval_ends()
+        return real(folder, option)
+
+    monkeypatch.setattr(runner, "lock_output_dir", lock_after_other)
+    one_line_error(run_eval(out), f"{out / 'eval.json'} holds the results of an earlier eval")
+    assert json.loads((out / "eval.json").read_text())["model"] == "other"
+
+
+def test_eval_and_bench_never_replace_a_report_they_did_not_write(
+    tmp_path, monkeypatch, fake_bench
+):
+    """Fresh-user finding: eval and bench took any eval.json / bench.json for their own: a
+    ``{"mine":1}`` was "the results of an earlier eval", and --force replaced it, and with
+    it a user's PNG named like a bench plot. Their reports carry a marker (``format``) now,
+    as run's config.json carries ``written_by``: a file without it is refused, --force or
+    not, and no plot is removed."""
+    fake_eval(monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "eval.json").write_text('{"mine":1}')
+    for args in ((), ("--force",)):
+        one_line_error(run_eval(out, *args), f"{out / 'eval.json'}: not written by hisparse eval")
+    assert (out / "eval.json").read_text() == '{"mine":1}'
+    (out / "bench.json").write_text('{"mine":1}')
+    (out / "throughput_1K.png").write_bytes(b"my plot")
+    for args in ((), ("--force",)):
+        one_line_error(bench(out, *args), f"{out / 'bench.json'}: not written by hisparse bench")
+    assert (out / "bench.json").read_text() == '{"mine":1}'
+    assert (out / "throughput_1K.png").read_bytes() == b"my plot"
+    assert fake_bench == []
+
+
+def test_bench_never_replaces_a_png_named_as_its_plot_without_its_bench_json(tmp_path, fake_bench):
+    """With no bench.json nothing says a throughput_2K.png there is an earlier bench's: a
+    bench of 2K would draw over it. Refused, --force or not; --force removes plots only
+    beside a bench.json bench wrote."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "throughput_2K.png").write_bytes(b"my plot")
+    (out / "throughput_1K.png").write_bytes(b"my other plot")
+    for args in ((), ("--force",)):
+        one_line_error(bench(out, *args), f"{out / 'throughput_2K.png'}: not drawn by hisparse")
+    assert fake_bench == []
+    (out / "throughput_2K.png").unlink()
+    result = bench(out, "--force")
+    assert result.exit_code == 0, result.output
+    assert (out / "throughput_1K.png").read_bytes() == b"my other plot"  # not this bench's
+
+
+def test_eval_and_bench_wrote_lines_escape_the_folder_name(tmp_path, monkeypatch, fake_bench):
+    """Fresh-user finding: ``-o $'ev \xe9\\nx'`` printed bench's and eval's "wrote ..." lines
+    over two lines (a raw newline, an ESC): escaped now, as run's lines are."""
+    from hisparse_cli import eval_report
+
+    fake_eval(monkeypatch)
+    monkeypatch.setattr(eval_report, "heatmap", lambda report, path: "")
+    out = tmp_path / "ev \u00e9\nx\x1b[2J"
+    shown = str(tmp_path / "ev \u00e9\\nx\\x1b[2J")
+    result = run_eval(out)
+    assert result.exit_code == 0, result.output
+    assert f"wrote {shown}/eval.json, {shown}/eval.png" in result.stdout
+    assert "\x1b" not in result.stdout
+    out2 = tmp_path / "be \u00e9\nx\x1b[2J"
+    shown2 = str(tmp_path / "be \u00e9\\nx\\x1b[2J")
+    result = bench(out2)
+    assert result.exit_code == 0, result.output
+    assert f"wrote {shown2}/bench.json" in result.stdout
+    assert "\x1b" not in result.stdout and "\nx" not in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -286,3 +419,40 @@ def test_bench_replot_of_a_json_of_another_shape_is_one_error(tmp_path, text):
     result = invoke("bench", "--out", str(tmp_path), "--replot")
     one_line_error(result, f"cannot replot {tmp_path / 'bench.json'}", "not a bench report")
     assert (tmp_path / "bench.json").read_text() == text
+
+
+# ------------------------------------------------------------------- bench: Ctrl-C, SIGTERM
+
+
+def test_an_interrupted_bench_says_so_and_its_report_says_it_is_partial(tmp_path, monkeypatch):
+    """Fresh-user finding: bench stopped silently on Ctrl-C / SIGTERM (exit 130/143, no
+    line), and its bench.json had no mark that the sweep was incomplete. One line now says
+    it was interrupted and what was written; bench.json's status is ``interrupted``."""
+    import signal
+
+    from engine.measure import bench as bench_module
+    from engine.measure.report import write_report
+
+    def interrupted_sweep(spec, log):  # what run_bench does on Ctrl-C after one run
+        report = {"format": "hisparse-bench", "status": "interrupted", "runs": [{}]}
+        raise bench_module.BenchInterrupted(write_report(report, spec.out_dir), 1)
+
+    monkeypatch.setattr(bench_module, "run_bench", interrupted_sweep)
+    out = tmp_path / "out"
+    result = bench(out)
+    assert result.exit_code == 130, result.output
+    text = " ".join(result.stderr.split())
+    assert text.startswith(f"interrupted (Ctrl-C) after 1 run(s): wrote {out / 'bench.json'}")
+    assert '"status": "interrupted" (the sweep is incomplete)' in text
+    assert json.loads((out / "bench.json").read_text())["status"] == "interrupted"
+
+    def terminated_during_load(spec, log):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(bench_module, "run_bench", terminated_during_load)
+    result = bench(tmp_path / "new")
+    assert result.exit_code == 143, result.output
+    assert result.stderr.strip() == (
+        f"interrupted (SIGTERM) before the sweep: nothing written in {tmp_path / 'new'}"
+    )
+    assert not (tmp_path / "new").exists()  # made for the lock only: removed, as run does

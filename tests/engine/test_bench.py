@@ -198,6 +198,8 @@ def test_dense_admission_stops_at_a_tiny_budget(tmp_path, tiny, corpus_dir):
         corpus_dir=corpus_dir,
     )
     report = run_bench(spec)
+    assert report["status"] == "complete"
+    assert json.loads((tmp_path / "bench.json").read_text())["status"] == "complete"
     dense_rows = [r for r in report["runs"] if r["mode"] == "dense"]
     assert [r["concurrency"] for r in dense_rows] == [1, 2]  # the sweep ends at the wall
     assert dense_rows[1]["status"] == "admission_stopped" and dense_rows[1]["admitted"] == 1
@@ -208,6 +210,45 @@ def test_dense_admission_stops_at_a_tiny_budget(tmp_path, tiny, corpus_dir):
 
     assert f"throughput_{CONTEXT}.png" in make_plots(report, tmp_path)
     assert (tmp_path / f"throughput_{CONTEXT}.png").exists()
+
+
+def test_ctrl_c_writes_the_runs_done_marked_interrupted(tmp_path, tiny, corpus_dir, monkeypatch):
+    """Fresh-user finding: a bench stopped by Ctrl-C left a bench.json that looked
+    finished. Its ``status`` says ``running`` during the sweep (a killed bench leaves
+    that), ``interrupted`` after Ctrl-C (written with the runs done), ``complete`` at the
+    end."""
+    from engine.measure import bench as bench_module
+
+    if not sorted(corpus_dir.glob("*.txt")):
+        pytest.skip(f"no corpus in {corpus_dir}")
+    real, statuses = bench_module.run_point, []
+
+    def second_point_interrupted(*args, **kwargs):
+        if (tmp_path / "bench.json").exists():
+            statuses.append(json.loads((tmp_path / "bench.json").read_text())["status"])
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_module, "run_point", second_point_interrupted)
+    spec = BenchSpec(
+        model="synthetic:tiny",
+        config=EngineConfig(**SMALL, max_batch=2, memory_budget_gb=2.0),
+        contexts=(CONTEXT,),
+        concurrency=(1, 2),
+        out_dir=tmp_path,
+        modes=("sparse",),
+        decode_steps=2,
+        warmup_steps=1,
+        profile_steps=0,
+        num_docs=1,
+        corpus_dir=corpus_dir,
+    )
+    with pytest.raises(bench_module.BenchInterrupted) as stopped:
+        run_bench(spec)
+    assert statuses == ["running"]
+    assert stopped.value.path == tmp_path / "bench.json" and stopped.value.runs == 1
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["status"] == "interrupted" and len(report["runs"]) == 1
 
 
 def test_window_prefill_with_full_window_is_the_engine_prefill(tiny):
