@@ -129,6 +129,7 @@ def replay_command(
         _check_json_out(json_out, traces, force)
     try:
         header, records = read_traces(traces)
+        _check_selections(traces)
         if not multiples and not device_buffer_pages:
             multiples = list(DEFAULT_MULTIPLES)
         capacities = sorted(
@@ -176,6 +177,25 @@ def _check_json_out(path: Path, traces: list[Path], force: bool) -> None:
         _refuse(
             f"--json {shown} already exists; give --force to replace it, or choose another name"
         )
+
+
+def _check_selections(traces: list[Path]) -> None:
+    """Refuse (exit 2) TRACES none of which holds a selection, only a header (what a run
+    stopped before its first decode step leaves): there is nothing to replay, and a 0.0 %
+    miss rate over 0 streams would say otherwise. Where only some are empty, each is
+    named in a warning and the others replay."""
+    from engine.measure.trace import read_trace
+
+    empty = [t for t in traces if next(read_trace(t), None) is None]
+    if not empty:
+        return
+    why = "only the header, no selection (the run stopped before its first decode step)"
+    if len(empty) == len(traces):
+        names = ", ".join(escaped(str(t)) for t in empty)
+        _refuse(f"nothing to replay: {names} hold{'s' if len(empty) == 1 else ''} {why}")
+    for t in empty:
+        line = Text.assemble(("warning:", "yellow"), f" {escaped(str(t))} holds {why}; skipped")
+        Console(stderr=True, soft_wrap=True).print(line, highlight=False)
 
 
 def _same_file(path: Path, trace: Path) -> bool:

@@ -141,6 +141,21 @@ def test_replay_json_names_are_escaped(tmp_path, trace):
     assert "\x1b[2J" not in result.stderr
 
 
+def test_replay_of_a_trace_without_selections_says_so(tmp_path, trace):
+    """Fresh-user finding: replaying a trace with only its header (what a run killed before
+    any decode step leaves) reported a 0.0 % miss rate over "0 streams", rc 0. Refused now
+    (exit 2, naming it); beside a trace that holds selections it is named and skipped."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(trace.read_text().splitlines(keepends=True)[0])  # the header line only
+    one_line_error(
+        invoke("replay", str(empty)), f"nothing to replay: {empty} holds only the header"
+    )
+    result = invoke("replay", str(trace), str(empty))
+    assert result.exit_code == 0, result.output
+    assert f"warning: {empty} holds only the header" in " ".join(result.stderr.split())
+    assert "1 streams" in result.stdout or "2 streams" in result.stdout
+
+
 # ------------------------------------------------------------------------------ eval
 
 
