@@ -354,7 +354,8 @@ class EngineConfig:
         (at least 2; a batch of fewer rows runs one row each), each on a stream of its own
         with its gathers taking turns on the link (``gather_turns``). More chains give
         each chain's gathers more of the others' compute to hide behind, and read the
-        weights once more a step each (docs/performance.md, "Three micro-batches").
+        weights once more a step each. Not yet measured on a GPU (docs/performance.md,
+        "Three micro-batches": the command that would measure it); no preset sets it.
     async_decode: launch decode step t+1 before the host reads step t's tokens (greedy
         batches: the device feeds step t's argmax to step t+1), so the host's work between
         steps (stop checks, events, scheduling) overlaps the GPU's step instead of
