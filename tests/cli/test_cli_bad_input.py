@@ -217,12 +217,13 @@ def test_eval_says_on_stderr_that_ctrl_c_stopped_it_and_what_was_written(tmp_pat
     assert "earlier run" not in err and not (out / "eval.json").exists()
 
     out.mkdir()
-    (out / "eval.json").write_text("{}\n")  # an earlier run's, replaced only with --force
+    earlier = '{"format": "hisparse-eval"}\n'  # an earlier run's, replaced only with --force
+    (out / "eval.json").write_text(earlier)
     result = run_eval(tmp_path, "--force")
     assert result.exit_code == 130
     err = " ".join(result.stderr.split())
     assert "the eval.json there is an earlier run's, left as it was" in err
-    assert (out / "eval.json").read_text() == "{}\n"
+    assert (out / "eval.json").read_text() == earlier
 
     monkeypatch.setattr(eval_cmd, "_run", lambda *args: {"configs": [], "table": []})
     monkeypatch.setattr(eval_report, "heatmap", interrupted)  # Ctrl-C after eval.json

@@ -124,7 +124,7 @@ def test_eval_globs_skip_its_output_folder_as_run_globs_do(tmp_path, placed, mon
     )
     monkeypatch.chdir(tmp_path)
     (tmp_path / "docs" / "ev").mkdir(parents=True)
-    (tmp_path / "docs" / "ev" / "eval.json").write_text('{"model": "from an earlier eval"}\n')
+    (tmp_path / "docs" / "ev" / "eval.json").write_text('{"format": "hisparse-eval"}\n')
     (tmp_path / "docs" / "doc.txt").write_text("A haystack document.\n")
 
     def run(*docs):
@@ -142,4 +142,4 @@ def test_eval_globs_skip_its_output_folder_as_run_globs_do(tmp_path, placed, mon
     assert "glob 'docs/ev/*' matches only files in the output folder docs/ev" in out
     assert "(the default is hisparse-eval)" in out
     result = run("docs/ev/eval.json")
-    assert read[-1] == ['{"model": "from an earlier eval"}\n'] and len(placed) == 2
+    assert read[-1] == ['{"format": "hisparse-eval"}\n'] and len(placed) == 2

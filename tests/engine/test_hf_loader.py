@@ -505,7 +505,8 @@ def test_quantize_cli(qwen2, tmp_path):
     assert (our_logits(weights, IDS) - ref).abs().max() < 0.1 * ref.abs().max()
 
     again = CliRunner().invoke(app, ["quantize", str(folder), str(out)])
-    assert again.exit_code == 2 and "exists" in again.output
+    assert again.exit_code == 2 and "model.safetensors" in again.output
+    assert "--force replaces them" in again.output
     empty = CliRunner().invoke(app, ["quantize", "", ""])  # was read as "." and "."
     assert empty.exit_code == 2 and "is empty" in empty.output
 
