@@ -11,6 +11,7 @@ from typing import Any
 
 from engine.capacity.planner import format_context
 from engine.measure.report import REPORT_FILE, REPORT_FORMAT, write_report
+from hisparse_cli.results import marked_document
 
 
 def plot_throughput(report: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -106,16 +107,10 @@ PLOT_NAME = re.compile(r"throughput_\d+[KM]?\.png|" + re.escape(SOAK_PLOT))
 
 def is_bench_report(data: bytes) -> bool:
     """Whether ``data``, the bytes of a ``bench.json``, is one bench wrote: a JSON object
-    whose ``format`` is ``hisparse-bench``. An empty file is taken as one (replacing it
-    loses nothing), as a run takes an empty ``config.json``; any other file is someone
-    else's, which bench must not replace, ``--force`` or not."""
-    if not data.strip():
-        return True
-    try:
-        document = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return False
-    return isinstance(document, dict) and document.get("format") == REPORT_FORMAT
+    whose ``format`` is ``hisparse-bench``, or empty
+    (:func:`~hisparse_cli.results.marked_document`); any other file is someone else's,
+    which bench must not replace, ``--force`` or not."""
+    return marked_document(data, {"format": REPORT_FORMAT})
 
 
 def plot_names(contexts: list[int], soak: bool) -> list[str]:

@@ -10,6 +10,8 @@ from typing import Any
 
 from rich.table import Table
 
+from hisparse_cli.results import marked_document
+
 HEATMAP_FILE = "eval.png"
 REPORT_FORMAT = "hisparse-eval"
 """``eval.json``'s ``format``: what tells a report eval wrote from another file of that
@@ -22,20 +24,13 @@ included."""
 def is_eval_report(data: bytes) -> bool:
     """Whether ``data``, the bytes of an ``eval.json``, is one eval wrote: a JSON object
     whose ``format`` is :data:`REPORT_FORMAT` or (earlier versions) one with
-    :data:`EARLIER_KEYS` and ``table`` a list. An empty file is taken as one (replacing it
-    loses nothing), as a run takes an empty ``config.json``; any other file is someone
-    else's, which eval must not replace, ``--force`` or not."""
-    if not data.strip():
-        return True
-    try:
-        document = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return False
-    if not isinstance(document, dict):
-        return False
-    if document.get("format") == REPORT_FORMAT:
-        return True
-    return all(k in document for k in EARLIER_KEYS) and isinstance(document["table"], list)
+    :data:`EARLIER_KEYS` and ``table`` a list, or empty
+    (:func:`~hisparse_cli.results.marked_document`); any other file is someone else's,
+    which eval must not replace, ``--force`` or not."""
+    def earlier(document: dict) -> bool:
+        return all(k in document for k in EARLIER_KEYS) and isinstance(document["table"], list)
+
+    return marked_document(data, {"format": REPORT_FORMAT}, earlier)
 
 
 def cells(report: dict[str, Any]) -> tuple[list[tuple[str, int]], list[str], dict]:

@@ -28,7 +28,7 @@ import errno
 import json
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -110,6 +110,27 @@ def json_line(obj: Any) -> str:
     except UnicodeEncodeError:
         return json.dumps(obj, default=str)
     return line
+
+
+def marked_document(
+    data: bytes, marker: Mapping[str, Any], earlier: Callable[[dict], bool] | None = None
+) -> bool:
+    """Whether ``data``, the bytes of a file hisparse writes (``config.json``,
+    ``eval.json``, ``bench.json``), is one it wrote: a JSON object holding every item of
+    ``marker``, or one ``earlier`` accepts (the same file of versions before the marker).
+    An empty file is taken as one (replacing it loses nothing); any other file is
+    someone else's, which hisparse must not replace, ``--force`` or not."""
+    if not data.strip():
+        return True
+    try:
+        document = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    if not isinstance(document, dict):
+        return False
+    if all(document.get(k) == v for k, v in marker.items()):
+        return True
+    return earlier is not None and earlier(document)
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -31,7 +31,7 @@ from hisparse_cli.manifest_source import (
     Entry,
     Problem,
 )
-from hisparse_cli.results import write_text_atomic
+from hisparse_cli.results import marked_document, write_text_atomic
 
 CONFIG_FILE = "config.json"
 CONFIG_MARKER = {"written_by": "hisparse"}
@@ -260,16 +260,10 @@ def save_config(output_dir: Path, document: dict[str, Any]) -> Path:
 def is_hisparse_config(data: bytes) -> bool:
     """Whether ``data``, the bytes of a ``config.json``, is one hisparse wrote: a JSON
     object with :data:`CONFIG_MARKER`, or (earlier versions) with :data:`CONFIG_KEYS`
-    and ``engine`` an object. An empty file is taken as one (replacing it loses
-    nothing); any other file is someone else's, which a run must not replace."""
-    if not data.strip():
-        return True
-    try:
-        document = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return False
-    if not isinstance(document, dict):
-        return False
-    if all(document.get(k) == v for k, v in CONFIG_MARKER.items()):
-        return True
-    return all(k in document for k in CONFIG_KEYS) and isinstance(document["engine"], dict)
+    and ``engine`` an object, or empty (:func:`~hisparse_cli.results.marked_document`);
+    any other file is someone else's, which a run must not replace."""
+
+    def earlier(document: dict) -> bool:
+        return all(k in document for k in CONFIG_KEYS) and isinstance(document["engine"], dict)
+
+    return marked_document(data, CONFIG_MARKER, earlier)
