@@ -284,3 +284,17 @@ def fake_engine_factory(**kwargs: Any) -> Callable[[EngineConfig, str | None], F
 
     load.engines = []
     return load
+
+
+def one_line_error(result: Any, *words: str) -> None:
+    """Assert that a ``typer.testing.CliRunner`` result refused its input as the CLI
+    refuses bad input: exit 2, one ``error:`` line on stderr holding every one of
+    ``words`` (whitespace folded), and no traceback."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    text = " ".join(result.stderr.split())
+    assert "Traceback" not in result.output and "Traceback" not in text
+    for word in words:
+        assert word in text, text

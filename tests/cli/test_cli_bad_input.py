@@ -13,22 +13,11 @@ import pytest
 from typer.testing import CliRunner
 
 from hisparse_cli.main import app
+from hisparse_cli.testing import one_line_error
 
 
 def invoke(*args, **kwargs):
     return CliRunner().invoke(app, list(args), **kwargs)
-
-
-def one_line_error(result, *words):
-    """Exit 2, one ``error:`` line naming ``words``, no traceback."""
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    assert result.exit_code == 2, result.output
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, result.stderr
-    text = " ".join(result.stderr.split())
-    assert "Traceback" not in result.output and "Traceback" not in text
-    for word in words:
-        assert word in text, text
 
 
 def truncated_gguf(path):

@@ -16,24 +16,13 @@ from typer.testing import CliRunner
 
 from hisparse_cli import runner as runner_module
 from hisparse_cli.main import app
+from hisparse_cli.testing import one_line_error
 
 UNWRITABLE = "/proc/evx"  # os.access says yes to root there, yet no file can be made
 
 
 def invoke(*args):
     return CliRunner().invoke(app, list(args))
-
-
-def one_line_error(result, *words):
-    """Exit 2, one ``error:`` line naming ``words``, no traceback."""
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    assert result.exit_code == 2, result.output
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, result.stderr
-    text = " ".join(result.stderr.split())
-    assert "Traceback" not in result.output and "Traceback" not in text
-    for word in words:
-        assert word in text, text
 
 
 def write_trace(path: Path) -> Path:
