@@ -62,6 +62,22 @@ def run_output_dir(value: str | Path) -> Path:
     return nonempty_path(value)
 
 
+def json_output_file(value: str | Path) -> Path:
+    """Typer parser of ``hisparse replay --json``: :func:`nonempty_path`, and ``-`` refused
+    rather than made a file named ``-`` (the table already goes to standard output).
+
+    Raises
+    ------
+    typer.BadParameter : the value is empty or ``-``.
+    """
+    if str(value) == "-":
+        raise typer.BadParameter(
+            "'-' is not standard output here: --json writes a file (the table goes to "
+            "stdout); ./- names a file called '-'"
+        )
+    return nonempty_path(value)
+
+
 def default_is(value: str) -> str:
     """`` [default: VALUE]`` for the help text of an option whose real default is ``None``
     ("not given": a preset or manifest may set it), shown as a value (Typer's

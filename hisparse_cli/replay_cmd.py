@@ -82,6 +82,7 @@ JsonOutOpt = Annotated[
     typer.Option(
         "--json",
         metavar="FILE",
+        parser=opt.json_output_file,
         help="Also write the results as JSON to FILE (a new file).",
         rich_help_panel=opt.OUTPUT,
     ),

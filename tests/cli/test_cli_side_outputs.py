@@ -121,6 +121,18 @@ def test_replay_json_never_replaces_a_device_or_fifo(tmp_path, trace):
     assert link.is_file() and not link.is_symlink() and stat.S_ISFIFO(fifo.lstat().st_mode)
 
 
+def test_replay_json_dash_is_refused_and_dot_slash_dash_is_a_file(tmp_path, trace, monkeypatch):
+    """Fresh-user finding: ``--json -`` wrote a file named ``-``; it is refused as ``run -o -``
+    is (the table already goes to stdout), and ``./-`` still names a file ``-``."""
+    monkeypatch.chdir(tmp_path)
+    result = invoke("replay", str(trace), "--json", "-")
+    assert result.exit_code == 2 and not (tmp_path / "-").exists()
+    assert "is not standard output here" in " ".join(result.stderr.split())
+    result = invoke("replay", str(trace), "--json", "./-")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "-").read_text())["results"]
+
+
 def test_replay_json_names_are_escaped(tmp_path, trace):
     """A control character in the name is shown as an escape, not written raw."""
     name = tmp_path / "evil\x1b[2J.json"
