@@ -312,7 +312,7 @@ def bench_command(
         check_output_folder(out, own, "--out", "bench")  # as run's
         _check_earlier_bench(out, force, bench_plots.plot_names(spec.contexts, bool(soak)))
     except (ConfigError, ValueError, UsageError) as exc:
-        _fail(str(exc), names)
+        _fail(_flags_named(str(exc), overrides), names)
     shown_names = (*names, out)
 
     def log(line: str) -> None:  # the engine's lines name OUT raw ("wrote OUT/bench.json")
@@ -384,6 +384,20 @@ def _interrupted(out: Path, exc: BaseException, terminated: bool) -> NoReturn:
             where += f"; the {REPORT_FILE} there is an earlier bench's, left as it was"
     typer.echo(f"interrupted ({'SIGTERM' if terminated else 'Ctrl-C'}) {where}", err=True)
     raise typer.Exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
+
+
+def _flags_named(message: str, overrides: dict[str, object]) -> str:
+    """``message`` with each line that starts ``field:`` for a field set by a flag here
+    starting with that flag instead (``memory_budget_gb:`` -> ``--memory-budget:``), as
+    ``hisparse run`` names them; a preset's fields keep their names."""
+    from hisparse_cli.settings import engine_flag
+
+    lines = []
+    for line in message.split("\n"):
+        field, sep, rest = line.partition(":")
+        given = sep and overrides.get(field) is not None
+        lines.append(f"{engine_flag(field)}:{rest}" if given else line)
+    return "\n".join(lines)
 
 
 def _fail(message: str, names: Sequence[str | Path | None]) -> NoReturn:

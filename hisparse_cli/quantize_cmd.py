@@ -96,8 +96,9 @@ def quantize_command(
             f"replace {'it' if len(existing) == 1 else 'them'}; --force replaces "
             f"{'it' if len(existing) == 1 else 'them'}, or choose another OUT"
         )
-    except (ValueError, FileNotFoundError) as exc:
-        _refuse(shown_message(str(exc), names))
+    except (ValueError, FileNotFoundError) as exc:  # the engine's words name its argument
+        message = str(exc).replace(f"group_size={group_size} ", f"-g/--group-size {group_size} ")
+        _refuse(shown_message(message, names))
     except OSError as exc:  # OUT cannot be written: no permission, a full disk
         where = escaped(exc.filename) if isinstance(exc.filename, str) else escaped(str(out))
         _refuse(f"cannot write {where}: {exc.strerror or exc}")

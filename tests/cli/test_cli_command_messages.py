@@ -241,6 +241,15 @@ def test_replay_escapes_a_trace_name(here, name):
     one_error(invoke("replay", "dir.jsonl"), "dir.jsonl is a directory")
 
 
+def test_quantize_names_its_group_size_flag(here):
+    """Fresh-user finding: ``quantize -g 7`` said ``group_size=7 is not one of ...``, the
+    Python argument's name; the flag, as the help shows it."""
+    (here / "hf").mkdir()
+    line = one_error(invoke("quantize", "-g", "7", "hf", "out"))
+    assert line == "error: -g/--group-size 7 is not one of (32, 64, 128, 256)"
+    assert not (here / "out").exists()
+
+
 # ----------------------------------------------------------------------------- eval and bench
 
 
@@ -311,3 +320,15 @@ def test_sigterm_stops_eval_with_the_words_of_ctrl_c(here, monkeypatch):
     assert result.exit_code == 143, result.output
     err = " ".join(result.stderr.split())
     assert "interrupted (SIGTERM) before writing out/eval.json: no result was written" in err
+
+
+def test_bench_names_its_flags_not_the_fields_they_set(here):
+    """Fresh-user finding: ``bench --memory-budget -1`` said ``memory_budget_gb: must be
+    ...``; the flags, as run names them. A preset's own bad value keeps its field name."""
+    line = one_error(invoke("bench", "--preset", "cpu", "--memory-budget", "-1"))
+    assert line.startswith("error: --memory-budget: must be a number > 0"), line
+    lines = errors(invoke("bench", "--preset", "cpu", "--memory-budget", "4", "--page-size", "7"))
+    assert lines == ["error: --page-size: must be one of 16, 32, 64, got 7"]
+    (here / "p.yaml").write_text(PRESET + "engine: {page_size: 7}\n")
+    lines = errors(invoke("bench", "--preset", "p.yaml", "--memory-budget", "4"))
+    assert lines == ["error: p.yaml:3: engine.page_size: must be one of 16, 32, 64, got 7"]
